@@ -1,0 +1,148 @@
+"""Atomic, verifiable writes: every file that matters is written to a temp file, fsynced, renamed.
+
+A kill at any instant leaves either the old content or the new, never a torn file. Directories
+(checkpoints, weight versions) are built under a temp name and renamed into place the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: str | os.PathLike, default: Any = None) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return default
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temp name; rename it to `path` only if the block succeeds.
+
+    An existing `path` is replaced (moved aside, then removed) so readers see old or new, never a mix.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _is_hidden(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
+
+
+def list_files(root: Path, exclude: tuple[str, ...] = ()) -> list[Path]:
+    """Files under root, relative, sorted; hidden (temp) entries and `exclude` names skipped."""
+    out = []
+    for p in root.rglob("*"):
+        rel = p.relative_to(root)
+        if p.is_file() and not _is_hidden(rel) and rel.parts[0] not in exclude and rel.name not in exclude:
+            out.append(rel)
+    return sorted(out)
+
+
+def build_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
+    root = Path(root)
+    return {
+        str(rel): {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size}
+        for rel in list_files(root, exclude + (MANIFEST,))
+    }
+
+
+def write_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
+    files = build_manifest(root, exclude)
+    atomic_write_json(Path(root) / MANIFEST, {"files": files})
+    return files
+
+
+def verify_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> list[str]:
+    """Problems found comparing `root` with its manifest (empty list: verified)."""
+    root = Path(root)
+    manifest = read_json(root / MANIFEST)
+    if manifest is None:
+        return [f"{root / MANIFEST}: missing"]
+    recorded = manifest["files"]
+    problems = []
+    for rel, meta in sorted(recorded.items()):
+        p = root / rel
+        if not p.is_file():
+            problems.append(f"{p}: missing")
+        elif p.stat().st_size != meta["size"] or sha256_file(p) != meta["sha256"]:
+            problems.append(f"{p}: sha256 differs from manifest")
+    for rel in list_files(root, exclude + (MANIFEST,)):
+        if str(rel) not in recorded:
+            problems.append(f"{root / rel}: not in manifest")
+    return problems
