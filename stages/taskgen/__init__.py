@@ -1,0 +1,128 @@
+"""Verifiable task sets: generators and verifiers, one module per domain.
+
+Tasks are generated from a seed, stored as Parquet tables (`train.parquet`, `val.parquet`) by the
+`tasks` stage, and verified by later stages (probe, evaluate, RL) through `verify`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import arith, closure
+
+SPLITS = ("train", "val")
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    domain: str
+    difficulty: int
+    prompt: str
+    answer: str
+    verifier: str
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def messages(self, with_answer: bool = True) -> list[dict]:
+        msgs = [{"role": "user", "content": self.prompt}]
+        if with_answer:
+            msgs.append({"role": "assistant", "content": self.answer})
+        return msgs
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reward: float  # in [0, 1]; partial credit allowed
+    passed: bool
+    detail: str
+
+
+class VerifierError(Exception):
+    """The verifier itself failed (crash, time-out): an infrastructure failure, not a model failure."""
+
+
+# verifier id -> (generator(rng, difficulty), verifier(prompt, answer, completion))
+DOMAINS: dict[str, tuple[Callable, Callable]] = {
+    "closure": (closure.generate, closure.verify),
+    "arith": (arith.generate, arith.verify),
+}
+
+
+def verify(task: Task, completion: str) -> Verdict:
+    try:
+        _, check = DOMAINS[task.verifier]
+    except KeyError:
+        raise VerifierError(f"task {task.task_id}: unknown verifier {task.verifier!r}") from None
+    try:
+        reward, passed, detail = check(task.prompt, task.answer, completion)
+    except Exception as e:  # a verifier bug is infrastructure, never the model's fault
+        raise VerifierError(f"task {task.task_id}: verifier {task.verifier} crashed: {e!r}") from e
+    return Verdict(float(reward), bool(passed), detail)
+
+
+def _task_id(domain: str, difficulty: int, prompt: str) -> str:
+    return f"{domain}-d{difficulty}-{hashlib.sha256(prompt.encode()).hexdigest()[:10]}"
+
+
+def generate_domain(rng: np.random.Generator, domain: str, difficulties: list[int], count: int) -> list[Task]:
+    """`count` distinct tasks, spread evenly over `difficulties` (round robin), deduplicated by prompt."""
+    gen, _ = DOMAINS[domain]
+    seen: dict[str, Task] = {}
+    attempts = 0
+    while len(seen) < count:
+        attempts += 1
+        if attempts > 50 * count + 1000:
+            raise ValueError(f"{domain}: cannot generate {count} distinct tasks at difficulties {difficulties}")
+        difficulty = int(difficulties[len(seen) % len(difficulties)])
+        prompt, answer, meta = gen(rng, difficulty)
+        if prompt not in seen:
+            seen[prompt] = Task(_task_id(domain, difficulty, prompt), domain, difficulty, prompt, answer, domain, meta)
+    return list(seen.values())
+
+
+def split_tasks(tasks: list[Task], val_count: int, rng: np.random.Generator) -> tuple[list[Task], list[Task]]:
+    order = rng.permutation(len(tasks))
+    val = [tasks[i] for i in order[:val_count]]
+    train = [tasks[i] for i in order[val_count:]]
+    assert not {t.prompt for t in val} & {t.prompt for t in train}, "held-out tasks leaked into train"
+    return train, val
+
+
+def _table(tasks: list[Task]):
+    import pyarrow as pa
+
+    rows = [asdict(t) | {"meta": json.dumps(t.meta, sort_keys=True)} for t in tasks]
+    schema = pa.schema(
+        [("task_id", pa.string()), ("domain", pa.string()), ("difficulty", pa.int32()), ("prompt", pa.string()),
+         ("answer", pa.string()), ("verifier", pa.string()), ("meta", pa.string())]
+    )
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def save_tasks(out_dir: Path, split: str, tasks: list[Task]) -> Path:
+    import io
+
+    import pyarrow.parquet as pq
+
+    from pipeline.fsio import atomic_write_bytes
+
+    buf = io.BytesIO()
+    pq.write_table(_table(tasks), buf, compression="zstd")
+    path = Path(out_dir) / f"{split}.parquet"
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def load_tasks(tasks_dir: Path, split: str) -> list[Task]:
+    import pyarrow.parquet as pq
+
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    rows = pq.read_table(Path(tasks_dir) / f"{split}.parquet").to_pylist()
+    return [Task(**(r | {"meta": json.loads(r["meta"])})) for r in rows]
