@@ -1,0 +1,33 @@
+"""RL estimators and losses as pure torch functions (no model, no I/O), unit-tested by hand.
+
+`advantages`: per-attempt advantages for a batch of groups (GRPO, Dr. GRPO, RLOO, RLOO-N).
+`loss`: the policy loss with truncated importance sampling, optional PPO clipping, KL (k3) and
+entropy terms, three aggregation modes; `mismatch_stats` for the engine-vs-trainer check.
+Definitions and choices: docs/rl-algorithms.md.
+"""
+
+from stages.algorithms.advantages import (
+    ESTIMATORS,
+    compute_advantages,
+    dr_grpo_advantages,
+    grpo_advantages,
+    rloo_advantages,
+    rloo_n_advantages,
+    valid_from_status,
+)
+from stages.algorithms.loss import AGGREGATIONS, PolicyLossConfig, aggregate, mismatch_stats, policy_loss
+
+__all__ = [
+    "AGGREGATIONS",
+    "ESTIMATORS",
+    "PolicyLossConfig",
+    "aggregate",
+    "compute_advantages",
+    "dr_grpo_advantages",
+    "grpo_advantages",
+    "mismatch_stats",
+    "policy_loss",
+    "rloo_advantages",
+    "rloo_n_advantages",
+    "valid_from_status",
+]

@@ -1,0 +1,76 @@
+"""Group-relative advantages. `rewards` is [groups, attempts]: row g holds the attempts at one task.
+
+Every estimator returns a tensor of the same shape. Rewards are treated as constants (no grad).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pipeline.errors import UserError
+
+INFRA_ERROR = "infra_error"
+
+
+def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, unbiased: bool = False) -> torch.Tensor:
+    """(r - mean) / (std + eps) per group.
+
+    std is the population std (divide by n) unless `unbiased`: with n = 2 and rewards {0, 1} the
+    advantages are exactly +-1 (up to eps), and a group with equal rewards gets zeros.
+    """
+    mean = rewards.mean(dim=-1, keepdim=True)
+    std = rewards.std(dim=-1, keepdim=True, unbiased=unbiased) if rewards.shape[-1] > 1 else torch.zeros_like(mean)
+    return (rewards - mean) / (std + eps)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO: r - mean, no std division (the length normaliser lives in the loss aggregation)."""
+    return rewards - rewards.mean(dim=-1, keepdim=True)
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """RLOO: r_i - mean_{j != i} r_j. A group of one attempt has no baseline: zero."""
+    n = rewards.shape[-1]
+    if n < 2:
+        return torch.zeros_like(rewards)
+    total = rewards.sum(dim=-1, keepdim=True)
+    return rewards - (total - rewards) / (n - 1)
+
+
+def rloo_n_advantages(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """RLOO-N: RLOO over the valid attempts only; infrastructure failures are neutral.
+
+    `valid` [groups, attempts] is False for attempts whose status is `infra_error`. Those get zero
+    advantage and are left out of the other attempts' baselines (their reward is meaningless); the
+    caller also drops them from the loss mask (`valid[:, :, None]`) so they carry no loss at all.
+    A group with fewer than two valid attempts has no baseline and gets zeros.
+    """
+    valid = valid.to(torch.bool)
+    r = torch.where(valid, rewards, torch.zeros_like(rewards))
+    k = valid.sum(dim=-1, keepdim=True).to(rewards.dtype)
+    baseline = (r.sum(dim=-1, keepdim=True) - r) / (k - 1).clamp(min=1)
+    adv = r - baseline
+    return torch.where(valid & (k >= 2), adv, torch.zeros_like(adv))
+
+
+def valid_from_status(status: Sequence[Sequence[str]]) -> torch.Tensor:
+    """[groups][attempts] trajectory statuses -> bool mask, False where status is `infra_error`."""
+    return torch.tensor([[s != INFRA_ERROR for s in group] for group in status], dtype=torch.bool)
+
+
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "rloo_n")
+
+
+def compute_advantages(estimator: str, rewards: torch.Tensor, valid: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """Dispatch by name (the RL stage's config value). Only `rloo_n` uses `valid`."""
+    if estimator == "grpo":
+        return grpo_advantages(rewards, eps=eps)
+    if estimator == "dr_grpo":
+        return dr_grpo_advantages(rewards)
+    if estimator == "rloo":
+        return rloo_advantages(rewards)
+    if estimator == "rloo_n":
+        return rloo_n_advantages(rewards, valid if valid is not None else torch.ones_like(rewards, dtype=torch.bool))
+    raise UserError(f"unknown advantage estimator {estimator!r}; expected one of {', '.join(ESTIMATORS)}")

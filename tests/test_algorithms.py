@@ -1,0 +1,174 @@
+"""Estimators and losses against values computed by hand (see the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from pipeline.errors import UserError
+from stages.algorithms import (
+    PolicyLossConfig,
+    aggregate,
+    compute_advantages,
+    dr_grpo_advantages,
+    grpo_advantages,
+    mismatch_stats,
+    policy_loss,
+    rloo_advantages,
+    rloo_n_advantages,
+    valid_from_status,
+)
+
+T = torch.tensor
+
+
+def close(a, b, tol=1e-5):
+    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=0)
+
+
+def test_grpo_population_and_sample_std():
+    # mean 0.5, population std 0.5 -> +-1; sample std sqrt(1/3) -> +-0.5*sqrt(3)
+    close(grpo_advantages(T([[1.0, 0, 0, 1]])), [[1, -1, -1, 1]])
+    close(grpo_advantages(T([[1.0, 0, 0, 1]]), unbiased=True), [[s * 0.5 * math.sqrt(3) for s in (1, -1, -1, 1)]])
+    # 0,1,2: population std sqrt(2/3)
+    close(grpo_advantages(T([[0.0, 1, 2]])), [[-1 / math.sqrt(2 / 3), 0, 1 / math.sqrt(2 / 3)]])
+    # all equal: no signal, no division blow-up
+    close(grpo_advantages(T([[2.0, 2, 2]])), [[0, 0, 0]])
+
+
+def test_dr_grpo_drops_std():
+    close(dr_grpo_advantages(T([[0.0, 1, 2], [1.0, 0, 0]])), [[-1, 0, 1], [2 / 3, -1 / 3, -1 / 3]])
+
+
+def test_rloo_leave_one_out():
+    # 1 - mean(0,0,0) = 1 ; 0 - mean(1,0,0) = -1/3
+    close(rloo_advantages(T([[1.0, 0, 0, 0]])), [[1, -1 / 3, -1 / 3, -1 / 3]])
+    close(rloo_advantages(T([[0.0, 1, 2]])), [[-1.5, 0, 1.5]])
+    close(rloo_advantages(T([[5.0]])), [[0]])
+
+
+def test_rloo_n_infra_errors_are_neutral_and_outside_baselines():
+    status = [["ok", "ok", "truncated", "infra_error"], ["ok", "infra_error", "infra_error", "ok"], ["infra_error", "ok", "infra_error", "infra_error"]]
+    valid = valid_from_status(status)
+    assert valid.tolist() == [[True, True, True, False], [True, False, False, True], [False, True, False, False]]
+    rewards = T([[1.0, 0, 0, 1], [1.0, 1, 1, 0], [1.0, 1, 0, 0]])
+    adv = rloo_n_advantages(rewards, valid)
+    # group 0: valid rewards 1,0,0 -> 1 - 0, 0 - 1/2, 0 - 1/2; infra attempt 0
+    # group 1: valid 1,0 -> +1, -1 ; group 2: one valid attempt -> zeros
+    close(adv, [[1, -0.5, -0.5, 0], [1, 0, 0, -1], [0, 0, 0, 0]])
+    # the reward recorded for an infra failure must not move anyone's advantage
+    rewards2 = rewards.clone()
+    rewards2[0, 3] = 100.0
+    rewards2[1, 1] = -7.0
+    close(rloo_n_advantages(rewards2, valid), adv)
+    # no failures: RLOO-N == RLOO
+    close(rloo_n_advantages(rewards, torch.ones_like(valid)), rloo_advantages(rewards))
+    close(compute_advantages("rloo_n", rewards, valid), adv)
+    with pytest.raises(UserError, match="estimator"):
+        compute_advantages("ppo", rewards)
+
+
+# Batch used by the aggregation tests: 2 sequences x 2 tokens, last token of seq 1 masked out.
+LOGP = [[-1.0, -2.0], [-0.5, -0.5]]
+ROLLOUT = [[-1.0, -2.5], [-0.5, -0.5]]  # token (0,1): exp(0.5) = 1.6487 -> capped at 1.5
+ADV = [1.0, -2.0]
+MASK = [[1.0, 1.0], [1.0, 0.0]]
+
+
+def _tis_loss(aggregation, **kw):
+    logp = T(LOGP, requires_grad=True)
+    cfg = PolicyLossConfig(aggregation=aggregation, tis_cap=1.5, **kw)
+    loss, stats = policy_loss(logp, logp.detach(), T(ROLLOUT), T(ADV), T(MASK), cfg)
+    loss.backward()
+    return loss, stats, logp.grad
+
+
+def test_tis_token_mean_value_and_gradient():
+    # per-token w * (-A): [[-1, -1.5], [2, (masked)]] -> (-1 - 1.5 + 2) / 3
+    loss, stats, grad = _tis_loss("token_mean")
+    close(loss, -0.5 / 3)
+    close(grad, [[-1 / 3, -1.5 / 3], [2 / 3, 0]])  # weight is detached: d/dlogp = -A w / 3
+    close(stats["tis_weight_mean"], (1 + 1.5 + 1) / 3)
+
+
+def test_seq_mean_token_mean():
+    # seq 0: (-1 - 1.5)/2 = -1.25 ; seq 1: 2/1 -> mean 0.375
+    loss, _, grad = _tis_loss("seq_mean_token_mean")
+    close(loss, 0.375)
+    close(grad, [[-0.25, -0.375], [1.0, 0]])
+
+
+def test_seq_sum_over_const():
+    # token sums -2.5 and 2 -> (-0.5) / (4 * 2)
+    loss, _, _ = _tis_loss("seq_sum_over_const", length_const=4)
+    close(loss, -0.0625)
+    with pytest.raises(UserError, match="length_const"):
+        _tis_loss("seq_sum_over_const")
+
+
+def test_fully_masked_sequence_is_not_counted():
+    per_token = T([[1.0, 3.0], [100.0, 100.0]])
+    mask = T([[1.0, 1.0], [0.0, 0.0]])  # e.g. an infra failure: no loss at all
+    close(aggregate(per_token, mask, "token_mean"), 2.0)
+    close(aggregate(per_token, mask, "seq_mean_token_mean"), 2.0)
+    close(aggregate(per_token, mask, "seq_sum_over_const", length_const=2), 4 / (2 * 2))
+    with pytest.raises(UserError, match="aggregation"):
+        aggregate(per_token, mask, "sum")
+
+
+def test_ppo_clipping_on_top_of_ratio():
+    # four one-token sequences; ratio exp(logp - old) = 1.5, 1.5, 0.5, 0.5; eps 0.2
+    ratios = T([1.5, 1.5, 0.5, 0.5])
+    adv = T([1.0, -1.0, 1.0, -1.0])
+    logp = torch.zeros(4, 1, requires_grad=True)
+    old = -torch.log(ratios).unsqueeze(-1)
+    cfg = PolicyLossConfig(clip_low=0.2, tis_cap=None)
+    loss, stats, = policy_loss(logp, old, old, adv, torch.ones(4, 1), cfg)
+    loss.backward()
+    # A=+1,r=1.5: max(-1.5,-1.2) = -1.2 (clipped) ; A=-1,r=1.5: max(1.5,1.2) = 1.5
+    # A=+1,r=0.5: max(-0.5,-0.8) = -0.5           ; A=-1,r=0.5: max(0.5,0.8) = 0.8 (clipped)
+    close(loss, (-1.2 + 1.5 - 0.5 + 0.8) / 4)
+    close(stats["ppo_clip_frac"], 0.5)
+    close(logp.grad.squeeze(-1), [0, 1.5 / 4, -0.5 / 4, 0])  # clipped tokens carry no gradient
+
+
+def test_tis_weight_multiplies_clipped_term():
+    # ratio to current policy 1.5 (A=-1, unclipped), behaviour/rollout ratio exp(1) capped to 2
+    logp = torch.zeros(1, 1, requires_grad=True)
+    old = T([[-math.log(1.5)]])
+    rollout = old - 1.0
+    loss, stats = policy_loss(logp, old, rollout, T([-1.0]), torch.ones(1, 1), PolicyLossConfig(clip_low=0.2, tis_cap=2.0))
+    close(loss, 2.0 * 1.5)
+    close(stats["tis_weight_mean"], 2.0)
+
+
+def test_kl_k3_and_entropy_bonus():
+    logp = T([[-1.0]], requires_grad=True)
+    ref = T([[-1.5]])
+    ent = T([[2.0]])
+    cfg = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=None)
+    loss, stats = policy_loss(logp, logp.detach(), logp.detach(), T([0.0]), torch.ones(1, 1), cfg, logp_ref=ref, entropy=ent)
+    k3 = math.exp(-0.5) + 0.5 - 1  # exp(d) - d - 1, d = ref - logp = -0.5
+    close(stats["kl"], k3)
+    close(loss, 0.1 * k3 - 0.01 * 2.0)
+    with pytest.raises(UserError, match="logp_ref"):
+        policy_loss(logp, logp.detach(), logp.detach(), T([0.0]), torch.ones(1, 1), cfg)
+
+
+def test_mismatch_stats_by_hand():
+    d = [0.0, 0.05, -0.2, math.log(3.0), 9.0]  # last token masked out
+    train = T([d], dtype=torch.float64)
+    rollout = torch.zeros_like(train)
+    mask = T([[1, 1, 1, 1, 0]])
+    s = mismatch_stats(train, rollout, mask, tis_cap=2.0)
+    r = sorted([1.0, math.exp(0.05), math.exp(-0.2), 3.0])
+    assert s["tokens"] == 4
+    close(s["mean_abs_dlogp"], (0 + 0.05 + 0.2 + math.log(3)) / 4)
+    close(s["max_abs_dlogp"], math.log(3))
+    close(s["ratio_p50"], (r[1] + r[2]) / 2)
+    close(s["ratio_p1"], r[0] + 0.03 * (r[1] - r[0]))  # linear interpolation at position 0.03
+    close(s["ratio_p99"], r[2] + 0.97 * (r[3] - r[2]))
+    close(s["frac_ratio_off_0.1"], 0.5)  # 0.819 and 3.0
+    close(s["tis_clip_frac"], 0.25)  # only 3.0 > 2
+    empty = mismatch_stats(train, rollout, torch.zeros_like(mask))
+    assert empty["tokens"] == 0 and math.isnan(empty["ratio_p50"])
