@@ -1,0 +1,128 @@
+"""Byte-level BPE tokenizer trained locally (HF `tokenizers`), with a chat template.
+
+Nothing is fetched from a hub: `train_tokenizer(texts, vocab_size)` learns merges from the task
+corpus. Digits are split one per token before BPE (as Llama/Qwen do) so arithmetic sees aligned
+digits; everything else is merged, so decode -> encode of sampled ids can give different ids
+("hel" + "lo" -> "hello"): trainers must keep sampled ids as they are (token-in, token-out).
+
+Chat layout (each piece encoded separately, so a rendered prompt is a prefix of the full chat):
+
+    <|user|> content <|end|> <|assistant|> content <|end|> ...
+
+The loss mask is 1 on assistant content tokens and their <|end|>; everything else is context.
+An assistant message may carry `"train": False` (a whole turn kept as context, e.g. a student's
+attempt in Relay SFT) or `"student_prefix": text` (the start of this turn written by someone else,
+kept as context; `content` continues it and is trained).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = [
+    "<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>",
+    "<tool_call>", "</tool_call>", "<tool_result>", "</tool_result>",
+]
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
+FILE = "tokenizer.json"
+
+
+def _pipeline_parts():
+    from tokenizers import decoders, pre_tokenizers
+
+    pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    return pre, decoders.ByteLevel()
+
+
+def train_tokenizer(texts, vocab_size: int = 512, min_frequency: int = 2) -> "ChatTokenizer":
+    """Learn a byte-level BPE over `texts` (an iterable of str); deterministic for the same input."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = _pipeline_parts()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    return ChatTokenizer(tok)
+
+
+class ChatTokenizer:
+    def __init__(self, tok):
+        self._tok = tok
+        ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+        missing = [t for t, i in ids.items() if i is None]
+        if missing:
+            raise ValueError(f"tokenizer lacks special tokens {missing}")
+        self.special_ids = ids
+        self.pad_id = ids["<|pad|>"]
+        self.eos_id = ids["<|endoftext|>"]
+        self.end_of_turn_id = ids["<|end|>"]
+        self.tool_call_start_id = ids["<tool_call>"]
+        self.tool_call_end_id = ids["</tool_call>"]
+        self.tool_result_start_id = ids["<tool_result>"]
+        self.tool_result_end_id = ids["</tool_result>"]
+        self.role_ids = {role: ids[t] for role, t in ROLE_TOKENS.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids if text else []
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token(self, i: int) -> str:
+        return self._tok.id_to_token(i)
+
+    def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """(ids, loss_mask) for a whole conversation; mask 1 on trained assistant tokens + <|end|>."""
+        ids: list[int] = []
+        mask: list[int] = []
+        for msg in messages:
+            role = msg["role"]
+            if role not in self.role_ids:
+                raise ValueError(f"unknown chat role {role!r}")
+            train = role == "assistant" and msg.get("train", True)
+            ids.append(self.role_ids[role])
+            mask.append(0)
+            prefix = self.encode(msg.get("student_prefix", "")) if role == "assistant" else []
+            body = self.encode(msg["content"]) + [self.end_of_turn_id]
+            ids += prefix + body
+            mask += [0] * len(prefix) + [int(train)] * len(body)
+        return ids, mask
+
+    def render_prompt(self, messages: list[dict]) -> list[int]:
+        """Ids of `messages` followed by the assistant header: generation continues from here."""
+        ids, _ = self.encode_chat(messages)
+        return ids + [self.role_ids["assistant"]]
+
+    def save(self, dir) -> Path:
+        from pipeline.fsio import atomic_write_text
+
+        path = Path(dir) / FILE
+        atomic_write_text(path, self._tok.to_str(pretty=False))
+        return path
+
+    @classmethod
+    def load(cls, dir) -> "ChatTokenizer":
+        from tokenizers import Tokenizer
+
+        path = Path(dir)
+        path = path / FILE if path.is_dir() else path
+        return cls(Tokenizer.from_str(path.read_text()))
+
+    def fingerprint(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(json.dumps(json.loads(self._tok.to_str()), sort_keys=True).encode()).hexdigest()[:16]
