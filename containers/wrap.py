@@ -1,0 +1,142 @@
+"""Turn a stage command into the command line that runs it: inside an Apptainer image, under srun.
+
+`wrap_command` is the only place that knows Apptainer's command-line syntax; the executors (local
+and Slurm) call it for every stage process, so a stage runs the same way in and out of a container.
+`srun_line` renders the launcher line for one job step, including heterogeneous (multi-role) steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import UserError
+
+RUNTIMES = ("none", "apptainer")
+
+
+def _check_bind(spec: str) -> None:
+    # Apptainer bind syntax: SRC[:DST[:OPTS]], OPTS in {ro, rw}; a comma would split it in two.
+    parts = spec.split(":")
+    if not spec or "," in spec or len(parts) > 3 or not parts[0].startswith("/"):
+        raise UserError(f"container bind '{spec}': expected /host/path[:/container/path[:ro|rw]]")
+    if len(parts) >= 2 and not parts[1].startswith("/"):
+        raise UserError(f"container bind '{spec}': container path must be absolute")
+    if len(parts) == 3 and parts[2] not in ("ro", "rw"):
+        raise UserError(f"container bind '{spec}': option must be ro or rw, got '{parts[2]}'")
+
+
+def wrap_command(
+    cmd: Sequence[str],
+    runtime: str = "none",
+    image: str | os.PathLike | None = None,
+    binds: Sequence[str] = (),
+    gpu: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> list[str]:
+    """`cmd` as run under `runtime`: unchanged for "none", `apptainer exec ...` for "apptainer".
+
+    binds are Apptainer bind specs (run dir, data, scratch: the stage sees them at the same paths,
+    so paths recorded in the run directory stay valid inside and outside the image). env is passed
+    with `--env` so the values land inside the container even when the image resets them.
+    """
+    if runtime not in RUNTIMES:
+        raise UserError(f"container runtime '{runtime}': expected one of {', '.join(RUNTIMES)}")
+    if runtime == "none":
+        return list(cmd)
+    if not image:
+        raise UserError("container runtime 'apptainer' needs an image (set container.image or the site's image)")
+    out = ["apptainer", "exec"]
+    if gpu:
+        out.append("--nv")
+    seen = set()
+    for spec in binds:
+        _check_bind(spec)
+        if spec not in seen:
+            seen.add(spec)
+            out += ["--bind", spec]
+    for key, value in sorted((env or {}).items()):
+        if not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise UserError(f"container env '{key}': not a valid variable name")
+        out += ["--env", f"{key}={value}"]
+    return out + [str(image), *cmd]
+
+
+def stage_command(run_dir: str | os.PathLike, stage: str, item: int | None = None) -> list[str]:
+    """The stage runner's command line (the lead's `python -m stages RUN_DIR STAGE [--item I]`)."""
+    cmd = ["python", "-m", "stages", str(run_dir), stage]
+    return cmd + (["--item", str(item)] if item is not None else [])
+
+
+def _get(site: Any, key: str, default: Any = None) -> Any:
+    if site is None:
+        return default
+    if isinstance(site, Mapping):
+        return site.get(key, default)
+    return getattr(site, key, default)
+
+
+def site_mpi_plugin(site: Any) -> str:
+    """The `srun --mpi=` plugin a site profile names (JSC: pspmix; the local cluster: pmix)."""
+    for key in ("mpi", "mpi_plugin", "srun_mpi"):
+        value = _get(site, key)
+        if value:
+            return str(value)
+    return "pmix"
+
+
+def srun_line(
+    site: Any,
+    het_groups: Sequence[int] | None,
+    cmd: Sequence[str] | Mapping[int, Sequence[str]],
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The launcher line for one job step.
+
+    het_groups None: a plain step (`srun` or, where the site's launcher is `ibrun`, TACC's `ibrun`).
+    het_groups [0, 1] with one `cmd`: every component runs the same command in one MPI world.
+    `cmd` as {group: command}: an MPMD heterogeneous step, `srun --het-group=0 A : --het-group=1 B`,
+    used when components run different images (trainer vs rollout); still one MPI world.
+    Heterogeneous steps always use srun: it is the only launcher that addresses hetjob components.
+    """
+    mpi = f"--mpi={site_mpi_plugin(site)}"
+    if het_groups is None:
+        if isinstance(cmd, Mapping):
+            raise UserError("srun_line: a per-group command needs het_groups")
+        if _get(site, "launcher") == "ibrun":
+            return ["ibrun", *extra, *cmd]
+        return ["srun", mpi, *extra, *cmd]
+    groups = list(het_groups)
+    if not groups or any(not isinstance(g, int) or g < 0 for g in groups):
+        raise UserError(f"srun_line: het_groups must be non-negative ints, got {groups}")
+    if not isinstance(cmd, Mapping):
+        return ["srun", mpi, f"--het-group={','.join(map(str, groups))}", *extra, *cmd]
+    missing = [g for g in groups if g not in cmd]
+    if missing:
+        raise UserError(f"srun_line: no command for het group(s) {missing}")
+    out = ["srun", mpi]
+    for i, g in enumerate(groups):
+        if i:
+            out.append(":")
+        out += [f"--het-group={g}", *extra, *cmd[g]]
+    return out
+
+
+def image_provenance(image: str | os.PathLike) -> dict:
+    """What the provenance card records about an image: its path, sha256 and build labels.
+
+    Labels need the apptainer binary; without it they are recorded as unknown (with the reason)
+    rather than failing the card: the sha256 alone pins the image.
+    """
+    from containers.images import image_digest, inspect_labels
+
+    path = Path(image)
+    record: dict[str, Any] = {"image": str(path), "sha256": image_digest(path)}
+    try:
+        record["labels"] = inspect_labels(path)
+    except UserError as e:
+        record["labels"] = None
+        record["labels_error"] = str(e)
+    return record

@@ -1,0 +1,171 @@
+"""Container wrapping, srun lines, recipes and image provenance.
+
+Apptainer cannot run here, so the end-to-end wrapping test uses tests/fake_apptainer/apptainer, a
+test double that validates the arguments like the real binary and runs the inner command on the host.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from containers import images
+from containers.wrap import image_provenance, srun_line, stage_command, wrap_command
+from pipeline.errors import UserError
+
+FAKE_APPTAINER_DIR = Path(__file__).parent / "fake_apptainer"
+
+
+@pytest.fixture
+def fake_apptainer(monkeypatch, tmp_path):
+    log = tmp_path / "apptainer-calls.jsonl"
+    monkeypatch.setenv("PATH", f"{FAKE_APPTAINER_DIR}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_APPTAINER_LOG", str(log))
+    return log
+
+
+@pytest.fixture
+def no_apptainer(monkeypatch, tmp_path):
+    # A PATH with python but no apptainer/singularity.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    for name in ("apptainer", "singularity"):
+        assert not any((Path(d) / name).exists() for d in ("/usr/bin", "/bin")), "real apptainer present"
+
+
+def test_runtime_none_returns_command_unchanged():
+    cmd = ["python", "-m", "stages", "/runs/r1", "sft"]
+    assert wrap_command(cmd, "none", image="ignored.sif", binds=["/x"], gpu=True, env={"A": "1"}) == cmd
+
+
+def test_apptainer_command_line():
+    cmd = stage_command("/p/runs/r1", "sft")
+    out = wrap_command(cmd, "apptainer", image="/p/img/trainer.sif",
+                       binds=["/p/runs/r1", "/p/data:/data:ro", "/p/runs/r1"], gpu=True,
+                       env={"HF_HUB_OFFLINE": "1", "A_B": "x y"})
+    assert out == ["apptainer", "exec", "--nv", "--bind", "/p/runs/r1", "--bind", "/p/data:/data:ro",
+                   "--env", "A_B=x y", "--env", "HF_HUB_OFFLINE=1",
+                   "/p/img/trainer.sif", "python", "-m", "stages", "/p/runs/r1", "sft"]
+    assert "--nv" not in wrap_command(cmd, "apptainer", image="i.sif", gpu=False)
+    assert stage_command("/r", "eval", item=3)[-2:] == ["--item", "3"]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"runtime": "docker", "image": "i.sif"}, "runtime 'docker'"),
+    ({"runtime": "apptainer", "image": None}, "needs an image"),
+    ({"runtime": "apptainer", "image": "i.sif", "binds": ["rel/path"]}, "bind 'rel/path'"),
+    ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a,/b"]}, "bind '/a,/b'"),
+    ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a:/b:rx"]}, "ro or rw"),
+    ({"runtime": "apptainer", "image": "i.sif", "env": {"1BAD": "x"}}, "env '1BAD'"),
+])
+def test_bad_container_settings_name_the_culprit(kwargs, words):
+    with pytest.raises(UserError, match=words.replace("(", r"\(")):
+        wrap_command(["true"], **kwargs)
+
+
+def test_srun_lines():
+    site = {"mpi": "pspmix"}
+    assert srun_line(site, None, ["python", "x.py"]) == ["srun", "--mpi=pspmix", "python", "x.py"]
+    assert srun_line({"launcher": "ibrun"}, None, ["a"]) == ["ibrun", "a"]
+    assert srun_line(site, [0, 1], ["a"]) == ["srun", "--mpi=pspmix", "--het-group=0,1", "a"]
+    assert srun_line({}, [0, 1], {0: ["a"], 1: ["b", "c"]}) == [
+        "srun", "--mpi=pmix", "--het-group=0", "a", ":", "--het-group=1", "b", "c"]
+    with pytest.raises(UserError, match=r"het group\(s\) \[1\]"):
+        srun_line(site, [0, 1], {0: ["a"]})
+
+
+def test_wrapped_stage_runs_through_fake_apptainer(fake_apptainer, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    image = tmp_path / "trainer.sif"
+    image.write_bytes(b"SIF fake image bytes")
+    inner = [sys.executable, "-c",
+             "import os, sys; open(os.path.join(sys.argv[1], 'out.txt'), 'w').write("
+             "os.environ['SNOWCAT_X'] + ' ' + os.environ['FAKE_APPTAINER_IMAGE'])", str(run_dir)]
+    cmd = wrap_command(inner, "apptainer", image=image, binds=[str(run_dir)], gpu=True, env={"SNOWCAT_X": "42"})
+    subprocess.run(cmd, check=True)
+    assert (run_dir / "out.txt").read_text() == f"42 {image}"
+    calls = [json.loads(line) for line in fake_apptainer.read_text().splitlines()]
+    assert calls[0][:4] == ["exec", "--nv", "--bind", str(run_dir)]
+
+    # The double rejects what the real binary rejects: a missing image, a missing bind source.
+    missing = wrap_command(inner, "apptainer", image=tmp_path / "nope.sif", binds=[str(run_dir)])
+    proc = subprocess.run(missing, capture_output=True, text=True)
+    assert proc.returncode == 255 and "nope.sif" in proc.stderr
+    bad_bind = wrap_command(inner, "apptainer", image=image, binds=[str(tmp_path / "absent")])
+    assert subprocess.run(bad_bind, capture_output=True).returncode == 255
+
+
+def test_image_provenance_records_digest_and_labels(fake_apptainer, tmp_path):
+    image = tmp_path / "rollout.sif"
+    image.write_bytes(b"another fake SIF")
+    (tmp_path / "rollout.sif.labels.json").write_text(json.dumps({"org.snowcat.revision": "abc123"}))
+    prov = image_provenance(image)
+    import hashlib
+    assert prov["sha256"] == hashlib.sha256(b"another fake SIF").hexdigest()
+    assert prov["labels"] == {"org.snowcat.revision": "abc123"}
+    with pytest.raises(UserError, match="not found"):
+        images.image_digest(tmp_path / "missing.sif")
+
+
+def test_without_apptainer_errors_are_clear(no_apptainer, tmp_path):
+    image = tmp_path / "x.sif"
+    image.write_bytes(b"x")
+    with pytest.raises(UserError, match="apptainer not found on PATH"):
+        images.inspect_labels(image)
+    prov = image_provenance(image)
+    assert prov["labels"] is None and "apptainer not found" in prov["labels_error"]
+    assert len(prov["sha256"]) == 64
+
+
+@pytest.mark.parametrize("name", ["trainer", "rollout", "rollout-aarch64", "sandbox"])
+def test_definitions_parse_and_are_pinned(name):
+    path = images.DEFINITIONS / f"{name}.def"
+    recipe = images.load_recipe(path)
+    assert recipe.install, f"{name}.def has no %post"
+    labels = " ".join(recipe.labels)
+    assert "org.snowcat.version {{ SNOWCAT_VERSION }}" in labels
+    assert "org.snowcat.revision {{ SNOWCAT_REVISION }}" in labels
+    base = images.definition_arguments(path)["BASE"]
+    repo, _, tag = base.rpartition(":")
+    assert repo and tag and tag != "latest" and "/" not in tag, f"{name}.def base {base} is not pinned"
+    post = "\n".join(recipe.install).replace("\\\n", " ")
+    for line in post.splitlines():
+        if "pip install" in line:
+            packages = [w for w in line.split("install", 1)[1].split() if not w.startswith(("-", "/"))]
+            unpinned = [p for p in packages if "==" not in p]
+            assert not unpinned, f"{name}.def: {unpinned} not pinned (torch/vllm come from the base image)"
+
+
+def test_arch_variants_and_build_args():
+    assert images.definition("rollout", "aarch64").name == "rollout-aarch64.def"
+    assert images.definition("rollout", "x86_64").name == "rollout.def"
+    assert images.definition("trainer", "aarch64").name == "trainer.def"  # NGC tags are multi-arch
+    args = images.build_args("aarch64")
+    assert args["ARCH"] == "aarch64"
+    assert len(args["SNOWCAT_REVISION"]) == 40 or args["SNOWCAT_REVISION"] == "unknown"
+    with pytest.raises(UserError, match="arch 'ppc64le'"):
+        images.build_args("ppc64le")
+    with pytest.raises(UserError, match="no nope.def"):
+        images.definition("nope")
+
+
+def test_dockerfile_converts_to_definition(tmp_path):
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("FROM python:3.11-slim\nENV FOO=bar\nRUN pip install requests==2.32.3\n"
+                          "LABEL maintainer=me\n")
+    out = images.dockerfile_to_def(dockerfile, tmp_path / "user.def")
+    text = out.read_text()
+    assert "Bootstrap: docker" in text and "From: python:3.11-slim" in text
+    assert "pip install requests==2.32.3" in text and "FOO" in text
+    # and back: the written .def parses again
+    assert images.load_recipe(out).fromHeader == "python:3.11-slim"
+    other = tmp_path / "x.yaml"
+    other.write_text("a: 1\n")
+    with pytest.raises(UserError, match="not a recipe"):
+        images.load_recipe(other)
