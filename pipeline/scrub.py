@@ -1,0 +1,243 @@
+"""Keep credentials out of everything a run leaves behind (logs, provenance, cards, outputs).
+
+Three defences, used together:
+- by *name*: environment variables whose name says they hold a secret are redacted;
+- by *value*: strings shaped like well-known credentials (and, for single values, long
+  high-entropy tokens) are redacted wherever they appear;
+- by *known value*: the actual secret values of the current environment are searched for
+  verbatim in text (`scrub_text`) and in every file of a run directory (`scan_tree`).
+Rules and thresholds: docs/provenance.md ("Credential scrubbing").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+REDACTED = "<redacted>"
+
+# A name is secret when one of its words (split at _ - . and camelCase) is, or ends with, one of
+# these: APIKEY, HFTOKEN and DBPASSWORD match; KEYBOARD, TOKENIZERS_PARALLELISM, AUTHOR do not.
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "AUTH", "SESSION", "COOKIE", "PRIVATE", "SIGNATURE")
+_SECRET_EXACT = {"PASS", "PAT", "DSN"}  # only as a whole word (PWD is the working dir: not listed)
+# ...unless the name ends in one of these: HF_TOKEN_PATH, SSH_AUTH_SOCK name where a secret lives;
+# the location is worth recording (a value that itself looks like a credential is still caught).
+_LOCATION_WORDS = {"PATH", "FILE", "DIR", "SOCK", "SOCKET"}
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+
+# Well-known credential shapes. Lengths are bounded so that matching in chunks is exact.
+PATTERNS: dict[str, re.Pattern[str]] = {
+    "huggingface_token": re.compile(r"\bhf_[A-Za-z0-9]{20,120}"),
+    "github_token": re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,120}|github_pat_[A-Za-z0-9_]{22,255})"),
+    "aws_access_key": re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"),
+    "openai_key": re.compile(r"\bsk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,200}"),
+    "slack_token": re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,200}"),
+    "jwt": re.compile(r"\beyJ[A-Za-z0-9_-]{8,2000}\.eyJ[A-Za-z0-9_-]{8,2000}\.[A-Za-z0-9_-]{8,2000}"),
+    "private_key": re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----"),
+    "url_password": re.compile(r"\b[a-z][a-z0-9+.-]{1,20}://[^\s:/@]{1,100}:[^\s:/@]{1,200}@"),
+}
+_BYTE_PATTERNS = {kind: re.compile(p.pattern.encode()) for kind, p in PATTERNS.items()}
+_MAX_MATCH = 6100  # longest match any pattern can produce (the JWT bound), for chunk overlap
+
+# High-entropy tokens: >= 32 characters of the base64/url-safe alphabet, mixing at least two of
+# upper case / lower case / digits, not pure hex (sha256 digests and git revisions are fine), with
+# Shannon entropy >= 4.0 bits per character. Random base62 text of that length measures ~4.5,
+# English words and identifiers ~3-3.8; 64 hex characters cannot exceed log2(16) = 4 anyway.
+ENTROPY_MIN_LEN = 32
+ENTROPY_BITS = 4.0
+_TOKEN = re.compile(r"[A-Za-z0-9+/=_-]{%d,}" % ENTROPY_MIN_LEN)
+_HEX = re.compile(r"[0-9a-fA-F-]+")
+MIN_KNOWN_LEN = 8  # shorter "secrets" (SESSION_ID=1) would redact half of every log
+
+
+def _words(name: str) -> list[str]:
+    return [w.upper() for w in _WORD.findall(name)]
+
+
+def is_secret_name(name: str) -> bool:
+    words = _words(name)
+    if words and words[-1] in _LOCATION_WORDS:
+        return False
+    for word in words:
+        if word in _SECRET_EXACT:
+            return True
+        stem = word[:-1] if word.endswith("S") else word  # CREDENTIALS, COOKIES, KEYS
+        if any(stem.endswith(s) or word.endswith(s) for s in _SECRET_WORDS):
+            return True
+    return False
+
+
+def shannon_entropy(s: str) -> float:
+    """Bits per character of the empirical character distribution of s."""
+    if not s:
+        return 0.0
+    n = len(s)
+    return -sum(c / n * math.log2(c / n) for c in Counter(s).values())
+
+
+def _high_entropy(token: str) -> bool:
+    if _HEX.fullmatch(token):
+        return False
+    classes = sum((any(c.isupper() for c in token), any(c.islower() for c in token), any(c.isdigit() for c in token)))
+    return classes >= 2 and shannon_entropy(token) >= ENTROPY_BITS
+
+
+def secret_kinds(value: str, high_entropy: bool = True) -> list[str]:
+    """Kinds of credential-looking content in value (empty: nothing found)."""
+    kinds = [kind for kind, p in PATTERNS.items() if p.search(value)]
+    if high_entropy and not kinds and any(_high_entropy(t) for t in _TOKEN.findall(value)):
+        kinds.append("high_entropy")
+    return kinds
+
+
+def looks_like_secret(value: str) -> bool:
+    return bool(secret_kinds(value))
+
+
+def scrub_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Copy of env with secret-named or secret-looking values replaced by REDACTED."""
+    env = os.environ if env is None else env
+    return {k: REDACTED if is_secret_name(k) or looks_like_secret(v) else v for k, v in env.items()}
+
+
+def known_secrets(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """name -> value of the environment's secrets (by name or by shape), at least MIN_KNOWN_LEN long."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if len(v) >= MIN_KNOWN_LEN and (is_secret_name(k) or looks_like_secret(v))}
+
+
+def _known_values(known: Mapping[str, str] | Iterable[str] | None) -> list[str]:
+    values = known_secrets().values() if known is None else (known.values() if isinstance(known, Mapping) else known)
+    # longest first, so a secret that contains another is replaced whole
+    return sorted({v for v in values if len(v) >= MIN_KNOWN_LEN}, key=len, reverse=True)
+
+
+def scrub_text(text: str, known: Mapping[str, str] | Iterable[str] | None = None) -> str:
+    """text with every known secret value (default: this environment's) and every credential-shaped
+    string replaced by REDACTED. High-entropy tokens are left alone: logs are full of hashes and ids."""
+    for value in _known_values(known):
+        text = text.replace(value, REDACTED)
+    for p in PATTERNS.values():
+        text = p.sub(REDACTED, text)
+    return text
+
+
+@dataclass(frozen=True)
+class Finding:
+    path: Path
+    line: int  # 1-based; for binary files, 1 + number of b"\n" before the match
+    kind: str  # "known:<ENV_NAME>", a PATTERNS key, "high_entropy"; never the secret itself
+    where: str = ""  # inside an HDF5 file: the object path holding it
+
+    def __str__(self) -> str:
+        loc = f"{self.path}:{self.line}" + (f" ({self.where})" if self.where else "")
+        return f"{loc}: {self.kind}"
+
+
+_CHUNK = 8 << 20
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+
+
+def _scan_bytes(chunks: Iterable[bytes], needles: dict[str, re.Pattern[bytes]], overlap: int) -> Iterable[tuple[int, str]]:
+    """(line, kind) of every match in a stream of chunks; matches spanning chunk edges are found once."""
+    tail, lines_before_tail, done = b"", 1, 0  # done: offset into buf up to which matches were reported
+    for chunk in chunks:
+        buf = tail + chunk
+        last = len(chunk) == 0
+        limit = len(buf) if last else max(len(buf) - overlap, 0)
+        for kind, rx in needles.items():
+            for m in rx.finditer(buf):
+                if done <= m.start() < limit:
+                    yield lines_before_tail + buf.count(b"\n", 0, m.start()), kind
+        cut = max(len(buf) - overlap, 0)
+        lines_before_tail += buf.count(b"\n", 0, cut)
+        tail, done = buf[cut:], limit - cut
+        if last:
+            return
+
+
+def _read_chunks(path: Path) -> Iterable[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+    yield b""
+
+
+def _scan_hdf5(path: Path, needles: dict[str, re.Pattern[bytes]]) -> list[Finding]:
+    """Strings stored compressed/filtered inside HDF5 are invisible to a byte scan: walk them."""
+    import h5py
+    import numpy as np
+
+    found: list[Finding] = []
+
+    def check(where: str, value) -> None:
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "SUO":
+            return
+        for item in arr.ravel():
+            data = item if isinstance(item, bytes) else str(item).encode(errors="replace")
+            found.extend(Finding(path, 0, kind, where) for kind, rx in needles.items() if rx.search(data))
+
+    def visit(name: str, obj) -> None:
+        for key, val in obj.attrs.items():
+            check(f"/{name}@{key}", val)
+        if isinstance(obj, h5py.Dataset) and obj.dtype.kind in "SUO":
+            check(f"/{name}", obj[()])
+
+    try:
+        with h5py.File(path, "r") as f:
+            for key, val in f.attrs.items():
+                check(f"/@{key}", val)
+            f.visititems(visit)
+    except OSError as e:  # a torn or foreign file: the byte scan above still covered it
+        found.append(Finding(path, 0, "unreadable_hdf5", str(e).splitlines()[0][:80]))
+    return found
+
+
+def scan_tree(root: str | os.PathLike, known: Mapping[str, str] | Iterable[str] | None = None, high_entropy: bool = False) -> list[Finding]:
+    """Every file under root (hidden and binary ones too; symlinks not followed) searched for the
+    known secret values (default: this environment's) and credential-shaped strings.
+
+    `high_entropy` also flags long random-looking tokens; off by default because run directories
+    legitimately hold base64 blobs, so a scan stage that fails the run would fail on noise.
+    """
+    root = Path(root)
+    if known is None:
+        known = known_secrets()
+    named = known.items() if isinstance(known, Mapping) else ((f"#{i}", v) for i, v in enumerate(_known_values(known)))
+    needles: dict[str, re.Pattern[bytes]] = {
+        f"known:{name}": re.compile(re.escape(value.encode())) for name, value in named if len(value) >= MIN_KNOWN_LEN
+    }
+    needles.update(_BYTE_PATTERNS)
+    overlap = max([_MAX_MATCH] + [len(rx.pattern) for rx in needles.values()])
+    findings: list[Finding] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            if path.is_symlink() or not path.is_file():
+                continue
+            hits = set(_scan_bytes(_read_chunks(path), needles, overlap))
+            if high_entropy:
+                hits |= _entropy_hits(path)
+            findings.extend(Finding(path, line, kind) for line, kind in sorted(hits))
+            with open(path, "rb") as f:
+                is_hdf5 = f.read(8) == _HDF5_MAGIC
+            if is_hdf5:
+                findings.extend(_scan_hdf5(path, needles))
+    return findings
+
+
+def _entropy_hits(path: Path) -> set[tuple[int, str]]:
+    hits = set()
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            text = raw.decode("latin-1")
+            if any(_high_entropy(t) for t in _TOKEN.findall(text)):
+                hits.add((lineno, "high_entropy"))
+    return hits
