@@ -1,0 +1,226 @@
+"""`snowcat`: the command line. Every user error is one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from . import config as config_mod
+from .dag import Dag, build
+from .errors import UserError
+from .executors import make_executor
+from .progress import STYLE
+from .rundir import RunDir
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+# --- run / resume ----------------------------------------------------------------------------
+
+
+def _plan_table(dag: Dag, cfg, run: RunDir | None = None) -> Table:
+    table = Table(title=f"plan: {cfg.name} (executor {cfg.executor.kind})")
+    for col in ("stage", "kind", "needs", "units", "resources", "action"):
+        table.add_column(col)
+    for node in dag:
+        res = node.config.resources
+        if res.components:
+            what = " + ".join(f"{k}: {c.nodes}n×{c.gpus_per_node}g" for k, c in res.components.items())
+        else:
+            what = f"{res.nodes}n×{res.gpus_per_node}g {res.time_min}min"
+        action = "run"
+        if run is not None:
+            status, _ = run.stage_status(dag, node.name)
+            action = "skip (done)" if status == "done" else "run"
+        table.add_row(node.name, node.kind, ",".join(node.needs) or "-", str(len(node.units)), what, action)
+    return table
+
+
+def drive(run: RunDir, dag: Dag, cfg) -> int:
+    """Run or submit what is not done. Done stages are verified; changed outputs stop the run."""
+    with run.driver_lock():
+        executor = make_executor(cfg.executor.kind, run, dag, cfg)
+        executor.refresh()
+        todo = []
+        for node in dag:
+            status, problems = run.stage_status(dag, node.name)
+            if status == "modified":
+                raise UserError(
+                    f"{problems[0]} — stage {node.name!r} is done but its outputs changed; restore them, "
+                    f"or delete {run.stage_dir(node.name)} to recompute it"
+                )
+            if status != "done":
+                todo.append(node.name)
+        if not todo:
+            err.print(f"[green]all {len(dag.nodes)} stages done[/] in {run.path}")
+            return 0
+        skipped = [n for n in dag.order if n not in todo]
+        if skipped:
+            err.print(f"skipping done stages (outputs verified): {', '.join(skipped)}")
+        err.print(f"run [bold]{run.run_id}[/] in {run.path}")
+        code = executor.launch(todo)
+    if cfg.executor.kind == "local":
+        err.print(f"[{'green' if code == 0 else 'red'}]run {'finished' if code == 0 else 'stopped'}[/]: snowcat status {run.path}")
+    return code
+
+
+def cmd_run(args) -> int:
+    overrides = list(args.overrides)
+    if args.executor:
+        overrides.append(f"executor.kind={args.executor}")
+    cfg = config_mod.load(args.config, overrides, site=args.site)
+    dag = build(cfg)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    existing = run_dir is not None and (run_dir / "config.yaml").is_file()
+    if args.dry_run:
+        out.print(_plan_table(dag, cfg, RunDir.open(run_dir) if existing else None))
+        out.print("dry run: nothing written")
+        return 0
+    if existing:
+        run = RunDir.open(run_dir)
+        if config_mod.to_yaml(run.config()) != config_mod.to_yaml(cfg):
+            raise UserError(f"{run_dir}: holds a run with a different config; use another --run-dir or `snowcat resume {run_dir}`")
+    else:
+        origin = {"config": str(Path(args.config).resolve()), "overrides": overrides, "site": args.site}
+        run = RunDir.create(cfg, run_dir, origin=origin)
+    return drive(run, dag, cfg)
+
+
+def cmd_resume(args) -> int:
+    run = RunDir.open(args.run)
+    cfg = run.config()
+    return drive(run, build(cfg), cfg)
+
+
+# --- status / cancel ---------------------------------------------------------------------------
+
+
+def status_record(run: RunDir) -> dict:
+    cfg = run.config()
+    dag = build(cfg)
+    make_executor(cfg.executor.kind, run, dag, cfg).refresh()
+    state = run.state()["stages"]
+    stages = {}
+    for node in dag:
+        status, problems = run.stage_status(dag, node.name)
+        record = dict(state.get(node.name, {}))
+        units = {}
+        for u in node.units:
+            if u.index is not None:
+                units[u.key] = {"status": "done" if run.is_done(u) else state.get(u.key, {}).get("status", "pending"),
+                                "metrics": run.metrics(u)}
+        metrics = run.metrics(node.units[0]) if node.items is None else {}
+        stages[node.name] = {
+            "kind": node.kind,
+            "status": status,
+            "attempts": record.get("attempts", 0) or sum(state.get(k, {}).get("attempts", 0) for k in units),
+            "job_ids": record.get("job_ids", []),
+            "started": record.get("started"),
+            "ended": record.get("ended"),
+            "error": record.get("error"),
+            "slurm": record.get("slurm"),
+            "metrics": metrics,
+            "problems": problems,
+        } | ({"units": units} if units else {})
+    return {"run_id": run.run_id, "run_dir": str(run.path), "executor": cfg.executor.kind, "stages": stages}
+
+
+def _headline(metrics: dict, n: int = 3) -> str:
+    items = [(k, v) for k, v in metrics.items() if k != "duration_s" and isinstance(v, (int, float))][:n]
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in items)
+
+
+def cmd_status(args) -> int:
+    run = RunDir.open(args.run)
+    record = status_record(run)
+    if args.json:
+        print(json.dumps(record, indent=2, default=str))
+        return 0
+    table = Table(title=f"{record['run_id']}  ({record['executor']})")
+    for col in ("stage", "kind", "status", "tries", "job", "time", "metrics"):
+        table.add_column(col)
+    for name, s in record["stages"].items():
+        dur = s["metrics"].get("duration_s")
+        extra = s.get("slurm") or {}
+        note = extra.get("reason") or s.get("error") or (s["problems"][0] if s["problems"] else "")
+        table.add_row(
+            name, s["kind"], f"[{STYLE.get(s['status'], '')}]{s['status']}[/]", str(s["attempts"]),
+            (s["job_ids"] or ["-"])[-1], f"{dur:.0f}s" if dur else "-",
+            _headline(s["metrics"]) + (f" [dim]{note}[/]" if note else ""),
+        )
+    out.print(table)
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    run = RunDir.open(args.run)
+    cfg = run.config()
+    cancelled = make_executor(cfg.executor.kind, run, build(cfg), cfg).cancel()
+    out.print(f"cancelled: {', '.join(cancelled) or 'nothing was running'}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    cfg = config_mod.load(args.config, list(args.overrides), site=args.site)
+    print(OmegaConf.to_yaml(cfg, sort_keys=False), end="")
+    return 0
+
+
+# --- entry point -------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="snowcat", description="Post-train MoE models into coding agents on Slurm clusters.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="create a run from a config and run (local) or submit (slurm) its stages")
+    r.add_argument("config")
+    r.add_argument("overrides", nargs="*", help="key=value overrides (dot paths)")
+    r.add_argument("--run-dir", help="run directory (default: <run_root>/<run-id>)")
+    r.add_argument("--executor", choices=["local", "slurm"])
+    r.add_argument("--site", help="site profile (slurm/sites/NAME.yaml)")
+    r.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    r.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("status", help="stages of a run with status, jobs, durations and headline metrics")
+    s.add_argument("run")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    rs = sub.add_parser("resume", help="run or resubmit what is not done")
+    rs.add_argument("run")
+    rs.set_defaults(func=cmd_resume)
+
+    c = sub.add_parser("cancel", help="stop every process or job of a run")
+    c.add_argument("run")
+    c.set_defaults(func=cmd_cancel)
+
+    cf = sub.add_parser("config", help="print the resolved config (validates it)")
+    cf.add_argument("config")
+    cf.add_argument("overrides", nargs="*")
+    cf.add_argument("--site")
+    cf.set_defaults(func=cmd_config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The executor interface: what every backend (local processes, Slurm) implements.
+
+`launch` starts the work for the stages that are not done (the local executor runs them to
+completion; the Slurm executor submits the whole DAG at once and returns). `refresh` reconciles
+the run's state records with reality (live processes, `sacct`); `cancel` stops everything.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+
+from ..dag import Dag, StageNode, Unit
+from ..rundir import RunDir
+
+
+class Executor(abc.ABC):
+    name: str = "?"
+
+    def __init__(self, run: RunDir, dag: Dag, cfg):
+        self.run = run
+        self.dag = dag
+        self.cfg = cfg
+
+    @abc.abstractmethod
+    def launch(self, stages: list[str]) -> int:
+        """Run or submit these stages (a dependency-closed set, in DAG order). Exit status."""
+
+    def refresh(self) -> None:
+        """Reconcile state records with the processes or jobs behind them."""
+
+    @abc.abstractmethod
+    def cancel(self) -> list[str]:
+        """Stop all work of the run; returns what was cancelled (process or job ids)."""
+
+    # --- shared helpers ----------------------------------------------------------------------
+
+    def pending_units(self, node: StageNode) -> list[Unit]:
+        return [u for u in node.units if not self.run.is_done(u)]
+
+    @staticmethod
+    def world_size(node: StageNode) -> int:
+        comps = node.config.resources.components
+        if comps:
+            return sum(c.nodes * c.tasks_per_node for c in comps.values())
+        return node.config.resources.nodes * node.config.resources.tasks_per_node
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped) is not alive for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True

@@ -1,0 +1,141 @@
+"""Run one unit of a stage in this process: `python -m stages RUN_DIR STAGE [--item I]`.
+
+Everything comes from the run directory, so the same command runs a stage under the local
+executor, inside a Slurm job (or array element, or hetjob step), or by hand. Rank 0 records the
+outcome; a done unit whose outputs still verify is skipped, so re-running is always safe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from . import config as config_mod
+from .context import PREEMPTED_EXIT_CODE, Preempted, StageContext
+from .dag import StageNode, Unit, build
+from .errors import UserError
+from .rundir import RunDir, now
+
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def _first_int(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return default
+
+
+def rank_and_role(node: StageNode) -> tuple[int, int, str | None]:
+    """(rank, world size, role). Roles follow the order of `resources.components`: the first
+    component's ranks come first, as in `srun --het-group=0,1` and in the local mpirun layout."""
+    rank = _first_int(_RANK_VARS, 0)
+    world = _first_int(_SIZE_VARS, 1)
+    components = node.config.resources.components
+    if not components:
+        return rank, world, None
+    start = 0
+    for name, comp in components.items():
+        size = comp.nodes * comp.tasks_per_node
+        if rank < start + size:
+            return rank, world, str(name)
+        start += size
+    raise RuntimeError(f"rank {rank} is beyond the {start} ranks of stage {node.name}'s components")
+
+
+def make_context(run: RunDir, node: StageNode, unit: Unit, cfg) -> StageContext:
+    rank, world, role = rank_and_role(node)
+    return StageContext(
+        name=node.name,
+        kind=node.kind,
+        config=node.config,
+        run_config=cfg,
+        run_dir=run.path,
+        out_dir=run.unit_dir(unit),
+        inputs={need: run.stage_dir(need) for need in node.needs},
+        seed=config_mod.stage_seed(cfg.seed, node.name, unit.index),
+        item=None if unit.index is None else node.items[unit.index],
+        item_index=unit.index,
+        rank=rank,
+        world_size=world,
+        role=role,
+        local_rank=_first_int(("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"), 0),
+    )
+
+
+def _job_fields() -> dict:
+    job = os.environ.get("SLURM_JOB_ID")
+    return {"host": os.uname().nodename, "pid": os.getpid()} | ({"slurm_job_id": job} if job else {})
+
+
+def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
+    run = RunDir.open(run_dir)
+    cfg = run.config()
+    dag = build(cfg)
+    if stage not in dag.nodes:
+        raise UserError(f"{run.path}: no stage {stage!r} in this run")
+    node = dag[stage]
+    unit = Unit(stage, index)
+    if (index is None) != (node.items is None) or (index is not None and not 0 <= index < len(node.items)):
+        raise UserError(f"stage {stage}: item {index} does not match its fan-out")
+    if run.is_done(unit) and not run.verify_unit(unit):
+        print(f"[snowcat] {unit.key}: already done, outputs verified; nothing to do", flush=True)
+        return 0
+    run.clear_done(unit)
+
+    ctx = make_context(run, node, unit, cfg)
+    ctx.signal.install()
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    lead = ctx.rank == 0
+    if lead:
+        run.update_stage(unit.key, status="running", started=now(), **_job_fields())
+    print(f"[snowcat] {unit.key} ({node.kind}) rank {ctx.rank}/{ctx.world_size} role={ctx.role} starts", flush=True)
+    t0 = time.monotonic()
+    try:
+        metrics = config_mod.stage_module(node.kind).run(ctx) or {}
+    except Preempted:
+        if lead:
+            run.update_stage(unit.key, status="preempted", ended=now())
+        print(f"[snowcat] {unit.key}: checkpointed before the end of the job; continue with the next one", flush=True)
+        return PREEMPTED_EXIT_CODE
+    except Exception as e:
+        traceback.print_exc()
+        if lead:
+            run.update_stage(unit.key, status="failed", ended=now(), error=f"{type(e).__name__}: {e}"[:500])
+        return 1
+    if lead:
+        metrics = {"duration_s": round(time.monotonic() - t0, 3), **metrics}
+        _record_provenance(run, unit, ctx)
+        run.mark_done(unit, metrics)
+        run.update_stage(unit.key, status="done", ended=now(), error=None)
+    print(f"[snowcat] {unit.key}: done in {time.monotonic() - t0:.1f}s", flush=True)
+    return 0
+
+
+def _record_provenance(run: RunDir, unit: Unit, ctx: StageContext) -> None:
+    try:
+        from . import provenance
+    except ImportError:  # provenance capture lands separately; a run without it is still valid
+        return
+    provenance.record_unit(run, unit, ctx)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stages", description="Run one stage unit of a snowcat run.")
+    parser.add_argument("run_dir")
+    parser.add_argument("stage")
+    parser.add_argument("--item", type=int, default=None, help="fan-out element index")
+    args = parser.parse_args(argv)
+    index = args.item
+    if index is None and os.environ.get("SLURM_ARRAY_TASK_ID", "").isdigit() and os.environ.get("SNOWCAT_ARRAY") == "1":
+        index = int(os.environ["SLURM_ARRAY_TASK_ID"])
+    try:
+        return run_unit(args.run_dir, args.stage, index)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
