@@ -4,7 +4,7 @@
 """
 
 from stages.rollout.engine import Completion, Engine, EngineError, TorchEngine, VLLMEngine
-from stages.rollout.sampling import SamplingParams, processed_logprobs, sample, support_mask
+from stages.rollout.sampling import SamplingParams, processed_logprobs, sample, support_ids, support_mask
 
 __all__ = [
     "Completion",
@@ -15,5 +15,6 @@ __all__ = [
     "VLLMEngine",
     "processed_logprobs",
     "sample",
+    "support_ids",
     "support_mask",
 ]

@@ -49,15 +49,15 @@ def request_generator(seed: int, index: int) -> torch.Generator:
 class TorchEngine:
     """Batched generation on `MoEForCausalLM` with a preallocated KV cache.
 
-    Prompts of different lengths share one batch without padding: the common prefix length is
-    prefilled in one forward, then every step feeds each row one token at the same position --
-    its next prompt token while its prompt lasts, else its last sampled token. Rows that finished
-    stop sampling; the batch ends when all rows have finished.
+    All prompts of a batch are prefilled in one forward, right-padded; the cache is then cut back
+    to each row's prompt length so padding slots are overwritten, never attended. Each decoding
+    step feeds one token per unfinished row at that row's own position; finished rows are dropped
+    from the batch (and the cache).
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch: int = 64, device: str | torch.device | None = None):
         self.model = model.eval()
-        self.cfg = model.cfg if hasattr(model, "cfg") else model.config
+        self.cfg = model.config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model.to(self.device)
         self.max_batch = max_batch
@@ -106,52 +106,46 @@ class TorchEngine:
 
         if any(len(p) == 0 for p in prompts):
             raise EngineError("empty prompt")
-        lengths = [len(p) for p in prompts]
-        max_len = max(lengths) + params.max_tokens
-        if max_len > self.cfg.max_position_embeddings:
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        longest = int(lengths.max())
+        if longest + params.max_tokens > self.cfg.max_position_embeddings:
             raise EngineError(
-                f"prompt of {max(lengths)} tokens + max_tokens {params.max_tokens} exceeds "
+                f"prompt of {longest} tokens + max_tokens {params.max_tokens} exceeds "
                 f"max_position_embeddings {self.cfg.max_position_embeddings}"
             )
         batch = len(prompts)
         dtype = next(self.model.parameters()).dtype
-        cache = KVCache.allocate(self.cfg, batch, max_len, dtype, self.device)
+        cache = KVCache.allocate(self.cfg, batch, longest + params.max_tokens, dtype, self.device)
+        ids = torch.zeros(batch, longest, dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p)
+        hidden = self.model(ids, kv_cache=cache).hidden
+        cache.truncate(lengths)
+        logits = self.model.logits(hidden[torch.arange(batch), lengths - 1]).float()
+
         stop = set(params.stop_ids)
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
         finish: list[str | None] = [None] * batch
-
-        pos = min(lengths)
-        ids = torch.tensor([p[:pos] for p in prompts], device=self.device)
-        logits = self._forward(ids, 0, cache)
+        rows = list(range(batch))  # request index of each cache row
         while True:
-            # rows whose prompt is consumed sample from the logits of their last position
-            active = [b for b in range(batch) if finish[b] is None and pos >= lengths[b]]
-            if active:
-                tok, lp = sample(logits[active], params, [gens[b] for b in active])
-                for b, t, l in zip(active, tok.tolist(), lp.tolist()):
-                    tokens[b].append(t)
-                    logps[b].append(l)
-                    if t in stop:
-                        finish[b] = "stop"
-                    elif len(tokens[b]) >= params.max_tokens:
-                        finish[b] = "length"
-            if all(f is not None for f in finish):
+            tok, lp = sample(logits, params, [gens[r] for r in rows])
+            for r, t, l in zip(rows, tok.tolist(), lp.tolist()):
+                tokens[r].append(t)
+                logps[r].append(l)
+                if t in stop:
+                    finish[r] = "stop"
+                elif len(tokens[r]) >= params.max_tokens:
+                    finish[r] = "length"
+            keep = [i for i, r in enumerate(rows) if finish[r] is None]
+            if not keep:
                 break
-            # next input per row: its next prompt token, its last sample, or (finished) anything
-            nxt = [
-                prompts[b][pos] if pos < lengths[b] else (tokens[b][-1] if tokens[b] else prompts[b][-1])
-                for b in range(batch)
-            ]
-            logits = self._forward(torch.tensor(nxt, device=self.device)[:, None], pos, cache)
-            pos += 1
+            if len(keep) < len(rows):
+                index = torch.tensor(keep, device=self.device)
+                cache, tok, rows = cache.select_rows(index), tok[index], [rows[i] for i in keep]
+            hidden = self.model(tok[:, None].to(self.device), kv_cache=cache).hidden
+            logits = self.model.logits(hidden[:, -1]).float()
         return [Completion(t, l, f) for t, l, f in zip(tokens, logps, finish)]
-
-    def _forward(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
-        """fp32 logits [B, V] of the last position after feeding `ids` [B, T] at positions start..start+T-1."""
-        positions = torch.arange(start, start + ids.shape[1], device=self.device).expand_as(ids)
-        out = self.model(ids, position_ids=positions, kv_cache=cache)
-        return self.model.logits(out.hidden[:, -1]).float()
 
 
 class VLLMEngine:

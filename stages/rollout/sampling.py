@@ -101,3 +101,15 @@ def sample(
     tokens = tokens.clamp_max(flat.shape[-1] - 1)
     token_logp = flat.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens.reshape(logp.shape[:-1]), token_logp.reshape(logp.shape[:-1])
+
+
+def support_ids(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """The kept support as int64 token ids [N, K] padded with -1 (the format of
+    `kernels.linear_logprob_entropy(..., support=)`); None when sampling the full distribution."""
+    if params.is_full_distribution:
+        return None
+    mask = support_mask(logits, params).reshape(-1, logits.shape[-1])
+    vocab = mask.shape[-1]
+    ids = torch.where(mask, torch.arange(vocab, device=mask.device), vocab).sort(dim=-1).values
+    ids = ids[:, : int(mask.sum(-1).max())]
+    return ids.masked_fill(ids == vocab, -1)
