@@ -1,0 +1,368 @@
+"""A real Slurm cluster on this machine, for tests, demos and trying snowcat without a supercomputer.
+
+`up(root)` starts munged, MariaDB + slurmdbd (so sacct/sacctmgr work), slurmctld and one slurmd per
+virtual node (n1, n2: 8 CPUs, 8000 MB, 4 fake GPUs each) from Debian's packages, all inside `root`
+(pids, logs, spool, state, configs). It is idempotent: running daemons are left alone, stale pid
+files from a crash are cleared. `down(root)` cancels jobs and stops everything; `status(root)` says
+what runs. Clients need only `SLURM_CONF` (see `<root>/env.sh`). Facts behind the configuration:
+/work/shared/notes/slurm-test-cluster.md.
+
+    python -m slurm.cluster up|down|status [--root DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pwd
+import secrets
+import signal
+import socket
+import string
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pipeline.errors import UserError
+from pipeline.fsio import atomic_write_text
+
+CLUSTER_NAME = "snowcat"
+ACCOUNT = "snowcat"
+NODES = ("n1", "n2")
+CPUS_PER_NODE = 8
+MEM_MB_PER_NODE = 8000
+GPUS_PER_NODE = 4
+MAX_TIME_MIN = 60
+PARTITIONS = ("cpu", "gpu")
+CRED_EXPIRE_S = 10  # also the delay before a requeued job may start again (Slurm's default: 120 s)
+START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 20.0
+
+TEMPLATES = Path(__file__).with_name("cluster")
+_READY_NODE_STATES = {"idle", "mixed", "allocated", "completing"}
+
+
+class ClusterError(UserError):
+    """The local cluster could not be started or stopped; the message ends with the log tail."""
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    root: Path
+    slurm_conf: Path
+    env: dict[str, str]  # what a client (sbatch, sacct, submitit) needs in its environment
+    nodes: tuple[str, ...] = NODES
+    partitions: tuple[str, ...] = PARTITIONS
+    account: str = ACCOUNT
+    ports: dict[str, int] = field(default_factory=dict)
+
+
+def default_root() -> Path:
+    env = os.environ.get("SNOWCAT_CLUSTER_ROOT")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / ".cluster"
+
+
+def _ports(root: Path) -> dict[str, int]:
+    # Derived from the root path so that two roots on one machine do not collide.
+    base = 20000 + (zlib.crc32(str(root).encode()) % 1200) * 10  # below the ephemeral range
+    ports = {"slurmctld": base, "slurmdbd": base + 1, "mariadb": base + 2}
+    ports.update({f"slurmd-{n}": base + 3 + i for i, n in enumerate(NODES)})
+    return ports
+
+
+# ---------------------------------------------------------------- daemons and pid files
+
+
+@dataclass(frozen=True)
+class _Daemon:
+    name: str
+    exe: str
+    pidfile: Path
+    log: Path
+
+
+def _daemons(root: Path) -> list[_Daemon]:
+    """In start order; `down` stops them in reverse."""
+    run, log = root / "run", root / "log"
+    ds = [
+        _Daemon("munged", "munged", run / "munged.pid", log / "munged.log"),
+        _Daemon("mariadbd", "mariadbd", run / "mariadbd.pid", log / "mariadbd.log"),
+        _Daemon("slurmdbd", "slurmdbd", run / "slurmdbd.pid", log / "slurmdbd.log"),
+        _Daemon("slurmctld", "slurmctld", run / "slurmctld.pid", log / "slurmctld.log"),
+    ]
+    ds += [_Daemon(f"slurmd-{n}", "slurmd", run / f"slurmd-{n}.pid", log / f"slurmd-{n}.log") for n in NODES]
+    return ds
+
+
+def _live_pid(d: _Daemon) -> int | None:
+    """The daemon's pid if its pid file names a live (non-zombie) process of the right program."""
+    try:
+        pid = int(d.pidfile.read_text().split()[0])
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except (OSError, ValueError, IndexError):
+        return None
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return pid if state not in ("Z", "X") and Path(argv0).name == d.exe else None
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _wait(ready: Callable[[], bool], what: str, log: Path, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise ClusterError(f"local cluster: {what} not ready after {timeout:.0f}s; tail of {log}:\n{_tail(log)}")
+        time.sleep(0.3)
+
+
+def _ok(cmd: list[str], env: dict[str, str], timeout: float = 20) -> bool:
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, timeout=timeout).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float = 60) -> str:
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise ClusterError(f"local cluster: `{' '.join(cmd)}` failed ({p.returncode}): {(p.stderr or p.stdout).strip()}")
+    return p.stdout
+
+
+def _start(d: _Daemon, argv: list[str], env: dict[str, str], daemonizes: bool = True) -> None:
+    if _live_pid(d):
+        return
+    d.pidfile.unlink(missing_ok=True)  # stale, from a crash
+    with open(d.log, "ab") as out:
+        if daemonizes:
+            p = subprocess.run(argv, env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+            if p.returncode != 0:
+                raise ClusterError(f"local cluster: {d.name} exited {p.returncode}; tail of {d.log}:\n{_tail(d.log)}")
+        else:  # own session, so it outlives us and ignores our terminal's signals
+            subprocess.Popen(argv, env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+    _wait(lambda: _live_pid(d) is not None, d.name, d.log)
+
+
+def _stop(d: _Daemon) -> None:
+    pid = _live_pid(d)
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while _live_pid(d) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _live_pid(d):
+            os.kill(pid, signal.SIGKILL)
+    d.pidfile.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def _client_env(root: Path) -> dict[str, str]:
+    return {"SLURM_CONF": str(root / "etc" / "slurm.conf")}
+
+
+def _render(root: Path, ports: dict[str, int], db_pass: str) -> dict[str, str]:
+    first, last = ports[f"slurmd-{NODES[0]}"], ports[f"slurmd-{NODES[-1]}"]
+    values = dict(
+        root=root, cluster=CLUSTER_NAME, host=socket.gethostname(), munge_socket=root / "run" / "munge.socket",
+        cred_expire=CRED_EXPIRE_S, ctld_port=ports["slurmctld"], dbd_port=ports["slurmdbd"], db_port=ports["mariadb"],
+        db_pass=db_pass, node_range=f"n[1-{len(NODES)}]", port_range=f"[{first}-{last}]", cpus=CPUS_PER_NODE,
+        mem_mb=MEM_MB_PER_NODE, gpus=GPUS_PER_NODE, last_gpu=GPUS_PER_NODE - 1, max_time_min=MAX_TIME_MIN,
+    )
+    return {n: string.Template((TEMPLATES / n).read_text()).substitute(values)
+            for n in ("slurm.conf", "gres.conf", "slurmdbd.conf")}
+
+
+def _prepare(root: Path) -> bool:
+    """Create the directory tree, keys, fake GPUs and configs. True if a config changed."""
+    for sub in ("etc", "run", "log", "state", "mysql", "dev", *(f"spool/{n}" for n in NODES), *(f"tmp/{n}" for n in NODES)):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    root.chmod(0o755)  # munged refuses group/other-writable directories on its paths
+    key = root / "etc" / "munge.key"
+    if not key.exists():
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(1024))
+    db_pass_file = root / "etc" / "db.pass"
+    if not db_pass_file.exists():
+        atomic_write_text(db_pass_file, secrets.token_hex(16))
+        db_pass_file.chmod(0o600)
+    for i in range(GPUS_PER_NODE):
+        gpu = root / "dev" / f"gpu{i}"
+        if not gpu.exists():  # Slurm only stats them: character devices with /dev/null's numbers
+            subprocess.run(["mknod", "-m", "666", str(gpu), "c", "1", "3"], check=True)
+    changed = False
+    for name, text in _render(root, _ports(root), db_pass_file.read_text().strip()).items():
+        path = root / "etc" / name
+        if not path.exists() or path.read_text() != text:
+            changed |= path.exists()
+            atomic_write_text(path, text)
+    (root / "etc" / "slurmdbd.conf").chmod(0o600)  # slurmdbd insists: it holds the DB password
+    env_sh = "".join(f"export {k}={v}\n" for k, v in _client_env(root).items())
+    atomic_write_text(root / "env.sh", env_sh)
+    return changed
+
+
+# ---------------------------------------------------------------- up / down / status
+
+
+def up(root: Path | None = None) -> ClusterInfo:
+    """Start (or complete) the cluster under `root`; return once every node is usable."""
+    root = Path(root or default_root()).resolve()
+    missing = [exe for exe in ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "sacctmgr") if not _which(exe)]
+    if missing:
+        raise ClusterError(f"local cluster: missing programs {missing}; run .ci/cluster.sh to install Debian's packages")
+    if _prepare(root) and any(_live_pid(d) for d in _daemons(root)):
+        down(root)  # a changed config: restart from scratch rather than half-reconfigure
+    env = {**os.environ, **_client_env(root)}
+    ports = _ports(root)
+    munged, mariadbd, slurmdbd, slurmctld, *slurmds = _daemons(root)
+    etc, run = root / "etc", root / "run"
+
+    _start(munged, ["munged", f"--key-file={etc / 'munge.key'}", f"--socket={run / 'munge.socket'}",
+                    f"--pid-file={munged.pidfile}", f"--log-file={munged.log}", f"--seed-file={run / 'munge.seed'}"], env)
+
+    sock = run / "mysqld.sock"
+    if not (root / "mysql" / "mysql").exists():
+        with open(mariadbd.log, "ab") as out:
+            subprocess.run(["mariadb-install-db", "--no-defaults", "--user=root", f"--datadir={root / 'mysql'}",
+                            "--auth-root-authentication-method=socket", "--skip-test-db"],
+                           env=env, stdout=out, stderr=out, check=True)
+    _start(mariadbd, ["mariadbd", "--no-defaults", "--user=root", f"--datadir={root / 'mysql'}", f"--socket={sock}",
+                      f"--port={ports['mariadb']}", "--bind-address=127.0.0.1", f"--pid-file={mariadbd.pidfile}",
+                      f"--log-error={mariadbd.log}", "--skip-name-resolve", "--innodb-buffer-pool-size=64M",
+                      "--performance-schema=OFF"], env, daemonizes=False)
+    mysql = ["mariadb", "--no-defaults", f"--socket={sock}", "-u", "root"]
+    _wait(lambda: _ok([*mysql, "-e", "SELECT 1"], env), "mariadbd", mariadbd.log)
+    db_pass = (etc / "db.pass").read_text().strip()
+    _run([*mysql, "-e", f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{db_pass}';"
+                        f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{db_pass}';"
+                        "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"], env)
+
+    _start(slurmdbd, ["slurmdbd"], env)
+    _wait(lambda: _ok(["sacctmgr", "-n", "list", "cluster"], env), "slurmdbd", slurmdbd.log)
+    _ensure_accounting(env)
+
+    _start(slurmctld, ["slurmctld", "-f", env["SLURM_CONF"]], env)
+    _wait(lambda: _ok(["scontrol", "ping"], env), "slurmctld", slurmctld.log)
+    for d, node in zip(slurmds, NODES):
+        _start(d, ["slurmd", "-N", node, "-f", env["SLURM_CONF"]], env)
+    _wait(lambda: _nodes_ready(env), "nodes " + ",".join(NODES), slurmctld.log)
+    return ClusterInfo(root=root, slurm_conf=etc / "slurm.conf", env=_client_env(root), ports=ports)
+
+
+def _which(exe: str) -> bool:
+    return any(os.access(Path(p) / exe, os.X_OK) for p in os.environ.get("PATH", "").split(os.pathsep) + ["/usr/sbin"])
+
+
+def _ensure_accounting(env: dict[str, str]) -> None:
+    """Cluster, account `snowcat` and the current user in it: jobs with another account are refused."""
+    user = pwd.getpwuid(os.getuid()).pw_name
+
+    def has(kind: str, fmt: str, name: str) -> bool:
+        return name in _run(["sacctmgr", "-n", "-P", "list", kind, f"format={fmt}"], env).split()
+
+    if not has("cluster", "cluster", CLUSTER_NAME):
+        _run(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], env)
+    if not has("account", "account", ACCOUNT):
+        _run(["sacctmgr", "-i", "add", "account", ACCOUNT, f"cluster={CLUSTER_NAME}",
+              "description=snowcat local test cluster", "organization=snowcat"], env)
+    # root already has an association with the `root` account; check the (account, user) pair.
+    if not has("association", "account,user", f"{ACCOUNT}|{user}"):
+        _run(["sacctmgr", "-i", "add", "user", user, f"account={ACCOUNT}", f"cluster={CLUSTER_NAME}"], env)
+    if not has("user", "user,defaultaccount", f"{user}|{ACCOUNT}"):
+        _run(["sacctmgr", "-i", "modify", "user", user, "set", f"defaultaccount={ACCOUNT}"], env)
+
+
+def _node_states(env: dict[str, str]) -> dict[str, str]:
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return {}
+    return dict(line.split() for line in out.stdout.splitlines() if len(line.split()) == 2)
+
+
+def _nodes_ready(env: dict[str, str]) -> bool:
+    states = _node_states(env)
+    # sinfo suffixes: * not responding, ~ powered off, # powering up, ! pending power down, etc.
+    return all(states.get(n, "").rstrip("*~#!%$@^-+").lower() in _READY_NODE_STATES for n in NODES)
+
+
+def down(root: Path | None = None) -> None:
+    """Cancel all jobs and stop every daemon of the cluster under `root` (no-op if it is not running)."""
+    root = Path(root or default_root()).resolve()
+    ds = _daemons(root)
+    env = {**os.environ, **_client_env(root)}
+    if _live_pid(ds[3]):  # slurmctld: cancel jobs so no step daemons outlive the cluster
+        jobs = subprocess.run(["squeue", "-h", "-o", "%A"], env=env, capture_output=True, text=True, timeout=20).stdout.split()
+        if jobs:
+            _ok(["scancel", *jobs], env)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while time.monotonic() < deadline and subprocess.run(
+                    ["squeue", "-h", "-o", "%A"], env=env, capture_output=True, text=True, timeout=20).stdout.split():
+                time.sleep(0.5)
+    # Controller first so it does not mark nodes down; then nodes, accounting, database, munge.
+    for d in [ds[3], *ds[4:], ds[2], ds[1], ds[0]]:
+        _stop(d)
+
+
+def status(root: Path | None = None) -> dict:
+    """{"root", "up", "daemons": {name: pid|None}, "nodes": {node: state}, "env", "ports"}."""
+    root = Path(root or default_root()).resolve()
+    daemons = {d.name: _live_pid(d) for d in _daemons(root)}
+    env = {**os.environ, **_client_env(root)}
+    nodes = _node_states(env) if daemons["slurmctld"] else {}
+    return {"root": str(root), "up": all(daemons.values()) and _nodes_ready(env) if daemons["slurmctld"] else False,
+            "daemons": daemons, "nodes": nodes, "env": _client_env(root), "ports": _ports(root)}
+
+
+def _print_status(st: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"snowcat local cluster at {st['root']}: {'[green]UP' if st['up'] else '[red]DOWN'}")
+    table.add_column("daemon")
+    table.add_column("pid")
+    table.add_column("state")
+    for name, pid in st["daemons"].items():
+        node = name.removeprefix("slurmd-") if name.startswith("slurmd-") else None
+        state = st["nodes"].get(node, "?") if node else ""
+        table.add_row(name, str(pid) if pid else "[red]stopped", state)
+    console = Console()
+    console.print(table)
+    if st["up"]:
+        console.print(f"clients: [bold]source {st['root']}/env.sh[/bold]  (" +
+                      " ".join(f"{k}={v}" for k, v in st["env"].items()) + ")")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m slurm.cluster", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["up", "down", "status"])
+    parser.add_argument("--root", type=Path, default=None, help="cluster directory (default: $SNOWCAT_CLUSTER_ROOT or <repo>/.cluster)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            up(args.root)
+        elif args.command == "down":
+            down(args.root)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    st = status(args.root)
+    _print_status(st)
+    return 0 if st["up"] or args.command == "down" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
