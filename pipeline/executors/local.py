@@ -144,9 +144,11 @@ class LocalExecutor(Executor):
         return all(self.run.is_done(u) for u in self.dag[stage].units)
 
     def _stop_all(self, running: list[_Running]) -> None:
+        # SIGINT, not SIGTERM: a stage treats SIGTERM as "checkpoint due" (Slurm's end-of-job
+        # warning) and would finish its step; cancelling means stop now.
         for r in running:
             try:
-                os.killpg(r.proc.pid, signal.SIGTERM)
+                os.killpg(r.proc.pid, signal.SIGINT)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 10
@@ -176,7 +178,7 @@ class LocalExecutor(Executor):
         for key, record in self.run.state()["stages"].items():
             if record.get("executor") == "local" and pid_alive(record.get("pid")):
                 try:
-                    os.killpg(record["pid"], signal.SIGTERM)
+                    os.killpg(record["pid"], signal.SIGINT)
                 except ProcessLookupError:
                     pass
                 cancelled.append(f"local:{record['pid']}")

@@ -1,0 +1,154 @@
+"""The CLI end to end on the local executor: run, status, idempotent re-runs, errors, kill + resume."""
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.fsio import read_json, sha256_file
+from tests.conftest import write_config
+
+SMALL = """
+name: small
+seed: 11
+stages:
+  tasks:
+    kind: tasks
+    domains:
+      closure: {count: 300, val_count: 30, difficulties: [1, 2, 3]}
+      arith: {count: 300, val_count: 30, difficulties: [2]}
+  more:
+    kind: tasks
+    needs: [tasks]
+    domains:
+      arith: {count: 100, val_count: 10, difficulties: [3]}
+"""
+
+# Big enough that the tasks stage runs for several seconds: time to kill it mid-stage.
+SLOW = ["stages.tasks.domains.closure.count=40000", "stages.tasks.domains.closure.val_count=100"]
+
+
+@pytest.fixture
+def small(tmp_path) -> Path:
+    return write_config(tmp_path / "small.yaml", SMALL)
+
+
+def _hashes(run_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(run_dir)): sha256_file(p) for p in sorted((run_dir / "stages").rglob("*.parquet"))}
+
+
+def test_run_then_status_then_idempotent_rerun(snowcat, small, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = snowcat("run", small, "--run-dir", run_dir)
+    assert proc.returncode == 0, proc.stderr
+    status = snowcat.status(run_dir)
+    assert status["run_id"] == "run"
+    assert {s["status"] for s in status["stages"].values()} == {"done"}
+    assert status["stages"]["tasks"]["metrics"]["val"] == 60
+    manifest = read_json(run_dir / "stages" / "tasks" / "manifest.json")["files"]
+    assert set(manifest) >= {"train.parquet", "val.parquet", "metrics.json"}
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "logs" / "tasks.log").is_file()
+
+    again = snowcat("run", small, "--run-dir", run_dir)
+    assert again.returncode == 0 and "all 2 stages done" in again.stderr
+    assert snowcat.status(run_dir)["stages"]["tasks"]["attempts"] == 1  # nothing re-ran
+
+
+def test_changed_output_is_reported_not_reused(snowcat, small, tmp_path):
+    run_dir = tmp_path / "run"
+    snowcat("run", small, "--run-dir", run_dir, check=True)
+    with open(run_dir / "stages" / "more" / "train.parquet", "ab") as f:
+        f.write(b"tampered")
+    status = snowcat.status(run_dir)
+    assert status["stages"]["more"]["status"] == "modified"
+    assert "more/train.parquet" in status["stages"]["more"]["problems"][0]
+    assert status["stages"]["tasks"]["status"] == "done"
+    proc = snowcat("resume", run_dir)
+    assert proc.returncode == 2 and "train.parquet" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_same_seed_same_outputs_across_runs(snowcat, small, tmp_path):
+    snowcat("run", small, "--run-dir", tmp_path / "a", check=True)
+    snowcat("run", small, "--run-dir", tmp_path / "b", check=True)
+    snowcat("run", small, "seed=12", "--run-dir", tmp_path / "c", check=True)
+    assert _hashes(tmp_path / "a") == _hashes(tmp_path / "b")
+    assert _hashes(tmp_path / "a") != _hashes(tmp_path / "c")
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["missing.yaml"], "missing.yaml: config file not found"),
+        (["{small}", "stages.tasks.bogus=1"], "stages.tasks.bogus"),
+        (["{small}", "seed=notanumber"], "seed"),
+        (["{small}", "stages.tasks.needs=[more]"], "cycle in needs"),
+        (["{small}", "stages.more.kind=warp"], "unknown stage kind 'warp'"),
+        (["{small}", "stages.more.needs=[nowhere]"], "unknown stage 'nowhere'"),
+    ],
+)
+def test_user_errors_one_line_exit_2_nothing_written(snowcat, small, tmp_path, args, fragment):
+    args = [a.replace("{small}", str(small)) for a in args]
+    proc = snowcat("run", *args, "--run-dir", tmp_path / "run")
+    assert proc.returncode == 2
+    assert fragment in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run")]  # no half-built temp dir
+
+
+def test_dry_run_writes_nothing(snowcat, small, tmp_path):
+    proc = snowcat("run", small, "--dry-run", "--run-dir", tmp_path / "run")
+    assert proc.returncode == 0 and "tasks" in proc.stdout and "more" in proc.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def _wait_for(predicate, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigkill_mid_stage_then_resume_matches_uninterrupted(snowcat, small, tmp_path):
+    killed = tmp_path / "killed"
+    proc = snowcat.popen("run", small, *SLOW, "--run-dir", killed)
+    state = killed / "state.json"
+    assert _wait_for(lambda: (read_json(state, {}) or {}).get("stages", {}).get("tasks", {}).get("status") == "running")
+    time.sleep(1.0)  # well inside the stage
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "stages" / "tasks" / "DONE").exists()
+
+    status = snowcat.status(killed)
+    assert status["stages"]["tasks"]["status"] == "failed"  # its process died with the driver
+    snowcat("resume", killed, check=True)
+
+    straight = tmp_path / "straight"
+    snowcat("run", small, *SLOW, "--run-dir", straight, check=True)
+    assert _hashes(killed) == _hashes(straight) and _hashes(killed)
+    assert {s["status"] for s in snowcat.status(killed)["stages"].values()} == {"done"}
+
+
+def test_concurrent_driver_is_refused(snowcat, small, tmp_path):
+    run_dir = tmp_path / "run"
+    first = snowcat.popen("run", small, *SLOW, "--run-dir", run_dir)
+    assert _wait_for(lambda: (run_dir / ".driver.pid").exists())
+    second = snowcat("resume", run_dir)
+    assert second.returncode == 2 and "another snowcat process" in second.stderr
+    assert first.wait(timeout=300) == 0
+    assert json.loads((run_dir / "state.json").read_text())["stages"]["tasks"]["status"] == "done"
+
+
+def test_cancel_stops_a_local_run(snowcat, small, tmp_path):
+    run_dir = tmp_path / "run"
+    first = snowcat.popen("run", small, *SLOW, "--run-dir", run_dir)
+    assert _wait_for(lambda: (read_json(run_dir / "state.json", {}) or {}).get("stages", {}).get("tasks", {}).get("status") == "running")
+    assert snowcat("cancel", run_dir).returncode == 0
+    assert first.wait(timeout=60) != 0
+    assert snowcat.status(run_dir)["stages"]["tasks"]["status"] == "cancelled"
+    snowcat("resume", run_dir, check=True)
+    assert {s["status"] for s in snowcat.status(run_dir)["stages"].values()} == {"done"}

@@ -1,0 +1,80 @@
+"""Config composition and validation: one schema, errors naming the source and the key."""
+
+from pathlib import Path
+
+import pytest
+
+from pipeline import config
+from pipeline.errors import UserError
+from tests.conftest import DEMO, write_config
+
+
+def test_demo_loads_typed_and_resolved():
+    cfg = config.load(DEMO)
+    assert cfg.stages.tasks.kind == "tasks"
+    assert cfg.stages.tasks.domains.closure.difficulties == [1, 2, 3, 4, 5, 6]
+    assert cfg.stages.tasks.resources.nodes == 1  # common keys come with every stage
+
+
+def test_overrides_use_dot_paths_and_types():
+    cfg = config.load(DEMO, ["seed=7", "stages.tasks.domains.arith.count=50", "stages.tasks.domains.arith.val_count=5"])
+    assert cfg.seed == 7 and cfg.stages.tasks.domains.arith.count == 50
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("stages.tasks.bogus=1", "stages.tasks.bogus"),
+        ("seed=abc", "seed"),
+        ("stages.tasks.resources.nodes=many", "stages.tasks.resources.nodes"),
+        ("executor.kind=pbs", "executor.kind"),
+        ("stages.tasks.domains.arith.val_count=0", "stages.tasks.domains.arith.val_count"),
+        ("stages.tasks.kind=nope", "stages.tasks.kind"),
+        ("name=${missing.key}", "name"),
+    ],
+)
+def test_bad_values_name_the_key(override, fragment):
+    with pytest.raises(UserError) as e:
+        config.load(DEMO, [override])
+    message = str(e.value)
+    assert fragment in message and "\n" not in message
+
+
+def test_error_names_the_file(tmp_path):
+    bad = write_config(tmp_path / "bad.yaml", "name: x\nstages:\n  t:\n    kind: tasks\n    colour: blue\n")
+    with pytest.raises(UserError, match=r"bad\.yaml: stages\.t\.colour"):
+        config.load(bad)
+
+
+def test_missing_required_kind(tmp_path):
+    bad = write_config(tmp_path / "bad.yaml", "stages:\n  t:\n    needs: []\n")
+    with pytest.raises(UserError, match=r"stages\.t\.kind: missing"):
+        config.load(bad)
+
+
+def test_missing_file():
+    with pytest.raises(UserError, match="not found"):
+        config.load(Path("/nonexistent/x.yaml"))
+
+
+def test_defaults_compose_experiment_and_site(tmp_path):
+    write_config(tmp_path / "base.yaml", "seed: 3\nname: base\nstages:\n  tasks:\n    kind: tasks\n")
+    exp = write_config(
+        tmp_path / "exp.yaml",
+        "defaults:\n  - base.yaml\n  - site: local\nname: exp\ndescription: 'seed is ${seed}'\n",
+    )
+    cfg = config.load(exp)
+    assert cfg.name == "exp" and cfg.seed == 3 and cfg.description == "seed is 3"
+    assert cfg.stages.tasks.kind == "tasks"
+    assert cfg.site.name == "local"
+
+
+def test_site_option_and_unknown_site():
+    assert config.load(DEMO, site="local").site.name == "local"
+    with pytest.raises(UserError, match="unknown site 'atlantis'"):
+        config.load(DEMO, site="atlantis")
+
+
+def test_stage_seeds_are_stable_and_distinct():
+    assert config.stage_seed(1, "a") == config.stage_seed(1, "a")
+    assert len({config.stage_seed(1, "a"), config.stage_seed(1, "b"), config.stage_seed(2, "a"), config.stage_seed(1, "a", 0)}) == 4

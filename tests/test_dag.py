@@ -1,0 +1,38 @@
+"""Stage DAG: order, fan-out units, and the errors for cycles and dangling needs."""
+
+import pytest
+
+from pipeline import config, dag
+from pipeline.errors import UserError
+from tests.conftest import DEMO
+
+TWO = ["stages.b.kind=tasks", "stages.b.needs=[tasks]", "stages.c.kind=tasks", "stages.c.needs=[b,tasks]"]
+
+
+def test_topological_order_follows_needs():
+    d = dag.build(config.load(DEMO, ["stages.c.kind=tasks", "stages.c.needs=[b]", "stages.b.kind=tasks", "stages.b.needs=[tasks]"]))
+    assert d.order == ["tasks", "b", "c"]
+    assert d.downstream("tasks") == {"b", "c"}
+
+
+def test_fan_out_is_a_cartesian_product():
+    d = dag.build(config.load(DEMO, ["stages.tasks.fan_out.ckpt=[a,b]", "stages.tasks.fan_out.bench=[x,y,z]"]))
+    node = d["tasks"]
+    assert len(node.units) == 6
+    assert node.items[0] == {"ckpt": "a", "bench": "x"} and node.items[5] == {"ckpt": "b", "bench": "z"}
+    assert [u.key for u in node.units][:2] == ["tasks[0]", "tasks[1]"]
+
+
+def test_cycle_is_reported_with_its_path():
+    with pytest.raises(UserError, match=r"cycle in needs: (b -> c -> b|c -> b -> c)"):
+        dag.build(config.load(DEMO, ["stages.b.kind=tasks", "stages.b.needs=[c]", "stages.c.kind=tasks", "stages.c.needs=[b]"]))
+
+
+def test_dangling_need():
+    with pytest.raises(UserError, match=r"stages\.tasks\.needs: unknown stage 'ghost'"):
+        dag.build(config.load(DEMO, ["stages.tasks.needs=[ghost]"]))
+
+
+def test_empty_fan_out_list():
+    with pytest.raises(UserError, match=r"stages\.tasks\.fan_out\.x"):
+        dag.build(config.load(DEMO, ["stages.tasks.fan_out.x=[]"]))
