@@ -1,0 +1,332 @@
+"""Sandboxes that run an agent's tool calls: no network, writes only in a work dir, hard limits.
+
+`Sandbox.run(cmd, files, timeout_s)` returns a SandboxResult whose `status` separates what the model
+did from what the machinery did: "ok" (the command ran; its exit code is the model's business),
+"timeout" (wall time), "limit" (CPU time, file size or output cap hit), "infra_error" (the sandbox
+itself failed: unshare missing, work dir gone, namespace setup refused). Infra errors are not model
+failures: RL treats them as neutral and evaluation reports their rate instead of counting them as fails.
+
+LocalSandbox, what it guarantees when running as root (the isolating mode, `isolate=True`):
+  * network: the command runs in a fresh network namespace (`unshare --net`): only a loopback
+    device, down. Nothing on the host, including 127.0.0.1 servers of the parent, is reachable.
+  * filesystem: a private mount namespace in which every mount is remounted read-only (per-mount
+    flag, the host is untouched) and only the work dir is bind-mounted writable; the command then
+    runs as uid/gid 65534 (nobody) with no capabilities and no_new_privs, so it cannot remount.
+    /tmp is read-only too: TMPDIR and HOME point into the work dir.
+  * processes: a fresh PID namespace; when the wall time is up, the namespace's init is killed and
+    the kernel kills every process left in it, including ones that escaped the process group.
+  * resources (setrlimit before exec): CPU seconds, address space, file size, process count; the
+    parent caps stdout+stderr and kills the command when it writes more.
+Without root (`os.geteuid() != 0`) the same namespaces are made inside an unprivileged user
+namespace (`unshare --user --map-root-user`, needs kernel.unprivileged_userns_clone) and the
+command keeps the user's own uid with all capabilities dropped.
+`isolate=False` keeps only the limits and the private work dir: for trusted commands and machines
+that refuse namespaces. ApptainerSandbox gets the same isolation from `apptainer exec --containall
+--net --network none --writable-tmpfs` on sites where agents run inside the sandbox image.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import selectors
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+STATUSES = ("ok", "timeout", "limit", "infra_error")
+NOBODY = 65534
+
+
+@dataclass
+class SandboxResult:
+    status: str  # one of STATUSES
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    truncated: bool = False  # output was cut at the cap
+    detail: str = ""  # which limit, or what broke in the sandbox machinery
+
+
+@dataclass
+class Limits:
+    cpu_s: int = 60
+    memory_bytes: int = 4 << 30  # address space
+    file_bytes: int = 256 << 20  # largest file the command may write
+    nproc: int = 256
+    output_bytes: int = 1 << 20  # stdout + stderr kept; more kills the command
+
+
+# Runs (bash) inside the new namespaces as their init (pid 1), still privileged. Arguments: the work dir,
+# the fd to report readiness on, the uid to become, then the command. The command runs as a child,
+# not exec'd: pid 1 ignores signals it has no handler for, which would swallow SIGXCPU.
+_INIT = r"""
+set -eu
+work=$1 ready_fd=$2 uid=$3; shift 3
+die() { echo "sandbox-init: $*" >&2; exit 125; }
+mount --make-rprivate / || die "cannot make mounts private"
+for mp in $(awk '{print $5}' /proc/self/mountinfo | sort -u); do
+  mount -o remount,bind,ro "$mp" 2>/dev/null || true
+done
+mount --bind "$work" "$work" || die "cannot bind $work"
+mount -o remount,bind,rw "$work" || die "cannot make $work writable"
+touch /.sandbox-ro-check 2>/dev/null && die "root still writable after remount"
+cd "$work" || die "work dir $work unavailable"
+if [ "$uid" = keep ]; then
+  drop="setpriv --inh-caps=-all --bounding-set=-all --no-new-privs --"
+else
+  drop="setpriv --reuid=$uid --regid=$uid --clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs --"
+fi
+echo ready >&"$ready_fd"
+eval "exec $ready_fd>&-"
+set +e
+$drop "$@"
+exit $?
+"""
+
+
+# Where no namespace init reports readiness, this wrapper does, just before exec. bash, not sh:
+# dash cannot name file descriptors above 9.
+_READY = 'echo ready >&{fd}; exec {fd}>&-; exec "$@"'
+
+
+def _limit_status(code: int | None) -> str | None:
+    for sig in (signal.SIGXCPU, signal.SIGXFSZ):
+        if code in (-sig, 128 + sig):
+            return signal.Signals(sig).name
+    return None
+
+
+class Sandbox:
+    """A place to run tool calls; one per agent episode, holding its work dir between calls."""
+
+    def __init__(self, workdir: str | os.PathLike | None = None, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self._own_dir = workdir is None
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="snowcat-sandbox-"))
+
+    def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _write_files(self, files: dict[str, str | bytes] | None) -> None:
+        for rel, content in (files or {}).items():
+            path = (self.workdir / rel).resolve()
+            if not path.is_relative_to(self.workdir.resolve()):
+                raise ValueError(f"sandbox file '{rel}' is outside the work dir")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content.encode() if isinstance(content, str) else content)
+
+    def _preexec(self) -> None:
+        lim = self.limits
+        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_bytes, lim.file_bytes))
+        resource.setrlimit(resource.RLIMIT_NPROC, (lim.nproc, lim.nproc))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    def _env(self) -> dict[str, str]:
+        tmp = self.workdir / ".tmp"
+        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.workdir), "TMPDIR": str(tmp),
+                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def _prepare(self) -> None:
+        """Hook run before each call (e.g. hand the work dir to the sandbox uid)."""
+
+    def run(self, cmd: list[str] | str, files: dict[str, str | bytes] | None = None,
+            timeout_s: float = 60.0) -> SandboxResult:
+        """Run one tool call in the work dir; `files` ({relative path: content}) are written first."""
+        try:
+            if not self.workdir.is_dir():
+                raise FileNotFoundError(f"work dir {self.workdir} unavailable")
+            self._write_files(files)
+            (self.workdir / ".tmp").mkdir(exist_ok=True)
+            self._prepare()
+            ready_r, ready_w = os.pipe()
+        except (OSError, ValueError) as e:
+            return SandboxResult("infra_error", None, "", "", detail=f"sandbox setup: {e}")
+        try:
+            argv = self.command(cmd, ready_w)
+            proc = subprocess.Popen(argv, cwd=self.workdir, env=self._env(), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(ready_w,),
+                                    start_new_session=True, preexec_fn=self._preexec)
+        except (OSError, subprocess.SubprocessError) as e:
+            os.close(ready_r)
+            return SandboxResult("infra_error", None, "", "", detail=f"sandbox start: {e}")
+        finally:
+            os.close(ready_w)
+        return self._collect(proc, ready_r, timeout_s)
+
+    def _collect(self, proc: subprocess.Popen, ready_r: int, timeout_s: float) -> SandboxResult:
+        cap = self.limits.output_bytes
+        out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+        sel = selectors.DefaultSelector()
+        for stream in out:
+            sel.register(stream, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        status, detail, truncated = "ok", "", False
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                status, detail = "timeout", f"wall time {timeout_s}s"
+                break
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                out[key.fileobj] += chunk
+                if sum(len(b) for b in out.values()) > cap:
+                    status, detail, truncated = "limit", f"output over {cap} bytes", True
+            if status != "ok":
+                break
+        if status != "ok":
+            self._kill(proc)
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()) if status == "ok" else 10)
+        except subprocess.TimeoutExpired:  # output closed but the process lingers past the wall time
+            status, detail = "timeout", f"wall time {timeout_s}s"
+            self._kill(proc)
+            proc.wait()
+        sel.close()
+        for stream in out:
+            stream.close()
+        ready = os.read(ready_r, 16)
+        os.close(ready_r)
+        stdout, stderr = (bytes(b) for b in out.values())
+        if len(stdout) + len(stderr) > cap:
+            truncated = True
+            stdout = stdout[:cap]
+            stderr = stderr[: max(0, cap - len(stdout))]
+        code = proc.returncode
+        if not ready.startswith(b"ready"):
+            # The command never started: whatever failed is the sandbox's fault, not the model's.
+            return SandboxResult("infra_error", code, "", stderr.decode(errors="replace"),
+                                 detail=f"sandbox did not start (exit {code}): {stderr.decode(errors='replace').strip()[-300:]}")
+        if status == "ok" and (which := _limit_status(code)):
+            status, detail = "limit", which
+        return SandboxResult(status, code, stdout.decode(errors="replace"), stderr.decode(errors="replace"),
+                             truncated, detail)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class LocalSandbox(Sandbox):
+    """Tool calls as host processes in fresh namespaces (see the module docstring for guarantees)."""
+
+    def __init__(self, workdir: str | os.PathLike | None = None, limits: Limits | None = None,
+                 isolate: bool = True, unshare: str = "unshare") -> None:
+        super().__init__(workdir, limits)
+        self.isolate = isolate
+        self.unshare = unshare
+        self.root = os.geteuid() == 0
+
+    def _prepare(self) -> None:
+        if self.isolate and self.root:
+            # The command runs as nobody: give it (only) its work dir.
+            os.chown(self.workdir, NOBODY, NOBODY)
+            for p in self.workdir.rglob("*"):
+                os.lchown(p, NOBODY, NOBODY)
+
+    def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
+        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not self.isolate:
+            # No namespace init to report readiness: the wrapper reports it just before exec.
+            return ["bash", "-c", _READY.format(fd=ready_fd), "sandbox", *argv]
+        ns = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+        if not self.root:
+            ns = ["--user", "--map-root-user", *ns]
+        uid = str(NOBODY) if self.root else "keep"
+        return [self.unshare, *ns, "bash", "-c", _INIT, "sandbox-init", str(self.workdir), str(ready_fd), uid, *argv]
+
+
+class ApptainerSandbox(Sandbox):
+    """Tool calls inside the sandbox image: `apptainer exec --containall --net --network none ...`.
+
+    --containall: private /tmp, /dev, IPC and PID namespaces and a clean environment; --no-home: the
+    user's home is not mounted; --net --network none: only loopback; --writable-tmpfs: the image
+    is read-only, scratch writes land in a throwaway overlay; the work dir is the only host path.
+    """
+
+    def __init__(self, image: str | os.PathLike, workdir: str | os.PathLike | None = None,
+                 limits: Limits | None = None, apptainer: str = "apptainer") -> None:
+        super().__init__(workdir, limits)
+        self.image = str(image)
+        self.apptainer = apptainer
+
+    def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
+        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        inner = [self.apptainer, "exec", "--containall", "--no-home", "--net", "--network", "none",
+                 "--writable-tmpfs", "--bind", f"{self.workdir}:/work", "--pwd", "/work", self.image, *argv]
+        if ready_fd is None:
+            return inner
+        # Readiness is reported by the host-side wrapper; an apptainer start-up failure is then
+        # told apart from the command's by apptainer's own exit code 255 and its FATAL line.
+        return ["bash", "-c", _READY.format(fd=ready_fd), "sandbox", *inner]
+
+    def _collect(self, proc, ready_r, timeout_s):
+        result = super()._collect(proc, ready_r, timeout_s)
+        if result.status == "ok" and result.exit_code == 255 and "FATAL:" in result.stderr:
+            result.status, result.detail = "infra_error", "apptainer failed to start the sandbox image"
+        return result
+
+
+def render(cmd: list[str]) -> str:
+    return shlex.join(cmd)
+
+
+def strip_git_history(repo_dir: str | os.PathLike, base_commit: str) -> str:
+    """Leave `repo_dir` with nothing an agent could mine for the answer: only `base_commit` and its
+    ancestors stay reachable or even stored.
+
+    HEAD becomes a `main` branch at base_commit; every other branch, tag, remote, note, stash and
+    reflog is deleted; objects borrowed from elsewhere (alternates) are copied in and the link cut;
+    then every unreachable object is pruned, so a fix commit's sha cannot be `git show`n.
+    Returns the full sha of the base commit.
+    """
+    repo = Path(repo_dir)
+
+    def git(*args: str, check: bool = True) -> str:
+        proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"git {' '.join(args)} in {repo}: {proc.stderr.strip()}")
+        return proc.stdout.strip()
+
+    sha = git("rev-parse", "--verify", f"{base_commit}^{{commit}}")
+    git("checkout", "--quiet", "--force", "--detach", sha)
+    for ref in git("for-each-ref", "--format=%(refname)").splitlines():
+        git("update-ref", "--no-deref", "-d", ref)
+    git("checkout", "--quiet", "-B", "main", sha)
+    for remote in git("remote").splitlines():
+        git("remote", "remove", remote)
+    gitdir = Path(git("rev-parse", "--absolute-git-dir"))
+    for name in ("FETCH_HEAD", "ORIG_HEAD", "MERGE_HEAD", "CHERRY_PICK_HEAD", "packed-refs.lock"):
+        (gitdir / name).unlink(missing_ok=True)
+    shutil.rmtree(gitdir / "logs", ignore_errors=True)
+    shutil.rmtree(gitdir / "refs" / "original", ignore_errors=True)
+    git("reflog", "expire", "--expire=now", "--all")
+    # Copy what we still need from alternates, then cut them; repack keeps only reachable objects.
+    git("repack", "-a", "-d", "-q")
+    (gitdir / "objects" / "info" / "alternates").unlink(missing_ok=True)
+    git("-c", "gc.reflogExpire=now", "-c", "gc.reflogExpireUnreachable=now", "gc", "--prune=now", "--quiet")
+    git("prune", "--expire=now")
+    return sha

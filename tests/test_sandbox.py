@@ -1,0 +1,175 @@
+"""Agent sandboxes: isolation and limits of LocalSandbox (real namespaces), ApptainerSandbox rendering,
+and stripping a task repo's git history."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stages.sandbox import ApptainerSandbox, Limits, LocalSandbox, strip_git_history
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                                reason="isolating LocalSandbox tests run as root with util-linux unshare")
+
+
+@pytest.fixture
+def sandbox():
+    with LocalSandbox(limits=Limits(cpu_s=2, memory_bytes=1 << 30, file_bytes=1 << 20,
+                                    output_bytes=20_000)) as sb:
+        yield sb
+
+
+@needs_root
+def test_runs_in_work_dir_as_nobody_with_files(sandbox):
+    r = sandbox.run("cat task/spec.txt; id -u; pwd", files={"task/spec.txt": "fix the bug\n"}, timeout_s=30)
+    assert r.status == "ok" and r.exit_code == 0, r
+    assert r.stdout.splitlines() == ["fix the bug", "65534", str(sandbox.workdir)]
+    # The work dir persists between calls of one episode.
+    assert sandbox.run("echo 1 > a && cat a", timeout_s=30).stdout == "1\n"
+    assert sandbox.run("cat a", timeout_s=30).stdout == "1\n"
+
+
+@needs_root
+def test_no_network_even_to_parent_loopback(sandbox):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    probe = ("import socket,sys\n"
+             f"try: socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
+             "except OSError as e: sys.exit(f'blocked: {e}')\n"
+             "print('connected')")
+    # The same probe outside the sandbox connects: the server is really there.
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout == "connected\n"
+    r = sandbox.run([sys.executable, "-c", probe], timeout_s=30)
+    server.close()
+    assert r.status == "ok" and r.exit_code == 1 and "blocked" in r.stderr, r
+
+
+@needs_root
+def test_cannot_write_outside_work_dir(sandbox):
+    import tempfile
+    outside = Path(tempfile.mkdtemp(prefix="snowcat-outside-", dir="/tmp"))
+    outside.chmod(0o777)  # permissions would allow it: the read-only mount is what stops it
+    r = sandbox.run(f"echo pwned > {outside}/x; echo pwned > /tmp/x-{os.getpid()}; "
+                    f"mount -o remount,rw / ; echo rc=$?", timeout_s=30)
+    assert r.status == "ok", r
+    assert r.stderr.count("Read-only file system") == 2, r.stderr
+    assert "rc=0" not in r.stdout
+    assert not (outside / "x").exists() and not Path(f"/tmp/x-{os.getpid()}").exists()
+    shutil.rmtree(outside)
+
+
+@needs_root
+def test_cpu_limit(sandbox):
+    r = sandbox.run([sys.executable, "-c", "while True: pass"], timeout_s=60)
+    assert (r.status, r.detail) == ("limit", "SIGXCPU"), r
+
+
+@needs_root
+def test_wall_time_kills_everything(sandbox):
+    # A background child that would outlive its parent is killed with the tool call's namespace.
+    r = sandbox.run("(sleep 2; touch late) & sleep 30", timeout_s=1)
+    assert r.status == "timeout", r
+    time.sleep(2.5)
+    assert not (sandbox.workdir / "late").exists()
+
+
+@needs_root
+def test_memory_limit(sandbox):
+    r = sandbox.run([sys.executable, "-c", "b = bytearray(2 << 30); print('allocated')"], timeout_s=60)
+    assert r.exit_code != 0 and "MemoryError" in r.stderr and "allocated" not in r.stdout, r
+
+
+@needs_root
+def test_output_and_file_size_limits(sandbox):
+    r = sandbox.run("yes", timeout_s=60)
+    assert r.status == "limit" and r.truncated and len(r.stdout) + len(r.stderr) <= 20_000, r.detail
+    r = sandbox.run("head -c 3000000 /dev/zero > big", timeout_s=60)
+    assert (r.status, r.detail) == ("limit", "SIGXFSZ"), r
+    assert (sandbox.workdir / "big").stat().st_size <= 1 << 20
+
+
+def test_sandbox_machinery_failures_are_infra_errors(tmp_path):
+    missing = LocalSandbox(unshare=str(tmp_path / "no-unshare"))
+    r = missing.run("echo hi")
+    assert r.status == "infra_error" and "no-unshare" in r.detail
+    missing.close()
+
+    broken = LocalSandbox(unshare="false")  # namespace setup refused: exits before the command starts
+    r = broken.run("echo hi")
+    assert r.status == "infra_error" and r.stdout == "", r
+    broken.close()
+
+    gone = LocalSandbox()
+    shutil.rmtree(gone.workdir)
+    r = gone.run("echo hi")
+    assert r.status == "infra_error" and "unavailable" in r.detail
+
+    # ... whereas a command failing on its own is the model's: status ok, its exit code kept.
+    with LocalSandbox(isolate=False) as plain:
+        r = plain.run("exit 3")
+        assert (r.status, r.exit_code) == ("ok", 3)
+
+
+def test_files_cannot_escape_work_dir():
+    with LocalSandbox(isolate=False) as sb:
+        r = sb.run("true", files={"../escape.txt": "x"})
+        assert r.status == "infra_error" and "outside the work dir" in r.detail
+
+
+def test_apptainer_sandbox_rendering(tmp_path):
+    sb = ApptainerSandbox("/img/sandbox.sif", workdir=tmp_path)
+    argv = sb.command("pytest -q")
+    assert argv == ["apptainer", "exec", "--containall", "--no-home", "--net", "--network", "none",
+                    "--writable-tmpfs", "--bind", f"{tmp_path}:/work", "--pwd", "/work",
+                    "/img/sandbox.sif", "sh", "-c", "pytest -q"]
+    wrapped = sb.command(["ls"], ready_fd=7)
+    assert wrapped[:2] == ["bash", "-c"] and wrapped[-len(argv) + 2:][-1] == "ls"
+    assert wrapped[4:] == argv[:-3] + ["ls"]
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_strip_git_history_leaves_no_future(tmp_path):
+    upstream = tmp_path / "upstream"
+    upstream.mkdir()
+    _git(upstream, "init", "-q", "-b", "main")
+    _git(upstream, "config", "user.email", "t@example.com")
+    _git(upstream, "config", "user.name", "t")
+    (upstream / "lib.py").write_text("def add(a, b):\n    return a - b\n")
+    _git(upstream, "add", ".")
+    _git(upstream, "commit", "-qm", "buggy")
+    base = _git(upstream, "rev-parse", "HEAD")
+    (upstream / "lib.py").write_text("def add(a, b):\n    return a + b  # THE FIX\n")
+    _git(upstream, "commit", "-qam", "fix add")
+    fix = _git(upstream, "rev-parse", "HEAD")
+    fix_blob = _git(upstream, "rev-parse", "HEAD:lib.py")
+    _git(upstream, "tag", "v1", fix)
+    _git(upstream, "branch", "feature", fix)
+
+    # The task repo: a clone sharing objects with upstream (alternates) plus a remote and packed refs.
+    task = tmp_path / "task"
+    subprocess.run(["git", "clone", "-q", "--shared", str(upstream), str(task)], check=True)
+    _git(task, "pack-refs", "--all")
+    _git(task, "stash", "list")
+
+    assert strip_git_history(task, base) == base
+    assert _git(task, "rev-parse", "HEAD") == base
+    assert "return a - b" in (task / "lib.py").read_text()
+    assert _git(task, "for-each-ref", "--format=%(refname)").splitlines() == ["refs/heads/main"]
+    assert _git(task, "remote") == ""
+    assert _git(task, "rev-list", "--all", "--reflog") == base
+    for obj in (fix, fix_blob):
+        assert subprocess.run(["git", "-C", str(task), "cat-file", "-e", obj]).returncode != 0, obj
+    gitdir = task / ".git"
+    assert not (gitdir / "objects" / "info" / "alternates").exists()
+    assert "THE FIX" not in subprocess.run(["grep", "-r", "THE FIX", str(gitdir)], capture_output=True, text=True).stdout
+    assert _git(task, "fsck", "--full") == ""  # still a healthy repo
