@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up everything snowcat needs on a fresh Debian machine (as root): system packages for the
+# local Slurm test cluster and MPI, a virtual environment, and snowcat with its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES="slurm-wlm slurmd slurmctld slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev libhdf5-dev iproute2 util-linux git"
+missing=""
+for p in $PACKAGES; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+  echo "[setup] apt-get install$missing"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# The CPU build of torch on this machine's disk first, so nothing pulls a CUDA build.
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[test]"
+echo "[setup] snowcat installed in $(pwd)/.venv"
