@@ -73,19 +73,15 @@ class TorchEngine:
         return cls(model, **kwargs)
 
     def load_weights(self, model_dir: str | Path) -> None:
-        """Replace the weights in place from a dir of safetensors (one file or shards)."""
-        from safetensors.torch import load_file
+        """Replace the weights in place from a model/weights dir (safetensors under HF names, one
+        file or shards + index, as `stages.model.save_model_dir` writes them)."""
+        from stages.model.io import load_hf_state_dict, read_tensors
 
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise EngineError(f"{model_dir}: no *.safetensors files")
-        state = {}
-        for f in files:
-            state.update(load_file(f, device=str(self.device)))
         try:
-            self.model.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            raise EngineError(f"{model_dir}: weights do not fit the model: {e}") from e
+            tensors = read_tensors(Path(model_dir))
+            load_hf_state_dict(self.model, {k: v.to(self.device) for k, v in tensors.items()})
+        except (OSError, RuntimeError, KeyError, ValueError) as e:
+            raise EngineError(f"{model_dir}: cannot load weights: {e}") from e
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> list[Completion]:
