@@ -39,7 +39,7 @@ PATTERNS: dict[str, re.Pattern[str]] = {
     "slack_token": re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,200}"),
     "jwt": re.compile(r"\beyJ[A-Za-z0-9_-]{8,2000}\.eyJ[A-Za-z0-9_-]{8,2000}\.[A-Za-z0-9_-]{8,2000}"),
     "private_key": re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----"),
-    "url_password": re.compile(r"\b[a-z][a-z0-9+.-]{1,20}://[^\s:/@]{1,100}:[^\s:/@]{1,200}@"),
+    "url_password": re.compile(r"\b[a-z][a-z0-9+.-]{1,20}://[^\s:/@\"']{1,100}:[^\s:/@\"']{1,200}@"),
 }
 _BYTE_PATTERNS = {kind: re.compile(p.pattern.encode()) for kind, p in PATTERNS.items()}
 _MAX_MATCH = 6100  # longest match any pattern can produce (the JWT bound), for chunk overlap
