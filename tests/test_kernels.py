@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import linear_logprob_entropy
@@ -107,6 +109,33 @@ def test_reference_never_allocates_n_by_v():
     # Largest tensor is a chunk of logits (or the weight and its gradient), never n x vocab.
     assert rec.largest == max(chunk * vocab, w.numel())
     assert rec.largest < n * vocab
+
+
+def tp_worker(rank, world, init_file, backend):
+    """One rank of a vocabulary-parallel LM head: holds rows [rank*V/P, (rank+1)*V/P) of W."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        # Full vocabulary, then support ids spread over both shards (some tokens keep one shard's only).
+        for support_k in (0, 5):
+            h, w, y, support, g_lp, g_ent = make_problem(n=29, hdim=12, vocab=48, support_k=support_k, seed=3)
+            rows = w.shape[0] // world
+            shard = w[rank * rows:(rank + 1) * rows]
+            fn = lambda *a, **k: linear_logprob_entropy(  # noqa: E731
+                *a, temperature=0.9, backend=backend, chunk_size=16, tp_group=dist.group.WORLD, **k)
+            got = run_with_grads(fn, h, shard, y, support, g_lp, g_ent)
+            want = list(truth(h, w, y, support, g_lp, g_ent, 0.9))
+            want[3] = want[3][rank * rows:(rank + 1) * rows]
+            assert_close_all(got, want, atol=3e-5, rtol=1e-4)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp(backend, tmp_path):
+    mp.spawn(tp_worker, args=(2, str(tmp_path / "rendezvous"), backend), nprocs=2)
+
+
+def test_tensor_parallel_reference_two_gloo_ranks(tmp_path):
+    run_tp("reference", tmp_path)
 
 
 def test_bad_arguments():
