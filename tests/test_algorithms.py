@@ -123,7 +123,7 @@ def test_ppo_clipping_on_top_of_ratio():
     logp = torch.zeros(4, 1, requires_grad=True)
     old = -torch.log(ratios).unsqueeze(-1)
     cfg = PolicyLossConfig(clip_low=0.2, tis_cap=None)
-    loss, stats, = policy_loss(logp, old, old, adv, torch.ones(4, 1), cfg)
+    loss, stats = policy_loss(logp, old, old, adv, torch.ones(4, 1), cfg)
     loss.backward()
     # A=+1,r=1.5: max(-1.5,-1.2) = -1.2 (clipped) ; A=-1,r=1.5: max(1.5,1.2) = 1.5
     # A=+1,r=0.5: max(-0.5,-0.8) = -0.5           ; A=-1,r=0.5: max(0.5,0.8) = 0.8 (clipped)

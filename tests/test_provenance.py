@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
