@@ -83,6 +83,11 @@ def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
     unit = Unit(stage, index)
     if (index is None) != (node.items is None) or (index is not None and not 0 <= index < len(node.items)):
         raise UserError(f"stage {stage}: item {index} does not match its fan-out")
+    missing = [n for n in node.needs if not all(run.is_done(u) for u in dag[n].units)]
+    if missing:  # e.g. a Slurm dependent released by `afterany` after its input's chain gave up
+        print(f"[snowcat] {unit.key}: input stage(s) {', '.join(missing)} not done; not starting", file=sys.stderr, flush=True)
+        run.update_stage(unit.key, status="failed", error=f"inputs not done: {', '.join(missing)}")
+        return 1
     if run.is_done(unit) and not run.verify_unit(unit):
         print(f"[snowcat] {unit.key}: already done, outputs verified; nothing to do", flush=True)
         return 0
