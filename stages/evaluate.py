@@ -113,9 +113,13 @@ class TimedVerifier:
         self.proc = ctx.Process(target=_verifier_worker, args=(self.spec, child), daemon=True)
         self.proc.start()
         child.close()
-        if not self.conn.poll(self.startup_timeout_s) or self.conn.recv() != "ready":
+        try:
+            ready = self.conn.poll(self.startup_timeout_s) and self.conn.recv() == "ready"
+        except EOFError:
+            ready = False
+        if not ready:
             self.close()
-            raise RuntimeError(f"verifier {self.spec}: worker did not start")
+            raise RuntimeError(f"verifier {self.spec}: worker process did not start (see its traceback above)")
 
     def _restart(self) -> None:
         self.close()
