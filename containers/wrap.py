@@ -80,7 +80,7 @@ def _get(site: Any, key: str, default: Any = None) -> Any:
 
 def site_mpi_plugin(site: Any) -> str:
     """The `srun --mpi=` plugin a site profile names (JSC: pspmix; the local cluster: pmix)."""
-    for key in ("mpi", "mpi_plugin", "srun_mpi"):
+    for key in ("mpi_plugin", "mpi"):
         value = _get(site, key)
         if value:
             return str(value)

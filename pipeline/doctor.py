@@ -216,7 +216,7 @@ def job_args(site: Any, checks: list[Check] = ()) -> list[str]:
 
 def check_hetjobs(site: Any, args: list[str] | None = None) -> Check:
     args = " ".join(job_args(site) if args is None else args)
-    claimed = _first(site, "hetjobs", "slurm.hetjobs", "features.hetjobs", default=True)
+    claimed = _first(site, "hetjobs_allowed", "hetjobs", default=True)
     with tempfile.NamedTemporaryFile("w", suffix=".sh", delete=False) as f:
         f.write(f"#!/bin/sh\n#SBATCH {args} -N1 -n1 -t 1\n#SBATCH hetjob\n#SBATCH {args} -N1 -n1 -t 1\ntrue\n")
     try:
@@ -227,18 +227,18 @@ def check_hetjobs(site: Any, args: list[str] | None = None) -> Check:
         return Check("hetjobs", PASS, "a heterogeneous job passes `sbatch --test-only`")
     status = FAIL if claimed else WARN
     return Check("hetjobs", status, f"hetjob rejected: {out.splitlines()[-1] if out else code}",
-                 "multi-role stages (RL) need hetjobs: ask the centre to allow them, or set hetjobs: false "
+                 "multi-role stages (RL) need hetjobs: ask the centre to allow them, or set hetjobs_allowed: false "
                  "in the profile to run roles as separate jobs")
 
 
 def check_arrays(site: Any, args: list[str] | None = None) -> Check:
-    claimed = _first(site, "arrays", "slurm.arrays", "features.arrays", default=True)
+    claimed = _first(site, "arrays_allowed", "arrays", default=True)
     code, out = _test_only([*(job_args(site) if args is None else args), "-N1", "-n1", "-t", "1", "--array=0-1", "--wrap", "true"])
     if code == 0:
         return Check("arrays", PASS if claimed else WARN, "job arrays accepted" + ("" if claimed else " (profile says not)"),
-                     "" if claimed else "set arrays: true in the profile")
+                     "" if claimed else "set arrays_allowed: true in the profile")
     return Check("arrays", FAIL if claimed else PASS, f"job arrays rejected: {out.splitlines()[-1] if out else code}",
-                 "set arrays: false in the profile (fan-out then submits one job per item)" if claimed else "")
+                 "set arrays_allowed: false in the profile (fan-out then submits one job per item)" if claimed else "")
 
 
 def check_mpi(site: Any) -> Check:
@@ -253,20 +253,20 @@ def check_mpi(site: Any) -> Check:
     if plugin in listed:
         return Check("mpi", PASS, f"srun --mpi={plugin} available", found={"mpi": sorted(listed)})
     return Check("mpi", FAIL, f"srun has no --mpi={plugin} (has: {', '.join(sorted(listed))})",
-                 f"set mpi: <one of {', '.join(sorted(listed))}> in the profile (pmix for OpenMPI; JSC: pspmix)",
+                 f"set mpi_plugin: <one of {', '.join(sorted(listed))}> in the profile (pmix for OpenMPI; JSC: pspmix)",
                  {"mpi": sorted(listed)})
 
 
 def check_apptainer(site: Any) -> Check:
-    runtime = _first(site, "container.runtime", "runtime", "container_runtime", default="none")
+    runtime = _first(site, "container_runtime", "container.runtime", default="none")
     binary = shutil.which("apptainer") or shutil.which("singularity")
-    module = _first(site, "container.module", "apptainer_module", default="apptainer")
+    module = _first(site, "container_module", "container.module", default="apptainer")
     if not binary:
         if runtime == "apptainer":
             return Check("apptainer", FAIL, "the profile runs stages in Apptainer but apptainer is not on PATH",
-                         f"`module load {module}` before snowcat (TACC: compute nodes only), or set container.runtime: none")
+                         f"`module load {module}` before snowcat (TACC: compute nodes only), or set container_runtime: none")
         return Check("apptainer", WARN, "apptainer not found; stages run without containers (runtime none)",
-                     f"to use images: `module load {module}` and set container.runtime: apptainer")
+                     f"to use images: `module load {module}` and set container_runtime: apptainer")
     code, out = _sh([binary, "--version"])
     gpu = shutil.which("nvidia-smi")
     detail = f"{out.strip()}" + ("" if gpu else "; no nvidia-smi on this node, --nv not verifiable here")
@@ -301,7 +301,7 @@ def check_run_root(site: Any, run_root: str | os.PathLike, home: str | None = No
         return checks
     root = existing
     fs = _fs_type(root)
-    need_shared = _first(site, "filesystems.shared_required", "shared_run_root", default=True)
+    need_shared = _first(site, "shared_fs_required", "filesystems.shared_required", default=True)
     if fs in SHARED_FS:
         checks.append(Check("run_root.shared", PASS, f"{root} is on {fs} (shared)"))
     else:
@@ -311,14 +311,14 @@ def check_run_root(site: Any, run_root: str | os.PathLike, home: str | None = No
                             if need_shared else "fine for a single-machine cluster"))
     usage = shutil.disk_usage(root)
     free_gb = usage.free / 2**30
-    min_gb = float(_first(site, "filesystems.min_free_gb", "min_free_gb", default=50))
+    min_gb = float(_first(site, "min_free_gb", "filesystems.min_free_gb", default=50))
     checks.append(Check("run_root.space", PASS if free_gb >= min_gb else WARN, f"{free_gb:.0f} GiB free on {root}",
                         "" if free_gb >= min_gb else f"free space or quota below {min_gb:.0f} GiB: clean old runs (`snowcat` retention) or move run_root"))
     quota = _quota(root, fs)
     if quota:
         checks.append(Check("run_root.quota", PASS, quota))
-    scratch = _first(site, "filesystems.scratch", "scratch", default=os.environ.get("SCRATCH"))
-    purge = _first(site, "filesystems.scratch_purge_days", "scratch_purge_days")
+    scratch = _first(site, "scratch", "filesystems.scratch", default=os.environ.get("SCRATCH"))
+    purge = _first(site, "scratch_purge_days", "filesystems.scratch_purge_days")
     if scratch and Path(os.path.expandvars(str(scratch))).expanduser() in [root, *root.parents]:
         checks.append(Check("run_root.purge", WARN, f"run root is on scratch ({scratch})"
                             + (f", purged after {purge} days unused" if purge else ", which centres purge"),
@@ -345,7 +345,7 @@ _INTERNET_PROBE = ("import socket,sys\n"
 
 
 def check_internet(site: Any, args: list[str] | None = None, host: str = "pypi.org") -> Check:
-    claimed = _first(site, "internet_on_compute", "compute_internet", "network.internet_on_compute")
+    claimed = _first(site, "internet_on_compute", "compute_internet")
     cmd = ["srun", *(job_args(site) if args is None else args), "-N1", "-n1", "-t", "2", "--immediate=120", "--job-name=snowcat-doctor",
            "python3", "-c", _INTERNET_PROBE, host]
     code, out = _sh(cmd, timeout=240)
@@ -469,7 +469,7 @@ def onboard(site_profile: Any, run_root: str | os.PathLike | None = None, checks
     mpi = by_name.get("mpi")
     if mpi and mpi.status == FAIL and mpi.found.get("mpi"):
         listed = mpi.found["mpi"]
-        override["mpi"] = "pmix" if "pmix" in listed else listed[0]
+        override["mpi_plugin"] = "pmix" if "pmix" in listed else listed[0]
     return override
 
 
@@ -483,3 +483,66 @@ def write_override(override: dict, path: str | os.PathLike) -> Path:
     atomic_write_text(path, "# written by `snowcat onboard` from `snowcat doctor` findings\n"
                       + OmegaConf.to_yaml(OmegaConf.create(override)))
     return path
+
+
+# --------------------------------------------------------------------------------------- CLI
+
+
+def load_profile(name: str | None) -> Any:
+    """The site profile by name (slurm.site.load_site); None runs the generic checks only."""
+    if not name:
+        return {}
+    from slurm.site import load_site
+
+    return load_site(name)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--site", default=None, help="site profile to check against (slurm/sites/NAME.yaml)")
+    p.add_argument("--run-root", default=None, help="where runs go (default: the profile's run_root, else ./logs)")
+    p.add_argument("--staging-dir", default=None, help="staging dir whose artefacts must be present")
+    p.add_argument("--staged", nargs="*", default=[], help="artefact names that must be staged")
+    p.add_argument("--no-jobs", action="store_true", help="skip the check that starts a tiny test job")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def cmd_doctor(args) -> int:
+    site = load_profile(args.site)
+    run_root = args.run_root or _first(site, "run_root", default="logs")
+    checks = run_doctor(site, run_root, staging_dir=args.staging_dir, staged=args.staged, jobs=not args.no_jobs)
+    print(format_checks(checks, as_json=args.json))
+    return exit_code(checks)
+
+
+def cmd_onboard(args) -> int:
+    """Write the user's site override (default ./site-override.yaml) from doctor's findings."""
+    site = load_profile(args.site)
+    run_root = args.run_root or None
+    checks = run_doctor(site, run_root or _first(site, "run_root", default="logs"), jobs=not args.no_jobs)
+    override = onboard(site, run_root, checks)
+    path = write_override(override, getattr(args, "output", None) or "site-override.yaml")
+    print(format_checks(checks, as_json=False) if not args.json else json.dumps(override, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="snowcat doctor", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.add_argument("--onboard", metavar="OUTPUT", default=None, help="also write a site override YAML here")
+    args = p.parse_args(argv)
+    try:
+        if args.onboard:
+            args.output = args.onboard
+            return cmd_onboard(args)
+        return cmd_doctor(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
