@@ -64,6 +64,11 @@ def validate(section, key: str) -> None:
         raise UserError(f"{key}.pass_k: {bad} outside 1..attempts ({section.attempts})")
     if section.infra_retries < 0 or section.verifier_timeout_s <= 0 or section.batch_size < 1:
         raise UserError(f"{key}: infra_retries must be >= 0, verifier_timeout_s > 0, batch_size >= 1")
+    needs = set(getattr(section, "needs", None) or [])
+    if needs:  # called with the full stage section: its inputs must be declared
+        for stage in [str(r).partition(":")[0] for r in section.checkpoints] + [section.tasks]:
+            if stage not in needs:
+                raise UserError(f"{key}.needs: add {stage!r} (named in {key}.checkpoints or {key}.tasks)")
     if ":" not in section.verifier:
         raise UserError(f"{key}.verifier: {section.verifier!r} is not 'module:function'")
     from stages.rollout.sampling import SamplingParams
@@ -172,11 +177,14 @@ def _attempt_seed(run_seed: int, batch_index: int) -> int:
 
 def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier) -> list[dict]:
     """One record per (task, attempt) for checkpoint `ref`."""
+    import torch
+
     from stages.model import load_model_dir
     from stages.rollout import EngineError, SamplingParams, TorchEngine
     from stages.taskgen import VerifierError
 
-    model, _, tok = load_model_dir(resolve_checkpoint(ctx, ref))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _, tok = load_model_dir(resolve_checkpoint(ctx, ref), device=device)
     if tok is None:
         raise UserError(f"{ref}: checkpoint has no tokenizer.json")
     engine = TorchEngine(model, max_batch=cfg.batch_size)

@@ -178,5 +178,11 @@ def test_real_verifier_and_bad_config(workdir):
         cfg = evaluate.Config(attempts=3, **bad)
         with pytest.raises(UserError, match="stages.eval"):
             evaluate.validate(cfg, "stages.eval")
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    section = SimpleNamespace(**asdict(evaluate.Config(checkpoints=["sft:final"])), needs=["tasks"])
+    with pytest.raises(UserError, match="stages.eval.needs: add 'sft'"):
+        evaluate.validate(section, "stages.eval")
     with pytest.raises(UserError, match="sft:nope"):
         run_stage(workdir, "missing", checkpoints=["sft:nope"])

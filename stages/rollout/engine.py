@@ -117,7 +117,7 @@ class TorchEngine:
             ids[b, : len(p)] = torch.tensor(p)
         hidden = self.model(ids, kv_cache=cache).hidden
         cache.truncate(lengths)
-        logits = self.model.logits(hidden[torch.arange(batch), lengths - 1]).float()
+        logits = self.model.logits(hidden[torch.arange(batch, device=self.device), lengths - 1]).float()
 
         stop = set(params.stop_ids)
         tokens: list[list[int]] = [[] for _ in prompts]
