@@ -30,18 +30,27 @@ _SECRET_EXACT = {"PASS", "PAT", "DSN"}  # only as a whole word (PWD is the worki
 _LOCATION_WORDS = {"PATH", "FILE", "DIR", "SOCK", "SOCKET"}
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
-# Well-known credential shapes. Lengths are bounded so that matching in chunks is exact.
-PATTERNS: dict[str, re.Pattern[str]] = {
-    "huggingface_token": re.compile(r"\bhf_[A-Za-z0-9]{20,120}"),
-    "github_token": re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,120}|github_pat_[A-Za-z0-9_]{22,255})"),
-    "aws_access_key": re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"),
-    "openai_key": re.compile(r"\bsk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,200}"),
-    "slack_token": re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,200}"),
-    "jwt": re.compile(r"\beyJ[A-Za-z0-9_-]{8,2000}\.eyJ[A-Za-z0-9_-]{8,2000}\.[A-Za-z0-9_-]{8,2000}"),
-    "private_key": re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----"),
-    "url_password": re.compile(r"\b[a-z][a-z0-9+.-]{1,20}://[^\s:/@\"']{1,100}:[^\s:/@\"']{1,200}@"),
-}
-_BYTE_PATTERNS = {kind: re.compile(p.pattern.encode()) for kind, p in PATTERNS.items()}
+# Well-known credential shapes, as (kind, regex) pairs. Every regex starts with a literal so that
+# the regex engine can skip ahead with a fast substring search (a leading \b makes a byte scan ~40x
+# slower); "not preceded by a word character" is checked separately. Lengths are bounded so that
+# matching in overlapping chunks is exact.
+_SHAPES: list[tuple[str, str]] = [
+    ("huggingface_token", r"hf_[A-Za-z0-9]{20,120}"),
+    *[("github_token", p + r"_[A-Za-z0-9]{30,120}") for p in ("ghp", "gho", "ghu", "ghs", "ghr")],
+    ("github_token", r"github_pat_[A-Za-z0-9_]{22,255}"),
+    ("aws_access_key", r"AKIA[0-9A-Z]{16}(?![0-9A-Za-z])"),
+    ("aws_access_key", r"ASIA[0-9A-Z]{16}(?![0-9A-Za-z])"),
+    ("openai_key", r"sk-(?:proj-|ant-)?[A-Za-z0-9_-]{20,200}"),
+    ("slack_token", r"xox[abposr]-[A-Za-z0-9-]{10,200}"),
+    ("jwt", r"eyJ[A-Za-z0-9_-]{8,2000}\.eyJ[A-Za-z0-9_-]{8,2000}\.[A-Za-z0-9_-]{8,2000}"),
+    ("private_key", r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----"),
+    ("url_password", r"://[^\s:/@\"']{1,100}:[^\s:/@\"']{1,200}@"),  # scheme://user:password@
+]
+_ANYWHERE = ("url_password", "private_key")  # kinds that may directly follow a word character
+_TEXT_SHAPES = [(kind, re.compile(rx if kind in _ANYWHERE else r"(?<![A-Za-z0-9_])" + rx)) for kind, rx in _SHAPES]
+# (kind, regex, must not follow a word character) for byte scans
+_BYTE_SHAPES = [(kind, re.compile(rx.encode()), kind not in _ANYWHERE) for kind, rx in _SHAPES]
+KINDS = tuple(dict.fromkeys(kind for kind, _ in _SHAPES))
 _MAX_MATCH = 6100  # longest match any pattern can produce (the JWT bound), for chunk overlap
 
 # High-entropy tokens: >= 32 characters of the base64/url-safe alphabet, mixing at least two of
@@ -89,7 +98,7 @@ def _high_entropy(token: str) -> bool:
 
 def secret_kinds(value: str, high_entropy: bool = True) -> list[str]:
     """Kinds of credential-looking content in value (empty: nothing found)."""
-    kinds = [kind for kind, p in PATTERNS.items() if p.search(value)]
+    kinds = list(dict.fromkeys(kind for kind, rx in _TEXT_SHAPES if rx.search(value)))
     if high_entropy and not kinds and any(_high_entropy(t) for t in _TOKEN.findall(value)):
         kinds.append("high_entropy")
     return kinds
@@ -122,8 +131,8 @@ def scrub_text(text: str, known: Mapping[str, str] | Iterable[str] | None = None
     string replaced by REDACTED. High-entropy tokens are left alone: logs are full of hashes and ids."""
     for value in _known_values(known):
         text = text.replace(value, REDACTED)
-    for p in PATTERNS.values():
-        text = p.sub(REDACTED, text)
+    for _, rx in _TEXT_SHAPES:
+        text = rx.sub(REDACTED, text)
     return text
 
 
@@ -131,7 +140,7 @@ def scrub_text(text: str, known: Mapping[str, str] | Iterable[str] | None = None
 class Finding:
     path: Path
     line: int  # 1-based; for binary files, 1 + number of b"\n" before the match
-    kind: str  # "known:<ENV_NAME>", a PATTERNS key, "high_entropy"; never the secret itself
+    kind: str  # "known:<ENV_NAME>", one of KINDS, "high_entropy"; never the secret itself
     where: str = ""  # inside an HDF5 file: the object path holding it
 
     def __str__(self) -> str:
@@ -143,17 +152,27 @@ _CHUNK = 8 << 20
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 
-def _scan_bytes(chunks: Iterable[bytes], needles: dict[str, re.Pattern[bytes]], overlap: int) -> Iterable[tuple[int, str]]:
+Needle = tuple[str, "re.Pattern[bytes]", bool]  # kind, regex, must not follow a word character
+_WORD_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+
+
+def _starts(rx: re.Pattern[bytes], buf: bytes, boundary: bool) -> Iterable[int]:
+    for m in rx.finditer(buf):
+        if not (boundary and m.start() and buf[m.start() - 1] in _WORD_BYTES):
+            yield m.start()
+
+
+def _scan_bytes(chunks: Iterable[bytes], needles: list[Needle], overlap: int) -> Iterable[tuple[int, str]]:
     """(line, kind) of every match in a stream of chunks; matches spanning chunk edges are found once."""
     tail, lines_before_tail, done = b"", 1, 0  # done: offset into buf up to which matches were reported
     for chunk in chunks:
         buf = tail + chunk
         last = len(chunk) == 0
         limit = len(buf) if last else max(len(buf) - overlap, 0)
-        for kind, rx in needles.items():
-            for m in rx.finditer(buf):
-                if done <= m.start() < limit:
-                    yield lines_before_tail + buf.count(b"\n", 0, m.start()), kind
+        for kind, rx, boundary in needles:
+            for start in _starts(rx, buf, boundary):
+                if done <= start < limit:
+                    yield lines_before_tail + buf.count(b"\n", 0, start), kind
         cut = max(len(buf) - overlap, 0)
         lines_before_tail += buf.count(b"\n", 0, cut)
         tail, done = buf[cut:], limit - cut
@@ -168,7 +187,7 @@ def _read_chunks(path: Path) -> Iterable[bytes]:
     yield b""
 
 
-def _scan_hdf5(path: Path, needles: dict[str, re.Pattern[bytes]]) -> list[Finding]:
+def _scan_hdf5(path: Path, needles: list[Needle]) -> list[Finding]:
     """Strings stored compressed/filtered inside HDF5 are invisible to a byte scan: walk them."""
     import h5py
     import numpy as np
@@ -181,7 +200,7 @@ def _scan_hdf5(path: Path, needles: dict[str, re.Pattern[bytes]]) -> list[Findin
             return
         for item in arr.ravel():
             data = item if isinstance(item, bytes) else str(item).encode(errors="replace")
-            found.extend(Finding(path, 0, kind, where) for kind, rx in needles.items() if rx.search(data))
+            found.extend(Finding(path, 0, kind, where) for kind, rx, b in needles if any(_starts(rx, data, b)))
 
     def visit(name: str, obj) -> None:
         for key, val in obj.attrs.items():
@@ -210,11 +229,11 @@ def scan_tree(root: str | os.PathLike, known: Mapping[str, str] | Iterable[str] 
     if known is None:
         known = known_secrets()
     named = known.items() if isinstance(known, Mapping) else ((f"#{i}", v) for i, v in enumerate(_known_values(known)))
-    needles: dict[str, re.Pattern[bytes]] = {
-        f"known:{name}": re.compile(re.escape(value.encode())) for name, value in named if len(value) >= MIN_KNOWN_LEN
-    }
-    needles.update(_BYTE_PATTERNS)
-    overlap = max([_MAX_MATCH] + [len(rx.pattern) for rx in needles.values()])
+    needles: list[Needle] = [
+        (f"known:{name}", re.compile(re.escape(value.encode())), False) for name, value in named if len(value) >= MIN_KNOWN_LEN
+    ]
+    needles += _BYTE_SHAPES
+    overlap = max([_MAX_MATCH] + [len(rx.pattern) for _, rx, _ in needles])
     findings: list[Finding] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()

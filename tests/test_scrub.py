@@ -102,7 +102,7 @@ def test_scan_tree_finds_planted_values_in_text_binary_and_hdf5(tmp_path):
     nested.mkdir(parents=True)
     (nested / "clean.log").write_text("step 1 loss 0.5\nsha 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\n")
     (nested / "leak.log").write_text(f"line one\nline two\nDAYTONA_API_KEY={DAYTONA}\n")
-    blob = os.urandom(3000) + HF.encode() + os.urandom(3000)
+    blob = os.urandom(3000) + b"\x00" + HF.encode() + b"\x00" + os.urandom(3000)
     (tmp_path / "stages" / "weights.bin").write_bytes(blob)
     with h5py.File(tmp_path / "history.h5", "w") as f:  # compressed: invisible to a byte scan
         f.create_dataset("notes", data=np.array([("cfg " + DAYTONA).encode()] * 200), compression="gzip")
