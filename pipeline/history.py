@@ -71,9 +71,9 @@ class History:
             with _open(self.path, "a") as f:
                 g = f.require_group(_q(stage))
                 rows = int(g.attrs.get("rows", 0))
-                if "step" not in g:
+                if "step" not in g:  # also after a crash between creating the group and its datasets
                     g.create_dataset("step", shape=(0,), maxshape=(None,), dtype="i8", chunks=(1024,))
-                    g.create_group("m")
+                g.require_group("m")
                 if rows and step <= g["step"][rows - 1]:
                     rows = int(np.searchsorted(g["step"][:rows], step))  # replay: drop rows >= step
                 m = g["m"]
@@ -105,8 +105,8 @@ class History:
                 raise KeyError(f"{self.path}: no history for stage {stage!r}")
             g = f[_q(stage)]
             rows = int(g.attrs.get("rows", 0))
-            out = {"step": g["step"][:rows]}
-            out.update({unquote(k): ds[:rows] for k, ds in g["m"].items()})
+            out = {"step": g["step"][:rows] if "step" in g else np.zeros(0, dtype=np.int64)}
+            out.update({unquote(k): ds[:rows] for k, ds in g["m"].items()} if "m" in g else {})
             return out
 
     def plot(self, stage: str, metrics: Iterable[str], out_png: str | os.PathLike) -> Path:
@@ -149,10 +149,11 @@ def check_gaps(path: str | os.PathLike, expected_last: Mapping[str, int] | None 
         for key in sorted(f):
             stage, g = unquote(key), f[key]
             rows = int(g.attrs.get("rows", 0))
-            lengths = {len(ds) for ds in [g["step"], *g["m"].values()]}
-            if max(lengths, default=0) > rows:
-                problems.append(f"{hist.path}: stage {stage!r}: torn last row (datasets hold {max(lengths)} rows, {rows} committed)")
-            steps = g["step"][:rows]
+            datasets = ([g["step"]] if "step" in g else []) + (list(g["m"].values()) if "m" in g else [])
+            longest = max((len(ds) for ds in datasets), default=0)
+            if longest > rows:
+                problems.append(f"{hist.path}: stage {stage!r}: torn last row (datasets hold {longest} rows, {rows} committed)")
+            steps = g["step"][:rows] if "step" in g else np.zeros(0, dtype=np.int64)
             for i in np.flatnonzero(np.diff(steps) != 1):
                 problems.append(f"{hist.path}: stage {stage!r}: step {steps[i]} followed by {steps[i + 1]} (not contiguous)")
     for stage, last in (expected_last or {}).items():

@@ -48,7 +48,8 @@ def _now() -> str:
 
 
 def _git(root: Path, *args: str, ok: tuple[int, ...] = (0,)) -> bytes:
-    proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=120)
+    # safe.directory: on shared installs the checkout belongs to another user, which git refuses by default
+    proc = subprocess.run(["git", "-c", f"safe.directory={root}", "-C", str(root), *args], capture_output=True, timeout=120)
     if proc.returncode not in ok:
         lines = proc.stderr.decode(errors="replace").strip().splitlines()
         raise RuntimeError(lines[-1] if lines else f"git {args[0]} exited {proc.returncode}")

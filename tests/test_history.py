@@ -103,3 +103,12 @@ def test_plot(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(KeyError, match="nope"):
         h.plot("rl", ["nope"], tmp_path / "x.png")
+
+
+def test_group_without_datasets_after_early_crash(tmp_path):
+    h = History(tmp_path)
+    with _open(h.path, "a") as f:  # killed right after creating the stage's group
+        f.create_group("rl")
+    assert len(h.read("rl")["step"]) == 0 and check_gaps(tmp_path) == []
+    h.append("rl", 0, {"x": 1.0})
+    np.testing.assert_array_equal(h.read("rl")["x"], [1.0])
