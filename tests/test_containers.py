@@ -169,3 +169,19 @@ def test_dockerfile_converts_to_definition(tmp_path):
     other.write_text("a: 1\n")
     with pytest.raises(UserError, match="not a recipe"):
         images.load_recipe(other)
+
+
+def test_build_templates_labels_then_provenance_reads_them(fake_apptainer, tmp_path):
+    out = images.build("trainer", tmp_path / "trainer.sif", arch="x86_64")
+    labels = images.inspect_labels(out)
+    assert labels["org.snowcat.image"] == "trainer"
+    assert labels["org.snowcat.revision"] == images.snowcat_revision() != "{{ SNOWCAT_REVISION }}"
+    assert labels["org.snowcat.version"] == images.snowcat_version()
+    assert labels["org.snowcat.base"] == images.definition_arguments(images.definition("trainer"))["BASE"]
+    assert labels["org.snowcat.arch"] == "x86_64"
+    prov = image_provenance(out)
+    assert prov["labels"] == labels and prov["sha256"] == images.image_digest(out)
+    assert not (tmp_path / ".trainer.sif.tmp").exists()
+    build_call = [json.loads(line) for line in fake_apptainer.read_text().splitlines()][0]
+    assert build_call[:3] == ["build", "--force", "--fakeroot"]
+    assert build_call[-1] == str(images.definition("trainer", "x86_64"))
