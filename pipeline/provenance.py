@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pipeline.fsio import MANIFEST, atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file
-from pipeline.scrub import REDACTED, is_secret_name, known_secrets, looks_like_secret, scrub_env, scrub_text
+from pipeline.scrub import REDACTED, env_secrets, is_secret_name, looks_like_secret, scrub_env, scrub_text
 
 SCHEMA = 1
 DIRNAME = "provenance"
@@ -272,7 +272,8 @@ def capture(
     }
     # Safety net: whatever a caller put in `extra` (command lines, paths), no secret value survives.
     text = json.dumps(record, sort_keys=True, default=str)
-    clean = scrub_text(text, [json.dumps(v)[1:-1] for v in known_secrets().values()] + list(known_secrets().values()))
+    secrets = list(env_secrets().values())
+    clean = scrub_text(text, secrets + [json.dumps(v)[1:-1] for v in secrets])  # raw and JSON-escaped
     return json.loads(clean) if clean != text else record
 
 

@@ -114,22 +114,22 @@ def scrub_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {k: REDACTED if is_secret_name(k) or looks_like_secret(v) else v for k, v in env.items()}
 
 
-def known_secrets(env: Mapping[str, str] | None = None) -> dict[str, str]:
+def env_secrets(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """name -> value of the environment's secrets (by name or by shape), at least MIN_KNOWN_LEN long."""
     env = os.environ if env is None else env
     return {k: v for k, v in env.items() if len(v) >= MIN_KNOWN_LEN and (is_secret_name(k) or looks_like_secret(v))}
 
 
 def _known_values(known: Mapping[str, str] | Iterable[str] | None) -> list[str]:
-    values = known_secrets().values() if known is None else (known.values() if isinstance(known, Mapping) else known)
+    values = env_secrets().values() if known is None else (known.values() if isinstance(known, Mapping) else known)
     # longest first, so a secret that contains another is replaced whole
     return sorted({v for v in values if len(v) >= MIN_KNOWN_LEN}, key=len, reverse=True)
 
 
-def scrub_text(text: str, known: Mapping[str, str] | Iterable[str] | None = None) -> str:
+def scrub_text(text: str, known_secrets: Mapping[str, str] | Iterable[str] | None = None) -> str:
     """text with every known secret value (default: this environment's) and every credential-shaped
     string replaced by REDACTED. High-entropy tokens are left alone: logs are full of hashes and ids."""
-    for value in _known_values(known):
+    for value in _known_values(known_secrets):
         text = text.replace(value, REDACTED)
     for _, rx in _TEXT_SHAPES:
         text = rx.sub(REDACTED, text)
@@ -218,7 +218,9 @@ def _scan_hdf5(path: Path, needles: list[Needle]) -> list[Finding]:
     return found
 
 
-def scan_tree(root: str | os.PathLike, known: Mapping[str, str] | Iterable[str] | None = None, high_entropy: bool = False) -> list[Finding]:
+def scan_tree(
+    root: str | os.PathLike, known_secrets: Mapping[str, str] | Iterable[str] | None = None, high_entropy: bool = False
+) -> list[Finding]:
     """Every file under root (hidden and binary ones too; symlinks not followed) searched for the
     known secret values (default: this environment's) and credential-shaped strings.
 
@@ -226,8 +228,7 @@ def scan_tree(root: str | os.PathLike, known: Mapping[str, str] | Iterable[str] 
     legitimately hold base64 blobs, so a scan stage that fails the run would fail on noise.
     """
     root = Path(root)
-    if known is None:
-        known = known_secrets()
+    known = env_secrets() if known_secrets is None else known_secrets
     named = known.items() if isinstance(known, Mapping) else ((f"#{i}", v) for i, v in enumerate(_known_values(known)))
     needles: list[Needle] = [
         (f"known:{name}", re.compile(re.escape(value.encode())), False) for name, value in named if len(value) >= MIN_KNOWN_LEN

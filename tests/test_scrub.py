@@ -10,7 +10,7 @@ from pipeline.scrub import (
     REDACTED,
     Finding,
     is_secret_name,
-    known_secrets,
+    env_secrets,
     looks_like_secret,
     scan_tree,
     scrub_env,
@@ -91,9 +91,9 @@ def test_scrub_text_known_and_patterns(monkeypatch):
     out = scrub_text(text)  # known secrets default to this process's environment
     assert HF not in out and DAYTONA not in out and "AKIAIOSFODNN7EXAMPLE" not in out
     assert "slurm 4242 at /work/x" in out and out.count(REDACTED) == 3
-    assert scrub_text(f"x {DAYTONA} y", known={"K": DAYTONA}) == f"x {REDACTED} y"
-    assert scrub_text(f"x {DAYTONA} y", known=[]) == f"x {DAYTONA} y"  # no known values, hex shape is not a pattern
-    assert set(known_secrets(ENV)) == {"HF_TOKEN", "DAYTONA_API_KEY", "INNOCENT_NAME"}
+    assert scrub_text(f"x {DAYTONA} y", known_secrets={"K": DAYTONA}) == f"x {REDACTED} y"
+    assert scrub_text(f"x {DAYTONA} y", known_secrets=[]) == f"x {DAYTONA} y"  # no known values, hex shape is not a pattern
+    assert set(env_secrets(ENV)) == {"HF_TOKEN", "DAYTONA_API_KEY", "INNOCENT_NAME"}
 
 
 def test_scan_tree_finds_planted_values_in_text_binary_and_hdf5(tmp_path):
@@ -107,7 +107,7 @@ def test_scan_tree_finds_planted_values_in_text_binary_and_hdf5(tmp_path):
     with h5py.File(tmp_path / "history.h5", "w") as f:  # compressed: invisible to a byte scan
         f.create_dataset("notes", data=np.array([("cfg " + DAYTONA).encode()] * 200), compression="gzip")
         f.attrs["cmd"] = "train"
-    findings = scan_tree(tmp_path, known=known)
+    findings = scan_tree(tmp_path, known_secrets=known)
     got = {(f.path.relative_to(tmp_path).as_posix(), f.kind) for f in findings}
     assert ("stages/rl/logs/leak.log", "known:DAYTONA_API_KEY") in got
     assert ("stages/weights.bin", "known:HF_TOKEN") in got and ("stages/weights.bin", "huggingface_token") in got
@@ -127,12 +127,12 @@ def test_scan_tree_match_across_chunk_edge(tmp_path, monkeypatch):
     for at in (990, 2999, 5000):
         data = data[:at] + HF.encode() + data[at:]
     (tmp_path / "f.bin").write_bytes(data)
-    hits = [f for f in scan_tree(tmp_path, known={"HF_TOKEN": HF}) if f.kind == "known:HF_TOKEN"]
+    hits = [f for f in scan_tree(tmp_path, known_secrets={"HF_TOKEN": HF}) if f.kind == "known:HF_TOKEN"]
     assert len(hits) == 3  # each found once, none lost at a chunk edge
     assert [h.line for h in hits] == sorted(h.line for h in hits)
 
 
 def test_scan_tree_high_entropy_opt_in(tmp_path):
     (tmp_path / "a.txt").write_text("api said Zx8Qv2LmN4pR7sT1uW3yA5cE6gH9jK0bD\n")
-    assert scan_tree(tmp_path, known={}) == []
-    assert scan_tree(tmp_path, known={}, high_entropy=True) == [Finding(tmp_path / "a.txt", 1, "high_entropy")]
+    assert scan_tree(tmp_path, known_secrets={}) == []
+    assert scan_tree(tmp_path, known_secrets={}, high_entropy=True) == [Finding(tmp_path / "a.txt", 1, "high_entropy")]
