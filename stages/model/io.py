@@ -171,3 +171,16 @@ def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify:
 
 def model_dir_meta(path) -> dict:
     return json.loads((Path(path) / "meta.json").read_text()) if (Path(path) / "meta.json").is_file() else {}
+
+
+def resolve_checkpoint(stage_dir, name: str) -> Path:
+    """`<stage_dir>/checkpoints/<name>`; a plain file there (e.g. `best`) names another checkpoint."""
+    from pipeline.errors import UserError
+
+    root = Path(stage_dir) / "checkpoints"
+    path = root / name
+    if path.is_file():
+        path = root / path.read_text().strip()
+    if not (path / CONFIG).is_file():
+        raise UserError(f"{path}: no such checkpoint (expected a model directory)")
+    return path

@@ -1,0 +1,294 @@
+"""SFT stage: tokenizer, model initialisation, supervised fine-tuning on task demonstrations.
+
+Inputs: the tasks stage (train split = demonstrations; val split = a quick greedy check).
+Outputs in ctx.out_dir:
+    checkpoints/initial/        the initializer, before any update (model dir)
+    checkpoints/step_NNNNNN/    resumable (model dir + trainer_state/), every `save_every` steps
+    checkpoints/final/          the trained model (model dir); checkpoints/best -> "final"
+    metrics_history.jsonl       one line per step; loss_curve.png; metrics.json (headline)
+
+Demonstrations are chat conversations (user: task prompt, assistant: reference answer), loss on
+assistant tokens only, packed into fixed-length rows (attention never crosses examples). A
+`relay_fraction` of them are Relay-style (see docs/training.md): a student starts, the teacher takes
+over; the student's tokens are context (masked), the teacher's are trained.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RETRY_PROMPT = "That is not right. Try again."
+
+
+@dataclass
+class Config:
+    model: str = "demo-tiny"  # a stages.model PRESETS name
+    init_from: str = ""  # "<stage>:<checkpoint>" to start from a trained model instead of a fresh init
+    tokenizer_vocab_size: int = 512  # when training the tokenizer (fresh init only)
+    tasks_input: str = "tasks"  # name of the needed tasks stage
+    seq_len: int = 256
+    batch_rows: int = 16  # packed rows per optimizer step (all ranks together)
+    micro_batches: int = 1  # gradient accumulation
+    steps: int = 600
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    relay_fraction: float = 0.2
+    backend: str = "torch"  # torch | deepspeed
+    zero_stage: int = 1
+    save_every: int = 200  # resumable checkpoint period in steps (0 = only at the end / on preemption)
+    keep_last: int = 2  # resumable checkpoints kept (0 = all)
+    log_every: int = 10
+    threads: int = 0  # torch intra-op threads; 0 = the job's CPUs
+    eval_tasks: int = 200  # val tasks per domain for the end-of-stage greedy check (0 = skip)
+    eval_max_new_tokens: int = 16
+
+
+# ---------------------------------------------------------------- data construction
+
+
+def _corrupt(answer: str, alphabet: str, rng) -> str:
+    """A plausible wrong answer: one character replaced, dropped or doubled."""
+    for _ in range(20):
+        i = int(rng.integers(len(answer)))
+        op = int(rng.integers(3))
+        if op == 0:
+            wrong = answer[:i] + alphabet[int(rng.integers(len(alphabet)))] + answer[i + 1 :]
+        elif op == 1 and len(answer) > 1:
+            wrong = answer[:i] + answer[i + 1 :]
+        else:
+            wrong = answer[: i + 1] + answer[i:]
+        if wrong != answer and wrong.strip():
+            return wrong
+    return answer + answer[-1]
+
+
+def build_conversations(tasks, relay_fraction: float, seed: int) -> list[tuple[list[dict], str]]:
+    """(messages, domain) per demonstration: every task once plainly, plus Relay variants of a
+    `relay_fraction` sample of tasks, alternating the two take-over points:
+      handoff: the student wrote the first part of the answer; the teacher continues the same turn.
+      fix:     the student answered wrongly; after the verifier's "try again" the teacher answers.
+    The student here is synthetic (a prefix or a one-character corruption of the reference); with
+    a real policy its sampled turns are used instead, unchanged (token-in, token-out)."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, 1])
+    alphabets: dict[str, str] = {}
+    for t in tasks:
+        alphabets[t.domain] = "".join(sorted(set(alphabets.get(t.domain, "")) | set(t.answer)))
+    convs = [(t.messages(), t.domain) for t in tasks]
+    n_relay = int(round(relay_fraction * len(tasks)))
+    for j, i in enumerate(rng.permutation(len(tasks))[:n_relay]):
+        t = tasks[int(i)]
+        user = {"role": "user", "content": t.prompt}
+        if j % 2 == 0 and len(t.answer) > 1:
+            k = int(rng.integers(1, len(t.answer)))
+            convs.append(([user, {"role": "assistant", "student_prefix": t.answer[:k], "content": t.answer[k:]}], t.domain))
+        else:
+            wrong = _corrupt(t.answer, alphabets[t.domain], rng)
+            convs.append(([user, {"role": "assistant", "content": wrong, "train": False},
+                           {"role": "user", "content": RETRY_PROMPT},
+                           {"role": "assistant", "content": t.answer}], t.domain))
+    return convs
+
+
+def tokenizer_corpus(tasks) -> list[str]:
+    return [t.prompt for t in tasks] + [t.answer for t in tasks] + [RETRY_PROMPT]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _resolve_ref(ctx, ref: str) -> Path:
+    from pipeline.errors import UserError
+
+    stage, _, name = ref.partition(":")
+    if stage not in ctx.inputs or not name:
+        raise UserError(f"sft.init_from={ref!r}: expected '<needed stage>:<checkpoint>' (needs: {sorted(ctx.inputs)})")
+    from stages.model.io import resolve_checkpoint
+
+    return resolve_checkpoint(ctx.inputs[stage], name)
+
+
+def _tasks_dir(ctx, cfg: Config) -> Path:
+    from pipeline.errors import UserError
+
+    if cfg.tasks_input in ctx.inputs:
+        return Path(ctx.inputs[cfg.tasks_input])
+    raise UserError(f"sft: needs the tasks stage {cfg.tasks_input!r} (sft.tasks_input); inputs are {sorted(ctx.inputs)}")
+
+
+def greedy_pass_rate(model, tok, tasks, max_new_tokens: int) -> dict:
+    """Greedy pass@1 per domain on `tasks` (VerifierError counted apart, never as a fail)."""
+    from stages.taskgen import VerifierError, verify
+    from stages.train.greedy import greedy_generate
+
+    prompts = [tok.render_prompt(t.messages(with_answer=False)) for t in tasks]
+    outs = greedy_generate(model, prompts, max_new_tokens, tok.end_of_turn_id, tok.pad_id)
+    per: dict[str, list[float]] = {}
+    infra = 0
+    for t, ids in zip(tasks, outs):
+        try:
+            per.setdefault(t.domain, []).append(float(verify(t, tok.decode(ids, skip_special_tokens=True)).passed))
+        except VerifierError:
+            infra += 1
+    res = {f"val_greedy_pass@1/{d}": sum(v) / len(v) for d, v in sorted(per.items())}
+    res["val_greedy_infra_errors"] = infra
+    return res
+
+
+def _plot(history: list[dict], path: Path) -> None:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pipeline.fsio import atomic_write_bytes
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
+    for key in sorted({k for h in history for k in h if k.startswith("loss/")}):
+        pts = [(h["step"], h[key]) for h in history if key in h]
+        ax.plot(*zip(*pts), label=key, alpha=0.6)
+    ax.set_xlabel("step"), ax.set_ylabel("token NLL"), ax.set_yscale("log"), ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def run(ctx) -> dict:
+    import torch
+
+    from pipeline.fsio import atomic_write_json, atomic_write_text
+    from stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
+    from stages.taskgen import load_tasks
+    from stages.tokenizer import ChatTokenizer, train_tokenizer
+    from stages.train import (Example, OptimConfig, PackedLoader, latest_checkpoint, load_checkpoint,
+                              make_backend, save_checkpoint, step_name, world)
+    from stages.train.checkpoint import prune_checkpoints
+    from stages.train.loss import sft_loss
+
+    from pipeline.errors import UserError
+
+    cfg: Config = ctx.config
+    if cfg.model not in PRESETS and not cfg.init_from:
+        raise UserError(f"sft.model={cfg.model!r} is not a preset ({', '.join(PRESETS)})")
+    torch.set_num_threads(cfg.threads or ctx.threads)
+    rank, world_size = world()
+    out = Path(ctx.out_dir)
+    ckpts = out / "checkpoints"
+    tasks_dir = _tasks_dir(ctx, cfg)
+    train_tasks = load_tasks(tasks_dir, "train")
+    domains = sorted({t.domain for t in train_tasks})
+
+    # Model + tokenizer: resume > init_from > fresh (seeded) init, which is saved as `initial`.
+    resume = latest_checkpoint(ckpts)
+    if resume is not None:
+        model, mcfg, tok = load_model_dir(resume)
+    elif cfg.init_from:
+        model, mcfg, tok = load_model_dir(_resolve_ref(ctx, cfg.init_from))
+    else:
+        if (ckpts / "initial").is_dir():
+            model, mcfg, tok = load_model_dir(ckpts / "initial")
+        else:
+            tok = train_tokenizer(tokenizer_corpus(train_tasks), cfg.tokenizer_vocab_size)
+            mcfg = PRESETS[cfg.model]
+            mcfg = type(mcfg)(**{**mcfg.to_dict(), "vocab_size": tok.vocab_size})
+            torch.manual_seed(ctx.seed)
+            model = MoEForCausalLM(mcfg)
+            if rank == 0:
+                save_model_dir(ckpts / "initial", model, tok, meta={"stage": ctx.name, "seed": ctx.seed, "step": 0})
+    if tok.vocab_size > mcfg.vocab_size:
+        raise UserError(f"sft: tokenizer has {tok.vocab_size} ids but the model only {mcfg.vocab_size}")
+    device = torch.device("cuda", ctx.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    model.to(device)
+
+    # Data: deterministic from (tasks, tokenizer, seed); the loader's position is checkpointed.
+    dom_index = {d: i for i, d in enumerate(domains)}
+    examples = []
+    for msgs, dom in build_conversations(train_tasks, cfg.relay_fraction, ctx.seed):
+        ids, mask = tok.encode_chat(msgs)
+        examples.append(Example(ids, mask, dom_index[dom]))
+    loader = PackedLoader(examples, cfg.seq_len, tok.pad_id, cfg.batch_rows, ctx.seed, cfg.micro_batches, rank, world_size)
+    optim = OptimConfig(lr=cfg.lr, min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
+                        schedule=cfg.schedule, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
+    backend = make_backend(cfg.backend, model, optim, zero_stage=cfg.zero_stage)
+    history_path = out / "metrics_history.jsonl"
+    history: list[dict] = []
+    if resume is not None:
+        client = load_checkpoint(resume, backend)
+        loader.load_state_dict(client["loader"])
+        # history lines written after the checkpoint belong to the lost future: drop them
+        if history_path.is_file():
+            history = [h for h in map(json.loads, history_path.read_text().splitlines()) if h["step"] <= backend.step]
+    if rank == 0:
+        atomic_write_text(history_path, "".join(json.dumps(h) + "\n" for h in history))
+
+    def save_step():
+        meta = {"stage": ctx.name, "seed": ctx.seed, "tokenizer": tok.fingerprint()}
+        save_checkpoint(ckpts / step_name(backend.step), backend, tok, {"loader": loader.state_dict()}, meta)
+        if rank == 0:
+            prune_checkpoints(ckpts, cfg.keep_last)
+
+    num_domains = len(domains)
+    loss_fn = lambda m, b, n, k: sft_loss(m, b, n, k, num_domains)  # noqa: E731
+    t_start = time.perf_counter()
+    tokens_seen = 0
+    log = history_path.open("a") if rank == 0 else None
+    try:
+        while backend.step < cfg.steps:
+            if ctx.checkpoint_due():
+                save_step()
+                raise ctx.Preempted(f"sft: checkpointed at step {backend.step}")
+            s = backend.train_step(loader.next(), loss_fn)
+            tokens = float(s["tokens"])
+            tokens_seen += float(s["input_tokens"])
+            rec = {
+                "step": backend.step, "loss": float(s["nll_sum"]) / max(tokens, 1), "lr": float(s["lr"]),
+                "grad_norm": float(s["grad_norm"]), "tokens": tokens, "step_time_s": float(s["step_time_s"]),
+                "tokens_per_s": float(s["input_tokens"]) / max(float(s["step_time_s"]), 1e-9),
+                "entropy": float(s["entropy_sum"]) / max(tokens, 1), "epoch": loader.epoch,
+                **{f"router/{k}": float(v) / float(s["num_micro"]) for k, v in s.get("router", {}).items()},
+            }
+            if "domain_nll" in s:
+                for d, i in dom_index.items():
+                    if float(s["domain_tokens"][i]):
+                        rec[f"loss/{d}"] = float(s["domain_nll"][i]) / float(s["domain_tokens"][i])
+            history.append(rec)
+            if log is not None:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+            if cfg.save_every and backend.step % cfg.save_every == 0 and backend.step < cfg.steps:
+                save_step()
+    finally:
+        if log is not None:
+            log.close()
+    train_s = time.perf_counter() - t_start
+
+    metrics: dict = {"steps": backend.step, "train_seconds": round(train_s, 2),
+                     "tokens_per_s": round(tokens_seen / max(train_s, 1e-9), 1),
+                     "final_loss": history[-1]["loss"] if history else None,
+                     "num_examples": len(examples), "num_params": model.num_params()}
+    if rank == 0:
+        save_model_dir(ckpts / "final", model, tok, meta={"stage": ctx.name, "seed": ctx.seed, "step": backend.step})
+        atomic_write_text(ckpts / "best", "final\n")
+        if history:
+            _plot(history, out / "loss_curve.png")
+        if cfg.eval_tasks:
+            val = [t for d in domains for t in [v for v in load_tasks(tasks_dir, "val") if v.domain == d][: cfg.eval_tasks]]
+            metrics.update(greedy_pass_rate(model, tok, val, cfg.eval_max_new_tokens))
+        atomic_write_json(out / "metrics.json", metrics)
+    return metrics

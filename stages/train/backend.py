@@ -1,0 +1,204 @@
+"""Train-step backends: one optimizer step over a list of micro-batches, behind one small API.
+
+    backend = make_backend("torch" | "deepspeed", model, optim_cfg, zero_stage=...)
+    stats = backend.train_step(micro_batches, loss_fn)   # loss_fn(model, batch, n_tokens, n_micro)
+    backend.save_state(dir) / backend.load_state(dir)     # optimizer + schedule + step (collective)
+
+`torch`: single process, or DDP when a process group is initialised (gloo on CPU, NCCL on GPU).
+`deepspeed`: ZeRO stage 1-3 over the same process group (gloo on CPU works with deepspeed 0.19).
+Both normalise the loss by the step's total target-token count across micro-batches and ranks, so
+the update does not depend on how a step is split into micro-batches or ranks.
+Mixed precision: bf16 autocast on GPU, plain fp32 on CPU (deterministic there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from .optim import OptimConfig, build_optimizer, lr_factor
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if world()[1] > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def _merge_stats(acc: dict, s: dict) -> None:
+    for k, v in s.items():
+        if isinstance(v, dict):
+            _merge_stats(acc.setdefault(k, {}), v)
+        elif v is not None:
+            v = v.detach().float()
+            acc[k] = acc[k] + v if k in acc else v
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig):
+        self.cfg = cfg
+        self.model = model
+        self.rank, self.world_size = world()
+        self.device = next(model.parameters()).device
+        self.wrapped = model
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.wrapped = DistributedDataParallel(model, device_ids=ids)
+        self.optimizer, self.scheduler = build_optimizer(model, cfg)
+        self.step = 0
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _no_sync(self, last: bool):
+        if self.world_size > 1 and not last:
+            return self.wrapped.no_sync()
+        return contextlib.nullcontext()
+
+    def _clip(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def _backward(self, loss):
+        loss.backward()
+
+    def _optimizer_step(self):
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, micro_batches: list[dict], loss_fn) -> dict:
+        t0 = time.perf_counter()
+        lr = self.cfg.lr * lr_factor(self.step, self.cfg)
+        n_tokens = _all_reduce_sum(
+            torch.tensor(sum(int((b["targets"] >= 0).sum()) for b in micro_batches), dtype=torch.float64)
+        )
+        # DP backends average gradients over ranks; scale so the result is a mean over all tokens.
+        n_local = max(1.0, float(n_tokens)) / self.world_size
+        self.wrapped.train()
+        acc: dict = {}
+        for i, mb in enumerate(micro_batches):
+            mb = {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+            with self._no_sync(i == len(micro_batches) - 1), self._autocast():
+                loss, stats = loss_fn(self.wrapped, mb, n_local, len(micro_batches))
+            self._backward(loss)
+            _merge_stats(acc, stats)
+        grad_norm = self._clip()
+        self._optimizer_step()
+        self.step += 1
+        acc["grad_norm"] = torch.as_tensor(float(grad_norm))
+        acc["lr"] = torch.tensor(lr)
+        acc["step_time_s"] = torch.tensor(time.perf_counter() - t0)
+        acc["num_micro"] = torch.tensor(float(len(micro_batches)))
+        return acc
+
+    def save_state(self, dir) -> None:
+        """Optimizer + schedule + step into `dir` (collective; replicated state: rank 0 writes)."""
+        if self.rank == 0:
+            dir.mkdir(parents=True, exist_ok=True)
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "step": self.step}, dir / "optimizer.pt")
+
+    def load_state(self, dir) -> None:
+        sd = torch.load(dir / "optimizer.pt", map_location=self.device, weights_only=False)
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+        self.step = int(sd["step"])
+
+    def full_params(self):
+        """Context in which `self.model`'s parameters are whole on every rank (ZeRO-3 gathers)."""
+        return contextlib.nullcontext()
+
+
+class DeepSpeedBackend(TorchBackend):
+    """ZeRO 1-3 via deepspeed.initialize with our AdamW + LambdaLR as client optimizer/scheduler."""
+
+    name = "deepspeed"
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 1):
+        import deepspeed
+
+        self.cfg = cfg
+        self.model = model
+        self.rank, self.world_size = world()
+        self.device = next(model.parameters()).device
+        optimizer, scheduler = build_optimizer(model, cfg)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,  # nominal: we feed our own micro-batches
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": cfg.grad_clip,
+            "zero_optimization": {"stage": zero_stage},
+            "bf16": {"enabled": self.device.type == "cuda"},
+            "steps_per_print": 1 << 30,
+            "zero_allow_untested_optimizer": True,
+        }
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+            dist_init_required=not dist.is_initialized(),
+        )
+        self.wrapped = self.engine
+        self.step = 0
+
+    def _no_sync(self, last: bool):
+        return contextlib.nullcontext()  # deepspeed reduces gradients in step()
+
+    def _autocast(self):
+        return contextlib.nullcontext()  # the engine casts (bf16 config) itself
+
+    def _backward(self, loss):
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _clip(self) -> torch.Tensor:
+        return torch.tensor(0.0)  # clipped inside engine.step(); norm read after it
+
+    def _optimizer_step(self):
+        self.engine.step()
+        self._last_norm = self.engine.get_global_grad_norm()
+
+    def train_step(self, micro_batches, loss_fn) -> dict:
+        stats = super().train_step(micro_batches, loss_fn)
+        norm = getattr(self, "_last_norm", None)
+        stats["grad_norm"] = torch.as_tensor(float(norm) if norm is not None else float("nan"))
+        return stats
+
+    def save_state(self, dir) -> None:
+        # ZeRO partitions optimizer state across ranks; deepspeed's own collective checkpoint
+        # writes every rank's partition (our model weights are saved separately, in HF layout).
+        self.engine.save_checkpoint(str(dir), tag="zero", client_state={"step": self.step}, save_latest=False)
+
+    def load_state(self, dir) -> None:
+        _, client = self.engine.load_checkpoint(str(dir), tag="zero", load_module_strict=True)
+        self.step = int(client["step"])
+
+    def full_params(self):
+        if self.engine.zero_optimization_stage() == 3:
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+        return contextlib.nullcontext()
+
+
+def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1):
+    if name == "torch":
+        return TorchBackend(model, cfg)
+    if name == "deepspeed":
+        return DeepSpeedBackend(model, cfg, zero_stage=zero_stage)
+    from pipeline.errors import UserError
+
+    raise UserError(f"train backend {name!r} is not one of: torch, deepspeed")
