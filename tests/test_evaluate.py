@@ -45,6 +45,8 @@ def slow_first_call_verifier_test_double(task, text):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tasks stage dir and an `sft` stage dir with two tiny random checkpoints."""
+    import dataclasses
+
     import numpy as np
     import torch
 
@@ -63,6 +65,10 @@ def workdir(tmp_path_factory):
         torch.manual_seed(seed)
         save_model_dir(root / "sft" / "checkpoints" / name, MoEForCausalLM(cfg), tok)
     (root / "sft" / "checkpoints" / "best").write_text("final")
+    # a model whose context is too short for any prompt + max_tokens: every generation fails in the engine
+    torch.manual_seed(2)
+    short = dataclasses.replace(cfg, max_position_embeddings=8)
+    save_model_dir(root / "sft" / "checkpoints" / "short", MoEForCausalLM(short), tok)
     return root
 
 
@@ -164,6 +170,16 @@ def test_transient_timeouts_are_retried(workdir, clean, tmp_path, monkeypatch):
     assert results["checkpoints"]["sft:best"]["path"].endswith("final")  # the pointer file was followed
     assert (results["checkpoints"]["sft:best"]["groups"]["all"]["pass@1"]
             == clean[1]["checkpoints"]["sft:final"]["groups"]["all"]["pass@1"])
+
+
+def test_engine_errors_are_infra_failures(workdir):
+    metrics, results, traces = run_stage(workdir, "engine_error", checkpoints=["sft:short"], infra_retries=1, limit=2)
+    assert len(traces) == 6 and all(r["status"] == "infra_error" for r in traces)
+    assert all(r["infra_retries"] == 2 and r["infra_cause"].startswith("engine:") for r in traces)
+    groups = results["checkpoints"]["sft:short"]["groups"]["all"]
+    assert groups["infra_rate"] == 1.0 and groups["tasks_scored"] == 0
+    assert groups["pass@1"] is None and groups["reward_fixed_denominator"] == 0.0  # nothing scored: no pass rate
+    assert metrics["sft:short/infra_rate"] == 1.0
 
 
 def test_real_verifier_and_bad_config(workdir):
