@@ -29,6 +29,7 @@ def trajectories(draw):
         turn_boundaries=spans,
         domain=draw(st.sampled_from(["arith", "closure", "ünïcode", ""])),
         prompt_len=draw(st.integers(0, n)),
+        detail=draw(st.text(max_size=20)),
     )
 
 

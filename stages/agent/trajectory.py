@@ -36,8 +36,8 @@ FIELDS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
     "status": (np.dtype(np.uint8), ()),  # index into STATUSES
     "turns": (np.dtype(np.int64), (2,)),  # all (start, end) spans, concatenated
     "turn_offsets": (np.dtype(np.int64), ()),  # [N+1]
-    "strings": (np.dtype(np.uint8), ()),  # utf-8 of task_id_0, domain_0, task_id_1, ...
-    "string_offsets": (np.dtype(np.int64), ()),  # [2N+1]
+    "strings": (np.dtype(np.uint8), ()),  # utf-8 of task_id_0, domain_0, detail_0, task_id_1, ...
+    "string_offsets": (np.dtype(np.int64), ()),  # [3N+1]
 }
 
 
@@ -55,6 +55,7 @@ class Trajectory:
     turn_boundaries: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of model turns
     domain: str = ""
     prompt_len: int = 0
+    detail: str = ""  # why it ended (verifier detail, infra cause): for traces, not for training
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
@@ -82,7 +83,7 @@ class Trajectory:
         if not isinstance(other, Trajectory):
             return NotImplemented
         scalars = ("task_id", "group_id", "attempt", "policy_version", "reward", "status", "turn_boundaries",
-                   "domain", "prompt_len")
+                   "domain", "prompt_len", "detail")
         return all(getattr(self, k) == getattr(other, k) for k in scalars) and all(
             np.array_equal(getattr(self, k), getattr(other, k)) for k in ("token_ids", "loss_mask", "rollout_logprobs")
         )
@@ -99,7 +100,7 @@ def pack(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
         parts = [np.asarray(p, dtype=dtype).reshape((-1, *tail)) for p in parts]
         return np.ascontiguousarray(np.concatenate(parts) if parts else np.empty((0, *tail), dtype))
 
-    strings = [s.encode() for t in trajs for s in (t.task_id, t.domain)]
+    strings = [s.encode() for t in trajs for s in (t.task_id, t.domain, t.detail)]
     out = {
         "token_ids": cat("token_ids", [t.token_ids for t in trajs]),
         "loss_mask": cat("loss_mask", [t.loss_mask for t in trajs]),
@@ -130,7 +131,7 @@ def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
     for i in range(len(tok) - 1):
         lo, hi = int(tok[i]), int(tok[i + 1])
         trajs.append(Trajectory(
-            task_id=text[2 * i],
+            task_id=text[3 * i],
             group_id=int(b["group_id"][i]),
             attempt=int(b["attempt"][i]),
             policy_version=int(b["policy_version"][i]),
@@ -140,8 +141,9 @@ def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
             reward=float(b["reward"][i]),
             status=STATUSES[int(b["status"][i])],
             turn_boundaries=[tuple(map(int, s)) for s in b["turns"][turn[i] : turn[i + 1]]],
-            domain=text[2 * i + 1],
+            domain=text[3 * i + 1],
             prompt_len=int(b["prompt_len"][i]),
+            detail=text[3 * i + 2],
         ))
     return trajs
 

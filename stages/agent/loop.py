@@ -1,0 +1,208 @@
+"""The agent loop: many episodes advanced together, one batched `generate` per turn, token-in-token-out.
+
+Each episode's sequence grows only by appending: the model's sampled ids exactly as sampled (mask
+1, their rollout logprobs), and environment observations encoded by the environment (mask 0).
+Nothing earlier is ever re-rendered or re-tokenised, so the trainer scores the very ids the
+logprobs belong to (decode -> encode of sampled BPE ids can give different ids).
+
+Budgets: a turn that would pass `max_context` is cut there and the episode ends `truncated`; a turn
+cut by `max_turn_tokens` is either `truncated` or, with `recover_long_turns`, closed with an
+untrained <|end|> and a tool-result note, and the episode goes on. Running out of `max_turns`
+without an answer is `truncated`.
+
+Failures: an unparseable tool call is `invalid_action` (the model's fault, reward 0); an engine,
+environment or verifier crash is `infra_error` (never the model's fault: the trainer drops them).
+
+Determinism: turn t of episode (group_id, attempt) samples from a generator seeded by
+`episode_seed(seed, group_id, attempt, t)`, independent of which other episodes share the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from stages.agent.trajectory import Trajectory
+
+TRUNCATION_NOTE = "turn cut at {n} tokens; answer briefly"
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_context: int = 512  # prompt + every turn + every observation, in tokens
+    max_turn_tokens: int = 64  # per model turn
+    max_turns: int = 4  # model turns per episode
+    recover_long_turns: bool = True  # a turn cut at max_turn_tokens is closed (untrained) instead of ending the episode
+
+    def __post_init__(self) -> None:
+        if min(self.max_context, self.max_turn_tokens, self.max_turns) < 1:
+            raise ValueError(f"budget values must be >= 1: {self}")
+
+
+@dataclass(frozen=True)
+class EpisodeJob:
+    task: Any  # stages.taskgen.Task
+    group_id: int  # episodes of one task in one batch share a group (GRPO/RLOO baselines)
+    attempt: int
+
+
+def episode_seed(seed: int, group_id: int, attempt: int, turn: int) -> int:
+    words = [int(x) & 0xFFFFFFFFFFFFFFFF for x in (seed, group_id, attempt, turn)]
+    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def generate_seeded(engine, prompts: list[list[int]], params, seeds: list[int]):
+    """One batched generation in which request i draws from its own seed `seeds[i]`.
+
+    `TorchEngine` takes per-request generators, so each request samples exactly as
+    `engine.generate([prompt], params, seed=seeds[i])` would alone. Other engines (vLLM) get one
+    seed mixed from all of them: deterministic for the same jobs, but not batch-independent."""
+    from stages.rollout.engine import EngineError, TorchEngine, request_generator
+
+    if hasattr(engine, "generate_seeded"):
+        return engine.generate_seeded(prompts, params, seeds)
+    if not isinstance(engine, TorchEngine):
+        mixed = int(np.random.SeedSequence([s & 0xFFFFFFFFFFFFFFFF for s in seeds]).generate_state(1)[0])
+        return engine.generate(prompts, params, seed=mixed)
+    out = []
+    for start in range(0, len(prompts), engine.max_batch):
+        chunk = [list(p) for p in prompts[start : start + engine.max_batch]]
+        gens = [request_generator(s, 0) for s in seeds[start : start + engine.max_batch]]
+        try:
+            out += engine._generate_batch(chunk, params, gens)
+        except EngineError:
+            raise
+        except (RuntimeError, ValueError, IndexError) as e:  # as TorchEngine.generate: device/OOM/shape
+            raise EngineError(f"generation failed: {e}") from e
+    return out
+
+
+@dataclass
+class _Episode:
+    job: EpisodeJob
+    ids: list[int]
+    prompt_len: int
+    state: dict
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[tuple[int, int]] = field(default_factory=list)
+    status: str | None = None  # None while live
+    reward: float = 0.0
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        self.mask = [0] * len(self.ids)
+        self.logprobs = [0.0] * len(self.ids)
+
+    def append(self, ids: list[int], logprobs: list[float] | None = None) -> None:
+        """Model ids with their logprobs (trained), or context ids without (not trained)."""
+        self.ids += ids
+        self.mask += [int(logprobs is not None)] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    def end(self, status: str, reward: float = 0.0, detail: str = "") -> None:
+        self.status, self.reward, self.detail = status, float(reward), detail
+
+
+def run_episodes(
+    engine,
+    tokenizer,
+    jobs: list[EpisodeJob],
+    env,
+    params,
+    budget: Budget,
+    seed: int,
+    policy_version: int,
+    verifier: Callable | None = None,
+) -> list[Trajectory]:
+    """Play every job to the end; one `Trajectory` per job, in job order.
+
+    `params` are the sampling parameters (its `max_tokens` is replaced by the budget; the
+    end-of-turn id is always a stop id). `verifier(task, text) -> Verdict` defaults to
+    `stages.taskgen.verify`; raising is an infrastructure failure."""
+    if verifier is None:
+        from stages.taskgen import verify as verifier
+    stop_ids = tuple(dict.fromkeys((*params.stop_ids, tokenizer.end_of_turn_id)))
+    episodes = []
+    for job in jobs:
+        prompt = env.prompt(job.task)
+        episodes.append(_Episode(job, list(prompt), len(prompt), env.reset(job.task)))
+
+    for turn in range(budget.max_turns):
+        for e in episodes:
+            if e.status is None and len(e.ids) >= budget.max_context:
+                e.end("truncated", detail="context budget")
+        live = [e for e in episodes if e.status is None]
+        if not live:
+            break
+        room = max(budget.max_context - len(e.ids) for e in live)
+        turn_params = dataclasses.replace(params, max_tokens=min(budget.max_turn_tokens, room), stop_ids=stop_ids)
+        seeds = [episode_seed(seed, e.job.group_id, e.job.attempt, turn) for e in live]
+        try:
+            completions = generate_seeded(engine, [e.ids for e in live], turn_params, seeds)
+        except Exception as exc:  # any engine failure is infrastructure
+            for e in live:
+                e.end("infra_error", detail=f"engine: {exc}")
+            break
+        for e, c in zip(live, completions):
+            _advance(e, c, turn, env, tokenizer, budget, verifier)
+    for e in episodes:
+        if e.status is None:
+            e.end("truncated", detail=f"no answer in {budget.max_turns} turns")
+    return [_trajectory(e, policy_version) for e in episodes]
+
+
+def _advance(e: _Episode, c, turn: int, env, tok, budget: Budget, verifier) -> None:
+    room = budget.max_context - len(e.ids)
+    ids, logprobs = list(c.token_ids[:room]), list(c.logprobs[:room])
+    start = len(e.ids)
+    e.append(ids, logprobs)
+    e.turns.append((start, len(e.ids)))
+    stopped = c.finish_reason == "stop" and len(ids) == len(c.token_ids)
+    if not stopped:
+        if len(e.ids) >= budget.max_context:
+            return e.end("truncated", detail="context budget")
+        if not budget.recover_long_turns or turn + 1 >= budget.max_turns:
+            return e.end("truncated", detail="turn budget")
+        # close the cut turn with an end-of-turn the model did not sample (not trained), then a note
+        recovery = [tok.end_of_turn_id] + env.note(TRUNCATION_NOTE.format(n=len(ids)))
+        if len(e.ids) + len(recovery) >= budget.max_context:
+            return e.end("truncated", detail="context budget")
+        return e.append(recovery)
+    try:
+        step = env.step(e.job.task, e.state, ids)
+    except Exception as exc:  # an environment bug is infrastructure
+        return e.end("infra_error", detail=f"environment: {exc!r}")
+    if step.status == "invalid_action":
+        return e.end("invalid_action", detail="unparseable tool call")
+    if not step.done:
+        if len(e.ids) + len(step.observation) >= budget.max_context:
+            return e.end("truncated", detail="context budget")
+        return e.append(list(step.observation))
+    if step.reward is not None:
+        return e.end("ok", step.reward, detail="reward set by the environment")
+    try:
+        verdict = verifier(e.job.task, step.answer)
+    except Exception as exc:  # VerifierError, time-out, crash: infrastructure
+        return e.end("infra_error", detail=f"verifier: {exc}")
+    e.end("ok", verdict.reward, detail=verdict.detail)
+
+
+def _trajectory(e: _Episode, policy_version: int) -> Trajectory:
+    return Trajectory(
+        task_id=e.job.task.task_id,
+        group_id=int(e.job.group_id),
+        attempt=int(e.job.attempt),
+        policy_version=int(policy_version),
+        token_ids=np.asarray(e.ids, np.int32),
+        loss_mask=np.asarray(e.mask, np.uint8),
+        rollout_logprobs=np.asarray(e.logprobs, np.float32),
+        reward=e.reward,
+        status=e.status,
+        turn_boundaries=e.turns,
+        domain=e.job.task.domain,
+        prompt_len=e.prompt_len,
+    )
