@@ -56,9 +56,11 @@ def _fwd_stats_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, stats_ptr,
                       n_rows, vocab, hdim, nbytes, inv_t, tiles_per_split,
                       HAS_SUPPORT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                       BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    n_splits = tl.num_programs(1)
+    # Splits of one token block are adjacent in launch order: programs running together share
+    # their h block (and few W tiles), so both stay in L2 while W streams through once per wave.
+    split = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n_splits = tl.num_programs(0)
     rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok = rows < n_rows
     y = tl.load(y_ptr + rows, mask=row_ok, other=-1)  # local target id, -1 if not on this shard
@@ -140,12 +142,13 @@ class TileConfig:
     group_n: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    target_programs: int = 528  # forward: about 4 programs per H200 SM (132) before splitting V
+    target_programs: int = 528  # forward: at least ~4 programs per H200 SM (132) ...
+    min_splits: int = 8  # ... and at least 8 vocabulary splits per token block (see the kernel)
 
 
 def tile_config(dtype: torch.dtype) -> TileConfig:
     if INTERPRETED:  # every program is numpy on one CPU core: smallest legal tiles
-        return TileConfig(16, 16, 16, group_n=2, target_programs=4)
+        return TileConfig(16, 16, 16, group_n=2, target_programs=4, min_splits=2)
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, num_warps=4, num_stages=2)
     return TileConfig(128, 128, 64)
@@ -186,10 +189,11 @@ class _TritonFn(torch.autograd.Function):
         bits = support_bits(support, start, rows) if support is not None else y  # y: unused placeholder
         blocks_n = triton.cdiv(n, cfg.block_n)
         tiles = triton.cdiv(rows, cfg.block_v)
-        per_split = triton.cdiv(tiles, max(1, min(tiles, triton.cdiv(cfg.target_programs, blocks_n))))
+        want = max(cfg.min_splits, triton.cdiv(cfg.target_programs, blocks_n))
+        per_split = triton.cdiv(tiles, min(tiles, want))
         splits = triton.cdiv(tiles, per_split)
         stats = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
-        _fwd_stats_kernel[(blocks_n, splits)](
+        _fwd_stats_kernel[(splits, blocks_n)](
             h, weight, y, bits, stats, n, rows, hdim, bits.shape[-1] if support is not None else 0,
             inv_t, per_split, HAS_SUPPORT=support is not None, BLOCK_N=cfg.block_n,
             BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, UPCAST=INTERPRETED and h.dtype == torch.bfloat16,
