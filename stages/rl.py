@@ -1,0 +1,239 @@
+"""RL stage: asynchronous trainer + rollout ranks, GRPO/RLOO-N with truncated importance sampling.
+
+Roles (one MPI world; hetjob components `trainer` then `rollout`, or ranks under `mpirun`):
+    rank 0 (trainer)   receives batch k, updates the policy (step k+1), publishes weights step k+1
+    ranks 1.. (rollout) produce batch k with the weights of step max(0, k - lag), exactly
+With world size 1 one process alternates both roles through the same interfaces (file queue).
+Trajectories move through `stages.rlcore.transport`, weights through `stages.rlcore.handoff`.
+
+Outputs in ctx.out_dir:
+    checkpoints/initial/  step_NNNNNN/ (model dir + trainer_state, retention: best + last K)
+    checkpoints/final/    checkpoints/best (file naming the best step dir)   -> `rl:best`, `rl:final`
+    weights/step_N/       the handoff versions still needed;  queue/  pending batches (file transport)
+    metrics_history.jsonl, metrics.json; rows in the run's history.h5
+Resume: the newest verified checkpoint holds policy, optimizer, RNG and the policy version; data
+order and sampling seeds are functions of (seed, batch index), so pending batches are simply
+regenerated, bit-identically (docs/rl.md).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass
+class Config:
+    init_from: str = "sft:final"  # "<needed stage>:<checkpoint>"
+    tasks_input: str = "tasks"  # the tasks stage (train split fallback, val split for the quick eval)
+    band_input: str = "select"  # the select stage's band.parquet, when that stage is needed
+    domains: list[str] = field(default_factory=list)  # restrict training tasks to these domains (empty = all)
+    env: str = "single"  # stages.agent environment: single | calculator
+    tasks_per_update: int = 16
+    attempts: int = 8  # group size
+    updates: int = 40
+    lag: int = 1  # staleness: batch k uses the weights of step max(0, k - lag)
+    lr: float = 2e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    estimator: str = "rloo_n"  # grpo | dr_grpo | rloo | rloo_n
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_sum_over_const
+    tis_cap: Optional[float] = 2.0  # C of truncated importance sampling; null = off
+    ppo_clip: Optional[float] = None  # PPO ratio clip; null = off (one update per batch)
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    temperature: float = 1.0  # full distribution by default: top_p = 1, top_k = 0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 32  # per model turn
+    max_turns: int = 1
+    max_total_tokens: int = 256  # per episode (prompt + all turns)
+    eval_every: int = 10  # quick held-out pass rate, also the retention metric
+    eval_tasks: int = 64
+    eval_attempts: int = 2
+    save_every: int = 10  # resumable checkpoint period (also at every eval)
+    keep_last: int = 2
+    keep_best: int = 1
+    transport: str = "auto"  # auto (mpi when world > 1) | mpi | file
+    timeout_s: float = 1800.0  # waiting for a batch or a weight version
+    threads: int = 0  # torch threads; 0 = the job's CPUs
+    rollout_batch: int = 128  # engine batch size
+
+
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "rloo_n")
+
+
+def validate(section, key: str) -> None:
+    from pipeline.errors import UserError
+    from stages.algorithms import AGGREGATIONS
+
+    if section.estimator not in ESTIMATORS:
+        raise UserError(f"{key}.estimator: {section.estimator!r} is not one of {', '.join(ESTIMATORS)}")
+    if section.aggregation not in AGGREGATIONS:
+        raise UserError(f"{key}.aggregation: {section.aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
+    if section.transport not in ("auto", "mpi", "file"):
+        raise UserError(f"{key}.transport: {section.transport!r} is not auto, mpi or file")
+    for name in ("tasks_per_update", "attempts", "updates", "max_tokens", "max_turns"):
+        if int(getattr(section, name)) < 1:
+            raise UserError(f"{key}.{name}: must be >= 1, got {getattr(section, name)}")
+    if section.lag < 0:
+        raise UserError(f"{key}.lag: must be >= 0, got {section.lag}")
+    if section.attempts < 2 and section.estimator != "grpo":
+        raise UserError(f"{key}.attempts: {section.estimator} needs at least 2 attempts per task")
+
+
+# ---------------------------------------------------------------- data
+
+
+def load_pool(ctx, cfg: Config):
+    """Training tasks: the select stage's band when available, else the tasks stage's train split."""
+    from pipeline.errors import UserError
+    from stages.taskgen import load_tasks
+
+    if cfg.tasks_input not in ctx.inputs:
+        raise UserError(f"rl: needs the tasks stage {cfg.tasks_input!r} (rl.tasks_input); inputs are {sorted(ctx.inputs)}")
+    tasks_dir = Path(ctx.inputs[cfg.tasks_input])
+    train = load_tasks(tasks_dir, "train")
+    pool = train
+    band = Path(ctx.inputs[cfg.band_input]) / "band.parquet" if cfg.band_input in ctx.inputs else None
+    if band is not None and band.is_file():
+        import pyarrow.parquet as pq
+
+        wanted = set(pq.read_table(band, columns=["task_id"]).column("task_id").to_pylist())
+        pool = [t for t in train if t.task_id in wanted]
+        if not pool:
+            raise UserError(f"{band}: none of its task_ids is in {tasks_dir}/train.parquet")
+    if cfg.domains:
+        pool = [t for t in pool if t.domain in set(cfg.domains)]
+        if not pool:
+            raise UserError(f"rl.domains={list(cfg.domains)}: no training task in these domains")
+    if len(pool) < cfg.tasks_per_update:
+        raise UserError(f"rl.tasks_per_update={cfg.tasks_per_update} exceeds the {len(pool)} training tasks")
+    val = load_tasks(tasks_dir, "val")
+    domains = sorted({t.domain for t in pool})
+    per = max(1, cfg.eval_tasks // max(1, len(domains)))
+    held_out = [t for d in domains for t in [v for v in val if v.domain == d][:per]]
+    return pool, held_out
+
+
+def batch_tasks(pool: list, tasks_per_update: int, seed: int, batch_index: int) -> list:
+    """Tasks of batch k: slice k of an endless sequence of seeded per-epoch permutations, so the
+    data order is a pure function of (seed, k) and needs no state to resume."""
+    import numpy as np
+
+    n = len(pool)
+    out = []
+    for pos in range(batch_index * tasks_per_update, (batch_index + 1) * tasks_per_update):
+        epoch, i = divmod(pos, n)
+        out.append(pool[int(np.random.default_rng([seed, 7, epoch]).permutation(n)[i])])
+    return out
+
+
+def batch_seed(seed: int, batch_index: int) -> int:
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, 11, batch_index]).generate_state(1)[0])
+
+
+# ---------------------------------------------------------------- roles
+
+
+class Rollout:
+    """Produces batch k with weights of step max(0, k - lag) loaded through the handoff."""
+
+    def __init__(self, ctx, cfg: Config, model, tok, pool, handoff, transport):
+        from stages.rollout import SamplingParams, TorchEngine
+
+        self.ctx, self.cfg, self.tok, self.pool = ctx, cfg, tok, pool
+        self.model = model
+        self.engine = TorchEngine(model, max_batch=cfg.rollout_batch)
+        self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (tok.end_of_turn_id,))
+        self.handoff, self.transport = handoff, transport
+        self.version: int | None = None
+
+    def produce(self, k: int) -> None:
+        from stages.rlcore.episodes import generate_batch
+        from stages.rlcore.handoff import version_for_batch
+
+        v = version_for_batch(k, self.cfg.lag)
+        if v != self.version:
+            self.handoff.load_into(self.model, v, timeout_s=self.cfg.timeout_s, should_stop=self.ctx.checkpoint_due)
+            self.version = v
+        tasks = batch_tasks(self.pool, self.cfg.tasks_per_update, self.ctx.seed, k)
+        trajs = generate_batch(self.engine, self.tok, tasks, self.cfg, self.params, batch_seed(self.ctx.seed, k), v)
+        self.transport.send_batch(k, trajs)
+
+
+def _role(ctx) -> str:
+    if ctx.world_size == 1:
+        return "both"
+    if ctx.role in ("trainer", "rollout"):
+        return ctx.role
+    return "trainer" if ctx.rank == 0 else "rollout"
+
+
+def run(ctx) -> dict:
+    import torch
+
+    from pipeline.errors import UserError
+    from stages.rlcore.handoff import WeightHandoff
+    from stages.rlcore.transport import FileQueueTransport, MPITransport
+
+    cfg: Config = ctx.config
+    validate(cfg, f"stages.{ctx.name}")
+    torch.set_num_threads(cfg.threads or ctx.threads)
+    out = Path(ctx.out_dir)
+    role = _role(ctx)
+    if role == "trainer" and ctx.rank != 0:
+        raise UserError(f"rl: one trainer rank (rank 0) is supported, got trainer rank {ctx.rank}; "
+                        "give the trainer component 1 task")
+    pool, held_out = load_pool(ctx, cfg)
+    handoff = WeightHandoff(out / "weights")
+
+    comm = None
+    mode = cfg.transport if cfg.transport != "auto" else ("mpi" if ctx.world_size > 1 else "file")
+    if ctx.world_size > 1:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    if mode == "mpi":
+        if comm is None:
+            raise UserError("rl.transport=mpi needs a world of at least 2 ranks (1 trainer + rollout ranks)")
+        transport = MPITransport(comm, timeout_s=cfg.timeout_s, should_stop=ctx.checkpoint_due)
+    else:
+        transport = FileQueueTransport(out / "queue", timeout_s=cfg.timeout_s, should_stop=ctx.checkpoint_due)
+
+    if role == "rollout":
+        return _run_rollout(ctx, cfg, comm, pool, handoff, transport)
+    from stages.rlcore.loop import Trainer
+
+    trainer = Trainer(ctx, cfg, pool, held_out, handoff, transport, comm)
+    local_rollout = None
+    if role == "both":
+        from stages.model import load_model_dir
+
+        model, _, tok = load_model_dir(trainer.init_path)
+        local_rollout = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
+    return trainer.train(local_rollout)
+
+
+def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
+    from stages.model import load_model_dir
+    from stages.rlcore.loop import resolve_init
+
+    start = comm.bcast(None, root=0)  # the trainer's resumed step: the first batch still needed
+    model, _, tok = load_model_dir(resolve_init(ctx, cfg))
+    worker = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
+    t0, made = time.perf_counter(), 0
+    for k in range(start, cfg.updates):
+        if transport.owner(k) != ctx.rank:
+            continue
+        if ctx.checkpoint_due():
+            raise ctx.Preempted(f"rl rollout rank {ctx.rank}: stopping before batch {k}")
+        worker.produce(k)
+        made += 1
+    return {"role": "rollout", "batches": made, "seconds": round(time.perf_counter() - t0, 2)}

@@ -1,0 +1,13 @@
+"""Batch k's episodes: `tasks_per_update` tasks x `attempts`, played by `stages.agent.run_episodes`."""
+
+from __future__ import annotations
+
+
+def generate_batch(engine, tok, tasks, cfg, params, seed: int, policy_version: int):
+    from stages.agent import Budget, EpisodeJob, make_env, run_episodes
+
+    env = make_env(cfg.env, tok)
+    budget = Budget(max_context=cfg.max_total_tokens, max_turn_tokens=cfg.max_tokens, max_turns=cfg.max_turns)
+    # group_id = position of the task in the batch: the attempts at one task form one group
+    jobs = [EpisodeJob(task, group_id=g, attempt=a) for g, task in enumerate(tasks) for a in range(cfg.attempts)]
+    return run_episodes(engine, tok, jobs, env, params, budget, seed, policy_version)

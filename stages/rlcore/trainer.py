@@ -1,0 +1,118 @@
+"""The RL trainer's math on a batch of trajectories: advantages, padded tensors, the policy loss.
+
+Logprobs are recomputed under the *sampling* distribution, not the raw model: the same
+temperature, and for top-k/top-p sampling the same kept support (`stages.rollout.support_ids` on
+the trainer's own logits) passed to `kernels.linear_logprob_entropy(..., support=)`. Otherwise
+every importance ratio is off by log(kept mass) (see /docs/rl.md).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from stages.agent import Trajectory
+from stages.algorithms import PolicyLossConfig, compute_advantages, mismatch_stats, policy_loss
+from stages.rollout import SamplingParams, support_ids
+
+
+def group_advantages(trajs: list[Trajectory], estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantage [N], trainable [N]) in the order of `trajs`, grouped by `group_id`.
+
+    Groups may be ragged (a lost attempt): each group is padded with invalid attempts, which
+    `rloo_n` ignores; for the other estimators a group must be complete."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        groups[t.group_id].append(i)
+    ids = sorted(groups)
+    width = max(len(v) for v in groups.values())
+    rewards = torch.zeros(len(ids), width, dtype=torch.float64)
+    valid = torch.zeros(len(ids), width, dtype=torch.bool)
+    for g, gid in enumerate(ids):
+        for a, i in enumerate(groups[gid]):
+            rewards[g, a] = trajs[i].reward
+            valid[g, a] = trajs[i].trainable
+    adv = compute_advantages(estimator, rewards, valid)
+    out = torch.zeros(len(trajs), dtype=torch.float64)
+    for g, gid in enumerate(ids):
+        for a, i in enumerate(groups[gid]):
+            out[i] = adv[g, a]
+    trainable = torch.tensor([t.trainable for t in trajs])
+    return torch.where(trainable, out, torch.zeros_like(out)).float(), trainable
+
+
+def make_batch(trajs: list[Trajectory], pad_id: int, estimator: str) -> dict[str, torch.Tensor]:
+    """Right-padded [B, L-1] tensors: next-token targets where the model sampled, -1 elsewhere."""
+    adv, trainable = group_advantages(trajs, estimator)
+    length = max(len(t) for t in trajs)
+    B = len(trajs)
+    ids = np.full((B, length), pad_id, np.int64)
+    mask = np.zeros((B, length), np.float32)
+    lp = np.zeros((B, length), np.float32)
+    for b, t in enumerate(trajs):
+        n = len(t)
+        ids[b, :n], lp[b, :n] = t.token_ids, t.rollout_logprobs
+        mask[b, :n] = t.loss_mask * float(t.trainable)  # infra failures carry no loss at all
+    ids, mask, lp = map(torch.from_numpy, (ids, mask, lp))
+    targets = torch.where(mask[:, 1:] > 0, ids[:, 1:], torch.full_like(ids[:, 1:], -1))
+    return {"input_ids": ids[:, :-1], "targets": targets, "mask": mask[:, 1:], "rollout_logprobs": lp[:, 1:],
+            "advantages": adv, "trainable": trainable}
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 4096):
+    """(logprob [B, T], entropy [B, T], model output) of the target tokens under `params`' sampling
+    distribution; 0 where there is no target."""
+    from kernels import linear_logprob_entropy
+
+    out = model(batch["input_ids"])
+    B, T, H = out.hidden.shape
+    sel = batch["targets"] >= 0
+    h = out.hidden[sel]
+    head = _unwrap(model).lm_head.weight
+    support = None
+    if not params.is_full_distribution:
+        with torch.no_grad():  # the kept set is a constant of the loss, as it is for the engine
+            parts = [support_ids(torch.nn.functional.linear(h[i : i + chunk], head).float(), params) for i in range(0, h.shape[0], chunk)]
+            width = max(p.shape[1] for p in parts)
+            support = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    logp_sel, ent_sel = linear_logprob_entropy(h, head.to(h.dtype), batch["targets"][sel], temperature=temperature,
+                                               support=support)
+    logp = torch.zeros(B, T, dtype=logp_sel.dtype, device=h.device).masked_scatter(sel, logp_sel)
+    ent = torch.zeros(B, T, dtype=ent_sel.dtype, device=h.device).masked_scatter(sel, ent_sel)
+    return logp, ent, out
+
+
+def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=None):
+    """loss_fn(model, batch, n_tokens, n_micro) for `stages.train` backends: the TIS policy loss
+    (+ router losses); its stats include the engine-vs-trainer mismatch of this very batch."""
+
+    def loss_fn(model, batch, _n_tokens, num_micro):
+        cfg = _unwrap(model).config
+        logp, ent, out = sampled_logprobs(model, batch, params)
+        mask = batch["mask"]
+        logp_ref = None
+        if loss_cfg.kl_coef:
+            with torch.no_grad():
+                logp_ref, _, _ = sampled_logprobs(ref_model, batch, params)
+        # One update per batch: logp_old is the current policy itself (ratio 1); TIS weights it
+        # against the behaviour policy that actually sampled (staleness + numerics).
+        loss, stats = policy_loss(logp, logp.detach(), batch["rollout_logprobs"], batch["advantages"], mask, loss_cfg,
+                                  logp_ref=logp_ref, entropy=ent)
+        loss = loss / num_micro + (cfg.router_aux_loss_coef * out.aux_loss + cfg.router_z_loss_coef * out.z_loss) / num_micro
+        mism = mismatch_stats(logp, batch["rollout_logprobs"], mask, loss_cfg.tis_cap)
+        tokens = mask.sum()
+        res = {f"loss/{k}": torch.tensor(float(v)) for k, v in stats.items()}
+        res |= {f"mismatch/{k}": torch.tensor(float(v)) for k, v in mism.items()}
+        res |= {"tokens": tokens.detach(), "entropy": ((ent * mask).sum() / tokens.clamp(min=1)).detach(),
+                "router": {k: v for k, v in out.router_stats.items() if k != "expert_load"},
+                "input_tokens": torch.tensor(float(batch["input_ids"].numel()))}
+        return loss, res
+
+    return loss_fn
