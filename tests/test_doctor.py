@@ -93,7 +93,7 @@ def test_format_prints_fixes_and_onboard_uses_findings(tmp_path):
 
 @pytest.mark.cluster
 def test_doctor_passes_on_local(slurm_env, tmp_path):
-    checks = doctor.run_doctor(local_profile(), tmp_path / "runs", home="/nonexistent-home")
+    checks = doctor.run_doctor(local_profile(), tmp_path / "runs", home="/nonexistent-home", job_wait_s=30)
     failed = [f"{c.name}: {c.detail}" for c in checks if c.status == FAIL]
     assert not failed, failed
     names = {c.name for c in checks}
@@ -124,12 +124,14 @@ def test_doctor_fails_on_wrong_account_missing_partition_home_run_root(slurm_env
 
 
 def _override(site, **values):
-    from omegaconf import OmegaConf
+    import dataclasses
 
-    if hasattr(site, "keys") or hasattr(site, "__dataclass_fields__"):
-        base = OmegaConf.to_container(OmegaConf.structured(site) if hasattr(site, "__dataclass_fields__") else site,
-                                      resolve=True)
+    from omegaconf import DictConfig, OmegaConf
+
+    if dataclasses.is_dataclass(site):
+        base = dataclasses.asdict(site)
+    elif isinstance(site, DictConfig):
+        base = OmegaConf.to_container(site, resolve=True)
     else:
         base = dict(site)
-    base.update(values)
-    return base
+    return {**base, **values}
