@@ -205,7 +205,11 @@ class Sandbox:
         sel.close()
         for stream in out:
             stream.close()
-        ready = os.read(ready_r, 16)
+        os.set_blocking(ready_r, False)  # never wait on a writer that somehow survived
+        try:
+            ready = os.read(ready_r, 16)
+        except BlockingIOError:
+            ready = b""
         os.close(ready_r)
         stdout, stderr = (bytes(b) for b in out.values())
         if len(stdout) + len(stderr) > cap:
