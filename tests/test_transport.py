@@ -1,0 +1,90 @@
+"""Trajectory transport: file queue and MPI (real mpirun, 2 and 3 ranks) deliver batches intact, in order."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stages.agent import Trajectory
+from stages.rlcore.transport import FileQueueTransport, TransportError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_batch(k: int, n: int = 5) -> list[Trajectory]:
+    """Deterministic, varied trajectories for batch k (ragged lengths, every status, unicode)."""
+    rng = np.random.default_rng(k)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(1, 40))
+        mask = rng.integers(0, 2, length).astype(np.uint8)
+        out.append(Trajectory(
+            task_id=f"task-{k}-{i}-ü", group_id=i // 2, attempt=i % 2, policy_version=max(0, k - 1),
+            token_ids=rng.integers(0, 50000, length), loss_mask=mask,
+            rollout_logprobs=np.where(mask > 0, -rng.random(length), 0.0),
+            reward=float(rng.random()), status=("ok", "truncated", "invalid_action", "infra_error")[i % 4],
+            turn_boundaries=[(0, length)], domain="arith" if i % 2 else "closure", prompt_len=min(3, length)))
+    return out
+
+
+def test_file_queue_round_trip_and_discard(tmp_path):
+    q = FileQueueTransport(tmp_path / "queue", timeout_s=5)
+    for k in range(3):
+        q.send_batch(k, make_batch(k))
+    assert [q.has(k) for k in range(4)] == [True, True, True, False]
+    for k in (2, 0, 1):  # any order: batches are addressed by index
+        assert q.recv_batch(k) == make_batch(k)
+    q.discard_below(2)
+    assert [q.has(k) for k in range(3)] == [False, False, True]
+    assert not list((tmp_path / "queue").glob(".*"))  # no temp files left behind
+
+
+def test_file_queue_missing_batch_times_out_naming_it(tmp_path):
+    q = FileQueueTransport(tmp_path / "queue", timeout_s=0.2)
+    with pytest.raises(TransportError, match="batch_000007.npz: batch 7 did not arrive"):
+        q.recv_batch(7)
+    q = FileQueueTransport(tmp_path / "queue", timeout_s=60, should_stop=lambda: True)
+    with pytest.raises(TransportError, match="interrupted"):
+        q.recv_batch(7)
+
+
+_MPI_CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from mpi4py import MPI
+    from tests.test_transport import make_batch
+    from stages.rlcore.transport import MPITransport
+    comm = MPI.COMM_WORLD
+    t = MPITransport(comm, timeout_s=60)
+    n = 7
+    if comm.Get_rank() == 0:
+        for k in range(n):
+            got = t.recv_batch(k)
+            assert got == make_batch(k), f"batch {k} differs"
+            assert got[0].policy_version == max(0, k - 1)
+        print("TRAINER-OK", n, flush=True)
+    else:
+        for k in range(n):
+            if t.owner(k) == comm.Get_rank():
+                t.send_batch(k, make_batch(k))
+""")
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs OpenMPI's mpirun")
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_mpi_transport_delivers_batches_in_order(tmp_path, ranks):
+    script = tmp_path / "child.py"
+    script.write_text(_MPI_CHILD)
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_btl": "self,tcp", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable,
+                           str(script), str(REPO)], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TRAINER-OK 7" in proc.stdout
