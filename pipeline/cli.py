@@ -78,6 +78,7 @@ def cmd_run(args) -> int:
         overrides.append(f"executor.kind={args.executor}")
     cfg = config_mod.load(args.config, overrides, site=args.site)
     dag = build(cfg)
+    _refuse_secrets(cfg)
     run_dir = Path(args.run_dir) if args.run_dir else None
     existing = run_dir is not None and (run_dir / "config.yaml").is_file()
     if args.dry_run:
@@ -92,6 +93,26 @@ def cmd_run(args) -> int:
         origin = {"config": str(Path(args.config).resolve()), "overrides": overrides, "site": args.site}
         run = RunDir.create(cfg, run_dir, origin=origin)
     return drive(run, dag, cfg)
+
+
+def _refuse_secrets(cfg) -> None:
+    """A config that resolves to a credential (e.g. via ${oc.env:HF_TOKEN}) is never frozen to disk."""
+    from .scrub import env_secrets
+
+    secrets = env_secrets()
+    flat = OmegaConf.to_container(cfg, resolve=True)
+    stack = [("", flat)]
+    while stack:
+        path, node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(value, (dict, list)):
+                stack.append((where, value))
+            elif isinstance(value, str):
+                for name, secret in secrets.items():
+                    if secret in value:
+                        raise UserError(f"{where}: resolves to the value of the secret variable {name}; a run directory must never record it")
 
 
 def cmd_resume(args) -> int:
@@ -174,6 +195,22 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_cluster(args) -> int:
+    from slurm import cluster
+
+    return cluster.main([args.action] + (["--root", args.root] if args.root else []))
+
+
+def cmd_bench(args) -> int:
+    import importlib
+
+    try:
+        module = importlib.import_module(f"benchmarks.{args.name}")
+    except ModuleNotFoundError:
+        raise UserError(f"unknown benchmark {args.name!r} (see benchmarks/)") from None
+    return module.main(list(args.args))
+
+
 # --- entry point -------------------------------------------------------------------------------
 
 
@@ -208,6 +245,27 @@ def parser() -> argparse.ArgumentParser:
     cf.add_argument("overrides", nargs="*")
     cf.add_argument("--site")
     cf.set_defaults(func=cmd_config)
+
+    from . import doctor
+
+    d = sub.add_parser("doctor", help="check a cluster live against a site profile (pass/warn/fail with fixes)")
+    doctor.add_arguments(d)
+    d.set_defaults(func=doctor.cmd_doctor)
+
+    ob = sub.add_parser("onboard", help="write a user's site override (account, paths, partitions) from doctor's findings")
+    doctor.add_arguments(ob)
+    ob.add_argument("-o", "--output", default="site-override.yaml")
+    ob.set_defaults(func=doctor.cmd_onboard)
+
+    cl = sub.add_parser("cluster", help="the local virtual Slurm test cluster: up | down | status")
+    cl.add_argument("action", choices=["up", "down", "status"])
+    cl.add_argument("--root", help="cluster directory (default: $SNOWCAT_CLUSTER_ROOT or <repo>/.cluster)")
+    cl.set_defaults(func=cmd_cluster)
+
+    b = sub.add_parser("bench", help="run a benchmark from benchmarks/ (e.g. logprob)")
+    b.add_argument("name")
+    b.add_argument("args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
     return p
 
 

@@ -139,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     index = args.item
     if index is None and os.environ.get("SLURM_ARRAY_TASK_ID", "").isdigit() and os.environ.get("SNOWCAT_ARRAY") == "1":
         index = int(os.environ["SLURM_ARRAY_TASK_ID"])
+    from .logscrub import scrubbed_output
+
     try:
-        return run_unit(args.run_dir, args.stage, index)
+        with scrubbed_output():
+            return run_unit(args.run_dir, args.stage, index)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,54 @@
+"""Scrub credentials from everything a stage process writes to its stdout and stderr.
+
+The stage's file descriptors 1 and 2 are redirected into a pipe; a thread reads it line by line,
+replaces secret values (from this environment) and credential-shaped strings, and writes the
+result to the original destination (the local log file, or Slurm's output file). Working at the
+descriptor level covers prints, C extensions and child processes alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from typing import Iterator
+
+from .scrub import env_secrets, scrub_text
+
+
+@contextlib.contextmanager
+def scrubbed_output() -> Iterator[None]:
+    secrets = env_secrets()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    read_end, write_end = os.pipe()
+    for fd in (1, 2):
+        os.dup2(write_end, fd)
+    os.close(write_end)
+
+    def pump() -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as src:
+            pending = b""
+            while chunk := src.read(65536):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                if lines:
+                    text = scrub_text(b"\n".join(lines).decode(errors="replace"), secrets) + "\n"
+                    os.write(saved[1], text.encode())
+            if pending:
+                os.write(saved[1], scrub_text(pending.decode(errors="replace"), secrets).encode())
+
+    thread = threading.Thread(target=pump, name="log-scrubber", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd in (1, 2):
+            os.dup2(saved[fd], fd)  # closes the pipe's last write ends: the pump sees EOF
+        thread.join(timeout=30)
+        for fd in saved.values():
+            os.close(fd)
