@@ -73,3 +73,235 @@ def test_trajectory_rejects_bad_shapes_and_status():
         Trajectory("t", 0, 0, 0, [1], [1], [0.0], 0.0, "crashed")
     with pytest.raises(ValueError, match="mask"):
         Trajectory("t", 0, 0, 0, [1, 2], [1], [0.0, 0.0], 0.0, "ok")
+
+
+# ---------------------------------------------------------------- a tiny real world: tasks, BPE, MoE model
+
+from stages.agent import (Budget, CalculatorEnv, EpisodeJob, SingleTurnEnv, calculate, make_env, run_episodes,
+                          teacher_messages)
+from stages.agent.envs import CalcError, tool_message_ids
+
+
+def tiny_tasks(count: int = 40, seed: int = 0):
+    from stages.taskgen import generate_domain
+
+    rng = np.random.default_rng(seed)
+    return generate_domain(rng, "arith", [2], count), generate_domain(rng, "closure", [2], count)
+
+
+def tiny_tokenizer(tasks):
+    from stages.tokenizer import train_tokenizer
+
+    texts = [t.prompt for t in tasks] + [t.answer for t in tasks] + ["turn cut at tokens; answer briefly"]
+    return train_tokenizer(texts * 2, vocab_size=300)
+
+
+def tiny_model(tok, seed: int = 0):
+    import dataclasses
+
+    import torch
+
+    from stages.model import PRESETS, MoEForCausalLM
+
+    torch.manual_seed(seed)
+    return MoEForCausalLM(dataclasses.replace(PRESETS["test-micro"], vocab_size=tok.vocab_size)).eval()
+
+
+def overfit(model, tok, conversations: list[list[dict]], max_steps: int = 200):
+    """Teach `model` the demonstrations by heart (full-batch AdamW on the assistant tokens)."""
+    import torch
+
+    encoded = [tok.encode_chat(c) for c in conversations]
+    width = max(len(i) for i, _ in encoded)
+    ids = torch.full((len(encoded), width), tok.pad_id)
+    targets = torch.full((len(encoded), width), -100)
+    for b, (i, m) in enumerate(encoded):
+        ids[b, : len(i)] = torch.tensor(i)
+        targets[b, : len(i) - 1] = torch.tensor([t if keep else -100 for t, keep in zip(i[1:], m[1:])])
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(max_steps):
+        logits = model.logits(model(ids).hidden)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.005:
+            break
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def world():
+    arith, closure = tiny_tasks()
+    return arith, closure, tiny_tokenizer(arith + closure)
+
+
+@pytest.fixture(scope="module")
+def calculator_model(world):
+    """A micro model that learned the calculator protocol on four arith tasks."""
+    arith, _, tok = world
+    return overfit(tiny_model(tok), tok, [teacher_messages(t, "calculator") for t in arith[:4]])
+
+
+def engine_for(model):
+    from stages.rollout import TorchEngine
+
+    return TorchEngine(model, max_batch=8)
+
+
+# ---------------------------------------------------------------- the calculator and the environments
+
+
+@pytest.mark.parametrize("expr,value", [("37+45", 82), ("2*(3+4)-5", 9), ("-3*-3", 9), (" 10 - 2 - 3 ", 5),
+                                        ("007", 7), ("((1))", 1)])
+def test_calculator_evaluates_integer_arithmetic(expr, value):
+    assert calculate(expr) == value
+
+
+@pytest.mark.parametrize("expr", ["", "2**3", "1/2", "(1+2", "1+", "__import__('os')", "1e3", "3 4",
+                                  "9" * 41 + "*1", "99999999999*" * 5 + "9"])
+def test_calculator_rejects_anything_else(expr):
+    with pytest.raises(CalcError):
+        calculate(expr)
+
+
+def test_rollout_layout_equals_the_teacher_demonstration(world):
+    """Prompt + tool-call turn + env observation + answer turn is exactly encode_chat(teacher):
+    SFT on teacher_messages teaches the protocol the agent loop speaks."""
+    arith, _, tok = world
+    task = arith[0]
+    env = CalculatorEnv(tok)
+    msgs = teacher_messages(task, "calculator")
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    teacher_ids, teacher_mask = tok.encode_chat(msgs)
+    call = tok.encode(msgs[1]["content"]) + [tok.end_of_turn_id]
+    answer = tok.encode(task.answer) + [tok.end_of_turn_id]
+    assert call[0] == tok.tool_call_start_id and call[-2] == tok.tool_call_end_id
+    state = env.reset(task)
+    step = env.step(task, state, call)
+    assert not step.done and state["calls"] == 1
+    final = env.step(task, state, answer)
+    assert final.done and final.answer == task.answer and final.reward is None
+    rollout = env.prompt(task) + call + step.observation + answer
+    assert rollout == teacher_ids
+    # what the loop trains (the model's turns) is what SFT trains (assistant content + <|end|>)
+    trained = [i for i, m in zip(teacher_ids, teacher_mask) if m]
+    assert trained == call + answer
+    assert teacher_messages(task, "single") == task.messages()
+
+
+def test_calculator_env_statuses(world):
+    arith, closure, tok = world
+    env = make_env("calculator", tok)
+    task = arith[0]
+    call = [tok.tool_call_start_id] + tok.encode("2*(3+4)") + [tok.tool_call_end_id, tok.end_of_turn_id]
+    step = env.step(task, env.reset(task), call)
+    assert step.observation == tool_message_ids(tok, "14")
+    unclosed = [tok.tool_call_start_id] + tok.encode("1+2") + [tok.end_of_turn_id]
+    assert env.step(task, env.reset(task), unclosed).status == "invalid_action"
+    garbage = [tok.tool_call_start_id] + tok.encode("1/2") + [tok.tool_call_end_id]
+    assert env.step(task, env.reset(task), garbage).status == "invalid_action"
+    # answering without the tool: reward 0 when required, verifier's call otherwise and off-domain
+    direct = tok.encode(task.answer) + [tok.end_of_turn_id]
+    assert env.step(task, env.reset(task), direct).reward == 0.0
+    assert make_env("calculator", tok, require_tool=False).step(task, {"calls": 0}, direct).reward is None
+    other = closure[0]
+    assert env.step(other, env.reset(other), tok.encode(other.answer)).reward is None
+    with pytest.raises(ValueError, match="unknown environment"):
+        make_env("browser", tok)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def test_learned_calculator_protocol_end_to_end(world, calculator_model):
+    from stages.rollout import SamplingParams
+
+    arith, _, tok = world
+    tasks = arith[:4]
+    jobs = [EpisodeJob(t, group_id=i, attempt=0) for i, t in enumerate(tasks)]
+    trajs = run_episodes(engine_for(calculator_model), tok, jobs, CalculatorEnv(tok), SamplingParams(temperature=0),
+                         Budget(max_context=128, max_turn_tokens=16, max_turns=3), seed=1, policy_version=7)
+    for t, tr in zip(tasks, trajs):
+        assert (tr.task_id, tr.domain, tr.policy_version, tr.status, tr.reward) == (t.task_id, "arith", 7, "ok", 1.0)
+        teacher_ids, teacher_mask = tok.encode_chat(teacher_messages(t, "calculator"))
+        assert tr.token_ids.tolist() == teacher_ids  # learned by heart: the rollout is the demonstration
+        assert tr.loss_mask.tolist() == teacher_mask
+        assert len(tr.turn_boundaries) == 2 and tr.prompt_len == tr.turn_boundaries[0][0]
+        assert np.all(tr.rollout_logprobs[tr.loss_mask == 0] == 0)
+        assert np.all(tr.rollout_logprobs == 0)  # greedy: every sampled token had probability 1
+
+
+def test_failures_are_labelled_by_cause(world, calculator_model):
+    import dataclasses
+
+    from stages.rollout import SamplingParams
+
+    arith, closure, tok = world
+    engine = engine_for(calculator_model)
+    greedy = SamplingParams(temperature=0)
+    budget = Budget(max_context=128, max_turn_tokens=16, max_turns=3)
+    run = lambda tasks, env=None, budget=budget, **kw: run_episodes(  # noqa: E731
+        engine, tok, [EpisodeJob(t, i, 0) for i, t in enumerate(tasks)], env or CalculatorEnv(tok), greedy, budget,
+        seed=0, policy_version=0, **kw)
+
+    # the verifier itself fails (unknown verifier): infrastructure, not the model
+    broken_task = dataclasses.replace(arith[0], verifier="no-such-verifier")
+    assert run([broken_task])[0].status == "infra_error"
+
+    class crashing_env_test_double(CalculatorEnv):  # an environment with a bug
+        def step(self, task, state, turn_ids):
+            raise KeyError("bug")
+
+    assert run(arith[:2], env=crashing_env_test_double(tok))[0].status == "infra_error"
+    # the engine fails (context past the model's positions): every live episode is infra_error
+    too_long = Budget(max_context=10_000, max_turn_tokens=calculator_model.config.max_position_embeddings)
+    assert {t.status for t in run(arith[:2], budget=too_long)} == {"infra_error"}
+    # the model learned the call only: with a single turn it never answers -> truncated
+    assert run(arith[:1], budget=Budget(128, 16, max_turns=1))[0].status == "truncated"
+    # a tiny context ends the episode truncated, cut exactly at the budget
+    tr = run(arith[:1], budget=Budget(max_context=12, max_turn_tokens=16))[0]
+    assert tr.status == "truncated" and len(tr) == 12 and tr.reward == 0.0
+    # an unparseable tool call is the model's failure
+    class calc_without_closing_tag_test_double(CalculatorEnv):  # the model's call, with </tool_call> dropped
+        def step(self, task, state, turn_ids):
+            return super().step(task, state, [i for i in turn_ids if i != tok.tool_call_end_id])
+
+    tr = run(arith[:1], env=calc_without_closing_tag_test_double(tok))[0]
+    assert tr.status == "invalid_action" and tr.reward == 0.0 and len(tr.turn_boundaries) == 1
+
+
+def assert_same_episodes(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert (x.task_id, x.attempt, x.status, x.reward, x.turn_boundaries) == (y.task_id, y.attempt, y.status, y.reward, y.turn_boundaries)
+        assert np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.loss_mask, y.loss_mask)
+        np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-4)
+
+
+def test_episodes_are_deterministic_and_independent_of_the_batch(world):
+    from stages.rollout import SamplingParams
+
+    arith, closure, tok = world
+    engine = engine_for(tiny_model(tok, seed=3))
+    params = SamplingParams(temperature=1.0)
+    budget = Budget(max_context=96, max_turn_tokens=6, max_turns=3)
+    jobs = [EpisodeJob(t, group_id=g, attempt=a) for g, t in enumerate(arith[:2] + closure[:2]) for a in range(2)]
+    env = CalculatorEnv(tok)
+    everything = run_episodes(engine, tok, jobs, env, params, budget, seed=11, policy_version=0)
+    again = run_episodes(engine, tok, jobs, env, params, budget, seed=11, policy_version=0)
+    alone = run_episodes(engine, tok, jobs[5:6], env, params, budget, seed=11, policy_version=0)
+    reordered = run_episodes(engine, tok, jobs[::-1], env, params, budget, seed=11, policy_version=0)
+    other_seed = run_episodes(engine, tok, jobs, env, params, budget, seed=12, policy_version=0)
+    assert everything == again
+    # batched kernels may move logprobs in the last bits; the sampled tokens must not move
+    assert_same_episodes(alone, everything[5:6])
+    assert_same_episodes(reordered[::-1], everything)
+    assert [t.token_ids.tolist() for t in other_seed] != [t.token_ids.tolist() for t in everything]
+    for tr in everything:
+        model_tokens = np.zeros(len(tr), bool)
+        for s, e in tr.turn_boundaries:
+            model_tokens[s:e] = True
+        assert np.array_equal(tr.loss_mask.astype(bool), model_tokens)
+        assert np.all(tr.rollout_logprobs[tr.loss_mask == 1] <= 0)

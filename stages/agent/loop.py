@@ -205,4 +205,5 @@ def _trajectory(e: _Episode, policy_version: int) -> Trajectory:
         turn_boundaries=e.turns,
         domain=e.job.task.domain,
         prompt_len=e.prompt_len,
+        detail=e.detail,
     )
