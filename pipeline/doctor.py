@@ -275,6 +275,15 @@ def check_apptainer(site: Any) -> Check:
                  {"apptainer": out.strip()})
 
 
+def _single_host_cluster() -> bool:
+    """True when every Slurm node is this machine (the local test cluster): local disks are shared."""
+    code, out = _sh(["sinfo", "-h", "-N", "-o", "%o"])
+    addrs = set(out.split()) if code == 0 else set()
+    import socket
+
+    return bool(addrs) and addrs <= {"127.0.0.1", "::1", "localhost", socket.gethostname()}
+
+
 def _fs_type(path: Path) -> str:
     code, out = _sh(["stat", "-f", "-c", "%T", str(path)])
     return out.strip() if code == 0 else "unknown"
@@ -304,6 +313,8 @@ def check_run_root(site: Any, run_root: str | os.PathLike, home: str | None = No
     need_shared = _first(site, "shared_fs_required", "filesystems.shared_required", default=True)
     if fs in SHARED_FS:
         checks.append(Check("run_root.shared", PASS, f"{root} is on {fs} (shared)"))
+    elif _single_host_cluster():
+        checks.append(Check("run_root.shared", PASS, f"{root} is on {fs}; every Slurm node is this machine"))
     else:
         checks.append(Check("run_root.shared", WARN if not need_shared else FAIL,
                             f"{root} is on {fs}, not a known shared filesystem",
