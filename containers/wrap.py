@@ -53,6 +53,10 @@ def wrap_command(
         out.append("--nv")
     seen = set()
     for spec in binds:
+        # Profiles name storage as $SCRATCH / $WORK; a quoted command line would not expand them.
+        spec = os.path.expandvars(str(spec))
+        if "$" in spec:
+            raise UserError(f"container bind '{spec}': environment variable not set on this machine")
         _check_bind(spec)
         if spec not in seen:
             seen.add(spec)
@@ -78,13 +82,18 @@ def _get(site: Any, key: str, default: Any = None) -> Any:
     return getattr(site, key, default)
 
 
-def site_mpi_plugin(site: Any) -> str:
-    """The `srun --mpi=` plugin a site profile names (JSC: pspmix; the local cluster: pmix)."""
-    for key in ("mpi_plugin", "mpi"):
-        value = _get(site, key)
-        if value:
-            return str(value)
-    return "pmix"
+# Profile values of mpi_plugin that are not srun plugins (TACC names its launcher there).
+_NOT_SRUN_PLUGINS = ("ibrun", "none", "")
+
+
+def site_mpi_plugin(site: Any) -> str | None:
+    """The `srun --mpi=` plugin a site profile names (JSC: pspmix; the local cluster: pmix).
+
+    None where the profile names no srun plugin (TACC: `ibrun`): srun then uses the cluster's
+    MpiDefault, which `snowcat doctor` reports.
+    """
+    value = _get(site, "mpi_plugin", _get(site, "mpi", "pmix"))
+    return None if value is None or str(value) in _NOT_SRUN_PLUGINS else str(value)
 
 
 def srun_line(
@@ -99,24 +108,26 @@ def srun_line(
     het_groups [0, 1] with one `cmd`: every component runs the same command in one MPI world.
     `cmd` as {group: command}: an MPMD heterogeneous step, `srun --het-group=0 A : --het-group=1 B`,
     used when components run different images (trainer vs rollout); still one MPI world.
-    Heterogeneous steps always use srun: it is the only launcher that addresses hetjob components.
+    Heterogeneous steps always use srun: it is the only launcher that addresses hetjob components
+    (also on TACC systems, whose `ibrun` launches one homogeneous MPI job over the allocation).
     """
-    mpi = f"--mpi={site_mpi_plugin(site)}"
+    plugin = site_mpi_plugin(site)
+    mpi = [f"--mpi={plugin}"] if plugin else []
     if het_groups is None:
         if isinstance(cmd, Mapping):
             raise UserError("srun_line: a per-group command needs het_groups")
         if _get(site, "launcher") == "ibrun":
-            return ["ibrun", *extra, *cmd]
-        return ["srun", mpi, *extra, *cmd]
+            return ["ibrun", *cmd]  # TACC's launcher takes no srun options
+        return ["srun", *mpi, *extra, *cmd]
     groups = list(het_groups)
     if not groups or any(not isinstance(g, int) or g < 0 for g in groups):
         raise UserError(f"srun_line: het_groups must be non-negative ints, got {groups}")
     if not isinstance(cmd, Mapping):
-        return ["srun", mpi, f"--het-group={','.join(map(str, groups))}", *extra, *cmd]
+        return ["srun", *mpi, f"--het-group={','.join(map(str, groups))}", *extra, *cmd]
     missing = [g for g in groups if g not in cmd]
     if missing:
         raise UserError(f"srun_line: no command for het group(s) {missing}")
-    out = ["srun", mpi]
+    out = ["srun", *mpi]
     for i, g in enumerate(groups):
         if i:
             out.append(":")

@@ -140,7 +140,7 @@ def check_partitions(site: Any) -> Check:
     wanted = profile_partitions(site)
     if not live:
         return Check("partitions", FAIL, "sinfo lists no partitions", "check that Slurm answers (see the slurm check)")
-    problems, fixes = [], []
+    problems, fixes, notes = [], [], []
     for name, spec in wanted.items():
         if name not in live:
             problems.append(f"partition '{name}' does not exist")
@@ -151,15 +151,21 @@ def check_partitions(site: Any) -> Check:
             problems.append(f"'{name}' walltime is {have_t} min, the profile says {want_t}")
             fixes.append(f"set partitions.{name}.max_time_min: {have_t}")
         want_g, have_g = _profile_gpus(spec), live[name]["gpus_per_node"]
-        if want_g is not None and want_g != have_g:
+        # More GPUs than the nodes have: jobs would never start. Fewer is a choice (0: CPU-only use).
+        if want_g is not None and want_g > have_g:
             problems.append(f"'{name}' has {have_g} GPUs per node, the profile says {want_g}")
             fixes.append(f"set partitions.{name}.gpus_per_node: {have_g}")
+        elif want_g and want_g < have_g:
+            notes.append(f"'{name}' nodes have {have_g} GPUs, the profile uses {want_g}")
         if not live[name]["up"]:
             problems.append(f"'{name}' is not up")
     found = {"partitions": live}
     if problems:
         return Check("partitions", FAIL, "; ".join(problems), "; ".join(fixes) or "ask the centre", found)
     names = ", ".join(f"{n} ({live[n]['gpus_per_node']} GPU/node, {live[n]['max_time_min']} min)" for n in wanted) or "none in profile"
+    if notes:
+        return Check("partitions", WARN, f"profile partitions present: {names}; " + "; ".join(notes),
+                     "raise gpus_per_node in the profile to use every GPU", found)
     return Check("partitions", PASS, f"profile partitions present: {names}", found=found)
 
 
@@ -245,11 +251,23 @@ def check_mpi(site: Any) -> Check:
     from containers.wrap import site_mpi_plugin
 
     plugin = site_mpi_plugin(site)
+    if _first(site, "launcher") == "ibrun" and not shutil.which("ibrun"):
+        return Check("mpi", FAIL, "the profile's launcher is ibrun but ibrun is not on PATH",
+                     "run doctor on the site's login node, or set launcher: srun")
     code, out = _sh(["srun", "--mpi=list"])
     if code != 0:
         return Check("mpi", FAIL, f"srun --mpi=list failed: {out}", "check that srun works on this node")
     listed = {line.strip().split()[-1] for line in out.splitlines() if line.strip() and not line.strip().endswith(":")
               and "plugin" not in line}
+    if plugin is None:  # ibrun sites: hetjob steps use srun's default plugin
+        code, default = _sh(["scontrol", "show", "config"])
+        mpi_default = next((line.split("=", 1)[1].strip() for line in default.splitlines()
+                            if line.replace(" ", "").startswith("MpiDefault=")), "unknown")
+        return Check("mpi", PASS if mpi_default not in ("none", "unknown") else WARN,
+                     f"launcher ibrun; hetjob steps use srun's MpiDefault={mpi_default} (has: {', '.join(sorted(listed))})",
+                     "" if mpi_default not in ("none", "unknown") else
+                     "set mpi_plugin to one of the listed plugins so hetjob components share one MPI world",
+                     {"mpi": sorted(listed)})
     if plugin in listed:
         return Check("mpi", PASS, f"srun --mpi={plugin} available", found={"mpi": sorted(listed)})
     return Check("mpi", FAIL, f"srun has no --mpi={plugin} (has: {', '.join(sorted(listed))})",
@@ -462,7 +480,7 @@ def onboard(site_profile: Any, run_root: str | os.PathLike | None = None, checks
         for name, spec in wanted.items():
             if name in live:
                 fixed = {}
-                if _profile_gpus(spec) is not None and _profile_gpus(spec) != live[name]["gpus_per_node"]:
+                if _profile_gpus(spec) is not None and _profile_gpus(spec) > live[name]["gpus_per_node"]:
                     fixed["gpus_per_node"] = live[name]["gpus_per_node"]
                 have_t, want_t = live[name]["max_time_min"], _profile_time(spec)
                 if have_t is not None and want_t is not None and want_t > have_t:

@@ -62,6 +62,7 @@ def test_apptainer_command_line():
     ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a,/b"]}, "bind '/a,/b'"),
     ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a:/b:rx"]}, "ro or rw"),
     ({"runtime": "apptainer", "image": "i.sif", "env": {"1BAD": "x"}}, "env '1BAD'"),
+    ({"runtime": "apptainer", "image": "i.sif", "binds": ["$SNOWCAT_UNSET_VAR_X/data"]}, "variable not set"),
 ])
 def test_bad_container_settings_name_the_culprit(kwargs, words):
     with pytest.raises(UserError, match=words.replace("(", r"\(")):
