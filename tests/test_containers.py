@@ -186,3 +186,48 @@ def test_build_templates_labels_then_provenance_reads_them(fake_apptainer, tmp_p
     build_call = [json.loads(line) for line in fake_apptainer.read_text().splitlines()][0]
     assert build_call[:3] == ["build", "--force", "--fakeroot"]
     assert build_call[-1] == str(images.definition("trainer", "x86_64"))
+
+
+# ----------------------------------------------------------------------- golden launcher lines
+
+GOLDEN = Path(__file__).parent / "golden"
+GOLDEN_SITES = {
+    # site: (environment of a user on that site, run dir, image dir)
+    "jsc-juwels-booster": ({"PROJECT": "/p/project/cjsc", "SCRATCH": "/p/scratch/cjsc"},
+                           "/p/project/cjsc/alice/snowcat/runs/rl-demo", "/p/project/cjsc/images", "x86_64"),
+    "tacc-vista": ({"WORK": "/work/01234/alice/vista", "SCRATCH": "/scratch/01234/alice"},
+                   "/work/01234/alice/vista/snowcat/runs/rl-demo", "/work/01234/alice/vista/images", "aarch64"),
+}
+
+
+def render_golden(site_name: str) -> list[str]:
+    """The launcher lines of a containerised stage on a site, as the Slurm executor composes them."""
+    import shlex
+
+    from slurm.site import load_site
+
+    site = load_site(site_name)
+    _, run_dir, image_dir, arch = GOLDEN_SITES[site_name]
+    binds = [run_dir, site.scratch, site.project]
+
+    def wrapped(stage, image, gpu=True):
+        return wrap_command(stage_command(run_dir, stage), site.container_runtime,
+                            image=f"{image_dir}/{image}-{arch}.sif", binds=binds, gpu=gpu)
+
+    extra = ["--kill-on-bad-exit=1"]
+    lines = [
+        srun_line(site, [0, 1], wrapped("rl", "trainer"), extra=extra),
+        srun_line(site, [0, 1], {0: wrapped("rl", "trainer"), 1: wrapped("rl", "rollout")}, extra=extra),
+        srun_line(site, None, wrapped("sft", "trainer"), extra=extra),
+    ]
+    return [shlex.join(line) for line in lines]
+
+
+@pytest.mark.parametrize("site_name", sorted(GOLDEN_SITES))
+def test_golden_launcher_lines(site_name, monkeypatch):
+    env = GOLDEN_SITES[site_name][0]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    expected = [line for line in (GOLDEN / f"launch_{site_name}.txt").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert render_golden(site_name) == expected
