@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -94,8 +95,9 @@ def load_site(name_or_path: str | Path) -> DictConfig:
         key = getattr(e, "full_key", None) or "?"
         msg = str(e).splitlines()[0]
         raise UserError(f"site profile {path}: key {key}: {msg}") from None
-    except Exception as e:  # YAML syntax errors
-        raise UserError(f"site profile {path}: {str(e).splitlines()[0]}") from None
+    except yaml.MarkedYAMLError as e:
+        where = f" at line {e.problem_mark.line + 1}" if e.problem_mark else ""
+        raise UserError(f"site profile {path}: invalid YAML{where}: {e.problem}") from None
     _check(site, path)
     OmegaConf.set_readonly(site, True)
     return site
