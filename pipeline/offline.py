@@ -101,3 +101,31 @@ def enter_offline(staging_dir: str | os.PathLike, names: Iterable[str], deep: bo
     paths = require_staged(staging_dir, list(names), deep=deep)
     os.environ.update(offline_env(staging_dir))
     return paths
+
+
+def prepare(ctx) -> dict[str, Path]:
+    """What the stage runner calls before a stage's `run(ctx)`: offline checks from the config.
+
+    A stage section may list `staged: [names]`; they are looked up in the staging dir of the run's
+    prestage stage. On a site whose compute nodes have no internet, every stage runs offline even
+    if it lists nothing. Returns the staged paths by name ({} when nothing applies).
+    """
+    cfg = ctx.run_config
+    names = list(_field(ctx.config, "staged") or [])
+    site_online = _field(_field(cfg, "site"), "internet_on_compute")
+    staging_dirs = [str(s.staging_dir) for s in (_field(cfg, "stages") or {}).values()
+                    if _field(s, "kind") == "prestage" and _field(s, "staging_dir")]
+    if names and not staging_dirs:
+        raise UserError(f"stages.{ctx.name}.staged: lists artefacts but the run has no prestage stage")
+    if site_online is False or names:
+        return enter_offline(staging_dirs[0] if staging_dirs else ".", names)
+    return {}
+
+
+def _field(obj, key: str):
+    if obj is None:
+        return None
+    try:
+        return obj.get(key) if hasattr(obj, "get") else getattr(obj, key, None)
+    except Exception:  # a structured config without that key
+        return None

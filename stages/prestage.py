@@ -158,6 +158,10 @@ def prestage(staging_dir: str | os.PathLike, artefacts) -> dict:
     """Stage every artefact into `staging_dir` and rewrite its index; returns the index."""
     from filelock import FileLock
 
+    from omegaconf import OmegaConf
+
+    # Typed, whatever the caller passed (dataclasses, dicts, DictConfigs): every field present.
+    artefacts = [OmegaConf.merge(OmegaConf.structured(Artefact), a) for a in artefacts]
     staging_dir = Path(staging_dir)
     staging_dir.mkdir(parents=True, exist_ok=True)
     # Two runs may stage into one shared dir at once: the index is read-modify-written under a lock.

@@ -132,3 +132,25 @@ def test_offline_stage_with_missing_artefact_fails_before_work(tmp_path, sources
         offline.require_staged(staging, ["org/tiny-model"], deep=True)
     with pytest.raises(UserError, match="'x' is not staged"):
         offline.require_staged(tmp_path / "empty-staging", ["x"])
+
+
+def test_runner_hook_checks_a_stage_configured_offline(tmp_path, sources, monkeypatch):
+    """`offline.prepare(ctx)`: the stage section lists `staged:`; the run's prestage stage says where."""
+    for key in [*offline.OFFLINE_ENV, "HF_HOME"]:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    staging = tmp_path / "staging"
+    run_config = OmegaConf.create({
+        "site": {"internet_on_compute": False},
+        "stages": {"stage_in": {"kind": "prestage", "staging_dir": str(staging),
+                                "artefacts": [{"kind": "model", "name": "org/tiny-model", "path": str(sources["model"])}]},
+                   "sft": {"kind": "sft", "staged": ["org/tiny-model", "org/tokenizer"]}},
+    })
+    prestage.prestage(staging, run_config.stages.stage_in.artefacts)
+    ctx = StageContext(name="sft", kind="sft", config=run_config.stages.sft, run_config=run_config,
+                       run_dir=tmp_path, out_dir=tmp_path / "out", inputs={}, seed=0)
+    with pytest.raises(UserError, match="'org/tokenizer' is not staged"):
+        offline.prepare(ctx)
+    assert "HF_HUB_OFFLINE" not in os.environ
+    ctx.config = OmegaConf.create({"kind": "sft", "staged": ["org/tiny-model"]})
+    assert set(offline.prepare(ctx)) == {"org/tiny-model"} and os.environ["HF_HUB_OFFLINE"] == "1"
