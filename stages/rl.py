@@ -32,6 +32,7 @@ class Config:
     band_input: str = "select"  # the select stage's band.parquet, when that stage is needed
     domains: list[str] = field(default_factory=list)  # restrict training tasks to these domains (empty = all)
     env: str = "single"  # stages.agent environment: single | calculator
+    verifier: str = "stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
     tasks_per_update: int = 16
     attempts: int = 8  # group size
     updates: int = 40

@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 
+def load_verifier(spec: str):
+    import importlib
+
+    from pipeline.errors import UserError
+
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise UserError(f"rl.verifier={spec!r}: cannot import '<module>:<function>': {e}") from None
+
+
 def generate_batch(engine, tok, tasks, cfg, params, seed: int, policy_version: int):
     from stages.agent import Budget, EpisodeJob, make_env, run_episodes
 
@@ -10,4 +22,4 @@ def generate_batch(engine, tok, tasks, cfg, params, seed: int, policy_version: i
     budget = Budget(max_context=cfg.max_total_tokens, max_turn_tokens=cfg.max_tokens, max_turns=cfg.max_turns)
     # group_id = position of the task in the batch: the attempts at one task form one group
     jobs = [EpisodeJob(task, group_id=g, attempt=a) for g, task in enumerate(tasks) for a in range(cfg.attempts)]
-    return run_episodes(engine, tok, jobs, env, params, budget, seed, policy_version)
+    return run_episodes(engine, tok, jobs, env, params, budget, seed, policy_version, verifier=load_verifier(cfg.verifier))

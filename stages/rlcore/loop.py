@@ -52,10 +52,10 @@ def batch_metrics(trajs) -> dict[str, float]:
     return rec
 
 
-def quick_eval(model, tok, tasks, params, attempts: int, seed: int, batch: int = 128) -> dict[str, float]:
-    """Sampled pass rate on held-out tasks (same seeds every time: common random numbers)."""
+def quick_eval(model, tok, tasks, params, attempts: int, seed: int, verify, batch: int = 128) -> dict[str, float]:
+    """Sampled pass rate on held-out tasks (same seeds every time: common random numbers).
+    Verifier failures are infrastructure: left out, never counted as fails."""
     from stages.rollout import TorchEngine
-    from stages.taskgen import VerifierError, verify
 
     engine = TorchEngine(model, max_batch=batch)
     reqs = [t for t in tasks for _ in range(attempts)]
@@ -67,7 +67,7 @@ def quick_eval(model, tok, tasks, params, attempts: int, seed: int, batch: int =
         ids = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
         try:
             per[t.domain].append(float(verify(t, tok.decode(ids, skip_special_tokens=True)).passed))
-        except VerifierError:
+        except Exception:  # noqa: BLE001 - a verifier crash is infrastructure, not a model failure
             continue
     res = {f"val/pass@1/{d}": float(np.mean(v)) for d, v in sorted(per.items())}
     res["val/pass@1"] = float(np.mean([x for v in per.values() for x in v])) if per else float("nan")
@@ -80,6 +80,7 @@ class Trainer:
         from pipeline.retention import Retention, RetentionPolicy
         from stages.algorithms import PolicyLossConfig
         from stages.model import load_model_dir, save_model_dir
+        from stages.rlcore.episodes import load_verifier
         from stages.rollout import SamplingParams
         from stages.train import OptimConfig, latest_checkpoint, load_checkpoint, make_backend
 
@@ -103,6 +104,7 @@ class Trainer:
         self.loss_cfg = PolicyLossConfig(aggregation=cfg.aggregation, clip_low=cfg.ppo_clip, tis_cap=cfg.tis_cap,
                                          length_const=float(cfg.max_total_tokens), kl_coef=cfg.kl_coef,
                                          entropy_coef=cfg.entropy_coef)
+        self.verify = load_verifier(cfg.verifier)
         self.ref_model = None
         if cfg.kl_coef:
             self.ref_model = load_model_dir(self.init_path)[0].eval().requires_grad_(False)
@@ -144,7 +146,7 @@ class Trainer:
         if not self.held_out or not self.cfg.eval_tasks:
             return {}
         self.eval_cache = quick_eval(self.model, self.tok, self.held_out, self.params, self.cfg.eval_attempts,
-                                     seed=self.ctx.seed + 101)
+                                     seed=self.ctx.seed + 101, verify=self.verify)
         return self.eval_cache
 
     def train(self, local_rollout=None) -> dict:

@@ -1,0 +1,254 @@
+"""RL stage end to end on a tiny random model: outputs, MPI == single process, SIGKILL/preemption resume
+is bit-identical, and the trainer scores tokens under the engine's own sampling distribution."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import stages.rl as rl
+from pipeline.context import StageContext
+from pipeline.errors import UserError
+from pipeline.fsio import sha256_file
+from stages.taskgen import Verdict
+
+REPO = Path(__file__).resolve().parent.parent
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
+SMALL = dict(updates=6, tasks_per_update=4, attempts=4, max_tokens=8, lag=1, eval_every=3, eval_tasks=8,
+             eval_attempts=1, save_every=2, keep_last=1, threads=1, verifier="tests.test_rl:parity_verify")
+
+
+def parity_verify(task, text: str) -> Verdict:
+    """A test reward that a random model earns about half the time, so advantages are not all zero."""
+    passed = len(text) % 2 == 0
+    return Verdict(float(passed), passed, "even length" if passed else "odd length")
+
+
+def build_inputs(root: Path, seed: int = 3) -> None:
+    """tasks/ (train, val) and sft/checkpoints/final: a random test-micro model with a trained tokenizer."""
+    from stages.model import PRESETS, MoEForCausalLM, save_model_dir
+    from stages.sft import tokenizer_corpus
+    from stages.taskgen import generate_domain, save_tasks, split_tasks
+    from stages.tokenizer import train_tokenizer
+
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for dom, diffs in (("closure", [1, 2]), ("arith", [2])):
+        a, b = split_tasks(generate_domain(rng, dom, diffs, 120), 20, rng)
+        train, val = train + a, val + b
+    from stages.taskgen import save_tasks
+
+    save_tasks(root / "tasks", "train", train)
+    save_tasks(root / "tasks", "val", val)
+    tok = train_tokenizer(tokenizer_corpus(train), 300)
+    cfg = PRESETS["test-micro"]
+    torch.manual_seed(seed)
+    model = MoEForCausalLM(type(cfg)(**{**cfg.to_dict(), "vocab_size": tok.vocab_size}))
+    save_model_dir(root / "sft" / "checkpoints" / "final", model, tok)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rl_inputs")
+    build_inputs(root)
+    return root
+
+
+def make_ctx(inputs: Path, run_dir: Path, *, rank: int = 0, world: int = 1, **over) -> StageContext:
+    cfg = OmegaConf.merge(OmegaConf.structured(rl.Config), {**SMALL, **over})
+    role = None if world == 1 else ("trainer" if rank == 0 else "rollout")
+    return StageContext(name="rl", kind="rl", config=cfg, run_config=None, run_dir=run_dir, out_dir=run_dir / "rl",
+                        inputs={"tasks": inputs / "tasks", "sft": inputs / "sft"}, seed=5, rank=rank,
+                        world_size=world, role=role)
+
+
+def final_sha(run_dir: Path) -> str:
+    return sha256_file(run_dir / "rl" / "checkpoints" / "final" / "model.safetensors")
+
+
+def trained_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "rl" / "metrics_history.jsonl").read_text().splitlines()]
+    keep = ("step", "reward/mean", "loss/pg_loss", "grad_norm", "mismatch/mean_abs_dlogp", "val/pass@1")
+    return [{k: r[k] for k in keep if k in r} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def baseline(inputs, tmp_path_factory) -> Path:
+    """One uninterrupted single-process run (the reference for every other layout and for resume)."""
+    run_dir = tmp_path_factory.mktemp("rl_baseline")
+    rl.run(make_ctx(inputs, run_dir))
+    return run_dir
+
+
+def test_run_writes_loadable_checkpoints_and_metrics(baseline):
+    from pipeline.history import History
+    from stages.model import load_model_dir, resolve_checkpoint
+
+    out = baseline / "rl"
+    for name in ("initial", "final", "best"):
+        model, _, tok = load_model_dir(resolve_checkpoint(out, name))
+        assert tok is not None
+    assert (out / "checkpoints" / "best").read_text().strip().startswith("step_")
+    rows = [json.loads(line) for line in (out / "metrics_history.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for key in ("reward/mean", "pass_rate", "entropy", "length/response_mean", "turns/mean", "status/ok",
+                "mismatch/mean_abs_dlogp", "mismatch/ratio_p50", "throughput/sampled_tokens_per_s", "policy_lag/mean"):
+        assert all(key in r for r in rows), key
+    assert all(r["policy_lag/mean"] == (0 if r["step"] == 1 else 1) for r in rows)  # batch k from step k-1
+    assert {r["step"] for r in rows if "val/pass@1" in r} == {3, 6}
+    assert any(r["loss/pg_loss"] != 0 for r in rows)  # the test reward gives real advantages
+    h = History(baseline).read("rl")
+    assert list(h["step"]) == list(range(1, 7))
+    assert np.allclose(h["reward/mean"], [r["reward/mean"] for r in rows])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["updates"] == 6 and "val/pass@1" in metrics
+
+
+def test_mpi_one_trainer_one_rollout_matches_single_process(inputs, baseline, tmp_path):
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs OpenMPI's mpirun")
+    proc = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+                           str(_child_script(tmp_path)), str(inputs), str(tmp_path), "{}"],
+                          capture_output=True, text=True, env={**os.environ, **MPI_ENV, "PYTHONPATH": str(REPO)},
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert '"role": "rollout"' in proc.stdout
+    assert not list((tmp_path / "rl" / "queue").glob("*.npz"))  # trajectories went over MPI, not files
+    assert final_sha(tmp_path) == final_sha(baseline)
+    assert trained_rows(tmp_path) == trained_rows(baseline)
+
+
+_CHILD = textwrap.dedent("""
+    import json, os, signal, sys
+    from pathlib import Path
+    sys.path.insert(0, os.environ["PYTHONPATH"])
+    import stages.model, stages.rlcore.handoff as handoff
+    from tests.test_rl import make_ctx
+    import stages.rl as rl
+    inputs, run_dir, kill = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+    rank, world = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)), int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
+
+    def die(*_):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    real_save, real_write = stages.model.save_model_dir, handoff.atomic_write_text
+    def save(path, model, *a, extra_files=None, **kw):  # killed inside the temp dir of a weight version
+        if path.parent.name == "weights" and path.name == f"step_{kill.get('building', -1):06d}":
+            extra_files = {**(extra_files or {}), "x": die}
+        return real_save(path, model, *a, extra_files=extra_files, **kw)
+    def write(path, text):  # killed after the rename, before STABLE
+        if path.name == "STABLE" and path.parent.name == f"step_{kill.get('before_stable', -1):06d}":
+            die()
+        return real_write(path, text)
+    stages.model.save_model_dir, handoff.atomic_write_text = save, write
+    print(json.dumps(rl.run(make_ctx(inputs, run_dir, rank=rank, world=world))), flush=True)
+""")
+
+
+def _child_script(tmp_path: Path) -> Path:
+    path = tmp_path / "rl_child.py"
+    path.write_text(_CHILD)
+    return path
+
+
+def test_sigkill_at_random_points_then_resume_is_bit_identical(inputs, baseline, tmp_path):
+    run_dir = tmp_path / "run"
+    script = _child_script(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def child(kill: dict, after_s: float | None = None) -> int:
+        p = subprocess.Popen([sys.executable, str(script), str(inputs), str(run_dir), json.dumps(kill)], cwd=REPO,
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if after_s is not None:
+            try:
+                p.wait(timeout=after_s)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+        p.wait(timeout=600)
+        return p.returncode
+
+    # killed while publishing weights: inside the version's temp dir, then between rename and STABLE
+    assert child({"building": 3}) == -signal.SIGKILL
+    assert not (run_dir / "rl" / "weights" / "step_000003" / "STABLE").exists()
+    assert child({"before_stable": 5}) == -signal.SIGKILL
+    # then at random instants (seeded, so a failure can be replayed), until a run gets to the end
+    rng = random.Random(20261129)
+    codes = [child({}, after_s=rng.uniform(2.0, 12.0)) for _ in range(2)]
+    while child({}) != 0:
+        codes.append("retry")
+        assert len(codes) < 6
+    assert final_sha(run_dir) == final_sha(baseline)
+    assert trained_rows(run_dir) == trained_rows(baseline)
+    weights = sorted(p.name for p in (run_dir / "rl" / "weights").iterdir())
+    assert all(not n.startswith(".") for n in weights)  # no torn temp dirs survive
+    assert "step_000000" not in weights  # versions no batch can need any more are pruned
+
+
+class _PreemptAt(StageContext):
+    """A context whose scheduler 'announces the end of the job' on the n-th poll."""
+
+    polls = 0
+    at = 4
+
+    def checkpoint_due(self) -> bool:
+        type(self).polls += 1
+        return type(self).polls == self.at
+
+
+def test_preemption_checkpoints_then_resume_is_bit_identical(inputs, baseline, tmp_path):
+    ctx = make_ctx(inputs, tmp_path)
+    pre = _PreemptAt(**{f: getattr(ctx, f) for f in ctx.__dataclass_fields__})
+    with pytest.raises(StageContext.Preempted):
+        rl.run(pre)
+    assert (tmp_path / "rl" / "checkpoints" / "step_000003").is_dir()
+    rl.run(make_ctx(inputs, tmp_path))
+    assert final_sha(tmp_path) == final_sha(baseline)
+
+
+def test_trainer_logprobs_use_the_engines_truncated_distribution(inputs):
+    """top-k/top-p sampling at temperature 0.7: the trainer's recomputation under the same support
+    matches the engine's processed logprobs; a full-vocabulary recomputation would not."""
+    from stages.agent import Budget, EpisodeJob, SingleTurnEnv, run_episodes
+    from stages.model import load_model_dir
+    from stages.rlcore.trainer import make_batch, sampled_logprobs
+    from stages.rollout import SamplingParams, TorchEngine
+    from stages.taskgen import load_tasks
+
+    model, _, tok = load_model_dir(inputs / "sft" / "checkpoints" / "final")
+    tasks = load_tasks(inputs / "tasks", "train")[:4]
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=8, stop_ids=(tok.end_of_turn_id,))
+    jobs = [EpisodeJob(t, g, a) for g, t in enumerate(tasks) for a in range(3)]
+    trajs = run_episodes(TorchEngine(model), tok, jobs, SingleTurnEnv(tok), params, Budget(128, 8, 1), 9, 0,
+                         verifier=parity_verify)
+    batch = make_batch(trajs, tok.pad_id, "rloo_n")
+    mask = batch["mask"] > 0
+    with torch.no_grad():
+        same, _, _ = sampled_logprobs(model, batch, params)
+        full, _, _ = sampled_logprobs(model, batch, SamplingParams(temperature=0.7, max_tokens=8))
+    gap_same = (same - batch["rollout_logprobs"])[mask].abs()
+    gap_full = (full - batch["rollout_logprobs"])[mask].abs()
+    assert mask.sum() > 20
+    assert gap_same.max() < 1e-4
+    assert gap_full.mean() > 1e-2  # log(kept mass): what ignoring the truncation would cost
+
+
+def test_bad_config_names_the_key(inputs, tmp_path):
+    with pytest.raises(UserError, match=r"stages\.rl\.estimator: 'ppo' is not one of"):
+        rl.run(make_ctx(inputs, tmp_path, estimator="ppo"))
+    with pytest.raises(UserError, match=r"rl.tasks_per_update=999 exceeds"):
+        rl.run(make_ctx(inputs, tmp_path, tasks_per_update=999))
+    with pytest.raises(UserError, match=r"init_from='nope:final'"):
+        rl.run(make_ctx(inputs, tmp_path, init_from="nope:final"))
