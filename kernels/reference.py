@@ -111,6 +111,7 @@ class _ReferenceFn(torch.autograd.Function):
         g_lp = torch.where(targets >= 0, g_lp.float(), 0.0)
         g_ent = g_ent.float()
         w32 = weight.float()
+        cols = torch.arange(rows, device=h.device)
         dh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         dw = torch.zeros_like(w32)
         for lo in range(0, h.shape[0], chunk):
@@ -121,8 +122,9 @@ class _ReferenceFn(torch.autograd.Function):
             z0 = torch.where(p > 0, z, 0.0)  # keeps -inf out of the products below
             # d logprob/dz = onehot(y) - p ; d entropy/dz = p * (E_p[z] - z)
             dz = p * (g_ent[lo:hi, None] * (ez[lo:hi, None] - z0) - g_lp[lo:hi, None])
-            hit = y_here[lo:hi] & (z.gather(1, y_local[lo:hi, None])[:, 0] > float("-inf"))
-            dz.scatter_add_(1, y_local[lo:hi, None], torch.where(hit, g_lp[lo:hi], 0.0)[:, None])
+            # + g_lp at the target when it is kept here (a compare, not scatter_add: deterministic on CUDA)
+            at_y = (cols == y_local[lo:hi, None]) & y_here[lo:hi, None] & (z > float("-inf"))
+            dz += torch.where(at_y, g_lp[lo:hi, None], 0.0)
             dz *= inv_t
             dh[lo:hi] = dz @ w32
             dw.addmm_(dz.T, h[lo:hi].float())

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kernels.reference import combine_stats, finish_outputs, local_targets, vocab_shard
+from kernels.reference import combine_stats, finish_outputs, local_targets, support_mask, vocab_shard
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def _grad_logits_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, lse_ptr, ez_ptr, glp_ptr,
     g_lp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
     g_ent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
     y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
-    p = tl.where(kept, tl.exp(z - lse[:, None]), 0.0)
+    p = tl.exp(tl.where(kept, z - lse[:, None], float("-inf")))  # dropped ids may exceed lse: no overflow
     # d logprob/dz = onehot(y) - p ; d entropy/dz = p * (E_p[z] - z)
     dz = p * (g_ent[:, None] * (ez[:, None] - z) - g_lp[:, None])
     dz += tl.where(kept & (cols[None, :] == y[:, None]), g_lp[:, None], 0.0)
@@ -154,19 +154,21 @@ def tile_config(dtype: torch.dtype) -> TileConfig:
     return TileConfig(128, 128, 64)
 
 
-def support_bits(support: torch.Tensor, vocab_start: int, vocab_rows: int) -> torch.Tensor:
-    """uint8 [N, ceil(V_local/8)] bitmask of the kept ids: N·V/8 bytes instead of an N·V bool mask."""
-    ids = support.sort(dim=1).values
-    dup = torch.zeros_like(ids, dtype=torch.bool)
-    dup[:, 1:] = ids[:, 1:] == ids[:, :-1]  # a repeated id must set its bit once
-    local = ids - vocab_start
-    keep = (ids >= 0) & (local >= 0) & (local < vocab_rows) & ~dup
+def support_bits(support: torch.Tensor, vocab_start: int, vocab_rows: int, chunk_elems: int = 1 << 26) -> torch.Tensor:
+    """uint8 [N, ceil(V_local/8)] bitmask of the kept ids: N·V/8 bytes instead of an N·V bool mask.
+
+    Packed from bool masks a few rows at a time (no scatter_add: it has no deterministic CUDA kernel).
+    """
+    n = support.shape[0]
     nbytes = triton.cdiv(vocab_rows, 8)
-    bits = torch.zeros(ids.shape[0], nbytes + 1, dtype=torch.uint8, device=ids.device)
-    # Distinct bits of one byte sum to at most 255, so addition is a bitwise or.
-    value = torch.where(keep, torch.ones_like(local) << (local % 8), 0).to(torch.uint8)
-    bits.scatter_add_(1, torch.where(keep, local // 8, nbytes), value)
-    return bits[:, :nbytes].contiguous()
+    bits = torch.empty(n, nbytes, dtype=torch.uint8, device=support.device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=support.device)
+    rows = max(1, chunk_elems // (nbytes * 8))
+    for lo in range(0, n, rows):
+        mask = support_mask(support[lo:lo + rows], vocab_start, vocab_rows)
+        mask = torch.nn.functional.pad(mask, (0, nbytes * 8 - vocab_rows))
+        bits[lo:lo + rows] = (mask.view(-1, nbytes, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
+    return bits
 
 
 def _kernel_targets(targets, vocab_start, vocab_rows):

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import linear_logprob_entropy
-from kernels.reference import materialised_reference
+from kernels.reference import materialised_reference, support_mask
 from pipeline.errors import UserError
 
 
@@ -60,6 +60,17 @@ def test_reference_matches_materialised_fp32(temperature, support_k):
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     assert got[0][3] == 0  # ignored target
     assert_close_all(got, truth(h, w, y, support, g_lp, g_ent, temperature), atol=2e-5, rtol=1e-4)
+
+
+def test_target_with_underflowing_probability_keeps_its_gradient():
+    # Logit gaps of hundreds: p_y underflows to 0 in fp32, yet d logprob/dz_y = 1 - p_y = 1.
+    h, w, _, support, g_lp, g_ent = make_problem(n=12, vocab=40, support_k=30)
+    w = w * 60
+    y = (h @ w.T).masked_fill(support_mask(support, 0, 40).logical_not(), float("inf")).argmin(1)
+    got = run_with_grads(linear_logprob_entropy, h, w, y, support, g_lp, g_ent, backend="reference")
+    want = truth(h, w, y, support, g_lp, g_ent, 1.0)
+    assert (got[0] < -100).sum() >= 8  # (a token keeping a single id has logprob 0)
+    assert_close_all(got, want, atol=1e-3, rtol=1e-4)
 
 
 def test_truncated_support_renormalises():

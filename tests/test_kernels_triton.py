@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.reference import support_mask
 from tests.test_kernels import assert_close_all, make_problem, run_tp, run_with_grads, truth
 
 pytest.importorskip("triton")
@@ -41,9 +42,13 @@ def triton_fused():
     return module
 
 
-def device_problem(**kw):
+def device_problem_from(*tensors):
     dev = "cuda" if ON_GPU else "cpu"
-    return [t.to(dev) if t is not None else None for t in make_problem(**kw)]
+    return [t.to(dev) if t is not None else None for t in tensors]
+
+
+def device_problem(**kw):
+    return device_problem_from(*make_problem(**kw))
 
 
 def run_triton(module, problem, temperature, chunk_size):
@@ -80,9 +85,18 @@ def test_triton_low_precision(triton_fused, dtype):
 
 
 @needs_kernels
-def test_support_bits_match_bool_mask(triton_fused):
-    from kernels.reference import support_mask
+def test_triton_underflowing_target_probability(triton_fused):
+    h, w, _, support, g_lp, g_ent = make_problem(n=12, vocab=40, support_k=30)
+    w = w * 60  # logit gaps of hundreds: p_y underflows, d logprob/dz_y stays 1
+    y = (h @ w.T).masked_fill(support_mask(support, 0, 40).logical_not(), float("inf")).argmin(1)
+    problem = device_problem_from(h, w, y, support, g_lp, g_ent)
+    got = [t.cpu() for t in run_triton(triton_fused, problem, 1.0, chunk_size=None)]
+    assert (got[0] < -100).sum() >= 8
+    assert_close_all(got, expected(problem, 1.0), atol=1e-3, rtol=1e-4)
 
+
+@needs_kernels
+def test_support_bits_match_bool_mask(triton_fused):
     _, _, _, support, _, _ = make_problem(n=20, vocab=50, support_k=9)
     support[0, :3] = torch.tensor([4, 4, 4])  # duplicates must still set one bit
     for start, rows in ((0, 50), (16, 20)):  # the whole vocabulary and one TP shard of it
