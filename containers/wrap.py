@@ -20,7 +20,7 @@ RUNTIMES = ("none", "apptainer")
 def _check_bind(spec: str) -> None:
     # Apptainer bind syntax: SRC[:DST[:OPTS]], OPTS in {ro, rw}; a comma would split it in two.
     parts = spec.split(":")
-    if not spec or "," in spec or len(parts) > 3 or not parts[0].startswith("/"):
+    if not spec or "," in spec or len(parts) > 3 or not parts[0]:
         raise UserError(f"container bind '{spec}': expected /host/path[:/container/path[:ro|rw]]")
     if len(parts) >= 2 and not parts[1].startswith("/"):
         raise UserError(f"container bind '{spec}': container path must be absolute")
@@ -54,9 +54,12 @@ def wrap_command(
     seen = set()
     for spec in binds:
         # Profiles name storage as $SCRATCH / $WORK; a quoted command line would not expand them.
-        spec = os.path.expandvars(str(spec))
+        spec = os.path.expandvars(os.path.expanduser(str(spec)))
         if "$" in spec:
             raise UserError(f"container bind '{spec}': environment variable not set on this machine")
+        if spec and not spec.startswith("/"):  # relative host path (e.g. a profile's "."): absolute
+            src, sep, rest = spec.partition(":")
+            spec = os.path.abspath(src) + sep + rest
         _check_bind(spec)
         if spec not in seen:
             seen.add(spec)

@@ -52,13 +52,14 @@ def test_apptainer_command_line():
                    "--env", "A_B=x y", "--env", "HF_HUB_OFFLINE=1",
                    "/p/img/trainer.sif", "python", "-m", "stages", "/p/runs/r1", "sft"]
     assert "--nv" not in wrap_command(cmd, "apptainer", image="i.sif", gpu=False)
+    assert wrap_command(["x"], "apptainer", image="i.sif", binds=["."])[3] == os.getcwd()  # relative: made absolute
     assert stage_command("/r", "eval", item=3)[-2:] == ["--item", "3"]
 
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"runtime": "docker", "image": "i.sif"}, "runtime 'docker'"),
     ({"runtime": "apptainer", "image": None}, "needs an image"),
-    ({"runtime": "apptainer", "image": "i.sif", "binds": ["rel/path"]}, "bind 'rel/path'"),
+    ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a:rel"]}, "container path must be absolute"),
     ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a,/b"]}, "bind '/a,/b'"),
     ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a:/b:rx"]}, "ro or rw"),
     ({"runtime": "apptainer", "image": "i.sif", "env": {"1BAD": "x"}}, "env '1BAD'"),
