@@ -38,6 +38,8 @@ def linear_logprob_entropy(h: Tensor, weight: Tensor, targets: Tensor, temperatu
     h [N, H] and weight [V, H] (or this rank's vocabulary shard when tp_group is given); targets [N]
     int64, negative = ignored (logprob 0, no gradient from it); support [N, K] int64 global token ids
     padded with -1: the distribution is softmax(h W^T / T) renormalised over those ids.
+    chunk_size: tokens per chunk (reference) or vocabulary ids per backward chunk (triton).
+    tp_group: weight holds rows [r*V/P, (r+1)*V/P) on rank r; h, targets, support are replicated.
     """
     _check_inputs(h, weight, targets, temperature, support, backend, chunk_size)
     if backend == "auto":
