@@ -183,9 +183,14 @@ def check_account(site: Any, user: str) -> Check:
     if want and want not in accounts:
         return Check("account", FAIL, f"account '{want}' is not one of {user}'s associations: {', '.join(accounts)}",
                      f"set account: {_preferred_account(accounts, user)} in your site override (`snowcat onboard`)", found)
-    detail = f"account '{want}' associated with {user}" if want else f"no account in the profile; {user} has {', '.join(accounts)}"
-    return Check("account", PASS if want or len(accounts) == 1 else WARN, detail,
-                 "" if want else f"set account: <one of {', '.join(accounts)}> in your site override", found)
+    if want:
+        return Check("account", PASS, f"account '{want}' associated with {user}", found=found)
+    required = bool(_first(site, "account_required", default=False))
+    status = FAIL if required else (PASS if len(accounts) == 1 else WARN)
+    return Check("account", status, f"no account set{' (the site requires one)' if required else ''}; "
+                 f"{user} has {', '.join(accounts)}",
+                 "" if status == PASS else f"set account: {_preferred_account(accounts, user)} in your site override "
+                 f"(`python -m pipeline.doctor --onboard FILE`)", found)
 
 
 def _preferred_account(accounts: list[str], user: str) -> str:

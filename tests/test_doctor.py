@@ -135,3 +135,11 @@ def _override(site, **values):
     else:
         base = dict(site)
     return {**base, **values}
+
+
+@pytest.mark.cluster
+def test_doctor_requires_an_account_where_the_site_does(slurm_env):
+    site = _override(local_profile(), account=None, account_required=True)
+    check = doctor.check_account(site, os.environ.get("USER") or __import__("getpass").getuser())
+    assert check.status == FAIL and "requires one" in check.detail
+    assert "set account: snowcat" in check.fix  # the project account, not the user's own
