@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from filelock import FileLock
+
 from pipeline.errors import UserError
 from pipeline.fsio import atomic_write_text
 
@@ -220,11 +222,17 @@ def _prepare(root: Path) -> bool:
 def up(root: Path | None = None) -> ClusterInfo:
     """Start (or complete) the cluster under `root`; return once every node is usable."""
     root = Path(root or default_root()).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(root / ".lock"):  # concurrent test sessions may all call up()
+        return _up(root)
+
+
+def _up(root: Path) -> ClusterInfo:
     missing = [exe for exe in ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "sacctmgr") if not _which(exe)]
     if missing:
         raise ClusterError(f"local cluster: missing programs {missing}; run .ci/cluster.sh to install Debian's packages")
     if _prepare(root) and any(_live_pid(d) for d in _daemons(root)):
-        down(root)  # a changed config: restart from scratch rather than half-reconfigure
+        _down(root)  # a changed config: restart from scratch rather than half-reconfigure
     env = {**os.environ, **_client_env(root)}
     ports = _ports(root)
     munged, mariadbd, slurmdbd, slurmctld, *slurmds = _daemons(root)
@@ -302,6 +310,12 @@ def _nodes_ready(env: dict[str, str]) -> bool:
 def down(root: Path | None = None) -> None:
     """Cancel all jobs and stop every daemon of the cluster under `root` (no-op if it is not running)."""
     root = Path(root or default_root()).resolve()
+    if root.exists():
+        with FileLock(root / ".lock"):
+            _down(root)
+
+
+def _down(root: Path) -> None:
     ds = _daemons(root)
     env = {**os.environ, **_client_env(root)}
     if _live_pid(ds[3]):  # slurmctld: cancel jobs so no step daemons outlive the cluster
@@ -337,7 +351,7 @@ def _print_status(st: dict) -> None:
     table.add_column("state")
     for name, pid in st["daemons"].items():
         node = name.removeprefix("slurmd-") if name.startswith("slurmd-") else None
-        state = st["nodes"].get(node, "?") if node else ""
+        state = st["nodes"].get(node, "") if node else ""
         table.add_row(name, str(pid) if pid else "[red]stopped", state)
     console = Console()
     console.print(table)

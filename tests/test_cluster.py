@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,12 +95,13 @@ def test_hetjob_components_share_one_pmix_mpi_world(sbatch, tmp_path):
     # --exclusive on both components forces them onto different virtual nodes.
     script.write_text(
         "#!/bin/bash\n"
-        "#SBATCH -N1 -n1 --exclusive\n"
+        "#SBATCH -N1 -n1 --exclusive --time=2\n"
         "#SBATCH hetjob\n"
-        "#SBATCH -N1 -n1 --exclusive\n"
+        "#SBATCH -N1 -n1 --exclusive --time=2\n"
         f"srun --mpi=pmix --het-group=0,1 {sys.executable} {tmp_path / 'x.py'} {tmp_path}\n"
     )
-    sbatch("-o", str(tmp_path / "het.out"), str(script), wait=True)
+    # A short --time so that a hung step fails the test in minutes rather than blocking CI.
+    sbatch("-o", str(tmp_path / "het.out"), str(script), wait=True, timeout=180)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["size"] for r in ranks] == [2, 2]
     assert {r["node"] for r in ranks} == set(cluster.NODES)
@@ -121,9 +124,19 @@ def test_requeued_job_runs_again(sbatch, slurm_env, tmp_path):
     subprocess.run(["scancel", job], env=slurm_env, check=True, timeout=30)
 
 
-def test_up_is_idempotent_recovers_from_a_crash_and_down_stops_all(tmp_path):
+@pytest.fixture
+def second_root():
+    # munged wants every directory above its socket world-executable; pytest's tmp_path is 0700.
+    root = Path(tempfile.mkdtemp(prefix="snowcat-cluster-test-", dir="/tmp"))
+    root.chmod(0o755)
+    yield root
+    cluster.down(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_up_is_idempotent_recovers_from_a_crash_and_down_stops_all(second_root):
     """A second cluster in its own root (other ports), so the shared one keeps running."""
-    root = tmp_path / "c"
+    root = second_root
     info = cluster.up(root)
     pids = cluster.status(root)["daemons"]
     assert cluster.up(root) == info and cluster.status(root)["daemons"] == pids  # nothing restarted
