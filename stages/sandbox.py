@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import resource
 import selectors
-import shlex
 import shutil
 import signal
 import subprocess
@@ -292,10 +291,6 @@ class ApptainerSandbox(Sandbox):
         if result.status == "ok" and result.exit_code == 255 and "FATAL:" in result.stderr:
             result.status, result.detail = "infra_error", "apptainer failed to start the sandbox image"
         return result
-
-
-def render(cmd: list[str]) -> str:
-    return shlex.join(cmd)
 
 
 def strip_git_history(repo_dir: str | os.PathLike, base_commit: str) -> str:
