@@ -1,0 +1,55 @@
+"""`scan` stage: search the finished run directory for credentials; fail the run if one slipped through.
+
+Every file under the run directory (logs, provenance, outputs, hidden and binary files, strings inside
+HDF5) is searched for this environment's secret values and for credential-shaped strings
+(`pipeline.scrub.scan_tree`). The stage must come after every other stage: it `needs` all stages
+that do not need it, else it refuses to run (a scan before a stage finishes vouches for nothing).
+Findings name the file, line and kind, never the secret; they go to `scan.json` and fail the stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Config:
+    high_entropy: bool = False  # also flag long random-looking tokens (noisy: run dirs hold base64 blobs)
+
+
+def _upstream(dag, name: str) -> set[str]:
+    out: set[str] = set()
+    frontier = [name]
+    while frontier:
+        for need in dag[frontier.pop()].needs:
+            if need not in out:
+                out.add(need)
+                frontier.append(need)
+    return out
+
+
+def run(ctx) -> dict:
+    from pipeline.dag import build
+    from pipeline.errors import UserError
+    from pipeline.fsio import atomic_write_json
+    from pipeline.scrub import env_secrets, scan_tree
+
+    dag = build(ctx.run_config)
+    covered = _upstream(dag, ctx.name) | dag.downstream(ctx.name) | {ctx.name}
+    missing = [n for n in dag.order if n not in covered]
+    if missing:
+        raise UserError(f"stages.{ctx.name}.needs: add {', '.join(missing)} — the scan must run after every other stage")
+    known = env_secrets()
+    findings = scan_tree(ctx.run_dir, known, high_entropy=ctx.config.high_entropy)
+    run_dir = Path(ctx.run_dir)
+    report = [{"file": str(f.path.relative_to(run_dir)), "line": f.line, "kind": f.kind, "where": f.where} for f in findings]
+    atomic_write_json(Path(ctx.out_dir) / "scan.json", {
+        "stages_scanned": sorted(covered - {ctx.name} - dag.downstream(ctx.name)),
+        "high_entropy": bool(ctx.config.high_entropy), "findings": report,
+    })
+    if findings:
+        shown = "; ".join(f"{r['file']}:{r['line']} {r['kind']}" for r in report[:10])
+        raise RuntimeError(f"scan: {len(findings)} credential finding(s) in the run directory: {shown}")
+    # (which secrets were searched is left out: it depends on the environment, not on the run)
+    return {"findings": 0}
