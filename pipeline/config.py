@@ -66,6 +66,7 @@ class StageCommon:
     max_parallel: int = 0  # array throttle (%N); 0 = site default
     resume: ResumePolicy = field(default_factory=ResumePolicy)
     image: Optional[str] = None  # container image to run the stage in (site runtime decides how)
+    staged: list[str] = field(default_factory=list)  # artefacts that must be pre-staged (run offline)
 
 
 @dataclass

@@ -63,6 +63,7 @@ class StageContext:
     role: str | None = None  # hetjob component / MPI role, e.g. "trainer" or "rollout"
     local_rank: int = 0
     signal: CheckpointSignal = field(default_factory=CheckpointSignal)
+    staged: dict[str, Path] = field(default_factory=dict)  # pre-staged artefacts by name (offline sites)
 
     Preempted = Preempted
 

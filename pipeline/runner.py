@@ -102,6 +102,9 @@ def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
     print(f"[snowcat] {unit.key} ({node.kind}) rank {ctx.rank}/{ctx.world_size} role={ctx.role} starts", flush=True)
     t0 = time.monotonic()
     try:
+        from .offline import prepare
+
+        ctx.staged = prepare(ctx)  # offline checks fail fast, naming what was not staged
         metrics = config_mod.stage_module(node.kind).run(ctx) or {}
     except Preempted:
         if lead:
