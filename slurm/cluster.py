@@ -17,7 +17,9 @@ import os
 import pwd
 import secrets
 import signal
+import shutil
 import socket
+import stat
 import string
 import subprocess
 import sys
@@ -46,6 +48,7 @@ STOP_TIMEOUT_S = 20.0
 
 TEMPLATES = Path(__file__).with_name("cluster")
 _READY_NODE_STATES = {"idle", "mixed", "allocated", "completing"}
+_SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])  # daemons live in sbin
 
 
 class ClusterError(UserError):
@@ -202,8 +205,11 @@ def _prepare(root: Path) -> bool:
         db_pass_file.chmod(0o600)
     for i in range(GPUS_PER_NODE):
         gpu = root / "dev" / f"gpu{i}"
-        if not gpu.exists():  # Slurm only stats them: character devices with /dev/null's numbers
-            subprocess.run(["mknod", "-m", "666", str(gpu), "c", "1", "3"], check=True)
+        if not os.path.lexists(gpu):  # Slurm only stats them: /dev/null's device numbers
+            try:
+                os.mknod(gpu, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            except PermissionError:  # no CAP_MKNOD: a link to /dev/null stats the same
+                gpu.symlink_to("/dev/null")
     changed = False
     for name, text in _render(root, _ports(root), db_pass_file.read_text().strip()).items():
         path = root / "etc" / name
@@ -228,12 +234,13 @@ def up(root: Path | None = None) -> ClusterInfo:
 
 
 def _up(root: Path) -> ClusterInfo:
-    missing = [exe for exe in ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd", "sacctmgr") if not _which(exe)]
+    missing = [exe for exe in ("munged", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld", "slurmd", "sacctmgr")
+               if not shutil.which(exe, path=_SEARCH_PATH)]
     if missing:
         raise ClusterError(f"local cluster: missing programs {missing}; run .ci/cluster.sh to install Debian's packages")
     if _prepare(root) and any(_live_pid(d) for d in _daemons(root)):
         _down(root)  # a changed config: restart from scratch rather than half-reconfigure
-    env = {**os.environ, **_client_env(root)}
+    env = {**os.environ, **_client_env(root), "PATH": _SEARCH_PATH}
     ports = _ports(root)
     munged, mariadbd, slurmdbd, slurmctld, *slurmds = _daemons(root)
     etc, run = root / "etc", root / "run"
@@ -268,10 +275,6 @@ def _up(root: Path) -> ClusterInfo:
         _start(d, ["slurmd", "-N", node, "-f", env["SLURM_CONF"]], env)
     _wait(lambda: _nodes_ready(env), "nodes " + ",".join(NODES), slurmctld.log)
     return ClusterInfo(root=root, slurm_conf=etc / "slurm.conf", env=_client_env(root), ports=ports)
-
-
-def _which(exe: str) -> bool:
-    return any(os.access(Path(p) / exe, os.X_OK) for p in os.environ.get("PATH", "").split(os.pathsep) + ["/usr/sbin"])
 
 
 def _ensure_accounting(env: dict[str, str]) -> None:
