@@ -39,13 +39,29 @@ def rank_and_role(node: StageNode) -> tuple[int, int, str | None]:
     components = node.config.resources.components
     if not components:
         return rank, world, None
+    het_size = os.environ.get("SLURM_HET_SIZE")
+    if het_size and int(het_size) != len(components):
+        raise RuntimeError(f"stage {node.name}: Slurm says {het_size} hetjob components, the config declares {len(components)}")
     start = 0
-    for name, comp in components.items():
+    for group, (name, comp) in enumerate(components.items()):
         size = comp.nodes * comp.tasks_per_node
         if rank < start + size:
+            _check_het_group(node.name, group, str(name))
             return rank, world, str(name)
         start += size
     raise RuntimeError(f"rank {rank} is beyond the {start} ranks of stage {node.name}'s components")
+
+
+def _check_het_group(stage: str, group: int, role: str) -> None:
+    """In a hetjob step ranks come in component order; confirm this rank runs on its component's nodes."""
+    nodelist = os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{group}")
+    host = os.environ.get("SLURMD_NODENAME")
+    if not nodelist or not host:
+        return
+    from submitit.slurm.slurm import _parse_node_list
+
+    if host not in _parse_node_list(nodelist):
+        raise RuntimeError(f"stage {stage}: rank for role {role} runs on {host}, outside hetjob group {group} ({nodelist})")
 
 
 def make_context(run: RunDir, node: StageNode, unit: Unit, cfg) -> StageContext:
