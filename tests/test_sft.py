@@ -1,0 +1,93 @@
+"""SFT stage end to end at test size: outputs, Relay data, preemption + resume == uninterrupted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+import stages.sft as sft
+from pipeline.context import Preempted, StageContext
+from pipeline.fsio import sha256_file, verify_manifest
+from stages.taskgen import generate_domain, load_tasks, save_tasks, split_tasks
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tasks")
+    rng = np.random.default_rng(0)
+    train, val = [], []
+    for domain, diffs in [("closure", [1, 2, 3]), ("arith", [2])]:
+        tr, va = split_tasks(generate_domain(rng, domain, diffs, 40), 6, rng)
+        train, val = train + tr, val + va
+    save_tasks(out, "train", train)
+    save_tasks(out, "val", val)
+    return out
+
+
+class Ctx(StageContext):
+    """A StageContext whose scheduler 'announces the end of the job' before optimizer step `preempt_before`."""
+
+    preempt_before: int | None = None
+    _polls: int = 0
+
+    def checkpoint_due(self) -> bool:
+        self._polls += 1
+        return self.preempt_before is not None and self._polls == self.preempt_before
+
+
+def make_ctx(out: Path, tasks_dir: Path, preempt_before=None, **overrides) -> Ctx:
+    cfg = OmegaConf.merge(OmegaConf.structured(sft.Config), dict(
+        model="test-micro", tokenizer_vocab_size=300, seq_len=96, batch_rows=4, steps=6, save_every=3,
+        warmup_steps=2, lr=3e-3, eval_tasks=3, eval_max_new_tokens=6, threads=1, **overrides))
+    ctx = Ctx(name="sft", kind="sft", config=cfg, run_config=None, run_dir=out, out_dir=out / "sft",
+              inputs={"tasks": tasks_dir}, seed=11)
+    ctx.preempt_before = preempt_before
+    return ctx
+
+
+def test_relay_conversations_mask_the_student(tasks_dir):
+    tasks = load_tasks(tasks_dir, "train")
+    convs = sft.build_conversations(tasks, relay_fraction=0.5, seed=0)
+    assert len(convs) == len(tasks) + round(0.5 * len(tasks))
+    by_prompt = {t.prompt: t.answer for t in tasks}
+    kinds = set()
+    for msgs, _ in convs[len(tasks):]:
+        answer = by_prompt[msgs[0]["content"]]
+        if "student_prefix" in msgs[1]:  # handoff: the teacher continues the student's turn
+            kinds.add("handoff")
+            assert msgs[1]["student_prefix"] + msgs[1]["content"] == answer and msgs[1]["student_prefix"]
+        else:  # fix: a wrong student turn (context), a retry request, the teacher's answer (trained)
+            kinds.add("fix")
+            assert msgs[1]["train"] is False and msgs[1]["content"] != answer
+            assert msgs[-1] == {"role": "assistant", "content": answer}
+    assert kinds == {"handoff", "fix"}
+
+
+def test_sft_outputs_and_preempted_run_resumes_bit_identically(tmp_path, tasks_dir):
+    straight = make_ctx(tmp_path / "a", tasks_dir)
+    metrics = sft.run(straight)
+    out = straight.out_dir
+    assert metrics["steps"] == 6 and "val_greedy_pass@1/closure" in metrics and "val_greedy_pass@1/arith" in metrics
+    for name in ["initial", "step_000003", "final"]:
+        assert verify_manifest(out / "checkpoints" / name) == []
+    assert (out / "checkpoints" / "best").read_text().strip() == "final"
+    history = [json.loads(line) for line in (out / "metrics_history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert {"loss", "tokens_per_s", "loss/closure", "loss/arith", "router/aux_loss", "grad_norm"} <= set(history[0])
+    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+
+    interrupted = make_ctx(tmp_path / "b", tasks_dir, preempt_before=5)
+    with pytest.raises(Preempted):
+        sft.run(interrupted)
+    ckpts = interrupted.out_dir / "checkpoints"
+    assert (ckpts / "step_000004").is_dir() and not (ckpts / "final").exists()
+    resumed = make_ctx(tmp_path / "b", tasks_dir)
+    sft.run(resumed)
+    assert sha256_file(ckpts / "initial" / "model.safetensors") == sha256_file(out / "checkpoints" / "initial" / "model.safetensors")
+    assert sha256_file(ckpts / "final" / "model.safetensors") == sha256_file(out / "checkpoints" / "final" / "model.safetensors")
+    resumed_history = [json.loads(line) for line in (resumed.out_dir / "metrics_history.jsonl").read_text().splitlines()]
+    assert [h["loss"] for h in resumed_history] == [h["loss"] for h in history]
