@@ -1,0 +1,241 @@
+"""`probe` stage: how often does a checkpoint solve each *training* task? (input to `select`)
+
+Samples `attempts` episodes per train task with the agent loop (same environment and budget as RL
+will use) and records per task: n (scored attempts), passes (full-credit rewards), infra failures
+(engine/environment/verifier crashes after retries; never counted as failures of the model).
+
+Outputs in the stage dir: `probe.parquet` (task_id, domain, difficulty, n, passes, infra_failures,
+mean_reward), `probe.json` (pass-count histograms, fraction of tasks in the useful band),
+`probe_histogram.png`, `traces.h5` (one row per episode, token ids exactly as sampled).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.errors import UserError
+from pipeline.fsio import atomic_write_bytes, atomic_write_json
+
+
+@dataclass
+class Config:
+    checkpoint: str = "sft:final"  # "<stage>:<name>"
+    tasks: str = "tasks"  # name of the tasks stage; only its train split is probed
+    limit: int = 0  # probe only the first N train tasks (0 = all)
+    attempts: int = 8
+    env: str = "single"  # single | calculator
+    require_tool: bool = True  # calculator env: answering an arith task without the tool scores 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_context: int = 256
+    max_turn_tokens: int = 32
+    max_turns: int = 3
+    band_min_pass: int = 1  # the "useful band" reported here (select applies its own)
+    band_max_pass: int = 6
+    batch_size: int = 64  # episodes advanced together
+    infra_retries: int = 1  # re-run an episode that ended in infra_error this many times
+    verifier: str = "stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
+    verifier_timeout_s: float = 30.0
+
+
+def validate(section, key: str) -> None:
+    stage, _, name = str(section.checkpoint).partition(":")
+    if not stage or not name:
+        raise UserError(f"{key}.checkpoint: {section.checkpoint!r} is not '<stage>:<name>' (e.g. 'sft:final')")
+    needs = set(getattr(section, "needs", None) or [])
+    for need in (stage, section.tasks):
+        if needs and need not in needs:
+            raise UserError(f"{key}.needs: add {need!r} (named in {key}.checkpoint or {key}.tasks)")
+    if section.env not in ("single", "calculator"):
+        raise UserError(f"{key}.env: {section.env!r} is not 'single' or 'calculator'")
+    if section.attempts < 1 or section.batch_size < 1 or section.infra_retries < 0 or section.limit < 0:
+        raise UserError(f"{key}: attempts and batch_size must be >= 1, infra_retries and limit >= 0")
+    if not 0 <= section.band_min_pass <= section.band_max_pass <= section.attempts:
+        raise UserError(f"{key}: need 0 <= band_min_pass <= band_max_pass <= attempts ({section.attempts})")
+    if ":" not in section.verifier or section.verifier_timeout_s <= 0:
+        raise UserError(f"{key}.verifier: {section.verifier!r} must be 'module:function' with verifier_timeout_s > 0")
+    from stages.agent.loop import Budget
+    from stages.rollout.sampling import SamplingParams
+
+    try:
+        SamplingParams(section.temperature, section.top_k, section.top_p, section.max_turn_tokens)
+        Budget(section.max_context, section.max_turn_tokens, section.max_turns)
+    except ValueError as e:
+        raise UserError(f"{key}: {e}") from None
+
+
+def load_checkpoint(ctx, ref: str, key: str, device: str = "cpu"):
+    """'<stage>:<name>' -> (model, tokenizer) from that needed stage's checkpoints/<name>."""
+    from stages.model import load_model_dir, resolve_checkpoint
+
+    stage, _, name = ref.partition(":")
+    if stage not in ctx.inputs:
+        raise UserError(f"{key}: {ref!r} names stage {stage!r}, which is not in needs")
+    model, _, tok = load_model_dir(resolve_checkpoint(ctx.inputs[stage], name), device=device)
+    if tok is None:
+        raise UserError(f"{key}: {ref!r} has no tokenizer.json")
+    return model, tok
+
+
+def probe(engine, tok, tasks, cfg, seed: int, verifier=None) -> list:
+    """All episodes (`attempts` per task, group id = task index), infra errors retried."""
+    from stages.agent import Budget, EpisodeJob, make_env, run_episodes
+    from stages.rollout import SamplingParams
+
+    env = make_env(cfg.env, tok, **({"require_tool": cfg.require_tool} if cfg.env == "calculator" else {}))
+    params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_turn_tokens, (tok.end_of_turn_id,))
+    budget = Budget(cfg.max_context, cfg.max_turn_tokens, cfg.max_turns)
+    jobs = [EpisodeJob(t, group_id=g, attempt=a) for g, t in enumerate(tasks) for a in range(cfg.attempts)]
+    trajs = []
+    for start in range(0, len(jobs), cfg.batch_size):
+        batch = jobs[start : start + cfg.batch_size]
+        out = run_episodes(engine, tok, batch, env, params, budget, seed, policy_version=0, verifier=verifier)
+        for _ in range(cfg.infra_retries):  # same seeds: a retry samples what the first try would have
+            failed = [i for i, tr in enumerate(out) if tr.status == "infra_error"]
+            if not failed:
+                break
+            again = run_episodes(engine, tok, [batch[i] for i in failed], env, params, budget, seed, 0, verifier=verifier)
+            for i, tr in zip(failed, again):
+                out[i] = tr
+        trajs += out
+    return trajs
+
+
+def pass_counts(tasks, trajs) -> list[dict]:
+    """One row per task: n scored attempts, passes (reward 1 = full credit), infra failures."""
+    rows = {t.task_id: dict(task_id=t.task_id, domain=t.domain, difficulty=int(t.difficulty), n=0, passes=0,
+                            infra_failures=0, rewards=[]) for t in tasks}
+    for tr in trajs:
+        r = rows[tr.task_id]
+        if tr.status == "infra_error":
+            r["infra_failures"] += 1
+            continue
+        r["n"] += 1
+        r["passes"] += int(tr.reward >= 1.0)
+        r["rewards"].append(tr.reward)
+    for r in rows.values():
+        rewards = r.pop("rewards")
+        r["mean_reward"] = float(np.mean(rewards)) if rewards else float("nan")
+    return list(rows.values())
+
+
+def summarize(rows: list[dict], attempts: int, lo: int, hi: int) -> dict:
+    def stats(rs):
+        hist = np.bincount([r["passes"] for r in rs], minlength=attempts + 1).tolist()
+        in_band = [lo <= r["passes"] <= hi for r in rs]
+        return {"tasks": len(rs), "histogram": hist, "band_fraction": float(np.mean(in_band)) if rs else None,
+                "infra_failures": int(sum(r["infra_failures"] for r in rs)),
+                "pass_rate": float(sum(r["passes"] for r in rs) / max(1, sum(r["n"] for r in rs)))}
+
+    domains = sorted({r["domain"] for r in rows})
+    return {"attempts": attempts, "band": [lo, hi], "all": stats(rows),
+            "domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains}}
+
+
+def write_table(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("task_id", pa.string()), ("domain", pa.string()), ("difficulty", pa.int32()),
+                        ("n", pa.int32()), ("passes", pa.int32()), ("infra_failures", pa.int32()),
+                        ("mean_reward", pa.float64())])
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf, compression="zstd")
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def write_traces(path: Path, trajs) -> None:
+    import h5py
+
+    def vlen(name, dtype):
+        arr = np.empty(len(trajs), dtype=object)
+        arr[:] = [np.asarray(getattr(t, name), dtype) for t in trajs]
+        f.create_dataset(name, data=arr, dtype=h5py.vlen_dtype(dtype))
+
+    buf = io.BytesIO()
+    with h5py.File(buf, "w") as f:
+        vlen("token_ids", np.int32)
+        vlen("loss_mask", np.uint8)
+        vlen("rollout_logprobs", np.float32)
+        turns = np.empty(len(trajs), dtype=object)
+        turns[:] = [np.asarray(t.turn_boundaries, np.int32).reshape(-1) for t in trajs]
+        f.create_dataset("turn_boundaries", data=turns, dtype=h5py.vlen_dtype(np.int32))
+        text = h5py.string_dtype()
+        for name in ("task_id", "domain", "status"):
+            f.create_dataset(name, data=[getattr(t, name) for t in trajs], dtype=text)
+        f.create_dataset("detail", data=[t.detail.replace("\x00", "\ufffd") for t in trajs], dtype=text)
+        for name, dt in (("group_id", np.int64), ("attempt", np.int32), ("prompt_len", np.int32), ("reward", np.float32)):
+            f.create_dataset(name, data=np.array([getattr(t, name) for t in trajs], dtype=dt))
+        f.attrs["turn_boundaries"] = "flattened (start, end) pairs of the model's turns"
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def plot_histogram(path: Path, summary: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(summary["domains"]) + ["all"]
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3.2), squeeze=False, sharey=True)
+    lo, hi = summary["band"]
+    for ax, g in zip(axes[0], groups):
+        s = summary["all"] if g == "all" else summary["domains"][g]
+        ks = np.arange(len(s["histogram"]))
+        ax.bar(ks, s["histogram"], color=["tab:blue" if lo <= k <= hi else "tab:gray" for k in ks])
+        frac = s["band_fraction"]
+        ax.set_title(f"{g}: {s['tasks']} tasks, {0 if frac is None else frac:.0%} in band")
+        ax.set_xlabel(f"passes out of {summary['attempts']}")
+        ax.set_xticks(ks)
+    axes[0][0].set_ylabel("tasks")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def run(ctx) -> dict:
+    import torch
+
+    from stages.evaluate import TimedVerifier
+    from stages.rollout import TorchEngine
+    from stages.taskgen import load_tasks
+
+    cfg = ctx.config
+    key = f"stages.{ctx.name}"
+    if cfg.tasks not in ctx.inputs:
+        raise UserError(f"{key}.tasks: stage {cfg.tasks!r} is not in needs")
+    tasks = load_tasks(ctx.inputs[cfg.tasks], "train")  # never the held-out split
+    tasks = tasks[: cfg.limit] if cfg.limit > 0 else tasks
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok = load_checkpoint(ctx, cfg.checkpoint, f"{key}.checkpoint", device)
+    limit = model.config.max_position_embeddings
+    if cfg.max_context + cfg.max_turn_tokens > limit:
+        raise UserError(f"{key}: max_context + max_turn_tokens ({cfg.max_context + cfg.max_turn_tokens}) "
+                        f"exceeds the model's max_position_embeddings ({limit})")
+    engine = TorchEngine(model, max_batch=cfg.batch_size)
+    verifier = TimedVerifier(cfg.verifier, cfg.verifier_timeout_s)
+    try:
+        trajs = probe(engine, tok, tasks, cfg, ctx.seed, verifier)
+    finally:
+        verifier.close()
+
+    rows = pass_counts(tasks, trajs)
+    summary = summarize(rows, cfg.attempts, cfg.band_min_pass, cfg.band_max_pass)
+    out = Path(ctx.out_dir)
+    write_table(out / "probe.parquet", rows)
+    write_traces(out / "traces.h5", trajs)
+    atomic_write_json(out / "probe.json", {"checkpoint": cfg.checkpoint, "env": cfg.env, **summary})
+    plot_histogram(out / "probe_histogram.png", summary)
+    metrics = {"tasks": len(rows), "band_fraction": summary["all"]["band_fraction"],
+               "pass_rate": summary["all"]["pass_rate"], "infra_failures": summary["all"]["infra_failures"]}
+    for d, s in summary["domains"].items():
+        metrics[f"{d}/band_fraction"] = s["band_fraction"]
+        metrics[f"{d}/pass_rate"] = s["pass_rate"]
+    return metrics

@@ -1,0 +1,101 @@
+"""`select` stage: keep the training tasks a checkpoint solves sometimes, but not always.
+
+Tasks solved between `min_pass` and `max_pass` times (out of the probe's n attempts) carry a
+learning signal for group-relative RL; always- and never-solved ones give every attempt the same
+reward and no gradient. Only train tasks are ever selected: a held-out id here is a bug, and
+stops the stage.
+
+Outputs in the stage dir: `band.parquet` (the selected tasks, same columns as the tasks tables)
+and `select.json` (counts per domain). Read the band back with `load_band(stage_dir)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+BAND = "band.parquet"
+
+
+@dataclass
+class Config:
+    probe: str = "probe"  # name of the needed probe stage
+    tasks: str = "tasks"  # name of the needed tasks stage (the probe's)
+    min_pass: int = 1
+    max_pass: int = 6
+    min_scored: int = 0  # drop tasks with fewer scored attempts (infra failures); 0 = all of the probe's attempts
+
+
+def validate(section, key: str) -> None:
+    if not 0 <= section.min_pass <= section.max_pass:
+        raise UserError(f"{key}: need 0 <= min_pass <= max_pass, got {section.min_pass}..{section.max_pass}")
+    if section.min_scored < 0:
+        raise UserError(f"{key}.min_scored: must be >= 0")
+    needs = set(getattr(section, "needs", None) or [])
+    for need in (section.probe, section.tasks):
+        if needs and need not in needs:
+            raise UserError(f"{key}.needs: add {need!r} (named in {key}.probe or {key}.tasks)")
+
+
+def select(rows: list[dict], train, val, min_pass: int, max_pass: int, min_scored: int) -> list:
+    """The train tasks (in train order) whose probe row is in the band."""
+    held_out = {t.task_id for t in val}
+    by_id = {r["task_id"]: r for r in rows}
+    unknown = sorted(set(by_id) - {t.task_id for t in train})
+    assert not set(by_id) & held_out, f"probe results include held-out tasks, e.g. {sorted(set(by_id) & held_out)[0]}"
+    if unknown:
+        raise UserError(f"probe results name tasks not in the train split, e.g. {unknown[0]}")
+    band = [
+        t for t in train
+        if t.task_id in by_id
+        and by_id[t.task_id]["n"] >= min_scored
+        and min_pass <= by_id[t.task_id]["passes"] <= max_pass
+    ]
+    assert not {t.task_id for t in band} & held_out, "a held-out task was selected"
+    return band
+
+
+def load_band(stage_dir) -> list:
+    import json
+
+    import pyarrow.parquet as pq
+
+    from stages.taskgen import Task
+
+    rows = pq.read_table(Path(stage_dir) / BAND).to_pylist()
+    return [Task(**(r | {"meta": json.loads(r["meta"])})) for r in rows]
+
+
+def run(ctx) -> dict:
+    import json
+    import pyarrow.parquet as pq
+
+    from pipeline.fsio import atomic_write_json
+    from stages.taskgen import load_tasks, save_tasks
+
+    cfg = ctx.config
+    key = f"stages.{ctx.name}"
+    for need in (cfg.probe, cfg.tasks):
+        if need not in ctx.inputs:
+            raise UserError(f"{key}: stage {need!r} is not in needs")
+    probe_dir = Path(ctx.inputs[cfg.probe])
+    rows = pq.read_table(probe_dir / "probe.parquet").to_pylist()
+    attempts = json.loads((probe_dir / "probe.json").read_text())["attempts"]
+    if cfg.max_pass > attempts:
+        raise UserError(f"{key}.max_pass: {cfg.max_pass} exceeds the probe's attempts ({attempts})")
+    train = load_tasks(ctx.inputs[cfg.tasks], "train")
+    val = load_tasks(ctx.inputs[cfg.tasks], "val")
+    band = select(rows, train, val, cfg.min_pass, cfg.max_pass, cfg.min_scored or attempts)
+
+    out = Path(ctx.out_dir)
+    save_tasks(out, "band", band)  # writes band.parquet with the tasks tables' schema
+    domains = sorted({r["domain"] for r in rows})
+    counts = {d: {"probed": sum(r["domain"] == d for r in rows), "selected": sum(t.domain == d for t in band)}
+              for d in domains}
+    atomic_write_json(out / "select.json", {"band": [cfg.min_pass, cfg.max_pass], "attempts": attempts,
+                                            "probed": len(rows), "selected": len(band), "domains": counts})
+    metrics = {"probed": len(rows), "selected": len(band), "selected_fraction": len(band) / max(1, len(rows))}
+    metrics.update({f"{d}/selected": c["selected"] for d, c in counts.items()})
+    return metrics
