@@ -1,0 +1,244 @@
+"""`snowcat reproduce RUN [--run-dir NEW]`: rerun a run from its archived config and code; compare.
+
+1. Code: the run's provenance records name the code revision and the (content-addressed) patch of
+   uncommitted changes it ran with. If this source tree is exactly that state, the reproduction
+   runs from here. Otherwise a detached git worktree of the recorded revision is made next to the
+   new run and the recorded patch applied to it; if the revision is unknown or the patch does not
+   apply, reproduce refuses (UserError) and runs nothing.
+2. Run: `snowcat run <RUN>/config.yaml --run-dir NEW` (the archived resolved config, no edits; NEW
+   is a fresh run id next to the original unless given), with the recorded executor. A local run
+   is waited for; a Slurm run is submitted, and the same command compares once it has finished.
+3. Compare, per stage and unit: metrics (timings excluded, see TIMING_METRICS) and every output
+   file of the manifests (sha256; JSON files that differ only in timings or run paths count as
+   equal, see `compare_files`). Exit 0 only if everything that should be deterministic matches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+from .fsio import read_json, sha256_file
+from .rundir import RunDir, new_run_id
+
+# Metrics and history fields that measure time or speed: excluded from comparisons (they are not
+# expected to repeat). Everything else a stage reports must match exactly.
+TIMING_METRICS = (
+    "duration_s", "train_seconds", "tokens_per_s", "step_time_s", "wall_s", "elapsed_s", "seconds",
+    "samples_per_s", "updates_per_s", "rollout_s", "train_s", "gen_s", "wait_s",
+    # wall-clock stamps written by the runner or the retention ledger
+    "started", "ended", "finished", "registered_at", "time", "captured_at",
+)
+# Output files that record the run's own identity, hosts or times, so they differ by design.
+RUN_SPECIFIC_FILES = ("card.md",)
+
+
+# --- code state -----------------------------------------------------------------------------------
+
+
+def recorded_code(run: RunDir) -> dict:
+    """The code state the run was produced with: the latest one its provenance records name."""
+    records = [r for p in sorted((run.path / "provenance").glob("*.json")) if (r := read_json(p)) and "code" in r]
+    if not records:
+        raise UserError(f"{run.path}/provenance: no provenance records; the run's code state is unknown")
+    codes = {(r["code"].get("revision"), r["code"].get("patch_sha256"), r["code"].get("patch")) for r in records}
+    latest = max(records, key=lambda r: r.get("captured_at") or "")["code"]
+    if not latest.get("revision"):
+        raise UserError(f"{run.path}: provenance records no code revision ({latest.get('error', 'not a git checkout')})")
+    return {**latest, "states": len(codes)}
+
+
+def current_code() -> dict:
+    from .provenance import code_state
+
+    with tempfile.TemporaryDirectory(prefix="snowcat-code-") as tmp:
+        return code_state(Path(tmp))
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-c", f"safe.directory={root}", "-C", str(root), *args], capture_output=True, text=True, timeout=300)
+
+
+def pinned_source(run: RunDir, code: dict, where: Path) -> tuple[Path, str]:
+    """(source root to run from, how it was obtained) for the recorded code state."""
+    from .provenance import source_root
+
+    root = source_root()
+    here = current_code()
+    if here.get("revision") == code["revision"] and here.get("patch_sha256") == code["patch_sha256"]:
+        return root, "this source tree equals the recorded revision + patch"
+    tree = where / f".code-{code['revision'][:12]}-{code['patch_sha256'][:12]}"
+    patch = run.path / code["patch"]
+    if (tree / ".snowcat-code-ready").is_file():
+        return tree, f"worktree {tree} (recorded revision + patch, made earlier)"
+    if not patch.is_file() or sha256_file(patch) != code["patch_sha256"]:
+        raise UserError(f"{patch}: the recorded patch is missing or altered; cannot restore the run's code")
+    if _git(root, "cat-file", "-e", f"{code['revision']}^{{commit}}").returncode != 0:
+        raise UserError(f"{run.path}: this tree differs from the recorded code and revision {code['revision']} is not in "
+                        f"the git repository at {root}; fetch it or run from the original checkout")
+    proc = _git(root, "worktree", "add", "--detach", "--force", str(tree), code["revision"])
+    if proc.returncode != 0:
+        raise UserError(f"{tree}: git worktree add failed: {proc.stderr.strip().splitlines()[-1:]}")
+    if patch.stat().st_size:
+        proc = subprocess.run(["git", "apply", "--binary", "--whitespace=nowarn", str(patch)], cwd=tree, capture_output=True, text=True)
+        if proc.returncode != 0:
+            _git(root, "worktree", "remove", "--force", str(tree))
+            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            raise UserError(f"{patch}: this tree differs from the recorded revision {code['revision'][:12]} + patch, and the "
+                            f"patch does not apply to that revision ({last})")
+    (tree / ".snowcat-code-ready").write_text(code["revision"] + "\n")
+    return tree, f"worktree {tree} of revision {code['revision'][:12]} with the recorded patch applied"
+
+
+# --- comparison -----------------------------------------------------------------------------------
+
+
+def _strip(obj: Any, paths: tuple[str, str]) -> Any:
+    """obj without timing fields, with the original run's path/id replaced by the reproduction's."""
+    if isinstance(obj, dict):
+        return {k: _strip(v, paths) for k, v in obj.items() if k not in TIMING_METRICS}
+    if isinstance(obj, list):
+        return [_strip(v, paths) for v in obj]
+    if isinstance(obj, str):
+        return obj.replace(paths[0], "<run>").replace(paths[1], "<run>")
+    return obj
+
+
+def compare_metrics(a: dict, b: dict) -> list[str]:
+    keys = sorted((set(a) | set(b)) - set(TIMING_METRICS))
+    return [f"metric {k}: {a.get(k)!r} != {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def _same_torch_rng(old: Path, new: Path) -> bool:
+    import torch
+
+    a, b = torch.load(old, weights_only=False), torch.load(new, weights_only=False)
+    same = lambda x, y: (x is None and y is None) or (x is not None and y is not None and all(map(torch.equal, *(  # noqa: E731
+        (v if isinstance(v, (list, tuple)) else [v]) for v in (x, y)))))
+    return same(a.get("torch"), b.get("torch")) and same(a.get("cuda"), b.get("cuda"))
+
+
+def compare_files(old: Path, new: Path, paths: tuple[str, ...]) -> str:
+    """'same' | 'same after ...' (an explained, narrower comparison) | 'differs' (files of one unit).
+
+    Narrower comparisons: JSON/JSONL without TIMING_METRICS and with run paths/ids replaced; a
+    trainer's per-rank RNG snapshot (`rng_rank*.pt`) by its torch/CUDA generator states only: it
+    also holds Python's and NumPy's global generators, which training never seeds nor draws from."""
+    if sha256_file(old) == sha256_file(new):
+        return "same"
+    if old.name.startswith("rng_rank") and old.suffix == ".pt":
+        return "same after comparing torch/CUDA RNG states only" if _same_torch_rng(old, new) else "differs"
+    if old.suffix in (".json", ".jsonl"):
+        try:
+            la = [json.loads(x) for x in old.read_text().splitlines() if x.strip()] if old.suffix == ".jsonl" else json.loads(old.read_text())
+            lb = [json.loads(x) for x in new.read_text().splitlines() if x.strip()] if new.suffix == ".jsonl" else json.loads(new.read_text())
+        except ValueError:
+            return "differs"
+        if _strip(la, paths[:2]) == _strip(lb, paths[2:]):
+            return "same after removing timings/run paths"
+    return "differs"
+
+
+def compare_runs(orig: RunDir, new: RunDir) -> dict:
+    from .dag import build
+
+    dag = build(orig.config())
+    paths = (str(orig.path), orig.run_id, str(new.path), new.run_id)
+    stages: dict[str, Any] = {}
+    for node in dag:
+        for unit in node.units:
+            if not (orig.is_done(unit) and new.is_done(unit)):
+                stages[unit.key] = {"ok": False, "problems": [f"not done in {'the original' if not orig.is_done(unit) else 'the reproduction'}"]}
+                continue
+            problems = compare_metrics(orig.metrics(unit), new.metrics(unit))
+            fa = (read_json(orig.unit_dir(unit) / "manifest.json") or {}).get("files", {})
+            fb = (read_json(new.unit_dir(unit) / "manifest.json") or {}).get("files", {})
+            same = 0
+            narrowed: dict[str, str] = {}
+            skipped = []
+            for rel in sorted(set(fa) | set(fb)):
+                if rel == "metrics.json":  # compared above, without timings
+                    continue
+                if Path(rel).name in RUN_SPECIFIC_FILES:
+                    skipped.append(rel)
+                    continue
+                if rel not in fa or rel not in fb:
+                    problems.append(f"{rel}: only in the {'reproduction' if rel not in fa else 'original'}")
+                    continue
+                verdict = compare_files(orig.unit_dir(unit) / rel, new.unit_dir(unit) / rel, paths)
+                same += verdict == "same"
+                if verdict.startswith("same after"):
+                    narrowed[rel] = verdict
+                if verdict == "differs":
+                    problems.append(f"{rel}: sha256 {fa[rel]['sha256'][:12]} != {fb[rel]['sha256'][:12]}")
+            stages[unit.key] = {"ok": not problems, "files_identical": same, "files_equal_narrowed": narrowed,
+                                "files_not_compared": skipped, "problems": problems}
+    return {"original": str(orig.path), "reproduction": str(new.path), "ok": all(s["ok"] for s in stages.values()),
+            "excluded_metrics": list(TIMING_METRICS), "run_specific_files": list(RUN_SPECIFIC_FILES), "stages": stages}
+
+
+# --- CLI ------------------------------------------------------------------------------------------
+
+
+def add_reproduce_arguments(parser) -> None:
+    parser.add_argument("run", help="the run directory to reproduce")
+    parser.add_argument("--run-dir", help="directory of the reproduction (default: a fresh run id next to RUN)")
+    parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+
+
+def cmd_reproduce(args) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .provenance import source_root
+
+    err = Console(stderr=True, highlight=False)
+    orig = RunDir.open(args.run)
+    cfg = orig.config()
+    new_path = Path(args.run_dir).resolve() if args.run_dir else orig.path.parent / new_run_id(cfg.name)
+    if new_path == orig.path:
+        raise UserError(f"--run-dir {args.run_dir}: is the original run; choose a new directory")
+    code = recorded_code(orig)
+    root, how = pinned_source(orig, code, new_path.parent)
+    err.print(f"reproducing {orig.run_id} as {new_path.name}: code from {escape(how)}"
+              + (f" [yellow](the run recorded {code['states']} code states; using the latest)[/]" if code["states"] > 1 else ""))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(orig.path / "config.yaml"), "--run-dir", str(new_path)],
+                          cwd=root, env=env)
+    new = RunDir.open(new_path) if (new_path / "run.json").is_file() else None
+    if new is None:
+        raise UserError(f"{new_path}: the reproduction did not start (snowcat run exited {proc.returncode})")
+    if cfg.executor.kind != "local" and proc.returncode == 0 and not all(new.is_done(u) for u in _units(new)):
+        err.print(f"submitted with the {cfg.executor.kind} executor; when it has finished, compare with: "
+                  f"snowcat reproduce {orig.path} --run-dir {new_path}")
+        return 1
+    if root != source_root() and all(new.is_done(u) for u in _units(new)):  # the worktree served its purpose
+        _git(source_root(), "worktree", "remove", "--force", str(root))
+    report = compare_runs(orig, new) | {"code": how, "returncode": proc.returncode}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        table = Table(title=f"reproduce {orig.run_id} → {new.run_id}")
+        for col in ("stage", "verdict", "identical files", "equal (narrowed)", "detail"):
+            table.add_column(col, overflow="fold")
+        for key, s in report["stages"].items():
+            detail = s["problems"][0] + (f" (+{len(s['problems']) - 1} more)" if len(s["problems"]) > 1 else "") if s["problems"] else \
+                (f"not compared: {', '.join(s['files_not_compared'])}" if s.get("files_not_compared") else "")
+            table.add_row(key, "[green]match[/]" if s["ok"] else "[red]DIFFERS[/]", str(s.get("files_identical", "-")),
+                          str(len(s.get("files_equal_narrowed", {}))), escape(detail))
+        Console(highlight=False, width=200).print(table)
+        err.print(f"timing metrics not compared: {', '.join(TIMING_METRICS)}")
+    return 0 if report["ok"] and proc.returncode == 0 else 1
+
+
+def _units(run: RunDir):
+    from .dag import build
+
+    return build(run.config()).units()
