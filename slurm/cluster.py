@@ -32,7 +32,7 @@ from typing import Callable
 from filelock import FileLock
 
 from pipeline.errors import UserError
-from pipeline.fsio import atomic_write_text
+from pipeline.fsio import atomic_dir, atomic_write_text
 
 CLUSTER_NAME = "snowcat"
 ACCOUNT = "snowcat"
@@ -191,7 +191,7 @@ def _render(root: Path, ports: dict[str, int], db_pass: str) -> dict[str, str]:
 
 def _prepare(root: Path) -> bool:
     """Create the directory tree, keys, fake GPUs and configs. True if a config changed."""
-    for sub in ("etc", "run", "log", "state", "mysql", "dev", *(f"spool/{n}" for n in NODES), *(f"tmp/{n}" for n in NODES)):
+    for sub in ("etc", "run", "log", "state", "dev", *(f"spool/{n}" for n in NODES), *(f"tmp/{n}" for n in NODES)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     root.chmod(0o755)  # munged refuses group/other-writable directories on its paths
     key = root / "etc" / "munge.key"
@@ -249,11 +249,12 @@ def _up(root: Path) -> ClusterInfo:
                     f"--pid-file={munged.pidfile}", f"--log-file={munged.log}", f"--seed-file={run / 'munge.seed'}"], env)
 
     sock = run / "mysqld.sock"
-    if not (root / "mysql" / "mysql").exists():
-        with open(mariadbd.log, "ab") as out:
-            subprocess.run(["mariadb-install-db", "--no-defaults", "--user=root", f"--datadir={root / 'mysql'}",
-                            "--auth-root-authentication-method=socket", "--skip-test-db"],
-                           env=env, stdout=out, stderr=out, check=True)
+    if not (root / "mysql").exists():  # built under a temp name: a failed install leaves nothing half-made
+        with atomic_dir(root / "mysql") as datadir, open(mariadbd.log, "ab") as out:
+            if subprocess.run(["mariadb-install-db", "--no-defaults", "--user=root", f"--datadir={datadir}",
+                               "--auth-root-authentication-method=socket", "--skip-test-db"],
+                              env=env, stdout=out, stderr=out).returncode != 0:
+                raise ClusterError(f"local cluster: mariadb-install-db failed; tail of {mariadbd.log}:\n{_tail(mariadbd.log)}")
     _start(mariadbd, ["mariadbd", "--no-defaults", "--user=root", f"--datadir={root / 'mysql'}", f"--socket={sock}",
                       f"--port={ports['mariadb']}", "--bind-address=127.0.0.1", f"--pid-file={mariadbd.pidfile}",
                       f"--log-error={mariadbd.log}", "--skip-name-resolve", "--innodb-buffer-pool-size=64M",
