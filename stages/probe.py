@@ -7,11 +7,14 @@ will use) and records per task: n (scored attempts), passes (full-credit rewards
 Outputs in the stage dir: `probe.parquet` (task_id, domain, difficulty, n, passes, infra_failures,
 mean_reward), `probe.json` (pass-count histograms, fraction of tasks in the useful band),
 `probe_histogram.png`, `traces.h5` (one row per episode, token ids exactly as sampled).
+Preemption-safe: finished batches are kept under `partial/` until the stage completes.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,17 +85,29 @@ def load_checkpoint(ctx, ref: str, key: str, device: str = "cpu"):
     return model, tok
 
 
-def probe(engine, tok, tasks, cfg, seed: int, verifier=None) -> list:
-    """All episodes (`attempts` per task, group id = task index), infra errors retried."""
+def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path | None = None, checkpoint_due=None):
+    """All episodes (`attempts` per task, group id = task index), infra errors retried.
+
+    With `partial_dir`, each finished batch is saved there (packed trajectories) and reused on the
+    next call, so a preempted probe continues where it stopped; episodes are seeded per (task,
+    attempt, turn), so the result equals an uninterrupted run. `checkpoint_due()` true after a
+    batch raises `Preempted`."""
+    from pipeline.context import Preempted
     from stages.agent import Budget, EpisodeJob, make_env, run_episodes
-    from stages.rollout import SamplingParams
 
     env = make_env(cfg.env, tok, **({"require_tool": cfg.require_tool} if cfg.env == "calculator" else {}))
-    params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_turn_tokens, (tok.end_of_turn_id,))
+    params = sampling_params(cfg, tok)
     budget = Budget(cfg.max_context, cfg.max_turn_tokens, cfg.max_turns)
     jobs = [EpisodeJob(t, group_id=g, attempt=a) for g, t in enumerate(tasks) for a in range(cfg.attempts)]
+    key = json.dumps([seed, str(cfg.checkpoint), cfg.env, cfg.require_tool, repr(params), repr(budget), cfg.batch_size,
+                      [t.task_id for t in tasks], cfg.attempts])
     trajs = []
-    for start in range(0, len(jobs), cfg.batch_size):
+    for b, start in enumerate(range(0, len(jobs), cfg.batch_size)):
+        path = partial_dir / f"batch_{b:06d}.npz" if partial_dir is not None else None
+        saved = _load_batch(path, key) if path is not None else None
+        if saved is not None:
+            trajs += saved
+            continue
         batch = jobs[start : start + cfg.batch_size]
         out = run_episodes(engine, tok, batch, env, params, budget, seed, policy_version=0, verifier=verifier)
         for _ in range(cfg.infra_retries):  # same seeds: a retry samples what the first try would have
@@ -103,7 +118,37 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None) -> list:
             for i, tr in zip(failed, again):
                 out[i] = tr
         trajs += out
+        if path is not None:
+            _save_batch(path, key, out)
+        if checkpoint_due is not None and checkpoint_due() and start + cfg.batch_size < len(jobs):
+            raise Preempted(f"probe: {b + 1} batches saved in {partial_dir}")
     return trajs
+
+
+def sampling_params(cfg, tok):
+    from stages.rollout import SamplingParams
+
+    return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_turn_tokens, (tok.end_of_turn_id,))
+
+
+def _save_batch(path: Path, key: str, trajs) -> None:
+    from stages.agent import pack
+
+    buf = io.BytesIO()
+    np.savez(buf, key=np.frombuffer(key.encode(), np.uint8), **pack(trajs))
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _load_batch(path: Path, key: str):
+    """The saved batch, or None when absent or saved under other settings."""
+    from stages.agent import FIELDS, unpack
+
+    if not path.is_file():
+        return None
+    with np.load(path) as z:
+        if z["key"].tobytes().decode() != key:
+            return None
+        return unpack({name: z[name] for name in FIELDS})
 
 
 def pass_counts(tasks, trajs) -> list[dict]:
@@ -221,8 +266,10 @@ def run(ctx) -> dict:
                         f"exceeds the model's max_position_embeddings ({limit})")
     engine = TorchEngine(model, max_batch=cfg.batch_size)
     verifier = TimedVerifier(cfg.verifier, cfg.verifier_timeout_s)
+    partial = Path(ctx.out_dir) / "partial"
+    partial.mkdir(exist_ok=True)
     try:
-        trajs = probe(engine, tok, tasks, cfg, ctx.seed, verifier)
+        trajs = probe(engine, tok, tasks, cfg, ctx.seed, verifier, partial, ctx.checkpoint_due)
     finally:
         verifier.close()
 
@@ -233,6 +280,7 @@ def run(ctx) -> dict:
     write_traces(out / "traces.h5", trajs)
     atomic_write_json(out / "probe.json", {"checkpoint": cfg.checkpoint, "env": cfg.env, **summary})
     plot_histogram(out / "probe_histogram.png", summary)
+    shutil.rmtree(partial)  # everything it held is in traces.h5 now
     metrics = {"tasks": len(rows), "band_fraction": summary["all"]["band_fraction"],
                "pass_rate": summary["all"]["pass_rate"], "infra_failures": summary["all"]["infra_failures"]}
     for d, s in summary["domains"].items():

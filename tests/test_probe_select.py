@@ -35,11 +35,11 @@ def workdir(tmp_path_factory):
 def context(workdir: Path, kind: str, out: str, cfg, inputs: dict) -> StageContext:
     ctx = StageContext(name=kind, kind=kind, config=cfg, run_config=None, run_dir=workdir, out_dir=workdir / out,
                        inputs={k: workdir / v for k, v in inputs.items()}, seed=3)
-    ctx.out_dir.mkdir()
+    ctx.out_dir.mkdir(exist_ok=True)
     return ctx
 
 
-def run_probe(workdir: Path, out: str, **changes) -> tuple[dict, list[dict]]:
+def run_probe(workdir: Path, out: str, preempt: bool = False, **changes) -> tuple[dict, list[dict]]:
     import pyarrow.parquet as pq
 
     settings = dict(checkpoint="sft:final", env="calculator", attempts=4, max_context=64, max_turn_tokens=12,
@@ -47,6 +47,8 @@ def run_probe(workdir: Path, out: str, **changes) -> tuple[dict, list[dict]]:
     cfg = probe.Config(**(settings | changes))
     probe.validate(cfg, "stages.probe")
     ctx = context(workdir, "probe", out, cfg, {"tasks": "tasks", "sft": "sft"})
+    if preempt:
+        ctx.signal.set()  # as SIGUSR2 from Slurm would: the stage saves after its batch and stops
     metrics = probe.run(ctx)
     return metrics, pq.read_table(ctx.out_dir / "probe.parquet").to_pylist()
 
@@ -86,6 +88,12 @@ def test_probe_counts_passes_per_train_task(workdir):
     # deterministic: the same seed probes the same episodes
     _, again = run_probe(workdir, "probe_b")
     assert again == rows
+    # preempted after its first batch, then continued: the same result as uninterrupted
+    with pytest.raises(StageContext.Preempted):
+        run_probe(workdir, "probe_d", preempt=True)
+    assert [p.name for p in (workdir / "probe_d" / "partial").iterdir()] == ["batch_000000.npz"]
+    _, resumed = run_probe(workdir, "probe_d")
+    assert resumed == rows and not (workdir / "probe_d" / "partial").exists()
     # limit probes only the first N train tasks
     _, few = run_probe(workdir, "probe_c", limit=2)
     assert few == rows[:2]
@@ -148,3 +156,20 @@ def test_select_config_errors():
         select.validate(select.Config(min_pass=5, max_pass=2), "stages.select")
     with pytest.raises(UserError, match="needs"):
         select.validate(SimpleNamespace(**vars(select.Config()), needs=["tasks"]), "stages.select")
+
+
+def test_probe_reuses_saved_batches_only_under_the_same_settings(workdir, tmp_path):
+    from stages.model import load_model_dir
+    from stages.rollout import TorchEngine
+    from stages.taskgen import load_tasks
+
+    model, _, tok = load_model_dir(workdir / "sft" / "checkpoints" / "final")
+    tasks = load_tasks(workdir / "tasks", "train")[:3]
+    cfg = probe.Config(env="calculator", attempts=2, max_context=64, max_turn_tokens=12, batch_size=4)
+    first = probe.probe(TorchEngine(model), tok, tasks, cfg, seed=3, partial_dir=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 2
+    # every batch is on disk: no engine needed (one that cannot generate would make infra errors)
+    assert probe.probe(None, tok, tasks, cfg, seed=3, partial_dir=tmp_path) == first
+    # other settings never pick up stale batches
+    redone = probe.probe(None, tok, tasks, cfg, seed=4, partial_dir=tmp_path)
+    assert {t.status for t in redone} == {"infra_error"}
