@@ -15,6 +15,7 @@ over; the student's tokens are context (masked), the teacher's are trained.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -48,6 +49,25 @@ class Config:
     threads: int = 0  # torch intra-op threads; 0 = the job's CPUs
     eval_tasks: int = 200  # val tasks per domain for the end-of-stage greedy check (0 = skip)
     eval_max_new_tokens: int = 16
+
+
+def validate(section, key: str) -> None:
+    """Called when the config is loaded (no torch import): errors surface before anything runs."""
+    from pipeline.errors import UserError
+    from stages.model import PRESETS
+
+    if not section.init_from and section.model not in PRESETS:
+        raise UserError(f"{key}.model: {section.model!r} is not a preset ({', '.join(PRESETS)})")
+    if section.backend not in ("torch", "deepspeed"):
+        raise UserError(f"{key}.backend: {section.backend!r} is not one of torch, deepspeed")
+    if section.schedule not in ("cosine", "linear", "constant"):
+        raise UserError(f"{key}.schedule: {section.schedule!r} is not one of cosine, linear, constant")
+    if section.micro_batches < 1 or section.batch_rows % section.micro_batches:
+        raise UserError(f"{key}.batch_rows: {section.batch_rows} must be a multiple of micro_batches={section.micro_batches}")
+    if section.zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"{key}.zero_stage: must be 0-3, got {section.zero_stage}")
+    if not 0.0 <= section.relay_fraction <= 1.0:
+        raise UserError(f"{key}.relay_fraction: must be in [0, 1], got {section.relay_fraction}")
 
 
 # ---------------------------------------------------------------- data construction
@@ -206,7 +226,7 @@ def run(ctx) -> dict:
         else:
             tok = train_tokenizer(tokenizer_corpus(train_tasks), cfg.tokenizer_vocab_size)
             mcfg = PRESETS[cfg.model]
-            mcfg = type(mcfg)(**{**mcfg.to_dict(), "vocab_size": tok.vocab_size})
+            mcfg = dataclasses.replace(mcfg, vocab_size=tok.vocab_size)
             torch.manual_seed(ctx.seed)
             model = MoEForCausalLM(mcfg)
             if rank == 0:
