@@ -25,29 +25,48 @@ from kernels.reference import combine_stats, finish_outputs, local_targets, supp
 
 
 @triton.jit
-def _scaled_logits(h_ptr, w_ptr, rows, cols, row_ok, col_ok, hdim, inv_t,
+def _scaled_logits(h_ptr, w_ptr, row0, col0, n_rows, n_cols, hdim, inv_t,
                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """z tile = h[row0:+BLOCK_N] @ W[col0:+BLOCK_V]^T / T, fp32 accumulation (rows >= n_rows etc. are 0)."""
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_V)
+    k = tl.arange(0, BLOCK_H)
+    r_ok = (row0 + r) < n_rows
+    c_ok = (col0 + c) < n_cols
+    # 64-bit tile base, 32-bit offsets inside the tile: fewer registers than 64-bit index tensors.
+    a_ptrs = h_ptr + row0.to(tl.int64) * hdim + (r[:, None] * hdim + k[None, :])
+    b_ptrs = w_ptr + col0.to(tl.int64) * hdim + (c[:, None] * hdim + k[None, :])
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k0 in range(0, hdim, BLOCK_H):
-        ks = k0 + tl.arange(0, BLOCK_H)
-        k_ok = ks < hdim
-        a = tl.load(h_ptr + rows[:, None] * hdim + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + cols[:, None] * hdim + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        k_ok = (k0 + k) < hdim
+        a = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=c_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_H
+        b_ptrs += BLOCK_H
     return acc * inv_t
 
 
 @triton.jit
-def _kept(bits_ptr, rows, cols, row_ok, col_ok, nbytes, HAS_SUPPORT: tl.constexpr):
-    """Which (token, id) pairs are in the support: bit (id % 8) of byte bits[token, id // 8]."""
-    ok = row_ok[:, None] & col_ok[None, :]
+def _kept(bits_ptr, row0, col0, n_rows, n_cols, nbytes,
+          BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SUPPORT: tl.constexpr):
+    """Which (token, id) pairs of the tile are valid and in the support: bit (id % 8) of bits[token, id // 8].
+
+    col0 is a multiple of 8, so the tile reads BLOCK_V / 8 whole bytes per token and unpacks them.
+    """
+    r = row0 + tl.arange(0, BLOCK_N)
+    c = col0 + tl.arange(0, BLOCK_V)
+    ok = (r < n_rows)[:, None] & (c < n_cols)[None, :]
     if HAS_SUPPORT:
-        byte = tl.load(bits_ptr + rows[:, None] * nbytes + (cols // 8)[None, :], mask=ok, other=0)
-        ok = ok & (((byte.to(tl.int32) >> (cols % 8)[None, :]) & 1) != 0)
+        b = col0 // 8 + tl.arange(0, BLOCK_V // 8)
+        byte = tl.load(bits_ptr + r.to(tl.int64)[:, None] * nbytes + b[None, :],
+                       mask=(r < n_rows)[:, None] & (b < nbytes)[None, :], other=0)
+        bit = (byte.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+        ok = ok & (tl.reshape(bit, (BLOCK_N, BLOCK_V)) != 0)
     return ok
 
 
@@ -61,31 +80,50 @@ def _fwd_stats_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, stats_ptr,
     split = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_splits = tl.num_programs(0)
-    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < n_rows
     y = tl.load(y_ptr + rows, mask=row_ok, other=-1)  # local target id, -1 if not on this shard
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     a = tl.zeros((BLOCK_N,), dtype=tl.float32)
     zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    t_end = tl.minimum((split + 1) * tiles_per_split, tl.cdiv(vocab, BLOCK_V))
-    for t in range(split * tiles_per_split, t_end):
-        cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
-        col_ok = cols < vocab
-        z = _scaled_logits(h_ptr, w_ptr, rows, cols, row_ok, col_ok, hdim, inv_t,
-                           BLOCK_N, BLOCK_V, BLOCK_H, UPCAST, PRECISION)
-        kept = _kept(bits_ptr, rows, cols, row_ok, col_ok, nbytes, HAS_SUPPORT)
-        z = tl.where(kept, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing kept yet
-        alpha = tl.exp(m - m_ref)
-        e = tl.exp(z - m_ref[:, None])
-        s = s * alpha + tl.sum(e, 1)
-        a = a * alpha + tl.sum(e * tl.where(kept, z, 0.0), 1)
-        # -inf when the target is outside the support: its logprob is then -inf, as it should be.
-        zy += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), 1)
-        m = m_new
-    out = stats_ptr + split * n_rows + rows
+    t0 = split * tiles_per_split
+    n_tiles = tl.minimum(t0 + tiles_per_split, tl.cdiv(vocab, BLOCK_V)) - t0
+    k_steps = tl.cdiv(hdim, BLOCK_H)
+    r = tl.arange(0, BLOCK_N)
+    c = tl.arange(0, BLOCK_V)
+    k = tl.arange(0, BLOCK_H)
+    a_base = h_ptr + row0.to(tl.int64) * hdim + (r[:, None] * hdim + k[None, :])
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    # One flat loop over (vocab tile, H step) so the compiler software-pipelines the loads across
+    # tile boundaries (a nested inner loop would drain the pipeline at every tile).
+    for it in range(0, n_tiles * k_steps):
+        col0 = (t0 + it // k_steps) * BLOCK_V
+        k0 = (it % k_steps) * BLOCK_H
+        k_ok = (k0 + k) < hdim
+        h_tile = tl.load(a_base + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_tile = tl.load(w_ptr + col0.to(tl.int64) * hdim + (c[:, None] * hdim + k[None, :]) + k0,
+                         mask=((col0 + c) < vocab)[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            h_tile = h_tile.to(tl.float32)
+            w_tile = w_tile.to(tl.float32)
+        acc = tl.dot(h_tile, tl.trans(w_tile), acc, input_precision=PRECISION)
+        if it % k_steps == k_steps - 1:  # tile complete: fold it into the running statistics
+            cols = col0 + c
+            kept = _kept(bits_ptr, row0, col0, n_rows, vocab, nbytes, BLOCK_N, BLOCK_V, HAS_SUPPORT)
+            z = tl.where(kept, acc * inv_t, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing kept yet
+            alpha = tl.exp(m - m_ref)
+            e = tl.exp(z - m_ref[:, None])
+            s = s * alpha + tl.sum(e, 1)
+            a = a * alpha + tl.sum(e * tl.where(kept, z, 0.0), 1)
+            # -inf when the target is outside the support: its logprob is then -inf, as it should be.
+            zy += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), 1)
+            m = m_new
+            acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    out = stats_ptr + split.to(tl.int64) * n_rows + rows
     stride = n_splits * n_rows
     tl.store(out, m, mask=row_ok)
     tl.store(out + stride, s, mask=row_ok)
@@ -109,14 +147,16 @@ def _grad_logits_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, lse_ptr, ez_ptr, glp_ptr,
     pid_n = first_n + (pid % per_group) % group_n
     pid_v = (pid % per_group) // group_n
 
-    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < n_rows
     local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     cols = v0 + local
     col_ok = local < v_chunk
-    z = _scaled_logits(h_ptr, w_ptr, rows, cols, row_ok, col_ok, hdim, inv_t,
+    col0 = v0 + pid_v * BLOCK_V
+    z = _scaled_logits(h_ptr, w_ptr, row0, col0, n_rows, v0 + v_chunk, hdim, inv_t,
                        BLOCK_N, BLOCK_V, BLOCK_H, UPCAST, PRECISION)
-    kept = _kept(bits_ptr, rows, cols, row_ok, col_ok, nbytes, HAS_SUPPORT)
+    kept = _kept(bits_ptr, row0, col0, n_rows, v0 + v_chunk, nbytes, BLOCK_N, BLOCK_V, HAS_SUPPORT)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     ez = tl.load(ez_ptr + rows, mask=row_ok, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
@@ -127,7 +167,7 @@ def _grad_logits_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, lse_ptr, ez_ptr, glp_ptr,
     dz = p * (g_ent[:, None] * (ez[:, None] - z) - g_lp[:, None])
     dz += tl.where(kept & (cols[None, :] == y[:, None]), g_lp[:, None], 0.0)
     dz = dz * inv_t
-    tl.store(dz_ptr + rows[:, None] * v_chunk + local[None, :], dz.to(dz_ptr.dtype.element_ty),
+    tl.store(dz_ptr + rows.to(tl.int64)[:, None] * v_chunk + local[None, :], dz.to(dz_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -219,7 +259,9 @@ class _TritonFn(torch.autograd.Function):
         bits = support_bits(support, start, rows) if support is not None else y
         g_lp = torch.where(targets >= 0, g_lp.float(), 0.0).contiguous()  # ignored targets: constant 0
         g_ent = g_ent.float().contiguous()
-        v_chunk = ctx.v_chunk or default_vocab_chunk(n, rows, h.element_size(), cfg.block_v)
+        # Whole tiles per chunk: the kernels read the support bitmask a byte (8 ids) at a time.
+        v_chunk = (triton.cdiv(ctx.v_chunk, cfg.block_v) * cfg.block_v if ctx.v_chunk
+                   else default_vocab_chunk(n, rows, h.element_size(), cfg.block_v))
         dz_buf = torch.empty(n * min(v_chunk, rows), dtype=h.dtype, device=h.device)
         dh = torch.zeros(n, hdim, dtype=torch.float32, device=h.device) if need_dh else None
         dw = torch.empty_like(weight) if need_dw else None
