@@ -2,8 +2,10 @@
 
 Nothing is fetched from a hub: `train_tokenizer(texts, vocab_size)` learns merges from the task
 corpus. Digits are split one per token before BPE (as Llama/Qwen do) so arithmetic sees aligned
-digits; everything else is merged, so decode -> encode of sampled ids can give different ids
-("hel" + "lo" -> "hello"): trainers must keep sampled ids as they are (token-in, token-out).
+digits, and brackets are single tokens too (a run of closers is emitted one bracket at a time
+instead of as one of hundreds of merged combinations). Everything else is merged, so decode ->
+encode of sampled ids can give different ids ("hel" + "lo" -> "hello"): trainers must keep
+sampled ids as they are (token-in, token-out).
 
 Chat layout (each piece encoded separately, so a rendered prompt is a prefix of the full chat):
 
@@ -29,9 +31,10 @@ FILE = "tokenizer.json"
 
 
 def _pipeline_parts():
-    from tokenizers import decoders, pre_tokenizers
+    from tokenizers import Regex, decoders, pre_tokenizers
 
     pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"[\[\]{}()]"), behavior="isolated"),
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])

@@ -91,3 +91,14 @@ def test_sft_outputs_and_preempted_run_resumes_bit_identically(tmp_path, tasks_d
     assert sha256_file(ckpts / "final" / "model.safetensors") == sha256_file(out / "checkpoints" / "final" / "model.safetensors")
     resumed_history = [json.loads(line) for line in (resumed.out_dir / "metrics_history.jsonl").read_text().splitlines()]
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in history]
+
+
+def test_config_validation_names_the_key():
+    from pipeline.errors import UserError
+
+    base = OmegaConf.structured(sft.Config)
+    sft.validate(base, "stages.sft")
+    for change, key in [({"model": "gpt-9"}, "stages.sft.model"), ({"backend": "jax"}, "stages.sft.backend"),
+                        ({"batch_rows": 6, "micro_batches": 4}, "stages.sft.batch_rows")]:
+        with pytest.raises(UserError, match=key.replace(".", r"\.")):
+            sft.validate(OmegaConf.merge(base, change), "stages.sft")

@@ -18,15 +18,16 @@ def test_training_is_deterministic(tok):
     assert train_tokenizer(CORPUS, vocab_size=320).fingerprint() == tok.fingerprint()
 
 
-def test_digits_are_single_tokens(tok):
+def test_digits_and_brackets_are_single_tokens(tok):
     ids = tok.encode("12345")
     assert len(ids) == 5 and tok.decode(ids) == "12345"
+    assert len(tok.encode("]}]]")) == 4
 
 
 def test_decode_then_encode_can_change_ids(tok):
     """Sampled ids need not be the canonical encoding of their text: 'hel'+'lo' -> 'hello'."""
     changed = []
-    for text in ["hello", "]}", '"a"', "world"]:
+    for text in ["hello", '"a"', "world", '":']:
         merged = tok.encode(text)
         pieces = [i for ch in text for i in tok.encode(ch)]  # a legal sampled sequence for the same text
         assert tok.decode(pieces) == text
