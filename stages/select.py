@@ -70,6 +70,7 @@ def load_band(stage_dir) -> list:
 
 def run(ctx) -> dict:
     import json
+
     import pyarrow.parquet as pq
 
     from pipeline.fsio import atomic_write_json

@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages.agent import FIELDS, STATUSES, Trajectory, allocate, header, pack, unpack
+from stages.agent import (FIELDS, STATUSES, Budget, CalculatorEnv, EpisodeJob, Trajectory, allocate, calculate, header,
+                          make_env, pack, run_episodes, teacher_messages, unpack)
+from stages.agent.envs import CalcError, tool_message_ids
 
 
 @st.composite
@@ -76,11 +78,6 @@ def test_trajectory_rejects_bad_shapes_and_status():
 
 
 # ---------------------------------------------------------------- a tiny real world: tasks, BPE, MoE model
-
-from stages.agent import (Budget, CalculatorEnv, EpisodeJob, SingleTurnEnv, calculate, make_env, run_episodes,
-                          teacher_messages)
-from stages.agent.envs import CalcError, tool_message_ids
-
 
 def tiny_tasks(count: int = 40, seed: int = 0):
     from stages.taskgen import generate_domain
