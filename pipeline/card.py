@@ -132,10 +132,14 @@ def _recipe(f: Facts) -> list[str]:
 def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[str], list[dict]]:
     lines, limits, index = [], [], []
     for node in f.nodes("evaluate"):
-        results = read_json(f.stage_dir(node.name) / "results.json") if f.done(node.name) else None
-        if results is None:
+        if not f.done(node.name):
             status = f.run.state()["stages"].get(node.name, {}).get("status", "not run")
             limits.append(f"Evaluation `{node.name}` did not complete ({status}); it reports nothing.")
+            continue
+        results = read_json(f.stage_dir(node.name) / "results.json")
+        if results is None:
+            lines += [f"**{node.name}**: results.json {NR}.", ""]
+            limits.append(f"Evaluation `{node.name}`: its results are {NR}.")
             continue
         # the evaluate stage's first checkpoint is its baseline (results.json keys are sorted on disk)
         refs = [str(r) for r in node.config.get("checkpoints") or [] if str(r) in results["checkpoints"]]
@@ -314,3 +318,22 @@ def cmd_card(args) -> int:
     else:
         print(text, end="")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from .errors import UserError
+
+    parser = argparse.ArgumentParser(prog="snowcat card", description="Write a run's provenance card (Markdown).")
+    add_card_arguments(parser)
+    try:
+        return cmd_card(parser.parse_args(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

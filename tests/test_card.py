@@ -1,0 +1,58 @@
+"""The provenance card of a real run holds the recorded hashes; a fact that is missing is said to be."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.fsio import sha256_file
+from tinyrun import module, shared_run
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return shared_run(tmp_path_factory)
+
+
+def _front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_card_holds_the_recorded_facts(run_dir):
+    card = (run_dir / "stages" / "card" / "card.md").read_text()
+    meta = _front_matter(card)
+    tasks = json.loads((run_dir / "stages" / "tasks" / "manifest.json").read_text())["files"]
+    init = run_dir / "stages" / "sft" / "checkpoints" / "initial"
+    export = json.loads((run_dir / "stages" / "export" / "export.json").read_text())
+    prov = json.loads((run_dir / "provenance" / "sft.json").read_text())
+    assert meta["library_name"] == "transformers" and meta["snowcat"]["run_id"] == "run"
+    assert meta["snowcat"]["initializer_manifest_sha256"] == sha256_file(init / "manifest.json")
+    assert meta["snowcat"]["model_manifest_sha256"] == export["model_manifest_sha256"]
+    assert meta["snowcat"]["config_sha256"] == sha256_file(run_dir / "config.yaml")
+    for fact in (tasks["train.parquet"]["sha256"], tasks["val.parquet"]["sha256"], sha256_file(init / "manifest.json"),
+                 export["source"]["manifest_sha256"], prov["code"]["patch_sha256"], "`train.parquet`"):
+        assert fact in card
+    assert "| all | pass@1 |" in card and "sft:initial (initializer)" in card and "sft:final (exported)" in card
+    assert "no retention ledger; what intermediate checkpoints were deleted is not recorded" in card
+    assert f"snowcat reproduce {run_dir}" in card
+
+
+def test_missing_facts_are_reported_as_missing(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "provenance")
+    (copy / "stages" / "eval" / "results.json").unlink()
+    (copy / "stages" / "sft" / "checkpoints" / "initial" / "meta.json").unlink()
+    proc = module("card", copy, "-o", tmp_path / "card.md")
+    assert proc.returncode == 0, proc.stderr
+    card = (tmp_path / "card.md").read_text()
+    assert "Software: not recorded (no provenance records)" in card
+    assert "results.json not recorded" in card and "its results are not recorded" in card
+    assert "seed not recorded" in card
+    assert _front_matter(card)["snowcat"]["code_revision"] is None
+    assert "model-index" not in _front_matter(card)

@@ -1,0 +1,93 @@
+"""Export: a real tiny run's export loads offline in transformers and matches the trainer; a planted
+conversion bug is caught by the stage; the checkpoint choice follows the retention ledger."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pipeline.context import StageContext
+from pipeline.errors import UserError
+from pipeline.fsio import verify_manifest
+from pipeline.retention import Retention, RetentionPolicy
+from stages import export
+from tinyrun import shared_run
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return shared_run(tmp_path_factory)
+
+
+def test_export_loads_offline_and_matches_the_trainer(run_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.model import load_model_dir
+
+    out = run_dir / "stages" / "export"
+    model_dir = out / "model"
+    record = json.loads((out / "export.json").read_text())
+    eq = record["equivalence"]
+    assert record["source"]["ref"] == "sft:final" and "no retention ledger" in record["source"]["reason"]
+    assert eq["logits_match"] and eq["greedy_match"] and eq["chat_template_match"]
+    assert eq["max_abs_dlogit"] <= eq["tolerance"] and eq["transformers_architecture"] == "Qwen3MoeForCausalLM"
+    assert verify_manifest(model_dir) == []
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in model_dir.iterdir()}
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+
+    # independently of the stage: offline, from local files only, same logits as the trainer's model
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    ours, _, our_tok = load_model_dir(run_dir / "stages" / "sft" / "checkpoints" / "final")
+    ours.eval()
+    ids = export.probe_batch(ours.config.vocab_size, 3, 20, seed=123)
+    with torch.no_grad():
+        delta = (hf(input_ids=ids).logits - ours.logits(ours(ids).hidden)).abs().max().item()
+    assert delta <= 1e-4
+    msgs = [{"role": "user", "content": "12 + 30 ="}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert list(ids) == our_tok.render_prompt(msgs)
+
+
+def test_a_corrupted_conversion_fails_the_stage(run_dir, tmp_path):
+    cfg = OmegaConf.structured(export.Config(probe_rows=2, probe_len=12, max_new_tokens=4, debug_corrupt="transpose_q"))
+    ctx = StageContext(name="export", kind="export", config=cfg, run_config=None, run_dir=run_dir, out_dir=tmp_path / "out",
+                       inputs={"sft": run_dir / "stages" / "sft"}, seed=5)
+    with pytest.raises(RuntimeError, match="inference-equivalence check failed"):
+        export.run(ctx)
+    eq = json.loads((tmp_path / "out" / "export.json").read_text())["equivalence"]
+    assert not eq["logits_match"] and eq["max_abs_dlogit"] > eq["tolerance"]
+
+
+def test_default_choice_is_the_best_retained_checkpoint(tmp_path):
+    ckpts = tmp_path / "rl" / "checkpoints"
+    ret = Retention(ckpts, RetentionPolicy(metric="eval/pass@1", keep_best=1, keep_last=1), name="step_{step:06d}")
+    for step, value in [(1, 0.2), (2, 0.5), (3, 0.3), (4, 0.1)]:
+        (ckpts / f"step_{step:06d}").mkdir(parents=True)
+        ret.register(step, {"eval/pass@1": value})
+    (ckpts / "final").mkdir()
+    path, choice = export.choose_checkpoint({"rl": tmp_path / "rl", "tasks": tmp_path / "tasks"})
+    assert path == ckpts / "step_000002" and choice["step"] == 2 and "best retained" in choice["reason"]
+
+    # the best is deleted by hand (not by retention): the best *live* one is exported and the loss is said
+    ledger = json.loads((ckpts / "retention.json").read_text())
+    ledger["checkpoints"]["2"]["deleted"] = True
+    (ckpts / "retention.json").write_text(json.dumps(ledger))
+    path, choice = export.choose_checkpoint({"rl": tmp_path / "rl"})
+    assert path.name == "step_000004" and "historical best (0.5 at step 2)" in choice["reason"]
+
+
+def test_converter_refuses_what_qwen3_moe_cannot_express():
+    from stages.model import PRESETS
+
+    from stages.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["a b c 1 2 3"] * 3, 300)
+    with pytest.raises(UserError, match="shared expert"):
+        export.hf_config(PRESETS["test-micro"], tok, "float32")

@@ -1,0 +1,104 @@
+"""One small real run (tasks → tiny SFT → evaluate → export → card → scan) through the CLI, built once
+per test session and shared by the export, audit, card and scan tests (they copy it before changing it).
+
+It is started with credentials planted in its environment, so the scan test can check that none of
+them reaches any file of the run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from filelock import FileLock
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Built at run time so this source file never holds a credential-shaped literal.
+PLANTED = {
+    "HF_TOKEN": "hf_" + "planted123" + "Q7xZ" * 6,
+    "DAYTONA_API_KEY": "dtn_" + "planted" + "k4Rw9" * 5,
+}
+
+TINY = """\
+name: tiny
+seed: 7
+description: tasks, tiny SFT, evaluate, export, card, scan (test run)
+executor: {kind: local, max_parallel: 1}
+stages:
+  tasks:
+    kind: tasks
+    domains:
+      closure: {count: 60, val_count: 12, difficulties: [1, 2]}
+      arith: {count: 60, val_count: 12, difficulties: [2]}
+  sft:
+    kind: sft
+    needs: [tasks]
+    model: demo-tiny
+    tokenizer_vocab_size: 320
+    seq_len: 64
+    batch_rows: 4
+    steps: 20
+    warmup_steps: 2
+    save_every: 10
+    threads: 1
+    eval_tasks: 4
+    eval_max_new_tokens: 8
+"""
+
+FULL = TINY + """\
+  eval:
+    kind: evaluate
+    needs: [tasks, sft]
+    checkpoints: ["sft:initial", "sft:final"]
+    limit: 8
+    attempts: 2
+    pass_k: [1, 2]
+    max_tokens: 8
+    bootstrap_samples: 100
+  export:
+    kind: export
+    needs: [sft]
+    probe_rows: 2
+    probe_len: 16
+    max_new_tokens: 8
+  card:
+    kind: card
+    needs: [tasks, sft, eval, export]
+  scan:
+    kind: scan
+    needs: [tasks, sft, eval, export, card]
+"""
+
+
+def snowcat(*args, cwd: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def module(name: str, *args, cwd: Path = REPO, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python -m pipeline.<name> ARGS` (the same functions `snowcat <name>` calls)."""
+    return subprocess.run([sys.executable, "-m", f"pipeline.{name}", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def make_run(root: Path, config: str, name: str = "run", env: dict | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{name}.yaml").write_text(config)
+    proc = snowcat("run", root / f"{name}.yaml", "--run-dir", root / name, cwd=root, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"snowcat run exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return root / name
+
+
+def shared_run(tmp_path_factory) -> Path:
+    """The full tiny run, made once per session (with PLANTED credentials in its environment)."""
+    root = tmp_path_factory.getbasetemp() / "tiny-full"
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root) + ".lock"):
+        run = root / "run"
+        if not (run / "stages" / "scan" / "DONE").is_file():
+            make_run(root, FULL, env=PLANTED)
+    return run
