@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -75,8 +76,12 @@ def pinned_source(run: RunDir, code: dict, where: Path) -> tuple[Path, str]:
         return root, "this source tree equals the recorded revision + patch"
     tree = where / f".code-{code['revision'][:12]}-{code['patch_sha256'][:12]}"
     patch = run.path / code["patch"]
-    if (tree / ".snowcat-code-ready").is_file():
+    ready = tree.with_name(tree.name + ".ready")  # outside the tree: an untracked file would change its patch
+    if ready.is_file() and tree.is_dir():
         return tree, f"worktree {tree} (recorded revision + patch, made earlier)"
+    if tree.exists():  # left by an interrupted earlier attempt
+        _git(root, "worktree", "remove", "--force", str(tree))
+        shutil.rmtree(tree, ignore_errors=True)
     if not patch.is_file() or sha256_file(patch) != code["patch_sha256"]:
         raise UserError(f"{patch}: the recorded patch is missing or altered; cannot restore the run's code")
     if _git(root, "cat-file", "-e", f"{code['revision']}^{{commit}}").returncode != 0:
@@ -92,7 +97,7 @@ def pinned_source(run: RunDir, code: dict, where: Path) -> tuple[Path, str]:
             last = (proc.stderr.strip().splitlines() or ["?"])[-1]
             raise UserError(f"{patch}: this tree differs from the recorded revision {code['revision'][:12]} + patch, and the "
                             f"patch does not apply to that revision ({last})")
-    (tree / ".snowcat-code-ready").write_text(code["revision"] + "\n")
+    ready.write_text(code["revision"] + "\n")
     return tree, f"worktree {tree} of revision {code['revision'][:12]} with the recorded patch applied"
 
 
@@ -221,6 +226,7 @@ def cmd_reproduce(args) -> int:
         return 1
     if root != source_root() and all(new.is_done(u) for u in _units(new)):  # the worktree served its purpose
         _git(source_root(), "worktree", "remove", "--force", str(root))
+        root.with_name(root.name + ".ready").unlink(missing_ok=True)
     report = compare_runs(orig, new) | {"code": how, "returncode": proc.returncode}
     if args.json:
         print(json.dumps(report, indent=2))
