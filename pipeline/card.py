@@ -298,7 +298,9 @@ def build_card(run: RunDir) -> str:
         f"{' --site ' + origin['site'] if origin.get('site') else ''}`", "",
         "## Software and containers", "", *soft_lines, "",
     ]
-    return "\n".join(parts)
+    from .scrub import scrub_text
+
+    return scrub_text("\n".join(parts))  # e.g. an override holding a token must not reach a published card
 
 
 # --- CLI ------------------------------------------------------------------------------------------

@@ -64,6 +64,9 @@ def validate(section, key: str) -> None:
         raise UserError(f"{key}.debug_corrupt: {section.debug_corrupt!r} is not one of {', '.join(map(repr, CORRUPTIONS))}")
     if section.checkpoint and ":" not in section.checkpoint:
         raise UserError(f"{key}.checkpoint: {section.checkpoint!r} is not '<stage>:<name>' (e.g. 'sft:final')")
+    needs = list(getattr(section, "needs", None) or [])
+    if section.checkpoint and needs and section.checkpoint.partition(":")[0] not in needs:
+        raise UserError(f"{key}.needs: add {section.checkpoint.partition(':')[0]!r} (named in {key}.checkpoint)")
     if section.probe_rows < 1 or section.probe_len < 2 or section.max_new_tokens < 1 or not section.probe_prompts:
         raise UserError(f"{key}: probe_rows >= 1, probe_len >= 2, max_new_tokens >= 1 and probe_prompts are required")
     if section.tolerance <= 0:

@@ -91,3 +91,15 @@ def test_converter_refuses_what_qwen3_moe_cannot_express():
     tok = train_tokenizer(["a b c 1 2 3"] * 3, 300)
     with pytest.raises(UserError, match="shared expert"):
         export.hf_config(PRESETS["test-micro"], tok, "float32")
+
+
+def test_config_errors_name_the_key(tmp_path):
+    from pipeline import config as config_mod
+
+    path = tmp_path / "c.yaml"
+    path.write_text("stages:\n  sft: {kind: sft}\n  export: {kind: export, needs: [sft], checkpoint: 'rl:best'}\n")
+    with pytest.raises(UserError, match=r"stages\.export\.needs: add 'rl'"):
+        config_mod.load(path)
+    path.write_text("stages:\n  export: {kind: export, debug_corrupt: flip}\n")
+    with pytest.raises(UserError, match=r"stages\.export\.debug_corrupt: 'flip' is not one of"):
+        config_mod.load(path)
