@@ -185,6 +185,10 @@ class TileConfig:
     target_programs: int = 528  # forward: at least ~4 programs per H200 SM (132) ...
     min_splits: int = 8  # ... and at least 8 vocabulary splits per token block (see the kernel)
 
+    def launch_options(self) -> dict:
+        # FMA contraction stated explicitly: Triton 3.10 changes its default (and 3.9 warns).
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, "enable_fp_fusion": True}
+
 
 def tile_config(dtype: torch.dtype) -> TileConfig:
     if INTERPRETED:  # every program is numpy on one CPU core: smallest legal tiles
@@ -239,7 +243,7 @@ class _TritonFn(torch.autograd.Function):
             h, weight, y, bits, stats, n, rows, hdim, bits.shape[-1] if support is not None else 0,
             inv_t, per_split, HAS_SUPPORT=support is not None, BLOCK_N=cfg.block_n,
             BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, UPCAST=INTERPRETED and h.dtype == torch.bfloat16,
-            PRECISION=_precision(h.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            PRECISION=_precision(h.dtype), **cfg.launch_options())
         m, s, a, zy = stats
         m_top = m.max(0).values
         scale = torch.exp(m - torch.where(torch.isfinite(m_top), m_top, 0.0))
@@ -275,7 +279,7 @@ class _TritonFn(torch.autograd.Function):
                 HAS_SUPPORT=support is not None, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
                 BLOCK_H=cfg.block_h, GROUP_N=cfg.group_n,
                 UPCAST=INTERPRETED and h.dtype == torch.bfloat16, PRECISION=_precision(h.dtype),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                **cfg.launch_options())
             if need_dw:
                 torch.mm(dz.T, h, out=dw[v0:v0 + vc])  # whole reduction over tokens in one GEMM
             if need_dh:

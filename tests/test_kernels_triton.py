@@ -28,7 +28,7 @@ def test_under_interpreter():
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "not test_under_interpreter"],
+                           "-k", "not test_under_interpreter and not compile_for_gpus"],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
@@ -103,6 +103,21 @@ def test_support_bits_match_bool_mask(triton_fused):
         bits = triton_fused.support_bits(support, start, rows)
         unpacked = ((bits[:, :, None].int() >> torch.arange(8)) & 1).flatten(1)[:, :rows].bool()
         assert torch.equal(unpacked, support_mask(support, start, rows))
+
+
+@pytest.mark.skipif(INTERPRETING, reason="compiles the real kernels (no GPU needed)")
+@pytest.mark.parametrize("arch,shared_limit", [(80, 163 << 10), (90, 227 << 10)])  # A100; H100/H200/GH200
+def test_kernels_compile_for_gpus_pipelined_without_spills(arch, shared_limit):
+    from kernels.compile_check import compile_kernels
+    from kernels.triton_fused import tile_config
+
+    cfg = tile_config(torch.bfloat16)
+    one_stage = (cfg.block_n + cfg.block_v) * cfg.block_h * 2  # an h tile and a W tile, bf16
+    reports = compile_kernels(arch, torch.bfloat16)
+    assert {(r.kernel, r.support) for r in reports} == {(k, s) for k in ("forward", "backward") for s in (False, True)}
+    for r in reports:
+        assert r.spill_bytes == 0, r
+        assert 2 * one_stage <= r.shared_bytes <= shared_limit, r  # loads software-pipelined, fits the SM
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="two gloo ranks on CPU tensors: interpreter only")
