@@ -48,7 +48,8 @@ def _truncate_history(path: Path) -> None:
 
 
 CASES = {
-    "tampered export byte": ("stages/export/model/model.safetensors", _flip_byte),
+    "tampered export byte": ("stages/export/model/model-00002-of-00004.safetensors", _flip_byte),
+    "deleted export shard": ("stages/export/model/model-00001-of-00004.safetensors", Path.unlink),
     "tampered task file byte": ("stages/tasks/val.parquet", _flip_byte),
     "deleted checkpoint shard": ("stages/sft/checkpoints/final/model.safetensors", Path.unlink),
     "truncated metrics history": ("stages/sft/metrics_history.jsonl", _truncate_history),

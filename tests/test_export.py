@@ -36,7 +36,9 @@ def test_export_loads_offline_and_matches_the_trainer(run_dir, monkeypatch):
     assert eq["logits_match"] and eq["greedy_match"] and eq["chat_template_match"]
     assert eq["max_abs_dlogit"] <= eq["tolerance"] and eq["transformers_architecture"] == "Qwen3MoeForCausalLM"
     assert verify_manifest(model_dir) == []
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in model_dir.iterdir()}
+    names = {p.name for p in model_dir.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"} <= names
+    assert len([n for n in names if n.endswith(".safetensors")]) == 4  # max_shard_mb: 2 of ~7 MB
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
 
     # independently of the stage: offline, from local files only, same logits as the trainer's model

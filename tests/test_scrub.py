@@ -136,3 +136,11 @@ def test_scan_tree_high_entropy_opt_in(tmp_path):
     (tmp_path / "a.txt").write_text("api said Zx8Qv2LmN4pR7sT1uW3yA5cE6gH9jK0bD\n")
     assert scan_tree(tmp_path, known_secrets={}) == []
     assert scan_tree(tmp_path, known_secrets={}, high_entropy=True) == [Finding(tmp_path / "a.txt", 1, "high_entropy")]
+
+
+def test_url_password_needs_printable_user_and_password(tmp_path):
+    # Weight files are random bytes: "://", ":" and "@" with binary between them is not a credential.
+    (tmp_path / "weights.bin").write_bytes(b"\x00\x13://\x8f\x02\xfe:\x91\x07@\x00" * 3)
+    assert scan_tree(tmp_path, known_secrets={}) == []
+    (tmp_path / "weights.bin").write_bytes(b"\x00\x13https://ci:tok-en_1.2~x@host\x00")
+    assert [f.kind for f in scan_tree(tmp_path, known_secrets={})] == ["url_password"]

@@ -61,6 +61,7 @@ FULL = TINY + """\
   export:
     kind: export
     needs: [sft]
+    max_shard_mb: 2  # several shards + index, as real exports have
     probe_rows: 2
     probe_len: 16
     max_new_tokens: 8
