@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 RETRY_PROMPT = "That is not right. Try again."
@@ -41,6 +41,7 @@ class Config:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     relay_fraction: float = 0.2
+    domain_repeats: dict[str, int] = field(default_factory=dict)  # e.g. {arith: 3}: that domain's demos x3 per epoch
     backend: str = "torch"  # torch | deepspeed
     zero_stage: int = 1
     save_every: int = 200  # resumable checkpoint period in steps (0 = only at the end / on preemption)
@@ -64,8 +65,11 @@ def validate(section, key: str) -> None:
         raise UserError(f"{key}.schedule: {section.schedule!r} is not one of cosine, linear, constant")
     if section.micro_batches < 1 or section.batch_rows % section.micro_batches:
         raise UserError(f"{key}.batch_rows: {section.batch_rows} must be a multiple of micro_batches={section.micro_batches}")
-    if section.zero_stage not in (0, 1, 2, 3):
-        raise UserError(f"{key}.zero_stage: must be 0-3, got {section.zero_stage}")
+    if section.zero_stage not in (0, 1, 2):
+        raise UserError(f"{key}.zero_stage: must be 0-2 (ZeRO-3 is not supported yet), got {section.zero_stage}")
+    for dom, n in section.domain_repeats.items():
+        if int(n) < 0:
+            raise UserError(f"{key}.domain_repeats.{dom}: must be >= 0, got {n}")
     if not 0.0 <= section.relay_fraction <= 1.0:
         raise UserError(f"{key}.relay_fraction: must be in [0, 1], got {section.relay_fraction}")
 
@@ -241,7 +245,7 @@ def run(ctx) -> dict:
     examples = []
     for msgs, dom in build_conversations(train_tasks, cfg.relay_fraction, ctx.seed):
         ids, mask = tok.encode_chat(msgs)
-        examples.append(Example(ids, mask, dom_index[dom]))
+        examples += [Example(ids, mask, dom_index[dom])] * int(cfg.domain_repeats.get(dom, 1))
     loader = PackedLoader(examples, cfg.seq_len, tok.pad_id, cfg.batch_rows, ctx.seed, cfg.micro_batches, rank, world_size)
     optim = OptimConfig(lr=cfg.lr, min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
                         schedule=cfg.schedule, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)

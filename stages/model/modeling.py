@@ -29,6 +29,8 @@ class ModelOutput:
     aux_loss: torch.Tensor  # load-balancing loss, mean over MoE layers (unscaled by its coefficient)
     z_loss: torch.Tensor  # router z loss, mean over MoE layers (unscaled)
     router_stats: dict = field(default_factory=dict)
+    logprobs: torch.Tensor | None = None  # [B, T] fp32, when forward got `targets`
+    entropy: torch.Tensor | None = None  # [B, T] fp32, when forward got `targets`
 
 
 class RMSNorm(nn.Module):
@@ -230,7 +232,12 @@ class MoEForCausalLM(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, input_ids, position_ids=None, segment_ids=None, kv_cache: KVCache | None = None) -> ModelOutput:
+    def forward(self, input_ids, position_ids=None, segment_ids=None, kv_cache: KVCache | None = None,
+                targets: torch.Tensor | None = None, temperature: float = 1.0) -> ModelOutput:
+        """With `targets` [B, T] (next-token ids, -1 = none) the output also carries the per-token
+        logprob/entropy from `kernels.linear_logprob_entropy` (no [B*T, V] logits kept). It runs
+        inside forward so that wrappers which gather parameters around forward (ZeRO-3) see the
+        LM head used."""
         B, T = input_ids.shape
         device = input_ids.device
         mask, cache_slots, span = None, None, None
@@ -284,7 +291,15 @@ class MoEForCausalLM(nn.Module):
                 "aux_loss": aux_loss.detach(),
                 "z_loss": z_loss.detach(),
             }
-        return ModelOutput(hidden=hidden, aux_loss=aux_loss, z_loss=z_loss, router_stats=stats)
+        out = ModelOutput(hidden=hidden, aux_loss=aux_loss, z_loss=z_loss, router_stats=stats)
+        if targets is not None:
+            from kernels import linear_logprob_entropy
+
+            H = hidden.shape[-1]
+            logp, ent = linear_logprob_entropy(hidden.reshape(B * T, H), self.lm_head.weight.to(hidden.dtype),
+                                               targets.reshape(-1), temperature=temperature)
+            out.logprobs, out.entropy = logp.view(B, T), ent.view(B, T)
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits for small (generation) batches; training uses the fused kernel."""

@@ -5,7 +5,7 @@
     backend.save_state(dir) / backend.load_state(dir)     # optimizer + schedule + step (collective)
 
 `torch`: single process, or DDP when a process group is initialised (gloo on CPU, NCCL on GPU).
-`deepspeed`: ZeRO stage 1-3 over the same process group (gloo on CPU works with deepspeed 0.19).
+`deepspeed`: ZeRO stage 1-2 over the same process group (gloo on CPU works with deepspeed 0.19).
 Both normalise the loss by the step's total target-token count across micro-batches and ranks, so
 the update does not depend on how a step is split into micro-batches or ranks.
 Mixed precision: bf16 autocast on GPU, plain fp32 on CPU (deterministic there).
@@ -127,7 +127,7 @@ class TorchBackend:
 
 
 class DeepSpeedBackend(TorchBackend):
-    """ZeRO 1-3 via deepspeed.initialize with our AdamW + LambdaLR as client optimizer/scheduler."""
+    """ZeRO 1-2 via deepspeed.initialize with our AdamW + LambdaLR as client optimizer/scheduler."""
 
     name = "deepspeed"
 
@@ -198,6 +198,12 @@ def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1):
     if name == "torch":
         return TorchBackend(model, cfg)
     if name == "deepspeed":
+        if zero_stage not in (0, 1, 2):
+            from pipeline.errors import UserError
+
+            # ZeRO-3 partitions the LM head, which the fused logprob kernel reads outside
+            # lm_head.forward; gathering it there is not done yet (a trial run deadlocked).
+            raise UserError(f"deepspeed zero_stage={zero_stage}: only stages 0-2 are supported")
         return DeepSpeedBackend(model, cfg, zero_stage=zero_stage)
     from pipeline.errors import UserError
 

@@ -13,15 +13,9 @@ import torch
 
 def token_logprobs(model, batch: dict, temperature: float = 1.0):
     """(logprob [B, T], entropy [B, T], model output); positions with target -1 give logprob 0."""
-    from kernels import linear_logprob_entropy
-
-    out = model(batch["input_ids"], position_ids=batch.get("position_ids"), segment_ids=batch.get("segment_ids"))
-    B, T, H = out.hidden.shape
-    head = _unwrap(model).lm_head.weight
-    logp, ent = linear_logprob_entropy(
-        out.hidden.reshape(B * T, H), head.to(out.hidden.dtype), batch["targets"].reshape(-1), temperature=temperature
-    )
-    return logp.view(B, T), ent.view(B, T), out
+    out = model(batch["input_ids"], position_ids=batch.get("position_ids"), segment_ids=batch.get("segment_ids"),
+                targets=batch["targets"], temperature=temperature)
+    return out.logprobs, out.entropy, out
 
 
 def _unwrap(model):
