@@ -33,6 +33,7 @@ class Config:
     domains: list[str] = field(default_factory=list)  # restrict training tasks to these domains (empty = all)
     env: str = "single"  # stages.agent environment: single | calculator
     verifier: str = "stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
+    reward: str = "pass"  # pass: 1 if the verifier passes, else 0 | score: its partial credit
     tasks_per_update: int = 16
     attempts: int = 8  # group size
     updates: int = 40
@@ -76,6 +77,8 @@ def validate(section, key: str) -> None:
         raise UserError(f"{key}.estimator: {section.estimator!r} is not one of {', '.join(ESTIMATORS)}")
     if section.aggregation not in AGGREGATIONS:
         raise UserError(f"{key}.aggregation: {section.aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
+    if section.reward not in ("pass", "score"):
+        raise UserError(f"{key}.reward: {section.reward!r} is not pass or score")
     if section.transport not in ("auto", "mpi", "file"):
         raise UserError(f"{key}.transport: {section.transport!r} is not auto, mpi or file")
     for name in ("tasks_per_update", "attempts", "updates", "max_tokens", "max_turns"):

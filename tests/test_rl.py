@@ -81,7 +81,8 @@ def final_sha(run_dir: Path) -> str:
 
 def trained_rows(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "rl" / "metrics_history.jsonl").read_text().splitlines()]
-    keep = ("step", "reward/mean", "loss/pg_loss", "grad_norm", "mismatch/mean_abs_dlogp", "val/pass@1")
+    keep = ("step", "reward/mean", "loss/pg_loss", "grad_norm", "mismatch/mean_abs_dlogp", "staleness/mean_abs_dlogp",
+            "val/pass@1")
     return [{k: r[k] for k in keep if k in r} for r in rows]
 
 
@@ -103,16 +104,22 @@ def test_run_writes_loadable_checkpoints_and_metrics(baseline):
         assert tok is not None
     assert (out / "checkpoints" / "best").read_text().strip().startswith("step_")
     rows = [json.loads(line) for line in (out / "metrics_history.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(0, 7))  # row 0: the init's held-out score
+    assert "val/pass@1" in rows[0]
+    rows = rows[1:]
     for key in ("reward/mean", "pass_rate", "entropy", "length/response_mean", "turns/mean", "status/ok",
                 "mismatch/mean_abs_dlogp", "mismatch/ratio_p50", "throughput/sampled_tokens_per_s", "policy_lag/mean"):
         assert all(key in r for r in rows), key
     assert all(r["policy_lag/mean"] == (0 if r["step"] == 1 else 1) for r in rows)  # batch k from step k-1
     assert {r["step"] for r in rows if "val/pass@1" in r} == {3, 6}
     assert any(r["loss/pg_loss"] != 0 for r in rows)  # the test reward gives real advantages
+    # engine vs trainer under the same (behaviour) weights, both fp32 on CPU: agree to rounding;
+    # the weights did move between versions, which the staleness metric sees
+    assert all(r["mismatch/max_abs_dlogp"] < 1e-3 for r in rows)
+    assert any(r["staleness/mean_abs_dlogp"] > 0 for r in rows[1:])
     h = History(baseline).read("rl")
-    assert list(h["step"]) == list(range(1, 7))
-    assert np.allclose(h["reward/mean"], [r["reward/mean"] for r in rows])
+    assert list(h["step"]) == list(range(0, 7))
+    assert np.allclose(h["reward/mean"][1:], [r["reward/mean"] for r in rows])
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["updates"] == 6 and "val/pass@1" in metrics
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 
 def load_verifier(spec: str):
     import importlib
@@ -15,11 +17,28 @@ def load_verifier(spec: str):
         raise UserError(f"rl.verifier={spec!r}: cannot import '<module>:<function>': {e}") from None
 
 
+def reward_verifier(spec: str, reward: str):
+    """The verifier, with its reward replaced by 1/0 for pass/fail when reward == "pass" (partial
+    credit can be earned by answers that never pass, e.g. a correct prefix of closers)."""
+    verify = load_verifier(spec)
+    if reward == "score":
+        return verify
+
+    def passed(task, text):
+        v = verify(task, text)
+        return dataclasses.replace(v, reward=float(v.passed))
+
+    return passed
+
+
 def generate_batch(engine, tok, tasks, cfg, params, seed: int, policy_version: int):
+    import torch
+
     from stages.agent import Budget, EpisodeJob, make_env, run_episodes
 
     env = make_env(cfg.env, tok)
     budget = Budget(max_context=cfg.max_total_tokens, max_turn_tokens=cfg.max_tokens, max_turns=cfg.max_turns)
     # group_id = position of the task in the batch: the attempts at one task form one group
     jobs = [EpisodeJob(task, group_id=g, attempt=a) for g, task in enumerate(tasks) for a in range(cfg.attempts)]
-    return run_episodes(engine, tok, jobs, env, params, budget, seed, policy_version, verifier=load_verifier(cfg.verifier))
+    with torch.no_grad():  # sampling needs no graph (and a kept graph grows memory every batch)
+        return run_episodes(engine, tok, jobs, env, params, budget, seed, policy_version, verifier=reward_verifier(cfg.verifier, cfg.reward))

@@ -89,6 +89,10 @@ def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 40
     return logp, ent, out
 
 
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
 def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=None):
     """loss_fn(model, batch, n_tokens, n_micro) for `stages.train` backends: the TIS policy loss
     (+ router losses); its stats include the engine-vs-trainer mismatch of this very batch."""
@@ -101,15 +105,20 @@ def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=N
         if loss_cfg.kl_coef:
             with torch.no_grad():
                 logp_ref, _, _ = sampled_logprobs(ref_model, batch, params)
-        # One update per batch: logp_old is the current policy itself (ratio 1); TIS weights it
-        # against the behaviour policy that actually sampled (staleness + numerics).
-        loss, stats = policy_loss(logp, logp.detach(), batch["rollout_logprobs"], batch["advantages"], mask, loss_cfg,
+        # logp_old: the trainer's recomputation under the behaviour weights (step k - lag), given
+        # by the caller when they differ from the current ones. exp(logp - logp_old) carries the
+        # staleness (PPO-clipped if configured); the TIS weight exp(logp_old - logp_rollout) only
+        # the engine-vs-trainer difference, which is what `mismatch` reports: same weights, two
+        # implementations.
+        logp_old = batch["logp_old"] if "logp_old" in batch else logp.detach()
+        loss, stats = policy_loss(logp, logp_old, batch["rollout_logprobs"], batch["advantages"], mask, loss_cfg,
                                   logp_ref=logp_ref, entropy=ent)
         loss = loss / num_micro + (cfg.router_aux_loss_coef * out.aux_loss + cfg.router_z_loss_coef * out.z_loss) / num_micro
-        mism = mismatch_stats(logp, batch["rollout_logprobs"], mask, loss_cfg.tis_cap)
+        mism = mismatch_stats(logp_old, batch["rollout_logprobs"], mask, loss_cfg.tis_cap)
         tokens = mask.sum()
         res = {f"loss/{k}": torch.tensor(float(v)) for k, v in stats.items()}
         res |= {f"mismatch/{k}": torch.tensor(float(v)) for k, v in mism.items()}
+        res["staleness/mean_abs_dlogp"] = _masked_mean((logp.detach() - logp_old).abs(), mask)
         res |= {"tokens": tokens.detach(), "entropy": ((ent * mask).sum() / tokens.clamp(min=1)).detach(),
                 "router": {k: v for k, v in out.router_stats.items() if k != "expert_load"},
                 "input_tokens": torch.tensor(float(batch["input_ids"].numel()))}
