@@ -86,7 +86,10 @@ def make_context(run: RunDir, node: StageNode, unit: Unit, cfg) -> StageContext:
 
 def _job_fields() -> dict:
     job = os.environ.get("SLURM_JOB_ID")
-    return {"host": os.uname().nodename, "pid": os.getpid()} | ({"slurm_job_id": job} if job else {})
+    fields = {"host": os.uname().nodename, "pid": os.getpid()}
+    if job:
+        fields |= {"slurm_job_id": job, "node": os.environ.get("SLURMD_NODENAME", fields["host"])}
+    return fields
 
 
 def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:

@@ -158,8 +158,9 @@ class SlurmExecutor(Executor):
         account = _site_get(self.site, "account")
         if account:
             options["account"] = account
-        if node.config.resume.strategy == "requeue":
-            options["requeue"] = True
+        # Requeue only what asks for it: otherwise a node failure ends the job (NODE_FAIL), the
+        # stage shows failed, and `snowcat resume` resubmits it.
+        options["requeue" if self.strategy(node) == "requeue" else "no-requeue"] = True
         return site_mod.filter_sbatch_options(self.site, options)
 
     def _setup(self, node: StageNode) -> list[str]:
@@ -189,6 +190,13 @@ class SlurmExecutor(Executor):
             return []
         plugin = site_mpi_plugin(self.site)
         return ([f"--mpi={plugin}"] if plugin else []) + ["--kill-on-bad-exit=1"]
+
+    def strategy(self, node: StageNode) -> str:
+        """The continuation strategy: `requeue` falls back to `chain` where the site disallows requeue."""
+        wanted = str(node.config.resume.strategy)
+        if wanted == "requeue" and not _site_get(self.site, "requeue_allowed", True):
+            return "chain"
+        return wanted
 
     def executor_for(self, node: StageNode, dependency: str | None) -> submitit.SlurmExecutor:
         folder = self.run.path / "slurm" / node.name
@@ -256,20 +264,25 @@ class SlurmExecutor(Executor):
             self.render(self.dag[name])
         state = self.run.state()["stages"]
         alive = self._alive_jobs()
-        deps: dict[str, list[str]] = {}  # stage -> job ids its dependents wait on
+        deps: dict[str, list[str]] = {}  # stage -> dependency terms its dependents wait on
+        resubmitted: set[str] = set()
         submitted = []
         for node in self.dag:
             if node.name not in stages:
                 continue
             record = state.get(node.name, {})
-            live = [j for j in record.get("job_ids", []) if any(k == j or k.startswith(f"{j}_") or k.startswith(f"{j}+") for k in alive)]
-            if live:  # still queued or running from an earlier submission: keep it
-                deps[node.name] = record.get("wait_on", live)
+            live = {k: row for k, row in alive.items() if parse_job_id(k)["job"] in record.get("job_ids", [])}
+            stale = any(n in resubmitted for n in node.needs) or any(
+                "DependencyNeverSatisfied" in row["reason"] for row in live.values())
+            if live and not stale:  # still queued or running from an earlier submission: keep it
+                deps[node.name] = record.get("wait_on") or [f"afterok:{j}" for j in record["job_ids"]]
                 continue
-            need_ids = [j for n in node.needs if n in deps for j in deps[n]]
-            dependency = ",".join(need_ids) if need_ids else None
-            ids, wait_on = self._submit(node, dependency)
+            if live:  # waits on jobs that were replaced or can never succeed: replace it too
+                subprocess.run(["scancel", *sorted({parse_job_id(k)["job"] for k in live})], check=False, capture_output=True)
+            need_terms = [t for n in node.needs if n in deps for t in deps[n]]
+            ids, wait_on = self._submit(node, ",".join(need_terms) or None)
             deps[node.name] = wait_on
+            resubmitted.add(node.name)
             submitted.append(f"{node.name}: {', '.join(ids)}")
         for line in submitted:
             print(f"submitted {line}", file=sys.stderr)
@@ -279,7 +292,7 @@ class SlurmExecutor(Executor):
     def _submit(self, node: StageNode, dependency: str | None) -> tuple[list[str], list[str]]:
         """Submit one stage; returns (job ids, dependency terms its dependents wait on)."""
         ex = self.executor_for(node, dependency)
-        job = StageJob(str(self.run.path), node.name, node.config.resume.strategy, int(node.config.resume.max_continuations))
+        job = StageJob(str(self.run.path), node.name, self.strategy(node), int(node.config.resume.max_continuations))
         pending = self.pending_units(node)
         try:
             if node.items is None:
@@ -293,7 +306,7 @@ class SlurmExecutor(Executor):
         ids = sorted({str(j.job_id).split("_")[0] for j in jobs})
         wait_on = [f"afterok:{i}" for i in ids]
         continuations = []
-        if node.config.resume.strategy == "chain":
+        if self.strategy(node) == "chain":
             previous = ids
             for _ in range(int(node.config.resume.max_continuations)):
                 cont = self.executor_for(node, ":".join(["afterany", *previous]))
@@ -363,7 +376,10 @@ class SlurmExecutor(Executor):
                 info = {"state": latest["state"], "reason": latest["reason"] if latest["reason"] not in ("None", "") else None,
                         "nodes": latest["nodelist"], "exit_code": latest["exitcode"], "partition": latest["partition"],
                         "account": latest["account"]}
-                if any(s in ALIVE for s in states):
+                if "DependencyNeverSatisfied" in (info["reason"] or ""):
+                    status = "failed"  # waits on an input that failed: it would pend forever
+                    info["reason"] = "an input stage failed (dependency never satisfied); snowcat resume resubmits"
+                elif any(s in ALIVE for s in states):
                     status = "running" if "RUNNING" in states else "submitted"
                 elif any(s in CANCELLED for s in states) and all(s in CANCELLED or s in ("TIMEOUT", "FAILED") for s in states):
                     status = "cancelled"

@@ -47,3 +47,6 @@ def snowcat(tmp_path: Path) -> Snowcat:
 def write_config(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+from tests.cluster_fixtures import sbatch, slurm_cluster, slurm_env  # noqa: E402,F401  (the local Slurm cluster)

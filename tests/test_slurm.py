@@ -1,0 +1,235 @@
+"""The Slurm executor against the live local cluster (`snowcat cluster up`): dependency chains,
+arrays, hetjobs in one MPI world, walltime continuation by requeue and by chained jobs, failures
+noticed promptly, resume, and rendering for every site profile."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import config, dag
+from pipeline.errors import UserError
+from pipeline.fsio import read_json, sha256_file
+from pipeline.rundir import RunDir
+from slurm.executor import SlurmExecutor
+from slurm.site import list_sites, load_site
+from tests.conftest import write_config
+
+TASKS = """
+name: {name}
+seed: 5
+stages:
+  tasks:
+    kind: tasks
+    resources: {{time_min: 5}}
+    domains:
+      closure: {{count: 120, val_count: 20, difficulties: [1, 2]}}
+      arith: {{count: 120, val_count: 20, difficulties: [2]}}
+  more:
+    kind: tasks
+    needs: [tasks]
+    resources: {{time_min: 5}}
+    fan_out: {{part: [a, b, c]}}
+    domains:
+      arith: {{count: 50, val_count: 5, difficulties: [3]}}
+"""
+
+HETJOB = """
+name: fabric
+stages:
+  fabric:
+    kind: mpi_check
+    require_roles_on_distinct_hosts: true
+    resources:
+      time_min: 5
+      components:
+        trainer: {nodes: 1, tasks_per_node: 1}
+        rollout: {nodes: 1, tasks_per_node: 2}
+"""
+
+pytestmark = pytest.mark.cluster
+
+# Big enough that the tasks stage runs for a while (seconds to minutes on 2 shared cores).
+SLOW_TASKS = ["stages.tasks.domains.closure.count=40000", "stages.tasks.domains.closure.val_count=50"]
+
+
+def wait_status(snowcat, run_dir: Path, want: set[str], timeout: float = 300, stage: str | None = None) -> dict:
+    deadline = time.monotonic() + timeout
+    status = {}
+    while time.monotonic() < deadline:
+        status = snowcat.status(run_dir)
+        states = {s["status"] for n, s in status["stages"].items() if stage in (None, n)}
+        if states <= want:
+            return status
+        time.sleep(2)
+    raise AssertionError(f"timed out waiting for {want}: {status}")
+
+
+def sacct_rows(env, ids: list[str]) -> list[list[str]]:
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", ",".join(ids), "-o", "JobID,JobName,State"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return [line.split("|") for line in out.splitlines() if line]
+
+
+def test_dag_is_submitted_at_once_with_afterok_chains(snowcat, slurm_env, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="chain"))
+    run_dir = tmp_path / "run"
+    proc = snowcat("run", cfg, "--executor", "slurm", "--site", "local", "--run-dir", run_dir, env=slurm_env)
+    assert proc.returncode == 0, proc.stderr
+    state = read_json(run_dir / "state.json")["stages"]
+    tasks_id, more_id = state["tasks"]["job_ids"][0], state["more"]["job_ids"][0]
+    # One job per stage, one array for the fan-out, the dependent waits on its input.
+    more_script = next((run_dir / "slurm" / "more").glob("*_submission.sh")).read_text()
+    assert f"#SBATCH --dependency=afterok:{tasks_id}" in more_script
+    assert "#SBATCH --array=0-2" in more_script
+    status = wait_status(snowcat, run_dir, {"done"})
+    assert status["stages"]["more"]["units"]["more[2]"]["status"] == "done"
+    deadline = time.monotonic() + 60  # DONE is written just before the job itself ends
+    while True:
+        rows = sacct_rows(slurm_env, [tasks_id, more_id])
+        if all(r[2] == "COMPLETED" for r in rows) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert {r[0] for r in rows} == {tasks_id, f"{more_id}_0", f"{more_id}_1", f"{more_id}_2"}
+    assert all(r[2] == "COMPLETED" for r in rows), rows
+    # Nothing left to do: resume submits nothing.
+    again = snowcat("resume", run_dir, env=slurm_env)
+    assert again.returncode == 0 and "all 2 stages done" in again.stderr
+
+
+def test_fan_out_of_200_is_one_array_in_one_sbatch(snowcat, slurm_env, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="wide"))
+    run_dir = tmp_path / "run"
+    # `tasks` runs for a while, so the array waits on it: only the submission is under test.
+    snowcat("run", cfg, *SLOW_TASKS, "stages.more.fan_out.part=[" + ",".join(map(str, range(200))) + "]",
+            "stages.more.max_parallel=8", "--executor", "slurm", "--site", "local", "--run-dir", run_dir,
+            env=slurm_env, check=True)
+    try:
+        state = read_json(run_dir / "state.json")["stages"]
+        assert len(state["more"]["job_ids"]) == 1
+        scripts = list((run_dir / "slurm" / "more").glob("*_submission.sh"))
+        assert len(scripts) == 1 and "#SBATCH --array=0-199%8" in scripts[0].read_text()
+        out = subprocess.run(["squeue", "-h", "-r", "-j", state["more"]["job_ids"][0], "-o", "%i"], env=slurm_env,
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert len(out) == 200
+    finally:
+        snowcat("cancel", run_dir, env=slurm_env, check=True)
+    assert snowcat.status(run_dir)["stages"]["more"]["status"] == "cancelled"
+
+
+def test_hetjob_components_share_one_mpi_world(snowcat, slurm_env, tmp_path):
+    cfg = write_config(tmp_path / "h.yaml", HETJOB)
+    run_dir = tmp_path / "run"
+    snowcat("run", cfg, "--executor", "slurm", "--site", "local", "--run-dir", run_dir, env=slurm_env, check=True)
+    script = next((run_dir / "slurm" / "fabric").glob("*_submission.sh")).read_text()
+    assert "#SBATCH hetjob" in script and "srun --mpi=pmix --het-group=0,1 --kill-on-bad-exit=1" in script
+    status = wait_status(snowcat, run_dir, {"done", "failed"})
+    assert status["stages"]["fabric"]["status"] == "done", status
+    world = read_json(run_dir / "stages" / "fabric" / "world.json")
+    assert [r["role"] for r in world["ranks"]] == ["trainer", "rollout", "rollout"]
+    assert set(world["role_hosts"]["trainer"]).isdisjoint(world["role_hosts"]["rollout"])
+    assert status["stages"]["fabric"]["metrics"]["bytes_exchanged"] > 0
+
+
+def _running_job(run_dir: Path, stage: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = read_json(run_dir / "state.json")["stages"].get(stage, {})
+        if record.get("status") == "running" and record.get("slurm_job_id"):
+            return record["slurm_job_id"]
+        time.sleep(0.5)
+    raise AssertionError(f"{stage} never started running")
+
+
+def test_scancel_of_running_stage_fails_promptly_and_resume_finishes(snowcat, slurm_env, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="scancel"))
+    run_dir = tmp_path / "run"
+    snowcat("run", cfg, *SLOW_TASKS, "--executor", "slurm", "--site", "local", "--run-dir", run_dir, env=slurm_env, check=True)
+    job = _running_job(run_dir, "tasks")
+    subprocess.run(["scancel", job], env=slurm_env, check=True)
+    status = wait_status(snowcat, run_dir, {"failed", "cancelled", "done"}, timeout=120, stage="tasks")
+    assert status["stages"]["tasks"]["status"] in ("failed", "cancelled")
+    # The dependent array can never start (afterok on a cancelled job): it is not an endless wait either.
+    snowcat("resume", run_dir, env=slurm_env, check=True)
+    status = wait_status(snowcat, run_dir, {"done"}, timeout=600)
+    assert status["stages"]["tasks"]["attempts"] == 2
+
+
+def test_parse_het_and_array_ids():
+    from slurm.hetjob import parse_job_id
+
+    assert parse_job_id("123+1") == {"job": "123", "component": 1, "task": None, "step": None}
+    assert parse_job_id("77_4")["task"] == "4" and parse_job_id("77_[5-199%8]")["task"] == "[5-199%8]"
+    assert parse_job_id("123+0.batch")["step"] == "batch"
+
+
+# --- rendering for every site profile -------------------------------------------------------------
+
+
+def _render(site: str, overrides: list[str], stage: str = "tasks") -> str:
+    profile = load_site(site)
+    part = next(iter(profile.partitions))
+    gpu_part = next((p for p, v in profile.partitions.items() if v.gpus_per_node), part)
+    cfg = config.load(
+        Path(__file__).parent.parent / "configs" / "demo.yaml",
+        ["executor.kind=slurm", "site.account=proj", f"stages.tasks.resources.partition={gpu_part}",
+         "stages.tasks.resources.gpus_per_node=1", "stages.tasks.resources.mem_gb=8", *overrides],
+        site=site,
+    )
+    import tempfile
+
+    run = RunDir.create(cfg, Path(tempfile.mkdtemp()) / "r")
+    return SlurmExecutor(run, dag.build(cfg), cfg).render(dag.build(cfg)[stage], "afterok:1")
+
+
+@pytest.mark.parametrize("site", list_sites())
+def test_rendering_never_emits_a_rejected_option(site):
+    profile = load_site(site)
+    text = _render(site, ["stages.tasks.fan_out.x=[1,2]", "stages.tasks.resources.nodes=1"])
+    flags = re.findall(r"^#SBATCH --([a-z-]+)", text, flags=re.M)
+    rejected = {o.lstrip("-") for o in profile.rejected_options}
+    assert flags and not rejected & set(flags), (site, rejected & set(flags))
+    if not profile.arrays_allowed:
+        assert "--array" not in text
+
+
+@pytest.mark.parametrize("site", list_sites())
+def test_oversized_requests_are_refused_before_submission(site):
+    profile = load_site(site)
+    gpu_part = next((p for p, v in profile.partitions.items() if v.gpus_per_node), next(iter(profile.partitions)))
+    limits = profile.partitions[gpu_part]
+    with pytest.raises(UserError, match="GPUs per node"):
+        _render(site, [f"stages.tasks.resources.gpus_per_node={limits.gpus_per_node + 1}"])
+    with pytest.raises(UserError, match="walltime"):
+        _render(site, [f"stages.tasks.resources.time_min={limits.max_time_min + 1}"])
+
+
+def test_killed_slurmd_fails_the_stage_promptly_and_resume_finishes(snowcat, slurm_env, slurm_cluster, tmp_path):
+    from slurm import cluster
+
+    cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="nodefail"))
+    run_dir = tmp_path / "run"
+    slower = ["stages.tasks.domains.closure.count=300000", "stages.tasks.domains.closure.val_count=50"]
+    snowcat("run", cfg, *slower, "stages.tasks.resume.strategy=none", "--executor", "slurm", "--site", "local",
+            "--run-dir", run_dir, env=slurm_env, check=True)
+    _running_job(run_dir, "tasks")
+    record = read_json(run_dir / "state.json")["stages"]["tasks"]
+    pid = int((slurm_cluster.root / "run" / f"slurmd-{record['node']}.pid").read_text())
+    try:
+        # The node dies: its slurmd, the job's step daemons and the stage process, all at once.
+        os.kill(pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-9", "-f", f"slurmstepd: \\[{record['slurm_job_id']}"], check=False)
+        os.kill(record["pid"], signal.SIGKILL)
+        # SlurmdTimeout=10 on the local cluster: the node is declared down and the job ends NODE_FAIL.
+        status = wait_status(snowcat, run_dir, {"failed", "done"}, timeout=180, stage="tasks")
+        assert status["stages"]["tasks"]["status"] == "failed", status
+    finally:
+        cluster.up(slurm_cluster.root)  # restarts the dead slurmd
+    snowcat("resume", run_dir, env=slurm_env, check=True)
+    wait_status(snowcat, run_dir, {"done"}, timeout=600)
