@@ -196,22 +196,22 @@ def _plot(history: list[dict], path: Path) -> None:
 def run(ctx) -> dict:
     import torch
 
+    from pipeline.errors import UserError
     from pipeline.fsio import atomic_write_json, atomic_write_text
     from stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
     from stages.taskgen import load_tasks
-    from stages.tokenizer import ChatTokenizer, train_tokenizer
+    from stages.tokenizer import train_tokenizer
     from stages.train import (Example, OptimConfig, PackedLoader, latest_checkpoint, load_checkpoint,
-                              make_backend, save_checkpoint, step_name, world)
+                              make_backend, save_checkpoint, step_name)
+    from stages.train.backend import init_distributed
     from stages.train.checkpoint import prune_checkpoints
     from stages.train.loss import sft_loss
-
-    from pipeline.errors import UserError
 
     cfg: Config = ctx.config
     if cfg.model not in PRESETS and not cfg.init_from:
         raise UserError(f"sft.model={cfg.model!r} is not a preset ({', '.join(PRESETS)})")
     torch.set_num_threads(cfg.threads or ctx.threads)
-    rank, world_size = world()
+    rank, world_size = init_distributed(ctx.rank, ctx.world_size)
     out = Path(ctx.out_dir)
     ckpts = out / "checkpoints"
     tasks_dir = _tasks_dir(ctx, cfg)

@@ -28,6 +28,15 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+def init_distributed(rank: int, world_size: int) -> tuple[int, int]:
+    """Join the data-parallel process group (env:// rendezvous: MASTER_ADDR/MASTER_PORT set by the
+    launcher) when running as one of several ranks; gloo on CPU, NCCL on GPU."""
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    return world()
+
+
 def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     if world()[1] > 1:
         dist.all_reduce(x)
@@ -148,9 +157,10 @@ class DeepSpeedBackend(TorchBackend):
             "steps_per_print": 1 << 30,
             "zero_allow_untested_optimizer": True,
         }
+        # wraps an existing torch process group (or creates one from the env:// variables)
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
-            dist_init_required=not dist.is_initialized(),
         )
         self.wrapped = self.engine
         self.step = 0
