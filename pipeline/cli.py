@@ -246,7 +246,19 @@ def parser() -> argparse.ArgumentParser:
     cf.add_argument("--site")
     cf.set_defaults(func=cmd_config)
 
-    from . import doctor
+    from . import audit, card, doctor, reproduce
+
+    a = sub.add_parser("audit", help="re-hash every artefact, check provenance, history and credentials; verdict table")
+    audit.add_audit_arguments(a)
+    a.set_defaults(func=audit.cmd_audit)
+
+    ca = sub.add_parser("card", help="the provenance card (Markdown with model-card metadata) from recorded facts")
+    card.add_card_arguments(ca)
+    ca.set_defaults(func=card.cmd_card)
+
+    rp = sub.add_parser("reproduce", help="re-run a run from its archived config and compare hashes and metrics")
+    reproduce.add_reproduce_arguments(rp)
+    rp.set_defaults(func=reproduce.cmd_reproduce)
 
     d = sub.add_parser("doctor", help="check a cluster live against a site profile (pass/warn/fail with fixes)")
     doctor.add_arguments(d)
