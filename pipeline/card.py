@@ -147,7 +147,12 @@ def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[st
         initial = refs[0]
         exported = exported_ref if exported_ref in refs else None
         cols = [initial] + ([exported] if exported and exported != initial else [r for r in refs[1:]])
-        labels = ["initializer" if r == initial else ("exported" if r == exported else "") for r in cols]
+        # "initializer" only where it is one: a checkpoint named `initial`, or what the exported stage started from
+        init_refs = {r for r in refs if r.endswith(":initial")}
+        if exported_ref and exported_ref.partition(":")[0] in f.dag.nodes:
+            init_refs.add(str(f.dag[exported_ref.partition(":")[0]].config.get("init_from") or ""))
+        labels = [("initializer" if r in init_refs else "baseline") if r == initial else ("exported" if r == exported else "")
+                  for r in cols]
         lines.append(f"**{node.name}**: split `{results.get('split')}`, {results.get('tasks')} tasks × "
                      f"{results.get('attempts')} attempts, sampling {json.dumps(results.get('sampling'))}. "
                      "Values in %, ± one standard error over tasks.")

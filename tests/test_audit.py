@@ -12,6 +12,9 @@ import pytest
 from pipeline.history import History
 from tinyrun import module, shared_run
 
+# the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
+pytestmark = pytest.mark.timeout(1800)
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:

@@ -17,6 +17,9 @@ from pipeline.retention import Retention, RetentionPolicy
 from stages import export
 from tinyrun import shared_run
 
+# the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
+pytestmark = pytest.mark.timeout(1800)
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:

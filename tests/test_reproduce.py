@@ -13,6 +13,9 @@ from pipeline.fsio import read_json
 from pipeline.reproduce import TIMING_METRICS
 from tinyrun import TINY, make_run, module
 
+# the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
+pytestmark = pytest.mark.timeout(1800)
+
 
 @pytest.fixture(scope="module")
 def original(tmp_path_factory) -> Path:

@@ -8,6 +8,7 @@ them reaches any file of the run.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -74,15 +75,27 @@ FULL = TINY + """\
 """
 
 
-def snowcat(*args, cwd: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=timeout)
+def _run(cmd: list[str], cwd: Path, env: dict | None, timeout: float) -> subprocess.CompletedProcess:
+    """Like subprocess.run, but a time-out or an interrupted test stops the whole process tree
+    (the CLI's stage processes included), not only its first process."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def module(name: str, *args, cwd: Path = REPO, timeout: float = 900) -> subprocess.CompletedProcess:
+def snowcat(*args, cwd: Path, env: dict | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd, env, timeout)
+
+
+def module(name: str, *args, cwd: Path = REPO, timeout: float = 1800) -> subprocess.CompletedProcess:
     """`python -m pipeline.<name> ARGS` (the same functions `snowcat <name>` calls)."""
-    return subprocess.run([sys.executable, "-m", f"pipeline.{name}", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return _run([sys.executable, "-m", f"pipeline.{name}", *map(str, args)], cwd, None, timeout)
 
 
 def make_run(root: Path, config: str, name: str = "run", env: dict | None = None) -> Path:
