@@ -4,6 +4,7 @@ noticed promptly, resume, and rendering for every site profile."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -233,3 +234,66 @@ def test_killed_slurmd_fails_the_stage_promptly_and_resume_finishes(snowcat, slu
         cluster.up(slurm_cluster.root)  # restarts the dead slurmd
     snowcat("resume", run_dir, env=slurm_env, check=True)
     wait_status(snowcat, run_dir, {"done"}, timeout=600)
+
+
+SFT = """
+name: {name}
+seed: 3
+stages:
+  tasks:
+    kind: tasks
+    resources: {{time_min: 5}}
+    domains:
+      closure: {{count: 300, val_count: 30, difficulties: [1, 2, 3]}}
+      arith: {{count: 300, val_count: 30, difficulties: [2]}}
+  sft:
+    kind: sft
+    needs: [tasks]
+    threads: 1          # bit-identical results need the same reduction order everywhere
+    eval_tasks: 0
+    save_every: 0       # checkpoints only when Slurm says the job is about to end
+    resources: {{time_min: 1}}
+    resume: {{signal_margin_s: 15, max_continuations: 14}}
+"""
+
+
+def _final_weights(run_dir: Path) -> dict[str, str]:
+    final = run_dir / "stages" / "sft" / "checkpoints" / "final"
+    return {p.name: sha256_file(p) for p in sorted(final.glob("*.safetensors"))}
+
+
+def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(snowcat, slurm_env, tmp_path):
+    """A stage with a 1-minute walltime and ~2 minutes of training completes through requeue and
+    through chained continuation jobs, with final weights identical to an uninterrupted run."""
+    cfg = write_config(tmp_path / "sft.yaml", SFT.format(name="walltime"))
+    # Size the work for this machine: ~120 s of SFT steps (plus start-up in every job), measured
+    # on a short local run.
+    probe = tmp_path / "probe"
+    snowcat("run", cfg, "stages.sft.steps=8", "--run-dir", probe, check=True)
+    rows = [json.loads(line) for line in (probe / "stages" / "sft" / "metrics_history.jsonl").read_text().splitlines()]
+    step_s = sorted(r["step_time_s"] for r in rows)[len(rows) // 2]
+    steps = f"stages.sft.steps={max(40, int(120 / step_s))}"
+
+    runs = {}
+    for strategy in ("requeue", "chain"):
+        runs[strategy] = tmp_path / strategy
+        snowcat("run", cfg, steps, f"stages.sft.resume.strategy={strategy}", "--executor", "slurm", "--site", "local",
+                "--run-dir", runs[strategy], env=slurm_env, check=True)
+    straight = tmp_path / "straight"
+    snowcat("run", cfg, steps, "--run-dir", straight, check=True)
+    reference = _final_weights(straight)
+    assert reference
+
+    for strategy, run_dir in runs.items():
+        status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=1500)
+        assert status["stages"]["sft"]["status"] == "done", (strategy, status)
+        record = read_json(run_dir / "state.json")["stages"]["sft"]
+        assert record.get("continuations_used", 0) >= 1, (strategy, record)  # the walltime was really hit
+        assert _final_weights(run_dir) == reference, strategy
+    # The chain's unused continuation jobs were cancelled once the stage completed.
+    chain = read_json(runs["chain"] / "state.json")["stages"]["sft"]
+    used = chain["continuations_used"]
+    leftover = chain["continuations"][used:]
+    if leftover:
+        rows = sacct_rows(slurm_env, leftover)
+        assert all(r[2].startswith("CANCELLED") for r in rows), rows
