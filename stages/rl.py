@@ -227,7 +227,9 @@ def run(ctx) -> dict:
 
 def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
     from stages.model import load_model_dir
+    from stages.rlcore.handoff import HandoffError
     from stages.rlcore.loop import resolve_init
+    from stages.rlcore.transport import TransportError
 
     start = comm.bcast(None, root=0)  # the trainer's resumed step: the first batch still needed
     model, _, tok = load_model_dir(resolve_init(ctx, cfg))
@@ -236,8 +238,13 @@ def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
     for k in range(start, cfg.updates):
         if transport.owner(k) != ctx.rank:
             continue
-        if ctx.checkpoint_due():
-            raise ctx.Preempted(f"rl rollout rank {ctx.rank}: stopping before batch {k}")
-        worker.produce(k)
+        try:
+            if ctx.checkpoint_due():
+                raise HandoffError("preemption notice")
+            worker.produce(k)
+        except (HandoffError, TransportError):
+            if ctx.checkpoint_due():  # nothing to save: the trainer's checkpoint regenerates this batch
+                raise ctx.Preempted(f"rl rollout rank {ctx.rank}: stopped at batch {k}") from None
+            raise
         made += 1
     return {"role": "rollout", "batches": made, "seconds": round(time.perf_counter() - t0, 2)}

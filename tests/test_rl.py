@@ -204,6 +204,26 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical(inputs, baseline,
     assert "step_000000" not in weights  # versions no batch can need any more are pruned
 
 
+def test_mpi_trainer_killed_while_publishing_then_resumed_is_bit_identical(inputs, baseline, tmp_path):
+    """Under mpirun the trainer dies inside a weight publish (mpirun then ends the rollout rank);
+    a new mpirun resumes both roles from the checkpoint and ends with the same weights."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs OpenMPI's mpirun")
+    script = _child_script(tmp_path)
+
+    def mpirun(kill: dict) -> subprocess.CompletedProcess:
+        return subprocess.run(["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, str(script),
+                               str(inputs), str(tmp_path / "run"), json.dumps(kill)], capture_output=True, text=True,
+                              env={**os.environ, **MPI_ENV, "PYTHONPATH": str(REPO)}, timeout=600, cwd=REPO)
+
+    assert mpirun({"building": 4}).returncode != 0
+    assert not (tmp_path / "run" / "rl" / "checkpoints" / "final").exists()
+    proc = mpirun({})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert final_sha(tmp_path / "run") == final_sha(baseline)
+    assert trained_rows(tmp_path / "run") == trained_rows(baseline)
+
+
 class _PreemptAt(StageContext):
     """A context whose scheduler 'announces the end of the job' on the n-th poll."""
 

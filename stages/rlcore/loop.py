@@ -179,6 +179,7 @@ class Trainer:
         from pipeline.fsio import atomic_write_json, atomic_write_text
         from stages.model import save_model_dir
         from stages.rlcore.trainer import make_batch, make_loss_fn
+        from stages.rlcore.transport import TransportError
 
         cfg, ctx = self.cfg, self.ctx
         # Repair the handoff: drop torn/unstable versions and any "future" beyond the resumed step,
@@ -203,7 +204,13 @@ class Trainer:
                 if local_rollout is not None and not self.transport.has(k):
                     local_rollout.produce(k)
                 t1 = time.perf_counter()
-                trajs = self.transport.recv_batch(k)
+                try:
+                    trajs = self.transport.recv_batch(k)
+                except TransportError:
+                    if not ctx.checkpoint_due():
+                        raise
+                    self.save()  # the wait was cut short by a preemption notice
+                    raise ctx.Preempted(f"rl: checkpointed at step {self.step} while waiting for batch {k}") from None
                 wait = time.perf_counter() - t1
                 batch = make_batch(trajs, self.tok.pad_id, cfg.estimator)
                 self._add_behaviour_logprobs(batch, {t.policy_version for t in trajs})
