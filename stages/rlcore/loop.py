@@ -115,6 +115,7 @@ class Trainer:
         self.history_path = self.out / "metrics_history.jsonl"
         self.history: list[dict] = []
         self.last_ckpt = 0
+        self.eval_cache: dict = {}  # the latest quick eval (the retention metric of the next checkpoint)
         if resume is not None:
             client = load_checkpoint(resume, self.backend)
             self.last_ckpt = int(client["step"])
@@ -122,7 +123,6 @@ class Trainer:
             if self.history_path.is_file():  # lines after the checkpoint belong to a lost future
                 self.history = [h for h in map(json.loads, self.history_path.read_text().splitlines())
                                 if h["step"] <= self.backend.step]
-        self.eval_cache = getattr(self, "eval_cache", {})
 
     @property
     def step(self) -> int:
@@ -131,6 +131,8 @@ class Trainer:
     def save(self, metrics: dict | None = None) -> None:
         from stages.train import save_checkpoint
 
+        if self.last_ckpt == self.step and self.retention.path(self.step).is_dir():
+            return  # already saved at this step (keep its registered metric)
         client = {"policy_version": self.step, "next_batch": self.step, "lag": self.cfg.lag,
                   "data_order": "pure function of (seed, batch index)", "last_eval": self.eval_cache,
                   "handoff_versions": self.handoff.versions()}
