@@ -34,7 +34,7 @@ class Config:
     batch_rows: int = 16  # packed rows per optimizer step (all ranks together)
     micro_batches: int = 1  # gradient accumulation
     steps: int = 600
-    lr: float = 3e-3
+    lr: float = 5e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     schedule: str = "cosine"
