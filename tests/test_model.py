@@ -44,25 +44,43 @@ def test_invalid_config_is_rejected():
         ModelConfig.from_dict({"hidden": 3})
 
 
-def test_matches_transformers_qwen3_moe_with_our_state_dict_unrenamed():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def _hf_config(c: ModelConfig):
+    from transformers import Qwen3MoeConfig
 
-    model = make(shared_expert_intermediate_size=0).eval()
-    c = model.config
-    hf_cfg = Qwen3MoeConfig(
+    return Qwen3MoeConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=64, num_hidden_layers=c.num_layers,
         num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
         num_experts=c.num_experts, num_experts_per_tok=c.experts_per_token, moe_intermediate_size=c.moe_intermediate_size,
         norm_topk_prob=c.norm_topk_prob, rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, tie_word_embeddings=False,
     )
-    hf = Qwen3MoeForCausalLM(hf_cfg).eval()
+
+
+def test_matches_transformers_qwen3_moe_with_our_state_dict_unrenamed():
+    from transformers import Qwen3MoeForCausalLM
+
+    model = make(shared_expert_intermediate_size=0).eval()
+    c = model.config
+    hf = Qwen3MoeForCausalLM(_hf_config(c)).eval()
     hf.load_state_dict(model.state_dict(), strict=True)
     ids = torch.randint(0, c.vocab_size, (2, 12))
     with torch.no_grad():
         ours = model.logits(model(ids).hidden)
         theirs = hf(ids).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_model_dir_loads_with_transformers_from_pretrained(tmp_path):
+    """Per-expert hub names on disk: transformers 5 fuses them into its 3-D experts on load."""
+    from transformers import Qwen3MoeForCausalLM
+
+    model = make(shared_expert_intermediate_size=0).eval()
+    save_model_dir(tmp_path / "m", model)
+    _hf_config(model.config).save_pretrained(tmp_path / "m")
+    hf = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "m").eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.logits(model(ids).hidden), atol=1e-5, rtol=1e-4)
 
 
 def test_hf_hub_names_are_per_expert():
