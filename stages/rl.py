@@ -236,7 +236,7 @@ def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
     worker = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
     t0, made = time.perf_counter(), 0
     for k in range(start, cfg.updates):
-        if transport.owner(k) != ctx.rank:
+        if 1 + k % (ctx.world_size - 1) != ctx.rank:  # round robin over the rollout ranks (MPITransport.owner)
             continue
         try:
             if ctx.checkpoint_due():
