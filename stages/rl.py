@@ -18,7 +18,6 @@ regenerated, bit-identically (docs/rl.md).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +48,6 @@ def build_inputs(root: Path, seed: int = 3) -> None:
     for dom, diffs in (("closure", [1, 2]), ("arith", [2])):
         a, b = split_tasks(generate_domain(rng, dom, diffs, 120), 20, rng)
         train, val = train + a, val + b
-    from stages.taskgen import save_tasks
-
     save_tasks(root / "tasks", "train", train)
     save_tasks(root / "tasks", "val", val)
     tok = train_tokenizer(tokenizer_corpus(train), 300)
@@ -270,6 +267,25 @@ def test_trainer_logprobs_use_the_engines_truncated_distribution(inputs):
     assert mask.sum() > 20
     assert gap_same.max() < 1e-4
     assert gap_full.mean() > 1e-2  # log(kept mass): what ignoring the truncation would cost
+
+
+def test_training_tasks_come_from_the_select_band_when_given(inputs, tmp_path):
+    from stages.taskgen import load_tasks, save_tasks
+
+    train = load_tasks(inputs / "tasks", "train")
+    band = [t for t in train if t.domain == "closure"][:10]
+    save_tasks(tmp_path / "select", "band", band)
+    ctx = make_ctx(inputs, tmp_path)
+    pool, held_out = rl.load_pool(ctx, ctx.config)
+    assert [t.task_id for t in pool] == [t.task_id for t in train]  # no band: the train split
+    ctx.inputs["select"] = tmp_path / "select"
+    pool, held_out = rl.load_pool(ctx, ctx.config)
+    assert [t.task_id for t in pool] == [t.task_id for t in band]
+    assert held_out and {t.domain for t in held_out} == {"closure"}  # eval follows the trained domains
+    batches = [rl.batch_tasks(pool, 4, 5, k) for k in range(5)]
+    assert all(len(b) == 4 for b in batches)
+    assert {t.task_id for b in batches[:2] for t in b} <= {t.task_id for t in band}
+    assert batches == [rl.batch_tasks(pool, 4, 5, k) for k in range(5)]  # a pure function of (seed, k)
 
 
 def test_bad_config_names_the_key(inputs, tmp_path):
