@@ -171,6 +171,13 @@ class Rollout:
         self.transport.send_batch(k, trajs)
 
 
+def device_for(ctx):
+    """This rank's accelerator when there is one (GPU sites), else the CPU."""
+    import torch
+
+    return torch.device("cuda", ctx.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _role(ctx) -> str:
     if ctx.world_size == 1:
         return "both"
@@ -219,7 +226,7 @@ def run(ctx) -> dict:
     if role == "both":
         from stages.model import load_model_dir
 
-        model, _, tok = load_model_dir(trainer.init_path)
+        model, _, tok = load_model_dir(trainer.init_path, device=trainer.device)
         local_rollout = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
     return trainer.train(local_rollout)
 
@@ -231,7 +238,7 @@ def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
     from stages.rlcore.transport import TransportError
 
     start = comm.bcast(None, root=0)  # the trainer's resumed step: the first batch still needed
-    model, _, tok = load_model_dir(resolve_init(ctx, cfg))
+    model, _, tok = load_model_dir(resolve_init(ctx, cfg), device=device_for(ctx))
     worker = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
     t0, made = time.perf_counter(), 0
     for k in range(start, cfg.updates):

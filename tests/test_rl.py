@@ -267,6 +267,11 @@ def test_trainer_logprobs_use_the_engines_truncated_distribution(inputs):
     assert mask.sum() > 20
     assert gap_same.max() < 1e-4
     assert gap_full.mean() > 1e-2  # log(kept mass): what ignoring the truncation would cost
+    # A sampled token outside the trainer's own support (bf16 vs fp32 logits move boundaries; here
+    # forced with top_k=1) keeps a finite logprob: a mismatch for TIS, never -inf / NaN.
+    with torch.no_grad():
+        narrow, _, _ = sampled_logprobs(model, batch, SamplingParams(temperature=0.7, top_k=1, max_tokens=8))
+    assert torch.isfinite(narrow[mask]).all() and (narrow[mask] < -1e-3).any()
 
 
 def test_training_tasks_come_from_the_select_band_when_given(inputs, tmp_path):

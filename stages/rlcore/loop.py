@@ -89,8 +89,11 @@ class Trainer:
         self.out = Path(ctx.out_dir)
         self.ckpts = self.out / "checkpoints"
         self.init_path = resolve_init(ctx, cfg)
+        from stages.rl import device_for
+
+        self.device = device_for(ctx)
         resume = latest_checkpoint(self.ckpts)
-        self.model, _, self.tok = load_model_dir(resume or self.init_path)
+        self.model, _, self.tok = load_model_dir(resume or self.init_path, device=self.device)
         if self.tok is None:
             from pipeline.errors import UserError
 
@@ -108,7 +111,7 @@ class Trainer:
         self.behaviour = None  # the weights that generated the current batch, when lag > 0
         self.ref_model = None
         if cfg.kl_coef:
-            self.ref_model = load_model_dir(self.init_path)[0].eval().requires_grad_(False)
+            self.ref_model = load_model_dir(self.init_path, device=self.device)[0].eval().requires_grad_(False)
         self.retention = Retention(self.ckpts, RetentionPolicy(metric="val/pass@1", mode="max", keep_best=cfg.keep_best,
                                                                keep_last=cfg.keep_last), name="step_{step:06d}")
         self.history_h5 = History(ctx.run_dir)
@@ -163,13 +166,14 @@ class Trainer:
         if self.behaviour is None:
             from stages.model import load_model_dir
 
-            self.behaviour = load_model_dir(self.init_path)[0].requires_grad_(False)
+            self.behaviour = load_model_dir(self.init_path, device=self.device)[0].requires_grad_(False)
             self.behaviour_version = None
         if self.behaviour_version != version:
             self.handoff.load_into(self.behaviour, version, timeout_s=self.cfg.timeout_s)
             self.behaviour_version = version
         with torch.no_grad():
-            batch["logp_old"], _, _ = sampled_logprobs(self.behaviour, batch, self.params)
+            on_device = {k: v.to(self.device) for k, v in batch.items()}
+            batch["logp_old"], _, _ = sampled_logprobs(self.behaviour, on_device, self.params)
 
     def _log(self, log, rec: dict) -> None:
         self.history.append(rec)

@@ -76,13 +76,20 @@ def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 40
     h = out.hidden[sel]
     head = _unwrap(model).lm_head.weight
     support = None
+    targets = batch["targets"][sel]
     if not params.is_full_distribution:
         with torch.no_grad():  # the kept set is a constant of the loss, as it is for the engine
-            parts = [support_ids(torch.nn.functional.linear(h[i : i + chunk], head).float(), params) for i in range(0, h.shape[0], chunk)]
+            parts = [support_ids(torch.nn.functional.linear(h[i : i + chunk].float(), head.float()), params)
+                     for i in range(0, h.shape[0], chunk)]
             width = max(p.shape[1] for p in parts)
             support = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
+            # The sampled token was in the engine's support. Logits in other precisions (bf16
+            # trainer vs engine) can move a boundary token out of ours: keep it in, so its logprob
+            # stays finite and the difference shows up as mismatch for TIS, not as -inf / NaN.
+            missing = ~(support == targets[:, None]).any(dim=1)
+            support = torch.cat([support, torch.where(missing, targets, -1)[:, None]], dim=1)
     temperature = params.temperature if params.temperature > 0 else 1.0
-    logp_sel, ent_sel = linear_logprob_entropy(h, head.to(h.dtype), batch["targets"][sel], temperature=temperature,
+    logp_sel, ent_sel = linear_logprob_entropy(h, head.to(h.dtype), targets, temperature=temperature,
                                                support=support)
     logp = torch.zeros(B, T, dtype=logp_sel.dtype, device=h.device).masked_scatter(sel, logp_sel)
     ent = torch.zeros(B, T, dtype=ent_sel.dtype, device=h.device).masked_scatter(sel, ent_sel)
@@ -114,7 +121,8 @@ def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=N
         loss, stats = policy_loss(logp, logp_old, batch["rollout_logprobs"], batch["advantages"], mask, loss_cfg,
                                   logp_ref=logp_ref, entropy=ent)
         loss = loss / num_micro + (cfg.router_aux_loss_coef * out.aux_loss + cfg.router_z_loss_coef * out.z_loss) / num_micro
-        mism = mismatch_stats(logp_old, batch["rollout_logprobs"], mask, loss_cfg.tis_cap)
+        # (on the CPU: mismatch_stats builds its quantile points there)
+        mism = mismatch_stats(logp_old.cpu(), batch["rollout_logprobs"].cpu(), mask.cpu(), loss_cfg.tis_cap)
         tokens = mask.sum()
         res = {f"loss/{k}": torch.tensor(float(v)) for k, v in stats.items()}
         res |= {f"mismatch/{k}": torch.tensor(float(v)) for k, v in mism.items()}
