@@ -9,4 +9,5 @@ if [ -f .ci/cluster.sh ]; then
   # shellcheck disable=SC1091
   [ -f .cluster/env.sh ] && . .cluster/env.sh
 fi
-python -m pytest -ra "$@"
+export OMP_WAIT_POLICY=PASSIVE  # spinning OpenMP threads slow everything down when processes share 2 cores
+python -m pytest -ra --durations=25 "$@"

@@ -170,6 +170,7 @@ class SlurmExecutor(Executor):
         for key, value in (_site_get(self.site, "env", {}) or {}).items():
             lines.append(f"export {key}={shlex.quote(str(value))}")
         lines.append(f"export SNOWCAT_RUN_DIR={shlex.quote(str(self.run.path))}")
+        lines.append("export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}")
         return lines
 
     def _python(self, node: StageNode) -> str:
