@@ -101,7 +101,9 @@ def _high_entropy(token: str) -> bool:
 def secret_kinds(value: str, high_entropy: bool = True) -> list[str]:
     """Kinds of credential-looking content in value (empty: nothing found)."""
     kinds = list(dict.fromkeys(kind for kind, rx in _TEXT_SHAPES if rx.search(value)))
-    if high_entropy and not kinds and any(_high_entropy(t) for t in _TOKEN.findall(value)):
+    # Paths (run directories, PWD, SLURM_SUBMIT_DIR) are often long and varied but never credentials.
+    is_path = value.startswith(("/", "./", "~/"))
+    if high_entropy and not kinds and not is_path and any(_high_entropy(t) for t in _TOKEN.findall(value)):
         kinds.append("high_entropy")
     return kinds
 

@@ -297,3 +297,31 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
     if leftover:
         rows = sacct_rows(slurm_env, leftover)
         assert all(r[2].startswith("CANCELLED") for r in rows), rows
+
+
+DEMO_SMALL = [
+    "stages.tasks.domains.closure.count=240", "stages.tasks.domains.closure.val_count=40",
+    "stages.tasks.domains.arith.count=240", "stages.tasks.domains.arith.val_count=40",
+    "stages.sft.steps=20", "stages.sft.eval_tasks=0", "stages.sft.threads=1",
+    "stages.probe.limit=32", "stages.probe.attempts=4", "stages.probe.band_max_pass=3",
+    "stages.select.min_pass=0", "stages.select.max_pass=4",
+    "stages.rl.updates=2", "stages.rl.tasks_per_update=4", "stages.rl.attempts=4", "stages.rl.eval_every=1",
+    "stages.rl.eval_tasks=8", "stages.rl.eval_attempts=1", "stages.rl.save_every=1",
+    "stages.eval.limit=16", "stages.eval.attempts=2", "stages.eval.pass_k=[1,2]",
+]
+
+
+def test_demo_pipeline_on_slurm_with_rl_as_a_hetjob(snowcat, slurm_env, tmp_path):
+    """The demo config (scaled down) on the cluster: every stage a job linked by afterok, the RL
+    stage one heterogeneous job (trainer and rollout components in one MPI world)."""
+    run_dir = tmp_path / "run"
+    demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
+    proc = snowcat("run", demo, *DEMO_SMALL, "--executor", "slurm", "--site", "local", "--run-dir", run_dir, env=slurm_env)
+    assert proc.returncode == 0, proc.stderr
+    rl_script = next((run_dir / "slurm" / "rl").glob("*_submission.sh")).read_text()
+    assert "#SBATCH hetjob" in rl_script and "--het-group=0,1" in rl_script
+    status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=1800)
+    assert {s["status"] for s in status["stages"].values()} == {"done"}, status
+    ranks = read_json(run_dir / "state.json")["stages"]["rl"]
+    assert ranks["status"] == "done"
+    assert snowcat("audit", run_dir, env=slurm_env).returncode == 0
