@@ -97,6 +97,7 @@ class TorchEngine:
                 raise EngineError(f"generation failed: {e}") from e
         return out
 
+    @torch.no_grad()  # also called directly by the agent loop: sampling never keeps a graph
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, gens: list[torch.Generator]):
         from stages.model import KVCache
 
