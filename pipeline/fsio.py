@@ -146,3 +146,16 @@ def verify_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> l
         if str(rel) not in recorded:
             problems.append(f"{root / rel}: not in manifest")
     return problems
+
+
+def atomic_write_figure(path: str | os.PathLike, fig) -> None:
+    """Save a matplotlib figure as PNG atomically, then close it (figures hold memory until closed)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

@@ -26,7 +26,6 @@ one's whenever the stage itself is deterministic.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -35,7 +34,7 @@ from urllib.parse import quote, unquote
 import numpy as np
 from filelock import FileLock
 
-from pipeline.fsio import atomic_write_bytes
+from pipeline.fsio import atomic_write_figure
 
 FILENAME = "history.h5"
 
@@ -128,11 +127,7 @@ class History:
             ax.grid(alpha=0.3)
         axes[-1, 0].set_xlabel("step")
         axes[0, 0].set_title(stage)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=100)
-        plt.close(fig)
-        atomic_write_bytes(out_png, buf.getvalue())
+        atomic_write_figure(out_png, fig)
         return Path(out_png)
 
 

@@ -14,15 +14,12 @@ Long stages continue past the walltime in one of two ways (`stages.X.resume.stra
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import submitit
-from omegaconf import OmegaConf
 
 from pipeline.context import PREEMPTED_EXIT_CODE
 from pipeline.dag import StageNode, Unit

@@ -25,7 +25,7 @@ import numpy as np
 
 from pipeline.context import StageContext
 from pipeline.errors import UserError
-from pipeline.fsio import atomic_write_bytes, atomic_write_json
+from pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 from stages import evalstats
 
 
@@ -346,11 +346,7 @@ def plot_pass_at_k(path: Path, results: dict, pass_k: list[int]) -> None:
         ax.set_ylim(0, 1)
     axes[0][0].set_ylabel("pass@k (unbiased, ±1 SE over tasks)")
     axes[0][-1].legend(fontsize="small")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_figure(path, fig)
 
 
 # ---------------------------------------------------------------- the stage

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import UserError
-from pipeline.fsio import atomic_write_bytes, atomic_write_json
+from pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 
 
 @dataclass
@@ -238,11 +238,7 @@ def plot_histogram(path: Path, summary: dict) -> None:
         ax.set_xlabel(f"passes out of {summary['attempts']}")
         ax.set_xticks(ks)
     axes[0][0].set_ylabel("tasks")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_figure(path, fig)
 
 
 def run(ctx) -> dict:

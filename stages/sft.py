@@ -170,14 +170,12 @@ def greedy_pass_rate(model, tok, tasks, max_new_tokens: int) -> dict:
 
 
 def _plot(history: list[dict], path: Path) -> None:
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pipeline.fsio import atomic_write_bytes
+    from pipeline.fsio import atomic_write_figure
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
@@ -185,11 +183,7 @@ def _plot(history: list[dict], path: Path) -> None:
         pts = [(h["step"], h[key]) for h in history if key in h]
         ax.plot(*zip(*pts), label=key, alpha=0.6)
     ax.set_xlabel("step"), ax.set_ylabel("token NLL"), ax.set_yscale("log"), ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_figure(path, fig)
 
 
 # ---------------------------------------------------------------- the stage
