@@ -154,8 +154,16 @@ def status_record(run: RunDir) -> dict:
     return {"run_id": run.run_id, "run_dir": str(run.path), "executor": cfg.executor.kind, "stages": stages}
 
 
+_HEADLINE_HINTS = ("pass@1", "reward", "loss", "selected", "val", "train")
+
+
 def _headline(metrics: dict, n: int = 3) -> str:
-    items = [(k, v) for k, v in metrics.items() if k != "duration_s" and isinstance(v, (int, float))][:n]
+    """The few metrics worth a glance: pass rates first, then rewards, losses, counts."""
+    def rank(key: str) -> int:
+        return next((i for i, hint in enumerate(_HEADLINE_HINTS) if hint in key), len(_HEADLINE_HINTS))
+
+    numeric = [(k, v) for k, v in metrics.items() if k != "duration_s" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    items = sorted(numeric, key=lambda kv: rank(kv[0]))[:n]
     return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in items)
 
 
@@ -166,12 +174,13 @@ def cmd_status(args) -> int:
         print(json.dumps(record, indent=2, default=str))
         return 0
     table = Table(title=f"{record['run_id']}  ({record['executor']})")
-    for col in ("stage", "kind", "status", "tries", "job", "time", "metrics"):
-        table.add_column(col)
+    for col in ("stage", "kind", "status", "tries", "job", "time"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("metrics", overflow="fold")
     for name, s in record["stages"].items():
         dur = s["metrics"].get("duration_s")
-        extra = s.get("slurm") or {}
-        note = extra.get("reason") or s.get("error") or (s["problems"][0] if s["problems"] else "")
+        extra = (s.get("slurm") or {}) if s["status"] != "done" else {}  # scheduler info matters while unfinished
+        note = extra.get("reason") or (s.get("error") if s["status"] != "done" else "") or (s["problems"][0] if s["problems"] else "")
         table.add_row(
             name, s["kind"], f"[{STYLE.get(s['status'], '')}]{s['status']}[/]", str(s["attempts"]),
             (s["job_ids"] or ["-"])[-1], f"{dur:.0f}s" if dur else "-",
