@@ -299,6 +299,8 @@ class SlurmExecutor(Executor):
                 jobs = ex.map_array(job, [u.index for u in pending])
             else:  # no arrays on this site (Frontera), or only some elements left
                 jobs = [ex.submit(job, u.index) for u in pending]
+                for u, j in zip(pending, jobs):
+                    self.run.update_stage(u.key, own_job_ids=[str(j.job_id)])
         except (submitit.core.utils.FailedSubmissionError, subprocess.CalledProcessError) as e:
             raise UserError(f"stages.{node.name}: sbatch refused the job: {' '.join(str(e).split())[:300]}") from None
         ids = sorted({str(j.job_id).split("_")[0] for j in jobs})
@@ -366,7 +368,7 @@ class SlurmExecutor(Executor):
             for unit in node.units:
                 if self.run.is_done(unit):
                     continue
-                unit_rows = self._unit_rows(unit, mine)
+                unit_rows = self._unit_rows(unit, mine, state.get(unit.key, {}).get("own_job_ids"))
                 if not unit_rows:
                     continue
                 states = [r["state"].split()[0] for r in unit_rows]
@@ -388,12 +390,16 @@ class SlurmExecutor(Executor):
                     self.run.update_stage(node.name, status=status, slurm=info)
 
     @staticmethod
-    def _unit_rows(unit: Unit, rows: dict[str, dict]) -> list[dict]:
+    def _unit_rows(unit: Unit, rows: dict[str, dict], own_ids: list[str] | None = None) -> list[dict]:
+        """The sacct rows of one unit: the whole job, its array element, or its own separate job."""
         out = []
         for jid, row in rows.items():
             parts = parse_job_id(jid)
             task = parts["task"]
-            if unit.index is None or task is None or task == str(unit.index) or (task.startswith("[")):
+            if own_ids and unit.index is not None and task is None:
+                if parts["job"] in own_ids:
+                    out.append(row)
+            elif unit.index is None or task is None or task == str(unit.index) or task.startswith("["):
                 out.append(row)
         return out
 

@@ -325,3 +325,17 @@ def test_demo_pipeline_on_slurm_with_rl_as_a_hetjob(snowcat, slurm_env, tmp_path
     ranks = read_json(run_dir / "state.json")["stages"]["rl"]
     assert ranks["status"] == "done"
     assert snowcat("audit", run_dir, env=slurm_env).returncode == 0
+
+
+def test_fan_out_without_arrays_is_separate_jobs_tracked_per_element(snowcat, slurm_env, tmp_path):
+    """Sites without job arrays (Frontera): one job per fan-out element, each element's status its own."""
+    cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="noarrays"))
+    run_dir = tmp_path / "run"
+    snowcat("run", cfg, "site.arrays_allowed=false", "--executor", "slurm", "--site", "local", "--run-dir", run_dir,
+            env=slurm_env, check=True)
+    state = read_json(run_dir / "state.json")["stages"]
+    assert len(state["more"]["job_ids"]) == 3
+    assert sorted(state[f"more[{i}]"]["own_job_ids"][0] for i in range(3)) == sorted(state["more"]["job_ids"])
+    assert not any("--array" in p.read_text() for p in (run_dir / "slurm" / "more").glob("*_submission.sh"))
+    status = wait_status(snowcat, run_dir, {"done"})
+    assert {u["status"] for u in status["stages"]["more"]["units"].values()} == {"done"}
