@@ -160,22 +160,3 @@ def cmd_audit(args) -> int:
             console.print(f"[red]{c.check}[/] {escape(p)}", soft_wrap=True)
     console.print("[green]audit passed[/]" if ok else f"[red]audit failed[/]: {sum(len(c.problems) for c in checks)} problem(s)")
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    from .errors import UserError
-
-    parser = argparse.ArgumentParser(prog="snowcat audit", description="Verify a run against its manifests and records.")
-    add_audit_arguments(parser)
-    try:
-        return cmd_audit(parser.parse_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

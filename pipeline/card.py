@@ -325,22 +325,3 @@ def cmd_card(args) -> int:
     else:
         print(text, end="")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    from .errors import UserError
-
-    parser = argparse.ArgumentParser(prog="snowcat card", description="Write a run's provenance card (Markdown).")
-    add_card_arguments(parser)
-    try:
-        return cmd_card(parser.parse_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -248,19 +248,3 @@ def _units(run: RunDir):
     from .dag import build
 
     return build(run.config()).units()
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="snowcat reproduce", description="Rerun a run from its archived config and code; compare.")
-    add_reproduce_arguments(parser)
-    try:
-        return cmd_reproduce(parser.parse_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

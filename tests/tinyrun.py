@@ -94,8 +94,8 @@ def snowcat(*args, cwd: Path, env: dict | None = None, timeout: float = 1800) ->
 
 
 def module(name: str, *args, cwd: Path = REPO, timeout: float = 1800) -> subprocess.CompletedProcess:
-    """`python -m pipeline.<name> ARGS` (the same functions `snowcat <name>` calls)."""
-    return _run([sys.executable, "-m", f"pipeline.{name}", *map(str, args)], cwd, None, timeout)
+    """`snowcat <name> ARGS`, run from the repository (audit, card, reproduce)."""
+    return _run([sys.executable, "-m", "pipeline.cli", name, *map(str, args)], cwd, None, timeout)
 
 
 def make_run(root: Path, config: str, name: str = "run", env: dict | None = None) -> Path:
