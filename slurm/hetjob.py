@@ -5,13 +5,15 @@ section per component and launches a single `srun --het-group=0,1,... --mpi=PLUG
 components share one MPI world. Pickling, the job folder, the `_submit` entry point and result
 files are submitit's own: every rank of the step sees the leader's `SLURM_JOB_ID` (checked on
 Slurm 22.05), so each finds the same submitted pickle. Component job ids (`123+0`, `123+1`) are
-parsed by `parse_job_id`.
+parsed by `parse_job_id`. The srun line runs under `slurm.stepwatch`, which ends it if srun hangs
+after the step finished (a Slurm 22.05 bug with heterogeneous PMIx steps).
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,7 @@ class HetjobExecutor(submitit.SlurmExecutor):
             lines += ["", "# setup", *self.setup]
         per_task = str(paths.stdout)  # %j_%t: one log per rank, as submitit does for plain jobs
         srun = [*self.launcher, "--unbuffered", "--output", per_task, "--error", per_task]
+        watch = [sys.executable, "-m", "slurm.stepwatch", "--"]  # host python: the launcher runs outside any container
         lines += ["", "# one step over every component: one MPI world", "export SUBMITIT_EXECUTOR=slurm",
-                  f"{shlex.join(srun)} {command}", ""]
+                  f"{shlex.join(watch + srun)} {command}", ""]
         return "\n".join(lines)

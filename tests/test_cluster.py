@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -92,12 +93,14 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
 def test_hetjob_components_share_one_pmix_mpi_world(sbatch, tmp_path):
     (tmp_path / "x.py").write_text(MPI_EXCHANGE)
     script = tmp_path / "het.sh"
-    # --exclusive on both components forces them onto different virtual nodes.
+    # --exclusive on both components forces them onto different virtual nodes. stepwatch: this
+    # Slurm's srun sometimes hangs after a heterogeneous PMIx step has ended (slurm/stepwatch.py).
     script.write_text(
         "#!/bin/bash\n"
         "#SBATCH -N1 -n1 --exclusive --time=2\n"
         "#SBATCH hetjob\n"
         "#SBATCH -N1 -n1 --exclusive --time=2\n"
+        f"{sys.executable} -m slurm.stepwatch --grace 5 -- "
         f"srun --mpi=pmix --het-group=0,1 {sys.executable} {tmp_path / 'x.py'} {tmp_path}\n"
     )
     # A short --time so that a hung step fails the test in minutes rather than blocking CI.
@@ -106,6 +109,34 @@ def test_hetjob_components_share_one_pmix_mpi_world(sbatch, tmp_path):
     assert [r["size"] for r in ranks] == [2, 2]
     assert {r["node"] for r in ranks} == set(cluster.NODES)
     assert ranks[0]["got"] == [float(i * 2) for i in range(8)]
+
+
+@pytest.mark.parametrize("step_exit", [0, 3])
+def test_stepwatch_stops_a_launcher_that_hangs_after_its_step_ended(sbatch, slurm_env, tmp_path, step_exit):
+    """The launcher here is a stand-in for the hung srun: a real step runs and ends, then the
+    launcher sleeps. The job must end soon after the step, with the step's exit code."""
+    script = tmp_path / "hang.sh"
+    hanging_launcher = f"srun -n1 bash -c 'exit {step_exit}'; sleep 600"
+    script.write_text("#!/bin/bash\n#SBATCH -N1 -n1 --time=3\n"
+                      f"{sys.executable} -m slurm.stepwatch --grace 3 --poll 1 -- bash -c {shlex.quote(hanging_launcher)}\n")
+    log = tmp_path / "hang.out"
+    job = sbatch("-o", str(log), str(script))
+    rows = _until(lambda: [r for r in _sacct(slurm_env, job, "JobID,State,ExitCode") if r[1] not in ("PENDING", "RUNNING")],
+                  timeout=120, what="job ended")
+    assert rows == [[job, "COMPLETED" if step_exit == 0 else "FAILED", f"{step_exit}:0"]]
+    assert "stepwatch: bash is still running" in log.read_text()
+
+
+def test_stepwatch_passes_exit_status_and_signals_through(tmp_path):
+    """Outside a job, or where srun behaves, stepwatch is transparent."""
+    run = [sys.executable, "-m", "slurm.stepwatch", "--"]
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+    assert subprocess.run([*run, "bash", "-c", "exit 5"], env=env, timeout=60).returncode == 5
+    started = tmp_path / "started"
+    proc = subprocess.Popen([*run, "bash", "-c", f"touch {started}; exec sleep 60"], env=env)
+    _until(started.exists, what="child started")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
 
 
 def test_scancel_ends_a_running_job(sbatch, slurm_env):
