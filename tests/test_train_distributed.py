@@ -97,6 +97,9 @@ def test_ddp_and_deepspeed_zero2_match_single_process(tmp_path):
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+        # DeepSpeed's CPU all-reduce leaves a shared-memory buffer per rank (~70 MB each) in /dev/shm.
+        for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            leftover.unlink(missing_ok=True)
     assert all(p.exitcode == 0 for p in procs)
     r0 = results[0]
     assert r0 == results[1]  # every rank saw the same global loss
