@@ -39,7 +39,7 @@ class Config:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 32
+    max_tokens: int = 48
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4])
     infra_retries: int = 2
     verifier_timeout_s: float = 30.0

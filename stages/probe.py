@@ -28,7 +28,7 @@ from pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_
 class Config:
     checkpoint: str = "sft:final"  # "<stage>:<name>"
     tasks: str = "tasks"  # name of the tasks stage; only its train split is probed
-    limit: int = 0  # probe only the first N train tasks (0 = all)
+    limit: int = 0  # probe N train tasks, taken from the domains in turn (0 = all)
     attempts: int = 8
     env: str = "single"  # single | calculator
     require_tool: bool = True  # calculator env: answering an arith task without the tool scores 0
@@ -44,6 +44,24 @@ class Config:
     infra_retries: int = 1  # re-run an episode that ended in infra_error this many times
     verifier: str = "stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
     verifier_timeout_s: float = 30.0
+
+
+def first_of_each_domain_in_turn(tasks: list, n: int) -> list:
+    """`n` tasks taken from the domains in turn (the train table is grouped by domain), so that a
+    limit probes every domain rather than only the first."""
+    by_domain: dict[str, list] = {}
+    for t in tasks:
+        by_domain.setdefault(t.domain, []).append(t)
+    queues = [iter(ts) for ts in by_domain.values()]
+    out: list = []
+    while queues and len(out) < n:
+        for q in list(queues):
+            t = next(q, None)
+            if t is None:
+                queues.remove(q)
+            elif len(out) < n:
+                out.append(t)
+    return out
 
 
 def validate(section, key: str) -> None:
@@ -253,7 +271,7 @@ def run(ctx) -> dict:
     if cfg.tasks not in ctx.inputs:
         raise UserError(f"{key}.tasks: stage {cfg.tasks!r} is not in needs")
     tasks = load_tasks(ctx.inputs[cfg.tasks], "train")  # never the held-out split
-    tasks = tasks[: cfg.limit] if cfg.limit > 0 else tasks
+    tasks = first_of_each_domain_in_turn(tasks, cfg.limit) if cfg.limit > 0 else tasks
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok = load_checkpoint(ctx, cfg.checkpoint, f"{key}.checkpoint", device)
     limit = model.config.max_position_embeddings

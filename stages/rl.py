@@ -50,7 +50,7 @@ class Config:
     temperature: float = 1.0  # full distribution by default: top_p = 1, top_k = 0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 32  # per model turn
+    max_tokens: int = 48  # per model turn (a 3-digit arith worked solution is ~30 tokens)
     max_turns: int = 1
     max_total_tokens: int = 256  # per episode (prompt + all turns)
     eval_every: int = 10  # quick held-out pass rate, also the retention metric

@@ -173,3 +173,11 @@ def test_probe_reuses_saved_batches_only_under_the_same_settings(workdir, tmp_pa
     # other settings never pick up stale batches
     redone = probe.probe(None, tok, tasks, cfg, seed=4, partial_dir=tmp_path)
     assert {t.status for t in redone} == {"infra_error"}
+
+
+def test_probe_limit_takes_every_domain_in_turn():
+    """The train table is grouped by domain: a limit must not probe only the first domain."""
+    tasks = [SimpleNamespace(domain="closure", i=i) for i in range(5)] + [SimpleNamespace(domain="arith", i=i) for i in range(2)]
+    picked = probe.first_of_each_domain_in_turn(tasks, 5)
+    assert [(t.domain, t.i) for t in picked] == [("closure", 0), ("arith", 0), ("closure", 1), ("arith", 1), ("closure", 2)]
+    assert probe.first_of_each_domain_in_turn(tasks, 100) == [*picked, tasks[3], tasks[4]]

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 import stages.sft as sft
 from pipeline.context import Preempted, StageContext
 from pipeline.fsio import sha256_file, verify_manifest
-from stages.taskgen import generate_domain, load_tasks, save_tasks, split_tasks
+from stages.taskgen import demonstration, generate_domain, load_tasks, save_tasks, split_tasks, verify
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +53,36 @@ def test_relay_conversations_mask_the_student(tasks_dir):
     tasks = load_tasks(tasks_dir, "train")
     convs = sft.build_conversations(tasks, relay_fraction=0.5, seed=0)
     assert len(convs) == len(tasks) + round(0.5 * len(tasks))
-    by_prompt = {t.prompt: t.answer for t in tasks}
+    by_prompt = {t.prompt: t for t in tasks}
     kinds = set()
     for msgs, _ in convs[len(tasks):]:
-        answer = by_prompt[msgs[0]["content"]]
+        task = by_prompt[msgs[0]["content"]]
+        teacher = demonstration(task)  # arith: the worked solution ending in ";answer"
         if "student_prefix" in msgs[1]:  # handoff: the teacher continues the student's turn
             kinds.add("handoff")
-            assert msgs[1]["student_prefix"] + msgs[1]["content"] == answer and msgs[1]["student_prefix"]
-        else:  # fix: a wrong student turn (context), a retry request, the teacher's answer (trained)
+            assert msgs[1]["student_prefix"] + msgs[1]["content"] == teacher and msgs[1]["student_prefix"]
+        else:  # fix: a wrong student answer (context), a retry request, the teacher's reply (trained)
             kinds.add("fix")
-            assert msgs[1]["train"] is False and msgs[1]["content"] != answer
-            assert msgs[-1] == {"role": "assistant", "content": answer}
+            assert msgs[1]["train"] is False and not verify(task, msgs[1]["content"]).passed
+            assert msgs[-1] == {"role": "assistant", "content": teacher}
     assert kinds == {"handoff", "fix"}
+
+
+def test_arith_demonstrations_work_column_by_column_and_verify():
+    from stages.taskgen import arith
+
+    assert arith.worked_solution("347+285=", "632") == "7+5=12,4+8+1=13,3+2+1=6;632"
+    assert arith.worked_solution("905-387=", "518") == "15-7=8,10-8-1=1,9-3-1=5;518"
+    rng = np.random.default_rng(3)
+    for task in generate_domain(rng, "arith", [2, 3], 400):
+        worked = demonstration(task)
+        columns = worked.split(";")[0].split(",")
+        # the answer's digits are the columns' last digits, right to left, plus the last column's carry
+        digits = columns[-1].split("=")[1] + "".join(c.split("=")[1][-1] for c in reversed(columns[:-1]))
+        assert int(digits) == int(task.answer), worked
+        assert verify(task, worked).passed and verify(task, task.answer).passed
+        assert not verify(task, worked[:-1] + str((int(worked[-1]) + 1) % 10)).passed
+        assert not verify(task, worked.split(";")[0]).passed  # the work alone is no answer
 
 
 def test_sft_outputs_and_preempted_run_resumes_bit_identically(tmp_path, tasks_dir):

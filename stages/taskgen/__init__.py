@@ -32,7 +32,7 @@ class Task:
     def messages(self, with_answer: bool = True) -> list[dict]:
         msgs = [{"role": "user", "content": self.prompt}]
         if with_answer:
-            msgs.append({"role": "assistant", "content": self.answer})
+            msgs.append({"role": "assistant", "content": demonstration(self)})
         return msgs
 
 
@@ -52,6 +52,16 @@ DOMAINS: dict[str, tuple[Callable, Callable]] = {
     "closure": (closure.generate, closure.verify),
     "arith": (arith.generate, arith.verify),
 }
+
+
+# verifier id -> worked_solution(prompt, answer): what a teacher writes, where it is more than the answer
+DEMONSTRATIONS: dict[str, Callable[[str, str], str]] = {"arith": arith.worked_solution}
+
+
+def demonstration(task: Task) -> str:
+    """The teacher's reply to `task` (SFT's target): its worked solution, or the bare answer."""
+    show = DEMONSTRATIONS.get(task.verifier)
+    return show(task.prompt, task.answer) if show else task.answer
 
 
 def verify(task: Task, completion: str) -> Verdict:
