@@ -307,7 +307,7 @@ DEMO_SMALL = [
     "stages.select.min_pass=0", "stages.select.max_pass=4",
     "stages.rl.updates=2", "stages.rl.tasks_per_update=4", "stages.rl.attempts=4", "stages.rl.eval_every=1",
     "stages.rl.eval_tasks=8", "stages.rl.eval_attempts=1", "stages.rl.save_every=1",
-    "stages.eval.limit=16", "stages.eval.attempts=2", "stages.eval.pass_k=[1,2]",
+    "stages.eval.limit=16", "stages.eval.attempts=2", "stages.eval.pass_k=[1,2]", "stages.eval_greedy.limit=16",
 ]
 
 
