@@ -35,12 +35,19 @@ def _slurm(argv: list[str]) -> str | None:
     return p.stdout if p.returncode == 0 else None
 
 
+def _step(job_id: str) -> str | None:
+    try:
+        return parse_job_id(job_id)["step"]
+    except ValueError:  # a line that is no job id (a warning from the client)
+        return None
+
+
 def work_steps(job: str) -> set[str] | None:
     """Step numbers of `job` that Slurm lists as running (not the batch or extern step)."""
     out = _slurm(["squeue", "--steps", "-h", "-j", job, "-o", "%i"])
     if out is None:
         return None
-    steps = {parse_job_id(line)["step"] for line in out.split() if line.strip()}
+    steps = {_step(line) for line in out.split()}
     return {s for s in steps if s and s not in NOT_WORK_STEPS}
 
 
@@ -58,7 +65,7 @@ def recorded_steps(job: str) -> dict[str, list[tuple[str, str]]]:
         if line.count("|") != 2:
             continue
         job_id, state, code = line.split("|")
-        step = parse_job_id(job_id)["step"]
+        step = _step(job_id)
         if step and step not in NOT_WORK_STEPS:
             steps.setdefault(step, []).append((state, code))
     return steps
