@@ -49,19 +49,12 @@ class Config:
 def first_of_each_domain_in_turn(tasks: list, n: int) -> list:
     """`n` tasks taken from the domains in turn (the train table is grouped by domain), so that a
     limit probes every domain rather than only the first."""
+    from itertools import zip_longest
+
     by_domain: dict[str, list] = {}
     for t in tasks:
         by_domain.setdefault(t.domain, []).append(t)
-    queues = [iter(ts) for ts in by_domain.values()]
-    out: list = []
-    while queues and len(out) < n:
-        for q in list(queues):
-            t = next(q, None)
-            if t is None:
-                queues.remove(q)
-            elif len(out) < n:
-                out.append(t)
-    return out
+    return [t for turn in zip_longest(*by_domain.values()) for t in turn if t is not None][:n]
 
 
 def validate(section, key: str) -> None:

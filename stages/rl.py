@@ -235,14 +235,14 @@ def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
     from stages.model import load_model_dir
     from stages.rlcore.handoff import HandoffError
     from stages.rlcore.loop import resolve_init
-    from stages.rlcore.transport import TransportError
+    from stages.rlcore.transport import TransportError, rollout_owner
 
     start = comm.bcast(None, root=0)  # the trainer's resumed step: the first batch still needed
     model, _, tok = load_model_dir(resolve_init(ctx, cfg), device=device_for(ctx))
     worker = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
     t0, made = time.perf_counter(), 0
     for k in range(start, cfg.updates):
-        if 1 + k % (ctx.world_size - 1) != ctx.rank:  # round robin over the rollout ranks (MPITransport.owner)
+        if rollout_owner(k, first_rollout=1, n_rollout=ctx.world_size - 1) != ctx.rank:  # the file transport has no owner()
             continue
         try:
             if ctx.checkpoint_due():

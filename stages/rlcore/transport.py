@@ -48,6 +48,11 @@ def _wait(requests, timeout_s: float, should_stop: Callable[[], bool] | None, wh
         time.sleep(0.002)
 
 
+def rollout_owner(batch_index: int, first_rollout: int, n_rollout: int) -> int:
+    """Rollout rank that produces batch `batch_index` (round robin over the rollout ranks)."""
+    return first_rollout + batch_index % n_rollout
+
+
 class MPITransport:
     def __init__(self, comm, trainer_rank: int = 0, first_rollout: int = 1, n_rollout: int | None = None,
                  timeout_s: float = 3600.0, should_stop: Callable[[], bool] | None = None):
@@ -61,8 +66,7 @@ class MPITransport:
         self.should_stop = should_stop
 
     def owner(self, batch_index: int) -> int:
-        """Rollout rank that produces batch `batch_index` (round robin)."""
-        return self.first_rollout + batch_index % self.n_rollout
+        return rollout_owner(batch_index, self.first_rollout, self.n_rollout)
 
     def send_batch(self, batch_index: int, trajs: list[Trajectory]) -> None:
         bufs = pack(trajs)
