@@ -11,12 +11,13 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from . import config as config_mod
 from .dag import Dag, build
 from .errors import UserError
 from .executors import make_executor
-from .progress import STYLE
+from .progress import progress_lines, styled
 from .rundir import RunDir
 
 out = Console(highlight=False)
@@ -27,7 +28,7 @@ err = Console(stderr=True, highlight=False)
 
 
 def _plan_table(dag: Dag, cfg, run: RunDir | None = None) -> Table:
-    table = Table(title=f"plan: {cfg.name} (executor {cfg.executor.kind})")
+    table = Table(title=Text(f"plan: {cfg.name} (executor {cfg.executor.kind})"))
     for col in ("stage", "kind", "needs", "units", "resources", "action"):
         table.add_column(col)
     for node in dag:
@@ -40,7 +41,7 @@ def _plan_table(dag: Dag, cfg, run: RunDir | None = None) -> Table:
         if run is not None:
             status, _ = run.stage_status(dag, node.name)
             action = "skip (done)" if status == "done" else "run"
-        table.add_row(node.name, node.kind, ",".join(node.needs) or "-", str(len(node.units)), what, action)
+        table.add_row(*map(Text, (node.name, node.kind, ",".join(node.needs) or "-", str(len(node.units)), what, action)))
     return table
 
 
@@ -60,15 +61,16 @@ def drive(run: RunDir, dag: Dag, cfg) -> int:
             if status != "done":
                 todo.append(node.name)
         if not todo:
-            err.print(f"[green]all {len(dag.nodes)} stages done[/] in {run.path}")
+            err.print(Text.assemble((f"all {len(dag.nodes)} stages done", "green"), f" in {run.path}"))
             return 0
         skipped = [n for n in dag.order if n not in todo]
         if skipped:
-            err.print(f"skipping done stages (outputs verified): {', '.join(skipped)}")
-        err.print(f"run [bold]{run.run_id}[/] in {run.path}")
+            err.print(Text(f"skipping done stages (outputs verified): {', '.join(skipped)}"))
+        err.print(Text.assemble("run ", (run.run_id, "bold"), f" in {run.path}"))
         code = executor.launch(todo)
     if cfg.executor.kind == "local":
-        err.print(f"[{'green' if code == 0 else 'red'}]run {'finished' if code == 0 else 'stopped'}[/]: snowcat status {run.path}")
+        verdict = ("run finished", "green") if code == 0 else ("run stopped", "red")
+        err.print(Text.assemble(verdict, f": snowcat status {run.path}"))
     return code
 
 
@@ -150,6 +152,7 @@ def status_record(run: RunDir) -> dict:
             "slurm": record.get("slurm"),
             "metrics": metrics,
             "problems": problems,
+            "progress": progress_lines(run, dag, node.name) if status != "done" else [],
         } | ({"units": units} if units else {})
     return {"run_id": run.run_id, "run_dir": str(run.path), "executor": cfg.executor.kind, "stages": stages}
 
@@ -173,7 +176,7 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(record, indent=2, default=str))
         return 0
-    table = Table(title=f"{record['run_id']}  ({record['executor']})")
+    table = Table(title=Text(f"{record['run_id']}  ({record['executor']})"))
     for col in ("stage", "kind", "status", "tries", "job", "time"):
         table.add_column(col, no_wrap=True)
     table.add_column("metrics", overflow="fold")
@@ -181,10 +184,12 @@ def cmd_status(args) -> int:
         dur = s["metrics"].get("duration_s")
         extra = (s.get("slurm") or {}) if s["status"] != "done" else {}  # scheduler info matters while unfinished
         note = extra.get("reason") or (s.get("error") if s["status"] != "done" else "") or (s["problems"][0] if s["problems"] else "")
+        summary = Text(_headline(s["metrics"]) or "; ".join(s["progress"]))
+        if note:
+            summary.append(f" {note}" if summary else note, style="dim")
         table.add_row(
-            name, s["kind"], f"[{STYLE.get(s['status'], '')}]{s['status']}[/]", str(s["attempts"]),
-            (s["job_ids"] or ["-"])[-1], f"{dur:.0f}s" if dur else "-",
-            _headline(s["metrics"]) + (f" [dim]{note}[/]" if note else ""),
+            Text(name), Text(s["kind"]), styled(s["status"]), Text(str(s["attempts"])),
+            Text(str((s["job_ids"] or ["-"])[-1])), Text(f"{dur:.0f}s" if dur else "-"), summary,
         )
     out.print(table)
     return 0
@@ -194,7 +199,7 @@ def cmd_cancel(args) -> int:
     run = RunDir.open(args.run)
     cfg = run.config()
     cancelled = make_executor(cfg.executor.kind, run, build(cfg), cfg).cancel()
-    out.print(f"cancelled: {', '.join(cancelled) or 'nothing was running'}")
+    out.print(Text(f"cancelled: {', '.join(cancelled) or 'nothing was running'}"))
     return 0
 
 

@@ -64,8 +64,18 @@ class StageContext:
     local_rank: int = 0
     signal: CheckpointSignal = field(default_factory=CheckpointSignal)
     staged: dict[str, Path] = field(default_factory=dict)  # pre-staged artefacts by name (offline sites)
+    _reporter: Any = field(default=None, repr=False)
 
     Preempted = Preempted
+
+    def progress(self, done: int, total: int, *, unit: str = "steps", phase: str | None = None, **numbers: float) -> None:
+        """Report progress (e.g. `ctx.progress(step, steps, loss=0.41, **{"tok/s": 1900})`): shown by the
+        live view and `snowcat status`, and logged every 30 s. Only rank 0 reports; call it freely."""
+        if self._reporter is None:
+            from .unitprogress import PROGRESS_FILE, ProgressReporter
+
+            self._reporter = ProgressReporter(Path(self.out_dir) / PROGRESS_FILE, self.name, enabled=self.rank == 0)
+        self._reporter(done, total, unit=unit, phase=phase, **numbers)
 
     def checkpoint_due(self) -> bool:
         """True once the scheduler has announced the end of this job (save now, then raise Preempted)."""

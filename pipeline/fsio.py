@@ -27,11 +27,33 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it (os.umask can only set, which races threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def make_temp_dir(parent: str | os.PathLike, prefix: str, suffix: str = "") -> Path:
+    """mkdtemp, but with the permissions any new directory gets (mkdtemp makes 0700): a project
+    group on a shared filesystem reads a colleague's run as far as the umask allows."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=parent))
+    tmp.chmod(0o777 & ~current_umask())
+    return tmp
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; a plain open() honours the umask
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -67,7 +89,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = make_temp_dir(path.parent, f".{path.name}.", ".tmp")
     try:
         yield tmp
         for f in tmp.rglob("*"):

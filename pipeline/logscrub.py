@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import sys
 import threading
 from typing import Iterator
@@ -28,17 +29,26 @@ def scrubbed_output() -> Iterator[None]:
         os.dup2(write_end, fd)
     os.close(write_end)
 
+    done = threading.Event()
+
     def pump() -> None:
-        with os.fdopen(read_end, "rb", buffering=0) as src:
-            pending = b""
-            while chunk := src.read(65536):
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                if lines:
-                    text = scrub_text(b"\n".join(lines).decode(errors="replace"), secrets) + "\n"
-                    os.write(saved[1], text.encode())
-            if pending:
-                os.write(saved[1], scrub_text(pending.decode(errors="replace"), secrets).encode())
+        # Not "read until EOF": a child that outlives the block (multiprocessing's resource tracker)
+        # keeps a write end open. Once the block is over, drain what was written and stop.
+        pending = b""
+        while True:
+            readable, _, _ = select.select([read_end], [], [], 0.1)
+            chunk = os.read(read_end, 65536) if readable else b""
+            if not chunk:
+                if readable or done.is_set():  # EOF, or nothing left after the block ended
+                    break
+                continue
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            if lines:
+                text = scrub_text(b"\n".join(lines).decode(errors="replace"), secrets) + "\n"
+                os.write(saved[1], text.encode())
+        if pending:  # a last line without a newline is still output
+            os.write(saved[1], scrub_text(pending.decode(errors="replace"), secrets).encode())
 
     thread = threading.Thread(target=pump, name="log-scrubber", daemon=True)
     thread.start()
@@ -48,7 +58,9 @@ def scrubbed_output() -> Iterator[None]:
         sys.stdout.flush()
         sys.stderr.flush()
         for fd in (1, 2):
-            os.dup2(saved[fd], fd)  # closes the pipe's last write ends: the pump sees EOF
-        thread.join(timeout=30)
+            os.dup2(saved[fd], fd)  # our write ends are closed; everything we wrote is in the pipe
+        done.set()
+        thread.join()
+        os.close(read_end)
         for fd in saved.values():
             os.close(fd)

@@ -177,16 +177,21 @@ def container_state(run_dir: Path, env: Mapping[str, str] | None = None, labels_
     return rec
 
 
+# Instruction-set extensions that change which kernels run, and so floating-point results.
+_ISA_FLAGS = ("sse4", "avx", "fma", "amx", "f16c", "asimd", "sve", "bf16", "i8mm")
+
+
 def host_state(probe_gpu: bool = True) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "hostname": platform.node(), "platform": platform.platform(), "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "cpu_model": None, "memory_bytes": None, "gpus": None,
+        "cpu_count": os.cpu_count(), "cpu_model": None, "cpu_flags": None, "memory_bytes": None, "gpus": None,
     }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "Model", "CPU part")):
+            if line.startswith(("model name", "Model", "CPU part")) and rec["cpu_model"] is None:
                 rec["cpu_model"] = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith(("flags", "Features")) and rec["cpu_flags"] is None:
+                rec["cpu_flags"] = sorted(f for f in line.split(":", 1)[1].split() if f.startswith(_ISA_FLAGS))
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
                 rec["memory_bytes"] = int(line.split()[1]) * 1024
@@ -197,6 +202,7 @@ def host_state(probe_gpu: bool = True) -> dict[str, Any]:
             import torch  # lazily: the CLI must start fast, and most stages have it loaded by now
 
             rec["cuda_version"] = torch.version.cuda
+            rec["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # the kernels torch dispatches to
             if torch.cuda.is_available():
                 rec["gpus"] = [
                     {"name": p.name, "memory_bytes": p.total_memory, "capability": f"{p.major}.{p.minor}"}

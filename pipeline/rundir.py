@@ -19,7 +19,6 @@ import datetime as dt
 import os
 import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,7 +28,8 @@ from omegaconf import DictConfig
 from . import config as config_mod
 from .dag import Dag, Unit
 from .errors import UserError
-from .fsio import atomic_write_json, atomic_write_text, read_json, sha256_file, verify_manifest, write_manifest
+from .fsio import (atomic_write_json, atomic_write_text, make_temp_dir, read_json, sha256_file, verify_manifest,
+                   write_manifest)
 
 DONE = "DONE"
 STATUSES = ("pending", "submitted", "running", "done", "failed", "cancelled", "modified")
@@ -57,7 +57,7 @@ class RunDir:
         if path.exists() and any(path.iterdir()):
             raise UserError(f"{path}: exists and is not a snowcat run directory")
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        tmp = make_temp_dir(path.parent, f".{path.name}.")
         try:
             atomic_write_text(tmp / "config.yaml", config_mod.to_yaml(cfg))
             atomic_write_json(tmp / "run.json", {"run_id": run_id, "created": now(), "origin": origin or {}})

@@ -221,6 +221,9 @@ def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVe
                 rec.update(reward=v.reward, passed=int(v.passed),
                            status="truncated" if c.finish_reason == "length" else "ok")
                 break
+        scored = [r["passed"] for r in records if r["passed"] >= 0]
+        ctx.progress(len(records), len(requests), unit="episodes", phase=ref,
+                     **({"pass_rate": sum(scored) / len(scored)} if scored else {}))
     return records
 
 

@@ -96,13 +96,14 @@ def load_checkpoint(ctx, ref: str, key: str, device: str = "cpu"):
     return model, tok
 
 
-def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path | None = None, checkpoint_due=None):
+def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path | None = None, checkpoint_due=None,
+          progress=None):
     """All episodes (`attempts` per task, group id = task index), infra errors retried.
 
     With `partial_dir`, each finished batch is saved there (packed trajectories) and reused on the
     next call, so a preempted probe continues where it stopped; episodes are seeded per (task,
     attempt, turn), so the result equals an uninterrupted run. `checkpoint_due()` true after a
-    batch raises `Preempted`."""
+    batch raises `Preempted`. `progress(done, total, ...)` hears of each batch (ctx.progress)."""
     from pipeline.context import Preempted
     from stages.agent import Budget, EpisodeJob, make_env, run_episodes
 
@@ -131,6 +132,8 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
         trajs += out
         if path is not None:
             _save_batch(path, key, out)
+        if progress is not None:
+            progress(len(trajs), len(jobs), unit="episodes", pass_rate=sum(t.reward > 0 for t in trajs) / len(trajs))
         if checkpoint_due is not None and checkpoint_due() and start + cfg.batch_size < len(jobs):
             raise Preempted(f"probe: {b + 1} batches saved in {partial_dir}")
     return trajs
@@ -276,7 +279,7 @@ def run(ctx) -> dict:
     partial = Path(ctx.out_dir) / "partial"
     partial.mkdir(exist_ok=True)
     try:
-        trajs = probe(engine, tok, tasks, cfg, ctx.seed, verifier, partial, ctx.checkpoint_due)
+        trajs = probe(engine, tok, tasks, cfg, ctx.seed, verifier, partial, ctx.checkpoint_due, ctx.progress)
     finally:
         verifier.close()
 

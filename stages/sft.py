@@ -296,6 +296,7 @@ def run(ctx) -> dict:
             if log is not None:
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
+            ctx.progress(backend.step, cfg.steps, loss=rec["loss"], **{"tok/s": rec["tokens_per_s"]})
             if cfg.save_every and backend.step % cfg.save_every == 0 and backend.step < cfg.steps:
                 save_step()
     finally:

@@ -35,6 +35,53 @@ class Snowcat:
             stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
         )
 
+    def terminal(self, *args: str, env: dict | None = None, timeout: float = 300, columns: int = 200,
+                 interrupt_after: str | None = None) -> tuple[int, str]:
+        """`snowcat ARGS` on a pseudo-terminal, as a person runs it: rich sees a terminal (live view,
+        colours). Returns (exit code, everything it printed). With `interrupt_after`, Ctrl-C is
+        typed once that text has been printed."""
+        import fcntl
+        import pty
+        import select
+        import signal
+        import termios
+        import time
+
+        leader, follower = pty.openpty()
+        term = {"TERM": "xterm-256color", "COLUMNS": str(columns), "LINES": "50"}
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=self.cwd,
+                                stdin=follower, stdout=follower, stderr=follower, start_new_session=True,
+                                preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # its controlling terminal
+                                env={**os.environ, **term, **(env or {})})
+        os.close(follower)
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        interrupted = False
+        try:
+            while time.monotonic() < deadline:
+                if select.select([leader], [], [], 0.2)[0]:
+                    try:
+                        data = os.read(leader, 65536)
+                    except OSError:  # EIO: every writer of the terminal has gone
+                        break
+                    if not data:
+                        break
+                    chunks.append(data)
+                if interrupt_after and not interrupted and interrupt_after.encode() in b"".join(chunks):
+                    os.write(leader, b"\x03")  # the terminal turns it into SIGINT for the foreground group
+                    interrupted = True
+                if proc.poll() is not None and not select.select([leader], [], [], 0.2)[0]:
+                    break
+            else:
+                raise AssertionError(f"snowcat {' '.join(map(str, args))} on a terminal ran past {timeout}s:\n"
+                                     + b"".join(chunks).decode(errors="replace")[-3000:])
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            os.close(leader)
+        return proc.returncode, b"".join(chunks).decode(errors="replace")
+
     def status(self, run_dir: Path) -> dict:
         return json.loads(self("status", run_dir, "--json", check=True).stdout)
 

@@ -236,6 +236,9 @@ class Trainer:
                 if evaluated:
                     rec.update(self.evaluate())
                 self._log(log, rec)
+                ctx.progress(self.step, cfg.updates, unit="updates", reward=rec["reward/mean"],
+                             **({"val pass@1": rec["val/pass@1"]} if "val/pass@1" in rec else {}),
+                             **{"tok/s": rec["throughput/sampled_tokens_per_s"]})
                 if self.step == cfg.updates or (cfg.save_every and self.step % cfg.save_every == 0) or evaluated:
                     self.save(rec if evaluated else None)
         finally:

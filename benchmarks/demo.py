@@ -1,0 +1,121 @@
+"""The demo's numbers over several seeds: what a user of `configs/demo.yaml` can expect, with spread.
+
+    snowcat bench demo [--seeds 3] [--first-seed 1234] [--root DIR] [--json FILE] [key=value ...]
+
+Runs `snowcat run configs/demo.yaml seed=S` once per seed (each in ROOT/seed-S; a finished run is
+re-verified and reused, so an interrupted benchmark resumes), then reads what each run recorded:
+SFT's held-out greedy pass@1 per domain, the sampled (`eval`) and greedy (`eval_greedy`) pass@1 of
+each checkpoint per domain, RL's paired gain over SFT, and stage durations. Prints mean, standard
+deviation (over seeds), min and max of each, and writes every per-seed value with the machine's CPU
+model, its instruction-set flags and torch's CPU kernel level to --json. The seed changes the
+generated tasks, the initialisation and the sampling, so the spread is what a user should expect
+from the demo on this machine kind; floating-point results differ between CPU generations
+(docs/users.md, "What is reproducible").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "configs" / "demo.yaml"
+SFT_DOMAINS = ("closure", "arith")
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _eval_rows(results: dict, prefix: str) -> dict[str, float]:
+    """pass@1 per checkpoint and domain, and every comparison's pass@1 diff and paired SE."""
+    rows: dict[str, float] = {}
+    for ref, res in results.get("checkpoints", {}).items():
+        for group, s in res["groups"].items():
+            if "/" not in group:
+                rows[f"{prefix}/{ref}/{group}/pass@1"] = s["pass@1"]
+    for name, groups in results.get("comparisons", {}).items():
+        for group, c in groups.items():
+            if "/" not in group:
+                rows[f"{prefix}/{name}/{group}/pass@1_diff"] = c["pass@1"]["diff"]
+                rows[f"{prefix}/{name}/{group}/pass@1_diff_se"] = c["pass@1"]["se"]
+    return rows
+
+
+def collect(run_dir: Path) -> dict[str, float]:
+    """The headline numbers one demo run recorded, flat."""
+    stages = run_dir / "stages"
+    sft = _read(stages / "sft" / "metrics.json")
+    rows = {f"sft/val_greedy_pass@1/{d}": sft.get(f"val_greedy_pass@1/{d}") for d in SFT_DOMAINS}
+    rows |= _eval_rows(_read(stages / "eval" / "results.json"), "eval")
+    rows |= _eval_rows(_read(stages / "eval_greedy" / "results.json"), "eval_greedy")
+    for stage_dir in sorted(p for p in stages.iterdir() if p.is_dir()):
+        duration = _read(stage_dir / "metrics.json").get("duration_s")
+        if duration is not None:
+            rows[f"duration_s/{stage_dir.name}"] = duration
+    return {k: v for k, v in rows.items() if v is not None}
+
+
+def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
+    keys = sorted({k for rows in per_seed.values() for k in rows})
+    out = {}
+    for key in keys:
+        values = [rows[key] for rows in per_seed.values() if key in rows]
+        out[key] = {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+                    "min": min(values), "max": max(values), "n": len(values)}
+    return out
+
+
+def machine() -> dict:
+    from pipeline.provenance import host_state
+
+    host = host_state()
+    return {k: host.get(k) for k in ("cpu_model", "cpu_flags", "cpu_capability", "cpu_count", "machine")}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="snowcat bench demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=1234, help="the demo's own seed; then +1, +2, ...")
+    p.add_argument("--root", default=str(REPO / "logs" / "bench-demo"))
+    p.add_argument("--json", help="write the per-seed values and the summary here")
+    p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    args = p.parse_args(argv)
+    root = Path(args.root)
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    per_seed: dict[int, dict[str, float]] = {}
+    walls = {}
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        run_dir = root / f"seed-{seed}"
+        print(f"[bench demo] seed {seed}: {run_dir}", flush=True)
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "pipeline.cli", "run", str(CONFIG), f"seed={seed}", "--run-dir", str(run_dir), *args.overrides]
+        code = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        walls[seed] = round(time.perf_counter() - t0, 1)
+        if code != 0:
+            print(f"[bench demo] seed {seed}: the run exited {code}; see `snowcat status {run_dir}`", file=sys.stderr)
+            return 1
+        per_seed[seed] = collect(run_dir)
+    summary = summarize(per_seed)
+    print(f"\n{'metric':58} {'mean':>7} {'sd':>7} {'min':>7} {'max':>7}   (over {len(per_seed)} seeds)")
+    for key, s in summary.items():
+        if not key.endswith("_se"):
+            print(f"{key:58} {s['mean']:7.3f} {s['sd']:7.3f} {s['min']:7.3f} {s['max']:7.3f}")
+    if args.json:
+        from pipeline.fsio import atomic_write_json
+
+        atomic_write_json(args.json, {"config": str(CONFIG.relative_to(REPO)), "overrides": args.overrides,
+                                      "machine": machine(), "seeds": list(per_seed), "wall_s": walls,
+                                      "per_seed": per_seed, "summary": summary})
+        print(f"written: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
