@@ -1,6 +1,7 @@
 """The CLI end to end on the local executor: run, status, idempotent re-runs, errors, kill + resume."""
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -152,3 +153,20 @@ def test_cancel_stops_a_local_run(snowcat, small, tmp_path):
     assert snowcat.status(run_dir)["stages"]["tasks"]["status"] == "cancelled"
     snowcat("resume", run_dir, check=True)
     assert {s["status"] for s in snowcat.status(run_dir)["stages"].values()} == {"done"}
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o027])
+def test_run_files_honour_the_umask(snowcat, small, tmp_path, umask):
+    """A project group on a shared filesystem reads (audits, reproduces) a colleague's run as far as
+    the umask allows; mkstemp/mkdtemp alone would make every file 0600 and directory 0700."""
+    old = os.umask(umask)
+    try:
+        snowcat("run", small, "--run-dir", tmp_path / "run", check=True)
+    finally:
+        os.umask(old)
+    paths = [tmp_path / "run", *(tmp_path / "run").rglob("*")]
+    files = [p for p in paths if p.is_file() and not p.name.endswith(".lock")]  # filelock sets its own mode
+    dirs = [p for p in paths if p.is_dir()]
+    assert len(files) > 10 and len(dirs) > 3
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o666 & ~umask)}
+    assert {oct(p.stat().st_mode & 0o777) for p in dirs} == {oct(0o777 & ~umask)}

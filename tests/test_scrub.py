@@ -1,6 +1,9 @@
 """Planted credentials never survive scrubbing, and the tree scan finds them wherever they hide."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -144,3 +147,25 @@ def test_url_password_needs_printable_user_and_password(tmp_path):
     assert scan_tree(tmp_path, known_secrets={}) == []
     (tmp_path / "weights.bin").write_bytes(b"\x00\x13https://ci:tok-en_1.2~x@host\x00")
     assert [f.kind for f in scan_tree(tmp_path, known_secrets={})] == ["url_password"]
+
+
+_HOLDS_OUTPUT = """
+import subprocess, sys
+from pipeline.logscrub import scrubbed_output
+with scrubbed_output():
+    print("secret is " + sys.argv[1], flush=True)
+    # like multiprocessing's resource tracker: a child that inherits the pipe and outlives the block
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(40)"], start_new_session=True)
+    sys.stdout.write("last line, no newline")
+"""
+
+
+def test_scrubbed_output_does_not_wait_for_children_and_keeps_the_last_line(tmp_path):
+    secret = "hf_" + "Zq8Lw3" * 6
+    proc = subprocess.run([sys.executable, "-c", _HOLDS_OUTPUT, secret], capture_output=True, text=True,
+                          env={**os.environ, "HF_TOKEN": secret}, cwd=Path(__file__).resolve().parent.parent,
+                          timeout=25)  # the old pump waited 30 s for an EOF the child never sends
+    assert proc.returncode == 0, proc.stderr
+    assert secret not in proc.stdout
+    assert proc.stdout.endswith("last line, no newline")
+    assert proc.stdout.startswith("secret is ")
