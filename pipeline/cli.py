@@ -296,7 +296,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:  # key=value overrides are accepted anywhere, also after options
+        if not hasattr(args, "overrides") or any("=" not in a or a.startswith("-") for a in extra):
+            p.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     try:
         return args.func(args)
     except UserError as e:

@@ -22,25 +22,47 @@ from omegaconf.errors import OmegaConfBaseException
 from .errors import UserError
 
 
+def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+            lt: float | None = None):
+    """A numeric field with the range it must lie in; checked when a config loads (None passes)."""
+    return field(default=default, metadata={"range": (ge, gt, le, lt)})
+
+
+def checkpoint_refs(default: Any = "", **kw):
+    """A field holding one "<stage>:<checkpoint>" reference (str) or a list of them; checked when a
+    config loads: the stage must be in `needs` and its kind must write that checkpoint."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"checkpoint_ref": True}, **kw)
+    return field(default=default, metadata={"checkpoint_ref": True}, **kw)
+
+
+def parse_checkpoint_ref(ref: str) -> tuple[str, str]:
+    """("sft", "final") from "sft:final"; ValueError for anything else."""
+    stage, sep, name = str(ref).partition(":")
+    if not sep or not stage or not name or ":" in name:
+        raise ValueError(f"{ref!r} is not '<stage>:<checkpoint>' (e.g. 'sft:final')")
+    return stage, name
+
+
 @dataclass
 class Component:
     """One component of a heterogeneous job (e.g. trainer, rollout): its own nodes and GPUs."""
 
-    nodes: int = 1
-    tasks_per_node: int = 1
-    cpus_per_task: int = 1
-    gpus_per_node: int = 0
+    nodes: int = bounded(1, ge=1)
+    tasks_per_node: int = bounded(1, ge=1)
+    cpus_per_task: int = bounded(1, ge=1)
+    gpus_per_node: int = bounded(0, ge=0)
     partition: Optional[str] = None
 
 
 @dataclass
 class Resources:
-    nodes: int = 1
-    tasks_per_node: int = 1
-    cpus_per_task: int = 1
-    gpus_per_node: int = 0
-    mem_gb: Optional[int] = None
-    time_min: int = 30
+    nodes: int = bounded(1, ge=1)
+    tasks_per_node: int = bounded(1, ge=1)
+    cpus_per_task: int = bounded(1, ge=1)
+    gpus_per_node: int = bounded(0, ge=0)
+    mem_gb: Optional[int] = bounded(None, ge=1)
+    time_min: int = bounded(30, ge=1)
     partition: Optional[str] = None
     # Non-empty: a co-scheduled multi-role stage (one Slurm hetjob, one MPI world; component order
     # is rank order). Locally it runs under mpirun with the same roles.
@@ -52,8 +74,8 @@ class ResumePolicy:
     """How a stage longer than the partition walltime continues (Slurm executor)."""
 
     strategy: str = "requeue"  # requeue | chain | none
-    signal_margin_s: int = 120  # --signal=USR2@margin: time the stage has to checkpoint
-    max_continuations: int = 3
+    signal_margin_s: int = bounded(120, ge=0)  # --signal=USR2@margin: time the stage has to checkpoint
+    max_continuations: int = bounded(3, ge=0)
 
 
 @dataclass
@@ -63,7 +85,7 @@ class StageCommon:
     resources: Resources = field(default_factory=Resources)
     # Fan-out: one unit of work per element of the cartesian product of these lists (a job array).
     fan_out: dict[str, list[Any]] = field(default_factory=dict)
-    max_parallel: int = 0  # array throttle (%N); 0 = site default
+    max_parallel: int = bounded(0, ge=0)  # array throttle (%N); 0 = site default
     resume: ResumePolicy = field(default_factory=ResumePolicy)
     image: Optional[str] = None  # container image to run the stage in (site runtime decides how)
     staged: list[str] = field(default_factory=list)  # artefacts that must be pre-staged (run offline)
@@ -72,14 +94,14 @@ class StageCommon:
 @dataclass
 class ExecutorConfig:
     kind: str = "local"  # local | slurm
-    max_parallel: int = 2  # local executor: stages running at once
+    max_parallel: int = bounded(2, ge=1)  # local executor: stages running at once
     mpirun: str = "mpirun"  # local launcher for multi-role stages
 
 
 @dataclass
 class RunConfig:
     name: str = "run"
-    seed: int = 0
+    seed: int = bounded(0, ge=0)  # numpy's generators take no negative seed
     run_root: str = "logs"
     description: str = ""
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
@@ -180,6 +202,8 @@ def _override_source(item: str) -> tuple[str, DictConfig]:
         return label, OmegaConf.from_dotlist([f"{key.strip()}={value}"])
     except OmegaConfBaseException as e:
         raise UserError(f"{label}: {_msg(e)}") from None
+    except Exception as e:  # the value is parsed as YAML: a yaml error, with its own multi-line text
+        raise UserError(f"{label}: cannot parse the value: {' '.join(str(e).split())}") from None
 
 
 def _msg(e: OmegaConfBaseException) -> str:
@@ -238,18 +262,106 @@ def compose(path: str | Path, overrides: list[str] = (), site: str | None = None
         except OmegaConfBaseException as e:
             raise UserError(f"{label}: {_key(e)}: {_msg(e)}") from None
     try:
-        _check_values(typed, str(path))
+        _check_values(typed, str(path), lambda key: _source_of(sources, key, str(path)))
     except OmegaConfBaseException as e:
         raise UserError(f"{path}: {_key(e)}: bad interpolation: {_msg(e)}") from None
     return typed
 
 
-def _check_values(cfg: DictConfig, label: str) -> None:
+def _source_of(sources: list[tuple[str, DictConfig]], key: str, default: str) -> str:
+    """The last source (file or override) that sets `key`: the one to blame for its value."""
+    for label, src in reversed(sources):
+        try:
+            if OmegaConf.select(src, key, default=MISSING, throw_on_missing=False) is not MISSING:
+                return label
+        except OmegaConfBaseException:
+            continue
+    return default
+
+
+def _range_problem(value: Any, bounds: tuple) -> str | None:
+    ge, gt, le, lt = bounds
+    for bound, ok, word in ((ge, lambda b: value >= b, ">="), (gt, lambda b: value > b, ">"),
+                            (le, lambda b: value <= b, "<="), (lt, lambda b: value < b, "<")):
+        if bound is not None and not ok(bound):
+            return f"must be {word} {bound}, got {value}"
+    return None
+
+
+def _field_problems(node: DictConfig, where: str):
+    """(key, problem) for every bounded value out of range in a structured node, nested ones included."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    for f in dataclasses.fields(schema):
+        value = node.get(f.name)
+        key = f"{where}.{f.name}"
+        if "range" in f.metadata and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if (problem := _range_problem(value, f.metadata["range"])) is not None:
+                yield key, problem
+        child = node.get(f.name)
+        if isinstance(child, DictConfig):
+            if dataclasses.is_dataclass(OmegaConf.get_type(child)):
+                yield from _field_problems(child, key)
+            else:  # a dict of structured values (resources.components, tasks.domains)
+                for name in child:
+                    if isinstance(child[name], DictConfig):
+                        yield from _field_problems(child[name], f"{key}.{name}")
+
+
+def checkpoint_names(kind: str, section: DictConfig) -> tuple[str, ...] | None:
+    """The checkpoint names (fnmatch patterns) a stage of this kind writes; None: it writes none."""
+    names = getattr(stage_module(kind), "checkpoint_names", None)
+    return tuple(names(section)) if names is not None else None
+
+
+def _ref_problems(cfg: DictConfig, name: str, section: DictConfig):
+    """(key, problem) for every checkpoint reference of a stage that can never resolve."""
+    import fnmatch
+
+    schema = OmegaConf.get_type(section)
+    fields = [f.name for f in dataclasses.fields(schema) if f.metadata.get("checkpoint_ref")]
+    refs = []
+    for field_name in fields:
+        value = section.get(field_name)
+        for ref in ([value] if isinstance(value, str) else list(value or [])):
+            refs.append((f"stages.{name}.{field_name}", ref))
+    if "checkpoint" in section.fan_out and fields:
+        refs += [(f"stages.{name}.fan_out.checkpoint", ref) for ref in section.fan_out.checkpoint]
+    for key, ref in refs:
+        if ref == "":
+            continue  # "": the stage's documented default choice
+        try:
+            stage, ckpt = parse_checkpoint_ref(ref)
+        except ValueError as e:
+            yield key, str(e)
+            continue
+        if stage not in section.needs:
+            yield key, f"{ref!r} names stage {stage!r}, which is not in stages.{name}.needs ({', '.join(section.needs) or 'none'})"
+            continue
+        if stage not in cfg.stages:
+            continue  # the unknown stage in needs is reported by the DAG
+        producer = cfg.stages[stage]
+        names = checkpoint_names(str(producer.kind), producer)
+        if names is None:
+            yield key, f"{ref!r}: stage {stage!r} (kind {producer.kind}) writes no checkpoints"
+        elif not any(fnmatch.fnmatchcase(ckpt, pattern) for pattern in names):
+            yield key, f"{ref!r}: stage {stage!r} (kind {producer.kind}) writes only {', '.join(names)}"
+
+
+def _check_values(cfg: DictConfig, label: str, source_of=None) -> None:
+    source_of = source_of or (lambda key: label)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UserError(f"{label}: {missing[0]}: missing required value")
     if cfg.executor.kind not in EXECUTOR_KINDS:
         raise UserError(f"{label}: executor.kind: {cfg.executor.kind!r} is not one of {', '.join(EXECUTOR_KINDS)}")
+    problems = list(_field_problems(cfg, "")) + [p for name, st in cfg.stages.items() for p in _ref_problems(cfg, name, st)]
+    if problems:
+        key, problem = problems[0]
+        key = key.lstrip(".")
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise UserError(f"{source_of(key)}: {key}: {problem}{more}")
     for name, stage in cfg.stages.items():
         validate = getattr(stage_module(stage.kind), "validate", None)
         if validate is not None:

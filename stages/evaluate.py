@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.config import bounded, checkpoint_refs
 from pipeline.context import StageContext
 from pipeline.errors import UserError
 from pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
@@ -31,44 +32,33 @@ from stages import evalstats
 
 @dataclass
 class Config:
-    checkpoints: list[str] = field(default_factory=lambda: ["sft:initial", "sft:final"])  # "<stage>:<name>"
+    checkpoints: list[str] = checkpoint_refs(["sft:initial", "sft:final"])  # "<stage>:<name>"
     tasks: str = "tasks"  # name of the tasks stage
     split: str = "val"
-    limit: int = 0  # evaluate only the first N tasks of the split (0 = all)
-    attempts: int = 4  # n attempts per task
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 48
+    limit: int = bounded(0, ge=0)  # evaluate only the first N tasks of the split (0 = all)
+    attempts: int = bounded(4, ge=1)  # n attempts per task
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(0, ge=0)
+    max_tokens: int = bounded(48, ge=1)
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4])
-    infra_retries: int = 2
-    verifier_timeout_s: float = 30.0
+    infra_retries: int = bounded(2, ge=0)
+    verifier_timeout_s: float = bounded(30.0, gt=0)
     verifier: str = "stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
-    batch_size: int = 64
-    bootstrap_samples: int = 2000
+    batch_size: int = bounded(64, ge=1)
+    bootstrap_samples: int = bounded(2000, ge=1)
 
 
 def validate(section, key: str) -> None:
     if not section.checkpoints:
         raise UserError(f"{key}.checkpoints: name at least one checkpoint, e.g. 'sft:final'")
-    for ref in section.checkpoints:
-        stage, _, name = str(ref).partition(":")
-        if not stage or not name:
-            raise UserError(f"{key}.checkpoints: {ref!r} is not '<stage>:<name>' (e.g. 'sft:final')")
     if section.split not in ("train", "val"):
         raise UserError(f"{key}.split: {section.split!r} is not 'train' or 'val'")
-    if section.attempts < 1:
-        raise UserError(f"{key}.attempts: must be >= 1")
     bad = [k for k in section.pass_k if not 1 <= k <= section.attempts]
     if bad:
         raise UserError(f"{key}.pass_k: {bad} outside 1..attempts ({section.attempts})")
-    if section.infra_retries < 0 or section.verifier_timeout_s <= 0 or section.batch_size < 1:
-        raise UserError(f"{key}: infra_retries must be >= 0, verifier_timeout_s > 0, batch_size >= 1")
-    needs = set(getattr(section, "needs", None) or [])
-    if needs:  # called with the full stage section: its inputs must be declared
-        for stage in [str(r).partition(":")[0] for r in section.checkpoints] + [section.tasks]:
-            if stage not in needs:
-                raise UserError(f"{key}.needs: add {stage!r} (named in {key}.checkpoints or {key}.tasks)")
+    if section.tasks not in section.needs:
+        raise UserError(f"{key}.needs: add {section.tasks!r} (named in {key}.tasks)")
     if ":" not in section.verifier:
         raise UserError(f"{key}.verifier: {section.verifier!r} is not 'module:function'")
     from stages.rollout.sampling import SamplingParams

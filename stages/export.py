@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config import bounded, checkpoint_refs
 from pipeline.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -45,15 +46,15 @@ CHAT_TEMPLATE = (
 
 @dataclass
 class Config:
-    checkpoint: str = ""  # "<needed stage>:<name>"; "" = best retained checkpoint of the needed training stage
+    checkpoint: str = checkpoint_refs("")  # "<needed stage>:<name>"; "" = best retained checkpoint of the needed training stage
     dtype: str = "float32"  # dtype of the exported weights: float32 | bfloat16 | float16
-    max_shard_mb: int = 4096
-    probe_rows: int = 4  # seeded random token rows for the logit comparison
-    probe_len: int = 32
+    max_shard_mb: int = bounded(4096, ge=1)
+    probe_rows: int = bounded(4, ge=1)  # seeded random token rows for the logit comparison
+    probe_len: int = bounded(32, ge=2)
     probe_prompts: list[str] = field(default_factory=lambda: ['{"a": [1, {"b": 2', "37 + 45 =", "Close: ([{", "hello"])
-    max_new_tokens: int = 16  # greedy tokens compared per probe prompt
-    tolerance: float = 1e-4  # max |Δlogit| allowed (both sides compute in float32)
-    timeout_s: float = 900.0  # for the transformers process
+    max_new_tokens: int = bounded(16, ge=1)  # greedy tokens compared per probe prompt
+    tolerance: float = bounded(1e-4, gt=0)  # max |Δlogit| allowed (both sides compute in float32)
+    timeout_s: float = bounded(900.0, gt=0)  # for the transformers process
     debug_corrupt: str = ""  # test only: "transpose_q" | "swap_experts" plants a conversion bug
 
 
@@ -62,15 +63,8 @@ def validate(section, key: str) -> None:
         raise UserError(f"{key}.dtype: {section.dtype!r} is not one of {', '.join(DTYPES)}")
     if section.debug_corrupt not in CORRUPTIONS:
         raise UserError(f"{key}.debug_corrupt: {section.debug_corrupt!r} is not one of {', '.join(map(repr, CORRUPTIONS))}")
-    if section.checkpoint and ":" not in section.checkpoint:
-        raise UserError(f"{key}.checkpoint: {section.checkpoint!r} is not '<stage>:<name>' (e.g. 'sft:final')")
-    needs = list(getattr(section, "needs", None) or [])
-    if section.checkpoint and needs and section.checkpoint.partition(":")[0] not in needs:
-        raise UserError(f"{key}.needs: add {section.checkpoint.partition(':')[0]!r} (named in {key}.checkpoint)")
-    if section.probe_rows < 1 or section.probe_len < 2 or section.max_new_tokens < 1 or not section.probe_prompts:
-        raise UserError(f"{key}: probe_rows >= 1, probe_len >= 2, max_new_tokens >= 1 and probe_prompts are required")
-    if section.tolerance <= 0:
-        raise UserError(f"{key}.tolerance: must be > 0")
+    if not section.probe_prompts:
+        raise UserError(f"{key}.probe_prompts: name at least one prompt")
 
 
 # ---------------------------------------------------------------- which checkpoint

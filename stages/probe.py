@@ -20,30 +20,31 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.config import bounded, checkpoint_refs
 from pipeline.errors import UserError
 from pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 
 
 @dataclass
 class Config:
-    checkpoint: str = "sft:final"  # "<stage>:<name>"
+    checkpoint: str = checkpoint_refs("sft:final")  # "<stage>:<name>"
     tasks: str = "tasks"  # name of the tasks stage; only its train split is probed
-    limit: int = 0  # probe N train tasks, taken from the domains in turn (0 = all)
-    attempts: int = 8
+    limit: int = bounded(0, ge=0)  # probe N train tasks, taken from the domains in turn (0 = all)
+    attempts: int = bounded(8, ge=1)
     env: str = "single"  # single | calculator
     require_tool: bool = True  # calculator env: answering an arith task without the tool scores 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_context: int = 256
-    max_turn_tokens: int = 32
-    max_turns: int = 3
-    band_min_pass: int = 1  # the "useful band" reported here (select applies its own)
-    band_max_pass: int = 6
-    batch_size: int = 64  # episodes advanced together
-    infra_retries: int = 1  # re-run an episode that ended in infra_error this many times
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(0, ge=0)
+    max_context: int = bounded(256, ge=1)
+    max_turn_tokens: int = bounded(32, ge=1)
+    max_turns: int = bounded(3, ge=1)
+    band_min_pass: int = bounded(1, ge=0)  # the "useful band" reported here (select applies its own)
+    band_max_pass: int = bounded(6, ge=0)
+    batch_size: int = bounded(64, ge=1)  # episodes advanced together
+    infra_retries: int = bounded(1, ge=0)  # re-run an episode that ended in infra_error this many times
     verifier: str = "stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
-    verifier_timeout_s: float = 30.0
+    verifier_timeout_s: float = bounded(30.0, gt=0)
 
 
 def first_of_each_domain_in_turn(tasks: list, n: int) -> list:
@@ -58,21 +59,14 @@ def first_of_each_domain_in_turn(tasks: list, n: int) -> list:
 
 
 def validate(section, key: str) -> None:
-    stage, _, name = str(section.checkpoint).partition(":")
-    if not stage or not name:
-        raise UserError(f"{key}.checkpoint: {section.checkpoint!r} is not '<stage>:<name>' (e.g. 'sft:final')")
-    needs = set(getattr(section, "needs", None) or [])
-    for need in (stage, section.tasks):
-        if needs and need not in needs:
-            raise UserError(f"{key}.needs: add {need!r} (named in {key}.checkpoint or {key}.tasks)")
+    if section.tasks not in section.needs:
+        raise UserError(f"{key}.needs: add {section.tasks!r} (named in {key}.tasks)")
     if section.env not in ("single", "calculator"):
         raise UserError(f"{key}.env: {section.env!r} is not 'single' or 'calculator'")
-    if section.attempts < 1 or section.batch_size < 1 or section.infra_retries < 0 or section.limit < 0:
-        raise UserError(f"{key}: attempts and batch_size must be >= 1, infra_retries and limit >= 0")
     if not 0 <= section.band_min_pass <= section.band_max_pass <= section.attempts:
         raise UserError(f"{key}: need 0 <= band_min_pass <= band_max_pass <= attempts ({section.attempts})")
-    if ":" not in section.verifier or section.verifier_timeout_s <= 0:
-        raise UserError(f"{key}.verifier: {section.verifier!r} must be 'module:function' with verifier_timeout_s > 0")
+    if ":" not in section.verifier:
+        raise UserError(f"{key}.verifier: {section.verifier!r} must be 'module:function'")
     from stages.agent.loop import Budget
     from stages.rollout.sampling import SamplingParams
 

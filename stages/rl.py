@@ -23,46 +23,53 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipeline.config import bounded, checkpoint_refs
+
 
 @dataclass
 class Config:
-    init_from: str = "sft:final"  # "<needed stage>:<checkpoint>"
+    init_from: str = checkpoint_refs("sft:final")  # "<needed stage>:<checkpoint>"
     tasks_input: str = "tasks"  # the tasks stage (train split fallback, val split for the quick eval)
     band_input: str = "select"  # the select stage's band.parquet, when that stage is needed
     domains: list[str] = field(default_factory=list)  # restrict training tasks to these domains (empty = all)
     env: str = "single"  # stages.agent environment: single | calculator
     verifier: str = "stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
     reward: str = "pass"  # pass: 1 if the verifier passes, else 0 | score: its partial credit
-    tasks_per_update: int = 16
-    attempts: int = 8  # group size
-    updates: int = 40
-    lag: int = 1  # staleness: batch k uses the weights of step max(0, k - lag)
-    lr: float = 2e-4
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    tasks_per_update: int = bounded(16, ge=1)
+    attempts: int = bounded(8, ge=1)  # group size
+    updates: int = bounded(40, ge=1)
+    lag: int = bounded(1, ge=0)  # staleness: batch k uses the weights of step max(0, k - lag)
+    lr: float = bounded(2e-4, gt=0)
+    warmup_steps: int = bounded(0, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    grad_clip: float = bounded(1.0, ge=0)  # 0 = off
     estimator: str = "rloo_n"  # grpo | dr_grpo | rloo | rloo_n
     aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_sum_over_const
-    tis_cap: Optional[float] = 2.0  # C of truncated importance sampling; null = off
-    ppo_clip: Optional[float] = None  # PPO ratio clip; null = off (one update per batch)
-    kl_coef: float = 0.0
+    tis_cap: Optional[float] = bounded(2.0, gt=0)  # C of truncated importance sampling; null = off
+    ppo_clip: Optional[float] = bounded(None, gt=0)  # PPO ratio clip; null = off (one update per batch)
+    kl_coef: float = bounded(0.0, ge=0)
     entropy_coef: float = 0.0
-    temperature: float = 1.0  # full distribution by default: top_p = 1, top_k = 0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 48  # per model turn (a 3-digit arith worked solution is ~30 tokens)
-    max_turns: int = 1
-    max_total_tokens: int = 256  # per episode (prompt + all turns)
-    eval_every: int = 10  # quick held-out pass rate, also the retention metric
-    eval_tasks: int = 64
-    eval_attempts: int = 2
-    save_every: int = 10  # resumable checkpoint period (also at every eval)
-    keep_last: int = 2
-    keep_best: int = 1
+    temperature: float = bounded(1.0, ge=0)  # full distribution by default: top_p = 1, top_k = 0
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(0, ge=0)
+    max_tokens: int = bounded(48, ge=1)  # per model turn (a 3-digit arith worked solution is ~30 tokens)
+    max_turns: int = bounded(1, ge=1)
+    max_total_tokens: int = bounded(256, ge=1)  # per episode (prompt + all turns)
+    eval_every: int = bounded(10, ge=0)  # quick held-out pass rate, also the retention metric
+    eval_tasks: int = bounded(64, ge=0)
+    eval_attempts: int = bounded(2, ge=1)
+    save_every: int = bounded(10, ge=0)  # resumable checkpoint period (also at every eval)
+    keep_last: int = bounded(2, ge=0)
+    keep_best: int = bounded(1, ge=0)
     transport: str = "auto"  # auto (mpi when world > 1) | mpi | file
-    timeout_s: float = 1800.0  # waiting for a batch or a weight version
-    threads: int = 0  # torch threads; 0 = the job's CPUs
-    rollout_batch: int = 128  # engine batch size
+    timeout_s: float = bounded(1800.0, gt=0)  # waiting for a batch or a weight version
+    threads: int = bounded(0, ge=0)  # torch threads; 0 = the job's CPUs
+    rollout_batch: int = bounded(128, ge=1)  # engine batch size
+
+
+def checkpoint_names(section) -> tuple[str, ...]:
+    """What this stage writes under checkpoints/."""
+    return ("initial", "final", "best", "step_*")
 
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "rloo_n")
@@ -80,11 +87,6 @@ def validate(section, key: str) -> None:
         raise UserError(f"{key}.reward: {section.reward!r} is not pass or score")
     if section.transport not in ("auto", "mpi", "file"):
         raise UserError(f"{key}.transport: {section.transport!r} is not auto, mpi or file")
-    for name in ("tasks_per_update", "attempts", "updates", "max_tokens", "max_turns"):
-        if int(getattr(section, name)) < 1:
-            raise UserError(f"{key}.{name}: must be >= 1, got {getattr(section, name)}")
-    if section.lag < 0:
-        raise UserError(f"{key}.lag: must be >= 0, got {section.lag}")
     if section.attempts < 2 and section.estimator != "grpo":
         raise UserError(f"{key}.attempts: {section.estimator} needs at least 2 attempts per task")
 

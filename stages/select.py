@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.config import bounded
 from pipeline.errors import UserError
 
 BAND = "band.parquet"
@@ -23,16 +24,14 @@ BAND = "band.parquet"
 class Config:
     probe: str = "probe"  # name of the needed probe stage
     tasks: str = "tasks"  # name of the needed tasks stage (the probe's)
-    min_pass: int = 1
-    max_pass: int = 6
-    min_scored: int = 0  # drop tasks with fewer scored attempts (infra failures); 0 = all of the probe's attempts
+    min_pass: int = bounded(1, ge=0)
+    max_pass: int = bounded(6, ge=0)
+    min_scored: int = bounded(0, ge=0)  # drop tasks with fewer scored attempts (infra failures); 0 = all of the probe's attempts
 
 
 def validate(section, key: str) -> None:
     if not 0 <= section.min_pass <= section.max_pass:
         raise UserError(f"{key}: need 0 <= min_pass <= max_pass, got {section.min_pass}..{section.max_pass}")
-    if section.min_scored < 0:
-        raise UserError(f"{key}.min_scored: must be >= 0")
     needs = set(getattr(section, "needs", None) or [])
     for need in (section.probe, section.tasks):
         if needs and need not in needs:

@@ -21,37 +21,44 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config import bounded, checkpoint_refs
+
 RETRY_PROMPT = "That is not right. Try again."
 
 
 @dataclass
 class Config:
     model: str = "demo-tiny"  # a stages.model PRESETS name
-    init_from: str = ""  # "<stage>:<checkpoint>" to start from a trained model instead of a fresh init
-    tokenizer_vocab_size: int = 512  # when training the tokenizer (fresh init only)
+    init_from: str = checkpoint_refs("")  # "<stage>:<checkpoint>" to start from a trained model instead of a fresh init
+    tokenizer_vocab_size: int = bounded(512, ge=256)  # when training the tokenizer (fresh init only; bytes first)
     tasks_input: str = "tasks"  # name of the needed tasks stage
-    seq_len: int = 256
-    batch_rows: int = 16  # packed rows per optimizer step (all ranks together)
-    micro_batches: int = 1  # gradient accumulation
-    steps: int = 500
-    lr: float = 5e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    seq_len: int = bounded(256, ge=8)
+    batch_rows: int = bounded(16, ge=1)  # packed rows per optimizer step (all ranks together)
+    micro_batches: int = bounded(1, ge=1)  # gradient accumulation
+    steps: int = bounded(500, ge=1)
+    lr: float = bounded(5e-3, gt=0)
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)
+    warmup_steps: int = bounded(30, ge=0)
     schedule: str = "cosine"
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    relay_fraction: float = 0.2
+    weight_decay: float = bounded(0.1, ge=0)
+    grad_clip: float = bounded(1.0, ge=0)  # 0 = off
+    relay_fraction: float = bounded(0.2, ge=0, le=1)
     # a domain's demonstrations repeated per epoch (data mixing; absent domains: 1). In the demo,
     # arith x3 gave greedy pass@1 arith 0.76 / closure 0.68; x1 gave 0.53 / 0.84.
     domain_repeats: dict[str, int] = field(default_factory=dict)
     backend: str = "torch"  # torch | deepspeed
     zero_stage: int = 1
-    save_every: int = 200  # resumable checkpoint period in steps (0 = only at the end / on preemption)
-    keep_last: int = 2  # resumable checkpoints kept (0 = all)
-    log_every: int = 10
-    threads: int = 0  # torch intra-op threads; 0 = the job's CPUs
-    eval_tasks: int = 200  # val tasks per domain for the end-of-stage greedy check (0 = skip)
-    eval_max_new_tokens: int = 40  # a 3-digit arith worked solution is ~30 tokens
+    save_every: int = bounded(200, ge=0)  # resumable checkpoint period in steps (0 = only at the end / on preemption)
+    keep_last: int = bounded(2, ge=0)  # resumable checkpoints kept (0 = all)
+    log_every: int = bounded(10, ge=1)
+    threads: int = bounded(0, ge=0)  # torch intra-op threads; 0 = the job's CPUs
+    eval_tasks: int = bounded(200, ge=0)  # val tasks per domain for the end-of-stage greedy check (0 = skip)
+    eval_max_new_tokens: int = bounded(40, ge=1)  # a 3-digit arith worked solution is ~30 tokens
+
+
+def checkpoint_names(section) -> tuple[str, ...]:
+    """What this stage writes under checkpoints/ (`initial` only when it initialises the model)."""
+    return ("final", "best", "step_*") + (() if section.init_from else ("initial",))
 
 
 def validate(section, key: str) -> None:
@@ -65,15 +72,13 @@ def validate(section, key: str) -> None:
         raise UserError(f"{key}.backend: {section.backend!r} is not one of torch, deepspeed")
     if section.schedule not in ("cosine", "linear", "constant"):
         raise UserError(f"{key}.schedule: {section.schedule!r} is not one of cosine, linear, constant")
-    if section.micro_batches < 1 or section.batch_rows % section.micro_batches:
+    if section.batch_rows % section.micro_batches:
         raise UserError(f"{key}.batch_rows: {section.batch_rows} must be a multiple of micro_batches={section.micro_batches}")
     if section.zero_stage not in (0, 1, 2):
         raise UserError(f"{key}.zero_stage: must be 0-2 (ZeRO-3 is not supported yet), got {section.zero_stage}")
     for dom, n in section.domain_repeats.items():
         if int(n) < 0:
             raise UserError(f"{key}.domain_repeats.{dom}: must be >= 0, got {n}")
-    if not 0.0 <= section.relay_fraction <= 1.0:
-        raise UserError(f"{key}.relay_fraction: must be in [0, 1], got {section.relay_fraction}")
 
 
 # ---------------------------------------------------------------- data construction

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.config import bounded
 from pipeline.context import StageContext
 from pipeline.errors import UserError
 from stages.taskgen import DOMAINS, generate_domain, save_tasks, split_tasks
@@ -17,8 +18,8 @@ from stages.taskgen import DOMAINS, generate_domain, save_tasks, split_tasks
 
 @dataclass
 class DomainSpec:
-    count: int = 1000  # train + val tasks of this domain
-    val_count: int = 200
+    count: int = bounded(1000, ge=2)  # train + val tasks of this domain
+    val_count: int = bounded(200, ge=1)
     difficulties: list[int] = field(default_factory=lambda: [1])
 
 
