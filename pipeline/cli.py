@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -18,7 +20,7 @@ from .dag import Dag, build
 from .errors import UserError
 from .executors import make_executor
 from .progress import progress_lines, styled
-from .rundir import RunDir
+from .rundir import RunDir, new_run_id
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -84,9 +86,7 @@ def cmd_run(args) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else None
     existing = run_dir is not None and (run_dir / "config.yaml").is_file()
     if args.dry_run:
-        out.print(_plan_table(dag, cfg, RunDir.open(run_dir) if existing else None))
-        out.print("dry run: nothing written")
-        return 0
+        return dry_run(cfg, dag, RunDir.open(run_dir) if existing else None, run_dir)
     if existing:
         run = RunDir.open(run_dir)
         if config_mod.to_yaml(run.config()) != config_mod.to_yaml(cfg):
@@ -95,6 +95,26 @@ def cmd_run(args) -> int:
         origin = {"config": str(Path(args.config).resolve()), "overrides": overrides, "site": args.site}
         run = RunDir.create(cfg, run_dir, origin=origin)
     return drive(run, dag, cfg)
+
+
+def dry_run(cfg, dag: Dag, run: RunDir | None, run_dir: Path | None) -> int:
+    """The plan; for Slurm also every batch script a submission would send, after the same checks."""
+    if cfg.executor.kind != "slurm":
+        out.print(_plan_table(dag, cfg, run))
+        out.print(Text("dry run: nothing written"))
+        return 0
+    target = run if run is not None else RunDir(run_dir or Path(cfg.run_root) / new_run_id(cfg.name))  # not created
+    todo = [n for n in dag.order if run is None or run.stage_status(dag, n)[0] != "done"]
+    scripts = Path(tempfile.mkdtemp(prefix="snowcat-dry-run-"))
+    try:
+        written = make_executor("slurm", target, dag, cfg).dry_run(todo, scripts)
+    except BaseException:
+        shutil.rmtree(scripts, ignore_errors=True)
+        raise
+    out.print(_plan_table(dag, cfg, run))
+    out.print(Text(f"dry run: the {len(written)} batch script(s) a submission would send, rendered for run directory "
+                   f"{target.path}, are in {scripts}; nothing was submitted and the run directory was not written"))
+    return 0
 
 
 def _refuse_secrets(cfg) -> None:

@@ -527,9 +527,11 @@ def load_profile(name: str | None) -> Any:
     """The site profile by name (slurm.site.load_site); None runs the generic checks only."""
     if not name:
         return {}
-    from slurm.site import load_site
+    from slurm.site import load_site, use_local_cluster
 
-    return load_site(name)
+    site = load_site(name)
+    use_local_cluster(site)
+    return site
 
 
 def add_arguments(p) -> None:

@@ -79,7 +79,8 @@ class RunDir:
 
     @property
     def run_id(self) -> str:
-        return read_json(self.path / "run.json")["run_id"]
+        """Recorded at creation; it is the directory's name (also for a run not created yet: a dry run)."""
+        return read_json(self.path / "run.json", {"run_id": self.path.name})["run_id"]
 
     @property
     def info(self) -> dict:

@@ -18,12 +18,14 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import submitit
 
 from pipeline.context import PREEMPTED_EXIT_CODE
 from pipeline.dag import StageNode, Unit
 from pipeline.errors import UserError
+from pipeline.fsio import atomic_write_text
 from pipeline.executors.base import Executor
 from pipeline.rundir import RunDir, now
 
@@ -112,6 +114,9 @@ class SlurmExecutor(Executor):
         if cfg.site is None:
             raise UserError("executor slurm needs a site profile: pass --site NAME (e.g. --site local)")
         self.site = cfg.site
+        from slurm.site import use_local_cluster
+
+        use_local_cluster(self.site)
 
     # options ---------------------------------------------------------------------------------
 
@@ -197,8 +202,7 @@ class SlurmExecutor(Executor):
         return wanted
 
     def executor_for(self, node: StageNode, dependency: str | None) -> submitit.SlurmExecutor:
-        folder = self.run.path / "slurm" / node.name
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self.run.path / "slurm" / node.name  # submitit creates it when it submits
         res = node.config.resources
         time_min = int(res.time_min)
         where = f"stages.{node.name}.resources"
@@ -245,11 +249,37 @@ class SlurmExecutor(Executor):
         return ex
 
     def render(self, node: StageNode, dependency: str | None = None) -> str:
-        """The batch script this stage would be submitted with (nothing is submitted)."""
+        """The batch script this stage would be submitted with (nothing is submitted or written)."""
         ex = self.executor_for(node, dependency)
         if node.items is not None and _site_get(self.site, "arrays_allowed", True):
+            from slurm import site as site_mod
+
+            site_mod.validate_request(self.site, partition=self._partition(node.config.resources), array_size=len(node.items) - 1)
             ex.parameters["map_count"] = len(node.items)
         return ex._make_submission_file_text(ex._submitit_command_str, "render")
+
+    def dry_run(self, stages: list[str], out: Path) -> list[Path]:
+        """Write the batch script of every job `launch` would submit into `out`, after the same checks;
+        job ids that only sbatch can give appear as `<job of STAGE>` in dependencies."""
+        for name in stages:
+            self.render(self.dag[name])
+        written: list[Path] = []
+        wait_on: dict[str, list[str]] = {}
+        for node in self.dag:
+            if node.name not in stages:
+                continue
+            terms = [t for n in node.needs if n in wait_on for t in wait_on[n]]
+            jobs = [(node.name, ",".join(terms) or None)]
+            if self.strategy(node) == "chain":
+                for i in range(1, int(node.config.resume.max_continuations) + 1):
+                    jobs.append((f"{node.name}.continuation{i}", f"afterany:<job of {jobs[-1][0]}>"))
+                wait_on[node.name] = [f"afterany:<job of {jobs[-1][0]}>"]
+            else:
+                wait_on[node.name] = [f"afterok:<job of {node.name}>"]
+            for job_name, dependency in jobs:
+                written.append(out / f"{job_name}.sbatch")
+                atomic_write_text(written[-1], self.render(node, dependency))
+        return written
 
     # submission -------------------------------------------------------------------------------
 

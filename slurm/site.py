@@ -10,6 +10,7 @@ confirmed live by `snowcat doctor`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -101,6 +102,20 @@ def load_site(name_or_path: str | Path) -> DictConfig:
     _check(site, path)
     OmegaConf.set_readonly(site, True)
     return site
+
+
+def use_local_cluster(site) -> None:
+    """Point Slurm clients (sbatch, sacct, submitit, doctor's checks) at the cluster `snowcat cluster up`
+    runs, so `--site local` works without sourcing its env.sh. Other sites use the environment as it
+    is; an explicit SLURM_CONF always wins."""
+    if site is None or site.get("name") != "local" or os.environ.get("SLURM_CONF"):
+        return
+    from slurm.cluster import default_root
+
+    conf = default_root() / "etc" / "slurm.conf"
+    if not conf.is_file():
+        raise UserError(f"site local: the local cluster is not set up ({conf} missing); start it with `snowcat cluster up`")
+    os.environ["SLURM_CONF"] = str(conf)
 
 
 def _check(site: DictConfig, path: Path) -> None:

@@ -340,3 +340,64 @@ def test_fan_out_without_arrays_is_separate_jobs_tracked_per_element(snowcat, sl
     assert not any("--array" in p.read_text() for p in (run_dir / "slurm" / "more").glob("*_submission.sh"))
     status = wait_status(snowcat, run_dir, {"done"})
     assert {u["status"] for u in status["stages"]["more"]["units"].values()} == {"done"}
+
+
+DRY = TASKS + """\
+  fabric:
+    kind: mpi_check
+    needs: [more]
+    resources:
+      time_min: 5
+      components:
+        trainer: {{nodes: 1, tasks_per_node: 1}}
+        rollout: {{nodes: 1, tasks_per_node: 1}}
+"""
+
+
+def _normalized(script: str, ids: dict[str, str]) -> str:
+    """A submitted script with its real job ids written as the dry run writes them."""
+    for stage, job_id in ids.items():
+        script = re.sub(rf"(after(?:ok|any)):{job_id}\b", rf"\1:<job of {stage}>", script)
+    return script.replace("'", "")  # a dependency with '<' is quoted by submitit's renderer
+
+
+def test_dry_run_writes_exactly_the_scripts_a_submission_sends(snowcat, slurm_env, tmp_path):
+    """Every job of a plain stage, a job array, a hetjob and a chain of continuations: the dry run's
+    scripts equal the submitted ones, job ids apart; the dry run itself writes no run directory."""
+    cfg = write_config(tmp_path / "c.yaml", DRY.format(name="dry"))
+    run_dir = tmp_path / "run"
+    args = (cfg, "stages.more.resume.strategy=chain", "stages.more.resume.max_continuations=2", "--executor", "slurm",
+            "--site", "local", "--run-dir", run_dir)
+    dry = snowcat("run", *args, "--dry-run", env=slurm_env)
+    assert dry.returncode == 0, dry.stderr
+    where = Path(re.search(r"are in (\S+);", " ".join(dry.stdout.split())).group(1))
+    assert not run_dir.exists()
+    written = {p.stem: p.read_text() for p in where.glob("*.sbatch")}
+    assert set(written) == {"tasks", "more", "more.continuation1", "more.continuation2", "fabric"}
+
+    snowcat("run", *args, env=slurm_env, check=True)
+    try:
+        state = read_json(run_dir / "state.json")["stages"]
+        more = state["more"]["job_ids"]  # the array, then its continuations in chain order
+        ids = {"tasks": state["tasks"]["job_ids"][0], "more": more[0], "more.continuation1": more[1],
+               "more.continuation2": more[2], "fabric": state["fabric"]["job_ids"][0]}
+        for name, job_id in ids.items():
+            folder = run_dir / "slurm" / name.split(".")[0]
+            submitted = (folder / f"{job_id}_submission.sh").read_text()
+            assert _normalized(submitted, ids) == written[name].replace("'", ""), name
+    finally:
+        snowcat("cancel", run_dir, env=slurm_env, check=True)
+
+
+def test_site_local_finds_the_local_cluster_without_its_env_file(snowcat, slurm_cluster, monkeypatch, tmp_path):
+    """`snowcat cluster up`, then `--site local` works as the README says: nothing to source first."""
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="noenv"))
+    run_dir = tmp_path / "run"
+    snowcat("run", cfg, "--executor", "slurm", "--site", "local", "--run-dir", run_dir, check=True)
+    status = wait_status(snowcat, run_dir, {"done", "failed"})
+    assert {s["status"] for s in status["stages"].values()} == {"done"}, status
+    doctor = snowcat("doctor", "--site", "local", "--no-jobs", "--json")
+    assert doctor.returncode == 0, doctor.stderr
+    checks = {c["name"]: c["status"] for c in json.loads(doctor.stdout)}
+    assert checks["slurm"] == "pass" and checks["account"] == "pass"
