@@ -57,7 +57,7 @@ def validate(section, key: str) -> None:
     bad = [k for k in section.pass_k if not 1 <= k <= section.attempts]
     if bad:
         raise UserError(f"{key}.pass_k: {bad} outside 1..attempts ({section.attempts})")
-    if section.tasks not in section.needs:
+    if getattr(section, "needs", None) is not None and section.tasks not in section.needs:
         raise UserError(f"{key}.needs: add {section.tasks!r} (named in {key}.tasks)")
     if ":" not in section.verifier:
         raise UserError(f"{key}.verifier: {section.verifier!r} is not 'module:function'")

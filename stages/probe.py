@@ -59,7 +59,7 @@ def first_of_each_domain_in_turn(tasks: list, n: int) -> list:
 
 
 def validate(section, key: str) -> None:
-    if section.tasks not in section.needs:
+    if getattr(section, "needs", None) is not None and section.tasks not in section.needs:
         raise UserError(f"{key}.needs: add {section.tasks!r} (named in {key}.tasks)")
     if section.env not in ("single", "calculator"):
         raise UserError(f"{key}.env: {section.env!r} is not 'single' or 'calculator'")

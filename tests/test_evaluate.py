@@ -190,15 +190,15 @@ def test_real_verifier_and_bad_config(workdir):
                                    limit=4)
     assert len(traces) == 12 and all(r["status"] in ("ok", "truncated") for r in traces)
     assert 0.0 <= results["checkpoints"]["sft:final"]["groups"]["all"]["reward"] <= 1.0
-    for bad in (dict(checkpoints=["final"]), dict(pass_k=[4]), dict(split="test"), dict(top_p=0.0)):
+    for bad in (dict(pass_k=[4]), dict(split="test"), dict(top_p=0.0)):
         cfg = evaluate.Config(attempts=3, **bad)
         with pytest.raises(UserError, match="stages.eval"):
             evaluate.validate(cfg, "stages.eval")
     from dataclasses import asdict
     from types import SimpleNamespace
 
-    section = SimpleNamespace(**asdict(evaluate.Config(checkpoints=["sft:final"])), needs=["tasks"])
-    with pytest.raises(UserError, match="stages.eval.needs: add 'sft'"):
+    section = SimpleNamespace(**asdict(evaluate.Config(tasks="mine")), needs=["tasks", "sft"])
+    with pytest.raises(UserError, match="stages.eval.needs: add 'mine'"):
         evaluate.validate(section, "stages.eval")
     with pytest.raises(UserError, match="sft:nope"):
         run_stage(workdir, "missing", checkpoints=["sft:nope"])

@@ -103,7 +103,7 @@ def test_config_errors_name_the_key(tmp_path):
 
     path = tmp_path / "c.yaml"
     path.write_text("stages:\n  sft: {kind: sft}\n  export: {kind: export, needs: [sft], checkpoint: 'rl:best'}\n")
-    with pytest.raises(UserError, match=r"stages\.export\.needs: add 'rl'"):
+    with pytest.raises(UserError, match=r"stages\.export\.checkpoint: 'rl:best' names stage 'rl', which is not in stages\.export\.needs"):
         config_mod.load(path)
     path.write_text("stages:\n  export: {kind: export, debug_corrupt: flip}\n")
     with pytest.raises(UserError, match=r"stages\.export\.debug_corrupt: 'flip' is not one of"):

@@ -100,8 +100,12 @@ def test_probe_counts_passes_per_train_task(workdir):
 
 
 def test_probe_config_errors_name_the_key(workdir):
-    with pytest.raises(UserError, match="stages.probe.checkpoint"):
-        probe.validate(probe.Config(checkpoint="final"), "stages.probe")
+    from pipeline import config as config_mod
+
+    path = workdir / "bad_probe.yaml"
+    path.write_text("stages:\n  tasks: {kind: tasks}\n  probe: {kind: probe, needs: [tasks], checkpoint: final}\n")
+    with pytest.raises(UserError, match="stages.probe.checkpoint: 'final' is not"):
+        config_mod.load(path)
     with pytest.raises(UserError, match="band_max_pass"):
         probe.validate(probe.Config(attempts=4, band_max_pass=6), "stages.probe")
     with pytest.raises(UserError, match="max_position_embeddings"):
