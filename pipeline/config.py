@@ -10,8 +10,10 @@ Every error names the source (file or override) and the key path, in one line.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import importlib
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -22,18 +24,19 @@ from omegaconf.errors import OmegaConfBaseException
 from .errors import UserError
 
 
-def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-            lt: float | None = None):
+def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None):
     """A numeric field with the range it must lie in; checked when a config loads (None passes)."""
-    return field(default=default, metadata={"range": (ge, gt, le, lt)})
+    bounds = [(b, op, word) for b, op, word in ((ge, operator.ge, ">="), (gt, operator.gt, ">"), (le, operator.le, "<="))
+              if b is not None]
+    return field(default=default, metadata={"range": bounds})
 
 
-def checkpoint_refs(default: Any = "", **kw):
+def checkpoint_refs(default: str | list[str] = ""):
     """A field holding one "<stage>:<checkpoint>" reference (str) or a list of them; checked when a
     config loads: the stage must be in `needs` and its kind must write that checkpoint."""
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"checkpoint_ref": True}, **kw)
-    return field(default=default, metadata={"checkpoint_ref": True}, **kw)
+        return field(default_factory=lambda: list(default), metadata={"checkpoint_ref": True})
+    return field(default=default, metadata={"checkpoint_ref": True})
 
 
 def parse_checkpoint_ref(ref: str) -> tuple[str, str]:
@@ -279,15 +282,6 @@ def _source_of(sources: list[tuple[str, DictConfig]], key: str, default: str) ->
     return default
 
 
-def _range_problem(value: Any, bounds: tuple) -> str | None:
-    ge, gt, le, lt = bounds
-    for bound, ok, word in ((ge, lambda b: value >= b, ">="), (gt, lambda b: value > b, ">"),
-                            (le, lambda b: value <= b, "<="), (lt, lambda b: value < b, "<")):
-        if bound is not None and not ok(bound):
-            return f"must be {word} {bound}, got {value}"
-    return None
-
-
 def _field_problems(node: DictConfig, where: str):
     """(key, problem) for every bounded value out of range in a structured node, nested ones included."""
     schema = OmegaConf.get_type(node)
@@ -296,17 +290,17 @@ def _field_problems(node: DictConfig, where: str):
     for f in dataclasses.fields(schema):
         value = node.get(f.name)
         key = f"{where}.{f.name}"
-        if "range" in f.metadata and isinstance(value, (int, float)) and not isinstance(value, bool):
-            if (problem := _range_problem(value, f.metadata["range"])) is not None:
-                yield key, problem
-        child = node.get(f.name)
-        if isinstance(child, DictConfig):
-            if dataclasses.is_dataclass(OmegaConf.get_type(child)):
-                yield from _field_problems(child, key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            for bound, op, word in f.metadata.get("range", ()):
+                if not op(value, bound):
+                    yield key, f"must be {word} {bound}, got {value}"
+        if isinstance(value, DictConfig):
+            if dataclasses.is_dataclass(OmegaConf.get_type(value)):
+                yield from _field_problems(value, key)
             else:  # a dict of structured values (resources.components, tasks.domains)
-                for name in child:
-                    if isinstance(child[name], DictConfig):
-                        yield from _field_problems(child[name], f"{key}.{name}")
+                for name in value:
+                    if isinstance(value[name], DictConfig):
+                        yield from _field_problems(value[name], f"{key}.{name}")
 
 
 def checkpoint_names(kind: str, section: DictConfig) -> tuple[str, ...] | None:
@@ -317,8 +311,6 @@ def checkpoint_names(kind: str, section: DictConfig) -> tuple[str, ...] | None:
 
 def _ref_problems(cfg: DictConfig, name: str, section: DictConfig):
     """(key, problem) for every checkpoint reference of a stage that can never resolve."""
-    import fnmatch
-
     schema = OmegaConf.get_type(section)
     fields = [f.name for f in dataclasses.fields(schema) if f.metadata.get("checkpoint_ref")]
     refs = []
