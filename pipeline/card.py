@@ -238,6 +238,10 @@ def _software(f: Facts) -> tuple[list[str], dict]:
                      f"- Container: `{c.get('image')}` sha256 `{_v(c.get('sha256'))}`")
     hosts = sorted({r.get("host", {}).get("hostname") or NR for r in records})
     lines.append(f"- Hosts: {', '.join(hosts)}")
+    # The CPU decides which kernels ran, so whether a rerun elsewhere is bit-identical (docs/users.md).
+    cpus = sorted({f"{_v(r.get('host', {}).get('cpu_model'))} (torch kernels: {_v(r.get('host', {}).get('cpu_capability'))})"
+                   for r in records})
+    lines.append(f"- CPUs: {'; '.join(cpus)}")
     rev = next(iter(codes))[0] if len(codes) == 1 else None
     return lines, {"code_revision": rev}
 
