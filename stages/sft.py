@@ -50,7 +50,6 @@ class Config:
     zero_stage: int = 1
     save_every: int = bounded(200, ge=0)  # resumable checkpoint period in steps (0 = only at the end / on preemption)
     keep_last: int = bounded(2, ge=0)  # resumable checkpoints kept (0 = all)
-    log_every: int = bounded(10, ge=1)
     threads: int = bounded(0, ge=0)  # torch intra-op threads; 0 = the job's CPUs
     eval_tasks: int = bounded(200, ge=0)  # val tasks per domain for the end-of-stage greedy check (0 = skip)
     eval_max_new_tokens: int = bounded(40, ge=1)  # a 3-digit arith worked solution is ~30 tokens
