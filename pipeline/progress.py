@@ -53,7 +53,8 @@ class Progress:
         self.run, self.dag, self.stages = run, dag, stages
         self.t0 = time.monotonic()
         self.live = Live(self._table(), console=console, refresh_per_second=2, transient=True) if console.is_terminal else None
-        self._logged: dict[str, tuple[float, str]] = {}  # stage -> (when, line) last logged
+        self._logged: dict[str, str] = {}  # stage -> the progress line last logged
+        self._next_log = self.t0 + LOG_EVERY_S
 
     def __enter__(self):
         if self.live:
@@ -82,15 +83,16 @@ class Progress:
         if self.live:
             self.live.update(self._table())
             return
-        now = time.monotonic()
+        if time.monotonic() < self._next_log:
+            return
+        self._next_log = time.monotonic() + LOG_EVERY_S
         for name in self.stages:
             if self.run.stage_status(self.dag, name, verify=False)[0] != "running":
                 continue
             line = "; ".join(progress_lines(self.run, self.dag, name))
-            when, last = self._logged.get(name, (self.t0, ""))
-            if line and line != last and now - when >= LOG_EVERY_S:
+            if line and line != self._logged.get(name):
                 console.print(Text.assemble(("progress".rjust(9), "cyan"), f" {line}"))
-                self._logged[name] = (now, line)
+                self._logged[name] = line
 
     def event(self, unit: Unit, what: str, seconds: float | None = None) -> None:
         took = f" in {seconds:.1f}s" if seconds is not None else ""

@@ -77,6 +77,24 @@ def test_live_view_renders_every_status(tmp_path):
     assert set(STATUSES) <= set(STYLE)  # every status has its colour
 
 
+def test_progress_lines_in_a_log_when_not_on_a_terminal(tmp_path, monkeypatch):
+    import pipeline.progress as progress_mod
+
+    run, cfg = _every_status_run(tmp_path)
+    dag = build(cfg)
+    log = Console(record=True, force_terminal=False, width=200)
+    monkeypatch.setattr(progress_mod, "console", log)
+    monkeypatch.setattr(progress_mod, "LOG_EVERY_S", 0)
+    view = Progress(run, dag, list(dag.order))
+    assert view.live is None
+    view.refresh()
+    view.refresh()  # unchanged progress is not repeated
+    ProgressReporter(run.unit_dir(Unit("running")) / PROGRESS_FILE, "running")(4, 10, loss=0.25)
+    view.refresh()
+    lines = [line.strip() for line in log.export_text().splitlines()]
+    assert lines == ["progress running 3/10 steps · loss 0.5 · 1.9k tok/s", "progress running 4/10 steps · loss 0.25"]
+
+
 def _sft_config(tmp_path: Path, steps: int) -> Path:
     path = tmp_path / "sft.yaml"
     path.write_text(f"""\
