@@ -127,7 +127,8 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
         if path is not None:
             _save_batch(path, key, out)
         if progress is not None:
-            progress(len(trajs), len(jobs), unit="episodes", pass_rate=sum(t.reward > 0 for t in trajs) / len(trajs))
+            scored = [t.reward >= 1.0 for t in trajs if t.status != "infra_error"]  # as pass_counts counts
+            progress(len(trajs), len(jobs), unit="episodes", **({"pass_rate": sum(scored) / len(scored)} if scored else {}))
         if checkpoint_due is not None and checkpoint_due() and start + cfg.batch_size < len(jobs):
             raise Preempted(f"probe: {b + 1} batches saved in {partial_dir}")
     return trajs
