@@ -5,7 +5,8 @@
 Runs `snowcat run configs/demo.yaml seed=S` once per seed (each in ROOT/seed-S; a finished run is
 re-verified and reused, so an interrupted benchmark resumes), then reads what each run recorded:
 SFT's held-out greedy pass@1 per domain, the sampled (`eval`) and greedy (`eval_greedy`) pass@1 of
-each checkpoint per domain, RL's paired gain over SFT, and stage durations. Prints mean, standard
+each checkpoint per domain, RL's paired gain over SFT, and stage durations (`duration_s/*`, the
+stages' own times; they mean something only on an otherwise idle machine). Prints mean, standard
 deviation (over seeds), min and max of each, and writes every per-seed value with the machine's CPU
 model, its instruction-set flags and torch's CPU kernel level to --json. The seed changes the
 generated tasks, the initialisation and the sampling, so the spread is what a user should expect
@@ -21,12 +22,21 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "demo.yaml"
 SFT_DOMAINS = ("closure", "arith")
+RESULTS = REPO / "benchmarks" / "results" / "demo-cpu-3seeds.json"
+# What README.md, configs/demo.yaml and docs/training.md quote (tests/test_demo_numbers.py holds them to it).
+HEADLINE = {
+    "sft/val_greedy_pass@1/closure": "SFT, held-out greedy pass@1, closure",
+    "sft/val_greedy_pass@1/arith": "SFT, held-out greedy pass@1, arith",
+    "eval/sft:final/all/pass@1": "SFT model, sampled pass@1 (T = 1)",
+    "eval/rl:final/all/pass@1": "RL model, sampled pass@1 (T = 1)",
+    "eval/rl:final - sft:final/all/pass@1_diff": "RL gain over SFT, sampled pass@1",
+    "eval/rl:final - sft:final/all/pass@1_diff_se": "its paired standard error",
+}
 
 
 def _read(path: Path) -> dict:
@@ -59,7 +69,15 @@ def collect(run_dir: Path) -> dict[str, float]:
         duration = _read(stage_dir / "metrics.json").get("duration_s")
         if duration is not None:
             rows[f"duration_s/{stage_dir.name}"] = duration
+    rows["duration_s/total"] = sum(v for k, v in rows.items() if k.startswith("duration_s/"))
     return {k: v for k, v in rows.items() if v is not None}
+
+
+def quote(stats: dict[str, float]) -> str:
+    """How the docs quote a number over seeds: mean ± sd (min–max)."""
+    if stats["max"] >= 10:
+        return f"{stats['mean']:.0f} ± {stats['sd']:.0f} ({stats['min']:.0f}–{stats['max']:.0f})"
+    return f"{stats['mean']:.3f} ± {stats['sd']:.3f} ({stats['min']:.3f}–{stats['max']:.3f})"
 
 
 def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -90,14 +108,11 @@ def main(argv: list[str]) -> int:
     root = Path(args.root)
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     per_seed: dict[int, dict[str, float]] = {}
-    walls = {}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         run_dir = root / f"seed-{seed}"
         print(f"[bench demo] seed {seed}: {run_dir}", flush=True)
-        t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "pipeline.cli", "run", str(CONFIG), f"seed={seed}", "--run-dir", str(run_dir), *args.overrides]
         code = subprocess.run(cmd, cwd=REPO, env=env).returncode
-        walls[seed] = round(time.perf_counter() - t0, 1)
         if code != 0:
             print(f"[bench demo] seed {seed}: the run exited {code}; see `snowcat status {run_dir}`", file=sys.stderr)
             return 1
@@ -107,11 +122,15 @@ def main(argv: list[str]) -> int:
     for key, s in summary.items():
         if not key.endswith("_se"):
             print(f"{key:58} {s['mean']:7.3f} {s['sd']:7.3f} {s['min']:7.3f} {s['max']:7.3f}")
+    print("\nheadline, as the docs quote it (mean ± sd over seeds, min–max):")
+    for key, what in HEADLINE.items():
+        if key in summary:
+            print(f"  {what}: {quote(summary[key])}")
     if args.json:
         from pipeline.fsio import atomic_write_json
 
         atomic_write_json(args.json, {"config": str(CONFIG.relative_to(REPO)), "overrides": args.overrides,
-                                      "machine": machine(), "seeds": list(per_seed), "wall_s": walls,
+                                      "machine": machine(), "seeds": list(per_seed),
                                       "per_seed": per_seed, "summary": summary})
         print(f"written: {args.json}")
     return 0
