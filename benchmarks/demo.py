@@ -63,6 +63,7 @@ def collect(run_dir: Path) -> dict[str, float]:
     stages = run_dir / "stages"
     sft = _read(stages / "sft" / "metrics.json")
     rows = {f"sft/val_greedy_pass@1/{d}": sft.get(f"val_greedy_pass@1/{d}") for d in SFT_DOMAINS}
+    rows["select/selected"] = _read(stages / "select" / "metrics.json").get("selected")
     rows |= _eval_rows(_read(stages / "eval" / "results.json"), "eval")
     rows |= _eval_rows(_read(stages / "eval_greedy" / "results.json"), "eval_greedy")
     for stage_dir in sorted(p for p in stages.iterdir() if p.is_dir()):

@@ -259,10 +259,9 @@ class SlurmExecutor(Executor):
         return ex._make_submission_file_text(ex._submitit_command_str, "render")
 
     def dry_run(self, stages: list[str], out: Path) -> list[Path]:
-        """Write the batch script of every job `launch` would submit into `out`, after the same checks;
-        job ids that only sbatch can give appear as `<job of STAGE>` in dependencies."""
-        for name in stages:
-            self.render(self.dag[name])
+        """Write the batch script of every job `launch` would submit into `out`, after the same checks
+        (rendering runs them; on an error the caller discards `out`); job ids that only sbatch can
+        give appear as `<job of STAGE>` in dependencies."""
         written: list[Path] = []
         wait_on: dict[str, list[str]] = {}
         for node in self.dag:

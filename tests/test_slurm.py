@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -373,6 +374,7 @@ def test_dry_run_writes_exactly_the_scripts_a_submission_sends(snowcat, slurm_en
     where = Path(re.search(r"are in (\S+);", " ".join(dry.stdout.split())).group(1))
     assert not run_dir.exists()
     written = {p.stem: p.read_text() for p in where.glob("*.sbatch")}
+    shutil.rmtree(where)
     assert set(written) == {"tasks", "more", "more.continuation1", "more.continuation2", "fabric"}
 
     snowcat("run", *args, env=slurm_env, check=True)
