@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start the local Slurm test cluster for CI (tests marked `cluster` use it). Installs Debian's
-# packages if a program is missing, then runs `python -m slurm.cluster up` (idempotent).
+# packages if a program is missing, then runs `python -m snowcat.slurm.cluster up` (idempotent).
 # Usage: .ci/cluster.sh [--root DIR]     Clients then need: source <root>/env.sh  (sets SLURM_CONF)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,4 +19,4 @@ fi
 
 PY="${PYTHON:-python}"
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-exec "$PY" -m slurm.cluster up "$@"
+exec "$PY" -m snowcat.slurm.cluster up "$@"

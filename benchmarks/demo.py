@@ -92,7 +92,7 @@ def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, dict[str, floa
 
 
 def machine() -> dict:
-    from pipeline.provenance import host_state
+    from snowcat.pipeline.provenance import host_state
 
     host = host_state()
     return {k: host.get(k) for k in ("cpu_model", "cpu_flags", "cpu_capability", "cpu_count", "machine")}
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         run_dir = root / f"seed-{seed}"
         print(f"[bench demo] seed {seed}: {run_dir}", flush=True)
-        cmd = [sys.executable, "-m", "pipeline.cli", "run", str(CONFIG), f"seed={seed}", "--run-dir", str(run_dir), *args.overrides]
+        cmd = [sys.executable, "-m", "snowcat.pipeline.cli", "run", str(CONFIG), f"seed={seed}", "--run-dir", str(run_dir), *args.overrides]
         code = subprocess.run(cmd, cwd=REPO, env=env).returncode
         if code != 0:
             print(f"[bench demo] seed {seed}: the run exited {code}; see `snowcat status {run_dir}`", file=sys.stderr)
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
         if key in summary:
             print(f"  {what}: {quote(summary[key])}")
     if args.json:
-        from pipeline.fsio import atomic_write_json
+        from snowcat.pipeline.fsio import atomic_write_json
 
         atomic_write_json(args.json, {"config": str(CONFIG.relative_to(REPO)), "overrides": args.overrides,
                                       "machine": machine(), "seeds": list(per_seed),

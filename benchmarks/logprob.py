@@ -1,6 +1,6 @@
 """Fused linear -> logprob (+ entropy), forward + backward, side by side on the same inputs.
 
-    python -m benchmarks.logprob [--n 32768 --h 2048 --v 128256 --dtype bf16 --device cuda]
+    python -m snowcat.benchmarks.logprob [--n 32768 --h 2048 --v 128256 --dtype bf16 --device cuda]
 
 Rows: torch eager, torch.compile, torch's chunked linear_cross_entropy, Liger fused linear CE,
 cut-cross-entropy, and this project's reference and Triton kernels.  Each row reports the median
@@ -71,7 +71,7 @@ def cce(h, w, y, t):
 
 
 def ours(backend):
-    from kernels import linear_logprob_entropy
+    from snowcat.kernels import linear_logprob_entropy
 
     return lambda h, w, y, t: linear_logprob_entropy(h, w, y, temperature=t, backend=backend)
 
@@ -247,7 +247,7 @@ def render(rows, args) -> str:
 
 def parse_args(argv):
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.logprob", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m snowcat.benchmarks.logprob", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if cuda else "cpu")
     p.add_argument("--n", type=int, help="tokens (default 32768 on cuda, 512 on cpu)")
     p.add_argument("--h", type=int, help="hidden size (default 2048 on cuda, 128 on cpu)")
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args)
     print(render(rows, args))
     if args.json:
-        from pipeline.fsio import atomic_write_json
+        from snowcat.pipeline.fsio import atomic_write_json
 
         atomic_write_json(args.json, {
             "shape": {"n": args.n, "h": args.h, "v": args.v, "dtype": args.dtype, "temperature": args.temperature},

@@ -24,8 +24,8 @@ _CHILD = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
     from omegaconf import OmegaConf
-    from pipeline.context import StageContext
-    import stages.rl as rl
+    from snowcat.pipeline.context import StageContext
+    import snowcat.stages.rl as rl
     root, over = Path(sys.argv[1]), sys.argv[2:]
     rank, world = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)), int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
     cfg = OmegaConf.merge(OmegaConf.structured(rl.Config), OmegaConf.from_dotlist(over))
@@ -54,8 +54,8 @@ def main() -> None:
 
     from omegaconf import OmegaConf
 
-    import stages.evaluate as ev
-    from pipeline.context import StageContext
+    import snowcat.stages.evaluate as ev
+    from snowcat.pipeline.context import StageContext
 
     cfg = OmegaConf.merge(OmegaConf.structured(ev.Config), {"checkpoints": ["sft:final", "rl:final", "rl:best"]})
     ctx = StageContext(name="eval", kind="evaluate", config=cfg, run_config=None, run_dir=root, out_dir=root / "eval",

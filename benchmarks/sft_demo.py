@@ -1,6 +1,6 @@
 """Measure the SFT demo target: held-out greedy pass@1 after SFT on 2 CPU cores, and its wall time.
 
-    python -m benchmarks.sft_demo ROOT [sft overrides key=value ...]   (or: snowcat bench sft_demo ROOT ...)
+    python -m snowcat.benchmarks.sft_demo ROOT [sft overrides key=value ...]   (or: snowcat bench sft_demo ROOT ...)
 
 Generates the demo's task sets into ROOT/tasks (as configs/demo.yaml does: closure depths 1-6,
 2-3 digit arith; seed 1234) unless present, runs the sft stage into ROOT/sft with the overrides,
@@ -22,7 +22,7 @@ TASKS = [("closure", 2400, 240, [1, 2, 3, 4, 5, 6]), ("arith", 2400, 200, [2, 3]
 def make_tasks(out: Path, seed: int = 1234) -> None:
     import numpy as np
 
-    from stages.taskgen import generate_domain, save_tasks, split_tasks
+    from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks
 
     rng = np.random.default_rng(seed)
     train, val = [], []
@@ -36,8 +36,8 @@ def make_tasks(out: Path, seed: int = 1234) -> None:
 def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
-    import stages.sft as sft
-    from pipeline.context import StageContext
+    import snowcat.stages.sft as sft
+    from snowcat.pipeline.context import StageContext
 
     if not argv:
         print(__doc__)

@@ -1,15 +1,15 @@
-"""python -m containers build NAME|DEF OUT.sif [--arch A] | inspect SIF | digest SIF | convert Dockerfile OUT.def"""
+"""python -m snowcat.containers build NAME|DEF OUT.sif [--arch A] | inspect SIF | digest SIF | convert Dockerfile OUT.def"""
 
 import argparse
 import json
 import sys
 
-from containers import images
-from pipeline.errors import UserError
+from snowcat.containers import images
+from snowcat.pipeline.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m containers", description="snowcat's Apptainer images")
+    p = argparse.ArgumentParser(prog="python -m snowcat.containers", description="snowcat's Apptainer images")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build trainer/rollout/sandbox (or a .def) into a SIF")
     b.add_argument("definition")

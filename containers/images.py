@@ -14,8 +14,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from pipeline.errors import UserError
-from pipeline.fsio import atomic_write_text, sha256_file
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_text, sha256_file
 
 DEFINITIONS = Path(__file__).resolve().parent  # trainer.def, rollout.def, sandbox.def
 ARCHES = ("x86_64", "aarch64")

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import UserError
+from snowcat.pipeline.errors import UserError
 
 RUNTIMES = ("none", "apptainer")
 
@@ -72,8 +72,8 @@ def wrap_command(
 
 
 def stage_command(run_dir: str | os.PathLike, stage: str, item: int | None = None) -> list[str]:
-    """The stage runner's command line (the lead's `python -m stages RUN_DIR STAGE [--item I]`)."""
-    cmd = ["python", "-m", "stages", str(run_dir), stage]
+    """The stage runner's command line (the lead's `python -m snowcat.stages RUN_DIR STAGE [--item I]`)."""
+    cmd = ["python", "-m", "snowcat.stages", str(run_dir), stage]
     return cmd + (["--item", str(item)] if item is not None else [])
 
 
@@ -144,7 +144,7 @@ def image_provenance(image: str | os.PathLike) -> dict:
     Labels need the apptainer binary; without it they are recorded as unknown (with the reason)
     rather than failing the card: the sha256 alone pins the image.
     """
-    from containers.images import image_digest, inspect_labels
+    from snowcat.containers.images import image_digest, inspect_labels
 
     path = Path(image)
     record: dict[str, Any] = {"image": str(path), "sha256": image_digest(path)}

@@ -1,6 +1,6 @@
 """Compile the Triton kernels for a GPU architecture without a GPU and report their resources.
 
-    python -m kernels.compile_check [--arch 90] [--dtype bf16]
+    python -m snowcat.kernels.compile_check [--arch 90] [--dtype bf16]
 
 Runs Triton's whole pipeline (TTIR -> TTGIR -> PTX -> cubin via the bundled ptxas) the way a
 launch at the target shape would (pointers 16-byte aligned, sizes multiples of 16), then reads
@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_fused as tf
+from snowcat.kernels import triton_fused as tf
 
 _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _POINTERS = {"y_ptr": "*i64", "bits_ptr": "*u8", "h_ptr": None, "w_ptr": None, "dz_ptr": None}
@@ -89,7 +89,7 @@ def compile_kernels(arch: int, dtype: torch.dtype) -> list[KernelReport]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m snowcat.kernels.compile_check", description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x10: 80 (A100), 90 (H100/H200/GH200)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     args = p.parse_args(argv)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kernels.reference import combine_stats, finish_outputs, local_targets, support_mask, vocab_shard
+from snowcat.kernels.reference import combine_stats, finish_outputs, local_targets, support_mask, vocab_shard
 
 
 @triton.jit

@@ -230,7 +230,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_cluster(args) -> int:
-    from slurm import cluster
+    from snowcat.slurm import cluster
 
     return cluster.main([args.action] + (["--root", args.root] if args.root else []))
 
@@ -239,7 +239,7 @@ def cmd_bench(args) -> int:
     import importlib
 
     try:
-        module = importlib.import_module(f"benchmarks.{args.name}")
+        module = importlib.import_module(f"snowcat.benchmarks.{args.name}")
     except ModuleNotFoundError:
         raise UserError(f"unknown benchmark {args.name!r} (see benchmarks/)") from None
     return module.main(list(args.args))

@@ -122,7 +122,7 @@ SITES_DIR = Path(__file__).resolve().parent.parent / "slurm" / "sites"
 
 def stage_kinds() -> list[str]:
     """Kinds are the stage modules the `stages` package lists (`stages.KINDS`)."""
-    import stages
+    from snowcat import stages
 
     return list(stages.KINDS)
 
@@ -130,7 +130,7 @@ def stage_kinds() -> list[str]:
 def stage_module(kind: str):
     if kind not in stage_kinds():
         raise KeyError(kind)
-    module = importlib.import_module(f"stages.{kind}")
+    module = importlib.import_module(f"snowcat.stages.{kind}")
     if not hasattr(module, "run"):
         raise KeyError(kind)
     return module
@@ -148,7 +148,7 @@ def stage_schema(kind: str) -> type:
 
 def _site_schema():
     try:
-        from slurm.site import SiteProfile
+        from snowcat.slurm.site import SiteProfile
     except ImportError:
         return None
     return SiteProfile

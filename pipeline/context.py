@@ -3,7 +3,7 @@
 A stage module `stages/<kind>.py` exposes `Config` (a dataclass, the stage's typed config section)
 and `run(ctx: StageContext) -> dict` (headline metrics). The stage runner builds the context from
 the run directory alone, so the same stage runs identically under the local executor, inside a
-Slurm job, or re-run by hand: `python -m stages RUN_DIR STAGE [--item I]`.
+Slurm job, or re-run by hand: `python -m snowcat.stages RUN_DIR STAGE [--item I]`.
 """
 
 from __future__ import annotations

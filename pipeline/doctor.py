@@ -190,7 +190,7 @@ def check_account(site: Any, user: str) -> Check:
     return Check("account", status, f"no account set{' (the site requires one)' if required else ''}; "
                  f"{user} has {', '.join(accounts)}",
                  "" if status == PASS else f"set account: {_preferred_account(accounts, user)} in your site override "
-                 f"(`python -m pipeline.doctor --onboard FILE`)", found)
+                 f"(`python -m snowcat.pipeline.doctor --onboard FILE`)", found)
 
 
 def _preferred_account(accounts: list[str], user: str) -> str:
@@ -253,7 +253,7 @@ def check_arrays(site: Any, args: list[str] | None = None) -> Check:
 
 
 def check_mpi(site: Any) -> Check:
-    from containers.wrap import site_mpi_plugin
+    from snowcat.containers.wrap import site_mpi_plugin
 
     plugin = site_mpi_plugin(site)
     if _first(site, "launcher") == "ibrun" and not shutil.which("ibrun"):
@@ -527,7 +527,7 @@ def load_profile(name: str | None) -> Any:
     """The site profile by name (slurm.site.load_site); None runs the generic checks only."""
     if not name:
         return {}
-    from slurm.site import load_site, use_local_cluster
+    from snowcat.slurm.site import load_site, use_local_cluster
 
     site = load_site(name)
     use_local_cluster(site)

@@ -34,7 +34,7 @@ from urllib.parse import quote, unquote
 import numpy as np
 from filelock import FileLock
 
-from pipeline.fsio import atomic_write_figure
+from snowcat.pipeline.fsio import atomic_write_figure
 
 FILENAME = "history.h5"
 

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from pipeline.fsio import MANIFEST, atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file
-from pipeline.scrub import REDACTED, env_secrets, is_secret_name, looks_like_secret, scrub_env, scrub_text
+from snowcat.pipeline.fsio import MANIFEST, atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file
+from snowcat.pipeline.scrub import REDACTED, env_secrets, is_secret_name, looks_like_secret, scrub_env, scrub_text
 
 SCHEMA = 1
 DIRNAME = "provenance"
@@ -115,7 +115,7 @@ def _dir_digest(files: Mapping[str, Mapping[str, Any]]) -> str:
 
 def outputs_state(out_dir: Path, run_dir: Path) -> dict[str, Any]:
     """Hashes of a unit's outputs as they are now (the runner writes metrics/manifest/DONE after us)."""
-    from pipeline.fsio import build_manifest
+    from snowcat.pipeline.fsio import build_manifest
 
     files = build_manifest(out_dir, exclude=("DONE",)) if out_dir.is_dir() else {}
     files = {rel: meta for rel, meta in files.items() if rel not in RUNNER_FILES}

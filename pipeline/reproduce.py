@@ -101,6 +101,16 @@ def pinned_source(run: RunDir, code: dict, where: Path) -> tuple[Path, str]:
     return tree, f"worktree {tree} of revision {code['revision'][:12]} with the recorded patch applied"
 
 
+def import_path(root: Path) -> Path:
+    """A directory holding `snowcat` -> root: first on PYTHONPATH, `snowcat.*` is imported from that tree
+    (the package's folders are the checkout's top-level folders, so the checkout itself is no import path)."""
+    shim = root.with_name(root.name + ".import")
+    if not (shim / "snowcat").is_symlink():
+        shim.mkdir(exist_ok=True)
+        (shim / "snowcat").symlink_to(root, target_is_directory=True)
+    return shim
+
+
 # --- comparison -----------------------------------------------------------------------------------
 
 
@@ -214,8 +224,10 @@ def cmd_reproduce(args) -> int:
     root, how = pinned_source(orig, code, new_path.parent)
     err.print(f"reproducing {orig.run_id} as {new_path.name}: code from {escape(how)}"
               + (f" [yellow](the run recorded {code['states']} code states; using the latest)[/]" if code["states"] > 1 else ""))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(orig.path / "config.yaml"), "--run-dir", str(new_path)],
+    env = dict(os.environ)
+    if root != source_root():  # else the installed package is this tree
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(import_path(root)), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "snowcat.pipeline.cli", "run", str(orig.path / "config.yaml"), "--run-dir", str(new_path)],
                           cwd=root, env=env)
     new = RunDir.open(new_path) if (new_path / "run.json").is_file() else None
     if new is None:
@@ -227,6 +239,7 @@ def cmd_reproduce(args) -> int:
     if root != source_root() and all(new.is_done(u) for u in _units(new)):  # the worktree served its purpose
         _git(source_root(), "worktree", "remove", "--force", str(root))
         root.with_name(root.name + ".ready").unlink(missing_ok=True)
+        shutil.rmtree(root.with_name(root.name + ".import"), ignore_errors=True)
     report = compare_runs(orig, new) | {"code": how, "returncode": proc.returncode}
     if args.json:
         print(json.dumps(report, indent=2))

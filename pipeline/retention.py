@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from pipeline.errors import UserError
-from pipeline.fsio import atomic_write_json, read_json
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_json, read_json
 
 LEDGER = "retention.json"
 

@@ -1,4 +1,4 @@
-"""Run one unit of a stage in this process: `python -m stages RUN_DIR STAGE [--item I]`.
+"""Run one unit of a stage in this process: `python -m snowcat.stages RUN_DIR STAGE [--item I]`.
 
 Everything comes from the run directory, so the same command runs a stage under the local
 executor, inside a Slurm job (or array element, or hetjob step), or by hand. Rank 0 records the
@@ -153,7 +153,7 @@ def _record_provenance(run: RunDir, unit: Unit, ctx: StageContext) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stages", description="Run one stage unit of a snowcat run.")
+    parser = argparse.ArgumentParser(prog="python -m snowcat.stages", description="Run one stage unit of a snowcat run.")
     parser.add_argument("run_dir")
     parser.add_argument("stage")
     parser.add_argument("--item", type=int, default=None, help="fan-out element index")

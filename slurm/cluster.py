@@ -7,7 +7,7 @@ files from a crash are cleared. `down(root)` cancels jobs and stops everything; 
 what runs. Clients need only `SLURM_CONF` (see `<root>/env.sh`). Facts behind the configuration:
 /work/shared/notes/slurm-test-cluster.md.
 
-    python -m slurm.cluster up|down|status [--root DIR]
+    python -m snowcat.slurm.cluster up|down|status [--root DIR]
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Callable
 
 from filelock import FileLock
 
-from pipeline.errors import UserError
-from pipeline.fsio import atomic_dir, atomic_write_text
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_dir, atomic_write_text
 
 CLUSTER_NAME = "snowcat"
 ACCOUNT = "snowcat"
@@ -365,7 +365,7 @@ def _print_status(st: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slurm.cluster", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m snowcat.slurm.cluster", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["up", "down", "status"])
     parser.add_argument("--root", type=Path, default=None, help="cluster directory (default: $SNOWCAT_CLUSTER_ROOT or <repo>/.cluster)")
     args = parser.parse_args(argv)

@@ -86,7 +86,7 @@ class HetjobExecutor(submitit.SlurmExecutor):
             lines += ["", "# setup", *self.setup]
         per_task = str(paths.stdout)  # %j_%t: one log per rank, as submitit does for plain jobs
         srun = [*self.launcher, "--unbuffered", "--output", per_task, "--error", per_task]
-        watch = [sys.executable, "-m", "slurm.stepwatch", "--"]  # host python: the launcher runs outside any container
+        watch = [sys.executable, "-m", "snowcat.slurm.stepwatch", "--"]  # host python: the launcher runs outside any container
         lines += ["", "# one step over every component: one MPI world", "export SUBMITIT_EXECUTOR=slurm",
                   f"{shlex.join(watch + srun)} {command}", ""]
         return "\n".join(lines)

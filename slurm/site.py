@@ -19,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline.errors import UserError
+from snowcat.pipeline.errors import UserError
 
 SITES_DIR = Path(__file__).with_name("sites")
 GPU_REQUEST_MODES = ("gres", "gpus-per-node", "none")
@@ -110,7 +110,7 @@ def use_local_cluster(site) -> None:
     is; an explicit SLURM_CONF always wins."""
     if site is None or site.get("name") != "local" or os.environ.get("SLURM_CONF"):
         return
-    from slurm.cluster import default_root
+    from snowcat.slurm.cluster import default_root
 
     conf = default_root() / "etc" / "slurm.conf"
     if not conf.is_file():

@@ -4,7 +4,7 @@ Slurm 22.05's srun can hang after a heterogeneous step over PMIx has finished: i
 it waiting forever in `pthread_join` inside `pmixp_abort_agent_stop`. On the local test cluster 3 launches in 24 hung this way; the
 job then holds its allocation until the time limit, and every `afterok` dependent waits with it.
 
-`python -m slurm.stepwatch [--grace S] -- srun ...` runs the launcher as its child and forwards
+`python -m snowcat.slurm.stepwatch [--grace S] -- srun ...` runs the launcher as its child and forwards
 signals to it. Where srun behaves it is a pass-through: srun's exit status is returned. When Slurm
 no longer lists any work step of this job for `grace` seconds while the launcher is still alive,
 it stops the launcher and exits with the steps' exit code as accounting (sacct) recorded it.
@@ -117,14 +117,14 @@ def watch(command: list[str], job: str | None, grace_s: float = 30.0, poll_s: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slurm.stepwatch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m snowcat.slurm.stepwatch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--grace", type=float, default=30.0, help="seconds srun may outlive its step")
     parser.add_argument("--poll", type=float, default=2.0, help="seconds between squeue polls")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- srun ...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        parser.error("no command to run (usage: python -m slurm.stepwatch -- srun ...)")
+        parser.error("no command to run (usage: python -m snowcat.slurm.stepwatch -- srun ...)")
     return watch(command, os.environ.get("SLURM_JOB_ID"), args.grace, args.poll)
 
 

@@ -1,7 +1,7 @@
-"""`python -m stages RUN_DIR STAGE [--item I]`: run one stage unit (see pipeline.runner)."""
+"""`python -m snowcat.stages RUN_DIR STAGE [--item I]`: run one stage unit (see pipeline.runner)."""
 
 import sys
 
-from pipeline.runner import main
+from snowcat.pipeline.runner import main
 
 sys.exit(main())

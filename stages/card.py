@@ -16,9 +16,9 @@ class Config:
 
 
 def run(ctx) -> dict:
-    from pipeline.card import build_card
-    from pipeline.fsio import atomic_write_text
-    from pipeline.rundir import RunDir
+    from snowcat.pipeline.card import build_card
+    from snowcat.pipeline.fsio import atomic_write_text
+    from snowcat.pipeline.rundir import RunDir
 
     text = build_card(RunDir(ctx.run_dir))
     atomic_write_text(Path(ctx.out_dir) / ctx.config.filename, text)

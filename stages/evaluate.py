@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import bounded, checkpoint_refs
-from pipeline.context import StageContext
-from pipeline.errors import UserError
-from pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
-from stages import evalstats
+from snowcat.pipeline.config import bounded, checkpoint_refs
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
+from snowcat.stages import evalstats
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Config:
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4])
     infra_retries: int = bounded(2, ge=0)
     verifier_timeout_s: float = bounded(30.0, gt=0)
-    verifier: str = "stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
+    verifier: str = "snowcat.stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
     batch_size: int = bounded(64, ge=1)
     bootstrap_samples: int = bounded(2000, ge=1)
 
@@ -61,7 +61,7 @@ def validate(section, key: str) -> None:
         raise UserError(f"{key}.needs: add {section.tasks!r} (named in {key}.tasks)")
     if ":" not in section.verifier:
         raise UserError(f"{key}.verifier: {section.verifier!r} is not 'module:function'")
-    from stages.rollout.sampling import SamplingParams
+    from snowcat.stages.rollout.sampling import SamplingParams
 
     try:
         SamplingParams(section.temperature, section.top_k, section.top_p, section.max_tokens)
@@ -78,7 +78,7 @@ def _import(spec: str):
 
 
 def _verifier_worker(spec: str, conn) -> None:
-    from stages.taskgen import VerifierError
+    from snowcat.stages.taskgen import VerifierError
 
     verify = _import(spec)
     conn.send("ready")
@@ -121,7 +121,7 @@ class TimedVerifier:
         self._start()
 
     def __call__(self, task, text: str):
-        from stages.taskgen import Verdict, VerifierError
+        from snowcat.stages.taskgen import Verdict, VerifierError
 
         self.conn.send((task, text))
         if not self.conn.poll(self.timeout_s):
@@ -169,9 +169,9 @@ def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVe
     """One record per (task, attempt) for checkpoint `ref`."""
     import torch
 
-    from stages.model import load_model_dir
-    from stages.rollout import EngineError, SamplingParams, TorchEngine
-    from stages.taskgen import VerifierError
+    from snowcat.stages.model import load_model_dir
+    from snowcat.stages.rollout import EngineError, SamplingParams, TorchEngine
+    from snowcat.stages.taskgen import VerifierError
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, _, tok = load_model_dir(resolve_checkpoint(ctx, ref), device=device)
@@ -346,7 +346,7 @@ def plot_pass_at_k(path: Path, results: dict, pass_k: list[int]) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-    from stages.taskgen import load_tasks
+    from snowcat.stages.taskgen import load_tasks
 
     cfg = ctx.config
     refs = [ctx.item["checkpoint"]] if ctx.item and "checkpoint" in ctx.item else list(cfg.checkpoints)

@@ -29,8 +29,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import bounded, checkpoint_refs
-from pipeline.errors import UserError
+from snowcat.pipeline.config import bounded, checkpoint_refs
+from snowcat.pipeline.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
 CORRUPTIONS = ("", "transpose_q", "swap_experts")
@@ -79,7 +79,7 @@ def _step_dir(ckpts: Path, step: int) -> Path | None:
 
 def choose_checkpoint(inputs: dict[str, Path], ref: str = "") -> tuple[Path, dict]:
     """(checkpoint dir, record of the choice: ref, reason, and the ledger facts it rests on)."""
-    from stages.model.io import resolve_checkpoint
+    from snowcat.stages.model.io import resolve_checkpoint
 
     if ref:
         stage, _, name = ref.partition(":")
@@ -154,7 +154,7 @@ def hf_config(mcfg, tok, dtype: str) -> dict:
 
 def tokenizer_files(tok, max_len: int) -> dict[str, dict]:
     """tokenizer_config.json and special_tokens_map.json for the ChatTokenizer's tokenizer.json."""
-    from stages.tokenizer import SPECIAL_TOKENS
+    from snowcat.stages.tokenizer import SPECIAL_TOKENS
 
     specials = {"eos_token": "<|end|>", "pad_token": "<|pad|>"}
     added = {str(tok.special_ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
@@ -191,9 +191,9 @@ def convert(src: Path, dst: Path, dtype: str = "float32", max_shard_bytes: int =
     """Write the HF model dir `dst` (atomically, with manifest.json) from the snowcat model dir `src`."""
     import torch
 
-    from pipeline.fsio import atomic_dir, atomic_write_json, write_manifest
-    from stages.model import hf_state_dict, load_model_dir
-    from stages.model.io import _write_tensors
+    from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, write_manifest
+    from snowcat.stages.model import hf_state_dict, load_model_dir
+    from snowcat.stages.model.io import _write_tensors
 
     model, mcfg, tok = load_model_dir(src)
     if tok is None:
@@ -258,9 +258,9 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.provenance import source_root
-    from stages.model import load_model_dir
-    from stages.train.greedy import greedy_generate
+    from snowcat.pipeline.provenance import source_root
+    from snowcat.stages.model import load_model_dir
+    from snowcat.stages.train.greedy import greedy_generate
 
     model, mcfg, tok = load_model_dir(src)
     with torch.no_grad():  # the same rounding the export applied, then float32 compute on both sides
@@ -280,10 +280,9 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
         probe_file.with_suffix(".json").write_text(json.dumps({
             "conversations": conversations, "prompt_ids": prompts, "max_new_tokens": cfg.max_new_tokens,
             "stop_id": tok.end_of_turn_id, "pad_id": tok.pad_id}))
-        root = str(source_root())
-        env = {**os.environ, **OFFLINE_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        code = f"from stages.export import _hf_side; _hf_side({str(export_dir)!r}, {str(probe_file)!r}, {str(out_file)!r})"
-        proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=cfg.timeout_s)
+        code = f"from snowcat.stages.export import _hf_side; _hf_side({str(export_dir)!r}, {str(probe_file)!r}, {str(out_file)!r})"
+        proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True,
+                              timeout=cfg.timeout_s)
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             raise RuntimeError(f"export: transformers could not load {export_dir} offline:\n{tail}")
@@ -311,7 +310,7 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
 def run(ctx) -> dict:
     import torch
 
-    from pipeline.fsio import atomic_write_json, read_json, sha256_file
+    from snowcat.pipeline.fsio import atomic_write_json, read_json, sha256_file
 
     cfg = ctx.config
     torch.set_num_threads(ctx.threads)

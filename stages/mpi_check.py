@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.context import StageContext
-from pipeline.fsio import atomic_write_text
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.fsio import atomic_write_text
 
 
 @dataclass

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline.context import StageContext
-from pipeline.errors import UserError
-from pipeline.fsio import atomic_dir, atomic_write_json, build_manifest, read_json, sha256_file
-from pipeline.offline import INDEX, tree_digest
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, build_manifest, read_json, sha256_file
+from snowcat.pipeline.offline import INDEX, tree_digest
 
 KINDS = ("model", "tokenizer", "dataset", "wheel", "file")
 

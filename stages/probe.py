@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import bounded, checkpoint_refs
-from pipeline.errors import UserError
-from pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
+from snowcat.pipeline.config import bounded, checkpoint_refs
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Config:
     band_max_pass: int = bounded(6, ge=0)
     batch_size: int = bounded(64, ge=1)  # episodes advanced together
     infra_retries: int = bounded(1, ge=0)  # re-run an episode that ended in infra_error this many times
-    verifier: str = "stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
+    verifier: str = "snowcat.stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
     verifier_timeout_s: float = bounded(30.0, gt=0)
 
 
@@ -67,8 +67,8 @@ def validate(section, key: str) -> None:
         raise UserError(f"{key}: need 0 <= band_min_pass <= band_max_pass <= attempts ({section.attempts})")
     if ":" not in section.verifier:
         raise UserError(f"{key}.verifier: {section.verifier!r} must be 'module:function'")
-    from stages.agent.loop import Budget
-    from stages.rollout.sampling import SamplingParams
+    from snowcat.stages.agent.loop import Budget
+    from snowcat.stages.rollout.sampling import SamplingParams
 
     try:
         SamplingParams(section.temperature, section.top_k, section.top_p, section.max_turn_tokens)
@@ -79,7 +79,7 @@ def validate(section, key: str) -> None:
 
 def load_checkpoint(ctx, ref: str, key: str, device: str = "cpu"):
     """'<stage>:<name>' -> (model, tokenizer) from that needed stage's checkpoints/<name>."""
-    from stages.model import load_model_dir, resolve_checkpoint
+    from snowcat.stages.model import load_model_dir, resolve_checkpoint
 
     stage, _, name = ref.partition(":")
     if stage not in ctx.inputs:
@@ -98,8 +98,8 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
     next call, so a preempted probe continues where it stopped; episodes are seeded per (task,
     attempt, turn), so the result equals an uninterrupted run. `checkpoint_due()` true after a
     batch raises `Preempted`. `progress(done, total, ...)` hears of each batch (ctx.progress)."""
-    from pipeline.context import Preempted
-    from stages.agent import Budget, EpisodeJob, make_env, run_episodes
+    from snowcat.pipeline.context import Preempted
+    from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
 
     env = make_env(cfg.env, tok, **({"require_tool": cfg.require_tool} if cfg.env == "calculator" else {}))
     params = sampling_params(cfg, tok)
@@ -135,13 +135,13 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
 
 
 def sampling_params(cfg, tok):
-    from stages.rollout import SamplingParams
+    from snowcat.stages.rollout import SamplingParams
 
     return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_turn_tokens, (tok.end_of_turn_id,))
 
 
 def _save_batch(path: Path, key: str, trajs) -> None:
-    from stages.agent import pack
+    from snowcat.stages.agent import pack
 
     buf = io.BytesIO()
     np.savez(buf, key=np.frombuffer(key.encode(), np.uint8), **pack(trajs))
@@ -150,7 +150,7 @@ def _save_batch(path: Path, key: str, trajs) -> None:
 
 def _load_batch(path: Path, key: str):
     """The saved batch, or None when absent or saved under other settings."""
-    from stages.agent import FIELDS, unpack
+    from snowcat.stages.agent import FIELDS, unpack
 
     if not path.is_file():
         return None
@@ -253,9 +253,9 @@ def plot_histogram(path: Path, summary: dict) -> None:
 def run(ctx) -> dict:
     import torch
 
-    from stages.evaluate import TimedVerifier
-    from stages.rollout import TorchEngine
-    from stages.taskgen import load_tasks
+    from snowcat.stages.evaluate import TimedVerifier
+    from snowcat.stages.rollout import TorchEngine
+    from snowcat.stages.taskgen import load_tasks
 
     cfg = ctx.config
     key = f"stages.{ctx.name}"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline.config import bounded, checkpoint_refs
+from snowcat.pipeline.config import bounded, checkpoint_refs
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Config:
     band_input: str = "select"  # the select stage's band.parquet, when that stage is needed
     domains: list[str] = field(default_factory=list)  # restrict training tasks to these domains (empty = all)
     env: str = "single"  # stages.agent environment: single | calculator
-    verifier: str = "stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
+    verifier: str = "snowcat.stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
     reward: str = "pass"  # pass: 1 if the verifier passes, else 0 | score: its partial credit
     tasks_per_update: int = bounded(16, ge=1)
     attempts: int = bounded(8, ge=1)  # group size
@@ -76,8 +76,8 @@ ESTIMATORS = ("grpo", "dr_grpo", "rloo", "rloo_n")
 
 
 def validate(section, key: str) -> None:
-    from pipeline.errors import UserError
-    from stages.algorithms import AGGREGATIONS
+    from snowcat.pipeline.errors import UserError
+    from snowcat.stages.algorithms import AGGREGATIONS
 
     if section.estimator not in ESTIMATORS:
         raise UserError(f"{key}.estimator: {section.estimator!r} is not one of {', '.join(ESTIMATORS)}")
@@ -96,8 +96,8 @@ def validate(section, key: str) -> None:
 
 def load_pool(ctx, cfg: Config):
     """Training tasks: the select stage's band when available, else the tasks stage's train split."""
-    from pipeline.errors import UserError
-    from stages.taskgen import load_tasks
+    from snowcat.pipeline.errors import UserError
+    from snowcat.stages.taskgen import load_tasks
 
     if cfg.tasks_input not in ctx.inputs:
         raise UserError(f"rl: needs the tasks stage {cfg.tasks_input!r} (rl.tasks_input); inputs are {sorted(ctx.inputs)}")
@@ -151,7 +151,7 @@ class Rollout:
     """Produces batch k with weights of step max(0, k - lag) loaded through the handoff."""
 
     def __init__(self, ctx, cfg: Config, model, tok, pool, handoff, transport):
-        from stages.rollout import SamplingParams, TorchEngine
+        from snowcat.stages.rollout import SamplingParams, TorchEngine
 
         self.ctx, self.cfg, self.tok, self.pool = ctx, cfg, tok, pool
         self.model = model
@@ -161,8 +161,8 @@ class Rollout:
         self.version: int | None = None
 
     def produce(self, k: int) -> None:
-        from stages.rlcore.episodes import generate_batch
-        from stages.rlcore.handoff import version_for_batch
+        from snowcat.stages.rlcore.episodes import generate_batch
+        from snowcat.stages.rlcore.handoff import version_for_batch
 
         v = version_for_batch(k, self.cfg.lag)
         if v != self.version:
@@ -191,9 +191,9 @@ def _role(ctx) -> str:
 def run(ctx) -> dict:
     import torch
 
-    from pipeline.errors import UserError
-    from stages.rlcore.handoff import WeightHandoff
-    from stages.rlcore.transport import FileQueueTransport, MPITransport
+    from snowcat.pipeline.errors import UserError
+    from snowcat.stages.rlcore.handoff import WeightHandoff
+    from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport
 
     cfg: Config = ctx.config
     validate(cfg, f"stages.{ctx.name}")
@@ -221,12 +221,12 @@ def run(ctx) -> dict:
 
     if role == "rollout":
         return _run_rollout(ctx, cfg, comm, pool, handoff, transport)
-    from stages.rlcore.loop import Trainer
+    from snowcat.stages.rlcore.loop import Trainer
 
     trainer = Trainer(ctx, cfg, pool, held_out, handoff, transport, comm)
     local_rollout = None
     if role == "both":
-        from stages.model import load_model_dir
+        from snowcat.stages.model import load_model_dir
 
         model, _, tok = load_model_dir(trainer.init_path, device=trainer.device)
         local_rollout = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
@@ -234,10 +234,10 @@ def run(ctx) -> dict:
 
 
 def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
-    from stages.model import load_model_dir
-    from stages.rlcore.handoff import HandoffError
-    from stages.rlcore.loop import resolve_init
-    from stages.rlcore.transport import TransportError, rollout_owner
+    from snowcat.stages.model import load_model_dir
+    from snowcat.stages.rlcore.handoff import HandoffError
+    from snowcat.stages.rlcore.loop import resolve_init
+    from snowcat.stages.rlcore.transport import TransportError, rollout_owner
 
     start = comm.bcast(None, root=0)  # the trainer's resumed step: the first batch still needed
     model, _, tok = load_model_dir(resolve_init(ctx, cfg), device=device_for(ctx))

@@ -30,10 +30,10 @@ def _upstream(dag, name: str) -> set[str]:
 
 
 def run(ctx) -> dict:
-    from pipeline.dag import build
-    from pipeline.errors import UserError
-    from pipeline.fsio import atomic_write_json
-    from pipeline.scrub import env_secrets, scan_tree
+    from snowcat.pipeline.dag import build
+    from snowcat.pipeline.errors import UserError
+    from snowcat.pipeline.fsio import atomic_write_json
+    from snowcat.pipeline.scrub import env_secrets, scan_tree
 
     dag = build(ctx.run_config)
     covered = _upstream(dag, ctx.name) | dag.downstream(ctx.name) | {ctx.name}

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import bounded
-from pipeline.errors import UserError
+from snowcat.pipeline.config import bounded
+from snowcat.pipeline.errors import UserError
 
 BAND = "band.parquet"
 
@@ -61,7 +61,7 @@ def load_band(stage_dir) -> list:
 
     import pyarrow.parquet as pq
 
-    from stages.taskgen import Task
+    from snowcat.stages.taskgen import Task
 
     rows = pq.read_table(Path(stage_dir) / BAND).to_pylist()
     return [Task(**(r | {"meta": json.loads(r["meta"])})) for r in rows]
@@ -72,8 +72,8 @@ def run(ctx) -> dict:
 
     import pyarrow.parquet as pq
 
-    from pipeline.fsio import atomic_write_json
-    from stages.taskgen import load_tasks, save_tasks
+    from snowcat.pipeline.fsio import atomic_write_json
+    from snowcat.stages.taskgen import load_tasks, save_tasks
 
     cfg = ctx.config
     key = f"stages.{ctx.name}"

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import bounded, checkpoint_refs
+from snowcat.pipeline.config import bounded, checkpoint_refs
 
 RETRY_PROMPT = "That is not right. Try again."
 
@@ -62,8 +62,8 @@ def checkpoint_names(section) -> tuple[str, ...]:
 
 def validate(section, key: str) -> None:
     """Called when the config is loaded (no torch import): errors surface before anything runs."""
-    from pipeline.errors import UserError
-    from stages.model import PRESETS
+    from snowcat.pipeline.errors import UserError
+    from snowcat.stages.model import PRESETS
 
     if not section.init_from and section.model not in PRESETS:
         raise UserError(f"{key}.model: {section.model!r} is not a preset ({', '.join(PRESETS)})")
@@ -108,7 +108,7 @@ def build_conversations(tasks, relay_fraction: float, seed: int) -> list[tuple[l
     a real policy its sampled turns are used instead, unchanged (token-in, token-out)."""
     import numpy as np
 
-    from stages.taskgen import demonstration
+    from snowcat.stages.taskgen import demonstration
 
     rng = np.random.default_rng([seed, 1])
     alphabets: dict[str, str] = {}
@@ -132,7 +132,7 @@ def build_conversations(tasks, relay_fraction: float, seed: int) -> list[tuple[l
 
 
 def tokenizer_corpus(tasks) -> list[str]:
-    from stages.taskgen import demonstration
+    from snowcat.stages.taskgen import demonstration
 
     return [t.prompt for t in tasks] + [demonstration(t) for t in tasks] + [RETRY_PROMPT]
 
@@ -141,18 +141,18 @@ def tokenizer_corpus(tasks) -> list[str]:
 
 
 def _resolve_ref(ctx, ref: str) -> Path:
-    from pipeline.errors import UserError
+    from snowcat.pipeline.errors import UserError
 
     stage, _, name = ref.partition(":")
     if stage not in ctx.inputs or not name:
         raise UserError(f"sft.init_from={ref!r}: expected '<needed stage>:<checkpoint>' (needs: {sorted(ctx.inputs)})")
-    from stages.model.io import resolve_checkpoint
+    from snowcat.stages.model.io import resolve_checkpoint
 
     return resolve_checkpoint(ctx.inputs[stage], name)
 
 
 def _tasks_dir(ctx, cfg: Config) -> Path:
-    from pipeline.errors import UserError
+    from snowcat.pipeline.errors import UserError
 
     if cfg.tasks_input in ctx.inputs:
         return Path(ctx.inputs[cfg.tasks_input])
@@ -161,8 +161,8 @@ def _tasks_dir(ctx, cfg: Config) -> Path:
 
 def greedy_pass_rate(model, tok, tasks, max_new_tokens: int) -> dict:
     """Greedy pass@1 per domain on `tasks` (VerifierError counted apart, never as a fail)."""
-    from stages.taskgen import VerifierError, verify
-    from stages.train.greedy import greedy_generate
+    from snowcat.stages.taskgen import VerifierError, verify
+    from snowcat.stages.train.greedy import greedy_generate
 
     prompts = [tok.render_prompt(t.messages(with_answer=False)) for t in tasks]
     outs = greedy_generate(model, prompts, max_new_tokens, tok.end_of_turn_id, tok.pad_id)
@@ -184,7 +184,7 @@ def _plot(history: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pipeline.fsio import atomic_write_figure
+    from snowcat.pipeline.fsio import atomic_write_figure
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
@@ -201,16 +201,16 @@ def _plot(history: list[dict], path: Path) -> None:
 def run(ctx) -> dict:
     import torch
 
-    from pipeline.errors import UserError
-    from pipeline.fsio import atomic_write_json, atomic_write_text
-    from stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
-    from stages.taskgen import load_tasks
-    from stages.tokenizer import train_tokenizer
-    from stages.train import (Example, OptimConfig, PackedLoader, latest_checkpoint, load_checkpoint,
+    from snowcat.pipeline.errors import UserError
+    from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
+    from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
+    from snowcat.stages.taskgen import load_tasks
+    from snowcat.stages.tokenizer import train_tokenizer
+    from snowcat.stages.train import (Example, OptimConfig, PackedLoader, latest_checkpoint, load_checkpoint,
                               make_backend, save_checkpoint, step_name)
-    from stages.train.backend import init_distributed
-    from stages.train.checkpoint import prune_checkpoints
-    from stages.train.loss import sft_loss
+    from snowcat.stages.train.backend import init_distributed
+    from snowcat.stages.train.checkpoint import prune_checkpoints
+    from snowcat.stages.train.loss import sft_loss
 
     cfg: Config = ctx.config
     if cfg.model not in PRESETS and not cfg.init_from:

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.config import bounded
-from pipeline.context import StageContext
-from pipeline.errors import UserError
-from stages.taskgen import DOMAINS, generate_domain, save_tasks, split_tasks
+from snowcat.pipeline.config import bounded
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.errors import UserError
+from snowcat.stages.taskgen import DOMAINS, generate_domain, save_tasks, split_tasks
 
 
 @dataclass

@@ -111,7 +111,7 @@ class ChatTokenizer:
         return ids + [self.role_ids["assistant"]]
 
     def save(self, dir) -> Path:
-        from pipeline.fsio import atomic_write_text
+        from snowcat.pipeline.fsio import atomic_write_text
 
         path = Path(dir) / FILE
         atomic_write_text(path, self._tok.to_str(pretty=False))

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from slurm import cluster
+from snowcat.slurm import cluster
 
 
 @pytest.fixture(scope="session")

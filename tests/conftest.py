@@ -22,7 +22,7 @@ class Snowcat:
 
     def __call__(self, *args: str, check: bool = False, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
         proc = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=self.cwd, capture_output=True, text=True,
+            [sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)], cwd=self.cwd, capture_output=True, text=True,
             env={**os.environ, **(env or {})}, timeout=timeout,
         )
         if check and proc.returncode != 0:
@@ -31,7 +31,7 @@ class Snowcat:
 
     def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=self.cwd, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)], cwd=self.cwd, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
         )
 
@@ -49,7 +49,7 @@ class Snowcat:
 
         leader, follower = pty.openpty()
         term = {"TERM": "xterm-256color", "COLUMNS": str(columns), "LINES": "50"}
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=self.cwd,
+        proc = subprocess.Popen([sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)], cwd=self.cwd,
                                 stdin=follower, stdout=follower, stderr=follower, start_new_session=True,
                                 preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # its controlling terminal
                                 env={**os.environ, **term, **(env or {})})

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stages.agent import (FIELDS, STATUSES, Budget, CalculatorEnv, EpisodeJob, Trajectory, allocate, calculate, header,
+from snowcat.stages.agent import (FIELDS, STATUSES, Budget, CalculatorEnv, EpisodeJob, Trajectory, allocate, calculate, header,
                           make_env, pack, run_episodes, teacher_messages, unpack)
-from stages.agent.envs import CalcError, tool_message_ids
+from snowcat.stages.agent.envs import CalcError, tool_message_ids
 
 
 @st.composite
@@ -80,14 +80,14 @@ def test_trajectory_rejects_bad_shapes_and_status():
 # ---------------------------------------------------------------- a tiny real world: tasks, BPE, MoE model
 
 def tiny_tasks(count: int = 40, seed: int = 0):
-    from stages.taskgen import generate_domain
+    from snowcat.stages.taskgen import generate_domain
 
     rng = np.random.default_rng(seed)
     return generate_domain(rng, "arith", [2], count), generate_domain(rng, "closure", [2], count)
 
 
 def tiny_tokenizer(tasks):
-    from stages.tokenizer import train_tokenizer
+    from snowcat.stages.tokenizer import train_tokenizer
 
     texts = [t.prompt for t in tasks] + [t.answer for t in tasks] + ["turn cut at tokens; answer briefly"]
     return train_tokenizer(texts * 2, vocab_size=300)
@@ -98,7 +98,7 @@ def tiny_model(tok, seed: int = 0):
 
     import torch
 
-    from stages.model import PRESETS, MoEForCausalLM
+    from snowcat.stages.model import PRESETS, MoEForCausalLM
 
     torch.manual_seed(seed)
     return MoEForCausalLM(dataclasses.replace(PRESETS["test-micro"], vocab_size=tok.vocab_size)).eval()
@@ -142,7 +142,7 @@ def calculator_model(world):
 
 
 def engine_for(model):
-    from stages.rollout import TorchEngine
+    from snowcat.stages.rollout import TorchEngine
 
     return TorchEngine(model, max_batch=8)
 
@@ -213,7 +213,7 @@ def test_calculator_env_statuses(world):
 
 
 def test_learned_calculator_protocol_end_to_end(world, calculator_model):
-    from stages.rollout import SamplingParams
+    from snowcat.stages.rollout import SamplingParams
 
     arith, _, tok = world
     tasks = arith[:4]
@@ -233,7 +233,7 @@ def test_learned_calculator_protocol_end_to_end(world, calculator_model):
 def test_failures_are_labelled_by_cause(world, calculator_model):
     import dataclasses
 
-    from stages.rollout import SamplingParams
+    from snowcat.stages.rollout import SamplingParams
 
     arith, closure, tok = world
     engine = engine_for(calculator_model)
@@ -278,7 +278,7 @@ def assert_same_episodes(xs, ys):
 
 
 def test_episodes_are_deterministic_and_independent_of_the_batch(world):
-    from stages.rollout import SamplingParams
+    from snowcat.stages.rollout import SamplingParams
 
     arith, closure, tok = world
     engine = engine_for(tiny_model(tok, seed=3))

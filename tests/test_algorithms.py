@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from pipeline.errors import UserError
-from stages.algorithms import (
+from snowcat.pipeline.errors import UserError
+from snowcat.stages.algorithms import (
     PolicyLossConfig,
     aggregate,
     compute_advantages,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.history import History
+from snowcat.pipeline.history import History
 from tinyrun import module, shared_run
 
 # the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.fsio import sha256_file
+from snowcat.pipeline.fsio import sha256_file
 from tinyrun import module, shared_run
 
 # the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine

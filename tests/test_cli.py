@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.fsio import read_json, sha256_file
+from snowcat.pipeline.fsio import read_json, sha256_file
 from tests.conftest import write_config
 
 SMALL = """

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cluster_fixtures import sbatch, slurm_cluster, slurm_env  # noqa: F401
-from slurm import cluster
+from snowcat.slurm import cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -100,7 +100,7 @@ def test_hetjob_components_share_one_pmix_mpi_world(sbatch, tmp_path):
         "#SBATCH -N1 -n1 --exclusive --time=2\n"
         "#SBATCH hetjob\n"
         "#SBATCH -N1 -n1 --exclusive --time=2\n"
-        f"{sys.executable} -m slurm.stepwatch --grace 5 -- "
+        f"{sys.executable} -m snowcat.slurm.stepwatch --grace 5 -- "
         f"srun --mpi=pmix --het-group=0,1 {sys.executable} {tmp_path / 'x.py'} {tmp_path}\n"
     )
     # A short --time so that a hung step fails the test in minutes rather than blocking CI.
@@ -118,7 +118,7 @@ def test_stepwatch_stops_a_launcher_that_hangs_after_its_step_ended(sbatch, slur
     script = tmp_path / "hang.sh"
     hanging_launcher = f"srun -n1 bash -c 'exit {step_exit}'; sleep 600"
     script.write_text("#!/bin/bash\n#SBATCH -N1 -n1 --time=3\n"
-                      f"{sys.executable} -m slurm.stepwatch --grace 3 --poll 1 -- bash -c {shlex.quote(hanging_launcher)}\n")
+                      f"{sys.executable} -m snowcat.slurm.stepwatch --grace 3 --poll 1 -- bash -c {shlex.quote(hanging_launcher)}\n")
     log = tmp_path / "hang.out"
     job = sbatch("-o", str(log), str(script))
     rows = _until(lambda: [r for r in _sacct(slurm_env, job, "JobID,State,ExitCode") if r[1] not in ("PENDING", "RUNNING")],
@@ -129,7 +129,7 @@ def test_stepwatch_stops_a_launcher_that_hangs_after_its_step_ended(sbatch, slur
 
 def test_stepwatch_passes_exit_status_and_signals_through(tmp_path):
     """Outside a job, or where srun behaves, stepwatch is transparent."""
-    run = [sys.executable, "-m", "slurm.stepwatch", "--"]
+    run = [sys.executable, "-m", "snowcat.slurm.stepwatch", "--"]
     env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
     assert subprocess.run([*run, "bash", "-c", "exit 5"], env=env, timeout=60).returncode == 5
     started = tmp_path / "started"

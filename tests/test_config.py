@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import config
-from pipeline.errors import UserError
+from snowcat.pipeline import config
+from snowcat.pipeline.errors import UserError
 from tests.conftest import DEMO, write_config
 
 

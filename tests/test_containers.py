@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from containers import images
-from containers.wrap import image_provenance, srun_line, stage_command, wrap_command
-from pipeline.errors import UserError
+from snowcat.containers import images
+from snowcat.containers.wrap import image_provenance, srun_line, stage_command, wrap_command
+from snowcat.pipeline.errors import UserError
 
 FAKE_APPTAINER_DIR = Path(__file__).parent / "fake_apptainer"
 
@@ -39,7 +39,7 @@ def no_apptainer(monkeypatch, tmp_path):
 
 
 def test_runtime_none_returns_command_unchanged():
-    cmd = ["python", "-m", "stages", "/runs/r1", "sft"]
+    cmd = ["python", "-m", "snowcat.stages", "/runs/r1", "sft"]
     assert wrap_command(cmd, "none", image="ignored.sif", binds=["/x"], gpu=True, env={"A": "1"}) == cmd
 
 
@@ -50,7 +50,7 @@ def test_apptainer_command_line():
                        env={"HF_HUB_OFFLINE": "1", "A_B": "x y"})
     assert out == ["apptainer", "exec", "--nv", "--bind", "/p/runs/r1", "--bind", "/p/data:/data:ro",
                    "--env", "A_B=x y", "--env", "HF_HUB_OFFLINE=1",
-                   "/p/img/trainer.sif", "python", "-m", "stages", "/p/runs/r1", "sft"]
+                   "/p/img/trainer.sif", "python", "-m", "snowcat.stages", "/p/runs/r1", "sft"]
     assert "--nv" not in wrap_command(cmd, "apptainer", image="i.sif", gpu=False)
     assert wrap_command(["x"], "apptainer", image="i.sif", binds=["."])[3] == os.getcwd()  # relative: made absolute
     assert stage_command("/r", "eval", item=3)[-2:] == ["--item", "3"]
@@ -205,7 +205,7 @@ def render_golden(site_name: str) -> list[str]:
     """The launcher lines of a containerised stage on a site, as the Slurm executor composes them."""
     import shlex
 
-    from slurm.site import load_site
+    from snowcat.slurm.site import load_site
 
     site = load_site(site_name)
     _, run_dir, image_dir, arch = GOLDEN_SITES[site_name]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from pipeline import config, dag
-from pipeline.errors import UserError
+from snowcat.pipeline import config, dag
+from snowcat.pipeline.errors import UserError
 from tests.conftest import DEMO
 
 TWO = ["stages.b.kind=tasks", "stages.b.needs=[tasks]", "stages.c.kind=tasks", "stages.c.needs=[b,tasks]"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.demo import HEADLINE, RESULTS, quote
+from snowcat.benchmarks.demo import HEADLINE, RESULTS, quote
 
 REPO = Path(__file__).resolve().parent.parent
 QUOTED_IN = {

@@ -6,15 +6,15 @@ from pathlib import Path
 import pytest
 
 from cluster_fixtures import slurm_cluster, slurm_env  # noqa: F401  (local Slurm cluster fixtures)
-from pipeline import doctor
-from pipeline.doctor import FAIL, PASS, WARN, Check
+from snowcat.pipeline import doctor
+from snowcat.pipeline.doctor import FAIL, PASS, WARN, Check
 
 FAKE_APPTAINER_DIR = Path(__file__).parent / "fake_apptainer"
 
 
 def local_profile():
     """The profile of the local test cluster, as B's slurm/sites/local.yaml describes it."""
-    from slurm.site import load_site
+    from snowcat.slurm.site import load_site
 
     return load_site("local")
 

@@ -6,9 +6,9 @@ from collections import Counter
 import pytest
 import torch
 
-from stages.model import PRESETS, MoEForCausalLM
-from stages.rollout import Completion, EngineError, SamplingParams, TorchEngine, VLLMEngine
-from stages.rollout.sampling import processed_logprobs, support_ids, support_mask
+from snowcat.stages.model import PRESETS, MoEForCausalLM
+from snowcat.stages.rollout import Completion, EngineError, SamplingParams, TorchEngine, VLLMEngine
+from snowcat.stages.rollout.sampling import processed_logprobs, support_ids, support_mask
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 8, 1, 30, 7], [100], [12, 13, 14, 15]]
 
@@ -104,7 +104,7 @@ def test_empirical_frequencies_match_reported_probabilities(model):
 
 
 def test_trainer_recomputation_with_the_support_matches_and_full_vocab_does_not(model):
-    from kernels import linear_logprob_entropy
+    from snowcat.kernels import linear_logprob_entropy
 
     p = SamplingParams(temperature=0.8, top_p=0.7, max_tokens=6)
     hs, targets, engine_lp, supports = [], [], [], []
@@ -137,7 +137,7 @@ def test_engine_errors_are_engine_errors(model):
 
 
 def test_load_weights_from_a_model_dir(model, tmp_path):
-    from stages.model import save_model_dir
+    from snowcat.stages.model import save_model_dir
 
     p = SamplingParams(max_tokens=4)
     reference = TorchEngine(model).generate(PROMPTS, p, seed=2)

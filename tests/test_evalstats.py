@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from stages import evalstats
+from snowcat.stages import evalstats
 
 
 def test_pass_at_k_hand_cases():

@@ -27,7 +27,7 @@ def oracle_passes(task_id: str) -> bool:
 
 
 def task_oracle_verifier_test_double(task, text):
-    from stages.taskgen import Verdict
+    from snowcat.stages.taskgen import Verdict
 
     ok = oracle_passes(task.task_id)
     return Verdict(float(ok), ok, "graded by task id (test double)")
@@ -50,9 +50,9 @@ def workdir(tmp_path_factory):
     import numpy as np
     import torch
 
-    from stages.model import PRESETS, MoEForCausalLM, save_model_dir
-    from stages.taskgen import generate_domain, save_tasks
-    from stages.tokenizer import train_tokenizer
+    from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
+    from snowcat.stages.taskgen import generate_domain, save_tasks
+    from snowcat.stages.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("eval")
     rng = np.random.default_rng(0)
@@ -73,8 +73,8 @@ def workdir(tmp_path_factory):
 
 
 def run_stage(workdir: Path, out: str, **overrides):
-    from pipeline.context import StageContext
-    from stages import evaluate
+    from snowcat.pipeline.context import StageContext
+    from snowcat.stages import evaluate
 
     cfg = evaluate.Config(checkpoints=["sft:initial", "sft:final"], attempts=3, max_tokens=6, pass_k=[1, 2, 3],
                           infra_retries=0, verifier_timeout_s=3.0, batch_size=16, bootstrap_samples=500,
@@ -183,10 +183,10 @@ def test_engine_errors_are_infra_failures(workdir):
 
 
 def test_real_verifier_and_bad_config(workdir):
-    from pipeline.errors import UserError
-    from stages import evaluate
+    from snowcat.pipeline.errors import UserError
+    from snowcat.stages import evaluate
 
-    _, results, traces = run_stage(workdir, "real", checkpoints=["sft:final"], verifier="stages.taskgen:verify",
+    _, results, traces = run_stage(workdir, "real", checkpoints=["sft:final"], verifier="snowcat.stages.taskgen:verify",
                                    limit=4)
     assert len(traces) == 12 and all(r["status"] in ("ok", "truncated") for r in traces)
     assert 0.0 <= results["checkpoints"]["sft:final"]["groups"]["all"]["reward"] <= 1.0

@@ -10,11 +10,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.context import StageContext
-from pipeline.errors import UserError
-from pipeline.fsio import verify_manifest
-from pipeline.retention import Retention, RetentionPolicy
-from stages import export
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import verify_manifest
+from snowcat.pipeline.retention import Retention, RetentionPolicy
+from snowcat.stages import export
 from tinyrun import shared_run
 
 # the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
@@ -29,7 +29,7 @@ def run_dir(tmp_path_factory) -> Path:
 def test_export_loads_offline_and_matches_the_trainer(run_dir, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.model import load_model_dir
+    from snowcat.stages.model import load_model_dir
 
     out = run_dir / "stages" / "export"
     model_dir = out / "model"
@@ -89,9 +89,9 @@ def test_default_choice_is_the_best_retained_checkpoint(tmp_path):
 
 
 def test_converter_refuses_what_qwen3_moe_cannot_express():
-    from stages.model import PRESETS
+    from snowcat.stages.model import PRESETS
 
-    from stages.tokenizer import train_tokenizer
+    from snowcat.stages.tokenizer import train_tokenizer
 
     tok = train_tokenizer(["a b c 1 2 3"] * 3, 300)
     with pytest.raises(UserError, match="shared expert"):
@@ -99,7 +99,7 @@ def test_converter_refuses_what_qwen3_moe_cannot_express():
 
 
 def test_config_errors_name_the_key(tmp_path):
-    from pipeline import config as config_mod
+    from snowcat.pipeline import config as config_mod
 
     path = tmp_path / "c.yaml"
     path.write_text("stages:\n  sft: {kind: sft}\n  export: {kind: export, needs: [sft], checkpoint: 'rl:best'}\n")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.model import PRESETS, MoEForCausalLM
-from stages.rlcore.handoff import STABLE, HandoffError, WeightHandoff, version_for_batch
+from snowcat.stages.model import PRESETS, MoEForCausalLM
+from snowcat.stages.rlcore.handoff import STABLE, HandoffError, WeightHandoff, version_for_batch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,10 +90,10 @@ def test_prune_and_clean(tmp_path):
 
 _CHILD = textwrap.dedent("""
     import os, sys, time, torch
-    import stages.model, stages.rlcore.handoff as handoff
-    from stages.model import PRESETS, MoEForCausalLM
+    import snowcat.stages.model as model, snowcat.stages.rlcore.handoff as handoff
+    from snowcat.stages.model import PRESETS, MoEForCausalLM
     where, root = sys.argv[1], sys.argv[2]
-    real_save, real_write = stages.model.save_model_dir, handoff.atomic_write_text
+    real_save, real_write = model.save_model_dir, handoff.atomic_write_text
 
     def pause(*_):
         print("PAUSED", flush=True)
@@ -106,7 +106,7 @@ _CHILD = textwrap.dedent("""
         pause() if path.name == "STABLE" else real_write(path, text)
 
     if where == "building":
-        stages.model.save_model_dir = save
+        model.save_model_dir = save
     else:
         handoff.atomic_write_text = write
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from pipeline.history import FILENAME, History, _open, _q, check_gaps
+from snowcat.pipeline.history import FILENAME, History, _open, _q, check_gaps
 
 
 def metrics_at(step):

@@ -8,9 +8,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import linear_logprob_entropy
-from kernels.reference import materialised_reference, support_mask
-from pipeline.errors import UserError
+from snowcat.kernels import linear_logprob_entropy
+from snowcat.kernels.reference import materialised_reference, support_mask
+from snowcat.pipeline.errors import UserError
 
 
 def make_problem(n=37, hdim=16, vocab=50, dtype=torch.float32, support_k=0, seed=0):

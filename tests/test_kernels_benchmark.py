@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.logprob import main
+from snowcat.benchmarks.logprob import main
 
 
 def test_benchmark_reports_every_method(tmp_path, capsys, monkeypatch):

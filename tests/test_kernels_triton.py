@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.reference import support_mask
+from snowcat.kernels.reference import support_mask
 from tests.test_kernels import assert_close_all, make_problem, run_tp, run_with_grads, truth
 
 pytest.importorskip("triton")
@@ -36,7 +36,7 @@ def test_under_interpreter():
 
 @pytest.fixture(scope="module")
 def triton_fused():
-    import kernels.triton_fused as module
+    import snowcat.kernels.triton_fused as module
 
     assert module.INTERPRETED == (not ON_GPU)
     return module
@@ -108,8 +108,8 @@ def test_support_bits_match_bool_mask(triton_fused):
 @pytest.mark.skipif(INTERPRETING, reason="compiles the real kernels (no GPU needed)")
 @pytest.mark.parametrize("arch,shared_limit", [(80, 163 << 10), (90, 227 << 10)])  # A100; H100/H200/GH200
 def test_kernels_compile_for_gpus_pipelined_without_spills(arch, shared_limit):
-    from kernels.compile_check import compile_kernels
-    from kernels.triton_fused import tile_config
+    from snowcat.kernels.compile_check import compile_kernels
+    from snowcat.kernels.triton_fused import tile_config
 
     cfg = tile_config(torch.bfloat16)
     one_stage = (cfg.block_n + cfg.block_v) * cfg.block_h * 2  # an h tile and a W tile, bf16
@@ -126,10 +126,10 @@ def test_tensor_parallel_triton_two_gloo_ranks(tmp_path):
 
 
 def test_auto_backend_picks_reference_on_cpu(monkeypatch):
-    import kernels
+    from snowcat import kernels
 
     calls = []
-    import kernels.reference as reference
+    import snowcat.kernels.reference as reference
 
     real = reference.linear_logprob_entropy_reference
     monkeypatch.setattr(reference, "linear_logprob_entropy_reference",

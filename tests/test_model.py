@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from pipeline.errors import UserError
-from stages.model import (PRESETS, KVCache, ModelConfig, MoEForCausalLM, count_params, hf_state_dict,
+from snowcat.pipeline.errors import UserError
+from snowcat.stages.model import (PRESETS, KVCache, ModelConfig, MoEForCausalLM, count_params, hf_state_dict,
                           load_model_dir, resolve_checkpoint, save_model_dir)
 
 MICRO = PRESETS["test-micro"]

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline import offline
-from pipeline.context import StageContext
-from pipeline.errors import UserError
-from stages import prestage
+from snowcat.pipeline import offline
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.errors import UserError
+from snowcat.stages import prestage
 
 
 def make_wheel(directory: Path, name="demo_pkg", version="1.0") -> Path:

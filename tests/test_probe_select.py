@@ -9,17 +9,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeline.context import StageContext
-from pipeline.errors import UserError
-from stages import probe, select
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.errors import UserError
+from snowcat.stages import probe, select
 from test_agent import overfit, teacher_messages, tiny_model, tiny_tasks, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """tasks/ (train + held-out val) and sft/checkpoints/final: a micro model taught 3 of 8 train tasks."""
-    from stages.model import save_model_dir
-    from stages.taskgen import save_tasks
+    from snowcat.stages.model import save_model_dir
+    from snowcat.stages.taskgen import save_tasks
 
     root = tmp_path_factory.mktemp("probe")
     arith, closure = tiny_tasks()
@@ -61,7 +61,7 @@ def read_traces(path: Path) -> dict:
 
 
 def test_probe_counts_passes_per_train_task(workdir):
-    from stages.taskgen import load_tasks
+    from snowcat.stages.taskgen import load_tasks
 
     metrics, rows = run_probe(workdir, "probe_a")
     train = load_tasks(workdir / "tasks", "train")
@@ -100,7 +100,7 @@ def test_probe_counts_passes_per_train_task(workdir):
 
 
 def test_probe_config_errors_name_the_key(workdir):
-    from pipeline import config as config_mod
+    from snowcat.pipeline import config as config_mod
 
     path = workdir / "bad_probe.yaml"
     path.write_text("stages:\n  tasks: {kind: tasks}\n  probe: {kind: probe, needs: [tasks], checkpoint: final}\n")
@@ -124,7 +124,7 @@ def row(task, passes, n=8, infra=0):
 
 
 def test_select_keeps_the_band_and_never_a_held_out_task(workdir):
-    from stages.taskgen import load_tasks
+    from snowcat.stages.taskgen import load_tasks
 
     train = load_tasks(workdir / "tasks", "train")
     val = load_tasks(workdir / "tasks", "val")
@@ -163,9 +163,9 @@ def test_select_config_errors():
 
 
 def test_probe_reuses_saved_batches_only_under_the_same_settings(workdir, tmp_path):
-    from stages.model import load_model_dir
-    from stages.rollout import TorchEngine
-    from stages.taskgen import load_tasks
+    from snowcat.stages.model import load_model_dir
+    from snowcat.stages.rollout import TorchEngine
+    from snowcat.stages.taskgen import load_tasks
 
     model, _, tok = load_model_dir(workdir / "sft" / "checkpoints" / "final")
     tasks = load_tasks(workdir / "tasks", "train")[:3]

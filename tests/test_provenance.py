@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline import provenance
-from pipeline.fsio import atomic_write_text, sha256_file, write_manifest
-from pipeline.provenance import REQUIRED_FIELDS, capture, check_complete, code_state, container_state, record_unit, write
-from pipeline.scrub import scan_tree
+from snowcat.pipeline import provenance
+from snowcat.pipeline.fsio import atomic_write_text, sha256_file, write_manifest
+from snowcat.pipeline.provenance import REQUIRED_FIELDS, capture, check_complete, code_state, container_state, record_unit, write
+from snowcat.pipeline.scrub import scan_tree
 
 HF = "hf_planted123AbCdEfGhIjKlMnOpQrStUvWx"
 DAYTONA = "dtn_7f3c9a0e5b2d4c1f8a6e9b3d7c5a1f0e"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.fsio import read_json
-from pipeline.reproduce import TIMING_METRICS
+from snowcat.pipeline.fsio import read_json
+from snowcat.pipeline.reproduce import TIMING_METRICS
 from tinyrun import TINY, make_run, module
 
 # the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
@@ -42,8 +42,8 @@ def test_reproduction_matches_the_original(original, tmp_path):
 
 def test_a_different_result_is_reported(original, tmp_path):
     """The comparison can fail: a reproduction whose SFT final weights differ is named."""
-    from pipeline.reproduce import compare_runs
-    from pipeline.rundir import RunDir
+    from snowcat.pipeline.reproduce import compare_runs
+    from snowcat.pipeline.rundir import RunDir
 
     copy = tmp_path / "copy"
     shutil.copytree(original, copy)

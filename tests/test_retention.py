@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import UserError
-from pipeline.retention import LEDGER, Retention, RetentionPolicy
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.retention import LEDGER, Retention, RetentionPolicy
 
 
 def save(ckpt: Path, step: int) -> None:

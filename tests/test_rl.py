@@ -18,11 +18,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import stages.rl as rl
-from pipeline.context import StageContext
-from pipeline.errors import UserError
-from pipeline.fsio import sha256_file
-from stages.taskgen import Verdict
+import snowcat.stages.rl as rl
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import sha256_file
+from snowcat.stages.taskgen import Verdict
 
 REPO = Path(__file__).resolve().parent.parent
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
@@ -38,10 +38,10 @@ def parity_verify(task, text: str) -> Verdict:
 
 def build_inputs(root: Path, seed: int = 3) -> None:
     """tasks/ (train, val) and sft/checkpoints/final: a random test-micro model with a trained tokenizer."""
-    from stages.model import PRESETS, MoEForCausalLM, save_model_dir
-    from stages.sft import tokenizer_corpus
-    from stages.taskgen import generate_domain, save_tasks, split_tasks
-    from stages.tokenizer import train_tokenizer
+    from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
+    from snowcat.stages.sft import tokenizer_corpus
+    from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks
+    from snowcat.stages.tokenizer import train_tokenizer
 
     rng = np.random.default_rng(seed)
     train, val = [], []
@@ -92,8 +92,8 @@ def baseline(inputs, tmp_path_factory) -> Path:
 
 
 def test_run_writes_loadable_checkpoints_and_metrics(baseline):
-    from pipeline.history import History
-    from stages.model import load_model_dir, resolve_checkpoint
+    from snowcat.pipeline.history import History
+    from snowcat.stages.model import load_model_dir, resolve_checkpoint
 
     out = baseline / "rl"
     for name in ("initial", "final", "best"):
@@ -139,16 +139,16 @@ _CHILD = textwrap.dedent("""
     import json, os, signal, sys
     from pathlib import Path
     sys.path.insert(0, os.environ["PYTHONPATH"])
-    import stages.model, stages.rlcore.handoff as handoff
+    import snowcat.stages.model as model, snowcat.stages.rlcore.handoff as handoff
     from tests.test_rl import make_ctx
-    import stages.rl as rl
+    import snowcat.stages.rl as rl
     inputs, run_dir, kill = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
     rank, world = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)), int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
 
     def die(*_):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    real_save, real_write = stages.model.save_model_dir, handoff.atomic_write_text
+    real_save, real_write = model.save_model_dir, handoff.atomic_write_text
     def save(path, model, *a, extra_files=None, **kw):  # killed inside the temp dir of a weight version
         if path.parent.name == "weights" and path.name == f"step_{kill.get('building', -1):06d}":
             extra_files = {**(extra_files or {}), "x": die}
@@ -157,7 +157,7 @@ _CHILD = textwrap.dedent("""
         if path.name == "STABLE" and path.parent.name == f"step_{kill.get('before_stable', -1):06d}":
             die()
         return real_write(path, text)
-    stages.model.save_model_dir, handoff.atomic_write_text = save, write
+    model.save_model_dir, handoff.atomic_write_text = save, write
     print(json.dumps(rl.run(make_ctx(inputs, run_dir, rank=rank, world=world))), flush=True)
 """)
 
@@ -245,11 +245,11 @@ def test_preemption_checkpoints_then_resume_is_bit_identical(inputs, baseline, t
 def test_trainer_logprobs_use_the_engines_truncated_distribution(inputs):
     """top-k/top-p sampling at temperature 0.7: the trainer's recomputation under the same support
     matches the engine's processed logprobs; a full-vocabulary recomputation would not."""
-    from stages.agent import Budget, EpisodeJob, SingleTurnEnv, run_episodes
-    from stages.model import load_model_dir
-    from stages.rlcore.trainer import make_batch, sampled_logprobs
-    from stages.rollout import SamplingParams, TorchEngine
-    from stages.taskgen import load_tasks
+    from snowcat.stages.agent import Budget, EpisodeJob, SingleTurnEnv, run_episodes
+    from snowcat.stages.model import load_model_dir
+    from snowcat.stages.rlcore.trainer import make_batch, sampled_logprobs
+    from snowcat.stages.rollout import SamplingParams, TorchEngine
+    from snowcat.stages.taskgen import load_tasks
 
     model, _, tok = load_model_dir(inputs / "sft" / "checkpoints" / "final")
     tasks = load_tasks(inputs / "tasks", "train")[:4]
@@ -275,7 +275,7 @@ def test_trainer_logprobs_use_the_engines_truncated_distribution(inputs):
 
 
 def test_training_tasks_come_from_the_select_band_when_given(inputs, tmp_path):
-    from stages.taskgen import load_tasks, save_tasks
+    from snowcat.stages.taskgen import load_tasks, save_tasks
 
     train = load_tasks(inputs / "tasks", "train")
     band = [t for t in train if t.domain == "closure"][:10]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stages.rollout.sampling import SamplingParams, processed_logprobs, sample, support_mask
+from snowcat.stages.rollout.sampling import SamplingParams, processed_logprobs, sample, support_mask
 
 
 def test_full_distribution_is_plain_log_softmax():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.sandbox import ApptainerSandbox, Limits, LocalSandbox, strip_git_history
+from snowcat.stages.sandbox import ApptainerSandbox, Limits, LocalSandbox, strip_git_history
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                                 reason="isolating LocalSandbox tests run as root with util-linux unshare")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.context import StageContext
-from pipeline.dag import build
-from pipeline.rundir import RunDir
-from stages import scan
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.dag import build
+from snowcat.pipeline.rundir import RunDir
+from snowcat.stages import scan
 from tinyrun import PLANTED, shared_run
 
 # the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
@@ -54,7 +54,7 @@ def test_a_leaked_secret_fails_the_scan(run_dir, tmp_path, monkeypatch):
 
 
 def test_scan_refuses_to_run_before_other_stages(run_dir, tmp_path):
-    from pipeline.errors import UserError
+    from snowcat.pipeline.errors import UserError
 
     cfg = RunDir.open(run_dir).config()
     cfg = OmegaConf.merge(cfg, {"stages": {"scan": {"needs": ["tasks"]}}})

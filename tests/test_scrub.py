@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline.scrub import (
+from snowcat.pipeline.scrub import (
     REDACTED,
     Finding,
     is_secret_name,
@@ -122,7 +122,7 @@ def test_scan_tree_finds_planted_values_in_text_binary_and_hdf5(tmp_path):
 
 
 def test_scan_tree_match_across_chunk_edge(tmp_path, monkeypatch):
-    import pipeline.scrub as scrub
+    import snowcat.pipeline.scrub as scrub
 
     monkeypatch.setattr(scrub, "_CHUNK", 1000)
     monkeypatch.setattr(scrub, "_MAX_MATCH", 100)  # overlap smaller than a chunk, as with real sizes
@@ -151,7 +151,7 @@ def test_url_password_needs_printable_user_and_password(tmp_path):
 
 _HOLDS_OUTPUT = """
 import subprocess, sys
-from pipeline.logscrub import scrubbed_output
+from snowcat.pipeline.logscrub import scrubbed_output
 with scrubbed_output():
     print("secret is " + sys.argv[1], flush=True)
     # like multiprocessing's resource tracker: a child that inherits the pipe and outlives the block

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-import stages.sft as sft
-from pipeline.context import Preempted, StageContext
-from pipeline.fsio import sha256_file, verify_manifest
-from stages.taskgen import demonstration, generate_domain, load_tasks, save_tasks, split_tasks, verify
+import snowcat.stages.sft as sft
+from snowcat.pipeline.context import Preempted, StageContext
+from snowcat.pipeline.fsio import sha256_file, verify_manifest
+from snowcat.stages.taskgen import demonstration, generate_domain, load_tasks, save_tasks, split_tasks, verify
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_relay_conversations_mask_the_student(tasks_dir):
 
 
 def test_arith_demonstrations_work_column_by_column_and_verify():
-    from stages.taskgen import arith
+    from snowcat.stages.taskgen import arith
 
     assert arith.worked_solution("347+285=", "632") == "7+5=12,4+8+1=13,3+2+1=6;632"
     assert arith.worked_solution("905-387=", "518") == "15-7=8,10-8-1=1,9-3-1=5;518"
@@ -112,7 +112,7 @@ def test_sft_outputs_and_preempted_run_resumes_bit_identically(tmp_path, tasks_d
 
 
 def test_config_validation_names_the_key():
-    from pipeline.errors import UserError
+    from snowcat.pipeline.errors import UserError
 
     base = OmegaConf.structured(sft.Config)
     sft.validate(base, "stages.sft")

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import UserError
-from slurm.site import SITES_DIR, filter_sbatch_options, list_sites, load_site, validate_request
+from snowcat.pipeline.errors import UserError
+from snowcat.slurm.site import SITES_DIR, filter_sbatch_options, list_sites, load_site, validate_request
 
 EXPECTED = {"jsc-juwels-booster", "jsc-jureca-dc", "jsc-jupiter", "tacc-vista", "tacc-frontera",
             "tacc-lonestar6", "tacc-stampede3", "local"}

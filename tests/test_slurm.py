@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import config, dag
-from pipeline.errors import UserError
-from pipeline.fsio import read_json, sha256_file
-from pipeline.rundir import RunDir
-from slurm.executor import SlurmExecutor
-from slurm.site import list_sites, load_site
+from snowcat.pipeline import config, dag
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import read_json, sha256_file
+from snowcat.pipeline.rundir import RunDir
+from snowcat.slurm.executor import SlurmExecutor
+from snowcat.slurm.site import list_sites, load_site
 from tests.conftest import write_config
 
 TASKS = """
@@ -164,7 +164,7 @@ def test_scancel_of_running_stage_fails_promptly_and_resume_finishes(snowcat, sl
 
 
 def test_parse_het_and_array_ids():
-    from slurm.hetjob import parse_job_id
+    from snowcat.slurm.hetjob import parse_job_id
 
     assert parse_job_id("123+1") == {"job": "123", "component": 1, "task": None, "step": None}
     assert parse_job_id("77_4")["task"] == "4" and parse_job_id("77_[5-199%8]")["task"] == "[5-199%8]"
@@ -213,7 +213,7 @@ def test_oversized_requests_are_refused_before_submission(site):
 
 
 def test_killed_slurmd_fails_the_stage_promptly_and_resume_finishes(snowcat, slurm_env, slurm_cluster, tmp_path):
-    from slurm import cluster
+    from snowcat.slurm import cluster
 
     cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="nodefail"))
     run_dir = tmp_path / "run"

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pipeline import config as config_mod
-from pipeline.dag import Unit, build
-from pipeline.progress import STYLE, Progress
-from pipeline.rundir import RunDir
-from pipeline.unitprogress import PROGRESS_FILE, ProgressReporter
+from snowcat.pipeline import config as config_mod
+from snowcat.pipeline.dag import Unit, build
+from snowcat.pipeline.progress import STYLE, Progress
+from snowcat.pipeline.rundir import RunDir
+from snowcat.pipeline.unitprogress import PROGRESS_FILE, ProgressReporter
 
 REPO = Path(__file__).resolve().parent.parent
 STATUSES = ("done", "modified", "pending", "running", "submitted", "failed", "preempted", "cancelled")
@@ -37,7 +37,7 @@ def _every_status_run(tmp_path: Path) -> tuple[RunDir, object]:
     cfg = config_mod.load(cfg_path)
     run = RunDir.create(cfg, tmp_path / "run")
     for stage in ("done", "modified"):
-        subprocess.run([sys.executable, "-m", "stages", str(run.path), stage], cwd=REPO, check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "snowcat.stages", str(run.path), stage], cwd=REPO, check=True, capture_output=True)
     (run.stage_dir("modified") / "train.parquet").write_bytes(b"changed after it was done")
     me = os.getpid()  # a live process: the local executor's reconciliation keeps these records
     run.update_stage("running", status="running", executor="local", pid=me, job_ids=[f"local:{me}"], attempts=1)
@@ -78,7 +78,7 @@ def test_live_view_renders_every_status(tmp_path):
 
 
 def test_progress_lines_in_a_log_when_not_on_a_terminal(tmp_path, monkeypatch):
-    import pipeline.progress as progress_mod
+    import snowcat.pipeline.progress as progress_mod
 
     run, cfg = _every_status_run(tmp_path)
     dag = build(cfg)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from stages.agent import Budget, CalculatorEnv, EpisodeJob, episode_seed, run_episodes
-from stages.agent.envs import tool_message_ids
-from stages.agent.loop import TRUNCATION_NOTE
-from stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.agent import Budget, CalculatorEnv, EpisodeJob, episode_seed, run_episodes
+from snowcat.stages.agent.envs import tool_message_ids
+from snowcat.stages.agent.loop import TRUNCATION_NOTE
+from snowcat.stages.rollout import SamplingParams, TorchEngine
 from test_agent import tiny_model, tiny_tasks, tiny_tokenizer
 
 SEED = 5

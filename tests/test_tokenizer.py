@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.tokenizer import ChatTokenizer, train_tokenizer
+from snowcat.stages.tokenizer import ChatTokenizer, train_tokenizer
 
 CORPUS = ['{"a": [1, {"b": 22}]}', '[[{"c": "dd"}]]', "hello world, hello there", "123+45=", "168"] * 40
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.fsio import sha256_file, verify_manifest
-from stages.model import PRESETS, MoEForCausalLM
-from stages.train import (Example, OptimConfig, PackedLoader, latest_checkpoint, load_checkpoint, lr_factor,
+from snowcat.pipeline.fsio import sha256_file, verify_manifest
+from snowcat.stages.model import PRESETS, MoEForCausalLM
+from snowcat.stages.train import (Example, OptimConfig, PackedLoader, latest_checkpoint, load_checkpoint, lr_factor,
                           make_backend, pack_rows, save_checkpoint, step_name)
-from stages.train.loss import sft_loss
+from snowcat.stages.train.loss import sft_loss
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO = PRESETS["test-micro"]
@@ -95,9 +95,9 @@ def test_loader_resumes_at_the_same_batch():
 
 RESUME_SCRIPT = textwrap.dedent("""
     import sys, torch
-    from stages.model import PRESETS, MoEForCausalLM
-    from stages.train import OptimConfig, PackedLoader, load_checkpoint, make_backend, save_checkpoint
-    from stages.train.loss import sft_loss
+    from snowcat.stages.model import PRESETS, MoEForCausalLM
+    from snowcat.stages.train import OptimConfig, PackedLoader, load_checkpoint, make_backend, save_checkpoint
+    from snowcat.stages.train.loss import sft_loss
     sys.path.insert(0, "tests")
     from test_train import toy_examples
     mode, ckpt, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -140,12 +140,10 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     save_checkpoint(tmp_path / step_name(1), backend, client_state={"loader": loader.state_dict()})
     backend.train_step(loader.next(), sft_loss)
 
-    import pipeline.fsio
-
     def killed(*a, **k):
         raise KeyboardInterrupt("killed while writing the manifest")
 
-    monkeypatch.setattr("stages.model.io.write_manifest", killed)
+    monkeypatch.setattr("snowcat.stages.model.io.write_manifest", killed)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path / step_name(2), backend, client_state={"loader": loader.state_dict()})
     assert not (tmp_path / step_name(2)).exists()

@@ -30,8 +30,8 @@ def _free_port() -> int:
 def _losses(backend, loader, steps, ckpt_at=None, ckpt_dir=None):
     import torch.distributed as dist
 
-    from stages.train import save_checkpoint
-    from stages.train.loss import sft_loss
+    from snowcat.stages.train import save_checkpoint
+    from snowcat.stages.train.loss import sft_loss
 
     out = []
     while backend.step < steps:
@@ -52,8 +52,8 @@ def _worker(rank, world, port, tmp, queue):
     import deepspeed
     from test_train import MICRO, toy_examples
 
-    from stages.model import MoEForCausalLM
-    from stages.train import OptimConfig, PackedLoader, load_checkpoint, make_backend
+    from snowcat.stages.model import MoEForCausalLM
+    from snowcat.stages.train import OptimConfig, PackedLoader, load_checkpoint, make_backend
 
     deepspeed.init_distributed(dist_backend="gloo")
     optim = OptimConfig(lr=1e-2, warmup_steps=2, total_steps=STEPS)

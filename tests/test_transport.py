@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.agent import Trajectory
-from stages.rlcore.transport import FileQueueTransport, TransportError
+from snowcat.stages.agent import Trajectory
+from snowcat.stages.rlcore.transport import FileQueueTransport, TransportError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,7 +60,7 @@ _MPI_CHILD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from mpi4py import MPI
     from tests.test_transport import make_batch
-    from stages.rlcore.transport import MPITransport
+    from snowcat.stages.rlcore.transport import MPITransport
     comm = MPI.COMM_WORLD
     t = MPITransport(comm, timeout_s=60)
     n = 7

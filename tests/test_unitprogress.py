@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.unitprogress import PROGRESS_FILE, ProgressReporter, UnitProgress, read_progress
+from snowcat.pipeline.unitprogress import PROGRESS_FILE, ProgressReporter, UnitProgress, read_progress
 
 
 class Clock:

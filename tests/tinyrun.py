@@ -90,12 +90,12 @@ def _run(cmd: list[str], cwd: Path, env: dict | None, timeout: float) -> subproc
 
 
 def snowcat(*args, cwd: Path, env: dict | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd, env, timeout)
+    return _run([sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)], cwd, env, timeout)
 
 
 def module(name: str, *args, cwd: Path = REPO, timeout: float = 1800) -> subprocess.CompletedProcess:
     """`snowcat <name> ARGS`, run from the repository (audit, card, reproduce)."""
-    return _run([sys.executable, "-m", "pipeline.cli", name, *map(str, args)], cwd, None, timeout)
+    return _run([sys.executable, "-m", "snowcat.pipeline.cli", name, *map(str, args)], cwd, None, timeout)
 
 
 def make_run(root: Path, config: str, name: str = "run", env: dict | None = None) -> Path:

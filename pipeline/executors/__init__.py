@@ -12,7 +12,7 @@ def make_executor(kind: str, run, dag, cfg) -> Executor:
 
         return LocalExecutor(run, dag, cfg)
     if kind == "slurm":
-        from slurm.executor import SlurmExecutor
+        from snowcat.slurm.executor import SlurmExecutor
 
         return SlurmExecutor(run, dag, cfg)
     raise UserError(f"executor.kind: unknown executor {kind!r} (local, slurm)")

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from stages.agent.trajectory import Trajectory
+from snowcat.stages.agent.trajectory import Trajectory
 
 TRUNCATION_NOTE = "turn cut at {n} tokens; answer briefly"
 
@@ -60,7 +60,7 @@ def generate_seeded(engine, prompts: list[list[int]], params, seeds: list[int]):
     `TorchEngine` takes per-request generators, so each request samples exactly as
     `engine.generate([prompt], params, seed=seeds[i])` would alone. Other engines (vLLM) get one
     seed mixed from all of them: deterministic for the same jobs, but not batch-independent."""
-    from stages.rollout.engine import EngineError, TorchEngine, request_generator
+    from snowcat.stages.rollout.engine import EngineError, TorchEngine, request_generator
 
     if hasattr(engine, "generate_seeded"):
         return engine.generate_seeded(prompts, params, seeds)
@@ -124,7 +124,7 @@ def run_episodes(
     end-of-turn id is always a stop id). `verifier(task, text) -> Verdict` defaults to
     `stages.taskgen.verify`; raising is an infrastructure failure."""
     if verifier is None:
-        from stages.taskgen import verify as verifier
+        from snowcat.stages.taskgen import verify as verifier
     stop_ids = tuple(dict.fromkeys((*params.stop_ids, tokenizer.end_of_turn_id)))
     episodes = []
     for job in jobs:

@@ -6,7 +6,7 @@ entropy terms, three aggregation modes; `mismatch_stats` for the engine-vs-train
 Definitions and choices: docs/rl-algorithms.md.
 """
 
-from stages.algorithms.advantages import (
+from snowcat.stages.algorithms.advantages import (
     ESTIMATORS,
     compute_advantages,
     dr_grpo_advantages,
@@ -15,7 +15,7 @@ from stages.algorithms.advantages import (
     rloo_n_advantages,
     valid_from_status,
 )
-from stages.algorithms.loss import AGGREGATIONS, PolicyLossConfig, aggregate, mismatch_stats, policy_loss
+from snowcat.stages.algorithms.loss import AGGREGATIONS, PolicyLossConfig, aggregate, mismatch_stats, policy_loss
 
 __all__ = [
     "AGGREGATIONS",

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from pipeline.errors import UserError
+from snowcat.pipeline.errors import UserError
 
 INFRA_ERROR = "infra_error"
 

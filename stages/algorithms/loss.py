@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.errors import UserError
+from snowcat.pipeline.errors import UserError
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_over_const")
 

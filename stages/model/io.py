@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.fsio import atomic_dir, atomic_write_json, read_json, verify_manifest, write_manifest
+from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, verify_manifest, write_manifest
 
 from .config import ModelConfig
 from .modeling import MoEForCausalLM
@@ -133,7 +133,7 @@ def save_model_dir(path, model: MoEForCausalLM, tokenizer=None, meta: dict | Non
 def load_model_config(path) -> ModelConfig:
     d = read_json(Path(path) / CONFIG)
     if d is None:
-        from pipeline.errors import UserError
+        from snowcat.pipeline.errors import UserError
 
         raise UserError(f"{path}: not a model directory (no {CONFIG})")
     return ModelConfig.from_dict(d)
@@ -141,7 +141,7 @@ def load_model_config(path) -> ModelConfig:
 
 def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify: bool = True):
     """(model, cfg, tokenizer) from a model directory; sha256 checked against the manifest."""
-    from pipeline.errors import UserError
+    from snowcat.pipeline.errors import UserError
 
     path = Path(path)
     if not path.is_dir():
@@ -163,7 +163,7 @@ def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify:
     model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
     tokenizer = None
     if (path / "tokenizer.json").is_file():
-        from stages.tokenizer import ChatTokenizer
+        from snowcat.stages.tokenizer import ChatTokenizer
 
         tokenizer = ChatTokenizer.load(path)
     return model, cfg, tokenizer
@@ -175,7 +175,7 @@ def model_dir_meta(path) -> dict:
 
 def resolve_checkpoint(stage_dir, name: str) -> Path:
     """`<stage_dir>/checkpoints/<name>`; a plain file there (e.g. `best`) names another checkpoint."""
-    from pipeline.errors import UserError
+    from snowcat.pipeline.errors import UserError
 
     root = Path(stage_dir) / "checkpoints"
     path = root / name

@@ -8,7 +8,7 @@ import dataclasses
 def load_verifier(spec: str):
     import importlib
 
-    from pipeline.errors import UserError
+    from snowcat.pipeline.errors import UserError
 
     module, _, name = spec.partition(":")
     try:
@@ -34,7 +34,7 @@ def reward_verifier(spec: str, reward: str):
 def generate_batch(engine, tok, tasks, cfg, params, seed: int, policy_version: int):
     import torch
 
-    from stages.agent import Budget, EpisodeJob, make_env, run_episodes
+    from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
 
     env = make_env(cfg.env, tok)
     budget = Budget(max_context=cfg.max_total_tokens, max_turn_tokens=cfg.max_tokens, max_turns=cfg.max_turns)

@@ -20,7 +20,7 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline.fsio import atomic_write_text, read_json, sha256_bytes
+from snowcat.pipeline.fsio import atomic_write_text, read_json, sha256_bytes
 
 STABLE = "STABLE"
 _VERSION_RE = re.compile(r"^step_(\d+)$")
@@ -47,7 +47,7 @@ class WeightHandoff:
     def publish(self, step: int, model) -> Path:
         """Write version `step` from `model` (an MoEForCausalLM); STABLE last. Idempotent: a stable
         version is left as it is (a resumed trainer republishes the same bytes anyway)."""
-        from stages.model import save_model_dir
+        from snowcat.stages.model import save_model_dir
 
         path = self.path(step)
         if self.is_stable(step):
@@ -135,7 +135,7 @@ class WeightHandoff:
         import torch
         from safetensors.torch import load as load_safetensors
 
-        from stages.model.io import INDEX, SINGLE, load_hf_state_dict
+        from snowcat.stages.model.io import INDEX, SINGLE, load_hf_state_dict
 
         files = self.wait_verified(step, **wait_kwargs)
         names = [SINGLE] if SINGLE in files else sorted(n for n in files if n.endswith(".safetensors"))

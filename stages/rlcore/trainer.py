@@ -13,9 +13,9 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from stages.agent import Trajectory
-from stages.algorithms import PolicyLossConfig, compute_advantages, mismatch_stats, policy_loss
-from stages.rollout import SamplingParams, support_ids
+from snowcat.stages.agent import Trajectory
+from snowcat.stages.algorithms import PolicyLossConfig, compute_advantages, mismatch_stats, policy_loss
+from snowcat.stages.rollout import SamplingParams, support_ids
 
 
 def group_advantages(trajs: list[Trajectory], estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +68,7 @@ def _unwrap(model):
 def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 4096):
     """(logprob [B, T], entropy [B, T], model output) of the target tokens under `params`' sampling
     distribution; 0 where there is no target."""
-    from kernels import linear_logprob_entropy
+    from snowcat.kernels import linear_logprob_entropy
 
     out = model(batch["input_ids"])
     B, T, H = out.hidden.shape

@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from stages.agent import FIELDS, Trajectory, allocate, header, pack, unpack
+from snowcat.stages.agent import FIELDS, Trajectory, allocate, header, pack, unpack
 
 _TAG = 17
 
@@ -103,7 +103,7 @@ class FileQueueTransport:
         return self.path(batch_index).is_file()
 
     def send_batch(self, batch_index: int, trajs: list[Trajectory]) -> None:
-        from pipeline.fsio import atomic_write_bytes
+        from snowcat.pipeline.fsio import atomic_write_bytes
 
         buf = io.BytesIO()
         np.savez(buf, **pack(trajs))

@@ -3,8 +3,8 @@
 `from stages.rollout import SamplingParams, TorchEngine, Completion` — see sampling.py and engine.py.
 """
 
-from stages.rollout.engine import Completion, Engine, EngineError, TorchEngine, VLLMEngine
-from stages.rollout.sampling import SamplingParams, processed_logprobs, sample, support_ids, support_mask
+from snowcat.stages.rollout.engine import Completion, Engine, EngineError, TorchEngine, VLLMEngine
+from snowcat.stages.rollout.sampling import SamplingParams, processed_logprobs, sample, support_ids, support_mask
 
 __all__ = [
     "Completion",

@@ -20,7 +20,7 @@ from typing import Literal, Protocol, Sequence
 import numpy as np
 import torch
 
-from stages.rollout.sampling import SamplingParams, sample
+from snowcat.stages.rollout.sampling import SamplingParams, sample
 
 
 class EngineError(RuntimeError):
@@ -64,7 +64,7 @@ class TorchEngine:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **kwargs) -> "TorchEngine":
-        from stages.model import load_model_dir
+        from snowcat.stages.model import load_model_dir
 
         try:
             model, _cfg, _tokenizer = load_model_dir(Path(model_dir))
@@ -75,7 +75,7 @@ class TorchEngine:
     def load_weights(self, model_dir: str | Path) -> None:
         """Replace the weights in place from a model/weights dir (safetensors under HF names, one
         file or shards + index, as `stages.model.save_model_dir` writes them)."""
-        from stages.model.io import load_hf_state_dict, read_tensors
+        from snowcat.stages.model.io import load_hf_state_dict, read_tensors
 
         try:
             tensors = read_tensors(Path(model_dir))
@@ -99,7 +99,7 @@ class TorchEngine:
 
     @torch.no_grad()  # also called directly by the agent loop: sampling never keeps a graph
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, gens: list[torch.Generator]):
-        from stages.model import KVCache
+        from snowcat.stages.model import KVCache
 
         if any(len(p) == 0 for p in prompts):
             raise EngineError("empty prompt")

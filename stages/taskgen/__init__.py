@@ -120,7 +120,7 @@ def save_tasks(out_dir: Path, split: str, tasks: list[Task]) -> Path:
 
     import pyarrow.parquet as pq
 
-    from pipeline.fsio import atomic_write_bytes
+    from snowcat.pipeline.fsio import atomic_write_bytes
 
     buf = io.BytesIO()
     pq.write_table(_table(tasks), buf, compression="zstd")

@@ -209,12 +209,12 @@ def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1):
         return TorchBackend(model, cfg)
     if name == "deepspeed":
         if zero_stage not in (0, 1, 2):
-            from pipeline.errors import UserError
+            from snowcat.pipeline.errors import UserError
 
             # ZeRO-3 partitions the LM head, which the fused logprob kernel reads outside
             # lm_head.forward; gathering it there is not done yet (a trial run deadlocked).
             raise UserError(f"deepspeed zero_stage={zero_stage}: only stages 0-2 are supported")
         return DeepSpeedBackend(model, cfg, zero_stage=zero_stage)
-    from pipeline.errors import UserError
+    from snowcat.pipeline.errors import UserError
 
     raise UserError(f"train backend {name!r} is not one of: torch, deepspeed")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.fsio import verify_manifest
+from snowcat.pipeline.fsio import verify_manifest
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 STATE = "trainer_state"
@@ -58,7 +58,7 @@ def _set_rng_state(state: dict) -> None:
 def save_checkpoint(path, backend, tokenizer=None, client_state: dict | None = None, meta: dict | None = None,
                     max_shard_bytes: int = 4 << 30) -> Path:
     """Collective: every rank calls it. Returns the checkpoint path."""
-    from stages.model.io import save_model_dir
+    from snowcat.stages.model.io import save_model_dir
 
     path = Path(path)
     rank, world_size = backend.rank, backend.world_size
@@ -84,7 +84,7 @@ def save_checkpoint(path, backend, tokenizer=None, client_state: dict | None = N
 
 def load_checkpoint(path, backend) -> dict:
     """Restore weights, optimizer/schedule, this rank's RNG; returns the client state (step, loader...)."""
-    from stages.model.io import load_hf_state_dict, read_tensors
+    from snowcat.stages.model.io import load_hf_state_dict, read_tensors
 
     path = Path(path)
     with backend.full_params():

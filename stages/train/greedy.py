@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.model import KVCache
+from snowcat.stages.model import KVCache
 
 
 @torch.no_grad()
