@@ -24,6 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from snowcat.pipeline.fsio import atomic_write_json
+from snowcat.pipeline.provenance import host_state
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "demo.yaml"
 SFT_DOMAINS = ("closure", "arith")
@@ -92,7 +95,6 @@ def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, dict[str, floa
 
 
 def machine() -> dict:
-    from snowcat.pipeline.provenance import host_state
 
     host = host_state()
     return {k: host.get(k) for k in ("cpu_model", "cpu_flags", "cpu_capability", "cpu_count", "machine")}
@@ -128,7 +130,6 @@ def main(argv: list[str]) -> int:
         if key in summary:
             print(f"  {what}: {quote(summary[key])}")
     if args.json:
-        from snowcat.pipeline.fsio import atomic_write_json
 
         atomic_write_json(args.json, {"config": str(CONFIG.relative_to(REPO)), "overrides": args.overrides,
                                       "machine": machine(), "seeds": list(per_seed),

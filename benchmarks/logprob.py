@@ -16,7 +16,6 @@ import argparse
 import ctypes
 import gc
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from snowcat.kernels import linear_logprob_entropy
+from snowcat.pipeline.fsio import atomic_write_json
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ANCHORS = ("eager", "compile", "torch_lce", "liger", "cce")
@@ -58,21 +60,19 @@ def torch_lce(h, w, y, t):
 
 
 def liger(h, w, y, t):
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415 (optional, GPU only)
 
     loss = LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h / t, y)
     return -(loss[0] if isinstance(loss, tuple) else loss), None
 
 
 def cce(h, w, y, t):
-    from cut_cross_entropy import linear_cross_entropy
+    from cut_cross_entropy import linear_cross_entropy  # noqa: PLC0415 (optional, GPU only)
 
     return -linear_cross_entropy(h / t, w, y, reduction="none"), None
 
 
 def ours(backend):
-    from snowcat.kernels import linear_logprob_entropy
-
     return lambda h, w, y, t: linear_logprob_entropy(h, w, y, temperature=t, backend=backend)
 
 
@@ -278,7 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args)
     print(render(rows, args))
     if args.json:
-        from snowcat.pipeline.fsio import atomic_write_json
 
         atomic_write_json(args.json, {
             "shape": {"n": args.n, "h": args.h, "v": args.v, "dtype": args.dtype, "temperature": args.temperature},

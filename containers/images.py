@@ -12,7 +12,11 @@ import json
 import os
 import shutil
 import subprocess
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from spython.main.parse.parsers import DockerParser, SingularityParser
+from spython.main.parse.writers import get_writer
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_text, sha256_file
@@ -45,7 +49,6 @@ def _run(args: list[str], what: str) -> str:
 
 
 def _parser_for(path: Path):
-    from spython.main.parse.parsers import DockerParser, SingularityParser
 
     name = path.name.lower()
     if name.endswith(".def") or name == "singularity" or name.startswith("singularity."):
@@ -66,8 +69,6 @@ def load_recipe(path: str | os.PathLike):
 
 def convert_recipe(path: str | os.PathLike, to: str) -> str:
     """The recipe at `path` rewritten as `to` ("singularity" for a .def, or "docker")."""
-    from spython.main.parse.parsers import DockerParser, SingularityParser
-    from spython.main.parse.writers import get_writer
 
     path = Path(path)
     parser_cls = _parser_for(path)
@@ -124,7 +125,6 @@ def snowcat_revision(repo: str | os.PathLike = DEFINITIONS.parent) -> str:
 
 
 def snowcat_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("snowcat")

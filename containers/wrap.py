@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from snowcat.containers.images import image_digest, inspect_labels
 from snowcat.pipeline.errors import UserError
 
 RUNTIMES = ("none", "apptainer")
@@ -144,7 +145,6 @@ def image_provenance(image: str | os.PathLike) -> dict:
     Labels need the apptainer binary; without it they are recorded as unknown (with the reason)
     rather than failing the card: the sha256 alone pins the image.
     """
-    from snowcat.containers.images import image_digest, inspect_labels
 
     path = Path(image)
     record: dict[str, Any] = {"image": str(path), "sha256": image_digest(path)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from snowcat.kernels.reference import linear_logprob_entropy_reference
 from snowcat.pipeline.errors import UserError
 
 BACKENDS = ("auto", "reference", "triton")
@@ -45,9 +46,8 @@ def linear_logprob_entropy(h: Tensor, weight: Tensor, targets: Tensor, temperatu
     if backend == "auto":
         backend = "triton" if h.is_cuda else "reference"
     if backend == "triton":
-        from snowcat.kernels.triton_fused import linear_logprob_entropy_triton
+        from snowcat.kernels.triton_fused import linear_logprob_entropy_triton  # noqa: PLC0415 (Triton: optional, GPU)
 
         return linear_logprob_entropy_triton(h, weight, targets, temperature, support, chunk_size, tp_group)
-    from snowcat.kernels.reference import linear_logprob_entropy_reference
 
     return linear_logprob_entropy_reference(h, weight, targets, temperature, support, chunk_size, tp_group)

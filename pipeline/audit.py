@@ -18,8 +18,16 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from . import provenance
+from .dag import build
 from .fsio import read_json, sha256_file, verify_manifest
+from .history import FILENAME, History, check_gaps
 from .rundir import RunDir
+from .scrub import env_secrets, scan_tree
 
 STEP_KEYS = ("steps", "updates")  # metrics.json keys that say how far a unit's history must reach
 
@@ -58,10 +66,6 @@ def _expected_last(metrics: dict) -> int | None:
 
 
 def audit(run: RunDir, known_secrets=None) -> list[Check]:
-    from . import provenance
-    from .dag import build
-    from .history import FILENAME, check_gaps
-    from .scrub import env_secrets, scan_tree
 
     cfg = run.config()
     dag = build(cfg)
@@ -97,7 +101,6 @@ def audit(run: RunDir, known_secrets=None) -> list[Check]:
 
     h5 = run.path / FILENAME
     if h5.exists():
-        from .history import History
 
         present = set(History(h5).stages())
         checks.append(Check("history", FILENAME, check_gaps(h5, {s: n for s, n in expected_last.items() if s in present})))
@@ -136,9 +139,6 @@ def add_audit_arguments(parser) -> None:
 
 
 def cmd_audit(args) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     run = RunDir.open(args.run)
     checks = audit(run)

@@ -12,8 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .fsio import read_json, sha256_file
+import pyarrow.parquet as pq
+import yaml
+
+from .dag import build
+from .fsio import atomic_write_text, read_json, sha256_file
+from .provenance import record_path
 from .rundir import RunDir
+from .scrub import scrub_text
 
 NR = "not recorded"
 TRAINING_KINDS = ("sft", "rl")
@@ -33,7 +39,6 @@ class Facts:
     """What the run directory records, read once."""
 
     def __init__(self, run: RunDir):
-        from .dag import build
 
         self.run = run
         self.info = run.info
@@ -51,7 +56,6 @@ class Facts:
         return self.run.stage_dir(name)
 
     def provenance(self, name: str, index: int | None = None) -> dict | None:
-        from .provenance import record_path
 
         return read_json(record_path(self.run.path, name, index))
 
@@ -91,8 +95,6 @@ def _data(f: Facts) -> list[str]:
             if not rel.endswith(".parquet"):
                 continue
             try:
-                import pyarrow.parquet as pq
-
                 n = pq.ParquetFile(f.stage_dir(node.name) / rel).metadata.num_rows
             except Exception:
                 n = None
@@ -247,7 +249,6 @@ def _software(f: Facts) -> tuple[list[str], dict]:
 
 
 def build_card(run: RunDir) -> str:
-    import yaml
 
     f = Facts(run)
     init_lines, init_meta = _initializer(f)
@@ -307,7 +308,6 @@ def build_card(run: RunDir) -> str:
         f"{' --site ' + origin['site'] if origin.get('site') else ''}`", "",
         "## Software and containers", "", *soft_lines, "",
     ]
-    from .scrub import scrub_text
 
     return scrub_text("\n".join(parts))  # e.g. an override holding a token must not reach a published card
 
@@ -321,7 +321,6 @@ def add_card_arguments(parser) -> None:
 
 
 def cmd_card(args) -> int:
-    from .fsio import atomic_write_text
 
     text = build_card(RunDir.open(args.run))
     if args.output:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shutil
 import sys
@@ -15,12 +16,16 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from snowcat.slurm import cluster
+
+from . import audit, card, doctor, reproduce
 from . import config as config_mod
 from .dag import Dag, build
 from .errors import UserError
 from .executors import make_executor
 from .progress import progress_lines, styled
 from .rundir import RunDir, new_run_id
+from .scrub import env_secrets
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -119,7 +124,6 @@ def dry_run(cfg, dag: Dag, run: RunDir | None, run_dir: Path | None) -> int:
 
 def _refuse_secrets(cfg) -> None:
     """A config that resolves to a credential (e.g. via ${oc.env:HF_TOKEN}) is never frozen to disk."""
-    from .scrub import env_secrets
 
     secrets = env_secrets()
     flat = OmegaConf.to_container(cfg, resolve=True)
@@ -230,13 +234,11 @@ def cmd_config(args) -> int:
 
 
 def cmd_cluster(args) -> int:
-    from snowcat.slurm import cluster
 
     return cluster.main([args.action] + (["--root", args.root] if args.root else []))
 
 
 def cmd_bench(args) -> int:
-    import importlib
 
     try:
         module = importlib.import_module(f"snowcat.benchmarks.{args.name}")
@@ -280,7 +282,6 @@ def parser() -> argparse.ArgumentParser:
     cf.add_argument("--site")
     cf.set_defaults(func=cmd_config)
 
-    from . import audit, card, doctor, reproduce
 
     a = sub.add_parser("audit", help="re-hash every artefact, check provenance, history and credentials; verdict table")
     audit.add_audit_arguments(a)

@@ -11,109 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import hashlib
 import importlib
-import operator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from types import ModuleType
+from typing import Any
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .errors import UserError
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.schema import Problem, RunConfig, StageCommon, parse_checkpoint_ref
+from snowcat.slurm.site import SiteProfile
+from snowcat.stages.config import KINDS
 
-
-def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None):
-    """A numeric field with the range it must lie in; checked when a config loads (None passes)."""
-    bounds = [(b, op, word) for b, op, word in ((ge, operator.ge, ">="), (gt, operator.gt, ">"), (le, operator.le, "<="))
-              if b is not None]
-    return field(default=default, metadata={"range": bounds})
-
-
-def checkpoint_refs(default: str | list[str] = ""):
-    """A field holding one "<stage>:<checkpoint>" reference (str) or a list of them; checked when a
-    config loads: the stage must be in `needs` and its kind must write that checkpoint."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"checkpoint_ref": True})
-    return field(default=default, metadata={"checkpoint_ref": True})
-
-
-def parse_checkpoint_ref(ref: str) -> tuple[str, str]:
-    """("sft", "final") from "sft:final"; ValueError for anything else."""
-    stage, sep, name = str(ref).partition(":")
-    if not sep or not stage or not name or ":" in name:
-        raise ValueError(f"{ref!r} is not '<stage>:<checkpoint>' (e.g. 'sft:final')")
-    return stage, name
-
-
-@dataclass
-class Component:
-    """One component of a heterogeneous job (e.g. trainer, rollout): its own nodes and GPUs."""
-
-    nodes: int = bounded(1, ge=1)
-    tasks_per_node: int = bounded(1, ge=1)
-    cpus_per_task: int = bounded(1, ge=1)
-    gpus_per_node: int = bounded(0, ge=0)
-    partition: Optional[str] = None
-
-
-@dataclass
-class Resources:
-    nodes: int = bounded(1, ge=1)
-    tasks_per_node: int = bounded(1, ge=1)
-    cpus_per_task: int = bounded(1, ge=1)
-    gpus_per_node: int = bounded(0, ge=0)
-    mem_gb: Optional[int] = bounded(None, ge=1)
-    time_min: int = bounded(30, ge=1)
-    partition: Optional[str] = None
-    # Non-empty: a co-scheduled multi-role stage (one Slurm hetjob, one MPI world; component order
-    # is rank order). Locally it runs under mpirun with the same roles.
-    components: dict[str, Component] = field(default_factory=dict)
-
-
-@dataclass
-class ResumePolicy:
-    """How a stage longer than the partition walltime continues (Slurm executor)."""
-
-    strategy: str = "requeue"  # requeue | chain | none
-    signal_margin_s: int = bounded(120, ge=0)  # --signal=USR2@margin: time the stage has to checkpoint
-    max_continuations: int = bounded(3, ge=0)
-
-
-@dataclass
-class StageCommon:
-    kind: str = MISSING
-    needs: list[str] = field(default_factory=list)
-    resources: Resources = field(default_factory=Resources)
-    # Fan-out: one unit of work per element of the cartesian product of these lists (a job array).
-    fan_out: dict[str, list[Any]] = field(default_factory=dict)
-    max_parallel: int = bounded(0, ge=0)  # array throttle (%N); 0 = site default
-    resume: ResumePolicy = field(default_factory=ResumePolicy)
-    image: Optional[str] = None  # container image to run the stage in (site runtime decides how)
-    staged: list[str] = field(default_factory=list)  # artefacts that must be pre-staged (run offline)
-
-
-@dataclass
-class ExecutorConfig:
-    kind: str = "local"  # local | slurm
-    max_parallel: int = bounded(2, ge=1)  # local executor: stages running at once
-    mpirun: str = "mpirun"  # local launcher for multi-role stages
-
-
-@dataclass
-class RunConfig:
-    name: str = "run"
-    seed: int = bounded(0, ge=0)  # numpy's generators take no negative seed
-    run_root: str = "logs"
-    description: str = ""
-    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
-    site: Any = None  # typed by slurm.site.SiteProfile when given
-    stages: dict[str, Any] = field(default_factory=dict)
-
-
-EXECUTOR_KINDS = ("local", "slurm")
-RESUME_STRATEGIES = ("requeue", "chain", "none")
 SITES_DIR = Path(__file__).resolve().parent.parent / "slurm" / "sites"
 
 
@@ -121,37 +34,42 @@ SITES_DIR = Path(__file__).resolve().parent.parent / "slurm" / "sites"
 
 
 def stage_kinds() -> list[str]:
-    """Kinds are the stage modules the `stages` package lists (`stages.KINDS`)."""
-    from snowcat import stages
-
-    return list(stages.KINDS)
+    """The stage kinds a config may name (`stages.config.KINDS`), in pipeline order."""
+    return list(KINDS)
 
 
-def stage_module(kind: str):
-    if kind not in stage_kinds():
+def stage_module(kind: str) -> ModuleType:
+    """The module that runs a kind (`stages/<kind>.py`, with `run(ctx)`): imported only to run a unit,
+    since it pulls in torch."""
+    if kind not in KINDS:
         raise KeyError(kind)
-    module = importlib.import_module(f"snowcat.stages.{kind}")
-    if not hasattr(module, "run"):
-        raise KeyError(kind)
-    return module
+    return importlib.import_module(f"snowcat.stages.{kind}")
 
 
+@functools.cache
 def stage_schema(kind: str) -> type:
-    """The typed schema of a stage section: the kind's own `Config` plus the common keys."""
-    own = getattr(stage_module(kind), "Config", None)
-    bases = (own, StageCommon) if own is not None else (StageCommon,)
-    return dataclasses.make_dataclass(f"{kind.title()}Stage", [], bases=bases)
+    """The typed schema of a stage section: the kind's own config class plus the common keys."""
+    return dataclasses.make_dataclass(f"{kind.title()}Stage", [], bases=(KINDS[kind], StageCommon))
+
+
+def stage_config(kind: str, values: dict | None = None, *, name: str | None = None):
+    """One stage section outside a run config (tests, benchmarks): the kind's typed config object with
+    `values` applied, checked as a loaded config is (ranges, choices, `problems()`; checkpoint
+    references are not, having no run to resolve in). Errors are one line naming `stages.<name>.<key>`."""
+    where = f"stages.{name or kind}"
+    if kind not in KINDS:
+        raise UserError(f"{where}.kind: unknown stage kind {kind!r} (known: {', '.join(KINDS)})")
+    try:
+        section = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(stage_schema(kind)), {"kind": kind, **(values or {})}))
+    except OmegaConfBaseException as e:
+        raise UserError(f"{_key(e, where)}: {_msg(e)}") from None
+    problems = list(_range_problems(section, where)) + [(_join(where, key), problem) for key, problem in section.problems()]
+    if problems:
+        raise UserError(f"{problems[0][0]}: {problems[0][1]}")
+    return section
 
 
 # --- loading --------------------------------------------------------------------------------
-
-
-def _site_schema():
-    try:
-        from snowcat.slurm.site import SiteProfile
-    except ImportError:
-        return None
-    return SiteProfile
 
 
 def site_path(name: str) -> Path:
@@ -253,9 +171,8 @@ def compose(path: str | Path, overrides: list[str] = (), site: str | None = None
         raise UserError(f"{path}: {_key(e)}: {_msg(e)}") from None
 
     typed = OmegaConf.structured(RunConfig)
-    site_schema = _site_schema()
-    if raw.get("site") is not None and site_schema is not None:
-        typed.site = OmegaConf.structured(site_schema)
+    if raw.get("site") is not None:
+        typed.site = OmegaConf.structured(SiteProfile)
     for name, section in (raw.get("stages") or {}).items():
         typed.stages[str(name)] = _typed_stage(str(name), section, label_of)
 
@@ -282,89 +199,84 @@ def _source_of(sources: list[tuple[str, DictConfig]], key: str, default: str) ->
     return default
 
 
-def _field_problems(node: DictConfig, where: str):
-    """(key, problem) for every bounded value out of range in a structured node, nested ones included."""
-    schema = OmegaConf.get_type(node)
-    if not dataclasses.is_dataclass(schema):
-        return
-    for f in dataclasses.fields(schema):
-        value = node.get(f.name)
-        key = f"{where}.{f.name}"
+def typed(cfg: DictConfig) -> RunConfig:
+    """The config as objects: a RunConfig whose stages are their kinds' dataclasses and whose site is a
+    SiteProfile (interpolations resolved). What stages, executors and the doctor read."""
+    return OmegaConf.to_object(cfg)
+
+
+def _range_problems(obj, where: str) -> Iterator[Problem]:
+    """(key, problem) for every bounded value out of range in a dataclass, nested ones included."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{where}.{f.name}"
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             for bound, op, word in f.metadata.get("range", ()):
                 if not op(value, bound):
                     yield key, f"must be {word} {bound}, got {value}"
-        if isinstance(value, DictConfig):
-            if dataclasses.is_dataclass(OmegaConf.get_type(value)):
-                yield from _field_problems(value, key)
-            else:  # a dict of structured values (resources.components, tasks.domains)
-                for name in value:
-                    if isinstance(value[name], DictConfig):
-                        yield from _field_problems(value[name], f"{key}.{name}")
+        if dataclasses.is_dataclass(value):
+            yield from _range_problems(value, key)
+        elif isinstance(value, dict):  # resources.components, tasks.domains
+            for name, child in value.items():
+                if dataclasses.is_dataclass(child):
+                    yield from _range_problems(child, f"{key}.{name}")
+        elif isinstance(value, list):  # prestage.artefacts
+            for i, child in enumerate(value):
+                if dataclasses.is_dataclass(child):
+                    yield from _range_problems(child, f"{key}[{i}]")
 
 
-def checkpoint_names(kind: str, section: DictConfig) -> tuple[str, ...] | None:
-    """The checkpoint names (fnmatch patterns) a stage of this kind writes; None: it writes none."""
-    names = getattr(stage_module(kind), "checkpoint_names", None)
-    return tuple(names(section)) if names is not None else None
-
-
-def _ref_problems(cfg: DictConfig, name: str, section: DictConfig):
+def _ref_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Problem]:
     """(key, problem) for every checkpoint reference of a stage that can never resolve."""
-    schema = OmegaConf.get_type(section)
-    fields = [f.name for f in dataclasses.fields(schema) if f.metadata.get("checkpoint_ref")]
+    fields = [f.name for f in dataclasses.fields(stage) if f.metadata.get("checkpoint_ref")]
     refs = []
     for field_name in fields:
-        value = section.get(field_name)
-        for ref in ([value] if isinstance(value, str) else list(value or [])):
-            refs.append((f"stages.{name}.{field_name}", ref))
-    if "checkpoint" in section.fan_out and fields:
-        refs += [(f"stages.{name}.fan_out.checkpoint", ref) for ref in section.fan_out.checkpoint]
+        value = getattr(stage, field_name)
+        refs += [(f"stages.{name}.{field_name}", ref) for ref in ([value] if isinstance(value, str) else value)]
+    if fields:
+        refs += [(f"stages.{name}.fan_out.checkpoint", ref) for ref in stage.fan_out.get("checkpoint", [])]
     for key, ref in refs:
         if ref == "":
             continue  # "": the stage's documented default choice
         try:
-            stage, ckpt = parse_checkpoint_ref(ref)
+            needed, ckpt = parse_checkpoint_ref(ref)
         except ValueError as e:
             yield key, str(e)
             continue
-        if stage not in section.needs:
-            yield key, f"{ref!r} names stage {stage!r}, which is not in stages.{name}.needs ({', '.join(section.needs) or 'none'})"
+        if needed not in stage.needs:
+            yield key, f"{ref!r} names stage {needed!r}, which is not in stages.{name}.needs ({', '.join(stage.needs) or 'none'})"
             continue
-        if stage not in cfg.stages:
+        if needed not in cfg.stages:
             continue  # the unknown stage in needs is reported by the DAG
-        producer = cfg.stages[stage]
-        names = checkpoint_names(str(producer.kind), producer)
+        producer = cfg.stages[needed]
+        names = producer.checkpoint_names()
         if names is None:
-            yield key, f"{ref!r}: stage {stage!r} (kind {producer.kind}) writes no checkpoints"
+            yield key, f"{ref!r}: stage {needed!r} (kind {producer.kind}) writes no checkpoints"
         elif not any(fnmatch.fnmatchcase(ckpt, pattern) for pattern in names):
-            yield key, f"{ref!r}: stage {stage!r} (kind {producer.kind}) writes only {', '.join(names)}"
+            yield key, f"{ref!r}: stage {needed!r} (kind {producer.kind}) writes only {', '.join(names)}"
 
 
-def _check_values(cfg: DictConfig, label: str, source_of=None) -> None:
-    source_of = source_of or (lambda key: label)
+def _problems(cfg: RunConfig) -> Iterator[Problem]:
+    yield from _range_problems(cfg, "")
+    for name, stage in cfg.stages.items():
+        yield from _ref_problems(cfg, name, stage)
+        for key, problem in stage.problems():
+            yield _join(f"stages.{name}", key), problem
+
+
+def _join(where: str, key: str) -> str:
+    return ".".join(filter(None, (where, key))).replace(".[", "[")
+
+
+def _check_values(cfg: DictConfig, label: str, source_of) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UserError(f"{label}: {missing[0]}: missing required value")
-    if cfg.executor.kind not in EXECUTOR_KINDS:
-        raise UserError(f"{label}: executor.kind: {cfg.executor.kind!r} is not one of {', '.join(EXECUTOR_KINDS)}")
-    problems = list(_field_problems(cfg, "")) + [p for name, st in cfg.stages.items() for p in _ref_problems(cfg, name, st)]
+    problems = list(_problems(typed(cfg)))
     if problems:
         key, problem = problems[0]
         key = key.lstrip(".")
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         raise UserError(f"{source_of(key)}: {key}: {problem}{more}")
-    for name, stage in cfg.stages.items():
-        validate = getattr(stage_module(stage.kind), "validate", None)
-        if validate is not None:
-            try:
-                validate(stage, f"stages.{name}")
-            except UserError as e:
-                raise UserError(f"{label}: {e}") from None
-        if stage.resume.strategy not in RESUME_STRATEGIES:
-            raise UserError(
-                f"{label}: stages.{name}.resume.strategy: {stage.resume.strategy!r} is not one of {', '.join(RESUME_STRATEGIES)}"
-            )
 
 
 def resolve(cfg: DictConfig, label: str = "config") -> DictConfig:

@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from snowcat.pipeline.config import stage_config
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.schema import RunConfig, parse_checkpoint_ref
+
+from .unitprogress import PROGRESS_FILE, ProgressReporter
+
 
 class CheckpointSignal:
     """Set when the scheduler warns that the job will end soon (SIGUSR2 from `--signal`, SIGTERM).
@@ -46,12 +52,24 @@ class Preempted(Exception):
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL
 
 
+def checkpoint_dir(stage_dir: str | os.PathLike, name: str) -> Path:
+    """`<stage_dir>/checkpoints/<name>`, a model directory; a plain file there (e.g. `best`) names the
+    checkpoint it stands for."""
+    root = Path(stage_dir) / "checkpoints"
+    path = root / name
+    if path.is_file():
+        path = root / path.read_text().strip()
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path}: no such checkpoint (expected a model directory)")
+    return path
+
+
 @dataclass
 class StageContext:
     name: str  # stage name in the config, e.g. "eval_sft"
     kind: str  # stage kind, e.g. "evaluate"
-    config: Any  # this stage's typed config section (DictConfig over the stage's Config dataclass)
-    run_config: Any  # the whole resolved run config (read-only)
+    config: Any  # this stage's section: its kind's config dataclass (stages/config.py) + the common keys
+    run_config: RunConfig | None  # the whole resolved run config, as objects (None: a standalone stage)
     run_dir: Path
     out_dir: Path  # where this stage (or this fan-out item) writes its outputs
     inputs: dict[str, Path]  # needed stage name -> its output dir (fan-out: the stage root)
@@ -68,11 +86,39 @@ class StageContext:
 
     Preempted = Preempted
 
+    @classmethod
+    def standalone(cls, kind: str, values: dict | None = None, *, run_dir: Path, inputs: dict[str, Path] | None = None,
+                   name: str | None = None, out_dir: Path | None = None, seed: int = 0, **fields: Any) -> StageContext:
+        """A context for one stage outside a run (tests, benchmarks, notebooks): the config typed and
+        checked as the runner's is (`stage_config`), `needs` = the inputs' names unless given, and
+        out_dir = run_dir/name, created."""
+        name = name or kind
+        inputs = dict(inputs or {})
+        config = stage_config(kind, {"needs": list(inputs), **(values or {})}, name=name)
+        out_dir = Path(out_dir) if out_dir is not None else Path(run_dir) / name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return cls(name=name, kind=kind, config=config, run_config=None, run_dir=Path(run_dir), out_dir=out_dir,
+                   inputs=inputs, seed=seed, **fields)
+
+    def checkpoint(self, ref: str, key: str) -> Path:
+        """The directory of a needed stage's checkpoint named "<stage>:<name>" by config key `key`
+        (which errors name)."""
+        where = f"stages.{self.name}.{key}"
+        try:
+            stage, name = parse_checkpoint_ref(ref)
+        except ValueError as e:
+            raise UserError(f"{where}: {e}") from None
+        if stage not in self.inputs:
+            raise UserError(f"{where}: {ref!r} names stage {stage!r}, which is not in needs ({', '.join(self.inputs) or 'none'})")
+        try:
+            return checkpoint_dir(self.inputs[stage], name)
+        except UserError as e:
+            raise UserError(f"{where}: {ref!r}: {e}") from None
+
     def progress(self, done: int, total: int, *, unit: str = "steps", phase: str | None = None, **numbers: float) -> None:
         """Report progress (e.g. `ctx.progress(step, steps, loss=0.41, **{"tok/s": 1900})`): shown by the
         live view and `snowcat status`, and logged every 30 s. Only rank 0 reports; call it freely."""
         if self._reporter is None:
-            from .unitprogress import PROGRESS_FILE, ProgressReporter
 
             self._reporter = ProgressReporter(Path(self.out_dir) / PROGRESS_FILE, self.name, enabled=self.rank == 0)
         self._reporter(done, total, unit=unit, phase=phase, **numbers)

@@ -10,7 +10,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .errors import UserError
 
@@ -77,7 +77,8 @@ def fan_out_items(fan_out: DictConfig, where: str) -> list[dict[str, Any]] | Non
     keys = list(fan_out.keys())
     values = []
     for k in keys:
-        v = OmegaConf.to_container(fan_out[k], resolve=True)
+        v = fan_out[k]
+        v = OmegaConf.to_container(v, resolve=True) if isinstance(v, ListConfig) else v
         if not isinstance(v, list) or not v:
             raise UserError(f"{where}.fan_out.{k}: expected a non-empty list")
         values.append(v)

@@ -8,17 +8,27 @@ from centre documentation, some unverified; doctor is where they meet reality.
 
 from __future__ import annotations
 
+import argparse
 import getpass
 import json
 import os
 import shutil
+import socket
 import subprocess
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from omegaconf import OmegaConf
+
+from snowcat.containers.wrap import site_mpi_plugin
+from snowcat.slurm.site import load_site, use_local_cluster
+
 from .errors import UserError
+from .fsio import atomic_write_text
+from .offline import require_staged
 
 # Filesystems a compute node sees the same way as the login node (statfs type names, `stat -f -c %T`).
 SHARED_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.sshfs", "panfs", "wekafs")
@@ -253,7 +263,6 @@ def check_arrays(site: Any, args: list[str] | None = None) -> Check:
 
 
 def check_mpi(site: Any) -> Check:
-    from snowcat.containers.wrap import site_mpi_plugin
 
     plugin = site_mpi_plugin(site)
     if _first(site, "launcher") == "ibrun" and not shutil.which("ibrun"):
@@ -302,7 +311,6 @@ def _single_host_cluster() -> bool:
     """True when every Slurm node is this machine (the local test cluster): local disks are shared."""
     code, out = _sh(["sinfo", "-h", "-N", "-o", "%o"])
     addrs = set(out.split()) if code == 0 else set()
-    import socket
 
     return bool(addrs) and addrs <= {"127.0.0.1", "::1", "localhost", socket.gethostname()}
 
@@ -400,7 +408,6 @@ def check_internet(site: Any, args: list[str] | None = None, host: str = "pypi.o
 
 
 def check_staged(staging_dir: str | os.PathLike | None, names: Iterable[str]) -> Check:
-    from .offline import require_staged
 
     names = list(names)
     if not names:
@@ -510,9 +517,7 @@ def onboard(site_profile: Any, run_root: str | os.PathLike | None = None, checks
 
 def write_override(override: dict, path: str | os.PathLike) -> Path:
     """Write the override as YAML (atomic); `snowcat run --site NAME` merges it over the profile."""
-    from omegaconf import OmegaConf
 
-    from .fsio import atomic_write_text
 
     path = Path(path)
     atomic_write_text(path, "# written by `snowcat onboard` from `snowcat doctor` findings\n"
@@ -527,7 +532,6 @@ def load_profile(name: str | None) -> Any:
     """The site profile by name (slurm.site.load_site); None runs the generic checks only."""
     if not name:
         return {}
-    from snowcat.slurm.site import load_site, use_local_cluster
 
     site = load_site(name)
     use_local_cluster(site)
@@ -564,8 +568,6 @@ def cmd_onboard(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
 
     p = argparse.ArgumentParser(prog="snowcat doctor", description=__doc__.splitlines()[0])
     add_arguments(p)

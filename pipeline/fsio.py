@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -172,9 +173,8 @@ def verify_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> l
 
 def atomic_write_figure(path: str | os.PathLike, fig) -> None:
     """Save a matplotlib figure as PNG atomically, then close it (figures hold memory until closed)."""
-    import io
 
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib loads only when a figure is drawn)
 
     buf = io.BytesIO()
     fig.tight_layout()

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 from urllib.parse import quote, unquote
 
+import h5py
 import numpy as np
 from filelock import FileLock
 
@@ -44,7 +45,6 @@ def _q(name: str) -> str:
 
 
 def _open(path: Path, mode: str):
-    import h5py
 
     # our lock serialises access; HDF5's own lock fails on filesystems without fcntl support
     return h5py.File(path, mode, locking="best-effort")
@@ -110,10 +110,10 @@ class History:
 
     def plot(self, stage: str, metrics: Iterable[str], out_png: str | os.PathLike) -> Path:
         """One panel per metric against step, written atomically as PNG."""
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 (matplotlib loads only when a figure is drawn)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib loads only when a figure is drawn)
 
         data = self.read(stage)
         metrics = list(metrics)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import UserError
-from .fsio import read_json, sha256_bytes, sha256_file
+from .fsio import build_manifest, read_json, sha256_bytes, sha256_file
 
 INDEX = "index.json"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -60,7 +60,6 @@ def _verify(name: str, entry: dict, deep: bool) -> str | None:
     if path.is_file():
         actual = sha256_file(path)
     else:
-        from .fsio import build_manifest
 
         actual = tree_digest(build_manifest(path))
     if actual != entry["sha256"]:
@@ -111,21 +110,11 @@ def prepare(ctx) -> dict[str, Path]:
     if it lists nothing. Returns the staged paths by name ({} when nothing applies).
     """
     cfg = ctx.run_config
-    names = list(_field(ctx.config, "staged") or [])
-    site_online = _field(_field(cfg, "site"), "internet_on_compute")
-    staging_dirs = [str(s.staging_dir) for s in (_field(cfg, "stages") or {}).values()
-                    if _field(s, "kind") == "prestage" and _field(s, "staging_dir")]
+    names = list(ctx.config.staged)
+    site_online = cfg.site.internet_on_compute if cfg.site is not None else None
+    staging_dirs = [s.staging_dir for s in cfg.stages.values() if s.kind == "prestage"]
     if names and not staging_dirs:
         raise UserError(f"stages.{ctx.name}.staged: lists artefacts but the run has no prestage stage")
     if site_online is False or names:
         return enter_offline(staging_dirs[0] if staging_dirs else ".", names)
     return {}
-
-
-def _field(obj, key: str):
-    if obj is None:
-        return None
-    try:
-        return obj.get(key) if hasattr(obj, "get") else getattr(obj, key, None)
-    except Exception:  # a structured config without that key
-        return None

@@ -10,6 +10,7 @@ Field reference and audit rules: docs/provenance.md.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import importlib.metadata
@@ -21,7 +22,15 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from snowcat.pipeline.fsio import MANIFEST, atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, sha256_file
+from snowcat.pipeline.fsio import (
+    MANIFEST,
+    atomic_write_bytes,
+    atomic_write_json,
+    build_manifest,
+    read_json,
+    sha256_bytes,
+    sha256_file,
+)
 from snowcat.pipeline.scrub import REDACTED, env_secrets, is_secret_name, looks_like_secret, scrub_env, scrub_text
 
 SCHEMA = 1
@@ -115,7 +124,6 @@ def _dir_digest(files: Mapping[str, Mapping[str, Any]]) -> str:
 
 def outputs_state(out_dir: Path, run_dir: Path) -> dict[str, Any]:
     """Hashes of a unit's outputs as they are now (the runner writes metrics/manifest/DONE after us)."""
-    from snowcat.pipeline.fsio import build_manifest
 
     files = build_manifest(out_dir, exclude=("DONE",)) if out_dir.is_dir() else {}
     files = {rel: meta for rel, meta in files.items() if rel not in RUNNER_FILES}
@@ -199,7 +207,7 @@ def host_state(probe_gpu: bool = True) -> dict[str, Any]:
         pass
     if probe_gpu:
         try:
-            import torch  # lazily: the CLI must start fast, and most stages have it loaded by now
+            import torch  # noqa: PLC0415 (lazily: the CLI must start fast, and most stages have it loaded by now)
 
             rec["cuda_version"] = torch.version.cuda
             rec["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # the kernels torch dispatches to
@@ -241,9 +249,7 @@ def _config_state(run_dir: Path, stage_config: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {"file": "config.yaml", "sha256": sha256_file(frozen) if frozen.is_file() else None}
     if stage_config is not None:
         try:
-            from omegaconf import OmegaConf
-
-            data = OmegaConf.to_container(stage_config, resolve=True) if OmegaConf.is_config(stage_config) else stage_config
+            data = dataclasses.asdict(stage_config) if dataclasses.is_dataclass(stage_config) else stage_config
             rec["stage_sha256"] = sha256_bytes(json.dumps(data, sort_keys=True, default=str).encode())
         except Exception as e:
             rec["stage_error"] = f"{type(e).__name__}: {e}"[:200]

@@ -24,8 +24,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .dag import build
 from .errors import UserError
 from .fsio import read_json, sha256_file
+from .provenance import code_state, source_root
 from .rundir import RunDir, new_run_id
 
 # Metrics and history fields that measure time or speed: excluded from comparisons (they are not
@@ -56,7 +62,6 @@ def recorded_code(run: RunDir) -> dict:
 
 
 def current_code() -> dict:
-    from .provenance import code_state
 
     with tempfile.TemporaryDirectory(prefix="snowcat-code-") as tmp:
         return code_state(Path(tmp))
@@ -68,7 +73,6 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 def pinned_source(run: RunDir, code: dict, where: Path) -> tuple[Path, str]:
     """(source root to run from, how it was obtained) for the recorded code state."""
-    from .provenance import source_root
 
     root = source_root()
     here = current_code()
@@ -131,7 +135,7 @@ def compare_metrics(a: dict, b: dict) -> list[str]:
 
 
 def _same_torch_rng(old: Path, new: Path) -> bool:
-    import torch
+    import torch  # noqa: PLC0415 (torch loads only when this runs: the CLI must start fast on a login node)
 
     a, b = torch.load(old, weights_only=False), torch.load(new, weights_only=False)
     same = lambda x, y: (x is None and y is None) or (x is not None and y is not None and all(map(torch.equal, *(  # noqa: E731
@@ -161,7 +165,6 @@ def compare_files(old: Path, new: Path, paths: tuple[str, ...]) -> str:
 
 
 def compare_runs(orig: RunDir, new: RunDir) -> dict:
-    from .dag import build
 
     dag = build(orig.config())
     paths = (str(orig.path), orig.run_id, str(new.path), new.run_id)
@@ -208,11 +211,7 @@ def add_reproduce_arguments(parser) -> None:
 
 
 def cmd_reproduce(args) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
-    from .provenance import source_root
 
     err = Console(stderr=True, highlight=False)
     orig = RunDir.open(args.run)
@@ -258,6 +257,5 @@ def cmd_reproduce(args) -> int:
 
 
 def _units(run: RunDir):
-    from .dag import build
 
     return build(run.config()).units()

@@ -28,8 +28,7 @@ from omegaconf import DictConfig
 from . import config as config_mod
 from .dag import Dag, Unit
 from .errors import UserError
-from .fsio import (atomic_write_json, atomic_write_text, make_temp_dir, read_json, sha256_file, verify_manifest,
-                   write_manifest)
+from .fsio import atomic_write_json, atomic_write_text, make_temp_dir, read_json, sha256_file, verify_manifest, write_manifest
 
 DONE = "DONE"
 STATUSES = ("pending", "submitted", "running", "done", "failed", "cancelled", "modified")

@@ -14,10 +14,15 @@ import time
 import traceback
 from pathlib import Path
 
+from submitit.slurm.slurm import _parse_node_list
+
 from . import config as config_mod
+from . import provenance
 from .context import PREEMPTED_EXIT_CODE, Preempted, StageContext
 from .dag import StageNode, Unit, build
 from .errors import UserError
+from .logscrub import scrubbed_output
+from .offline import prepare
 from .rundir import RunDir, now
 
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -58,7 +63,6 @@ def _check_het_group(stage: str, group: int, role: str) -> None:
     host = os.environ.get("SLURMD_NODENAME")
     if not nodelist or not host:
         return
-    from submitit.slurm.slurm import _parse_node_list
 
     if host not in _parse_node_list(nodelist):
         raise RuntimeError(f"stage {stage}: rank for role {role} runs on {host}, outside hetjob group {group} ({nodelist})")
@@ -66,11 +70,12 @@ def _check_het_group(stage: str, group: int, role: str) -> None:
 
 def make_context(run: RunDir, node: StageNode, unit: Unit, cfg) -> StageContext:
     rank, world, role = rank_and_role(node)
+    run_config = config_mod.typed(cfg)
     return StageContext(
         name=node.name,
         kind=node.kind,
-        config=node.config,
-        run_config=cfg,
+        config=run_config.stages[node.name],
+        run_config=run_config,
         run_dir=run.path,
         out_dir=run.unit_dir(unit),
         inputs={need: run.stage_dir(need) for need in node.needs},
@@ -121,8 +126,6 @@ def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
     print(f"[snowcat] {unit.key} ({node.kind}) rank {ctx.rank}/{ctx.world_size} role={ctx.role} starts", flush=True)
     t0 = time.monotonic()
     try:
-        from .offline import prepare
-
         ctx.staged = prepare(ctx)  # offline checks fail fast, naming what was not staged
         metrics = config_mod.stage_module(node.kind).run(ctx) or {}
     except Preempted:
@@ -137,19 +140,11 @@ def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
         return 1
     if lead:
         metrics = {"duration_s": round(time.monotonic() - t0, 3), **metrics}
-        _record_provenance(run, unit, ctx)
+        provenance.record_unit(run, unit, ctx)
         run.mark_done(unit, metrics)
         run.update_stage(unit.key, status="done", ended=now(), error=None)
     print(f"[snowcat] {unit.key}: done in {time.monotonic() - t0:.1f}s", flush=True)
     return 0
-
-
-def _record_provenance(run: RunDir, unit: Unit, ctx: StageContext) -> None:
-    try:
-        from . import provenance
-    except ImportError:  # provenance capture lands separately; a run without it is still valid
-        return
-    provenance.record_unit(run, unit, ctx)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     index = args.item
     if index is None and os.environ.get("SLURM_ARRAY_TASK_ID", "").isdigit() and os.environ.get("SNOWCAT_ARRAY") == "1":
         index = int(os.environ["SLURM_ARRAY_TASK_ID"])
-    from .logscrub import scrubbed_output
 
     try:
         with scrubbed_output():

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
+import h5py
+import numpy as np
+
 REDACTED = "<redacted>"
 
 # A name is secret when one of its words (split at _ - . and camelCase) is, or ends with, one of
@@ -193,8 +196,6 @@ def _read_chunks(path: Path) -> Iterable[bytes]:
 
 def _scan_hdf5(path: Path, needles: list[Needle]) -> list[Finding]:
     """Strings stored compressed/filtered inside HDF5 are invisible to a byte scan: walk them."""
-    import h5py
-    import numpy as np
 
     found: list[Finding] = []
 

@@ -16,8 +16,8 @@ import argparse
 import os
 import pwd
 import secrets
-import signal
 import shutil
+import signal
 import socket
 import stat
 import string
@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Callable
 
 from filelock import FileLock
+from rich.console import Console
+from rich.table import Table
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_text
@@ -346,8 +348,6 @@ def status(root: Path | None = None) -> dict:
 
 
 def _print_status(st: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     table = Table(title=f"snowcat local cluster at {st['root']}: {'[green]UP' if st['up'] else '[red]DOWN'}")
     table.add_column("daemon")

@@ -22,12 +22,16 @@ from pathlib import Path
 
 import submitit
 
+from snowcat.containers.wrap import site_mpi_plugin, srun_line, wrap_command
 from snowcat.pipeline.context import PREEMPTED_EXIT_CODE
 from snowcat.pipeline.dag import StageNode, Unit
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_write_text
 from snowcat.pipeline.executors.base import Executor
+from snowcat.pipeline.fsio import atomic_write_text
 from snowcat.pipeline.rundir import RunDir, now
+from snowcat.pipeline.runner import run_unit
+from snowcat.slurm import site as site_mod
+from snowcat.slurm.site import use_local_cluster
 
 from .hetjob import HetjobExecutor, parse_job_id
 
@@ -54,7 +58,6 @@ class StageJob(submitit.helpers.Checkpointable):
     max_continuations: int = 3
 
     def __call__(self, index: int | None = None) -> dict:
-        from snowcat.pipeline.runner import run_unit
 
         run = RunDir.open(self.run_dir)
         code = run_unit(self.run_dir, self.stage, index)
@@ -114,7 +117,6 @@ class SlurmExecutor(Executor):
         if cfg.site is None:
             raise UserError("executor slurm needs a site profile: pass --site NAME (e.g. --site local)")
         self.site = cfg.site
-        from snowcat.slurm.site import use_local_cluster
 
         use_local_cluster(self.site)
 
@@ -128,7 +130,6 @@ class SlurmExecutor(Executor):
 
     def _resource_options(self, where: str, res, time_min: int) -> dict:
         """sbatch options (long names, dashes) for one job or hetjob component, checked and filtered."""
-        from snowcat.slurm import site as site_mod
 
         partition = self._partition(res)
         gpus = int(res.gpus_per_node)
@@ -150,7 +151,6 @@ class SlurmExecutor(Executor):
         return site_mod.filter_sbatch_options(self.site, options)
 
     def _job_options(self, node: StageNode, time_min: int) -> dict:
-        from snowcat.slurm import site as site_mod
 
         options = {
             "job-name": f"snowcat-{self.run.run_id}-{node.name}"[:120],
@@ -180,14 +180,12 @@ class SlurmExecutor(Executor):
         runtime = _site_get(self.site, "container_runtime", "none")
         if not node.config.image or runtime == "none":
             return shlex.quote(sys.executable)
-        from snowcat.containers.wrap import wrap_command
 
         binds = [str(self.run.path)] + [str(p) for p in (_site_get(self.site, "scratch"), _site_get(self.site, "project")) if p]
         gpu = node.config.resources.gpus_per_node > 0 or any(c.gpus_per_node > 0 for c in node.config.resources.components.values())
         return shlex.join(wrap_command(["python"], runtime=runtime, image=node.config.image, binds=binds, gpu=gpu))
 
     def _launch_args(self, node: StageNode) -> list[str]:
-        from snowcat.containers.wrap import site_mpi_plugin
 
         if self.world_size(node) <= 1:
             return []
@@ -213,7 +211,6 @@ class SlurmExecutor(Executor):
         if res.components:
             if not _site_get(self.site, "hetjobs_allowed", True):
                 raise UserError(f"stages.{node.name}: site {self.site.name} does not allow heterogeneous jobs")
-            from snowcat.containers.wrap import srun_line
 
             comps = [self._resource_options(f"{where}.components.{name}", comp, time_min) for name, comp in res.components.items()]
             launcher = srun_line(self.site, list(range(len(comps))), [], extra=["--kill-on-bad-exit=1"])
@@ -252,7 +249,6 @@ class SlurmExecutor(Executor):
         """The batch script this stage would be submitted with (nothing is submitted or written)."""
         ex = self.executor_for(node, dependency)
         if node.items is not None and _site_get(self.site, "arrays_allowed", True):
-            from snowcat.slurm import site as site_mod
 
             site_mod.validate_request(self.site, partition=self._partition(node.config.resources), array_size=len(node.items) - 1)
             ex.parameters["map_count"] = len(node.items)

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from snowcat.pipeline.errors import UserError
+from snowcat.slurm.cluster import default_root
 
 SITES_DIR = Path(__file__).with_name("sites")
 GPU_REQUEST_MODES = ("gres", "gpus-per-node", "none")
@@ -110,7 +111,6 @@ def use_local_cluster(site) -> None:
     is; an explicit SLURM_CONF always wins."""
     if site is None or site.get("name") != "local" or os.environ.get("SLURM_CONF"):
         return
-    from snowcat.slurm.cluster import default_root
 
     conf = default_root() / "etc" / "slurm.conf"
     if not conf.is_file():

@@ -6,19 +6,14 @@ finished are reported as "not recorded", never guessed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass
-class Config:
-    filename: str = "card.md"
+from snowcat.pipeline.card import build_card
+from snowcat.pipeline.fsio import atomic_write_text
+from snowcat.pipeline.rundir import RunDir
 
 
 def run(ctx) -> dict:
-    from snowcat.pipeline.card import build_card
-    from snowcat.pipeline.fsio import atomic_write_text
-    from snowcat.pipeline.rundir import RunDir
 
     text = build_card(RunDir(ctx.run_dir))
     atomic_write_text(Path(ctx.out_dir) / ctx.config.filename, text)

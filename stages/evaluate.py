@@ -13,150 +13,27 @@ Outputs in the stage dir: `traces.h5` (one row per attempt), `results.json`, `pa
 
 from __future__ import annotations
 
-import importlib
 import io
 import math
-import multiprocessing as mp
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import h5py
+import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
 
-from snowcat.pipeline.config import bounded, checkpoint_refs
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 from snowcat.stages import evalstats
-
-
-@dataclass
-class Config:
-    checkpoints: list[str] = checkpoint_refs(["sft:initial", "sft:final"])  # "<stage>:<name>"
-    tasks: str = "tasks"  # name of the tasks stage
-    split: str = "val"
-    limit: int = bounded(0, ge=0)  # evaluate only the first N tasks of the split (0 = all)
-    attempts: int = bounded(4, ge=1)  # n attempts per task
-    temperature: float = bounded(1.0, ge=0)
-    top_p: float = bounded(1.0, gt=0, le=1)
-    top_k: int = bounded(0, ge=0)
-    max_tokens: int = bounded(48, ge=1)
-    pass_k: list[int] = field(default_factory=lambda: [1, 2, 4])
-    infra_retries: int = bounded(2, ge=0)
-    verifier_timeout_s: float = bounded(30.0, gt=0)
-    verifier: str = "snowcat.stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
-    batch_size: int = bounded(64, ge=1)
-    bootstrap_samples: int = bounded(2000, ge=1)
-
-
-def validate(section, key: str) -> None:
-    if not section.checkpoints:
-        raise UserError(f"{key}.checkpoints: name at least one checkpoint, e.g. 'sft:final'")
-    if section.split not in ("train", "val"):
-        raise UserError(f"{key}.split: {section.split!r} is not 'train' or 'val'")
-    bad = [k for k in section.pass_k if not 1 <= k <= section.attempts]
-    if bad:
-        raise UserError(f"{key}.pass_k: {bad} outside 1..attempts ({section.attempts})")
-    if getattr(section, "needs", None) is not None and section.tasks not in section.needs:
-        raise UserError(f"{key}.needs: add {section.tasks!r} (named in {key}.tasks)")
-    if ":" not in section.verifier:
-        raise UserError(f"{key}.verifier: {section.verifier!r} is not 'module:function'")
-    from snowcat.stages.rollout.sampling import SamplingParams
-
-    try:
-        SamplingParams(section.temperature, section.top_k, section.top_p, section.max_tokens)
-    except ValueError as e:
-        raise UserError(f"{key}: {e}") from None
-
-
-# ---------------------------------------------------------------- verifiers under a time limit
-
-
-def _import(spec: str):
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _verifier_worker(spec: str, conn) -> None:
-    from snowcat.stages.taskgen import VerifierError
-
-    verify = _import(spec)
-    conn.send("ready")
-    while (msg := conn.recv()) is not None:
-        task, text = msg
-        try:
-            v = verify(task, text)
-            conn.send(("ok", (float(v.reward), bool(v.passed), str(v.detail))))
-        except VerifierError as e:
-            conn.send(("infra", str(e)))
-        except Exception as e:  # a verifier bug is infrastructure, never the model's fault
-            conn.send(("infra", f"verifier crashed: {e!r}"))
-
-
-class TimedVerifier:
-    """Runs `verify` in a worker process; a call past `timeout_s` kills the worker (a fresh one
-    serves the next call) and raises VerifierError. Spawned, not forked: the parent holds torch."""
-
-    def __init__(self, spec: str, timeout_s: float, startup_timeout_s: float = 120.0):
-        self.spec, self.timeout_s, self.startup_timeout_s = spec, timeout_s, startup_timeout_s
-        self.proc = None
-        self._start()
-
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_verifier_worker, args=(self.spec, child), daemon=True)
-        self.proc.start()
-        child.close()
-        try:
-            ready = self.conn.poll(self.startup_timeout_s) and self.conn.recv() == "ready"
-        except EOFError:
-            ready = False
-        if not ready:
-            self.close()
-            raise RuntimeError(f"verifier {self.spec}: worker process did not start (see its traceback above)")
-
-    def _restart(self) -> None:
-        self.close()
-        self._start()
-
-    def __call__(self, task, text: str):
-        from snowcat.stages.taskgen import Verdict, VerifierError
-
-        self.conn.send((task, text))
-        if not self.conn.poll(self.timeout_s):
-            self._restart()
-            raise VerifierError(f"verifier timed out after {self.timeout_s:g}s")
-        try:
-            kind, payload = self.conn.recv()
-        except EOFError:
-            self._restart()
-            raise VerifierError("verifier process died") from None
-        if kind == "infra":
-            raise VerifierError(payload)
-        return Verdict(*payload)
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.proc = None
-
+from snowcat.stages.model import load_model_dir
+from snowcat.stages.rollout import EngineError, SamplingParams, TorchEngine
+from snowcat.stages.taskgen import VerifierError, load_tasks
+from snowcat.stages.train.backend import local_device
+from snowcat.stages.verifiers import TimedVerifier
 
 # ---------------------------------------------------------------- sampling + verification
-
-
-def resolve_checkpoint(ctx: StageContext, ref: str) -> Path:
-    """'<stage>:<name>' -> <stage out_dir>/checkpoints/<name> (a file there points at a sibling)."""
-    stage, _, name = ref.partition(":")
-    if stage not in ctx.inputs:
-        raise UserError(f"stages.{ctx.name}.checkpoints: {ref!r} names stage {stage!r}, which is not in needs")
-    path = Path(ctx.inputs[stage]) / "checkpoints" / name
-    if path.is_file():  # e.g. `best` as a pointer file holding a checkpoint name
-        path = path.parent / path.read_text().strip()
-    if not path.is_dir():
-        raise UserError(f"stages.{ctx.name}.checkpoints: {ref!r}: no checkpoint at {path}")
-    return path
 
 
 def _attempt_seed(run_seed: int, batch_index: int) -> int:
@@ -167,14 +44,10 @@ def _attempt_seed(run_seed: int, batch_index: int) -> int:
 
 def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier) -> list[dict]:
     """One record per (task, attempt) for checkpoint `ref`."""
-    import torch
 
-    from snowcat.stages.model import load_model_dir
-    from snowcat.stages.rollout import EngineError, SamplingParams, TorchEngine
-    from snowcat.stages.taskgen import VerifierError
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, _, tok = load_model_dir(resolve_checkpoint(ctx, ref), device=device)
+    device = local_device(ctx.local_rank)
+    model, _, tok = load_model_dir(ctx.checkpoint(ref, "checkpoints"), device=device)
     if tok is None:
         raise UserError(f"{ref}: checkpoint has no tokenizer.json")
     engine = TorchEngine(model, max_batch=cfg.batch_size)
@@ -289,7 +162,6 @@ def compare(base: list[dict], other: list[dict], seed: int, n_boot: int) -> dict
 
 
 def write_traces(path: Path, records: list[dict]) -> None:
-    import h5py
 
     buf = io.BytesIO()
     with h5py.File(buf, "w") as f:
@@ -317,10 +189,8 @@ def _vlen(rows: list[list], dtype) -> np.ndarray:
 
 
 def plot_pass_at_k(path: Path, results: dict, pass_k: list[int]) -> None:
-    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     refs = list(results)
     domains = sorted(g for g in results[refs[0]]["groups"] if g != "all" and "/" not in g) + ["all"]
@@ -346,7 +216,6 @@ def plot_pass_at_k(path: Path, results: dict, pass_k: list[int]) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-    from snowcat.stages.taskgen import load_tasks
 
     cfg = ctx.config
     refs = [ctx.item["checkpoint"]] if ctx.item and "checkpoint" in ctx.item else list(cfg.checkpoints)
@@ -363,7 +232,7 @@ def run(ctx: StageContext) -> dict:
         verifier.close()
 
     results = {
-        ref: {"path": str(resolve_checkpoint(ctx, ref)),
+        ref: {"path": str(ctx.checkpoint(ref, "checkpoints")),
               "groups": {g: summarize(rs, pass_k) for g, rs in _groups(recs).items()}}
         for ref, recs in records.items()
     }

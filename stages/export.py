@@ -26,14 +26,20 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from snowcat.pipeline.config import bounded, checkpoint_refs
-from snowcat.pipeline.errors import UserError
+import torch
+from safetensors.torch import load_file, save_file
 
-DTYPES = ("float32", "bfloat16", "float16")
-CORRUPTIONS = ("", "transpose_q", "swap_experts")
+from snowcat.pipeline.context import checkpoint_dir
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, sha256_file, write_manifest
+from snowcat.pipeline.schema import parse_checkpoint_ref
+from snowcat.stages.model import hf_state_dict, load_model_dir
+from snowcat.stages.model.io import _write_tensors
+from snowcat.stages.tokenizer import SPECIAL_TOKENS
+from snowcat.stages.train.greedy import greedy_generate
+
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # role -> the ChatTokenizer's role token; the template renders exactly what ChatTokenizer.render_prompt does
 CHAT_TEMPLATE = (
@@ -42,29 +48,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
 )
-
-
-@dataclass
-class Config:
-    checkpoint: str = checkpoint_refs("")  # "<needed stage>:<name>"; "" = best retained checkpoint of the needed training stage
-    dtype: str = "float32"  # dtype of the exported weights: float32 | bfloat16 | float16
-    max_shard_mb: int = bounded(4096, ge=1)
-    probe_rows: int = bounded(4, ge=1)  # seeded random token rows for the logit comparison
-    probe_len: int = bounded(32, ge=2)
-    probe_prompts: list[str] = field(default_factory=lambda: ['{"a": [1, {"b": 2', "37 + 45 =", "Close: ([{", "hello"])
-    max_new_tokens: int = bounded(16, ge=1)  # greedy tokens compared per probe prompt
-    tolerance: float = bounded(1e-4, gt=0)  # max |Δlogit| allowed (both sides compute in float32)
-    timeout_s: float = bounded(900.0, gt=0)  # for the transformers process
-    debug_corrupt: str = ""  # test only: "transpose_q" | "swap_experts" plants a conversion bug
-
-
-def validate(section, key: str) -> None:
-    if section.dtype not in DTYPES:
-        raise UserError(f"{key}.dtype: {section.dtype!r} is not one of {', '.join(DTYPES)}")
-    if section.debug_corrupt not in CORRUPTIONS:
-        raise UserError(f"{key}.debug_corrupt: {section.debug_corrupt!r} is not one of {', '.join(map(repr, CORRUPTIONS))}")
-    if not section.probe_prompts:
-        raise UserError(f"{key}.probe_prompts: name at least one prompt")
 
 
 # ---------------------------------------------------------------- which checkpoint
@@ -79,13 +62,12 @@ def _step_dir(ckpts: Path, step: int) -> Path | None:
 
 def choose_checkpoint(inputs: dict[str, Path], ref: str = "") -> tuple[Path, dict]:
     """(checkpoint dir, record of the choice: ref, reason, and the ledger facts it rests on)."""
-    from snowcat.stages.model.io import resolve_checkpoint
 
     if ref:
-        stage, _, name = ref.partition(":")
+        stage, name = parse_checkpoint_ref(ref)
         if stage not in inputs:
             raise UserError(f"export.checkpoint: {ref!r} names stage {stage!r}, which is not in needs ({sorted(inputs)})")
-        return resolve_checkpoint(inputs[stage], name), {"ref": ref, "reason": "named in the export stage's config"}
+        return checkpoint_dir(inputs[stage], name), {"ref": ref, "reason": "named in the export stage's config"}
     trained = sorted(s for s, p in inputs.items() if (Path(p) / "checkpoints").is_dir())
     if len(trained) != 1:
         raise UserError(f"export: needs {'no' if not trained else 'several'} training stage(s) with checkpoints "
@@ -111,7 +93,7 @@ def choose_checkpoint(inputs: dict[str, Path], ref: str = "") -> tuple[Path, dic
         why = "no retained checkpoint with a metric value in retention.json"
     else:
         why = "no retention ledger (checkpoints/retention.json)"
-    return resolve_checkpoint(inputs[stage], "final"), {"ref": f"{stage}:final", "reason": f"{why}; the stage's final checkpoint"}
+    return checkpoint_dir(inputs[stage], "final"), {"ref": f"{stage}:final", "reason": f"{why}; the stage's final checkpoint"}
 
 
 def _read_json(path: Path):
@@ -126,7 +108,7 @@ def _read_json(path: Path):
 
 def hf_config(mcfg, tok, dtype: str) -> dict:
     """config.json of `Qwen3MoeForCausalLM` for a snowcat ModelConfig (refuses what it cannot express)."""
-    import transformers
+    import transformers  # noqa: PLC0415 (transformers takes seconds to import; only the export check needs it)
 
     if mcfg.shared_expert_intermediate_size:
         raise UserError("export: the model has a shared expert, which Qwen3MoeForCausalLM cannot express")
@@ -154,7 +136,6 @@ def hf_config(mcfg, tok, dtype: str) -> dict:
 
 def tokenizer_files(tok, max_len: int) -> dict[str, dict]:
     """tokenizer_config.json and special_tokens_map.json for the ChatTokenizer's tokenizer.json."""
-    from snowcat.stages.tokenizer import SPECIAL_TOKENS
 
     specials = {"eos_token": "<|end|>", "pad_token": "<|pad|>"}
     added = {str(tok.special_ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
@@ -168,7 +149,7 @@ def tokenizer_files(tok, max_len: int) -> dict[str, dict]:
 
 
 def generation_config(tok) -> dict:
-    import transformers
+    import transformers  # noqa: PLC0415 (transformers takes seconds to import; only the export check needs it)
 
     # full-distribution sampling is snowcat's default (top_k 0 disables HF's default top-k of 50)
     return {"eos_token_id": [tok.end_of_turn_id, tok.eos_id], "pad_token_id": tok.pad_id, "do_sample": True,
@@ -189,11 +170,7 @@ def corrupt(tensors: dict, how: str) -> dict:
 
 def convert(src: Path, dst: Path, dtype: str = "float32", max_shard_bytes: int = 4 << 30, debug_corrupt: str = "") -> dict:
     """Write the HF model dir `dst` (atomically, with manifest.json) from the snowcat model dir `src`."""
-    import torch
 
-    from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, write_manifest
-    from snowcat.stages.model import hf_state_dict, load_model_dir
-    from snowcat.stages.model.io import _write_tensors
 
     model, mcfg, tok = load_model_dir(src)
     if tok is None:
@@ -217,7 +194,6 @@ def convert(src: Path, dst: Path, dtype: str = "float32", max_shard_bytes: int =
 
 
 def probe_batch(vocab_size: int, rows: int, length: int, seed: int):
-    import torch
 
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (rows, length), generator=g)
@@ -225,9 +201,7 @@ def probe_batch(vocab_size: int, rows: int, length: int, seed: int):
 
 def _hf_side(model_dir: str, probe_file: str, out_file: str) -> None:
     """Runs in a fresh process with the hub offline: transformers loads the export from disk only."""
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (transformers takes seconds to import; only the export check needs it)
 
     probe = load_file(probe_file)
     spec = json.loads(Path(probe_file).with_suffix(".json").read_text())
@@ -255,12 +229,7 @@ def _hf_side(model_dir: str, probe_file: str, out_file: str) -> None:
 
 def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
     """Compare the trainer's model (weights rounded to the export dtype) with transformers on the export."""
-    import torch
-    from safetensors.torch import load_file, save_file
 
-    from snowcat.pipeline.provenance import source_root
-    from snowcat.stages.model import load_model_dir
-    from snowcat.stages.train.greedy import greedy_generate
 
     model, mcfg, tok = load_model_dir(src)
     with torch.no_grad():  # the same rounding the export applied, then float32 compute on both sides
@@ -308,9 +277,7 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
 
 
 def run(ctx) -> dict:
-    import torch
 
-    from snowcat.pipeline.fsio import atomic_write_json, read_json, sha256_file
 
     cfg = ctx.config
     torch.set_num_threads(ctx.threads)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,14 +19,8 @@ from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.fsio import atomic_write_text
 
 
-@dataclass
-class Config:
-    buffer_elements: int = 1 << 16  # float64 elements exchanged between role leaders
-    require_roles_on_distinct_hosts: bool = False
-
-
 def run(ctx: StageContext) -> dict:
-    from mpi4py import MPI
+    from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != ctx.world_size:

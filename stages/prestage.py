@@ -19,50 +19,16 @@ import subprocess
 import sys
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+
+from filelock import FileLock
+from omegaconf import OmegaConf
 
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, build_manifest, read_json, sha256_file
 from snowcat.pipeline.offline import INDEX, tree_digest
-
-KINDS = ("model", "tokenizer", "dataset", "wheel", "file")
-
-
-@dataclass
-class Artefact:
-    kind: str = "file"  # model | tokenizer | dataset | wheel | file
-    name: str = ""  # unique key in the index; for name-only sources also what to fetch
-    path: Optional[str] = None  # local file or directory
-    url: Optional[str] = None  # file:// or http(s)://
-    revision: Optional[str] = None  # Hugging Face revision (commit) for name-only models/datasets
-    find_links: Optional[str] = None  # wheel: directory or URL of wheels (pip --find-links)
-    sha256: Optional[str] = None  # expected digest (file: of the file; directory: of its manifest)
-
-
-@dataclass
-class Config:
-    staging_dir: str = "${run_root}/staged"  # shared storage visible from compute nodes
-    artefacts: list[Artefact] = field(default_factory=list)
-
-
-def validate(section, key: str) -> None:
-    seen = set()
-    for i, art in enumerate(section.artefacts):
-        where = f"{key}.artefacts[{i}]"
-        if art.kind not in KINDS:
-            raise UserError(f"{where}.kind: '{art.kind}' is not one of {', '.join(KINDS)}")
-        if not art.name:
-            raise UserError(f"{where}.name: required (the key compute stages ask for)")
-        if art.name in seen:
-            raise UserError(f"{where}.name: '{art.name}' listed twice")
-        seen.add(art.name)
-        if art.path and art.url:
-            raise UserError(f"{where}: give path or url, not both")
-        if art.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", str(art.sha256)):
-            raise UserError(f"{where}.sha256: expected 64 lowercase hex digits")
+from snowcat.stages.config import Artefact
 
 
 def _slug(name: str) -> str:
@@ -110,7 +76,7 @@ def _fetch(art, dest: Path) -> None:
             raise UserError(f"artefact '{art.name}': pip download failed: {last}")
     elif art.kind in ("model", "tokenizer", "dataset"):
         try:
-            from huggingface_hub import snapshot_download
+            from huggingface_hub import snapshot_download  # noqa: PLC0415 (only for name-only hub downloads)
         except ImportError as e:
             raise UserError(f"artefact '{art.name}': fetching by Hugging Face id needs huggingface_hub "
                             f"(or give a path/url)") from e
@@ -156,9 +122,6 @@ def stage_artefact(art, staging_dir: Path, index: dict) -> tuple[dict, bool]:
 
 def prestage(staging_dir: str | os.PathLike, artefacts) -> dict:
     """Stage every artefact into `staging_dir` and rewrite its index; returns the index."""
-    from filelock import FileLock
-
-    from omegaconf import OmegaConf
 
     # Typed, whatever the caller passed (dataclasses, dicts, DictConfigs): every field present.
     artefacts = [OmegaConf.merge(OmegaConf.structured(Artefact), a) for a in artefacts]

@@ -15,42 +15,30 @@ from __future__ import annotations
 import io
 import json
 import shutil
-from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
+import h5py
+import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from snowcat.pipeline.config import bounded, checkpoint_refs
+from snowcat.pipeline.context import Preempted
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
-
-
-@dataclass
-class Config:
-    checkpoint: str = checkpoint_refs("sft:final")  # "<stage>:<name>"
-    tasks: str = "tasks"  # name of the tasks stage; only its train split is probed
-    limit: int = bounded(0, ge=0)  # probe N train tasks, taken from the domains in turn (0 = all)
-    attempts: int = bounded(8, ge=1)
-    env: str = "single"  # single | calculator
-    require_tool: bool = True  # calculator env: answering an arith task without the tool scores 0
-    temperature: float = bounded(1.0, ge=0)
-    top_p: float = bounded(1.0, gt=0, le=1)
-    top_k: int = bounded(0, ge=0)
-    max_context: int = bounded(256, ge=1)
-    max_turn_tokens: int = bounded(32, ge=1)
-    max_turns: int = bounded(3, ge=1)
-    band_min_pass: int = bounded(1, ge=0)  # the "useful band" reported here (select applies its own)
-    band_max_pass: int = bounded(6, ge=0)
-    batch_size: int = bounded(64, ge=1)  # episodes advanced together
-    infra_retries: int = bounded(1, ge=0)  # re-run an episode that ended in infra_error this many times
-    verifier: str = "snowcat.stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
-    verifier_timeout_s: float = bounded(30.0, gt=0)
+from snowcat.stages.agent import FIELDS, Budget, EpisodeJob, make_env, pack, run_episodes, unpack
+from snowcat.stages.model import load_model_dir
+from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.taskgen import load_tasks
+from snowcat.stages.train.backend import local_device
+from snowcat.stages.verifiers import TimedVerifier
 
 
 def first_of_each_domain_in_turn(tasks: list, n: int) -> list:
     """`n` tasks taken from the domains in turn (the train table is grouped by domain), so that a
     limit probes every domain rather than only the first."""
-    from itertools import zip_longest
 
     by_domain: dict[str, list] = {}
     for t in tasks:
@@ -58,33 +46,10 @@ def first_of_each_domain_in_turn(tasks: list, n: int) -> list:
     return [t for turn in zip_longest(*by_domain.values()) for t in turn if t is not None][:n]
 
 
-def validate(section, key: str) -> None:
-    if getattr(section, "needs", None) is not None and section.tasks not in section.needs:
-        raise UserError(f"{key}.needs: add {section.tasks!r} (named in {key}.tasks)")
-    if section.env not in ("single", "calculator"):
-        raise UserError(f"{key}.env: {section.env!r} is not 'single' or 'calculator'")
-    if not 0 <= section.band_min_pass <= section.band_max_pass <= section.attempts:
-        raise UserError(f"{key}: need 0 <= band_min_pass <= band_max_pass <= attempts ({section.attempts})")
-    if ":" not in section.verifier:
-        raise UserError(f"{key}.verifier: {section.verifier!r} must be 'module:function'")
-    from snowcat.stages.agent.loop import Budget
-    from snowcat.stages.rollout.sampling import SamplingParams
-
-    try:
-        SamplingParams(section.temperature, section.top_k, section.top_p, section.max_turn_tokens)
-        Budget(section.max_context, section.max_turn_tokens, section.max_turns)
-    except ValueError as e:
-        raise UserError(f"{key}: {e}") from None
-
-
 def load_checkpoint(ctx, ref: str, key: str, device: str = "cpu"):
     """'<stage>:<name>' -> (model, tokenizer) from that needed stage's checkpoints/<name>."""
-    from snowcat.stages.model import load_model_dir, resolve_checkpoint
 
-    stage, _, name = ref.partition(":")
-    if stage not in ctx.inputs:
-        raise UserError(f"{key}: {ref!r} names stage {stage!r}, which is not in needs")
-    model, _, tok = load_model_dir(resolve_checkpoint(ctx.inputs[stage], name), device=device)
+    model, _, tok = load_model_dir(ctx.checkpoint(ref, key), device=device)
     if tok is None:
         raise UserError(f"{key}: {ref!r} has no tokenizer.json")
     return model, tok
@@ -98,8 +63,6 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
     next call, so a preempted probe continues where it stopped; episodes are seeded per (task,
     attempt, turn), so the result equals an uninterrupted run. `checkpoint_due()` true after a
     batch raises `Preempted`. `progress(done, total, ...)` hears of each batch (ctx.progress)."""
-    from snowcat.pipeline.context import Preempted
-    from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
 
     env = make_env(cfg.env, tok, **({"require_tool": cfg.require_tool} if cfg.env == "calculator" else {}))
     params = sampling_params(cfg, tok)
@@ -135,13 +98,11 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
 
 
 def sampling_params(cfg, tok):
-    from snowcat.stages.rollout import SamplingParams
 
     return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_turn_tokens, (tok.end_of_turn_id,))
 
 
 def _save_batch(path: Path, key: str, trajs) -> None:
-    from snowcat.stages.agent import pack
 
     buf = io.BytesIO()
     np.savez(buf, key=np.frombuffer(key.encode(), np.uint8), **pack(trajs))
@@ -150,7 +111,6 @@ def _save_batch(path: Path, key: str, trajs) -> None:
 
 def _load_batch(path: Path, key: str):
     """The saved batch, or None when absent or saved under other settings."""
-    from snowcat.stages.agent import FIELDS, unpack
 
     if not path.is_file():
         return None
@@ -192,8 +152,6 @@ def summarize(rows: list[dict], attempts: int, lo: int, hi: int) -> dict:
 
 
 def write_table(path: Path, rows: list[dict]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     schema = pa.schema([("task_id", pa.string()), ("domain", pa.string()), ("difficulty", pa.int32()),
                         ("n", pa.int32()), ("passes", pa.int32()), ("infra_failures", pa.int32()),
@@ -204,7 +162,6 @@ def write_table(path: Path, rows: list[dict]) -> None:
 
 
 def write_traces(path: Path, trajs) -> None:
-    import h5py
 
     def vlen(name, dtype):
         arr = np.empty(len(trajs), dtype=object)
@@ -230,10 +187,8 @@ def write_traces(path: Path, trajs) -> None:
 
 
 def plot_histogram(path: Path, summary: dict) -> None:
-    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     groups = list(summary["domains"]) + ["all"]
     fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3.2), squeeze=False, sharey=True)
@@ -251,11 +206,7 @@ def plot_histogram(path: Path, summary: dict) -> None:
 
 
 def run(ctx) -> dict:
-    import torch
 
-    from snowcat.stages.evaluate import TimedVerifier
-    from snowcat.stages.rollout import TorchEngine
-    from snowcat.stages.taskgen import load_tasks
 
     cfg = ctx.config
     key = f"stages.{ctx.name}"
@@ -263,8 +214,8 @@ def run(ctx) -> dict:
         raise UserError(f"{key}.tasks: stage {cfg.tasks!r} is not in needs")
     tasks = load_tasks(ctx.inputs[cfg.tasks], "train")  # never the held-out split
     tasks = first_of_each_domain_in_turn(tasks, cfg.limit) if cfg.limit > 0 else tasks
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = load_checkpoint(ctx, cfg.checkpoint, f"{key}.checkpoint", device)
+    device = local_device(ctx.local_rank)
+    model, tok = load_checkpoint(ctx, cfg.checkpoint, "checkpoint", device)
     limit = model.config.max_position_embeddings
     if cfg.max_context + cfg.max_turn_tokens > limit:
         raise UserError(f"{key}: max_context + max_turn_tokens ({cfg.max_context + cfg.max_turn_tokens}) "

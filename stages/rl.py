@@ -19,85 +19,28 @@ regenerated, bit-identically (docs/rl.md).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
-from snowcat.pipeline.config import bounded, checkpoint_refs
+import numpy as np
+import pyarrow.parquet as pq
+import torch
 
-
-@dataclass
-class Config:
-    init_from: str = checkpoint_refs("sft:final")  # "<needed stage>:<checkpoint>"
-    tasks_input: str = "tasks"  # the tasks stage (train split fallback, val split for the quick eval)
-    band_input: str = "select"  # the select stage's band.parquet, when that stage is needed
-    domains: list[str] = field(default_factory=list)  # restrict training tasks to these domains (empty = all)
-    env: str = "single"  # stages.agent environment: single | calculator
-    verifier: str = "snowcat.stages.taskgen:verify"  # "module:function" (task, text) -> Verdict
-    reward: str = "pass"  # pass: 1 if the verifier passes, else 0 | score: its partial credit
-    tasks_per_update: int = bounded(16, ge=1)
-    attempts: int = bounded(8, ge=1)  # group size
-    updates: int = bounded(40, ge=1)
-    lag: int = bounded(1, ge=0)  # staleness: batch k uses the weights of step max(0, k - lag)
-    lr: float = bounded(2e-4, gt=0)
-    warmup_steps: int = bounded(0, ge=0)
-    weight_decay: float = bounded(0.0, ge=0)
-    grad_clip: float = bounded(1.0, ge=0)  # 0 = off
-    estimator: str = "rloo_n"  # grpo | dr_grpo | rloo | rloo_n
-    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_sum_over_const
-    tis_cap: Optional[float] = bounded(2.0, gt=0)  # C of truncated importance sampling; null = off
-    ppo_clip: Optional[float] = bounded(None, gt=0)  # PPO ratio clip; null = off (one update per batch)
-    kl_coef: float = bounded(0.0, ge=0)
-    entropy_coef: float = 0.0
-    temperature: float = bounded(1.0, ge=0)  # full distribution by default: top_p = 1, top_k = 0
-    top_p: float = bounded(1.0, gt=0, le=1)
-    top_k: int = bounded(0, ge=0)
-    max_tokens: int = bounded(48, ge=1)  # per model turn (a 3-digit arith worked solution is ~30 tokens)
-    max_turns: int = bounded(1, ge=1)
-    max_total_tokens: int = bounded(256, ge=1)  # per episode (prompt + all turns)
-    eval_every: int = bounded(10, ge=0)  # quick held-out pass rate, also the retention metric
-    eval_tasks: int = bounded(64, ge=0)
-    eval_attempts: int = bounded(2, ge=1)
-    save_every: int = bounded(10, ge=0)  # resumable checkpoint period (also at every eval)
-    keep_last: int = bounded(2, ge=0)
-    keep_best: int = bounded(1, ge=0)
-    transport: str = "auto"  # auto (mpi when world > 1) | mpi | file
-    timeout_s: float = bounded(1800.0, gt=0)  # waiting for a batch or a weight version
-    threads: int = bounded(0, ge=0)  # torch threads; 0 = the job's CPUs
-    rollout_batch: int = bounded(128, ge=1)  # engine batch size
-
-
-def checkpoint_names(section) -> tuple[str, ...]:
-    """What this stage writes under checkpoints/."""
-    return ("initial", "final", "best", "step_*")
-
-
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "rloo_n")
-
-
-def validate(section, key: str) -> None:
-    from snowcat.pipeline.errors import UserError
-    from snowcat.stages.algorithms import AGGREGATIONS
-
-    if section.estimator not in ESTIMATORS:
-        raise UserError(f"{key}.estimator: {section.estimator!r} is not one of {', '.join(ESTIMATORS)}")
-    if section.aggregation not in AGGREGATIONS:
-        raise UserError(f"{key}.aggregation: {section.aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
-    if section.reward not in ("pass", "score"):
-        raise UserError(f"{key}.reward: {section.reward!r} is not pass or score")
-    if section.transport not in ("auto", "mpi", "file"):
-        raise UserError(f"{key}.transport: {section.transport!r} is not auto, mpi or file")
-    if section.attempts < 2 and section.estimator != "grpo":
-        raise UserError(f"{key}.attempts: {section.estimator} needs at least 2 attempts per task")
-
+from snowcat.pipeline.errors import UserError
+from snowcat.stages.config import RlConfig as Config
+from snowcat.stages.model import load_model_dir
+from snowcat.stages.rlcore.episodes import generate_batch
+from snowcat.stages.rlcore.handoff import HandoffError, WeightHandoff, version_for_batch
+from snowcat.stages.rlcore.loop import Trainer
+from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport, TransportError, rollout_owner
+from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.taskgen import load_tasks
+from snowcat.stages.train.backend import local_device
 
 # ---------------------------------------------------------------- data
 
 
 def load_pool(ctx, cfg: Config):
     """Training tasks: the select stage's band when available, else the tasks stage's train split."""
-    from snowcat.pipeline.errors import UserError
-    from snowcat.stages.taskgen import load_tasks
 
     if cfg.tasks_input not in ctx.inputs:
         raise UserError(f"rl: needs the tasks stage {cfg.tasks_input!r} (rl.tasks_input); inputs are {sorted(ctx.inputs)}")
@@ -106,7 +49,6 @@ def load_pool(ctx, cfg: Config):
     pool = train
     band = Path(ctx.inputs[cfg.band_input]) / "band.parquet" if cfg.band_input in ctx.inputs else None
     if band is not None and band.is_file():
-        import pyarrow.parquet as pq
 
         wanted = set(pq.read_table(band, columns=["task_id"]).column("task_id").to_pylist())
         pool = [t for t in train if t.task_id in wanted]
@@ -128,7 +70,6 @@ def load_pool(ctx, cfg: Config):
 def batch_tasks(pool: list, tasks_per_update: int, seed: int, batch_index: int) -> list:
     """Tasks of batch k: slice k of an endless sequence of seeded per-epoch permutations, so the
     data order is a pure function of (seed, k) and needs no state to resume."""
-    import numpy as np
 
     n = len(pool)
     out = []
@@ -139,7 +80,6 @@ def batch_tasks(pool: list, tasks_per_update: int, seed: int, batch_index: int) 
 
 
 def batch_seed(seed: int, batch_index: int) -> int:
-    import numpy as np
 
     return int(np.random.SeedSequence([seed, 11, batch_index]).generate_state(1)[0])
 
@@ -151,7 +91,6 @@ class Rollout:
     """Produces batch k with weights of step max(0, k - lag) loaded through the handoff."""
 
     def __init__(self, ctx, cfg: Config, model, tok, pool, handoff, transport):
-        from snowcat.stages.rollout import SamplingParams, TorchEngine
 
         self.ctx, self.cfg, self.tok, self.pool = ctx, cfg, tok, pool
         self.model = model
@@ -161,8 +100,6 @@ class Rollout:
         self.version: int | None = None
 
     def produce(self, k: int) -> None:
-        from snowcat.stages.rlcore.episodes import generate_batch
-        from snowcat.stages.rlcore.handoff import version_for_batch
 
         v = version_for_batch(k, self.cfg.lag)
         if v != self.version:
@@ -171,13 +108,6 @@ class Rollout:
         tasks = batch_tasks(self.pool, self.cfg.tasks_per_update, self.ctx.seed, k)
         trajs = generate_batch(self.engine, self.tok, tasks, self.cfg, self.params, batch_seed(self.ctx.seed, k), v)
         self.transport.send_batch(k, trajs)
-
-
-def device_for(ctx):
-    """This rank's accelerator when there is one (GPU sites), else the CPU."""
-    import torch
-
-    return torch.device("cuda", ctx.local_rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _role(ctx) -> str:
@@ -189,14 +119,9 @@ def _role(ctx) -> str:
 
 
 def run(ctx) -> dict:
-    import torch
 
-    from snowcat.pipeline.errors import UserError
-    from snowcat.stages.rlcore.handoff import WeightHandoff
-    from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport
 
     cfg: Config = ctx.config
-    validate(cfg, f"stages.{ctx.name}")
     torch.set_num_threads(cfg.threads or ctx.threads)
     out = Path(ctx.out_dir)
     role = _role(ctx)
@@ -209,7 +134,7 @@ def run(ctx) -> dict:
     comm = None
     mode = cfg.transport if cfg.transport != "auto" else ("mpi" if ctx.world_size > 1 else "file")
     if ctx.world_size > 1:
-        from mpi4py import MPI
+        from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
 
         comm = MPI.COMM_WORLD
     if mode == "mpi":
@@ -221,12 +146,10 @@ def run(ctx) -> dict:
 
     if role == "rollout":
         return _run_rollout(ctx, cfg, comm, pool, handoff, transport)
-    from snowcat.stages.rlcore.loop import Trainer
 
     trainer = Trainer(ctx, cfg, pool, held_out, handoff, transport, comm)
     local_rollout = None
     if role == "both":
-        from snowcat.stages.model import load_model_dir
 
         model, _, tok = load_model_dir(trainer.init_path, device=trainer.device)
         local_rollout = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
@@ -234,13 +157,9 @@ def run(ctx) -> dict:
 
 
 def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
-    from snowcat.stages.model import load_model_dir
-    from snowcat.stages.rlcore.handoff import HandoffError
-    from snowcat.stages.rlcore.loop import resolve_init
-    from snowcat.stages.rlcore.transport import TransportError, rollout_owner
 
     start = comm.bcast(None, root=0)  # the trainer's resumed step: the first batch still needed
-    model, _, tok = load_model_dir(resolve_init(ctx, cfg), device=device_for(ctx))
+    model, _, tok = load_model_dir(ctx.checkpoint(cfg.init_from, "init_from"), device=local_device(ctx.local_rank))
     worker = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
     t0, made = time.perf_counter(), 0
     for k in range(start, cfg.updates):

@@ -9,13 +9,12 @@ Findings name the file, line and kind, never the secret; they go to `scan.json` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass
-class Config:
-    high_entropy: bool = False  # also flag long random-looking tokens (noisy: run dirs hold base64 blobs)
+from snowcat.pipeline.dag import build
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_json
+from snowcat.pipeline.scrub import env_secrets, scan_tree
 
 
 def _upstream(dag, name: str) -> set[str]:
@@ -30,10 +29,6 @@ def _upstream(dag, name: str) -> set[str]:
 
 
 def run(ctx) -> dict:
-    from snowcat.pipeline.dag import build
-    from snowcat.pipeline.errors import UserError
-    from snowcat.pipeline.fsio import atomic_write_json
-    from snowcat.pipeline.scrub import env_secrets, scan_tree
 
     dag = build(ctx.run_config)
     covered = _upstream(dag, ctx.name) | dag.downstream(ctx.name) | {ctx.name}

@@ -11,31 +11,16 @@ and `select.json` (counts per domain). Read the band back with `load_band(stage_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
 from pathlib import Path
 
-from snowcat.pipeline.config import bounded
+import pyarrow.parquet as pq
+
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_json
+from snowcat.stages.taskgen import Task, load_tasks, save_tasks
 
 BAND = "band.parquet"
-
-
-@dataclass
-class Config:
-    probe: str = "probe"  # name of the needed probe stage
-    tasks: str = "tasks"  # name of the needed tasks stage (the probe's)
-    min_pass: int = bounded(1, ge=0)
-    max_pass: int = bounded(6, ge=0)
-    min_scored: int = bounded(0, ge=0)  # drop tasks with fewer scored attempts (infra failures); 0 = all of the probe's attempts
-
-
-def validate(section, key: str) -> None:
-    if not 0 <= section.min_pass <= section.max_pass:
-        raise UserError(f"{key}: need 0 <= min_pass <= max_pass, got {section.min_pass}..{section.max_pass}")
-    needs = set(getattr(section, "needs", None) or [])
-    for need in (section.probe, section.tasks):
-        if needs and need not in needs:
-            raise UserError(f"{key}.needs: add {need!r} (named in {key}.probe or {key}.tasks)")
 
 
 def select(rows: list[dict], train, val, min_pass: int, max_pass: int, min_scored: int) -> list:
@@ -57,23 +42,16 @@ def select(rows: list[dict], train, val, min_pass: int, max_pass: int, min_score
 
 
 def load_band(stage_dir) -> list:
-    import json
 
-    import pyarrow.parquet as pq
 
-    from snowcat.stages.taskgen import Task
 
     rows = pq.read_table(Path(stage_dir) / BAND).to_pylist()
     return [Task(**(r | {"meta": json.loads(r["meta"])})) for r in rows]
 
 
 def run(ctx) -> dict:
-    import json
 
-    import pyarrow.parquet as pq
 
-    from snowcat.pipeline.fsio import atomic_write_json
-    from snowcat.stages.taskgen import load_tasks, save_tasks
 
     cfg = ctx.config
     key = f"stages.{ctx.name}"

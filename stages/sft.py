@@ -18,66 +18,35 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from snowcat.pipeline.config import bounded, checkpoint_refs
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, atomic_write_text
+from snowcat.stages.config import SftConfig as Config
+from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
+from snowcat.stages.taskgen import VerifierError, demonstration, load_tasks, verify
+from snowcat.stages.tokenizer import train_tokenizer
+from snowcat.stages.train import (
+    Example,
+    OptimConfig,
+    PackedLoader,
+    latest_checkpoint,
+    load_checkpoint,
+    make_backend,
+    save_checkpoint,
+    step_name,
+)
+from snowcat.stages.train.backend import init_distributed, local_device
+from snowcat.stages.train.checkpoint import prune_checkpoints
+from snowcat.stages.train.greedy import greedy_generate
+from snowcat.stages.train.loss import sft_loss
 
 RETRY_PROMPT = "That is not right. Try again."
-
-
-@dataclass
-class Config:
-    model: str = "demo-tiny"  # a stages.model PRESETS name
-    init_from: str = checkpoint_refs("")  # "<stage>:<checkpoint>" to start from a trained model instead of a fresh init
-    tokenizer_vocab_size: int = bounded(512, ge=256)  # when training the tokenizer (fresh init only; bytes first)
-    tasks_input: str = "tasks"  # name of the needed tasks stage
-    seq_len: int = bounded(256, ge=8)
-    batch_rows: int = bounded(16, ge=1)  # packed rows per optimizer step (all ranks together)
-    micro_batches: int = bounded(1, ge=1)  # gradient accumulation
-    steps: int = bounded(500, ge=1)
-    lr: float = bounded(5e-3, gt=0)
-    min_lr_ratio: float = bounded(0.1, ge=0, le=1)
-    warmup_steps: int = bounded(30, ge=0)
-    schedule: str = "cosine"
-    weight_decay: float = bounded(0.1, ge=0)
-    grad_clip: float = bounded(1.0, ge=0)  # 0 = off
-    relay_fraction: float = bounded(0.2, ge=0, le=1)
-    # a domain's demonstrations repeated per epoch (data mixing; absent domains: 1). In the demo,
-    # arith x3 gave greedy pass@1 arith 0.76 / closure 0.68; x1 gave 0.53 / 0.84.
-    domain_repeats: dict[str, int] = field(default_factory=dict)
-    backend: str = "torch"  # torch | deepspeed
-    zero_stage: int = 1
-    save_every: int = bounded(200, ge=0)  # resumable checkpoint period in steps (0 = only at the end / on preemption)
-    keep_last: int = bounded(2, ge=0)  # resumable checkpoints kept (0 = all)
-    threads: int = bounded(0, ge=0)  # torch intra-op threads; 0 = the job's CPUs
-    eval_tasks: int = bounded(200, ge=0)  # val tasks per domain for the end-of-stage greedy check (0 = skip)
-    eval_max_new_tokens: int = bounded(40, ge=1)  # a 3-digit arith worked solution is ~30 tokens
-
-
-def checkpoint_names(section) -> tuple[str, ...]:
-    """What this stage writes under checkpoints/ (`initial` only when it initialises the model)."""
-    return ("final", "best", "step_*") + (() if section.init_from else ("initial",))
-
-
-def validate(section, key: str) -> None:
-    """Called when the config is loaded (no torch import): errors surface before anything runs."""
-    from snowcat.pipeline.errors import UserError
-    from snowcat.stages.model import PRESETS
-
-    if not section.init_from and section.model not in PRESETS:
-        raise UserError(f"{key}.model: {section.model!r} is not a preset ({', '.join(PRESETS)})")
-    if section.backend not in ("torch", "deepspeed"):
-        raise UserError(f"{key}.backend: {section.backend!r} is not one of torch, deepspeed")
-    if section.schedule not in ("cosine", "linear", "constant"):
-        raise UserError(f"{key}.schedule: {section.schedule!r} is not one of cosine, linear, constant")
-    if section.batch_rows % section.micro_batches:
-        raise UserError(f"{key}.batch_rows: {section.batch_rows} must be a multiple of micro_batches={section.micro_batches}")
-    if section.zero_stage not in (0, 1, 2):
-        raise UserError(f"{key}.zero_stage: must be 0-2 (ZeRO-3 is not supported yet), got {section.zero_stage}")
-    for dom, n in section.domain_repeats.items():
-        if int(n) < 0:
-            raise UserError(f"{key}.domain_repeats.{dom}: must be >= 0, got {n}")
 
 
 # ---------------------------------------------------------------- data construction
@@ -106,9 +75,7 @@ def build_conversations(tasks, relay_fraction: float, seed: int) -> list[tuple[l
       fix:     the student answered wrongly; after the verifier's "try again" the teacher answers.
     The student here is synthetic (a prefix or a one-character corruption of the reference); with
     a real policy its sampled turns are used instead, unchanged (token-in, token-out)."""
-    import numpy as np
 
-    from snowcat.stages.taskgen import demonstration
 
     rng = np.random.default_rng([seed, 1])
     alphabets: dict[str, str] = {}
@@ -132,7 +99,6 @@ def build_conversations(tasks, relay_fraction: float, seed: int) -> list[tuple[l
 
 
 def tokenizer_corpus(tasks) -> list[str]:
-    from snowcat.stages.taskgen import demonstration
 
     return [t.prompt for t in tasks] + [demonstration(t) for t in tasks] + [RETRY_PROMPT]
 
@@ -140,19 +106,7 @@ def tokenizer_corpus(tasks) -> list[str]:
 # ---------------------------------------------------------------- helpers
 
 
-def _resolve_ref(ctx, ref: str) -> Path:
-    from snowcat.pipeline.errors import UserError
-
-    stage, _, name = ref.partition(":")
-    if stage not in ctx.inputs or not name:
-        raise UserError(f"sft.init_from={ref!r}: expected '<needed stage>:<checkpoint>' (needs: {sorted(ctx.inputs)})")
-    from snowcat.stages.model.io import resolve_checkpoint
-
-    return resolve_checkpoint(ctx.inputs[stage], name)
-
-
 def _tasks_dir(ctx, cfg: Config) -> Path:
-    from snowcat.pipeline.errors import UserError
 
     if cfg.tasks_input in ctx.inputs:
         return Path(ctx.inputs[cfg.tasks_input])
@@ -161,8 +115,6 @@ def _tasks_dir(ctx, cfg: Config) -> Path:
 
 def greedy_pass_rate(model, tok, tasks, max_new_tokens: int) -> dict:
     """Greedy pass@1 per domain on `tasks` (VerifierError counted apart, never as a fail)."""
-    from snowcat.stages.taskgen import VerifierError, verify
-    from snowcat.stages.train.greedy import greedy_generate
 
     prompts = [tok.render_prompt(t.messages(with_answer=False)) for t in tasks]
     outs = greedy_generate(model, prompts, max_new_tokens, tok.end_of_turn_id, tok.pad_id)
@@ -179,12 +131,9 @@ def greedy_pass_rate(model, tok, tasks, max_new_tokens: int) -> dict:
 
 
 def _plot(history: list[dict], path: Path) -> None:
-    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    from snowcat.pipeline.fsio import atomic_write_figure
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
@@ -199,18 +148,7 @@ def _plot(history: list[dict], path: Path) -> None:
 
 
 def run(ctx) -> dict:
-    import torch
 
-    from snowcat.pipeline.errors import UserError
-    from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
-    from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
-    from snowcat.stages.taskgen import load_tasks
-    from snowcat.stages.tokenizer import train_tokenizer
-    from snowcat.stages.train import (Example, OptimConfig, PackedLoader, latest_checkpoint, load_checkpoint,
-                              make_backend, save_checkpoint, step_name)
-    from snowcat.stages.train.backend import init_distributed
-    from snowcat.stages.train.checkpoint import prune_checkpoints
-    from snowcat.stages.train.loss import sft_loss
 
     cfg: Config = ctx.config
     if cfg.model not in PRESETS and not cfg.init_from:
@@ -228,7 +166,7 @@ def run(ctx) -> dict:
     if resume is not None:
         model, mcfg, tok = load_model_dir(resume)
     elif cfg.init_from:
-        model, mcfg, tok = load_model_dir(_resolve_ref(ctx, cfg.init_from))
+        model, mcfg, tok = load_model_dir(ctx.checkpoint(cfg.init_from, "init_from"))
     else:
         if (ckpts / "initial").is_dir():
             model, mcfg, tok = load_model_dir(ckpts / "initial")
@@ -242,7 +180,7 @@ def run(ctx) -> dict:
                 save_model_dir(ckpts / "initial", model, tok, meta={"stage": ctx.name, "seed": ctx.seed, "step": 0})
     if tok.vocab_size > mcfg.vocab_size:
         raise UserError(f"sft: tokenizer has {tok.vocab_size} ids but the model only {mcfg.vocab_size}")
-    device = torch.device("cuda", ctx.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = local_device(ctx.local_rank)
     model.to(device)
 
     # Data: deterministic from (tasks, tokenizer, seed); the loader's position is checkpointed.

@@ -6,42 +6,10 @@ validation tasks never appear in training (checked by prompt).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from snowcat.pipeline.config import bounded
 from snowcat.pipeline.context import StageContext
-from snowcat.pipeline.errors import UserError
-from snowcat.stages.taskgen import DOMAINS, generate_domain, save_tasks, split_tasks
-
-
-@dataclass
-class DomainSpec:
-    count: int = bounded(1000, ge=2)  # train + val tasks of this domain
-    val_count: int = bounded(200, ge=1)
-    difficulties: list[int] = field(default_factory=lambda: [1])
-
-
-@dataclass
-class Config:
-    domains: dict[str, DomainSpec] = field(
-        default_factory=lambda: {
-            "closure": DomainSpec(count=2400, val_count=240, difficulties=[1, 2, 3, 4, 5, 6]),
-            "arith": DomainSpec(count=2400, val_count=200, difficulties=[2, 3]),
-        }
-    )
-
-
-def validate(section, key: str) -> None:
-    """Called when the config is loaded: errors surface before anything runs."""
-    for domain, spec in section.domains.items():
-        if domain not in DOMAINS:
-            raise UserError(f"{key}.domains.{domain}: unknown domain (known: {', '.join(DOMAINS)})")
-        if not 0 < spec.val_count < spec.count:
-            raise UserError(f"{key}.domains.{domain}.val_count: must be between 1 and count - 1")
-        if not spec.difficulties:
-            raise UserError(f"{key}.domains.{domain}.difficulties: must not be empty")
+from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks
 
 
 def run(ctx: StageContext) -> dict:

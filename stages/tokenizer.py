@@ -19,8 +19,13 @@ kept as context; `content` continues it and is trained).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from snowcat.pipeline.fsio import atomic_write_text
 
 SPECIAL_TOKENS = [
     "<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>",
@@ -31,7 +36,6 @@ FILE = "tokenizer.json"
 
 
 def _pipeline_parts():
-    from tokenizers import Regex, decoders, pre_tokenizers
 
     pre = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(r"[\[\]{}()]"), behavior="isolated"),
@@ -43,7 +47,6 @@ def _pipeline_parts():
 
 def train_tokenizer(texts, vocab_size: int = 512, min_frequency: int = 2) -> "ChatTokenizer":
     """Learn a byte-level BPE over `texts` (an iterable of str); deterministic for the same input."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = _pipeline_parts()
@@ -111,7 +114,6 @@ class ChatTokenizer:
         return ids + [self.role_ids["assistant"]]
 
     def save(self, dir) -> Path:
-        from snowcat.pipeline.fsio import atomic_write_text
 
         path = Path(dir) / FILE
         atomic_write_text(path, self._tok.to_str(pretty=False))
@@ -119,13 +121,11 @@ class ChatTokenizer:
 
     @classmethod
     def load(cls, dir) -> "ChatTokenizer":
-        from tokenizers import Tokenizer
 
         path = Path(dir)
         path = path / FILE if path.is_dir() else path
         return cls(Tokenizer.from_str(path.read_text()))
 
     def fingerprint(self) -> str:
-        import hashlib
 
         return hashlib.sha256(json.dumps(json.loads(self._tok.to_str()), sort_keys=True).encode()).hexdigest()[:16]

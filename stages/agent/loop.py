@@ -26,6 +26,8 @@ from typing import Any, Callable
 import numpy as np
 
 from snowcat.stages.agent.trajectory import Trajectory
+from snowcat.stages.rollout.engine import EngineError, TorchEngine, request_generator
+from snowcat.stages.taskgen import verify
 
 TRUNCATION_NOTE = "turn cut at {n} tokens; answer briefly"
 
@@ -60,7 +62,6 @@ def generate_seeded(engine, prompts: list[list[int]], params, seeds: list[int]):
     `TorchEngine` takes per-request generators, so each request samples exactly as
     `engine.generate([prompt], params, seed=seeds[i])` would alone. Other engines (vLLM) get one
     seed mixed from all of them: deterministic for the same jobs, but not batch-independent."""
-    from snowcat.stages.rollout.engine import EngineError, TorchEngine, request_generator
 
     if hasattr(engine, "generate_seeded"):
         return engine.generate_seeded(prompts, params, seeds)
@@ -123,8 +124,7 @@ def run_episodes(
     `params` are the sampling parameters (its `max_tokens` is replaced by the budget; the
     end-of-turn id is always a stop id). `verifier(task, text) -> Verdict` defaults to
     `stages.taskgen.verify`; raising is an infrastructure failure."""
-    if verifier is None:
-        from snowcat.stages.taskgen import verify as verifier
+    verifier = verifier or verify
     stop_ids = tuple(dict.fromkeys((*params.stop_ids, tokenizer.end_of_turn_id)))
     episodes = []
     for job in jobs:

@@ -5,11 +5,12 @@ Every estimator returns a tensor of the same shape. Rewards are treated as const
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, get_args
 
 import torch
 
 from snowcat.pipeline.errors import UserError
+from snowcat.stages.config import Estimator
 
 INFRA_ERROR = "infra_error"
 
@@ -60,7 +61,7 @@ def valid_from_status(status: Sequence[Sequence[str]]) -> torch.Tensor:
     return torch.tensor([[s != INFRA_ERROR for s in group] for group in status], dtype=torch.bool)
 
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "rloo_n")
+ESTIMATORS = get_args(Estimator)
 
 
 def compute_advantages(estimator: str, rewards: torch.Tensor, valid: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:

@@ -14,12 +14,14 @@ which TIS corrects for and `mismatch_stats` reports. With one update per batch, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
 from snowcat.pipeline.errors import UserError
+from snowcat.stages.config import Aggregation
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_over_const")
+AGGREGATIONS = get_args(Aggregation)
 
 
 @dataclass

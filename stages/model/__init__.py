@@ -1,23 +1,11 @@
-"""The MoE causal LM: config + presets, modules, KV cache, and model directories (save/load).
+"""The MoE causal LM: config + presets, modules, KV cache, and model directories (save/load)."""
 
-Names are resolved lazily, so `from stages.model import PRESETS` (config validation in the CLI)
-does not import torch.
-"""
+from .config import PRESETS, ModelConfig, count_params
+from .io import hf_state_dict, load_hf_state_dict, load_model_dir, save_model_dir
+from .kv_cache import KVCache
+from .modeling import ModelOutput, MoEForCausalLM
 
-from __future__ import annotations
-
-import importlib
-
-_WHERE = {
-    "PRESETS": "config", "ModelConfig": "config", "count_params": "config",
-    "KVCache": "kv_cache", "ModelOutput": "modeling", "MoEForCausalLM": "modeling",
-    "save_model_dir": "io", "load_model_dir": "io", "resolve_checkpoint": "io",
-    "hf_state_dict": "io", "load_hf_state_dict": "io",
-}
-__all__ = list(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'stages.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+__all__ = [
+    "PRESETS", "ModelConfig", "count_params", "KVCache", "ModelOutput", "MoEForCausalLM",
+    "save_model_dir", "load_model_dir", "hf_state_dict", "load_hf_state_dict",
+]

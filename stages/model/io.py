@@ -18,8 +18,11 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, verify_manifest, write_manifest
+from snowcat.stages.tokenizer import ChatTokenizer
 
 from .config import ModelConfig
 from .modeling import MoEForCausalLM
@@ -73,7 +76,6 @@ def load_hf_state_dict(model: MoEForCausalLM, tensors: dict[str, torch.Tensor]) 
 
 
 def _write_tensors(dir: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
-    from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -98,7 +100,6 @@ def _write_tensors(dir: Path, tensors: dict[str, torch.Tensor], max_shard_bytes:
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
 
     path = Path(path)
     if (path / SINGLE).is_file():
@@ -133,7 +134,6 @@ def save_model_dir(path, model: MoEForCausalLM, tokenizer=None, meta: dict | Non
 def load_model_config(path) -> ModelConfig:
     d = read_json(Path(path) / CONFIG)
     if d is None:
-        from snowcat.pipeline.errors import UserError
 
         raise UserError(f"{path}: not a model directory (no {CONFIG})")
     return ModelConfig.from_dict(d)
@@ -141,7 +141,6 @@ def load_model_config(path) -> ModelConfig:
 
 def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify: bool = True):
     """(model, cfg, tokenizer) from a model directory; sha256 checked against the manifest."""
-    from snowcat.pipeline.errors import UserError
 
     path = Path(path)
     if not path.is_dir():
@@ -163,7 +162,6 @@ def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify:
     model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
     tokenizer = None
     if (path / "tokenizer.json").is_file():
-        from snowcat.stages.tokenizer import ChatTokenizer
 
         tokenizer = ChatTokenizer.load(path)
     return model, cfg, tokenizer
@@ -171,16 +169,3 @@ def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify:
 
 def model_dir_meta(path) -> dict:
     return json.loads((Path(path) / "meta.json").read_text()) if (Path(path) / "meta.json").is_file() else {}
-
-
-def resolve_checkpoint(stage_dir, name: str) -> Path:
-    """`<stage_dir>/checkpoints/<name>`; a plain file there (e.g. `best`) names another checkpoint."""
-    from snowcat.pipeline.errors import UserError
-
-    root = Path(stage_dir) / "checkpoints"
-    path = root / name
-    if path.is_file():
-        path = root / path.read_text().strip()
-    if not (path / CONFIG).is_file():
-        raise UserError(f"{path}: no such checkpoint (expected a model directory)")
-    return path

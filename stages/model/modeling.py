@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from snowcat.kernels import linear_logprob_entropy
+
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -293,7 +295,6 @@ class MoEForCausalLM(nn.Module):
             }
         out = ModelOutput(hidden=hidden, aux_loss=aux_loss, z_loss=z_loss, router_stats=stats)
         if targets is not None:
-            from snowcat.kernels import linear_logprob_entropy
 
             H = hidden.shape[-1]
             logp, ent = linear_logprob_entropy(hidden.reshape(B * T, H), self.lm_head.weight.to(hidden.dtype),

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 
-def load_verifier(spec: str):
-    import importlib
-
-    from snowcat.pipeline.errors import UserError
-
-    module, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise UserError(f"rl.verifier={spec!r}: cannot import '<module>:<function>': {e}") from None
+from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
+from snowcat.stages.verifiers import load_verifier
 
 
 def reward_verifier(spec: str, reward: str):
     """The verifier, with its reward replaced by 1/0 for pass/fail when reward == "pass" (partial
     credit can be earned by answers that never pass, e.g. a correct prefix of closers)."""
-    verify = load_verifier(spec)
+    verify = load_verifier(spec, "rl.verifier")
     if reward == "score":
         return verify
 
@@ -32,9 +25,7 @@ def reward_verifier(spec: str, reward: str):
 
 
 def generate_batch(engine, tok, tasks, cfg, params, seed: int, policy_version: int):
-    import torch
 
-    from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
 
     env = make_env(cfg.env, tok)
     budget = Budget(max_context=cfg.max_total_tokens, max_turn_tokens=cfg.max_tokens, max_turns=cfg.max_turns)

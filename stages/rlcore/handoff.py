@@ -20,7 +20,12 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import load as load_safetensors
+
 from snowcat.pipeline.fsio import atomic_write_text, read_json, sha256_bytes
+from snowcat.stages.model import save_model_dir
+from snowcat.stages.model.io import INDEX, SINGLE, load_hf_state_dict
 
 STABLE = "STABLE"
 _VERSION_RE = re.compile(r"^step_(\d+)$")
@@ -47,7 +52,6 @@ class WeightHandoff:
     def publish(self, step: int, model) -> Path:
         """Write version `step` from `model` (an MoEForCausalLM); STABLE last. Idempotent: a stable
         version is left as it is (a resumed trainer republishes the same bytes anyway)."""
-        from snowcat.stages.model import save_model_dir
 
         path = self.path(step)
         if self.is_stable(step):
@@ -132,10 +136,7 @@ class WeightHandoff:
 
     def load_into(self, model, step: int, **wait_kwargs) -> None:
         """Wait for version `step` and copy its verified tensors into `model` in place."""
-        import torch
-        from safetensors.torch import load as load_safetensors
 
-        from snowcat.stages.model.io import INDEX, SINGLE, load_hf_state_dict
 
         files = self.wait_verified(step, **wait_kwargs)
         names = [SINGLE] if SINGLE in files else sorted(n for n in files if n.endswith(".safetensors"))

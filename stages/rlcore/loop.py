@@ -10,16 +10,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
-def resolve_init(ctx, cfg) -> Path:
-    from snowcat.pipeline.errors import UserError
-    from snowcat.stages.model.io import resolve_checkpoint
-
-    stage, _, name = cfg.init_from.partition(":")
-    if stage not in ctx.inputs or not name:
-        raise UserError(f"stages.{ctx.name}.init_from={cfg.init_from!r}: expected '<needed stage>:<checkpoint>' "
-                        f"(needs: {sorted(ctx.inputs)})")
-    return resolve_checkpoint(ctx.inputs[stage], name)
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
+from snowcat.pipeline.history import History
+from snowcat.pipeline.retention import Retention, RetentionPolicy
+from snowcat.stages.agent import STATUSES
+from snowcat.stages.algorithms import PolicyLossConfig
+from snowcat.stages.model import load_model_dir, save_model_dir
+from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logprobs
+from snowcat.stages.rlcore.transport import TransportError
+from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.train import OptimConfig, latest_checkpoint, load_checkpoint, make_backend, save_checkpoint
+from snowcat.stages.train.backend import local_device
+from snowcat.stages.verifiers import load_verifier
 
 
 def batch_metrics(trajs) -> dict[str, float]:
@@ -39,7 +42,6 @@ def batch_metrics(trajs) -> dict[str, float]:
     rec["length/total_mean"] = float(np.mean([len(t) for t in trajs]))
     rec["turns/mean"] = float(np.mean([len(t.turn_boundaries) for t in trajs]))
     counts = Counter(t.status for t in trajs)
-    from snowcat.stages.agent import STATUSES
 
     for s in STATUSES:
         rec[f"status/{s}"] = counts.get(s, 0) / len(trajs)
@@ -55,7 +57,6 @@ def batch_metrics(trajs) -> dict[str, float]:
 def quick_eval(model, tok, tasks, params, attempts: int, seed: int, verify, batch: int = 128) -> dict[str, float]:
     """Sampled pass rate on held-out tasks (same seeds every time: common random numbers).
     Verifier failures are infrastructure: left out, never counted as fails."""
-    from snowcat.stages.rollout import TorchEngine
 
     engine = TorchEngine(model, max_batch=batch)
     reqs = [t for t in tasks for _ in range(attempts)]
@@ -76,26 +77,17 @@ def quick_eval(model, tok, tasks, params, attempts: int, seed: int, verify, batc
 
 class Trainer:
     def __init__(self, ctx, cfg, pool, held_out, handoff, transport, comm=None):
-        from snowcat.pipeline.history import History
-        from snowcat.pipeline.retention import Retention, RetentionPolicy
-        from snowcat.stages.algorithms import PolicyLossConfig
-        from snowcat.stages.model import load_model_dir, save_model_dir
-        from snowcat.stages.rlcore.episodes import load_verifier
-        from snowcat.stages.rollout import SamplingParams
-        from snowcat.stages.train import OptimConfig, latest_checkpoint, load_checkpoint, make_backend
 
         self.ctx, self.cfg, self.pool, self.held_out = ctx, cfg, pool, held_out
         self.handoff, self.transport, self.comm = handoff, transport, comm
         self.out = Path(ctx.out_dir)
         self.ckpts = self.out / "checkpoints"
-        self.init_path = resolve_init(ctx, cfg)
-        from snowcat.stages.rl import device_for
+        self.init_path = ctx.checkpoint(cfg.init_from, "init_from")
 
-        self.device = device_for(ctx)
+        self.device = local_device(ctx.local_rank)
         resume = latest_checkpoint(self.ckpts)
         self.model, _, self.tok = load_model_dir(resume or self.init_path, device=self.device)
         if self.tok is None:
-            from snowcat.pipeline.errors import UserError
 
             raise UserError(f"{self.init_path}: checkpoint has no tokenizer.json")
         if resume is None and not (self.ckpts / "initial").is_dir():
@@ -107,7 +99,7 @@ class Trainer:
         self.loss_cfg = PolicyLossConfig(aggregation=cfg.aggregation, clip_low=cfg.ppo_clip, tis_cap=cfg.tis_cap,
                                          length_const=float(cfg.max_total_tokens), kl_coef=cfg.kl_coef,
                                          entropy_coef=cfg.entropy_coef)
-        self.verify = load_verifier(cfg.verifier)
+        self.verify = load_verifier(cfg.verifier, "rl.verifier")
         self.behaviour = None  # the weights that generated the current batch, when lag > 0
         self.ref_model = None
         if cfg.kl_coef:
@@ -132,7 +124,6 @@ class Trainer:
         return self.backend.step
 
     def save(self, metrics: dict | None = None) -> None:
-        from snowcat.stages.train import save_checkpoint
 
         if self.last_ckpt == self.step and self.retention.path(self.step).is_dir():
             return  # already saved at this step (keep its registered metric)
@@ -158,13 +149,11 @@ class Trainer:
     def _add_behaviour_logprobs(self, batch: dict, versions: set[int]) -> None:
         """logp_old under the weights that generated the batch, when they are not the current ones
         (lag > 0): loaded from the handoff, verified, like any rollout rank loads them."""
-        from snowcat.stages.rlcore.trainer import sampled_logprobs
 
         (version,) = versions  # batch k is generated by exactly one version, k - lag
         if version == self.step:
             return
         if self.behaviour is None:
-            from snowcat.stages.model import load_model_dir
 
             self.behaviour = load_model_dir(self.init_path, device=self.device)[0].requires_grad_(False)
             self.behaviour_version = None
@@ -182,10 +171,6 @@ class Trainer:
         self.history_h5.append(self.ctx.name, rec["step"], {k: v for k, v in rec.items() if k != "step"})
 
     def train(self, local_rollout=None) -> dict:
-        from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
-        from snowcat.stages.model import save_model_dir
-        from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn
-        from snowcat.stages.rlcore.transport import TransportError
 
         cfg, ctx = self.cfg, self.ctx
         # Repair the handoff: drop torn/unstable versions and any "future" beyond the resumed step,

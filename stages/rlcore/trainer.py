@@ -13,6 +13,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from snowcat.kernels import linear_logprob_entropy
 from snowcat.stages.agent import Trajectory
 from snowcat.stages.algorithms import PolicyLossConfig, compute_advantages, mismatch_stats, policy_loss
 from snowcat.stages.rollout import SamplingParams, support_ids
@@ -68,7 +69,6 @@ def _unwrap(model):
 def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 4096):
     """(logprob [B, T], entropy [B, T], model output) of the target tokens under `params`' sampling
     distribution; 0 where there is no target."""
-    from snowcat.kernels import linear_logprob_entropy
 
     out = model(batch["input_ids"])
     B, T, H = out.hidden.shape

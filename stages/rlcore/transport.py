@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from snowcat.pipeline.fsio import atomic_write_bytes
 from snowcat.stages.agent import FIELDS, Trajectory, allocate, header, pack, unpack
 
 _TAG = 17
@@ -37,7 +38,7 @@ class Transport(Protocol):
 
 
 def _wait(requests, timeout_s: float, should_stop: Callable[[], bool] | None, what: str) -> None:
-    from mpi4py import MPI
+    from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
 
     deadline = time.monotonic() + timeout_s
     while not MPI.Request.Testall(requests):
@@ -103,7 +104,6 @@ class FileQueueTransport:
         return self.path(batch_index).is_file()
 
     def send_batch(self, batch_index: int, trajs: list[Trajectory]) -> None:
-        from snowcat.pipeline.fsio import atomic_write_bytes
 
         buf = io.BytesIO()
         np.savez(buf, **pack(trajs))

@@ -20,6 +20,8 @@ from typing import Literal, Protocol, Sequence
 import numpy as np
 import torch
 
+from snowcat.stages.model import KVCache, load_model_dir
+from snowcat.stages.model.io import load_hf_state_dict, read_tensors
 from snowcat.stages.rollout.sampling import SamplingParams, sample
 
 
@@ -64,7 +66,6 @@ class TorchEngine:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **kwargs) -> "TorchEngine":
-        from snowcat.stages.model import load_model_dir
 
         try:
             model, _cfg, _tokenizer = load_model_dir(Path(model_dir))
@@ -75,7 +76,6 @@ class TorchEngine:
     def load_weights(self, model_dir: str | Path) -> None:
         """Replace the weights in place from a model/weights dir (safetensors under HF names, one
         file or shards + index, as `stages.model.save_model_dir` writes them)."""
-        from snowcat.stages.model.io import load_hf_state_dict, read_tensors
 
         try:
             tensors = read_tensors(Path(model_dir))
@@ -99,7 +99,6 @@ class TorchEngine:
 
     @torch.no_grad()  # also called directly by the agent loop: sampling never keeps a graph
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, gens: list[torch.Generator]):
-        from snowcat.stages.model import KVCache
 
         if any(len(p) == 0 for p in prompts):
             raise EngineError("empty prompt")
@@ -155,7 +154,7 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, **llm_kwargs):
         try:
-            import vllm
+            import vllm  # noqa: PLC0415 (the GPU extra; absent on CPU installs)
         except ImportError as e:
             raise EngineError("VLLMEngine needs the vllm package (>= 0.10), which is not installed") from e
         self._vllm = vllm
@@ -167,7 +166,7 @@ class VLLMEngine:
         self.llm = self._vllm.LLM(model=str(model_dir), **self._llm_kwargs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> list[Completion]:
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415 (the GPU extra; absent on CPU installs)
 
         per_request = [
             self._vllm.SamplingParams(

@@ -7,12 +7,17 @@ Tasks are generated from a seed, stored as Parquet tables (`train.parquet`, `val
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from snowcat.pipeline.fsio import atomic_write_bytes
 
 from . import arith, closure
 
@@ -105,7 +110,6 @@ def split_tasks(tasks: list[Task], val_count: int, rng: np.random.Generator) -> 
 
 
 def _table(tasks: list[Task]):
-    import pyarrow as pa
 
     rows = [asdict(t) | {"meta": json.dumps(t.meta, sort_keys=True)} for t in tasks]
     schema = pa.schema(
@@ -116,11 +120,8 @@ def _table(tasks: list[Task]):
 
 
 def save_tasks(out_dir: Path, split: str, tasks: list[Task]) -> Path:
-    import io
 
-    import pyarrow.parquet as pq
 
-    from snowcat.pipeline.fsio import atomic_write_bytes
 
     buf = io.BytesIO()
     pq.write_table(_table(tasks), buf, compression="zstd")
@@ -130,7 +131,6 @@ def save_tasks(out_dir: Path, split: str, tasks: list[Task]) -> Path:
 
 
 def load_tasks(tasks_dir: Path, split: str) -> list[Task]:
-    import pyarrow.parquet as pq
 
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")

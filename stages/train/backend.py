@@ -18,8 +18,18 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from snowcat.pipeline.errors import UserError
 
 from .optim import OptimConfig, build_optimizer, lr_factor
+
+
+def local_device(local_rank: int = 0) -> torch.device:
+    """This rank's accelerator when there is one (GPU sites), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 def world() -> tuple[int, int]:
@@ -62,7 +72,6 @@ class TorchBackend:
         self.device = next(model.parameters()).device
         self.wrapped = model
         if self.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped = DistributedDataParallel(model, device_ids=ids)
@@ -141,7 +150,7 @@ class DeepSpeedBackend(TorchBackend):
     name = "deepspeed"
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 1):
-        import deepspeed
+        import deepspeed  # noqa: PLC0415 (optional extra)
 
         self.cfg = cfg
         self.model = model
@@ -198,7 +207,7 @@ class DeepSpeedBackend(TorchBackend):
 
     def full_params(self):
         if self.engine.zero_optimization_stage() == 3:
-            import deepspeed
+            import deepspeed  # noqa: PLC0415 (optional extra)
 
             return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
         return contextlib.nullcontext()
@@ -209,12 +218,10 @@ def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1):
         return TorchBackend(model, cfg)
     if name == "deepspeed":
         if zero_stage not in (0, 1, 2):
-            from snowcat.pipeline.errors import UserError
 
             # ZeRO-3 partitions the LM head, which the fused logprob kernel reads outside
             # lm_head.forward; gathering it there is not done yet (a trial run deadlocked).
             raise UserError(f"deepspeed zero_stage={zero_stage}: only stages 0-2 are supported")
         return DeepSpeedBackend(model, cfg, zero_stage=zero_stage)
-    from snowcat.pipeline.errors import UserError
 
     raise UserError(f"train backend {name!r} is not one of: torch, deepspeed")

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from snowcat.pipeline.fsio import verify_manifest
+from snowcat.stages.model.io import load_hf_state_dict, read_tensors, save_model_dir
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 STATE = "trainer_state"
@@ -58,7 +59,6 @@ def _set_rng_state(state: dict) -> None:
 def save_checkpoint(path, backend, tokenizer=None, client_state: dict | None = None, meta: dict | None = None,
                     max_shard_bytes: int = 4 << 30) -> Path:
     """Collective: every rank calls it. Returns the checkpoint path."""
-    from snowcat.stages.model.io import save_model_dir
 
     path = Path(path)
     rank, world_size = backend.rank, backend.world_size
@@ -84,7 +84,6 @@ def save_checkpoint(path, backend, tokenizer=None, client_state: dict | None = N
 
 def load_checkpoint(path, backend) -> dict:
     """Restore weights, optimizer/schedule, this rank's RNG; returns the client state (step, loader...)."""
-    from snowcat.stages.model.io import load_hf_state_dict, read_tensors
 
     path = Path(path)
     with backend.full_params():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class OptimConfig:
@@ -48,7 +50,6 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model, cfg: OptimConfig):
-    import torch
 
     opt = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps

@@ -1,0 +1,113 @@
+"""The typed schema of a run configuration: plain dataclasses with Literal choices and range
+metadata, read by OmegaConf (`pipeline.config` composes and checks files against it). Torch-free and
+import-light, so loading a config on a login node is fast; stage kinds add their own sections in
+`stages/config.py`."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from omegaconf import MISSING
+
+Problem = tuple[str, str]  # (key below the section, what is wrong)
+
+
+def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None):
+    """A numeric field with the range it must lie in; checked when a config loads (None passes)."""
+    bounds = [(b, op, word) for b, op, word in ((ge, operator.ge, ">="), (gt, operator.gt, ">"), (le, operator.le, "<="))
+              if b is not None]
+    return field(default=default, metadata={"range": bounds})
+
+
+def checkpoint_refs(default: str | list[str] = ""):
+    """A field holding one "<stage>:<checkpoint>" reference (str) or a list of them; checked when a
+    config loads: the stage must be in `needs` and its kind must write that checkpoint."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"checkpoint_ref": True})
+    return field(default=default, metadata={"checkpoint_ref": True})
+
+
+def parse_checkpoint_ref(ref: str) -> tuple[str, str]:
+    """("sft", "final") from "sft:final"; ValueError for anything else."""
+    stage, sep, name = str(ref).partition(":")
+    if not sep or not stage or not name or ":" in name:
+        raise ValueError(f"{ref!r} is not '<stage>:<checkpoint>' (e.g. 'sft:final')")
+    return stage, name
+
+
+@dataclass
+class Component:
+    """One component of a heterogeneous job (e.g. trainer, rollout): its own nodes and GPUs."""
+
+    nodes: int = bounded(1, ge=1)
+    tasks_per_node: int = bounded(1, ge=1)
+    cpus_per_task: int = bounded(1, ge=1)
+    gpus_per_node: int = bounded(0, ge=0)
+    partition: str | None = None
+
+
+@dataclass
+class Resources:
+    nodes: int = bounded(1, ge=1)
+    tasks_per_node: int = bounded(1, ge=1)
+    cpus_per_task: int = bounded(1, ge=1)
+    gpus_per_node: int = bounded(0, ge=0)
+    mem_gb: int | None = bounded(None, ge=1)
+    time_min: int = bounded(30, ge=1)
+    partition: str | None = None
+    # Non-empty: a co-scheduled multi-role stage (one Slurm hetjob, one MPI world; component order
+    # is rank order). Locally it runs under mpirun with the same roles.
+    components: dict[str, Component] = field(default_factory=dict)
+
+
+@dataclass
+class ResumePolicy:
+    """How a stage longer than the partition walltime continues (Slurm executor)."""
+
+    strategy: Literal["requeue", "chain", "none"] = "requeue"
+    signal_margin_s: int = bounded(120, ge=0)  # --signal=USR2@margin: time the stage has to checkpoint
+    max_continuations: int = bounded(3, ge=0)
+
+
+@dataclass
+class StageCommon:
+    kind: str = MISSING
+    needs: list[str] = field(default_factory=list)
+    resources: Resources = field(default_factory=Resources)
+    # Fan-out: one unit of work per element of the cartesian product of these lists (a job array).
+    fan_out: dict[str, list[Any]] = field(default_factory=dict)
+    max_parallel: int = bounded(0, ge=0)  # array throttle (%N); 0 = site default
+    resume: ResumePolicy = field(default_factory=ResumePolicy)
+    image: str | None = None  # container image to run the stage in (site runtime decides how)
+    staged: list[str] = field(default_factory=list)  # artefacts that must be pre-staged (run offline)
+
+    def checkpoint_names(self) -> tuple[str, ...] | None:
+        """The checkpoint names (fnmatch patterns) this stage writes; None: it writes none."""
+        return None
+
+    def problems(self) -> Iterator[Problem]:
+        """Checks across fields that the types and ranges cannot express (a kind overrides this)."""
+        return iter(())
+
+
+@dataclass
+class ExecutorConfig:
+    kind: Literal["local", "slurm"] = "local"
+    max_parallel: int = bounded(2, ge=1)  # local executor: stages running at once
+    mpirun: str = "mpirun"  # local launcher for multi-role stages
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    seed: int = bounded(0, ge=0)  # numpy's generators take no negative seed
+    run_root: str = "logs"
+    description: str = ""
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    site: Any = None  # typed by slurm.site.SiteProfile when given
+    stages: dict[str, Any] = field(default_factory=dict)
+
+

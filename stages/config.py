@@ -1,0 +1,331 @@
+"""The configuration of every stage kind: one dataclass per kind, torch-free.
+
+A stage section of a run config is typed by its kind's class here plus the common keys
+(`pipeline.schema.StageCommon`). Choices are `Literal`s and numbers carry their ranges, so OmegaConf
+refuses a bad value when the config loads; `problems()` adds the few checks across fields. The
+stage modules (`stages/<kind>.py`) import their class from here as `Config`; keeping the classes
+apart from the code that runs them is what lets `snowcat config`, `status` and submission run on a
+login node without importing torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from snowcat.pipeline.schema import Problem, bounded, checkpoint_refs
+from snowcat.stages.model.config import PRESETS
+from snowcat.stages.taskgen import DOMAINS
+
+Estimator = Literal["grpo", "dr_grpo", "rloo", "rloo_n"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_over_const"]
+Env = Literal["single", "calculator"]
+ExportDtype = Literal["float32", "bfloat16", "float16"]
+DEFAULT_VERIFIER = "snowcat.stages.taskgen:verify"
+
+
+def _verifier_problems(spec: str) -> Iterator[Problem]:
+    module, sep, function = spec.partition(":")
+    if not (module and sep and function):
+        yield "verifier", f"{spec!r} is not 'module:function'"
+
+
+def _needs_problems(needs: list[str], *keys_and_stages: tuple[str, str]) -> Iterator[Problem]:
+    for key, stage in keys_and_stages:
+        if stage not in needs:
+            yield "needs", f"add {stage!r} (named in {key})"
+
+
+# ---------------------------------------------------------------- tasks
+
+
+@dataclass
+class DomainSpec:
+    count: int = bounded(1000, ge=2)  # train + val tasks of this domain
+    val_count: int = bounded(200, ge=1)
+    difficulties: list[int] = field(default_factory=lambda: [1])
+
+
+@dataclass
+class TasksConfig:
+    domains: dict[str, DomainSpec] = field(
+        default_factory=lambda: {
+            "closure": DomainSpec(count=2400, val_count=240, difficulties=[1, 2, 3, 4, 5, 6]),
+            "arith": DomainSpec(count=2400, val_count=200, difficulties=[2, 3]),
+        }
+    )
+
+    def problems(self) -> Iterator[Problem]:
+        for domain, spec in self.domains.items():
+            if domain not in DOMAINS:
+                yield f"domains.{domain}", f"unknown domain (known: {', '.join(DOMAINS)})"
+            if not spec.val_count < spec.count:
+                yield f"domains.{domain}.val_count", f"must be less than count ({spec.count}), got {spec.val_count}"
+            if not spec.difficulties:
+                yield f"domains.{domain}.difficulties", "must not be empty"
+
+
+# ---------------------------------------------------------------- sft
+
+
+@dataclass
+class SftConfig:
+    model: str = "demo-tiny"  # a stages.model PRESETS name
+    init_from: str = checkpoint_refs("")  # "<stage>:<checkpoint>" to start from a trained model instead of a fresh init
+    tokenizer_vocab_size: int = bounded(512, ge=256)  # when training the tokenizer (fresh init only; bytes first)
+    tasks_input: str = "tasks"  # name of the needed tasks stage
+    seq_len: int = bounded(256, ge=8)
+    batch_rows: int = bounded(16, ge=1)  # packed rows per optimizer step (all ranks together)
+    micro_batches: int = bounded(1, ge=1)  # gradient accumulation
+    steps: int = bounded(500, ge=1)
+    lr: float = bounded(5e-3, gt=0)
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)
+    warmup_steps: int = bounded(30, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = bounded(0.1, ge=0)
+    grad_clip: float = bounded(1.0, ge=0)  # 0 = off
+    relay_fraction: float = bounded(0.2, ge=0, le=1)
+    # a domain's demonstrations repeated per epoch (data mixing; absent domains: 1). In the demo,
+    # arith x3 gave greedy pass@1 arith 0.76 / closure 0.68; x1 gave 0.53 / 0.84.
+    domain_repeats: dict[str, int] = field(default_factory=dict)
+    backend: Literal["torch", "deepspeed"] = "torch"
+    zero_stage: Literal[0, 1, 2] = 1  # ZeRO-3 is not supported yet
+    save_every: int = bounded(200, ge=0)  # resumable checkpoint period in steps (0 = only at the end / on preemption)
+    keep_last: int = bounded(2, ge=0)  # resumable checkpoints kept (0 = all)
+    threads: int = bounded(0, ge=0)  # torch intra-op threads; 0 = the job's CPUs
+    eval_tasks: int = bounded(200, ge=0)  # val tasks per domain for the end-of-stage greedy check (0 = skip)
+    eval_max_new_tokens: int = bounded(40, ge=1)  # a 3-digit arith worked solution is ~30 tokens
+
+    def checkpoint_names(self) -> tuple[str, ...]:
+        """What this stage writes under checkpoints/ (`initial` only when it initialises the model)."""
+        return ("final", "best", "step_*") + (() if self.init_from else ("initial",))
+
+    def problems(self) -> Iterator[Problem]:
+        if not self.init_from and self.model not in PRESETS:
+            yield "model", f"{self.model!r} is not a preset ({', '.join(PRESETS)})"
+        if self.batch_rows % self.micro_batches:
+            yield "batch_rows", f"{self.batch_rows} must be a multiple of micro_batches={self.micro_batches}"
+        for domain, n in self.domain_repeats.items():
+            if n < 0:
+                yield f"domain_repeats.{domain}", f"must be >= 0, got {n}"
+
+
+# ---------------------------------------------------------------- probe and select
+
+
+@dataclass
+class ProbeConfig:
+    checkpoint: str = checkpoint_refs("sft:final")  # "<stage>:<name>"
+    tasks: str = "tasks"  # name of the tasks stage; only its train split is probed
+    limit: int = bounded(0, ge=0)  # probe N train tasks, taken from the domains in turn (0 = all)
+    attempts: int = bounded(8, ge=1)
+    env: Env = "single"
+    require_tool: bool = True  # calculator env: answering an arith task without the tool scores 0
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(0, ge=0)
+    max_context: int = bounded(256, ge=1)
+    max_turn_tokens: int = bounded(32, ge=1)
+    max_turns: int = bounded(3, ge=1)
+    band_min_pass: int = bounded(1, ge=0)  # the "useful band" reported here (select applies its own)
+    band_max_pass: int = bounded(6, ge=0)
+    batch_size: int = bounded(64, ge=1)  # episodes advanced together
+    infra_retries: int = bounded(1, ge=0)  # re-run an episode that ended in infra_error this many times
+    verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
+    verifier_timeout_s: float = bounded(30.0, gt=0)
+
+    def problems(self) -> Iterator[Problem]:
+        yield from _needs_problems(self.needs, ("tasks", self.tasks))
+        if not self.band_min_pass <= self.band_max_pass <= self.attempts:
+            yield "band_max_pass", f"need band_min_pass <= band_max_pass <= attempts ({self.attempts})"
+        yield from _verifier_problems(self.verifier)
+
+
+@dataclass
+class SelectConfig:
+    probe: str = "probe"  # name of the needed probe stage
+    tasks: str = "tasks"  # name of the needed tasks stage (the probe's)
+    min_pass: int = bounded(1, ge=0)
+    max_pass: int = bounded(6, ge=0)
+    min_scored: int = bounded(0, ge=0)  # drop tasks with fewer scored attempts (infra failures); 0 = all of the probe's attempts
+
+    def problems(self) -> Iterator[Problem]:
+        if self.min_pass > self.max_pass:
+            yield "max_pass", f"need min_pass <= max_pass, got {self.min_pass}..{self.max_pass}"
+        yield from _needs_problems(self.needs, ("probe", self.probe), ("tasks", self.tasks))
+
+
+# ---------------------------------------------------------------- rl
+
+
+@dataclass
+class RlConfig:
+    init_from: str = checkpoint_refs("sft:final")  # "<needed stage>:<checkpoint>"
+    tasks_input: str = "tasks"  # the tasks stage (train split fallback, val split for the quick eval)
+    band_input: str = "select"  # the select stage's band.parquet, when that stage is needed
+    domains: list[str] = field(default_factory=list)  # restrict training tasks to these domains (empty = all)
+    env: Env = "single"
+    verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
+    reward: Literal["pass", "score"] = "pass"  # pass: 1 if the verifier passes, else 0 | score: its partial credit
+    tasks_per_update: int = bounded(16, ge=1)
+    attempts: int = bounded(8, ge=1)  # group size
+    updates: int = bounded(40, ge=1)
+    lag: int = bounded(1, ge=0)  # staleness: batch k uses the weights of step max(0, k - lag)
+    lr: float = bounded(2e-4, gt=0)
+    warmup_steps: int = bounded(0, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    grad_clip: float = bounded(1.0, ge=0)  # 0 = off
+    estimator: Estimator = "rloo_n"
+    aggregation: Aggregation = "token_mean"
+    tis_cap: float | None = bounded(2.0, gt=0)  # C of truncated importance sampling; null = off
+    ppo_clip: float | None = bounded(None, gt=0)  # PPO ratio clip; null = off (one update per batch)
+    kl_coef: float = bounded(0.0, ge=0)
+    entropy_coef: float = 0.0
+    temperature: float = bounded(1.0, ge=0)  # full distribution by default: top_p = 1, top_k = 0
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(0, ge=0)
+    max_tokens: int = bounded(48, ge=1)  # per model turn (a 3-digit arith worked solution is ~30 tokens)
+    max_turns: int = bounded(1, ge=1)
+    max_total_tokens: int = bounded(256, ge=1)  # per episode (prompt + all turns)
+    eval_every: int = bounded(10, ge=0)  # quick held-out pass rate, also the retention metric
+    eval_tasks: int = bounded(64, ge=0)
+    eval_attempts: int = bounded(2, ge=1)
+    save_every: int = bounded(10, ge=0)  # resumable checkpoint period (also at every eval)
+    keep_last: int = bounded(2, ge=0)
+    keep_best: int = bounded(1, ge=0)
+    transport: Literal["auto", "mpi", "file"] = "auto"  # auto: mpi when world > 1
+    timeout_s: float = bounded(1800.0, gt=0)  # waiting for a batch or a weight version
+    threads: int = bounded(0, ge=0)  # torch threads; 0 = the job's CPUs
+    rollout_batch: int = bounded(128, ge=1)  # engine batch size
+
+    def checkpoint_names(self) -> tuple[str, ...]:
+        return ("initial", "final", "best", "step_*")
+
+    def problems(self) -> Iterator[Problem]:
+        if self.attempts < 2 and self.estimator != "grpo":
+            yield "attempts", f"{self.estimator} needs at least 2 attempts per task"
+        yield from _verifier_problems(self.verifier)
+
+
+# ---------------------------------------------------------------- evaluate and export
+
+
+@dataclass
+class EvaluateConfig:
+    checkpoints: list[str] = checkpoint_refs(["sft:initial", "sft:final"])  # "<stage>:<name>"
+    tasks: str = "tasks"  # name of the tasks stage
+    split: Literal["train", "val"] = "val"
+    limit: int = bounded(0, ge=0)  # evaluate only the first N tasks of the split (0 = all)
+    attempts: int = bounded(4, ge=1)  # n attempts per task
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(0, ge=0)
+    max_tokens: int = bounded(48, ge=1)
+    pass_k: list[int] = field(default_factory=lambda: [1, 2, 4])
+    infra_retries: int = bounded(2, ge=0)
+    verifier_timeout_s: float = bounded(30.0, gt=0)
+    verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
+    batch_size: int = bounded(64, ge=1)
+    bootstrap_samples: int = bounded(2000, ge=1)
+
+    def problems(self) -> Iterator[Problem]:
+        if not self.checkpoints and "checkpoint" not in self.fan_out:
+            yield "checkpoints", "name at least one checkpoint, e.g. 'sft:final'"
+        bad = [k for k in self.pass_k if not 1 <= k <= self.attempts]
+        if bad:
+            yield "pass_k", f"{bad} outside 1..attempts ({self.attempts})"
+        yield from _needs_problems(self.needs, ("tasks", self.tasks))
+        yield from _verifier_problems(self.verifier)
+
+
+@dataclass
+class ExportConfig:
+    checkpoint: str = checkpoint_refs("")  # "<needed stage>:<name>"; "" = best retained checkpoint of the needed training stage
+    dtype: ExportDtype = "float32"  # dtype of the exported weights
+    max_shard_mb: int = bounded(4096, ge=1)
+    probe_rows: int = bounded(4, ge=1)  # seeded random token rows for the logit comparison
+    probe_len: int = bounded(32, ge=2)
+    probe_prompts: list[str] = field(default_factory=lambda: ['{"a": [1, {"b": 2', "37 + 45 =", "Close: ([{", "hello"])
+    max_new_tokens: int = bounded(16, ge=1)  # greedy tokens compared per probe prompt
+    tolerance: float = bounded(1e-4, gt=0)  # max |Δlogit| allowed (both sides compute in float32)
+    timeout_s: float = bounded(900.0, gt=0)  # for the transformers process
+    debug_corrupt: Literal["", "transpose_q", "swap_experts"] = ""  # test only: plants a conversion bug
+
+    def problems(self) -> Iterator[Problem]:
+        if not self.probe_prompts:
+            yield "probe_prompts", "name at least one prompt"
+
+
+# ---------------------------------------------------------------- prestage, card, scan, mpi_check
+
+
+ArtefactKind = Literal["model", "tokenizer", "dataset", "wheel", "file"]
+
+
+@dataclass
+class Artefact:
+    kind: ArtefactKind = "file"
+    name: str = ""  # unique key in the index; for name-only sources also what to fetch
+    path: str | None = None  # local file or directory
+    url: str | None = None  # file:// or http(s)://
+    revision: str | None = None  # Hugging Face revision (commit) for name-only models/datasets
+    find_links: str | None = None  # wheel: directory or URL of wheels (pip --find-links)
+    sha256: str | None = None  # expected digest (file: of the file; directory: of its manifest)
+
+    def problems(self) -> Iterator[Problem]:
+        if not self.name:
+            yield "name", "required (the key compute stages ask for)"
+        if self.path and self.url:
+            yield "", "give path or url, not both"
+        if self.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            yield "sha256", "expected 64 lowercase hex digits"
+
+
+@dataclass
+class PrestageConfig:
+    staging_dir: str = "${run_root}/staged"  # shared storage visible from compute nodes
+    artefacts: list[Artefact] = field(default_factory=list)
+
+    def problems(self) -> Iterator[Problem]:
+        seen: set[str] = set()
+        for i, art in enumerate(self.artefacts):
+            for key, problem in art.problems():
+                yield ".".join(filter(None, (f"artefacts[{i}]", key))).replace(".[", "["), problem
+            if art.name and art.name in seen:
+                yield f"artefacts[{i}].name", f"{art.name!r} listed twice"
+            seen.add(art.name)
+
+
+@dataclass
+class CardConfig:
+    filename: str = "card.md"
+
+
+@dataclass
+class ScanConfig:
+    high_entropy: bool = False  # also flag long random-looking tokens (noisy: run dirs hold base64 blobs)
+
+
+@dataclass
+class MpiCheckConfig:
+    buffer_elements: int = bounded(1 << 16, ge=1)  # float64 elements exchanged between role leaders
+    require_roles_on_distinct_hosts: bool = False
+
+
+# Stage kinds, in pipeline order: the kind names a run config may use, and their sections.
+KINDS: dict[str, type] = {
+    "prestage": PrestageConfig,
+    "tasks": TasksConfig,
+    "sft": SftConfig,
+    "probe": ProbeConfig,
+    "select": SelectConfig,
+    "rl": RlConfig,
+    "evaluate": EvaluateConfig,
+    "export": ExportConfig,
+    "card": CardConfig,
+    "scan": ScanConfig,
+    "mpi_check": MpiCheckConfig,
+}
+

@@ -1,0 +1,81 @@
+"""Verifiers: the function a "module:function" spec names, and the same run in a worker process under
+a time limit, so that a hung or crashing verifier is an infrastructure failure, never the model's."""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+
+from snowcat.pipeline.errors import UserError
+from snowcat.stages.taskgen import Verdict, VerifierError
+
+
+def load_verifier(spec: str, key: str = "verifier"):
+    """The verifier function a "module:function" spec names (config key `key` in errors)."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise UserError(f"{key}={spec!r}: cannot import '<module>:<function>': {e}") from None
+
+
+def _verifier_worker(spec: str, conn) -> None:
+    verify = load_verifier(spec)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        task, text = msg
+        try:
+            v = verify(task, text)
+            conn.send(("ok", (float(v.reward), bool(v.passed), str(v.detail))))
+        except VerifierError as e:
+            conn.send(("infra", str(e)))
+        except Exception as e:  # a verifier bug is infrastructure, never the model's fault
+            conn.send(("infra", f"verifier crashed: {e!r}"))
+
+
+class TimedVerifier:
+    """Runs `verify` in a worker process; a call past `timeout_s` kills the worker (a fresh one
+    serves the next call) and raises VerifierError. Spawned, not forked: the parent holds torch."""
+
+    def __init__(self, spec: str, timeout_s: float, startup_timeout_s: float = 120.0):
+        self.spec, self.timeout_s, self.startup_timeout_s = spec, timeout_s, startup_timeout_s
+        self.proc = None
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_verifier_worker, args=(self.spec, child), daemon=True)
+        self.proc.start()
+        child.close()
+        try:
+            ready = self.conn.poll(self.startup_timeout_s) and self.conn.recv() == "ready"
+        except EOFError:
+            ready = False
+        if not ready:
+            self.close()
+            raise RuntimeError(f"verifier {self.spec}: worker process did not start (see its traceback above)")
+
+    def _restart(self) -> None:
+        self.close()
+        self._start()
+
+    def __call__(self, task, text: str):
+        self.conn.send((task, text))
+        if not self.conn.poll(self.timeout_s):
+            self._restart()
+            raise VerifierError(f"verifier timed out after {self.timeout_s:g}s")
+        try:
+            kind, payload = self.conn.recv()
+        except EOFError:
+            self._restart()
+            raise VerifierError("verifier process died") from None
+        if kind == "infra":
+            raise VerifierError(payload)
+        return Verdict(*payload)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.proc = None
