@@ -78,14 +78,6 @@ def stage_command(run_dir: str | os.PathLike, stage: str, item: int | None = Non
     return cmd + (["--item", str(item)] if item is not None else [])
 
 
-def _get(site: Any, key: str, default: Any = None) -> Any:
-    if site is None:
-        return default
-    if isinstance(site, Mapping):
-        return site.get(key, default)
-    return getattr(site, key, default)
-
-
 # Profile values of mpi_plugin that are not srun plugins (TACC names its launcher there).
 _NOT_SRUN_PLUGINS = ("ibrun", "none", "")
 
@@ -96,7 +88,7 @@ def site_mpi_plugin(site: Any) -> str | None:
     None where the profile names no srun plugin (TACC: `ibrun`): srun then uses the cluster's
     MpiDefault, which `snowcat doctor` reports.
     """
-    value = _get(site, "mpi_plugin", _get(site, "mpi", "pmix"))
+    value = site.mpi_plugin if site is not None else "pmix"
     return None if value is None or str(value) in _NOT_SRUN_PLUGINS else str(value)
 
 
@@ -120,7 +112,7 @@ def srun_line(
     if het_groups is None:
         if isinstance(cmd, Mapping):
             raise UserError("srun_line: a per-group command needs het_groups")
-        if _get(site, "launcher") == "ibrun":
+        if site is not None and site.launcher == "ibrun":
             return ["ibrun", *cmd]  # TACC's launcher takes no srun options
         return ["srun", *mpi, *extra, *cmd]
     groups = list(het_groups)

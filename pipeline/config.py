@@ -23,7 +23,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.schema import Problem, RunConfig, StageCommon, parse_checkpoint_ref
+from snowcat.pipeline.schema import Problem, RunConfig, StageCommon, parse_checkpoint_ref, range_problems
 from snowcat.slurm.site import SiteProfile
 from snowcat.stages.config import KINDS
 
@@ -63,7 +63,7 @@ def stage_config(kind: str, values: dict | None = None, *, name: str | None = No
         section = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(stage_schema(kind)), {"kind": kind, **(values or {})}))
     except OmegaConfBaseException as e:
         raise UserError(f"{_key(e, where)}: {_msg(e)}") from None
-    problems = list(_range_problems(section, where)) + [(_join(where, key), problem) for key, problem in section.problems()]
+    problems = list(range_problems(section, where)) + [(_join(where, key), problem) for key, problem in section.problems()]
     if problems:
         raise UserError(f"{problems[0][0]}: {problems[0][1]}")
     return section
@@ -205,26 +205,6 @@ def typed(cfg: DictConfig) -> RunConfig:
     return OmegaConf.to_object(cfg)
 
 
-def _range_problems(obj, where: str) -> Iterator[Problem]:
-    """(key, problem) for every bounded value out of range in a dataclass, nested ones included."""
-    for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{where}.{f.name}"
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            for bound, op, word in f.metadata.get("range", ()):
-                if not op(value, bound):
-                    yield key, f"must be {word} {bound}, got {value}"
-        if dataclasses.is_dataclass(value):
-            yield from _range_problems(value, key)
-        elif isinstance(value, dict):  # resources.components, tasks.domains
-            for name, child in value.items():
-                if dataclasses.is_dataclass(child):
-                    yield from _range_problems(child, f"{key}.{name}")
-        elif isinstance(value, list):  # prestage.artefacts
-            for i, child in enumerate(value):
-                if dataclasses.is_dataclass(child):
-                    yield from _range_problems(child, f"{key}[{i}]")
-
-
 def _ref_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Problem]:
     """(key, problem) for every checkpoint reference of a stage that can never resolve."""
     fields = [f.name for f in dataclasses.fields(stage) if f.metadata.get("checkpoint_ref")]
@@ -256,7 +236,9 @@ def _ref_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Pro
 
 
 def _problems(cfg: RunConfig) -> Iterator[Problem]:
-    yield from _range_problems(cfg, "")
+    yield from range_problems(cfg, "")
+    if cfg.site is not None:
+        yield from ((_join("site", key), why) for key, why in cfg.site.problems())
     for name, stage in cfg.stages.items():
         yield from _ref_problems(cfg, name, stage)
         for key, problem in stage.problems():

@@ -9,6 +9,7 @@ from centre documentation, some unverified; doctor is where they meet reality.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import getpass
 import json
 import os
@@ -24,7 +25,7 @@ from typing import Any, Iterable
 from omegaconf import OmegaConf
 
 from snowcat.containers.wrap import site_mpi_plugin
-from snowcat.slurm.site import load_site, use_local_cluster
+from snowcat.slurm.site import SiteProfile, load_site, use_local_cluster
 
 from .errors import UserError
 from .fsio import atomic_write_text
@@ -42,26 +43,6 @@ class Check:
     detail: str
     fix: str = ""
     found: dict = field(default_factory=dict)  # facts for `onboard` (accounts, partitions ...)
-
-
-def _get(obj: Any, path: str, default: Any = None) -> Any:
-    """obj.a.b for dataclasses, DictConfigs and dicts alike; `default` where any step is missing."""
-    for key in path.split("."):
-        if obj is None:
-            return default
-        if isinstance(obj, dict) or hasattr(obj, "keys") and not hasattr(obj, "__dataclass_fields__"):
-            obj = obj.get(key) if key in obj else None
-        else:
-            obj = getattr(obj, key, None)
-    return default if obj is None else obj
-
-
-def _first(site: Any, *paths: str, default: Any = None) -> Any:
-    for p in paths:
-        value = _get(site, p)
-        if value is not None:
-            return value
-    return default
 
 
 def _sh(cmd: list[str], timeout: float = 30, env: dict | None = None) -> tuple[int, str]:
@@ -89,13 +70,9 @@ def _minutes(limit: str) -> int | None:
     return (int(days) if days else 0) * 1440 + h * 60 + m + (1 if s else 0)
 
 
-def profile_partitions(site: Any) -> dict[str, dict]:
-    """{name: {gpus_per_node, max_time_min, ...}} from the profile (mapping or list of names)."""
-    parts = _first(site, "partitions", "slurm.partitions", default={})
-    if hasattr(parts, "items"):
-        return {str(k): {kk: vv for kk, vv in (v.items() if hasattr(v, "items") else vars(v).items())}
-                if v is not None and not isinstance(v, (str, int)) else {} for k, v in parts.items()}
-    return {str(p): {} for p in parts}
+def profile_partitions(site: SiteProfile) -> dict[str, dict]:
+    """{name: {gpus_per_node, max_time_min, ...}} from the profile."""
+    return {name: dataclasses.asdict(part) for name, part in site.partitions.items()}
 
 
 def _profile_time(spec: dict) -> int | None:
@@ -145,7 +122,7 @@ def _sinfo_partitions() -> dict[str, dict]:
     return parts
 
 
-def check_partitions(site: Any) -> Check:
+def check_partitions(site: SiteProfile) -> Check:
     live = _sinfo_partitions()
     wanted = profile_partitions(site)
     if not live:
@@ -179,13 +156,13 @@ def check_partitions(site: Any) -> Check:
     return Check("partitions", PASS, f"profile partitions present: {names}", found=found)
 
 
-def check_account(site: Any, user: str) -> Check:
+def check_account(site: SiteProfile, user: str) -> Check:
     code, out = _sh(["sacctmgr", "-nP", "show", "assoc", f"user={user}", "format=account,partition,qos"])
     if code != 0:
         return Check("account", WARN, f"sacctmgr failed: {out.splitlines()[-1] if out else code}",
                      "accounting is not queryable here; make sure jobs pass --account=<your project>")
     accounts = sorted({line.split("|")[0] for line in out.splitlines() if line.strip()})
-    want = _first(site, "account", "slurm.account")
+    want = site.account
     found = {"accounts": accounts}
     if not accounts:
         return Check("account", FAIL, f"user {user} has no Slurm account association",
@@ -195,7 +172,7 @@ def check_account(site: Any, user: str) -> Check:
                      f"set account: {_preferred_account(accounts, user)} in your site override (`snowcat onboard`)", found)
     if want:
         return Check("account", PASS, f"account '{want}' associated with {user}", found=found)
-    required = bool(_first(site, "account_required", default=False))
+    required = site.account_required
     status = FAIL if required else (PASS if len(accounts) == 1 else WARN)
     return Check("account", status, f"no account set{' (the site requires one)' if required else ''}; "
                  f"{user} has {', '.join(accounts)}",
@@ -212,7 +189,7 @@ def _test_only(args: list[str]) -> tuple[int, str]:
     return _sh(["sbatch", "--test-only", *args])
 
 
-def _probe_partition(site: Any) -> str | None:
+def _probe_partition(site: SiteProfile) -> str | None:
     wanted = profile_partitions(site)
     # The shortest-walltime partition is usually the devel/debug one: quickest to start a test job.
     if not wanted:
@@ -220,11 +197,11 @@ def _probe_partition(site: Any) -> str | None:
     return min(wanted, key=lambda n: _profile_time(wanted[n]) or 10**9)
 
 
-def job_args(site: Any, checks: list[Check] = ()) -> list[str]:
+def job_args(site: SiteProfile, checks: list[Check] = ()) -> list[str]:
     """--account/--partition for doctor's own test jobs: the profile's, unless doctor found them
     wrong; then what exists, so one wrong setting is reported once, not by every later check."""
     by_name = {c.name: c for c in checks}
-    acct = _first(site, "account", "slurm.account")
+    acct = site.account
     accounts = by_name["account"].found.get("accounts") if "account" in by_name else None
     if accounts is not None and acct not in accounts:
         acct = None  # the user's default account
@@ -235,9 +212,9 @@ def job_args(site: Any, checks: list[Check] = ()) -> list[str]:
     return ([f"--account={acct}"] if acct else []) + ([f"--partition={partition}"] if partition else [])
 
 
-def check_hetjobs(site: Any, args: list[str] | None = None) -> Check:
+def check_hetjobs(site: SiteProfile, args: list[str] | None = None) -> Check:
     args = " ".join(job_args(site) if args is None else args)
-    claimed = _first(site, "hetjobs_allowed", "hetjobs", default=True)
+    claimed = site.hetjobs_allowed
     with tempfile.NamedTemporaryFile("w", suffix=".sh", delete=False) as f:
         f.write(f"#!/bin/sh\n#SBATCH {args} -N1 -n1 -t 1\n#SBATCH hetjob\n#SBATCH {args} -N1 -n1 -t 1\ntrue\n")
     try:
@@ -252,8 +229,8 @@ def check_hetjobs(site: Any, args: list[str] | None = None) -> Check:
                  "in the profile to run roles as separate jobs")
 
 
-def check_arrays(site: Any, args: list[str] | None = None) -> Check:
-    claimed = _first(site, "arrays_allowed", "arrays", default=True)
+def check_arrays(site: SiteProfile, args: list[str] | None = None) -> Check:
+    claimed = site.arrays_allowed
     code, out = _test_only([*(job_args(site) if args is None else args), "-N1", "-n1", "-t", "1", "--array=0-1", "--wrap", "true"])
     if code == 0:
         return Check("arrays", PASS if claimed else WARN, "job arrays accepted" + ("" if claimed else " (profile says not)"),
@@ -262,10 +239,10 @@ def check_arrays(site: Any, args: list[str] | None = None) -> Check:
                  "set arrays_allowed: false in the profile (fan-out then submits one job per item)" if claimed else "")
 
 
-def check_mpi(site: Any) -> Check:
+def check_mpi(site: SiteProfile) -> Check:
 
     plugin = site_mpi_plugin(site)
-    if _first(site, "launcher") == "ibrun" and not shutil.which("ibrun"):
+    if site.launcher == "ibrun" and not shutil.which("ibrun"):
         return Check("mpi", FAIL, "the profile's launcher is ibrun but ibrun is not on PATH",
                      "run doctor on the site's login node, or set launcher: srun")
     code, out = _sh(["srun", "--mpi=list"])
@@ -289,10 +266,10 @@ def check_mpi(site: Any) -> Check:
                  {"mpi": sorted(listed)})
 
 
-def check_apptainer(site: Any) -> Check:
-    runtime = _first(site, "container_runtime", "container.runtime", default="none")
+def check_apptainer(site: SiteProfile) -> Check:
+    runtime = site.container_runtime
     binary = shutil.which("apptainer") or shutil.which("singularity")
-    module = _first(site, "container_module", "container.module", default="apptainer")
+    module = site.container_module or "apptainer"
     if not binary:
         if runtime == "apptainer":
             return Check("apptainer", FAIL, "the profile runs stages in Apptainer but apptainer is not on PATH",
@@ -320,7 +297,7 @@ def _fs_type(path: Path) -> str:
     return out.strip() if code == 0 else "unknown"
 
 
-def check_run_root(site: Any, run_root: str | os.PathLike, home: str | None = None) -> list[Check]:
+def check_run_root(site: SiteProfile, run_root: str | os.PathLike, home: str | None = None) -> list[Check]:
     root = Path(os.path.expandvars(str(run_root))).expanduser().absolute()
     home = Path(home or os.path.expanduser("~")).resolve()
     existing = next((p for p in [root, *root.parents] if p.exists()), Path("/"))
@@ -341,7 +318,7 @@ def check_run_root(site: Any, run_root: str | os.PathLike, home: str | None = No
         return checks
     root = existing
     fs = _fs_type(root)
-    need_shared = _first(site, "shared_fs_required", "filesystems.shared_required", default=True)
+    need_shared = site.shared_fs_required
     if fs in SHARED_FS:
         checks.append(Check("run_root.shared", PASS, f"{root} is on {fs} (shared)"))
     elif _single_host_cluster():
@@ -353,14 +330,14 @@ def check_run_root(site: Any, run_root: str | os.PathLike, home: str | None = No
                             if need_shared else "fine for a single-machine cluster"))
     usage = shutil.disk_usage(root)
     free_gb = usage.free / 2**30
-    min_gb = float(_first(site, "min_free_gb", "filesystems.min_free_gb", default=50))
+    min_gb = site.min_free_gb
     checks.append(Check("run_root.space", PASS if free_gb >= min_gb else WARN, f"{free_gb:.0f} GiB free on {root}",
                         "" if free_gb >= min_gb else f"free space or quota below {min_gb:.0f} GiB: clean old runs (`snowcat` retention) or move run_root"))
     quota = _quota(root, fs)
     if quota:
         checks.append(Check("run_root.quota", PASS, quota))
-    scratch = _first(site, "scratch", "filesystems.scratch", default=os.environ.get("SCRATCH"))
-    purge = _first(site, "scratch_purge_days", "filesystems.scratch_purge_days")
+    scratch = site.scratch
+    purge = site.scratch_purge_days
     if scratch and Path(os.path.expandvars(str(scratch))).expanduser() in [root, *root.parents]:
         checks.append(Check("run_root.purge", WARN, f"run root is on scratch ({scratch})"
                             + (f", purged after {purge} days unused" if purge else ", which centres purge"),
@@ -386,8 +363,8 @@ _INTERNET_PROBE = ("import socket,sys\n"
                    "except OSError as e: print('OFFLINE', e)")
 
 
-def check_internet(site: Any, args: list[str] | None = None, host: str = "pypi.org", wait_s: int = 120) -> Check:
-    claimed = _first(site, "internet_on_compute", "compute_internet")
+def check_internet(site: SiteProfile, args: list[str] | None = None, host: str = "pypi.org", wait_s: int = 120) -> Check:
+    claimed = site.internet_on_compute
     cmd = ["srun", *(job_args(site) if args is None else args), "-N1", "-n1", "-t", "2", f"--immediate={wait_s}", "--job-name=snowcat-doctor",
            "python3", "-c", _INTERNET_PROBE, host]
     code, out = _sh(cmd, timeout=wait_s + 120)
@@ -425,7 +402,7 @@ def check_staged(staging_dir: str | os.PathLike | None, names: Iterable[str]) ->
 # --------------------------------------------------------------------------------------- driver
 
 
-def run_doctor(site_profile: Any, run_root: str | os.PathLike, *, user: str | None = None,
+def run_doctor(site_profile: SiteProfile, run_root: str | os.PathLike, *, user: str | None = None,
                staging_dir: str | os.PathLike | None = None, staged: Iterable[str] = (),
                jobs: bool = True, home: str | None = None, job_wait_s: int = 120) -> list[Check]:
     """Every check, in order. jobs=False skips the one that starts a (tiny) job; it waits at most
@@ -462,7 +439,7 @@ def exit_code(checks: list[Check]) -> int:
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 
-def onboard(site_profile: Any, run_root: str | os.PathLike | None = None, checks: list[Check] | None = None,
+def onboard(site_profile: SiteProfile, run_root: str | os.PathLike | None = None, checks: list[Check] | None = None,
             user: str | None = None, env: dict | None = None) -> dict:
     """A user's site override from doctor's findings, without questions: account, run root, partitions.
 
@@ -481,7 +458,7 @@ def onboard(site_profile: Any, run_root: str | os.PathLike | None = None, checks
     by_name = {c.name: c for c in checks}
     override: dict[str, Any] = {}
     accounts = by_name.get("account", Check("", PASS, "")).found.get("accounts", [])
-    want = _first(site_profile, "account", "slurm.account")
+    want = site_profile.account
     if accounts and want not in accounts:
         # Prefer a project account over a personal/default one named after the user or root.
         override["account"] = _preferred_account(accounts, user)
@@ -528,11 +505,12 @@ def write_override(override: dict, path: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------------------- CLI
 
 
-def load_profile(name: str | None) -> Any:
-    """The site profile by name (slurm.site.load_site); None runs the generic checks only."""
+def load_profile(name: str | None) -> SiteProfile:
+    """The site profile by name (slurm.site.load_site); without one, a generic profile that claims
+    nothing a check could contradict (the generic checks only)."""
     if not name:
-        return {}
-
+        return SiteProfile(name="generic", default_partition="", container_runtime="none", internet_on_compute=None,
+                           scratch=os.environ.get("SCRATCH", ""))
     site = load_site(name)
     use_local_cluster(site)
     return site
@@ -549,7 +527,7 @@ def add_arguments(p) -> None:
 
 def cmd_doctor(args) -> int:
     site = load_profile(args.site)
-    run_root = args.run_root or _first(site, "run_root", default="logs")
+    run_root = args.run_root or site.run_root
     checks = run_doctor(site, run_root, staging_dir=args.staging_dir, staged=args.staged, jobs=not args.no_jobs)
     print(format_checks(checks, as_json=args.json))
     return exit_code(checks)
@@ -559,7 +537,7 @@ def cmd_onboard(args) -> int:
     """Write the user's site override (default ./site-override.yaml) from doctor's findings."""
     site = load_profile(args.site)
     run_root = args.run_root or None
-    checks = run_doctor(site, run_root or _first(site, "run_root", default="logs"), jobs=not args.no_jobs)
+    checks = run_doctor(site, run_root or site.run_root, jobs=not args.no_jobs)
     override = onboard(site, run_root, checks)
     path = write_override(override, getattr(args, "output", None) or "site-override.yaml")
     print(format_checks(checks, as_json=False) if not args.json else json.dumps(override, indent=2))

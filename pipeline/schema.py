@@ -5,6 +5,7 @@ import-light, so loading a config on a login node is fast; stage kinds add their
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,6 +37,26 @@ def parse_checkpoint_ref(ref: str) -> tuple[str, str]:
     if not sep or not stage or not name or ":" in name:
         raise ValueError(f"{ref!r} is not '<stage>:<checkpoint>' (e.g. 'sft:final')")
     return stage, name
+
+
+def range_problems(obj, where: str) -> Iterator[Problem]:
+    """(key, problem) for every bounded value out of range in a dataclass, nested ones included."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{where}.{f.name}"
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            for bound, op, word in f.metadata.get("range", ()):
+                if not op(value, bound):
+                    yield key, f"must be {word} {bound}, got {value}"
+        if dataclasses.is_dataclass(value):
+            yield from range_problems(value, key)
+        elif isinstance(value, dict):  # resources.components, tasks.domains
+            for name, child in value.items():
+                if dataclasses.is_dataclass(child):
+                    yield from range_problems(child, f"{key}.{name}")
+        elif isinstance(value, list):  # prestage.artefacts
+            for i, child in enumerate(value):
+                if dataclasses.is_dataclass(child):
+                    yield from range_problems(child, f"{key}[{i}]")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from pathlib import Path
 import submitit
 
 from snowcat.containers.wrap import site_mpi_plugin, srun_line, wrap_command
+from snowcat.pipeline.config import typed
 from snowcat.pipeline.context import PREEMPTED_EXIT_CODE
 from snowcat.pipeline.dag import StageNode, Unit
 from snowcat.pipeline.errors import UserError
@@ -31,7 +32,7 @@ from snowcat.pipeline.fsio import atomic_write_text
 from snowcat.pipeline.rundir import RunDir, now
 from snowcat.pipeline.runner import run_unit
 from snowcat.slurm import site as site_mod
-from snowcat.slurm.site import use_local_cluster
+from snowcat.slurm.site import SiteProfile, use_local_cluster
 
 from .hetjob import HetjobExecutor, parse_job_id
 
@@ -102,13 +103,6 @@ class StageJob(submitit.helpers.Checkpointable):
 # --- rendering ---------------------------------------------------------------------------------
 
 
-def _site_get(site, key, default=None):
-    if site is None:
-        return default
-    value = site.get(key, default) if hasattr(site, "get") else getattr(site, key, default)
-    return default if value is None else value
-
-
 class SlurmExecutor(Executor):
     name = "slurm"
 
@@ -116,14 +110,14 @@ class SlurmExecutor(Executor):
         super().__init__(run, dag, cfg)
         if cfg.site is None:
             raise UserError("executor slurm needs a site profile: pass --site NAME (e.g. --site local)")
-        self.site = cfg.site
+        self.site: SiteProfile = typed(cfg).site
 
         use_local_cluster(self.site)
 
     # options ---------------------------------------------------------------------------------
 
     def _partition(self, res) -> str:
-        partition = res.partition or _site_get(self.site, "default_partition")
+        partition = res.partition or self.site.default_partition
         if not partition:
             raise UserError(f"site {self.site.name}: no partition given and the profile has no default_partition")
         return str(partition)
@@ -157,7 +151,7 @@ class SlurmExecutor(Executor):
             "time": int(time_min),
             "signal": f"USR2@{int(node.config.resume.signal_margin_s)}",
         }
-        account = _site_get(self.site, "account")
+        account = self.site.account
         if account:
             options["account"] = account
         # Requeue only what asks for it: otherwise a node failure ends the job (NODE_FAIL), the
@@ -166,10 +160,10 @@ class SlurmExecutor(Executor):
         return site_mod.filter_sbatch_options(self.site, options)
 
     def _setup(self, node: StageNode) -> list[str]:
-        lines = [f"module load {m}" for m in _site_get(self.site, "modules", [])]
-        if node.config.image and _site_get(self.site, "container_module"):
-            lines.append(f"module load {_site_get(self.site, 'container_module')}")
-        for key, value in (_site_get(self.site, "env", {}) or {}).items():
+        lines = [f"module load {m}" for m in self.site.modules]
+        if node.config.image and self.site.container_module:
+            lines.append(f"module load {self.site.container_module}")
+        for key, value in (self.site.env or {}).items():
             lines.append(f"export {key}={shlex.quote(str(value))}")
         lines.append(f"export SNOWCAT_RUN_DIR={shlex.quote(str(self.run.path))}")
         lines.append("export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}")
@@ -177,11 +171,11 @@ class SlurmExecutor(Executor):
 
     def _python(self, node: StageNode) -> str:
         """The python command the job runs: on the host, or inside the stage's container image."""
-        runtime = _site_get(self.site, "container_runtime", "none")
+        runtime = self.site.container_runtime
         if not node.config.image or runtime == "none":
             return shlex.quote(sys.executable)
 
-        binds = [str(self.run.path)] + [str(p) for p in (_site_get(self.site, "scratch"), _site_get(self.site, "project")) if p]
+        binds = [str(self.run.path)] + [str(p) for p in (self.site.scratch, self.site.project) if p]
         gpu = node.config.resources.gpus_per_node > 0 or any(c.gpus_per_node > 0 for c in node.config.resources.components.values())
         return shlex.join(wrap_command(["python"], runtime=runtime, image=node.config.image, binds=binds, gpu=gpu))
 
@@ -195,7 +189,7 @@ class SlurmExecutor(Executor):
     def strategy(self, node: StageNode) -> str:
         """The continuation strategy: `requeue` falls back to `chain` where the site disallows requeue."""
         wanted = str(node.config.resume.strategy)
-        if wanted == "requeue" and not _site_get(self.site, "requeue_allowed", True):
+        if wanted == "requeue" and not self.site.requeue_allowed:
             return "chain"
         return wanted
 
@@ -209,7 +203,7 @@ class SlurmExecutor(Executor):
             job["dependency"] = dependency
         max_timeouts = int(node.config.resume.max_continuations)
         if res.components:
-            if not _site_get(self.site, "hetjobs_allowed", True):
+            if not self.site.hetjobs_allowed:
                 raise UserError(f"stages.{node.name}: site {self.site.name} does not allow heterogeneous jobs")
 
             comps = [self._resource_options(f"{where}.components.{name}", comp, time_min) for name, comp in res.components.items()]
@@ -217,7 +211,7 @@ class SlurmExecutor(Executor):
             return HetjobExecutor(folder, comps, job, launcher, setup=self._setup(node), python=self._python(node),
                                   max_num_timeout=max_timeouts)
         python = self._python(node)
-        if _site_get(self.site, "launcher", "srun") == "ibrun" and self.world_size(node) > 1:
+        if self.site.launcher == "ibrun" and self.world_size(node) > 1:
             python = f"ibrun {python}"  # TACC: ibrun starts the ranks where others use srun
         ex = submitit.SlurmExecutor(folder, max_num_timeout=max_timeouts, python=python)
         options = {**job, **self._resource_options(where, res, time_min)}
@@ -227,9 +221,9 @@ class SlurmExecutor(Executor):
             "signal_delay_s": int(node.config.resume.signal_margin_s),
             "setup": self._setup(node),
             "srun_args": self._launch_args(node),
-            "use_srun": _site_get(self.site, "launcher", "srun") == "srun",
+            "use_srun": self.site.launcher == "srun",
             "wckey": "snowcat",
-            "array_parallelism": int(node.config.max_parallel or _site_get(self.site, "max_array_parallel", 256) or 256),
+            "array_parallelism": int(node.config.max_parallel or self.site.max_array_parallel),
         }
         options.pop("signal", None)  # submitit renders --signal from signal_delay_s
         for key in ("partition", "nodes", "dependency", "account"):
@@ -248,7 +242,7 @@ class SlurmExecutor(Executor):
     def render(self, node: StageNode, dependency: str | None = None) -> str:
         """The batch script this stage would be submitted with (nothing is submitted or written)."""
         ex = self.executor_for(node, dependency)
-        if node.items is not None and _site_get(self.site, "arrays_allowed", True):
+        if node.items is not None and self.site.arrays_allowed:
 
             site_mod.validate_request(self.site, partition=self._partition(node.config.resources), array_size=len(node.items) - 1)
             ex.parameters["map_count"] = len(node.items)
@@ -320,7 +314,7 @@ class SlurmExecutor(Executor):
         try:
             if node.items is None:
                 jobs = [ex.submit(job)]
-            elif _site_get(self.site, "arrays_allowed", True) and len(pending) == len(node.units):
+            elif self.site.arrays_allowed and len(pending) == len(node.units):
                 jobs = ex.map_array(job, [u.index for u in pending])
             else:  # no arrays on this site (Frontera), or only some elements left
                 jobs = [ex.submit(job, u.index) for u in pending]

@@ -11,30 +11,30 @@ confirmed live by `snowcat doctor`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.schema import Problem, bounded, range_problems
 from snowcat.slurm.cluster import default_root
 
 SITES_DIR = Path(__file__).with_name("sites")
-GPU_REQUEST_MODES = ("gres", "gpus-per-node", "none")
-CONTAINER_RUNTIMES = ("apptainer", "none")
 
 
 @dataclass
 class Partition:
-    gpus_per_node: int = 0
-    cpus_per_node: int = 1  # physical cores
-    mem_gb: int = 0
-    max_nodes: int = 1  # per job
-    max_time_min: int = 60
-    gpu_type: Optional[str] = None
+    gpus_per_node: int = bounded(0, ge=0)
+    cpus_per_node: int = bounded(1, ge=1)  # physical cores
+    mem_gb: int = bounded(0, ge=0)
+    max_nodes: int = bounded(1, ge=1)  # per job
+    max_time_min: int = bounded(60, ge=1)
+    gpu_type: str | None = None
     cpu_arch: str = "x86_64"
 
 
@@ -48,26 +48,39 @@ class SiteProfile:
     default_partition: str = "???"
     exclusive_nodes: bool = True  # the site allocates whole nodes (no node sharing)
     arrays_allowed: bool = True
-    max_array_size: int = 1000
+    max_array_size: int = bounded(1000, ge=0)  # largest array index + 1 (0 where arrays are not allowed)
+    max_array_parallel: int = bounded(256, ge=1)  # array tasks running at once (%N) when a stage sets no max_parallel
     hetjobs_allowed: bool = True
     requeue_allowed: bool = True  # if False, long stages continue through chained jobs instead
     sbatch_on_compute: bool = True  # TACC: sbatch is refused on compute nodes; submit the whole DAG from login
     rejected_options: list[str] = field(default_factory=list)  # sbatch options the site refuses, e.g. "--mem"
-    gpu_request: str = "gres"  # how to ask for GPUs: gres | gpus-per-node | none (whole node implied)
+    gpu_request: Literal["gres", "gpus-per-node", "none"] = "gres"  # how to ask for GPUs (none: whole node implied)
     mpi_plugin: str = "pmix"  # srun --mpi=<this>; "ibrun" where the launcher is not srun
     launcher: str = "srun"
-    account: Optional[str] = None
+    account: str | None = None
     account_required: bool = False
     run_root: str = "logs"  # shell-style variables ($SCRATCH, $WORK) are expanded on the cluster
     scratch: str = "/tmp"
     project: str = "."
-    scratch_purge_days: Optional[int] = None
-    internet_on_compute: bool = False
-    container_runtime: str = "apptainer"  # apptainer | none
-    container_module: Optional[str] = None
+    scratch_purge_days: int | None = None
+    internet_on_compute: bool | None = False  # None: not known (doctor finds out)
+    shared_fs_required: bool = True  # doctor: the run root must be on a shared filesystem
+    min_free_gb: float = bounded(50.0, ge=0)  # doctor: warn when the run root has less free space
+    container_runtime: Literal["apptainer", "none"] = "apptainer"
+    container_module: str | None = None
     modules: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     master_addr_suffix: str = ""  # JSC: append "i" to a hostname to use its InfiniBand address
+
+    def problems(self) -> Iterator[Problem]:
+        """Checks across fields (types, choices and ranges are checked when the profile loads)."""
+        if not self.partitions:
+            yield "partitions", "at least one partition is needed"
+        elif self.default_partition not in self.partitions:
+            yield "default_partition", f"{self.default_partition!r} is not one of {list(self.partitions)}"
+        for opt in self.rejected_options:
+            if not opt.startswith("--"):
+                yield "rejected_options", f"{opt!r}: write long options with leading dashes, e.g. '--mem'"
 
 
 def list_sites() -> list[str]:
@@ -86,13 +99,11 @@ def _profile_path(name_or_path: str | Path) -> Path:
     return path
 
 
-def load_site(name_or_path: str | Path) -> DictConfig:
-    """The validated, read-only profile of a known site name or a YAML file."""
+def load_site(name_or_path: str | Path) -> SiteProfile:
+    """The validated profile of a known site name or a YAML file."""
     path = _profile_path(name_or_path)
     try:
-        raw = OmegaConf.load(path)
-        site = OmegaConf.merge(OmegaConf.structured(SiteProfile), raw)
-        OmegaConf.to_container(site, throw_on_missing=True)  # every required key present
+        site = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SiteProfile), OmegaConf.load(path)))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         msg = str(e).splitlines()[0]
@@ -100,16 +111,26 @@ def load_site(name_or_path: str | Path) -> DictConfig:
     except yaml.MarkedYAMLError as e:
         where = f" at line {e.problem_mark.line + 1}" if e.problem_mark else ""
         raise UserError(f"site profile {path}: invalid YAML{where}: {e.problem}") from None
-    _check(site, path)
-    OmegaConf.set_readonly(site, True)
+    problems = [*site_problems(site)]
+    if problems:
+        key, why = problems[0]
+        raise UserError(f"site profile {path}: key {key}: {why}")
     return site
+
+
+def site_problems(site: SiteProfile, where: str = "") -> Iterator[Problem]:
+    """Out-of-range values and checks across fields of a typed profile (keys below `where`)."""
+    for key, why in range_problems(site, where):
+        yield key.lstrip("."), why
+    for key, why in site.problems():
+        yield ".".join(filter(None, (where, key))), why
 
 
 def use_local_cluster(site) -> None:
     """Point Slurm clients (sbatch, sacct, submitit, doctor's checks) at the cluster `snowcat cluster up`
     runs, so `--site local` works without sourcing its env.sh. Other sites use the environment as it
     is; an explicit SLURM_CONF always wins."""
-    if site is None or site.get("name") != "local" or os.environ.get("SLURM_CONF"):
+    if site is None or site.name != "local" or os.environ.get("SLURM_CONF"):
         return
 
     conf = default_root() / "etc" / "slurm.conf"
@@ -118,35 +139,12 @@ def use_local_cluster(site) -> None:
     os.environ["SLURM_CONF"] = str(conf)
 
 
-def _check(site: DictConfig, path: Path) -> None:
-    def bad(key: str, why: str) -> UserError:
-        return UserError(f"site profile {path}: key {key}: {why}")
-
-    if not site.partitions:
-        raise bad("partitions", "at least one partition is needed")
-    if site.default_partition not in site.partitions:
-        raise bad("default_partition", f"{site.default_partition!r} is not one of {list(site.partitions)}")
-    if site.gpu_request not in GPU_REQUEST_MODES:
-        raise bad("gpu_request", f"{site.gpu_request!r} is not one of {GPU_REQUEST_MODES}")
-    if site.container_runtime not in CONTAINER_RUNTIMES:
-        raise bad("container_runtime", f"{site.container_runtime!r} is not one of {CONTAINER_RUNTIMES}")
-    for name, p in site.partitions.items():
-        for key in ("max_nodes", "max_time_min", "cpus_per_node"):
-            if p[key] < 1:
-                raise bad(f"partitions.{name}.{key}", f"must be >= 1, got {p[key]}")
-        if p.gpus_per_node < 0:
-            raise bad(f"partitions.{name}.gpus_per_node", f"must be >= 0, got {p.gpus_per_node}")
-    for opt in site.rejected_options:
-        if not opt.startswith("--"):
-            raise bad("rejected_options", f"{opt!r}: write long options with leading dashes, e.g. '--mem'")
-
-
 # ---------------------------------------------------------------- requests and rendering
 
 
-def validate_request(site: DictConfig, partition: Optional[str] = None, nodes: int = 1, gpus_per_node: int = 0,
+def validate_request(site: SiteProfile, partition: str | None = None, nodes: int = 1, gpus_per_node: int = 0,
                      time_min: int = 60, array_size: int = 0, hetjob: bool = False,
-                     account: Optional[str] = None) -> None:
+                     account: str | None = None) -> None:
     """Raise UserError (naming site, partition and the limit) if the site cannot run this request."""
     part_name = partition or site.default_partition
     where = f"site {site.name}, partition {part_name}"
@@ -180,7 +178,7 @@ def _long_name(key: str) -> str:
     return _SHORT.get(key, key.replace("_", "-"))
 
 
-def _gpus_per_node(opts: dict[str, Any]) -> Optional[int]:
+def _gpus_per_node(opts: dict[str, Any]) -> int | None:
     """GPUs per node asked for by any of --gres=gpu[:type]:N, --gpus-per-node, --gpus, --gpus-per-task."""
     if "gpus-per-node" in opts:
         return int(str(opts["gpus-per-node"]).rsplit(":", 1)[-1])
@@ -198,7 +196,7 @@ def _gpus_per_node(opts: dict[str, Any]) -> Optional[int]:
     return None
 
 
-def filter_sbatch_options(site: DictConfig, options: dict[str, Any]) -> dict[str, Any]:
+def filter_sbatch_options(site: SiteProfile, options: dict[str, Any]) -> dict[str, Any]:
     """Options in long dash form (`gpus-per-node`, no leading dashes) that the site accepts.
 
     A GPU request in any spelling becomes the site's way (`gres`, `gpus-per-node`, or nothing where

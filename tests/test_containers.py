@@ -15,6 +15,7 @@ import pytest
 from snowcat.containers import images
 from snowcat.containers.wrap import image_provenance, srun_line, stage_command, wrap_command
 from snowcat.pipeline.errors import UserError
+from snowcat.slurm.site import SiteProfile
 
 FAKE_APPTAINER_DIR = Path(__file__).parent / "fake_apptainer"
 
@@ -71,11 +72,11 @@ def test_bad_container_settings_name_the_culprit(kwargs, words):
 
 
 def test_srun_lines():
-    site = {"mpi": "pspmix"}
+    site = SiteProfile(mpi_plugin="pspmix")
     assert srun_line(site, None, ["python", "x.py"]) == ["srun", "--mpi=pspmix", "python", "x.py"]
-    assert srun_line({"launcher": "ibrun"}, None, ["a"]) == ["ibrun", "a"]
+    assert srun_line(SiteProfile(launcher="ibrun"), None, ["a"]) == ["ibrun", "a"]
     assert srun_line(site, [0, 1], ["a"]) == ["srun", "--mpi=pspmix", "--het-group=0,1", "a"]
-    assert srun_line({}, [0, 1], {0: ["a"], 1: ["b", "c"]}) == [
+    assert srun_line(SiteProfile(), [0, 1], {0: ["a"], 1: ["b", "c"]}) == [
         "srun", "--mpi=pmix", "--het-group=0", "a", ":", "--het-group=1", "b", "c"]
     with pytest.raises(UserError, match=r"het group\(s\) \[1\]"):
         srun_line(site, [0, 1], {0: ["a"]})

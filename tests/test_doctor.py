@@ -1,13 +1,15 @@
 """snowcat doctor / onboard: unit checks here, live checks against the local Slurm cluster (cluster mark)."""
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
-
 from cluster_fixtures import slurm_cluster, slurm_env  # noqa: F401  (local Slurm cluster fixtures)
+
 from snowcat.pipeline import doctor
 from snowcat.pipeline.doctor import FAIL, PASS, WARN, Check
+from snowcat.slurm.site import Partition, SiteProfile
 
 FAKE_APPTAINER_DIR = Path(__file__).parent / "fake_apptainer"
 
@@ -28,14 +30,14 @@ def test_slurm_time_limits(text, minutes):
 def test_run_root_under_home_fails_with_fix(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
-    checks = {c.name: c for c in doctor.check_run_root({"min_free_gb": 0}, home / "runs", home=str(home))}
+    checks = {c.name: c for c in doctor.check_run_root(profile(min_free_gb=0), home / "runs", home=str(home))}
     assert checks["run_root.home"].status == FAIL and "$PROJECT" in checks["run_root.home"].fix
     assert not (home / "runs").exists()  # doctor creates nothing
-    ok = {c.name: c for c in doctor.check_run_root({"min_free_gb": 0, "shared_fs_required": False},
+    ok = {c.name: c for c in doctor.check_run_root(profile(min_free_gb=0, shared_fs_required=False),
                                                      tmp_path / "proj" / "runs", home=str(home))}
     assert ok["run_root.home"].status == PASS and ok["run_root.writable"].status == PASS
     assert ok["run_root.shared"].status in (PASS, WARN)  # local disk: fine when the profile allows it
-    strict = {c.name: c for c in doctor.check_run_root({"min_free_gb": 0}, tmp_path, home=str(home))}
+    strict = {c.name: c for c in doctor.check_run_root(profile(min_free_gb=0), tmp_path, home=str(home))}
     if strict["run_root.shared"].status != PASS:
         assert strict["run_root.shared"].status == FAIL and "parallel filesystem" in strict["run_root.shared"].fix
 
@@ -44,7 +46,7 @@ def test_scratch_purge_warning(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     checks = {c.name: c for c in doctor.check_run_root(
-        {"scratch": str(scratch), "scratch_purge_days": 10, "min_free_gb": 0}, scratch / "runs", home="/nonexistent")}
+        profile(scratch=str(scratch), scratch_purge_days=10, min_free_gb=0), scratch / "runs", home="/nonexistent")}
     assert checks["run_root.purge"].status == WARN and "10 days" in checks["run_root.purge"].detail
 
 
@@ -52,11 +54,11 @@ def test_apptainer_check(monkeypatch, tmp_path):
     empty = tmp_path / "bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
-    assert doctor.check_apptainer({"container_runtime": "none"}).status == WARN
-    fail = doctor.check_apptainer({"container_runtime": "apptainer", "container_module": "tacc-apptainer"})
+    assert doctor.check_apptainer(profile(container_runtime="none")).status == WARN
+    fail = doctor.check_apptainer(profile(container_runtime="apptainer", container_module="tacc-apptainer"))
     assert fail.status == FAIL and "module load tacc-apptainer" in fail.fix
     monkeypatch.setenv("PATH", f"{FAKE_APPTAINER_DIR}{os.pathsep}/usr/bin{os.pathsep}/bin")
-    found = doctor.check_apptainer({"container_runtime": "apptainer"})
+    found = doctor.check_apptainer(profile(container_runtime="apptainer"))
     assert "apptainer version 1.3.6-fake" in found.detail
     assert found.status in (PASS, WARN)  # WARN: no GPU here to prove --nv
 
@@ -77,14 +79,14 @@ def test_format_prints_fixes_and_onboard_uses_findings(tmp_path):
     ]
     text = doctor.format_checks(checks)
     assert "FAIL  account" in text and "fix: set account: proj1" in text and "2 failed" in text
-    override = doctor.onboard({"account": "x", "partitions": {"booster": {"gpus_per_node": 4}}},
+    override = doctor.onboard(profile(account="x", partitions={"booster": Partition(gpus_per_node=4)}),
                               tmp_path / "runs", checks, user="u")
     assert override == {"account": "proj1", "partitions": {"gpu": {"gpus_per_node": 4, "max_time_min": 60}},
                         "run_root": str(tmp_path / "runs"), "internet_on_compute": False}
     written = doctor.write_override(override, tmp_path / "override.yaml").read_text()
     assert "account: proj1" in written
     # No run root given: project storage from the environment, never $HOME.
-    auto = doctor.onboard({}, None, [], user="u", env={"PROJECT": "/p/project/abc", "HOME": "/home/u"})
+    auto = doctor.onboard(profile(), None, [], user="u", env={"PROJECT": "/p/project/abc", "HOME": "/home/u"})
     assert auto["run_root"] == "/p/project/abc/u/snowcat"
 
 
@@ -105,7 +107,7 @@ def test_doctor_passes_on_local(slurm_env, tmp_path):
 def test_doctor_fails_on_wrong_account_missing_partition_home_run_root(slurm_env, tmp_path):
     site = local_profile()
     real_partition = next(iter(doctor.profile_partitions(site)))
-    wrong = _override(site, account="no-such-project", partitions={"no-such-partition": {"gpus_per_node": 4}})
+    wrong = _override(site, account="no-such-project", partitions={"no-such-partition": Partition(gpus_per_node=4)})
     home = tmp_path / "home"
     home.mkdir()
     checks = {c.name: c for c in doctor.run_doctor(wrong, home / "runs", home=str(home), jobs=False)}
@@ -123,18 +125,13 @@ def test_doctor_fails_on_wrong_account_missing_partition_home_run_root(slurm_env
     assert real_partition in override["partitions"]
 
 
-def _override(site, **values):
-    import dataclasses
+def profile(**values) -> SiteProfile:
+    """A site profile for one check: what the test sets, defaults for the rest."""
+    return SiteProfile(name="test", default_partition="", **values)
 
-    from omegaconf import DictConfig, OmegaConf
 
-    if dataclasses.is_dataclass(site):
-        base = dataclasses.asdict(site)
-    elif isinstance(site, DictConfig):
-        base = OmegaConf.to_container(site, resolve=True)
-    else:
-        base = dict(site)
-    return {**base, **values}
+def _override(site: SiteProfile, **values) -> SiteProfile:
+    return dataclasses.replace(site, **values)
 
 
 @pytest.mark.cluster

@@ -10,7 +10,8 @@ import torch
 
 from snowcat.pipeline.errors import UserError
 from snowcat.stages.model import (PRESETS, KVCache, ModelConfig, MoEForCausalLM, count_params, hf_state_dict,
-                          load_model_dir, resolve_checkpoint, save_model_dir)
+                          load_model_dir, save_model_dir)
+from snowcat.pipeline.context import checkpoint_dir
 
 MICRO = PRESETS["test-micro"]
 
@@ -167,6 +168,6 @@ def test_model_dir_roundtrip_sharded_and_manifest_checked(tmp_path):
 def test_checkpoint_reference_follows_pointer_file(tmp_path):
     save_model_dir(tmp_path / "checkpoints" / "final", make())
     (tmp_path / "checkpoints" / "best").write_text("final\n")
-    assert resolve_checkpoint(tmp_path, "best") == tmp_path / "checkpoints" / "final"
+    assert checkpoint_dir(tmp_path, "best") == tmp_path / "checkpoints" / "final"
     with pytest.raises(UserError):
-        resolve_checkpoint(tmp_path, "step_000001")
+        checkpoint_dir(tmp_path, "step_000001")
