@@ -10,4 +10,9 @@ if [ -f .ci/cluster.sh ]; then
   [ -f .cluster/env.sh ] && . .cluster/env.sh
 fi
 export OMP_WAIT_POLICY=PASSIVE  # spinning OpenMP threads slow everything down when processes share 2 cores
-python -m pytest -ra --durations=25 "$@"
+# Style and layering first: seconds, and they name the file and line.
+ruff check .
+ruff format --check .
+lint-imports
+# The whole suite (pyproject's default selection is the developer's quick loop); GPU tests skip here.
+python -m pytest -ra --durations=25 -m "not gpu" "$@"

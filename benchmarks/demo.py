@@ -89,13 +89,17 @@ def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, dict[str, floa
     out = {}
     for key in keys:
         values = [rows[key] for rows in per_seed.values() if key in rows]
-        out[key] = {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
-                    "min": min(values), "max": max(values), "n": len(values)}
+        out[key] = {
+            "mean": statistics.fmean(values),
+            "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values),
+            "max": max(values),
+            "n": len(values),
+        }
     return out
 
 
 def machine() -> dict:
-
     host = host_state()
     return {k: host.get(k) for k in ("cpu_model", "cpu_flags", "cpu_capability", "cpu_count", "machine")}
 
@@ -114,7 +118,17 @@ def main(argv: list[str]) -> int:
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         run_dir = root / f"seed-{seed}"
         print(f"[bench demo] seed {seed}: {run_dir}", flush=True)
-        cmd = [sys.executable, "-m", "snowcat.pipeline.cli", "run", str(CONFIG), f"seed={seed}", "--run-dir", str(run_dir), *args.overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "snowcat.pipeline.cli",
+            "run",
+            str(CONFIG),
+            f"seed={seed}",
+            "--run-dir",
+            str(run_dir),
+            *args.overrides,
+        ]
         code = subprocess.run(cmd, cwd=REPO, env=env).returncode
         if code != 0:
             print(f"[bench demo] seed {seed}: the run exited {code}; see `snowcat status {run_dir}`", file=sys.stderr)
@@ -130,10 +144,17 @@ def main(argv: list[str]) -> int:
         if key in summary:
             print(f"  {what}: {quote(summary[key])}")
     if args.json:
-
-        atomic_write_json(args.json, {"config": str(CONFIG.relative_to(REPO)), "overrides": args.overrides,
-                                      "machine": machine(), "seeds": list(per_seed),
-                                      "per_seed": per_seed, "summary": summary})
+        atomic_write_json(
+            args.json,
+            {
+                "config": str(CONFIG.relative_to(REPO)),
+                "overrides": args.overrides,
+                "machine": machine(),
+                "seeds": list(per_seed),
+                "per_seed": per_seed,
+                "summary": summary,
+            },
+        )
         print(f"written: {args.json}")
     return 0
 

@@ -49,6 +49,7 @@ class Row:
 
 # --- the methods: each maps (h, W, y, T) to (logprob, entropy or None) -------------------------
 
+
 def eager(h, w, y, t):
     logp = torch.log_softmax((h @ w.T).float() / t, dim=-1)
     return logp.gather(1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
@@ -103,6 +104,7 @@ def resolve(method: str, device: str):
 
 # --- measuring -------------------------------------------------------------------------------------
 
+
 class _MallocPeak(TorchDispatchMode):
     """CPU stand-in for max_memory_allocated: glibc's in-use bytes sampled after every aten op."""
 
@@ -123,9 +125,10 @@ class _MallocPeak(TorchDispatchMode):
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-                 "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
 
 
 def _sync(device):
@@ -176,10 +179,16 @@ def measure(method, fn, args, truth, flops, device, warmup, iters) -> Row:
     ms = statistics.median(times) * 1e3
     extra = None if (method == "compile" and device != "cuda") else _extra_peak_bytes(fn, args, device)
     logp, ent = out
-    return Row(method, "ok", entropy=ent is not None, ms=ms, tflops=flops / ms / 1e9,
-               extra_gib=None if extra is None else extra / 2**30,
-               max_dlogp=(logp.float() - truth[0]).abs().max().item(),
-               max_dent=None if ent is None else (ent.float() - truth[1]).abs().max().item())
+    return Row(
+        method,
+        "ok",
+        entropy=ent is not None,
+        ms=ms,
+        tflops=flops / ms / 1e9,
+        extra_gib=None if extra is None else extra / 2**30,
+        max_dlogp=(logp.float() - truth[0]).abs().max().item(),
+        max_dent=None if ent is None else (ent.float() - truth[1]).abs().max().item(),
+    )
 
 
 def make_inputs(n, hdim, vocab, dtype, device, seed=0):
@@ -199,8 +208,8 @@ def fp32_truth(h, w, y, t, chunk=1024):
     w32 = w.detach().float()
     logps, ents = [], []
     for lo in range(0, h.shape[0], chunk):
-        logp = torch.log_softmax(h[lo:lo + chunk].detach().float() @ w32.T / t, dim=-1)
-        logps.append(logp.gather(1, y[lo:lo + chunk, None])[:, 0])
+        logp = torch.log_softmax(h[lo : lo + chunk].detach().float() @ w32.T / t, dim=-1)
+        logps.append(logp.gather(1, y[lo : lo + chunk, None])[:, 0])
         ents.append(-(logp.exp() * logp).sum(-1))
     return torch.cat(logps), torch.cat(ents)
 
@@ -217,8 +226,9 @@ def run(args) -> list[Row]:
             if fn is None:
                 rows.append(Row(method, note.split(":")[0], note=note))
                 continue
-            rows.append(measure(method, fn, (h, w, y, args.temperature, g_lp, g_ent), truth, flops,
-                                device, args.warmup, args.iters))
+            rows.append(
+                measure(method, fn, (h, w, y, args.temperature, g_lp, g_ent), truth, flops, device, args.warmup, args.iters)
+            )
         except Exception as exc:  # one broken anchor must not hide the others
             rows.append(Row(method, "error", note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
         gc.collect()
@@ -234,14 +244,21 @@ def _fmt(value, spec):
 
 
 def render(rows, args) -> str:
-    head = (f"logprob fwd+bwd  N={args.n} H={args.h} V={args.v} {args.dtype} on {args.device}"
-            f" ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), T={args.temperature}")
-    lines = [head, f"{'method':<10} {'status':<11} {'ent':<4} {'ms':>9} {'TFLOP/s':>8} {'extraGiB':>9} "
-             f"{'max|dlogp|':>10} {'max|dent|':>10} {'vs best':>8}  note"]
+    head = (
+        f"logprob fwd+bwd  N={args.n} H={args.h} V={args.v} {args.dtype} on {args.device}"
+        f" ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), T={args.temperature}"
+    )
+    lines = [
+        head,
+        f"{'method':<10} {'status':<11} {'ent':<4} {'ms':>9} {'TFLOP/s':>8} {'extraGiB':>9} "
+        f"{'max|dlogp|':>10} {'max|dent|':>10} {'vs best':>8}  note",
+    ]
     for r in rows:
-        lines.append(f"{r.method:<10} {r.status:<11} {'yes' if r.entropy else 'no':<4} {_fmt(r.ms, '9.2f')} "
-                     f"{_fmt(r.tflops, '8.2f')} {_fmt(r.extra_gib, '9.3f')} {_fmt(r.max_dlogp, '10.2e')} "
-                     f"{_fmt(r.max_dent, '10.2e')} {_fmt(r.vs_best_anchor, '8.2f')}  {r.note}")
+        lines.append(
+            f"{r.method:<10} {r.status:<11} {'yes' if r.entropy else 'no':<4} {_fmt(r.ms, '9.2f')} "
+            f"{_fmt(r.tflops, '8.2f')} {_fmt(r.extra_gib, '9.3f')} {_fmt(r.max_dlogp, '10.2e')} "
+            f"{_fmt(r.max_dent, '10.2e')} {_fmt(r.vs_best_anchor, '8.2f')}  {r.note}"
+        )
     return "\n".join(lines)
 
 
@@ -262,8 +279,14 @@ def parse_args(argv):
     if args.device == "cuda" and not cuda:
         p.error("--device cuda but torch sees no GPU")
     gpu = args.device == "cuda"
-    for key, on_gpu, on_cpu in (("n", 32768, 512), ("h", 2048, 128), ("v", 128256, 4096),
-                                ("dtype", "bf16", "fp32"), ("warmup", 3, 1), ("iters", 10, 3)):
+    for key, on_gpu, on_cpu in (
+        ("n", 32768, 512),
+        ("h", 2048, 128),
+        ("v", 128256, 4096),
+        ("dtype", "bf16", "fp32"),
+        ("warmup", 3, 1),
+        ("iters", 10, 3),
+    ):
         if getattr(args, key) is None:
             setattr(args, key, on_gpu if gpu else on_cpu)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -278,11 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args)
     print(render(rows, args))
     if args.json:
-
-        atomic_write_json(args.json, {
-            "shape": {"n": args.n, "h": args.h, "v": args.v, "dtype": args.dtype, "temperature": args.temperature},
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "torch": torch.__version__, "rows": [asdict(r) for r in rows]})
+        atomic_write_json(
+            args.json,
+            {
+                "shape": {"n": args.n, "h": args.h, "v": args.v, "dtype": args.dtype, "temperature": args.temperature},
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "rows": [asdict(r) for r in rows],
+            },
+        )
     return 0 if all(r.status != "error" for r in rows) else 1
 
 

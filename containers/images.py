@@ -49,7 +49,6 @@ def _run(args: list[str], what: str) -> str:
 
 
 def _parser_for(path: Path):
-
     name = path.name.lower()
     if name.endswith(".def") or name == "singularity" or name.startswith("singularity."):
         return SingularityParser
@@ -125,7 +124,6 @@ def snowcat_revision(repo: str | os.PathLike = DEFINITIONS.parent) -> str:
 
 
 def snowcat_version() -> str:
-
     try:
         return version("snowcat")
     except PackageNotFoundError:
@@ -140,8 +138,7 @@ def build_args(arch: str | None = None) -> dict[str, str]:
     return {"SNOWCAT_VERSION": snowcat_version(), "SNOWCAT_REVISION": snowcat_revision(), "ARCH": arch}
 
 
-def build(name_or_def: str | os.PathLike, image: str | os.PathLike, arch: str | None = None,
-          fakeroot: bool = True) -> Path:
+def build(name_or_def: str | os.PathLike, image: str | os.PathLike, arch: str | None = None, fakeroot: bool = True) -> Path:
     """Build a SIF from one of our definitions (or any .def path), labels templated with version+revision.
 
     Written to a temp name and renamed, so a failed build never leaves a half image at `image`.

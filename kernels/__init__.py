@@ -31,9 +31,16 @@ def _check_inputs(h, weight, targets, temperature, support, backend, chunk_size)
         raise ValueError(f"kernels: support must be int64 [N, K] padded with -1, got {support.dtype} {tuple(support.shape)}")
 
 
-def linear_logprob_entropy(h: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                           support: Tensor | None = None, backend: str = "auto",
-                           chunk_size: int | None = None, tp_group=None) -> tuple[Tensor, Tensor]:
+def linear_logprob_entropy(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    support: Tensor | None = None,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+    tp_group=None,
+) -> tuple[Tensor, Tensor]:
     """(logprob [N] fp32, entropy [N] fp32). backend: auto|reference|triton. auto = triton on CUDA, else reference.
 
     h [N, H] and weight [V, H] (or this rank's vocabulary shard when tp_group is given); targets [N]

@@ -57,8 +57,12 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None]:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
-        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
+        log = subprocess.run(
+            [get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", log)
     return (int(regs.group(1)) if regs else None, sum(map(int, spills)) if spills else None)
@@ -71,18 +75,27 @@ def compile_kernels(arch: int, dtype: torch.dtype) -> list[KernelReport]:
     reports = []
     for name, kernel in (("forward", tf._fwd_stats_kernel), ("backward", tf._grad_logits_kernel)):
         for support in (False, True):
-            constexprs = {"HAS_SUPPORT": support, "BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v,
-                          "BLOCK_H": cfg.block_h, "GROUP_N": cfg.group_n, "UPCAST": False,
-                          "PRECISION": tf._precision(dtype)}
+            constexprs = {
+                "HAS_SUPPORT": support,
+                "BLOCK_N": cfg.block_n,
+                "BLOCK_V": cfg.block_v,
+                "BLOCK_H": cfg.block_h,
+                "GROUP_N": cfg.group_n,
+                "UPCAST": False,
+                "PRECISION": tf._precision(dtype),
+            }
             constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
             sig = _signature(kernel, dtype, constexprs)
             names = list(sig)
-            src = ASTSource(fn=kernel, signature=sig,
-                            constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                            attrs={(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
-                                   if sig[k].startswith("*") or k in _ALIGNED_INTS})
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                      options=cfg.launch_options())
+            src = ASTSource(
+                fn=kernel,
+                signature=sig,
+                constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                attrs={
+                    (i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if sig[k].startswith("*") or k in _ALIGNED_INTS
+                },
+            )
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=cfg.launch_options())
             regs, spills = _ptxas_report(compiled.asm["ptx"], arch)
             reports.append(KernelReport(name, support, compiled.metadata.shared, regs, spills))
     return reports
@@ -96,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {v: k for k, v in _TRITON_DTYPES.items()}[args.dtype]
     print(f"sm_{args.arch} {args.dtype} {tf.tile_config(dtype)}")
     for r in compile_kernels(args.arch, dtype):
-        print(f"{r.kernel:<9} support={'yes' if r.support else 'no ':<3} shared={r.shared_bytes // 1024:>4} KiB "
-              f"registers={r.registers} spilled={r.spill_bytes} B")
+        print(
+            f"{r.kernel:<9} support={'yes' if r.support else 'no ':<3} shared={r.shared_bytes // 1024:>4} KiB "
+            f"registers={r.registers} spilled={r.spill_bytes} B"
+        )
     return 0
 
 

@@ -134,8 +134,7 @@ class _ReferenceFn(torch.autograd.Function):
         return dh.to(h.dtype), dw.to(weight.dtype), None, None, None, None, None
 
 
-def linear_logprob_entropy_reference(h, weight, targets, temperature=1.0, support=None,
-                                     chunk_size=None, tp_group=None):
+def linear_logprob_entropy_reference(h, weight, targets, temperature=1.0, support=None, chunk_size=None, tp_group=None):
     chunk = chunk_size or default_chunk_size(h.shape[0], weight.shape[0])
     return _ReferenceFn.apply(h, weight, targets, support, 1.0 / temperature, chunk, tp_group)
 

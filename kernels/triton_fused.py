@@ -25,9 +25,21 @@ from snowcat.kernels.reference import combine_stats, finish_outputs, local_targe
 
 
 @triton.jit
-def _scaled_logits(h_ptr, w_ptr, row0, col0, n_rows, n_cols, hdim, inv_t,
-                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _scaled_logits(
+    h_ptr,
+    w_ptr,
+    row0,
+    col0,
+    n_rows,
+    n_cols,
+    hdim,
+    inv_t,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """z tile = h[row0:+BLOCK_N] @ W[col0:+BLOCK_V]^T / T, fp32 accumulation (rows >= n_rows etc. are 0)."""
     r = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_V)
@@ -52,8 +64,7 @@ def _scaled_logits(h_ptr, w_ptr, row0, col0, n_rows, n_cols, hdim, inv_t,
 
 
 @triton.jit
-def _kept(bits_ptr, row0, col0, n_rows, n_cols, nbytes,
-          BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SUPPORT: tl.constexpr):
+def _kept(bits_ptr, row0, col0, n_rows, n_cols, nbytes, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SUPPORT: tl.constexpr):
     """Which (token, id) pairs of the tile are valid and in the support: bit (id % 8) of bits[token, id // 8].
 
     col0 is a multiple of 8, so the tile reads BLOCK_V / 8 whole bytes per token and unpacks them.
@@ -63,18 +74,34 @@ def _kept(bits_ptr, row0, col0, n_rows, n_cols, nbytes,
     ok = (r < n_rows)[:, None] & (c < n_cols)[None, :]
     if HAS_SUPPORT:
         b = col0 // 8 + tl.arange(0, BLOCK_V // 8)
-        byte = tl.load(bits_ptr + r.to(tl.int64)[:, None] * nbytes + b[None, :],
-                       mask=(r < n_rows)[:, None] & (b < nbytes)[None, :], other=0)
+        byte = tl.load(
+            bits_ptr + r.to(tl.int64)[:, None] * nbytes + b[None, :], mask=(r < n_rows)[:, None] & (b < nbytes)[None, :], other=0
+        )
         bit = (byte.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
         ok = ok & (tl.reshape(bit, (BLOCK_N, BLOCK_V)) != 0)
     return ok
 
 
 @triton.jit
-def _fwd_stats_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, stats_ptr,
-                      n_rows, vocab, hdim, nbytes, inv_t, tiles_per_split,
-                      HAS_SUPPORT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                      BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_stats_kernel(
+    h_ptr,
+    w_ptr,
+    y_ptr,
+    bits_ptr,
+    stats_ptr,
+    n_rows,
+    vocab,
+    hdim,
+    nbytes,
+    inv_t,
+    tiles_per_split,
+    HAS_SUPPORT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     # Splits of one token block are adjacent in launch order: programs running together share
     # their h block (and few W tiles), so both stay in L2 while W streams through once per wave.
     split = tl.program_id(0)
@@ -103,8 +130,11 @@ def _fwd_stats_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, stats_ptr,
         k0 = (it % k_steps) * BLOCK_H
         k_ok = (k0 + k) < hdim
         h_tile = tl.load(a_base + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_tile = tl.load(w_ptr + col0.to(tl.int64) * hdim + (c[:, None] * hdim + k[None, :]) + k0,
-                         mask=((col0 + c) < vocab)[:, None] & k_ok[None, :], other=0.0)
+        w_tile = tl.load(
+            w_ptr + col0.to(tl.int64) * hdim + (c[:, None] * hdim + k[None, :]) + k0,
+            mask=((col0 + c) < vocab)[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         if UPCAST:
             h_tile = h_tile.to(tl.float32)
             w_tile = w_tile.to(tl.float32)
@@ -132,11 +162,30 @@ def _fwd_stats_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, stats_ptr,
 
 
 @triton.jit
-def _grad_logits_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr,
-                        n_rows, v0, v_chunk, hdim, nbytes, inv_t,
-                        HAS_SUPPORT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                        BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr,
-                        PRECISION: tl.constexpr):
+def _grad_logits_kernel(
+    h_ptr,
+    w_ptr,
+    y_ptr,
+    bits_ptr,
+    lse_ptr,
+    ez_ptr,
+    glp_ptr,
+    gent_ptr,
+    dz_ptr,
+    n_rows,
+    v0,
+    v_chunk,
+    hdim,
+    nbytes,
+    inv_t,
+    HAS_SUPPORT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     # Grouped launch order: GROUP_N token blocks sweep the chunk together, so W tiles hit in L2.
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(n_rows, BLOCK_N)
@@ -154,8 +203,7 @@ def _grad_logits_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, lse_ptr, ez_ptr, glp_ptr,
     cols = v0 + local
     col_ok = local < v_chunk
     col0 = v0 + pid_v * BLOCK_V
-    z = _scaled_logits(h_ptr, w_ptr, row0, col0, n_rows, v0 + v_chunk, hdim, inv_t,
-                       BLOCK_N, BLOCK_V, BLOCK_H, UPCAST, PRECISION)
+    z = _scaled_logits(h_ptr, w_ptr, row0, col0, n_rows, v0 + v_chunk, hdim, inv_t, BLOCK_N, BLOCK_V, BLOCK_H, UPCAST, PRECISION)
     kept = _kept(bits_ptr, row0, col0, n_rows, v0 + v_chunk, nbytes, BLOCK_N, BLOCK_V, HAS_SUPPORT)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     ez = tl.load(ez_ptr + rows, mask=row_ok, other=0.0)
@@ -167,8 +215,11 @@ def _grad_logits_kernel(h_ptr, w_ptr, y_ptr, bits_ptr, lse_ptr, ez_ptr, glp_ptr,
     dz = p * (g_ent[:, None] * (ez[:, None] - z) - g_lp[:, None])
     dz += tl.where(kept & (cols[None, :] == y[:, None]), g_lp[:, None], 0.0)
     dz = dz * inv_t
-    tl.store(dz_ptr + rows.to(tl.int64)[:, None] * v_chunk + local[None, :], dz.to(dz_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        dz_ptr + rows.to(tl.int64)[:, None] * v_chunk + local[None, :],
+        dz.to(dz_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 INTERPRETED = not isinstance(_fwd_stats_kernel, triton.runtime.JITFunction)
@@ -209,9 +260,9 @@ def support_bits(support: torch.Tensor, vocab_start: int, vocab_rows: int, chunk
     shifts = torch.arange(8, dtype=torch.uint8, device=support.device)
     rows = max(1, chunk_elems // (nbytes * 8))
     for lo in range(0, n, rows):
-        mask = support_mask(support[lo:lo + rows], vocab_start, vocab_rows)
+        mask = support_mask(support[lo : lo + rows], vocab_start, vocab_rows)
         mask = torch.nn.functional.pad(mask, (0, nbytes * 8 - vocab_rows))
-        bits[lo:lo + rows] = (mask.view(-1, nbytes, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
+        bits[lo : lo + rows] = (mask.view(-1, nbytes, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
     return bits
 
 
@@ -240,10 +291,25 @@ class _TritonFn(torch.autograd.Function):
         splits = triton.cdiv(tiles, per_split)
         stats = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
         _fwd_stats_kernel[(splits, blocks_n)](
-            h, weight, y, bits, stats, n, rows, hdim, bits.shape[-1] if support is not None else 0,
-            inv_t, per_split, HAS_SUPPORT=support is not None, BLOCK_N=cfg.block_n,
-            BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, UPCAST=INTERPRETED and h.dtype == torch.bfloat16,
-            PRECISION=_precision(h.dtype), **cfg.launch_options())
+            h,
+            weight,
+            y,
+            bits,
+            stats,
+            n,
+            rows,
+            hdim,
+            bits.shape[-1] if support is not None else 0,
+            inv_t,
+            per_split,
+            HAS_SUPPORT=support is not None,
+            BLOCK_N=cfg.block_n,
+            BLOCK_V=cfg.block_v,
+            BLOCK_H=cfg.block_h,
+            UPCAST=INTERPRETED and h.dtype == torch.bfloat16,
+            PRECISION=_precision(h.dtype),
+            **cfg.launch_options(),
+        )
         m, s, a, zy = stats
         m_top = m.max(0).values
         scale = torch.exp(m - torch.where(torch.isfinite(m_top), m_top, 0.0))
@@ -264,8 +330,11 @@ class _TritonFn(torch.autograd.Function):
         g_lp = torch.where(targets >= 0, g_lp.float(), 0.0).contiguous()  # ignored targets: constant 0
         g_ent = g_ent.float().contiguous()
         # Whole tiles per chunk: the kernels read the support bitmask a byte (8 ids) at a time.
-        v_chunk = (triton.cdiv(ctx.v_chunk, cfg.block_v) * cfg.block_v if ctx.v_chunk
-                   else default_vocab_chunk(n, rows, h.element_size(), cfg.block_v))
+        v_chunk = (
+            triton.cdiv(ctx.v_chunk, cfg.block_v) * cfg.block_v
+            if ctx.v_chunk
+            else default_vocab_chunk(n, rows, h.element_size(), cfg.block_v)
+        )
         dz_buf = torch.empty(n * min(v_chunk, rows), dtype=h.dtype, device=h.device)
         dh = torch.zeros(n, hdim, dtype=torch.float32, device=h.device) if need_dh else None
         dw = torch.empty_like(weight) if need_dw else None
@@ -274,16 +343,34 @@ class _TritonFn(torch.autograd.Function):
             dz = dz_buf[: n * vc].view(n, vc)
             grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(vc, cfg.block_v),)
             _grad_logits_kernel[grid](
-                h, weight, y, bits, lse, ez, g_lp, g_ent, dz, n, v0, vc, hdim,
-                bits.shape[-1] if support is not None else 0, ctx.inv_t,
-                HAS_SUPPORT=support is not None, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
-                BLOCK_H=cfg.block_h, GROUP_N=cfg.group_n,
-                UPCAST=INTERPRETED and h.dtype == torch.bfloat16, PRECISION=_precision(h.dtype),
-                **cfg.launch_options())
+                h,
+                weight,
+                y,
+                bits,
+                lse,
+                ez,
+                g_lp,
+                g_ent,
+                dz,
+                n,
+                v0,
+                vc,
+                hdim,
+                bits.shape[-1] if support is not None else 0,
+                ctx.inv_t,
+                HAS_SUPPORT=support is not None,
+                BLOCK_N=cfg.block_n,
+                BLOCK_V=cfg.block_v,
+                BLOCK_H=cfg.block_h,
+                GROUP_N=cfg.group_n,
+                UPCAST=INTERPRETED and h.dtype == torch.bfloat16,
+                PRECISION=_precision(h.dtype),
+                **cfg.launch_options(),
+            )
             if need_dw:
-                torch.mm(dz.T, h, out=dw[v0:v0 + vc])  # whole reduction over tokens in one GEMM
+                torch.mm(dz.T, h, out=dw[v0 : v0 + vc])  # whole reduction over tokens in one GEMM
             if need_dh:
-                dh += dz @ weight[v0:v0 + vc]
+                dh += dz @ weight[v0 : v0 + vc]
         if need_dh and ctx.tp_group is not None:
             dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=ctx.tp_group)  # h is replicated over TP
         return (dh.to(h.dtype) if need_dh else None), dw, None, None, None, None, None
@@ -295,8 +382,7 @@ def default_vocab_chunk(n_tokens: int, vocab_rows: int, elem_size: int, block_v:
     return max(block_v, min(vocab_rows, chunk // block_v * block_v))
 
 
-def linear_logprob_entropy_triton(h, weight, targets, temperature=1.0, support=None,
-                                  chunk_size=None, tp_group=None):
+def linear_logprob_entropy_triton(h, weight, targets, temperature=1.0, support=None, chunk_size=None, tp_group=None):
     if not INTERPRETED and not h.is_cuda:
         raise ValueError("kernels: the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 before import)")
     if support is not None:

@@ -54,7 +54,9 @@ def jsonl_history_problems(path: Path, last: int | None) -> list[str]:
             return [f"{path}:{i}: not a history row (torn or edited)"]
     problems = [f"{path}: step {a} followed by {b} (not contiguous)" for a, b in zip(steps, steps[1:]) if b != a + 1]
     if last is not None and (not steps or steps[-1] < last):
-        problems.append(f"{path}: {'ends at step ' + str(steps[-1]) if steps else 'has no rows'}, expected step {last} (truncated)")
+        problems.append(
+            f"{path}: {'ends at step ' + str(steps[-1]) if steps else 'has no rows'}, expected step {last} (truncated)"
+        )
     return problems
 
 
@@ -66,7 +68,6 @@ def _expected_last(metrics: dict) -> int | None:
 
 
 def audit(run: RunDir, known_secrets=None) -> list[Check]:
-
     cfg = run.config()
     dag = build(cfg)
     checks: list[Check] = []
@@ -85,7 +86,9 @@ def audit(run: RunDir, known_secrets=None) -> list[Check]:
             prov = Check("provenance", unit.key)
             path = provenance.record_path(run.path, unit.stage, unit.index)
             record = read_json(path)
-            prov.problems += [f"{path}: missing"] if record is None else [f"{path}: {p}" for p in provenance.check_complete(record, run.path)]
+            prov.problems += (
+                [f"{path}: missing"] if record is None else [f"{path}: {p}" for p in provenance.check_complete(record, run.path)]
+            )
             checks.append(prov)
 
             metrics = run.metrics(unit)
@@ -101,13 +104,19 @@ def audit(run: RunDir, known_secrets=None) -> list[Check]:
 
     h5 = run.path / FILENAME
     if h5.exists():
-
         present = set(History(h5).stages())
         checks.append(Check("history", FILENAME, check_gaps(h5, {s: n for s, n in expected_last.items() if s in present})))
 
     known = env_secrets() if known_secrets is None else known_secrets
     findings = scan_tree(run.path, known)
-    checks.append(Check("secrets", "run directory", [str(f) for f in findings], note=f"{len(known)} secret value(s) of this environment + credential shapes"))
+    checks.append(
+        Check(
+            "secrets",
+            "run directory",
+            [str(f) for f in findings],
+            note=f"{len(known)} secret value(s) of this environment + credential shapes",
+        )
+    )
     return checks
 
 
@@ -139,13 +148,16 @@ def add_audit_arguments(parser) -> None:
 
 
 def cmd_audit(args) -> int:
-
     run = RunDir.open(args.run)
     checks = audit(run)
     ok = all(c.ok for c in checks)
     if args.json:
-        print(json.dumps({"run_id": run.run_id, "run_dir": str(run.path), "ok": ok,
-                          "checks": [asdict(c) | {"ok": c.ok} for c in checks]}, indent=2))
+        print(
+            json.dumps(
+                {"run_id": run.run_id, "run_dir": str(run.path), "ok": ok, "checks": [asdict(c) | {"ok": c.ok} for c in checks]},
+                indent=2,
+            )
+        )
         return 0 if ok else 1
     table = Table(title=f"audit {run.run_id}")
     for col in ("check", "subject", "verdict", "detail"):

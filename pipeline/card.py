@@ -39,7 +39,6 @@ class Facts:
     """What the run directory records, read once."""
 
     def __init__(self, run: RunDir):
-
         self.run = run
         self.info = run.info
         self.cfg = run.config()
@@ -56,7 +55,6 @@ class Facts:
         return self.run.stage_dir(name)
 
     def provenance(self, name: str, index: int | None = None) -> dict | None:
-
         return read_json(record_path(self.run.path, name, index))
 
     def manifest(self, name: str) -> dict:
@@ -81,9 +79,10 @@ def _initializer(f: Facts) -> tuple[list[str], dict]:
         what = f"checkpoint `{source}` (named by `stages.{first.name}.init_from`)"
     else:
         what = f"fresh initialization of the `{_v(first.config.get('model'))}` preset, seed {_v(meta.get('seed'))}"
-    lines = [f"- Initializer: {what}",
-             f"- Initializer checkpoint: `{f.run.path.name}/stages/{first.name}/checkpoints/initial`, "
-             f"manifest sha256 `{_v(digest)}`"]
+    lines = [
+        f"- Initializer: {what}",
+        f"- Initializer checkpoint: `{f.run.path.name}/stages/{first.name}/checkpoints/initial`, manifest sha256 `{_v(digest)}`",
+    ]
     lines += [f"  - `{k}` sha256 `{v}`" for k, v in sorted(weights.items())]
     return lines, {"initializer_manifest_sha256": digest}
 
@@ -111,22 +110,39 @@ def _recipe(f: Facts) -> list[str]:
         world = (prov.get("extra") or {}).get("world_size")
         lines.append(f"- `{node.name}` ({node.kind}):")
         if node.kind == "sft":
-            lines.append(f"  - objective: supervised fine-tuning on task demonstrations (assistant tokens only), "
-                         f"Relay fraction {_v(c.get('relay_fraction'))}")
-            lines.append(f"  - batch: {_v(c.get('batch_rows'))} packed rows × {_v(c.get('seq_len'))} tokens, "
-                         f"{_v(c.get('micro_batches'))} micro-batch(es)")
-            lines.append(f"  - lr {_v(c.get('lr'))} ({_v(c.get('schedule'))}, warmup {_v(c.get('warmup_steps'))}, "
-                         f"min ratio {_v(c.get('min_lr_ratio'))}), weight decay {_v(c.get('weight_decay'))}, grad clip {_v(c.get('grad_clip'))}")
+            lines.append(
+                f"  - objective: supervised fine-tuning on task demonstrations (assistant tokens only), "
+                f"Relay fraction {_v(c.get('relay_fraction'))}"
+            )
+            lines.append(
+                f"  - batch: {_v(c.get('batch_rows'))} packed rows × {_v(c.get('seq_len'))} tokens, "
+                f"{_v(c.get('micro_batches'))} micro-batch(es)"
+            )
+            lines.append(
+                f"  - lr {_v(c.get('lr'))} ({_v(c.get('schedule'))}, warmup {_v(c.get('warmup_steps'))}, "
+                f"min ratio {_v(c.get('min_lr_ratio'))}), weight decay {_v(c.get('weight_decay'))}, grad clip {_v(c.get('grad_clip'))}"
+            )
             lines.append(f"  - updates: {_v(metrics.get('steps'))} completed of {_v(c.get('steps'))} configured")
         else:
-            lines.append(f"  - estimator: {_v(c.get('estimator'))}, aggregation {_v(c.get('aggregation'))}, "
-                         f"truncated importance sampling cap {_v(c.get('tis_cap'))}, staleness lag {_v(c.get('lag'))}")
+            lines.append(
+                f"  - estimator: {_v(c.get('estimator'))}, aggregation {_v(c.get('aggregation'))}, "
+                f"truncated importance sampling cap {_v(c.get('tis_cap'))}, staleness lag {_v(c.get('lag'))}"
+            )
             lines.append(f"  - batch: {_v(c.get('tasks_per_update'))} tasks × {_v(c.get('attempts'))} attempts per update")
             lines.append(f"  - lr {_v(c.get('lr'))}, KL coef {_v(c.get('kl_coef'))}")
-            lines.append(f"  - updates: {_v(metrics.get('updates', metrics.get('steps')))} completed of {_v(c.get('updates'))} configured")
-        comps = ", ".join(f"{k}: {v.nodes}×{v.gpus_per_node} GPU" for k, v in res.components.items()) if res.components else \
-            f"{res.nodes} node(s) × {res.tasks_per_node} task(s) × {res.gpus_per_node} GPU"
-        backend = f"{c.get('backend')}" + (f" ZeRO-{c.get('zero_stage')}" if c.get("backend") == "deepspeed" else "") if c.get("backend") else NR
+            lines.append(
+                f"  - updates: {_v(metrics.get('updates', metrics.get('steps')))} completed of {_v(c.get('updates'))} configured"
+            )
+        comps = (
+            ", ".join(f"{k}: {v.nodes}×{v.gpus_per_node} GPU" for k, v in res.components.items())
+            if res.components
+            else f"{res.nodes} node(s) × {res.tasks_per_node} task(s) × {res.gpus_per_node} GPU"
+        )
+        backend = (
+            f"{c.get('backend')}" + (f" ZeRO-{c.get('zero_stage')}" if c.get("backend") == "deepspeed" else "")
+            if c.get("backend")
+            else NR
+        )
         lines.append(f"  - parallelism: data parallel, world size {_v(world)}; backend {backend}; resources {comps}")
     return lines or [f"Recipe: {NR} (no training stage)."]
 
@@ -153,20 +169,26 @@ def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[st
         init_refs = {r for r in refs if r.endswith(":initial")}
         if exported_ref and exported_ref.partition(":")[0] in f.dag.nodes:
             init_refs.add(str(f.dag[exported_ref.partition(":")[0]].config.get("init_from") or ""))
-        labels = [("initializer" if r in init_refs else "baseline") if r == initial else ("exported" if r == exported else "")
-                  for r in cols]
-        lines.append(f"**{node.name}**: split `{results.get('split')}`, {results.get('tasks')} tasks × "
-                     f"{results.get('attempts')} attempts, sampling {json.dumps(results.get('sampling'))}. "
-                     "Values in %, ± one standard error over tasks.")
+        labels = [
+            ("initializer" if r in init_refs else "baseline") if r == initial else ("exported" if r == exported else "")
+            for r in cols
+        ]
+        lines.append(
+            f"**{node.name}**: split `{results.get('split')}`, {results.get('tasks')} tasks × "
+            f"{results.get('attempts')} attempts, sampling {json.dumps(results.get('sampling'))}. "
+            "Values in %, ± one standard error over tasks."
+        )
         lines.append("")
         head = " | ".join(f"{r}{' (' + lab + ')' if lab else ''}" for r, lab in zip(cols, labels))
         lines.append(f"| group | metric | {head} |")
         lines.append("|---|---|" + "---|" * len(cols))
         groups = [g for g in results["checkpoints"][initial]["groups"] if "/" not in g]
         for g in sorted(groups, key=lambda g: (g != "all", g)):
-            for metric, fmt in (("pass@1", lambda s: _pct(s.get("pass@1"), s.get("pass@1_se"))),
-                                ("mean reward", lambda s: _pct(s.get("reward"), s.get("reward_se"))),
-                                ("infra failure rate", lambda s: _pct(s.get("infra_rate")))):
+            for metric, fmt in (
+                ("pass@1", lambda s: _pct(s.get("pass@1"), s.get("pass@1_se"))),
+                ("mean reward", lambda s: _pct(s.get("reward"), s.get("reward_se"))),
+                ("infra failure rate", lambda s: _pct(s.get("infra_rate"))),
+            ):
                 vals = [fmt(results["checkpoints"][r]["groups"].get(g) or {}) for r in cols]
                 lines.append(f"| {g} | {metric} | " + " | ".join(vals) + " |")
                 if metric == "pass@1":
@@ -178,8 +200,10 @@ def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[st
         for r in cols:
             infra = (results["checkpoints"][r]["groups"].get("all") or {}).get("infra_rate")
             if infra:
-                limits.append(f"`{node.name}` on `{r}`: {100 * infra:.1f}% of attempts were infrastructure failures "
-                              "(excluded from the denominators).")
+                limits.append(
+                    f"`{node.name}` on `{r}`: {100 * infra:.1f}% of attempts were infrastructure failures "
+                    "(excluded from the denominators)."
+                )
         lines.append("")
     if not lines:
         lines = [f"Evaluation: {NR} (no completed evaluate stage)."]
@@ -236,20 +260,26 @@ def _software(f: Facts) -> tuple[list[str], dict]:
     lines.append(f"- Python {_v(last.get('python', {}).get('version'))}; packages: {pkgs or NR}")
     for image in sorted(images):
         c = json.loads(image)
-        lines.append("- Container: none (stages ran on the host)" if c is None else
-                     f"- Container: `{c.get('image')}` sha256 `{_v(c.get('sha256'))}`")
+        lines.append(
+            "- Container: none (stages ran on the host)"
+            if c is None
+            else f"- Container: `{c.get('image')}` sha256 `{_v(c.get('sha256'))}`"
+        )
     hosts = sorted({r.get("host", {}).get("hostname") or NR for r in records})
     lines.append(f"- Hosts: {', '.join(hosts)}")
     # The CPU decides which kernels ran, so whether a rerun elsewhere is bit-identical (docs/users.md).
-    cpus = sorted({f"{_v(r.get('host', {}).get('cpu_model'))} (torch kernels: {_v(r.get('host', {}).get('cpu_capability'))})"
-                   for r in records})
+    cpus = sorted(
+        {
+            f"{_v(r.get('host', {}).get('cpu_model'))} (torch kernels: {_v(r.get('host', {}).get('cpu_capability'))})"
+            for r in records
+        }
+    )
     lines.append(f"- CPUs: {'; '.join(cpus)}")
     rev = next(iter(codes))[0] if len(codes) == 1 else None
     return lines, {"code_revision": rev}
 
 
 def build_card(run: RunDir) -> str:
-
     f = Facts(run)
     init_lines, init_meta = _initializer(f)
     export_lines, export_record = _export(f)
@@ -260,12 +290,16 @@ def build_card(run: RunDir) -> str:
 
     limits = list(eval_limits)
     if f.nodes("evaluate"):
-        limits.append("Mean reward is the verifiers' reward, which may give partial credit: it is not the fraction of "
-                      "tasks solved. pass@1 counts only explicit verifier passes.")
+        limits.append(
+            "Mean reward is the verifiers' reward, which may give partial credit: it is not the fraction of "
+            "tasks solved. pass@1 counts only explicit verifier passes."
+        )
     for node in f.nodes("sft"):
         if node.config.get("eval_tasks"):
-            limits.append(f"The validation split also served `{node.name}`'s end-of-stage greedy check: it is a "
-                          "development set, not an independent final evaluation.")
+            limits.append(
+                f"The validation split also served `{node.name}`'s end-of-stage greedy check: it is a "
+                "development set, not an independent final evaluation."
+            )
     after_card = {n for c in f.nodes("card") for n in f.dag.downstream(c.name)} | {c.name for c in f.nodes("card")}
     undone = [n.name for n in f.dag if not f.done(n.name) and n.name not in after_card]
     if undone:
@@ -273,40 +307,88 @@ def build_card(run: RunDir) -> str:
     if export_record is None:
         limits.append("No verified export: the inference-equivalence of any published weights is not established.")
 
-    meta: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation",
-                            "tags": ["snowcat", "mixture-of-experts", "qwen3_moe", "coding-agent"]}
+    meta: dict[str, Any] = {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["snowcat", "mixture-of-experts", "qwen3_moe", "coding-agent"],
+    }
     if eval_index:
-        meta["model-index"] = [{"name": f.info.get("run_id"), "results": [
-            {"task": {"type": "text-generation"},
-             "dataset": {"name": f"{e['stage']} ({e['group']})", "type": "snowcat-tasks"},
-             "metrics": [{"type": "pass@1", "name": f"pass@1 {e['checkpoint']}", "value": e["pass@1"]}]}
-            for e in eval_index if e["pass@1"] is not None]}]
+        meta["model-index"] = [
+            {
+                "name": f.info.get("run_id"),
+                "results": [
+                    {
+                        "task": {"type": "text-generation"},
+                        "dataset": {"name": f"{e['stage']} ({e['group']})", "type": "snowcat-tasks"},
+                        "metrics": [{"type": "pass@1", "name": f"pass@1 {e['checkpoint']}", "value": e["pass@1"]}],
+                    }
+                    for e in eval_index
+                    if e["pass@1"] is not None
+                ],
+            }
+        ]
     meta["snowcat"] = {
-        "run_id": f.info.get("run_id"), "created": f.info.get("created"), "config_sha256": f.config_sha256,
-        "code_revision": soft_meta.get("code_revision"), "exported_checkpoint": exported_ref,
+        "run_id": f.info.get("run_id"),
+        "created": f.info.get("created"),
+        "config_sha256": f.config_sha256,
+        "code_revision": soft_meta.get("code_revision"),
+        "exported_checkpoint": exported_ref,
         "model_manifest_sha256": export_record.get("model_manifest_sha256") if export_record else None,
         **init_meta,
     }
     overrides = " ".join(origin.get("overrides") or [])
     parts = [
-        "---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "",
-        f"# {f.cfg.name}: {f.info.get('run_id')}", "",
-        f"{f.cfg.description or 'Description: ' + NR}", "",
+        "---",
+        yaml.safe_dump(meta, sort_keys=False).rstrip(),
+        "---",
+        "",
+        f"# {f.cfg.name}: {f.info.get('run_id')}",
+        "",
+        f"{f.cfg.description or 'Description: ' + NR}",
+        "",
         "Research artifact, produced by the snowcat pipeline. Every statement below is read from the run "
-        f"directory; \"{NR}\" marks facts the run did not record.", "",
-        "## Initializer", "", *init_lines, "",
-        "## Training data", "", *_data(f), "",
-        "## Recipe", "", f"- Run seed {f.cfg.seed}; resolved config `config.yaml` sha256 `{f.config_sha256}`", *_recipe(f), "",
-        "## Evaluation", "", *eval_lines, "",
-        "## Exported model", "", *export_lines, "",
-        "## Deleted checkpoints (retention)", "", *_retention(f), "",
-        "## Known limitations", "", *[f"- {x}" for x in limits], "",
-        "## Reproduction", "",
+        f'directory; "{NR}" marks facts the run did not record.',
+        "",
+        "## Initializer",
+        "",
+        *init_lines,
+        "",
+        "## Training data",
+        "",
+        *_data(f),
+        "",
+        "## Recipe",
+        "",
+        f"- Run seed {f.cfg.seed}; resolved config `config.yaml` sha256 `{f.config_sha256}`",
+        *_recipe(f),
+        "",
+        "## Evaluation",
+        "",
+        *eval_lines,
+        "",
+        "## Exported model",
+        "",
+        *export_lines,
+        "",
+        "## Deleted checkpoints (retention)",
+        "",
+        *_retention(f),
+        "",
+        "## Known limitations",
+        "",
+        *[f"- {x}" for x in limits],
+        "",
+        "## Reproduction",
+        "",
         f"- Same code, config and seed: `snowcat reproduce {f.run.path}` (a new run from the archived "
         "resolved config, compared stage by stage with this one)",
         f"- Original command: `snowcat run {_v(origin.get('config'))}{' ' + overrides if overrides else ''}"
-        f"{' --site ' + origin['site'] if origin.get('site') else ''}`", "",
-        "## Software and containers", "", *soft_lines, "",
+        f"{' --site ' + origin['site'] if origin.get('site') else ''}`",
+        "",
+        "## Software and containers",
+        "",
+        *soft_lines,
+        "",
     ]
 
     return scrub_text("\n".join(parts))  # e.g. an override holding a token must not reach a published card
@@ -321,7 +403,6 @@ def add_card_arguments(parser) -> None:
 
 
 def cmd_card(args) -> int:
-
     text = build_card(RunDir.open(args.run))
     if args.output:
         atomic_write_text(args.output, text)

@@ -95,7 +95,9 @@ def cmd_run(args) -> int:
     if existing:
         run = RunDir.open(run_dir)
         if config_mod.to_yaml(run.config()) != config_mod.to_yaml(cfg):
-            raise UserError(f"{run_dir}: holds a run with a different config; use another --run-dir or `snowcat resume {run_dir}`")
+            raise UserError(
+                f"{run_dir}: holds a run with a different config; use another --run-dir or `snowcat resume {run_dir}`"
+            )
     else:
         origin = {"config": str(Path(args.config).resolve()), "overrides": overrides, "site": args.site}
         run = RunDir.create(cfg, run_dir, origin=origin)
@@ -117,8 +119,12 @@ def dry_run(cfg, dag: Dag, run: RunDir | None, run_dir: Path | None) -> int:
         shutil.rmtree(scripts, ignore_errors=True)
         raise
     out.print(_plan_table(dag, cfg, run))
-    out.print(Text(f"dry run: the {len(written)} batch script(s) a submission would send, rendered for run directory "
-                   f"{target.path}, are in {scripts}; nothing was submitted and the run directory was not written"))
+    out.print(
+        Text(
+            f"dry run: the {len(written)} batch script(s) a submission would send, rendered for run directory "
+            f"{target.path}, are in {scripts}; nothing was submitted and the run directory was not written"
+        )
+    )
     return 0
 
 
@@ -138,7 +144,9 @@ def _refuse_secrets(cfg) -> None:
             elif isinstance(value, str):
                 for name, secret in secrets.items():
                     if secret in value:
-                        raise UserError(f"{where}: resolves to the value of the secret variable {name}; a run directory must never record it")
+                        raise UserError(
+                            f"{where}: resolves to the value of the secret variable {name}; a run directory must never record it"
+                        )
 
 
 def cmd_resume(args) -> int:
@@ -162,8 +170,10 @@ def status_record(run: RunDir) -> dict:
         units = {}
         for u in node.units:
             if u.index is not None:
-                units[u.key] = {"status": "done" if run.is_done(u) else state.get(u.key, {}).get("status", "pending"),
-                                "metrics": run.metrics(u)}
+                units[u.key] = {
+                    "status": "done" if run.is_done(u) else state.get(u.key, {}).get("status", "pending"),
+                    "metrics": run.metrics(u),
+                }
         metrics = run.metrics(node.units[0]) if node.items is None else {}
         stages[node.name] = {
             "kind": node.kind,
@@ -186,10 +196,13 @@ _HEADLINE_HINTS = ("pass@1", "reward", "loss", "selected", "val", "train")
 
 def _headline(metrics: dict, n: int = 3) -> str:
     """The few metrics worth a glance: pass rates first, then rewards, losses, counts."""
+
     def rank(key: str) -> int:
         return next((i for i, hint in enumerate(_HEADLINE_HINTS) if hint in key), len(_HEADLINE_HINTS))
 
-    numeric = [(k, v) for k, v in metrics.items() if k != "duration_s" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    numeric = [
+        (k, v) for k, v in metrics.items() if k != "duration_s" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
     items = sorted(numeric, key=lambda kv: rank(kv[0]))[:n]
     return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in items)
 
@@ -207,13 +220,22 @@ def cmd_status(args) -> int:
     for name, s in record["stages"].items():
         dur = s["metrics"].get("duration_s")
         extra = (s.get("slurm") or {}) if s["status"] != "done" else {}  # scheduler info matters while unfinished
-        note = extra.get("reason") or (s.get("error") if s["status"] != "done" else "") or (s["problems"][0] if s["problems"] else "")
+        note = (
+            extra.get("reason")
+            or (s.get("error") if s["status"] != "done" else "")
+            or (s["problems"][0] if s["problems"] else "")
+        )
         summary = Text(_headline(s["metrics"]) or "; ".join(s["progress"]))
         if note:
             summary.append(f" {note}" if summary else note, style="dim")
         table.add_row(
-            Text(name), Text(s["kind"]), styled(s["status"]), Text(str(s["attempts"])),
-            Text(str((s["job_ids"] or ["-"])[-1])), Text(f"{dur:.0f}s" if dur else "-"), summary,
+            Text(name),
+            Text(s["kind"]),
+            styled(s["status"]),
+            Text(str(s["attempts"])),
+            Text(str((s["job_ids"] or ["-"])[-1])),
+            Text(f"{dur:.0f}s" if dur else "-"),
+            summary,
         )
     out.print(table)
     return 0
@@ -234,12 +256,10 @@ def cmd_config(args) -> int:
 
 
 def cmd_cluster(args) -> int:
-
     return cluster.main([args.action] + (["--root", args.root] if args.root else []))
 
 
 def cmd_bench(args) -> int:
-
     try:
         module = importlib.import_module(f"snowcat.benchmarks.{args.name}")
     except ModuleNotFoundError:
@@ -281,7 +301,6 @@ def parser() -> argparse.ArgumentParser:
     cf.add_argument("overrides", nargs="*")
     cf.add_argument("--site")
     cf.set_defaults(func=cmd_config)
-
 
     a = sub.add_parser("audit", help="re-hash every artefact, check provenance, history and credentials; verdict table")
     audit.add_audit_arguments(a)

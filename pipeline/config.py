@@ -146,8 +146,7 @@ def _typed_stage(name: str, raw: Any, label_of: dict) -> DictConfig:
         schema = stage_schema(str(kind))
     except KeyError:
         raise UserError(
-            f"{label_of.get(name, 'config')}: stages.{name}.kind: unknown stage kind {kind!r} "
-            f"(known: {', '.join(stage_kinds())})"
+            f"{label_of.get(name, 'config')}: stages.{name}.kind: unknown stage kind {kind!r} (known: {', '.join(stage_kinds())})"
         ) from None
     return OmegaConf.structured(schema)
 
@@ -163,7 +162,7 @@ def compose(path: str | Path, overrides: list[str] = (), site: str | None = None
     # Which source defines each stage (for error messages) and the stage kinds, from a raw merge.
     label_of: dict[str, str] = {}
     for label, src in sources:
-        for name in (src.get("stages") or {}):
+        for name in src.get("stages") or {}:
             label_of.setdefault(str(name), label)
     try:
         raw = OmegaConf.merge(*(s for _, s in sources))

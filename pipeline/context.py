@@ -87,8 +87,18 @@ class StageContext:
     Preempted = Preempted
 
     @classmethod
-    def standalone(cls, kind: str, values: dict | None = None, *, run_dir: Path, inputs: dict[str, Path] | None = None,
-                   name: str | None = None, out_dir: Path | None = None, seed: int = 0, **fields: Any) -> StageContext:
+    def standalone(
+        cls,
+        kind: str,
+        values: dict | None = None,
+        *,
+        run_dir: Path,
+        inputs: dict[str, Path] | None = None,
+        name: str | None = None,
+        out_dir: Path | None = None,
+        seed: int = 0,
+        **fields: Any,
+    ) -> StageContext:
         """A context for one stage outside a run (tests, benchmarks, notebooks): the config typed and
         checked as the runner's is (`stage_config`), `needs` = the inputs' names unless given, and
         out_dir = run_dir/name, created."""
@@ -97,8 +107,17 @@ class StageContext:
         config = stage_config(kind, {"needs": list(inputs), **(values or {})}, name=name)
         out_dir = Path(out_dir) if out_dir is not None else Path(run_dir) / name
         out_dir.mkdir(parents=True, exist_ok=True)
-        return cls(name=name, kind=kind, config=config, run_config=None, run_dir=Path(run_dir), out_dir=out_dir,
-                   inputs=inputs, seed=seed, **fields)
+        return cls(
+            name=name,
+            kind=kind,
+            config=config,
+            run_config=None,
+            run_dir=Path(run_dir),
+            out_dir=out_dir,
+            inputs=inputs,
+            seed=seed,
+            **fields,
+        )
 
     def checkpoint(self, ref: str, key: str) -> Path:
         """The directory of a needed stage's checkpoint named "<stage>:<name>" by config key `key`
@@ -119,7 +138,6 @@ class StageContext:
         """Report progress (e.g. `ctx.progress(step, steps, loss=0.41, **{"tok/s": 1900})`): shown by the
         live view and `snowcat status`, and logged every 30 s. Only rank 0 reports; call it freely."""
         if self._reporter is None:
-
             self._reporter = ProgressReporter(Path(self.out_dir) / PROGRESS_FILE, self.name, enabled=self.rank == 0)
         self._reporter(done, total, unit=unit, phase=phase, **numbers)
 

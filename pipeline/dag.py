@@ -120,4 +120,4 @@ def _find_cycle(nodes: dict[str, StageNode], candidates: list[str]) -> list[str]
     while current not in path:
         path.append(current)
         current = next(d for d in nodes[current].needs if d in candidates)
-    return path[path.index(current):] + [current]
+    return path[path.index(current) :] + [current]

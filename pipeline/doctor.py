@@ -18,9 +18,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -98,8 +99,12 @@ def check_slurm() -> Check:
         return Check("slurm", FAIL, "scontrol not found", "run doctor on a login node of the cluster (or `module load slurm`)")
     code2, out2 = _sh(["sinfo", "-h", "-o", "%P"])
     if code2 != 0:
-        return Check("slurm", FAIL, f"{out} installed but the controller does not answer: {out2.splitlines()[-1] if out2 else code2}",
-                     "check SLURM_CONF / that slurmctld is up (locally: `snowcat cluster up`)")
+        return Check(
+            "slurm",
+            FAIL,
+            f"{out} installed but the controller does not answer: {out2.splitlines()[-1] if out2 else code2}",
+            "check SLURM_CONF / that slurmctld is up (locally: `snowcat cluster up`)",
+        )
     return Check("slurm", PASS, f"{out}; controller reachable", found={"version": out.split()[-1]})
 
 
@@ -149,35 +154,63 @@ def check_partitions(site: SiteProfile) -> Check:
     found = {"partitions": live}
     if problems:
         return Check("partitions", FAIL, "; ".join(problems), "; ".join(fixes) or "ask the centre", found)
-    names = ", ".join(f"{n} ({live[n]['gpus_per_node']} GPU/node, {live[n]['max_time_min']} min)" for n in wanted) or "none in profile"
+    names = (
+        ", ".join(f"{n} ({live[n]['gpus_per_node']} GPU/node, {live[n]['max_time_min']} min)" for n in wanted)
+        or "none in profile"
+    )
     if notes:
-        return Check("partitions", WARN, f"profile partitions present: {names}; " + "; ".join(notes),
-                     "raise gpus_per_node in the profile to use every GPU", found)
+        return Check(
+            "partitions",
+            WARN,
+            f"profile partitions present: {names}; " + "; ".join(notes),
+            "raise gpus_per_node in the profile to use every GPU",
+            found,
+        )
     return Check("partitions", PASS, f"profile partitions present: {names}", found=found)
 
 
 def check_account(site: SiteProfile, user: str) -> Check:
     code, out = _sh(["sacctmgr", "-nP", "show", "assoc", f"user={user}", "format=account,partition,qos"])
     if code != 0:
-        return Check("account", WARN, f"sacctmgr failed: {out.splitlines()[-1] if out else code}",
-                     "accounting is not queryable here; make sure jobs pass --account=<your project>")
+        return Check(
+            "account",
+            WARN,
+            f"sacctmgr failed: {out.splitlines()[-1] if out else code}",
+            "accounting is not queryable here; make sure jobs pass --account=<your project>",
+        )
     accounts = sorted({line.split("|")[0] for line in out.splitlines() if line.strip()})
     want = site.account
     found = {"accounts": accounts}
     if not accounts:
-        return Check("account", FAIL, f"user {user} has no Slurm account association",
-                     "ask your PI/centre to add you to a project (JSC: JuDoor; TACC: the allocation's PI)", found)
+        return Check(
+            "account",
+            FAIL,
+            f"user {user} has no Slurm account association",
+            "ask your PI/centre to add you to a project (JSC: JuDoor; TACC: the allocation's PI)",
+            found,
+        )
     if want and want not in accounts:
-        return Check("account", FAIL, f"account '{want}' is not one of {user}'s associations: {', '.join(accounts)}",
-                     f"set account: {_preferred_account(accounts, user)} in your site override (`snowcat onboard`)", found)
+        return Check(
+            "account",
+            FAIL,
+            f"account '{want}' is not one of {user}'s associations: {', '.join(accounts)}",
+            f"set account: {_preferred_account(accounts, user)} in your site override (`snowcat onboard`)",
+            found,
+        )
     if want:
         return Check("account", PASS, f"account '{want}' associated with {user}", found=found)
     required = site.account_required
     status = FAIL if required else (PASS if len(accounts) == 1 else WARN)
-    return Check("account", status, f"no account set{' (the site requires one)' if required else ''}; "
-                 f"{user} has {', '.join(accounts)}",
-                 "" if status == PASS else f"set account: {_preferred_account(accounts, user)} in your site override "
-                 f"(`python -m snowcat.pipeline.doctor --onboard FILE`)", found)
+    return Check(
+        "account",
+        status,
+        f"no account set{' (the site requires one)' if required else ''}; {user} has {', '.join(accounts)}",
+        ""
+        if status == PASS
+        else f"set account: {_preferred_account(accounts, user)} in your site override "
+        f"(`python -m snowcat.pipeline.doctor --onboard FILE`)",
+        found,
+    )
 
 
 def _preferred_account(accounts: list[str], user: str) -> str:
@@ -224,46 +257,76 @@ def check_hetjobs(site: SiteProfile, args: list[str] | None = None) -> Check:
     if code == 0:
         return Check("hetjobs", PASS, "a heterogeneous job passes `sbatch --test-only`")
     status = FAIL if claimed else WARN
-    return Check("hetjobs", status, f"hetjob rejected: {out.splitlines()[-1] if out else code}",
-                 "multi-role stages (RL) need hetjobs: ask the centre to allow them, or set hetjobs_allowed: false "
-                 "in the profile to run roles as separate jobs")
+    return Check(
+        "hetjobs",
+        status,
+        f"hetjob rejected: {out.splitlines()[-1] if out else code}",
+        "multi-role stages (RL) need hetjobs: ask the centre to allow them, or set hetjobs_allowed: false "
+        "in the profile to run roles as separate jobs",
+    )
 
 
 def check_arrays(site: SiteProfile, args: list[str] | None = None) -> Check:
     claimed = site.arrays_allowed
-    code, out = _test_only([*(job_args(site) if args is None else args), "-N1", "-n1", "-t", "1", "--array=0-1", "--wrap", "true"])
+    code, out = _test_only(
+        [*(job_args(site) if args is None else args), "-N1", "-n1", "-t", "1", "--array=0-1", "--wrap", "true"]
+    )
     if code == 0:
-        return Check("arrays", PASS if claimed else WARN, "job arrays accepted" + ("" if claimed else " (profile says not)"),
-                     "" if claimed else "set arrays_allowed: true in the profile")
-    return Check("arrays", FAIL if claimed else PASS, f"job arrays rejected: {out.splitlines()[-1] if out else code}",
-                 "set arrays_allowed: false in the profile (fan-out then submits one job per item)" if claimed else "")
+        return Check(
+            "arrays",
+            PASS if claimed else WARN,
+            "job arrays accepted" + ("" if claimed else " (profile says not)"),
+            "" if claimed else "set arrays_allowed: true in the profile",
+        )
+    return Check(
+        "arrays",
+        FAIL if claimed else PASS,
+        f"job arrays rejected: {out.splitlines()[-1] if out else code}",
+        "set arrays_allowed: false in the profile (fan-out then submits one job per item)" if claimed else "",
+    )
 
 
 def check_mpi(site: SiteProfile) -> Check:
-
     plugin = site_mpi_plugin(site)
     if site.launcher == "ibrun" and not shutil.which("ibrun"):
-        return Check("mpi", FAIL, "the profile's launcher is ibrun but ibrun is not on PATH",
-                     "run doctor on the site's login node, or set launcher: srun")
+        return Check(
+            "mpi",
+            FAIL,
+            "the profile's launcher is ibrun but ibrun is not on PATH",
+            "run doctor on the site's login node, or set launcher: srun",
+        )
     code, out = _sh(["srun", "--mpi=list"])
     if code != 0:
         return Check("mpi", FAIL, f"srun --mpi=list failed: {out}", "check that srun works on this node")
-    listed = {line.strip().split()[-1] for line in out.splitlines() if line.strip() and not line.strip().endswith(":")
-              and "plugin" not in line}
+    listed = {
+        line.strip().split()[-1]
+        for line in out.splitlines()
+        if line.strip() and not line.strip().endswith(":") and "plugin" not in line
+    }
     if plugin is None:  # ibrun sites: hetjob steps use srun's default plugin
         code, default = _sh(["scontrol", "show", "config"])
-        mpi_default = next((line.split("=", 1)[1].strip() for line in default.splitlines()
-                            if line.replace(" ", "").startswith("MpiDefault=")), "unknown")
-        return Check("mpi", PASS if mpi_default not in ("none", "unknown") else WARN,
-                     f"launcher ibrun; hetjob steps use srun's MpiDefault={mpi_default} (has: {', '.join(sorted(listed))})",
-                     "" if mpi_default not in ("none", "unknown") else
-                     "set mpi_plugin to one of the listed plugins so hetjob components share one MPI world",
-                     {"mpi": sorted(listed)})
+        mpi_default = next(
+            (line.split("=", 1)[1].strip() for line in default.splitlines() if line.replace(" ", "").startswith("MpiDefault=")),
+            "unknown",
+        )
+        return Check(
+            "mpi",
+            PASS if mpi_default not in ("none", "unknown") else WARN,
+            f"launcher ibrun; hetjob steps use srun's MpiDefault={mpi_default} (has: {', '.join(sorted(listed))})",
+            ""
+            if mpi_default not in ("none", "unknown")
+            else "set mpi_plugin to one of the listed plugins so hetjob components share one MPI world",
+            {"mpi": sorted(listed)},
+        )
     if plugin in listed:
         return Check("mpi", PASS, f"srun --mpi={plugin} available", found={"mpi": sorted(listed)})
-    return Check("mpi", FAIL, f"srun has no --mpi={plugin} (has: {', '.join(sorted(listed))})",
-                 f"set mpi_plugin: <one of {', '.join(sorted(listed))}> in the profile (pmix for OpenMPI; JSC: pspmix)",
-                 {"mpi": sorted(listed)})
+    return Check(
+        "mpi",
+        FAIL,
+        f"srun has no --mpi={plugin} (has: {', '.join(sorted(listed))})",
+        f"set mpi_plugin: <one of {', '.join(sorted(listed))}> in the profile (pmix for OpenMPI; JSC: pspmix)",
+        {"mpi": sorted(listed)},
+    )
 
 
 def check_apptainer(site: SiteProfile) -> Check:
@@ -272,16 +335,28 @@ def check_apptainer(site: SiteProfile) -> Check:
     module = site.container_module or "apptainer"
     if not binary:
         if runtime == "apptainer":
-            return Check("apptainer", FAIL, "the profile runs stages in Apptainer but apptainer is not on PATH",
-                         f"`module load {module}` before snowcat (TACC: compute nodes only), or set container_runtime: none")
-        return Check("apptainer", WARN, "apptainer not found; stages run without containers (runtime none)",
-                     f"to use images: `module load {module}` and set container_runtime: apptainer")
+            return Check(
+                "apptainer",
+                FAIL,
+                "the profile runs stages in Apptainer but apptainer is not on PATH",
+                f"`module load {module}` before snowcat (TACC: compute nodes only), or set container_runtime: none",
+            )
+        return Check(
+            "apptainer",
+            WARN,
+            "apptainer not found; stages run without containers (runtime none)",
+            f"to use images: `module load {module}` and set container_runtime: apptainer",
+        )
     code, out = _sh([binary, "--version"])
     gpu = shutil.which("nvidia-smi")
     detail = f"{out.strip()}" + ("" if gpu else "; no nvidia-smi on this node, --nv not verifiable here")
-    return Check("apptainer", PASS if gpu or runtime == "none" else WARN, detail,
-                 "" if gpu else "run `snowcat doctor` inside a GPU job to check `apptainer exec --nv`",
-                 {"apptainer": out.strip()})
+    return Check(
+        "apptainer",
+        PASS if gpu or runtime == "none" else WARN,
+        detail,
+        "" if gpu else "run `snowcat doctor` inside a GPU job to check `apptainer exec --nv`",
+        {"apptainer": out.strip()},
+    )
 
 
 def _single_host_cluster() -> bool:
@@ -303,18 +378,36 @@ def check_run_root(site: SiteProfile, run_root: str | os.PathLike, home: str | N
     existing = next((p for p in [root, *root.parents] if p.exists()), Path("/"))
     checks = []
     if root == home or home in root.resolve().parents or existing.resolve() == home:
-        checks.append(Check("run_root.home", FAIL, f"run root {root} is under $HOME ({home}): small quota, slow, often not for jobs",
-                            "set run_root to project or scratch storage (JSC: $PROJECT or $SCRATCH/snowcat; TACC: $WORK or $SCRATCH)"))
+        checks.append(
+            Check(
+                "run_root.home",
+                FAIL,
+                f"run root {root} is under $HOME ({home}): small quota, slow, often not for jobs",
+                "set run_root to project or scratch storage (JSC: $PROJECT or $SCRATCH/snowcat; TACC: $WORK or $SCRATCH)",
+            )
+        )
     else:
         checks.append(Check("run_root.home", PASS, f"run root {root} is not under $HOME"))
     try:  # in the run root, or where it would be created: doctor itself creates nothing
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".snowcat-doctor-") as f:
             f.write(b"ok")
             f.flush()
-        checks.append(Check("run_root.writable", PASS, f"{existing} writable" + ("" if existing == root else f" ({root} will be created there)")))
+        checks.append(
+            Check(
+                "run_root.writable",
+                PASS,
+                f"{existing} writable" + ("" if existing == root else f" ({root} will be created there)"),
+            )
+        )
     except OSError as e:
-        checks.append(Check("run_root.writable", FAIL, f"cannot write in {existing}: {e.strerror or e}",
-                            f"create {root} with the right group or choose another run_root"))
+        checks.append(
+            Check(
+                "run_root.writable",
+                FAIL,
+                f"cannot write in {existing}: {e.strerror or e}",
+                f"create {root} with the right group or choose another run_root",
+            )
+        )
         return checks
     root = existing
     fs = _fs_type(root)
@@ -324,24 +417,44 @@ def check_run_root(site: SiteProfile, run_root: str | os.PathLike, home: str | N
     elif _single_host_cluster():
         checks.append(Check("run_root.shared", PASS, f"{root} is on {fs}; every Slurm node is this machine"))
     else:
-        checks.append(Check("run_root.shared", WARN if not need_shared else FAIL,
-                            f"{root} is on {fs}, not a known shared filesystem",
-                            "stages on other nodes must see the run dir: put run_root on the parallel filesystem"
-                            if need_shared else "fine for a single-machine cluster"))
+        checks.append(
+            Check(
+                "run_root.shared",
+                WARN if not need_shared else FAIL,
+                f"{root} is on {fs}, not a known shared filesystem",
+                "stages on other nodes must see the run dir: put run_root on the parallel filesystem"
+                if need_shared
+                else "fine for a single-machine cluster",
+            )
+        )
     usage = shutil.disk_usage(root)
     free_gb = usage.free / 2**30
     min_gb = site.min_free_gb
-    checks.append(Check("run_root.space", PASS if free_gb >= min_gb else WARN, f"{free_gb:.0f} GiB free on {root}",
-                        "" if free_gb >= min_gb else f"free space or quota below {min_gb:.0f} GiB: clean old runs (`snowcat` retention) or move run_root"))
+    checks.append(
+        Check(
+            "run_root.space",
+            PASS if free_gb >= min_gb else WARN,
+            f"{free_gb:.0f} GiB free on {root}",
+            ""
+            if free_gb >= min_gb
+            else f"free space or quota below {min_gb:.0f} GiB: clean old runs (`snowcat` retention) or move run_root",
+        )
+    )
     quota = _quota(root, fs)
     if quota:
         checks.append(Check("run_root.quota", PASS, quota))
     scratch = site.scratch
     purge = site.scratch_purge_days
     if scratch and Path(os.path.expandvars(str(scratch))).expanduser() in [root, *root.parents]:
-        checks.append(Check("run_root.purge", WARN, f"run root is on scratch ({scratch})"
-                            + (f", purged after {purge} days unused" if purge else ", which centres purge"),
-                            "export finished runs (`snowcat card`, export stage) to project storage; keep staged artefacts out of scratch"))
+        checks.append(
+            Check(
+                "run_root.purge",
+                WARN,
+                f"run root is on scratch ({scratch})"
+                + (f", purged after {purge} days unused" if purge else ", which centres purge"),
+                "export finished runs (`snowcat card`, export stage) to project storage; keep staged artefacts out of scratch",
+            )
+        )
     return checks
 
 
@@ -358,40 +471,74 @@ def _quota(root: Path, fs: str) -> str | None:
     return f"quota: {out.splitlines()[-1].strip()}" if code == 0 and out else None
 
 
-_INTERNET_PROBE = ("import socket,sys\n"
-                   "try: socket.create_connection((sys.argv[1], 443), timeout=10); print('ONLINE')\n"
-                   "except OSError as e: print('OFFLINE', e)")
+_INTERNET_PROBE = (
+    "import socket,sys\n"
+    "try: socket.create_connection((sys.argv[1], 443), timeout=10); print('ONLINE')\n"
+    "except OSError as e: print('OFFLINE', e)"
+)
 
 
 def check_internet(site: SiteProfile, args: list[str] | None = None, host: str = "pypi.org", wait_s: int = 120) -> Check:
     claimed = site.internet_on_compute
-    cmd = ["srun", *(job_args(site) if args is None else args), "-N1", "-n1", "-t", "2", f"--immediate={wait_s}", "--job-name=snowcat-doctor",
-           "python3", "-c", _INTERNET_PROBE, host]
+    cmd = [
+        "srun",
+        *(job_args(site) if args is None else args),
+        "-N1",
+        "-n1",
+        "-t",
+        "2",
+        f"--immediate={wait_s}",
+        "--job-name=snowcat-doctor",
+        "python3",
+        "-c",
+        _INTERNET_PROBE,
+        host,
+    ]
     code, out = _sh(cmd, timeout=wait_s + 120)
     if "ONLINE" not in out and "OFFLINE" not in out:
-        return Check("internet", WARN, f"test job did not run within {wait_s}s: {out.splitlines()[-1] if out else code}",
-                     "internet on compute nodes unverified; prestage everything to be safe")
+        return Check(
+            "internet",
+            WARN,
+            f"test job did not run within {wait_s}s: {out.splitlines()[-1] if out else code}",
+            "internet on compute nodes unverified; prestage everything to be safe",
+        )
     online = "ONLINE" in out
     found = {"internet_on_compute": online}
     what = f"a compute node {'reaches' if online else 'cannot reach'} {host}:443"
     if claimed is None:
-        return Check("internet", WARN, what + "; the profile does not say", f"set internet_on_compute: {str(online).lower()}", found)
+        return Check(
+            "internet", WARN, what + "; the profile does not say", f"set internet_on_compute: {str(online).lower()}", found
+        )
     if bool(claimed) == online:
         return Check("internet", PASS, what + " as the profile says", found=found)
     if claimed and not online:
-        return Check("internet", FAIL, what + " but the profile says compute nodes have internet",
-                     "set internet_on_compute: false and add a prestage stage (run it on the login node)", found)
-    return Check("internet", WARN, what + " although the profile says they have none", "set internet_on_compute: true (prestaging still works)", found)
+        return Check(
+            "internet",
+            FAIL,
+            what + " but the profile says compute nodes have internet",
+            "set internet_on_compute: false and add a prestage stage (run it on the login node)",
+            found,
+        )
+    return Check(
+        "internet",
+        WARN,
+        what + " although the profile says they have none",
+        "set internet_on_compute: true (prestaging still works)",
+        found,
+    )
 
 
 def check_staged(staging_dir: str | os.PathLike | None, names: Iterable[str]) -> Check:
-
     names = list(names)
     if not names:
         return Check("staged", PASS, "no staged artefacts required")
     if not staging_dir:
-        return Check("staged", FAIL, f"{len(names)} artefacts required but no staging dir configured",
-                     "set the prestage stage's staging_dir (shared storage) and run prestage")
+        return Check(
+            "staged",
+            FAIL,
+            f"{len(names)} artefacts required but no staging dir configured",
+            "set the prestage stage's staging_dir (shared storage) and run prestage",
+        )
     try:
         paths = require_staged(staging_dir, names)
     except UserError as e:
@@ -402,9 +549,17 @@ def check_staged(staging_dir: str | os.PathLike | None, names: Iterable[str]) ->
 # --------------------------------------------------------------------------------------- driver
 
 
-def run_doctor(site_profile: SiteProfile, run_root: str | os.PathLike, *, user: str | None = None,
-               staging_dir: str | os.PathLike | None = None, staged: Iterable[str] = (),
-               jobs: bool = True, home: str | None = None, job_wait_s: int = 120) -> list[Check]:
+def run_doctor(
+    site_profile: SiteProfile,
+    run_root: str | os.PathLike,
+    *,
+    user: str | None = None,
+    staging_dir: str | os.PathLike | None = None,
+    staged: Iterable[str] = (),
+    jobs: bool = True,
+    home: str | None = None,
+    job_wait_s: int = 120,
+) -> list[Check]:
     """Every check, in order. jobs=False skips the one that starts a (tiny) job; it waits at most
     job_wait_s for a node (a busy cluster turns the check into a warning, not a hang)."""
     user = user or getpass.getuser()
@@ -431,7 +586,9 @@ def format_checks(checks: list[Check], as_json: bool = False) -> str:
         if c.fix and c.status != PASS:
             lines.append(f"      {'':<18} fix: {c.fix}")
     failed = sum(c.status == FAIL for c in checks)
-    lines.append(f"{failed} failed, {sum(c.status == WARN for c in checks)} warnings, {sum(c.status == PASS for c in checks)} passed")
+    lines.append(
+        f"{failed} failed, {sum(c.status == WARN for c in checks)} warnings, {sum(c.status == PASS for c in checks)} passed"
+    )
     return "\n".join(lines)
 
 
@@ -439,8 +596,13 @@ def exit_code(checks: list[Check]) -> int:
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 
-def onboard(site_profile: SiteProfile, run_root: str | os.PathLike | None = None, checks: list[Check] | None = None,
-            user: str | None = None, env: dict | None = None) -> dict:
+def onboard(
+    site_profile: SiteProfile,
+    run_root: str | os.PathLike | None = None,
+    checks: list[Check] | None = None,
+    user: str | None = None,
+    env: dict | None = None,
+) -> dict:
     """A user's site override from doctor's findings, without questions: account, run root, partitions.
 
     Only what differs from (or is missing in) the profile is written; paths prefer the centre's
@@ -495,10 +657,10 @@ def onboard(site_profile: SiteProfile, run_root: str | os.PathLike | None = None
 def write_override(override: dict, path: str | os.PathLike) -> Path:
     """Write the override as YAML (atomic); `snowcat run --site NAME` merges it over the profile."""
 
-
     path = Path(path)
-    atomic_write_text(path, "# written by `snowcat onboard` from `snowcat doctor` findings\n"
-                      + OmegaConf.to_yaml(OmegaConf.create(override)))
+    atomic_write_text(
+        path, "# written by `snowcat onboard` from `snowcat doctor` findings\n" + OmegaConf.to_yaml(OmegaConf.create(override))
+    )
     return path
 
 
@@ -509,8 +671,13 @@ def load_profile(name: str | None) -> SiteProfile:
     """The site profile by name (slurm.site.load_site); without one, a generic profile that claims
     nothing a check could contradict (the generic checks only)."""
     if not name:
-        return SiteProfile(name="generic", default_partition="", container_runtime="none", internet_on_compute=None,
-                           scratch=os.environ.get("SCRATCH", ""))
+        return SiteProfile(
+            name="generic",
+            default_partition="",
+            container_runtime="none",
+            internet_on_compute=None,
+            scratch=os.environ.get("SCRATCH", ""),
+        )
     site = load_site(name)
     use_local_cluster(site)
     return site
@@ -546,7 +713,6 @@ def cmd_onboard(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     p = argparse.ArgumentParser(prog="snowcat doctor", description=__doc__.splitlines()[0])
     add_arguments(p)
     p.add_argument("--onboard", metavar="OUTPUT", default=None, help="also write a site override YAML here")

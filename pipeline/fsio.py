@@ -13,8 +13,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20

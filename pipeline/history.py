@@ -27,8 +27,8 @@ one's whenever the stage itself is deterministic.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 from urllib.parse import quote, unquote
 
 import h5py
@@ -45,7 +45,6 @@ def _q(name: str) -> str:
 
 
 def _open(path: Path, mode: str):
-
     # our lock serialises access; HDF5's own lock fails on filesystems without fcntl support
     return h5py.File(path, mode, locking="best-effort")
 

@@ -13,7 +13,7 @@ import os
 import select
 import sys
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from .scrub import env_secrets, scrub_text
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from .errors import UserError
 from .fsio import build_manifest, read_json, sha256_bytes, sha256_file
@@ -60,15 +60,13 @@ def _verify(name: str, entry: dict, deep: bool) -> str | None:
     if path.is_file():
         actual = sha256_file(path)
     else:
-
         actual = tree_digest(build_manifest(path))
     if actual != entry["sha256"]:
         return f"staged artefact '{name}' at {path} changed since staging (sha256 differs)"
     return None
 
 
-def require_staged(index: dict[str, dict] | str | os.PathLike, names: Iterable[str],
-                   deep: bool = False) -> dict[str, Path]:
+def require_staged(index: dict[str, dict] | str | os.PathLike, names: Iterable[str], deep: bool = False) -> dict[str, Path]:
     """Paths of the named artefacts; UserError naming the first one not staged (or broken).
 
     deep=True re-hashes every file (slow for large models; prestage already verified them).
@@ -82,8 +80,10 @@ def require_staged(index: dict[str, dict] | str | os.PathLike, names: Iterable[s
     for name in names:
         entry = index.get(name)
         if entry is None:
-            raise UserError(f"artefact '{name}' is not staged in {where}: add it to the prestage stage "
-                            f"and run it on a login node (compute nodes have no internet)")
+            raise UserError(
+                f"artefact '{name}' is not staged in {where}: add it to the prestage stage "
+                f"and run it on a login node (compute nodes have no internet)"
+            )
         problem = _verify(name, entry, deep)
         if problem:
             raise UserError(f"{problem}: run the prestage stage again")

@@ -22,8 +22,16 @@ console = Console(stderr=True, highlight=False)
 
 # Every status a stage or unit record can hold, and the driver's event words.
 STYLE = {
-    "done": "green", "failed": "red", "modified": "red", "running": "yellow", "started": "cyan",
-    "continues": "cyan", "submitted": "blue", "pending": "dim", "preempted": "yellow", "cancelled": "magenta",
+    "done": "green",
+    "failed": "red",
+    "modified": "red",
+    "running": "yellow",
+    "started": "cyan",
+    "continues": "cyan",
+    "submitted": "blue",
+    "pending": "dim",
+    "preempted": "yellow",
+    "cancelled": "magenta",
 }
 LOG_EVERY_S = 60  # progress lines when the output is not a terminal (a log file, CI)
 
@@ -75,8 +83,9 @@ class Progress:
             done = sum(self.run.is_done(u) for u in units)
             status, _ = self.run.stage_status(self.dag, name, verify=False)
             lines = progress_lines(self.run, self.dag, name) if status == "running" else []
-            table.add_row(Text(name), Text(self.dag[name].kind), styled(status), Text(f"{done}/{len(units)}"),
-                          Text("\n".join(lines)))
+            table.add_row(
+                Text(name), Text(self.dag[name].kind), styled(status), Text(f"{done}/{len(units)}"), Text("\n".join(lines))
+            )
         return table
 
     def refresh(self) -> None:

@@ -19,8 +19,9 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from snowcat.pipeline.fsio import (
     MANIFEST,
@@ -35,8 +36,45 @@ from snowcat.pipeline.scrub import REDACTED, env_secrets, is_secret_name, looks_
 
 SCHEMA = 1
 DIRNAME = "provenance"
-PACKAGES = ("snowcat", "torch", "numpy", "transformers", "tokenizers", "deepspeed", "omegaconf", "submitit", "h5py", "safetensors", "mpi4py", "triton", "vllm", "megatron-core")
-ENV_PREFIXES = ("SLURM_", "CUDA_", "OMP_", "NCCL_", "APPTAINER_", "SINGULARITY_", "HF_", "PYTHON", "TORCH", "PYTORCH_", "MKL_", "OPENBLAS_", "NVIDIA_", "OMPI_", "PMIX_", "UCX_", "TRANSFORMERS_", "TOKENIZERS_", "TRITON_", "VLLM_", "SNOWCAT_")
+PACKAGES = (
+    "snowcat",
+    "torch",
+    "numpy",
+    "transformers",
+    "tokenizers",
+    "deepspeed",
+    "omegaconf",
+    "submitit",
+    "h5py",
+    "safetensors",
+    "mpi4py",
+    "triton",
+    "vllm",
+    "megatron-core",
+)
+ENV_PREFIXES = (
+    "SLURM_",
+    "CUDA_",
+    "OMP_",
+    "NCCL_",
+    "APPTAINER_",
+    "SINGULARITY_",
+    "HF_",
+    "PYTHON",
+    "TORCH",
+    "PYTORCH_",
+    "MKL_",
+    "OPENBLAS_",
+    "NVIDIA_",
+    "OMPI_",
+    "PMIX_",
+    "UCX_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "TRITON_",
+    "VLLM_",
+    "SNOWCAT_",
+)
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LD_LIBRARY_PATH", "PATH", "HOSTNAME")
 # Written by the stage runner after the record is taken; left out of the outputs digest. (Files named
 # manifest.json or DONE are never in a manifest at all: see fsio.build_manifest.)
@@ -46,14 +84,27 @@ LABELS_JSON = Path("/.singularity.d/labels.json")  # present inside every Apptai
 
 # Dotted paths every record must hold (not None); the audit also checks inputs, env and files.
 REQUIRED_FIELDS = (
-    "schema", "stage", "times.started", "times.ended", "exit_state",
-    "code.revision", "code.patch", "code.patch_sha256", "config.sha256",
-    "inputs", "outputs.files_sha256", "python.version", "packages", "host.hostname", "host.cpu_count", "env",
+    "schema",
+    "stage",
+    "times.started",
+    "times.ended",
+    "exit_state",
+    "code.revision",
+    "code.patch",
+    "code.patch_sha256",
+    "config.sha256",
+    "inputs",
+    "outputs.files_sha256",
+    "python.version",
+    "packages",
+    "host.hostname",
+    "host.cpu_count",
+    "env",
 )
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 def _git(root: Path, *args: str, ok: tuple[int, ...] = (0,)) -> bytes:
@@ -104,8 +155,13 @@ def code_state(run_dir: Path, root: Path | None = None) -> dict[str, Any]:
     if not (run_dir / rel).is_file():
         atomic_write_bytes(run_dir / rel, data)
     return {
-        "revision": revision, "dirty": bool(data), "patch": rel, "patch_sha256": digest,
-        "patch_scrubbed": scrubbed != text, "untracked": untracked, "version": _version("snowcat"),
+        "revision": revision,
+        "dirty": bool(data),
+        "patch": rel,
+        "patch_sha256": digest,
+        "patch_scrubbed": scrubbed != text,
+        "untracked": untracked,
+        "version": _version("snowcat"),
     }
 
 
@@ -129,7 +185,9 @@ def outputs_state(out_dir: Path, run_dir: Path) -> dict[str, Any]:
     files = {rel: meta for rel, meta in files.items() if rel not in RUNNER_FILES}
     manifest = out_dir / MANIFEST
     return {
-        "dir": _rel(out_dir, run_dir), "files": len(files), "bytes": sum(f["size"] for f in files.values()),
+        "dir": _rel(out_dir, run_dir),
+        "files": len(files),
+        "bytes": sum(f["size"] for f in files.values()),
         "files_sha256": _dir_digest(files) if out_dir.is_dir() else None,
         "manifest_sha256": sha256_file(manifest) if manifest.is_file() else None,
     }
@@ -143,7 +201,8 @@ def inputs_state(inputs: Mapping[str, Path], run_dir: Path) -> dict[str, Any]:
         manifests = sorted(path.glob(MANIFEST)) or sorted(path.glob(f"*/{MANIFEST}"))
         hashes = {_rel(m, path): sha256_file(m) for m in manifests}
         out[name] = {
-            "dir": _rel(path, run_dir), "manifests": hashes,
+            "dir": _rel(path, run_dir),
+            "manifests": hashes,
             "sha256": sha256_bytes(json.dumps(hashes, sort_keys=True).encode()) if hashes else None,
         }
     return out
@@ -156,7 +215,9 @@ def _rel(path: Path, base: Path) -> str:
         return str(path)
 
 
-def container_state(run_dir: Path, env: Mapping[str, str] | None = None, labels_json: Path | None = None) -> dict[str, Any] | None:
+def container_state(
+    run_dir: Path, env: Mapping[str, str] | None = None, labels_json: Path | None = None
+) -> dict[str, Any] | None:
     """Image a stage ran in, if any: path, sha256, labels. None when it ran on the host.
 
     Hashing a multi-GB SIF per stage is slow, so the digest is taken from SNOWCAT_IMAGE_SHA256
@@ -167,7 +228,10 @@ def container_state(run_dir: Path, env: Mapping[str, str] | None = None, labels_
     image = env.get("SNOWCAT_IMAGE") or env.get("APPTAINER_CONTAINER") or env.get("SINGULARITY_CONTAINER")
     if not image:
         return None
-    rec: dict[str, Any] = {"image": image, "runtime": "apptainer" if any(k.startswith(("APPTAINER_", "SINGULARITY_")) for k in env) else None}
+    rec: dict[str, Any] = {
+        "image": image,
+        "runtime": "apptainer" if any(k.startswith(("APPTAINER_", "SINGULARITY_")) for k in env) else None,
+    }
     rec["sha256"] = env.get("SNOWCAT_IMAGE_SHA256")
     if not rec["sha256"] and Path(image).is_file():
         st = Path(image).stat()
@@ -191,8 +255,14 @@ _ISA_FLAGS = ("sse4", "avx", "fma", "amx", "f16c", "asimd", "sve", "bf16", "i8mm
 
 def host_state(probe_gpu: bool = True) -> dict[str, Any]:
     rec: dict[str, Any] = {
-        "hostname": platform.node(), "platform": platform.platform(), "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "cpu_model": None, "cpu_flags": None, "memory_bytes": None, "gpus": None,
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": None,
+        "cpu_flags": None,
+        "memory_bytes": None,
+        "gpus": None,
     }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -228,10 +298,18 @@ def slurm_state(env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     if "SLURM_JOB_ID" not in env:
         return None
     names = {
-        "job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID", "array_task_id": "SLURM_ARRAY_TASK_ID",
-        "step_id": "SLURM_STEP_ID", "nodelist": "SLURM_JOB_NODELIST", "partition": "SLURM_JOB_PARTITION",
-        "account": "SLURM_JOB_ACCOUNT", "qos": "SLURM_JOB_QOS", "cluster": "SLURM_CLUSTER_NAME",
-        "restart_count": "SLURM_RESTART_COUNT", "procid": "SLURM_PROCID", "ntasks": "SLURM_NTASKS",
+        "job_id": "SLURM_JOB_ID",
+        "array_job_id": "SLURM_ARRAY_JOB_ID",
+        "array_task_id": "SLURM_ARRAY_TASK_ID",
+        "step_id": "SLURM_STEP_ID",
+        "nodelist": "SLURM_JOB_NODELIST",
+        "partition": "SLURM_JOB_PARTITION",
+        "account": "SLURM_JOB_ACCOUNT",
+        "qos": "SLURM_JOB_QOS",
+        "cluster": "SLURM_CLUSTER_NAME",
+        "restart_count": "SLURM_RESTART_COUNT",
+        "procid": "SLURM_PROCID",
+        "ntasks": "SLURM_NTASKS",
     }
     rec: dict[str, Any] = {k: env.get(v) for k, v in names.items()}
     rec["het"] = {k: v for k, v in env.items() if k.startswith("SLURM_HET_") or "_HET_GROUP_" in k} or None
@@ -273,14 +351,27 @@ def capture(
     """The provenance record of one unit (not yet written; see `write`)."""
     run_dir = Path(run_dir)
     record = {
-        "schema": SCHEMA, "stage": stage_name, "item": item, "captured_at": _now(),
-        "times": {"started": started, "ended": ended or _now()}, "exit_state": exit_state,
-        "code": code_state(run_dir), "config": _config_state(run_dir, stage_config),
-        "inputs": inputs_state(inputs, run_dir), "outputs": outputs_state(Path(outputs_dir), run_dir),
-        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(), "executable": sys.executable},
+        "schema": SCHEMA,
+        "stage": stage_name,
+        "item": item,
+        "captured_at": _now(),
+        "times": {"started": started, "ended": ended or _now()},
+        "exit_state": exit_state,
+        "code": code_state(run_dir),
+        "config": _config_state(run_dir, stage_config),
+        "inputs": inputs_state(inputs, run_dir),
+        "outputs": outputs_state(Path(outputs_dir), run_dir),
+        "python": {
+            "version": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "executable": sys.executable,
+        },
         "packages": {name: _version(name) for name in PACKAGES},
-        "container": container_state(run_dir), "host": host_state(probe_gpu), "slurm": slurm_state(),
-        "env": relevant_env(), "extra": dict(extra or {}),
+        "container": container_state(run_dir),
+        "host": host_state(probe_gpu),
+        "slurm": slurm_state(),
+        "env": relevant_env(),
+        "extra": dict(extra or {}),
     }
     # Safety net: whatever a caller put in `extra` (command lines, paths), no secret value survives.
     text = json.dumps(record, sort_keys=True, default=str)
@@ -303,9 +394,21 @@ def record_unit(run: Any, unit: Any, ctx: Any) -> Path:
     """The stage runner's hook (a RunDir, a dag Unit, the StageContext): capture and write."""
     state = run.state()["stages"].get(unit.key, {})
     record = capture(
-        unit.stage, run.path, ctx.inputs, ctx.out_dir,
-        {"kind": ctx.kind, "rank": ctx.rank, "world_size": ctx.world_size, "role": ctx.role, "seed": ctx.seed, "attempts": state.get("attempts")},
-        item=unit.index, started=state.get("started"), stage_config=ctx.config,
+        unit.stage,
+        run.path,
+        ctx.inputs,
+        ctx.out_dir,
+        {
+            "kind": ctx.kind,
+            "rank": ctx.rank,
+            "world_size": ctx.world_size,
+            "role": ctx.role,
+            "seed": ctx.seed,
+            "attempts": state.get("attempts"),
+        },
+        item=unit.index,
+        started=state.get("started"),
+        stage_config=ctx.config,
     )
     return write(record, run.path)
 

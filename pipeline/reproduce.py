@@ -37,10 +37,26 @@ from .rundir import RunDir, new_run_id
 # Metrics and history fields that measure time or speed: excluded from comparisons (they are not
 # expected to repeat). Everything else a stage reports must match exactly.
 TIMING_METRICS = (
-    "duration_s", "train_seconds", "tokens_per_s", "step_time_s", "wall_s", "elapsed_s", "seconds",
-    "samples_per_s", "updates_per_s", "rollout_s", "train_s", "gen_s", "wait_s",
+    "duration_s",
+    "train_seconds",
+    "tokens_per_s",
+    "step_time_s",
+    "wall_s",
+    "elapsed_s",
+    "seconds",
+    "samples_per_s",
+    "updates_per_s",
+    "rollout_s",
+    "train_s",
+    "gen_s",
+    "wait_s",
     # wall-clock stamps written by the runner or the retention ledger
-    "started", "ended", "finished", "registered_at", "time", "captured_at",
+    "started",
+    "ended",
+    "finished",
+    "registered_at",
+    "time",
+    "captured_at",
 )
 # Output files that record the run's own identity, hosts or times, so they differ by design.
 RUN_SPECIFIC_FILES = ("card.md",)
@@ -62,13 +78,14 @@ def recorded_code(run: RunDir) -> dict:
 
 
 def current_code() -> dict:
-
     with tempfile.TemporaryDirectory(prefix="snowcat-code-") as tmp:
         return code_state(Path(tmp))
 
 
 def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-c", f"safe.directory={root}", "-C", str(root), *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["git", "-c", f"safe.directory={root}", "-C", str(root), *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def pinned_source(run: RunDir, code: dict, where: Path) -> tuple[Path, str]:
@@ -89,18 +106,24 @@ def pinned_source(run: RunDir, code: dict, where: Path) -> tuple[Path, str]:
     if not patch.is_file() or sha256_file(patch) != code["patch_sha256"]:
         raise UserError(f"{patch}: the recorded patch is missing or altered; cannot restore the run's code")
     if _git(root, "cat-file", "-e", f"{code['revision']}^{{commit}}").returncode != 0:
-        raise UserError(f"{run.path}: this tree differs from the recorded code and revision {code['revision']} is not in "
-                        f"the git repository at {root}; fetch it or run from the original checkout")
+        raise UserError(
+            f"{run.path}: this tree differs from the recorded code and revision {code['revision']} is not in "
+            f"the git repository at {root}; fetch it or run from the original checkout"
+        )
     proc = _git(root, "worktree", "add", "--detach", "--force", str(tree), code["revision"])
     if proc.returncode != 0:
         raise UserError(f"{tree}: git worktree add failed: {proc.stderr.strip().splitlines()[-1:]}")
     if patch.stat().st_size:
-        proc = subprocess.run(["git", "apply", "--binary", "--whitespace=nowarn", str(patch)], cwd=tree, capture_output=True, text=True)
+        proc = subprocess.run(
+            ["git", "apply", "--binary", "--whitespace=nowarn", str(patch)], cwd=tree, capture_output=True, text=True
+        )
         if proc.returncode != 0:
             _git(root, "worktree", "remove", "--force", str(tree))
             last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            raise UserError(f"{patch}: this tree differs from the recorded revision {code['revision'][:12]} + patch, and the "
-                            f"patch does not apply to that revision ({last})")
+            raise UserError(
+                f"{patch}: this tree differs from the recorded revision {code['revision'][:12]} + patch, and the "
+                f"patch does not apply to that revision ({last})"
+            )
     ready.write_text(code["revision"] + "\n")
     return tree, f"worktree {tree} of revision {code['revision'][:12]} with the recorded patch applied"
 
@@ -138,8 +161,21 @@ def _same_torch_rng(old: Path, new: Path) -> bool:
     import torch  # noqa: PLC0415 (torch loads only when this runs: the CLI must start fast on a login node)
 
     a, b = torch.load(old, weights_only=False), torch.load(new, weights_only=False)
-    same = lambda x, y: (x is None and y is None) or (x is not None and y is not None and all(map(torch.equal, *(  # noqa: E731
-        (v if isinstance(v, (list, tuple)) else [v]) for v in (x, y)))))
+    same = lambda x, y: (
+        (x is None and y is None)
+        or (
+            x is not None
+            and y is not None
+            and all(
+                map(
+                    torch.equal,
+                    *(  # noqa: E731
+                        (v if isinstance(v, (list, tuple)) else [v]) for v in (x, y)
+                    ),
+                )
+            )
+        )
+    )
     return same(a.get("torch"), b.get("torch")) and same(a.get("cuda"), b.get("cuda"))
 
 
@@ -155,8 +191,16 @@ def compare_files(old: Path, new: Path, paths: tuple[str, ...]) -> str:
         return "same after comparing torch/CUDA RNG states only" if _same_torch_rng(old, new) else "differs"
     if old.suffix in (".json", ".jsonl"):
         try:
-            la = [json.loads(x) for x in old.read_text().splitlines() if x.strip()] if old.suffix == ".jsonl" else json.loads(old.read_text())
-            lb = [json.loads(x) for x in new.read_text().splitlines() if x.strip()] if new.suffix == ".jsonl" else json.loads(new.read_text())
+            la = (
+                [json.loads(x) for x in old.read_text().splitlines() if x.strip()]
+                if old.suffix == ".jsonl"
+                else json.loads(old.read_text())
+            )
+            lb = (
+                [json.loads(x) for x in new.read_text().splitlines() if x.strip()]
+                if new.suffix == ".jsonl"
+                else json.loads(new.read_text())
+            )
         except ValueError:
             return "differs"
         if _strip(la, paths[:2]) == _strip(lb, paths[2:]):
@@ -165,14 +209,16 @@ def compare_files(old: Path, new: Path, paths: tuple[str, ...]) -> str:
 
 
 def compare_runs(orig: RunDir, new: RunDir) -> dict:
-
     dag = build(orig.config())
     paths = (str(orig.path), orig.run_id, str(new.path), new.run_id)
     stages: dict[str, Any] = {}
     for node in dag:
         for unit in node.units:
             if not (orig.is_done(unit) and new.is_done(unit)):
-                stages[unit.key] = {"ok": False, "problems": [f"not done in {'the original' if not orig.is_done(unit) else 'the reproduction'}"]}
+                stages[unit.key] = {
+                    "ok": False,
+                    "problems": [f"not done in {'the original' if not orig.is_done(unit) else 'the reproduction'}"],
+                }
                 continue
             problems = compare_metrics(orig.metrics(unit), new.metrics(unit))
             fa = (read_json(orig.unit_dir(unit) / "manifest.json") or {}).get("files", {})
@@ -195,10 +241,21 @@ def compare_runs(orig: RunDir, new: RunDir) -> dict:
                     narrowed[rel] = verdict
                 if verdict == "differs":
                     problems.append(f"{rel}: sha256 {fa[rel]['sha256'][:12]} != {fb[rel]['sha256'][:12]}")
-            stages[unit.key] = {"ok": not problems, "files_identical": same, "files_equal_narrowed": narrowed,
-                                "files_not_compared": skipped, "problems": problems}
-    return {"original": str(orig.path), "reproduction": str(new.path), "ok": all(s["ok"] for s in stages.values()),
-            "excluded_metrics": list(TIMING_METRICS), "run_specific_files": list(RUN_SPECIFIC_FILES), "stages": stages}
+            stages[unit.key] = {
+                "ok": not problems,
+                "files_identical": same,
+                "files_equal_narrowed": narrowed,
+                "files_not_compared": skipped,
+                "problems": problems,
+            }
+    return {
+        "original": str(orig.path),
+        "reproduction": str(new.path),
+        "ok": all(s["ok"] for s in stages.values()),
+        "excluded_metrics": list(TIMING_METRICS),
+        "run_specific_files": list(RUN_SPECIFIC_FILES),
+        "stages": stages,
+    }
 
 
 # --- CLI ------------------------------------------------------------------------------------------
@@ -211,8 +268,6 @@ def add_reproduce_arguments(parser) -> None:
 
 
 def cmd_reproduce(args) -> int:
-
-
     err = Console(stderr=True, highlight=False)
     orig = RunDir.open(args.run)
     cfg = orig.config()
@@ -221,19 +276,26 @@ def cmd_reproduce(args) -> int:
         raise UserError(f"--run-dir {args.run_dir}: is the original run; choose a new directory")
     code = recorded_code(orig)
     root, how = pinned_source(orig, code, new_path.parent)
-    err.print(f"reproducing {orig.run_id} as {new_path.name}: code from {escape(how)}"
-              + (f" [yellow](the run recorded {code['states']} code states; using the latest)[/]" if code["states"] > 1 else ""))
+    err.print(
+        f"reproducing {orig.run_id} as {new_path.name}: code from {escape(how)}"
+        + (f" [yellow](the run recorded {code['states']} code states; using the latest)[/]" if code["states"] > 1 else "")
+    )
     env = dict(os.environ)
     if root != source_root():  # else the installed package is this tree
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(import_path(root)), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "snowcat.pipeline.cli", "run", str(orig.path / "config.yaml"), "--run-dir", str(new_path)],
-                          cwd=root, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "snowcat.pipeline.cli", "run", str(orig.path / "config.yaml"), "--run-dir", str(new_path)],
+        cwd=root,
+        env=env,
+    )
     new = RunDir.open(new_path) if (new_path / "run.json").is_file() else None
     if new is None:
         raise UserError(f"{new_path}: the reproduction did not start (snowcat run exited {proc.returncode})")
     if cfg.executor.kind != "local" and proc.returncode == 0 and not all(new.is_done(u) for u in _units(new)):
-        err.print(f"submitted with the {cfg.executor.kind} executor; when it has finished, compare with: "
-                  f"snowcat reproduce {orig.path} --run-dir {new_path}")
+        err.print(
+            f"submitted with the {cfg.executor.kind} executor; when it has finished, compare with: "
+            f"snowcat reproduce {orig.path} --run-dir {new_path}"
+        )
         return 1
     if root != source_root() and all(new.is_done(u) for u in _units(new)):  # the worktree served its purpose
         _git(source_root(), "worktree", "remove", "--force", str(root))
@@ -247,15 +309,22 @@ def cmd_reproduce(args) -> int:
         for col in ("stage", "verdict", "identical files", "equal (narrowed)", "detail"):
             table.add_column(col, overflow="fold")
         for key, s in report["stages"].items():
-            detail = s["problems"][0] + (f" (+{len(s['problems']) - 1} more)" if len(s["problems"]) > 1 else "") if s["problems"] else \
-                (f"not compared: {', '.join(s['files_not_compared'])}" if s.get("files_not_compared") else "")
-            table.add_row(key, "[green]match[/]" if s["ok"] else "[red]DIFFERS[/]", str(s.get("files_identical", "-")),
-                          str(len(s.get("files_equal_narrowed", {}))), escape(detail))
+            detail = (
+                s["problems"][0] + (f" (+{len(s['problems']) - 1} more)" if len(s["problems"]) > 1 else "")
+                if s["problems"]
+                else (f"not compared: {', '.join(s['files_not_compared'])}" if s.get("files_not_compared") else "")
+            )
+            table.add_row(
+                key,
+                "[green]match[/]" if s["ok"] else "[red]DIFFERS[/]",
+                str(s.get("files_identical", "-")),
+                str(len(s.get("files_equal_narrowed", {}))),
+                escape(detail),
+            )
         Console(highlight=False, width=200).print(table)
         err.print(f"timing metrics not compared: {', '.join(TIMING_METRICS)}")
     return 0 if report["ok"] and proc.returncode == 0 else 1
 
 
 def _units(run: RunDir):
-
     return build(run.config()).units()

@@ -13,9 +13,10 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, read_json
@@ -115,7 +116,13 @@ class Retention:
             c = self.ledger["checkpoints"][str(s)]
             c["deleted"] = True
             self.ledger["deleted"].append(
-                {"step": s, "metric": self.policy.metric, "value": c["value"], "reason": self._reason(s, best), "time": time.time()}
+                {
+                    "step": s,
+                    "metric": self.policy.metric,
+                    "value": c["value"],
+                    "reason": self._reason(s, best),
+                    "time": time.time(),
+                }
             )
         self.ledger["policy"] = asdict(self.policy)
         atomic_write_json(self.ledger_path, self.ledger)  # record first, then remove
@@ -125,7 +132,11 @@ class Retention:
     def _reason(self, step: int, best: int | None) -> str:
         p = self.policy
         value = self.registered()[step]
-        what = "no metric value" if value is None else f"{p.metric}={value:g} not in the best {p.keep_best} ({p.mode}; best step {best})"
+        what = (
+            "no metric value"
+            if value is None
+            else f"{p.metric}={value:g} not in the best {p.keep_best} ({p.mode}; best step {best})"
+        )
         return f"{what}; not among the last {p.keep_last}; not pinned"
 
     def _finish_deletions(self) -> None:

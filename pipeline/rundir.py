@@ -19,8 +19,9 @@ import datetime as dt
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from filelock import FileLock, Timeout
 from omegaconf import DictConfig
@@ -35,7 +36,7 @@ STATUSES = ("pending", "submitted", "running", "done", "failed", "cancelled", "m
 
 
 def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 def new_run_id(name: str) -> str:
@@ -49,7 +50,7 @@ class RunDir:
     # --- creation / opening ----------------------------------------------------------------
 
     @classmethod
-    def create(cls, cfg: DictConfig, path: Path | None = None, origin: dict | None = None) -> "RunDir":
+    def create(cls, cfg: DictConfig, path: Path | None = None, origin: dict | None = None) -> RunDir:
         """Create a run directory atomically: built under a temp name, renamed into place."""
         run_id = path.name if path is not None else new_run_id(cfg.name)
         path = Path(path) if path is not None else Path(cfg.run_root) / run_id
@@ -70,7 +71,7 @@ class RunDir:
         return cls(path)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "RunDir":
+    def open(cls, path: str | os.PathLike) -> RunDir:
         run = cls(path)
         if not (run.path / "config.yaml").is_file() or not (run.path / "run.json").is_file():
             raise UserError(f"{path}: not a snowcat run directory (no config.yaml / run.json)")

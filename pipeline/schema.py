@@ -18,8 +18,11 @@ Problem = tuple[str, str]  # (key below the section, what is wrong)
 
 def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None):
     """A numeric field with the range it must lie in; checked when a config loads (None passes)."""
-    bounds = [(b, op, word) for b, op, word in ((ge, operator.ge, ">="), (gt, operator.gt, ">"), (le, operator.le, "<="))
-              if b is not None]
+    bounds = [
+        (b, op, word)
+        for b, op, word in ((ge, operator.ge, ">="), (gt, operator.gt, ">"), (le, operator.le, "<="))
+        if b is not None
+    ]
     return field(default=default, metadata={"range": bounds})
 
 
@@ -130,5 +133,3 @@ class RunConfig:
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     site: Any = None  # typed by slurm.site.SiteProfile when given
     stages: dict[str, Any] = field(default_factory=dict)
-
-

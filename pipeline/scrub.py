@@ -15,9 +15,9 @@ import math
 import os
 import re
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import h5py
 import numpy as np
@@ -26,7 +26,20 @@ REDACTED = "<redacted>"
 
 # A name is secret when one of its words (split at _ - . and camelCase) is, or ends with, one of
 # these: APIKEY, HFTOKEN and DBPASSWORD match; KEYBOARD, TOKENIZERS_PARALLELISM, AUTHOR do not.
-_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "AUTH", "SESSION", "COOKIE", "PRIVATE", "SIGNATURE")
+_SECRET_WORDS = (
+    "KEY",
+    "TOKEN",
+    "SECRET",
+    "PASSWORD",
+    "PASSWD",
+    "PASSPHRASE",
+    "CREDENTIAL",
+    "AUTH",
+    "SESSION",
+    "COOKIE",
+    "PRIVATE",
+    "SIGNATURE",
+)
 _SECRET_EXACT = {"PASS", "PAT", "DSN"}  # only as a whole word (PWD is the working dir: not listed)
 # ...unless the name ends in one of these: HF_TOKEN_PATH, SSH_AUTH_SOCK name where a secret lives;
 # the location is worth recording (a value that itself looks like a credential is still caught).
@@ -64,7 +77,7 @@ _MAX_MATCH = 6100  # longest match any pattern can produce (the JWT bound), for 
 # English words and identifiers ~3-3.8; 64 hex characters cannot exceed log2(16) = 4 anyway.
 ENTROPY_MIN_LEN = 32
 ENTROPY_BITS = 4.0
-_TOKEN = re.compile(r"[A-Za-z0-9+/=_-]{%d,}" % ENTROPY_MIN_LEN)
+_TOKEN = re.compile(rf"[A-Za-z0-9+/=_-]{{{ENTROPY_MIN_LEN},}}")
 _HEX = re.compile(r"[0-9a-fA-F-]+")
 MIN_KNOWN_LEN = 8  # shorter "secrets" (SESSION_ID=1) would redact half of every log
 

@@ -35,8 +35,10 @@ class UnitProgress:
 
     def line(self) -> str:
         parts = [f"{self.label} {self.done}/{self.total} {self.unit}"]
-        parts += [f"{name} {_number(value)}" if not name.endswith("/s") else f"{_number(value)} {name}"
-                  for name, value in self.numbers.items()]
+        parts += [
+            f"{name} {_number(value)}" if not name.endswith("/s") else f"{_number(value)} {name}"
+            for name, value in self.numbers.items()
+        ]
         if self.eta_s is not None and self.done < self.total:
             parts.append(f"~{_duration(self.eta_s)} left")
         return " · ".join(parts)
@@ -61,8 +63,16 @@ def _duration(seconds: float) -> str:
 class ProgressReporter:
     """Writes a unit's progress file and log lines; cheap to call on every step."""
 
-    def __init__(self, path: Path, label: str, *, write_every_s: float = 2.0, log_every_s: float = 30.0,
-                 enabled: bool = True, clock=time.monotonic):
+    def __init__(
+        self,
+        path: Path,
+        label: str,
+        *,
+        write_every_s: float = 2.0,
+        log_every_s: float = 30.0,
+        enabled: bool = True,
+        clock=time.monotonic,
+    ):
         self.path, self.label, self.enabled = Path(path), label, enabled
         self.write_every_s, self.log_every_s, self.clock = write_every_s, log_every_s, clock
         self._start: tuple[str, int, float] | None = None  # (phase, done, time) when this phase began here
@@ -77,8 +87,16 @@ class ProgressReporter:
             self._start = (label, done, now)  # a resumed unit measures its rate from where it resumed
         _, done0, t0 = self._start
         rate = (done - done0) / (now - t0) if now > t0 and done > done0 else None
-        report = UnitProgress(label, int(done), int(total), unit, {k: float(v) for k, v in numbers.items()},
-                              rate, (total - done) / rate if rate else None, time.time())
+        report = UnitProgress(
+            label,
+            int(done),
+            int(total),
+            unit,
+            {k: float(v) for k, v in numbers.items()},
+            rate,
+            (total - done) / rate if rate else None,
+            time.time(),
+        )
         finished = done >= total
         if finished or now - self._last_write >= self.write_every_s:
             atomic_write_json(self.path, asdict(report))

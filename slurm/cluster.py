@@ -25,9 +25,9 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from filelock import FileLock
 from rich.console import Console
@@ -182,13 +182,26 @@ def _client_env(root: Path) -> dict[str, str]:
 def _render(root: Path, ports: dict[str, int], db_pass: str) -> dict[str, str]:
     first, last = ports[f"slurmd-{NODES[0]}"], ports[f"slurmd-{NODES[-1]}"]
     values = dict(
-        root=root, cluster=CLUSTER_NAME, host=socket.gethostname(), munge_socket=root / "run" / "munge.socket",
-        cred_expire=CRED_EXPIRE_S, ctld_port=ports["slurmctld"], dbd_port=ports["slurmdbd"], db_port=ports["mariadb"],
-        db_pass=db_pass, node_range=f"n[1-{len(NODES)}]", port_range=f"[{first}-{last}]", cpus=CPUS_PER_NODE,
-        mem_mb=MEM_MB_PER_NODE, gpus=GPUS_PER_NODE, last_gpu=GPUS_PER_NODE - 1, max_time_min=MAX_TIME_MIN,
+        root=root,
+        cluster=CLUSTER_NAME,
+        host=socket.gethostname(),
+        munge_socket=root / "run" / "munge.socket",
+        cred_expire=CRED_EXPIRE_S,
+        ctld_port=ports["slurmctld"],
+        dbd_port=ports["slurmdbd"],
+        db_port=ports["mariadb"],
+        db_pass=db_pass,
+        node_range=f"n[1-{len(NODES)}]",
+        port_range=f"[{first}-{last}]",
+        cpus=CPUS_PER_NODE,
+        mem_mb=MEM_MB_PER_NODE,
+        gpus=GPUS_PER_NODE,
+        last_gpu=GPUS_PER_NODE - 1,
+        max_time_min=MAX_TIME_MIN,
     )
-    return {n: string.Template((TEMPLATES / n).read_text()).substitute(values)
-            for n in ("slurm.conf", "gres.conf", "slurmdbd.conf")}
+    return {
+        n: string.Template((TEMPLATES / n).read_text()).substitute(values) for n in ("slurm.conf", "gres.conf", "slurmdbd.conf")
+    }
 
 
 def _prepare(root: Path) -> bool:
@@ -236,8 +249,11 @@ def up(root: Path | None = None) -> ClusterInfo:
 
 
 def _up(root: Path) -> ClusterInfo:
-    missing = [exe for exe in ("munged", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld", "slurmd", "sacctmgr")
-               if not shutil.which(exe, path=_SEARCH_PATH)]
+    missing = [
+        exe
+        for exe in ("munged", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld", "slurmd", "sacctmgr")
+        if not shutil.which(exe, path=_SEARCH_PATH)
+    ]
     if missing:
         raise ClusterError(f"local cluster: missing programs {missing}; run .ci/cluster.sh to install Debian's packages")
     if _prepare(root) and any(_live_pid(d) for d in _daemons(root)):
@@ -247,26 +263,71 @@ def _up(root: Path) -> ClusterInfo:
     munged, mariadbd, slurmdbd, slurmctld, *slurmds = _daemons(root)
     etc, run = root / "etc", root / "run"
 
-    _start(munged, ["munged", f"--key-file={etc / 'munge.key'}", f"--socket={run / 'munge.socket'}",
-                    f"--pid-file={munged.pidfile}", f"--log-file={munged.log}", f"--seed-file={run / 'munge.seed'}"], env)
+    _start(
+        munged,
+        [
+            "munged",
+            f"--key-file={etc / 'munge.key'}",
+            f"--socket={run / 'munge.socket'}",
+            f"--pid-file={munged.pidfile}",
+            f"--log-file={munged.log}",
+            f"--seed-file={run / 'munge.seed'}",
+        ],
+        env,
+    )
 
     sock = run / "mysqld.sock"
     if not (root / "mysql").exists():  # built under a temp name: a failed install leaves nothing half-made
         with atomic_dir(root / "mysql") as datadir, open(mariadbd.log, "ab") as out:
-            if subprocess.run(["mariadb-install-db", "--no-defaults", "--user=root", f"--datadir={datadir}",
-                               "--auth-root-authentication-method=socket", "--skip-test-db"],
-                              env=env, stdout=out, stderr=out).returncode != 0:
+            if (
+                subprocess.run(
+                    [
+                        "mariadb-install-db",
+                        "--no-defaults",
+                        "--user=root",
+                        f"--datadir={datadir}",
+                        "--auth-root-authentication-method=socket",
+                        "--skip-test-db",
+                    ],
+                    env=env,
+                    stdout=out,
+                    stderr=out,
+                ).returncode
+                != 0
+            ):
                 raise ClusterError(f"local cluster: mariadb-install-db failed; tail of {mariadbd.log}:\n{_tail(mariadbd.log)}")
-    _start(mariadbd, ["mariadbd", "--no-defaults", "--user=root", f"--datadir={root / 'mysql'}", f"--socket={sock}",
-                      f"--port={ports['mariadb']}", "--bind-address=127.0.0.1", f"--pid-file={mariadbd.pidfile}",
-                      f"--log-error={mariadbd.log}", "--skip-name-resolve", "--innodb-buffer-pool-size=64M",
-                      "--performance-schema=OFF"], env, daemonizes=False)
+    _start(
+        mariadbd,
+        [
+            "mariadbd",
+            "--no-defaults",
+            "--user=root",
+            f"--datadir={root / 'mysql'}",
+            f"--socket={sock}",
+            f"--port={ports['mariadb']}",
+            "--bind-address=127.0.0.1",
+            f"--pid-file={mariadbd.pidfile}",
+            f"--log-error={mariadbd.log}",
+            "--skip-name-resolve",
+            "--innodb-buffer-pool-size=64M",
+            "--performance-schema=OFF",
+        ],
+        env,
+        daemonizes=False,
+    )
     mysql = ["mariadb", "--no-defaults", f"--socket={sock}", "-u", "root"]
     _wait(lambda: _ok([*mysql, "-e", "SELECT 1"], env), "mariadbd", mariadbd.log)
     db_pass = (etc / "db.pass").read_text().strip()
-    _run([*mysql, "-e", f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{db_pass}';"
-                        f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{db_pass}';"
-                        "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"], env)
+    _run(
+        [
+            *mysql,
+            "-e",
+            f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{db_pass}';"
+            f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{db_pass}';"
+            "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';",
+        ],
+        env,
+    )
 
     _start(slurmdbd, ["slurmdbd"], env)
     _wait(lambda: _ok(["sacctmgr", "-n", "list", "cluster"], env), "slurmdbd", slurmdbd.log)
@@ -290,8 +351,19 @@ def _ensure_accounting(env: dict[str, str]) -> None:
     if not has("cluster", "cluster", CLUSTER_NAME):
         _run(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], env)
     if not has("account", "account", ACCOUNT):
-        _run(["sacctmgr", "-i", "add", "account", ACCOUNT, f"cluster={CLUSTER_NAME}",
-              "description=snowcat local test cluster", "organization=snowcat"], env)
+        _run(
+            [
+                "sacctmgr",
+                "-i",
+                "add",
+                "account",
+                ACCOUNT,
+                f"cluster={CLUSTER_NAME}",
+                "description=snowcat local test cluster",
+                "organization=snowcat",
+            ],
+            env,
+        )
     # root already has an association with the `root` account; check the (account, user) pair.
     if not has("association", "account,user", f"{ACCOUNT}|{user}"):
         _run(["sacctmgr", "-i", "add", "user", user, f"account={ACCOUNT}", f"cluster={CLUSTER_NAME}"], env)
@@ -329,8 +401,12 @@ def _down(root: Path) -> None:
         if jobs:
             _ok(["scancel", *jobs], env)
             deadline = time.monotonic() + STOP_TIMEOUT_S
-            while time.monotonic() < deadline and subprocess.run(
-                    ["squeue", "-h", "-o", "%A"], env=env, capture_output=True, text=True, timeout=20).stdout.split():
+            while (
+                time.monotonic() < deadline
+                and subprocess.run(
+                    ["squeue", "-h", "-o", "%A"], env=env, capture_output=True, text=True, timeout=20
+                ).stdout.split()
+            ):
                 time.sleep(0.5)
     # Controller first so it does not mark nodes down; then nodes, accounting, database, munge.
     for d in [ds[3], *ds[4:], ds[2], ds[1], ds[0]]:
@@ -343,12 +419,17 @@ def status(root: Path | None = None) -> dict:
     daemons = {d.name: _live_pid(d) for d in _daemons(root)}
     env = {**os.environ, **_client_env(root)}
     nodes = _node_states(env) if daemons["slurmctld"] else {}
-    return {"root": str(root), "up": all(daemons.values()) and _nodes_ready(env) if daemons["slurmctld"] else False,
-            "daemons": daemons, "nodes": nodes, "env": _client_env(root), "ports": _ports(root)}
+    return {
+        "root": str(root),
+        "up": all(daemons.values()) and _nodes_ready(env) if daemons["slurmctld"] else False,
+        "daemons": daemons,
+        "nodes": nodes,
+        "env": _client_env(root),
+        "ports": _ports(root),
+    }
 
 
 def _print_status(st: dict) -> None:
-
     table = Table(title=f"snowcat local cluster at {st['root']}: {'[green]UP' if st['up'] else '[red]DOWN'}")
     table.add_column("daemon")
     table.add_column("pid")
@@ -360,14 +441,17 @@ def _print_status(st: dict) -> None:
     console = Console()
     console.print(table)
     if st["up"]:
-        console.print(f"clients: [bold]source {st['root']}/env.sh[/bold]  (" +
-                      " ".join(f"{k}={v}" for k, v in st["env"].items()) + ")")
+        console.print(
+            f"clients: [bold]source {st['root']}/env.sh[/bold]  (" + " ".join(f"{k}={v}" for k, v in st["env"].items()) + ")"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m snowcat.slurm.cluster", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["up", "down", "status"])
-    parser.add_argument("--root", type=Path, default=None, help="cluster directory (default: $SNOWCAT_CLUSTER_ROOT or <repo>/.cluster)")
+    parser.add_argument(
+        "--root", type=Path, default=None, help="cluster directory (default: $SNOWCAT_CLUSTER_ROOT or <repo>/.cluster)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "up":

@@ -36,8 +36,20 @@ from snowcat.slurm.site import SiteProfile, use_local_cluster
 
 from .hetjob import HetjobExecutor, parse_job_id
 
-ALIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
-         "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "PREEMPTED"}
+ALIVE = {
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "CONFIGURING",
+    "COMPLETING",
+    "SUSPENDED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "PREEMPTED",
+}
 CANCELLED = {"CANCELLED"}
 
 
@@ -59,7 +71,6 @@ class StageJob(submitit.helpers.Checkpointable):
     max_continuations: int = 3
 
     def __call__(self, index: int | None = None) -> dict:
-
         run = RunDir.open(self.run_dir)
         code = run_unit(self.run_dir, self.stage, index)
         unit = Unit(self.stage, index)
@@ -78,7 +89,11 @@ class StageJob(submitit.helpers.Checkpointable):
         used = int(record.get("continuations_used", 0))
         if self.strategy == "requeue":
             if used >= self.max_continuations:
-                run.update_stage(unit.key, status="failed", error=f"walltime reached {used + 1} times; max_continuations={self.max_continuations}")
+                run.update_stage(
+                    unit.key,
+                    status="failed",
+                    error=f"walltime reached {used + 1} times; max_continuations={self.max_continuations}",
+                )
                 raise RuntimeError(f"stage {unit.key}: out of continuations")
             run.update_stage(unit.key, status="submitted", continuations_used=used + 1, ended=now())
             env._requeue(self.max_continuations - used - 1)
@@ -128,8 +143,9 @@ class SlurmExecutor(Executor):
         partition = self._partition(res)
         gpus = int(res.gpus_per_node)
         try:
-            site_mod.validate_request(self.site, partition=partition, nodes=int(res.nodes), gpus_per_node=gpus,
-                                      time_min=int(time_min))
+            site_mod.validate_request(
+                self.site, partition=partition, nodes=int(res.nodes), gpus_per_node=gpus, time_min=int(time_min)
+            )
         except UserError as e:
             raise UserError(f"{where}: {e}") from None
         options = {
@@ -145,7 +161,6 @@ class SlurmExecutor(Executor):
         return site_mod.filter_sbatch_options(self.site, options)
 
     def _job_options(self, node: StageNode, time_min: int) -> dict:
-
         options = {
             "job-name": f"snowcat-{self.run.run_id}-{node.name}"[:120],
             "time": int(time_min),
@@ -176,11 +191,12 @@ class SlurmExecutor(Executor):
             return shlex.quote(sys.executable)
 
         binds = [str(self.run.path)] + [str(p) for p in (self.site.scratch, self.site.project) if p]
-        gpu = node.config.resources.gpus_per_node > 0 or any(c.gpus_per_node > 0 for c in node.config.resources.components.values())
+        gpu = node.config.resources.gpus_per_node > 0 or any(
+            c.gpus_per_node > 0 for c in node.config.resources.components.values()
+        )
         return shlex.join(wrap_command(["python"], runtime=runtime, image=node.config.image, binds=binds, gpu=gpu))
 
     def _launch_args(self, node: StageNode) -> list[str]:
-
         if self.world_size(node) <= 1:
             return []
         plugin = site_mpi_plugin(self.site)
@@ -206,10 +222,13 @@ class SlurmExecutor(Executor):
             if not self.site.hetjobs_allowed:
                 raise UserError(f"stages.{node.name}: site {self.site.name} does not allow heterogeneous jobs")
 
-            comps = [self._resource_options(f"{where}.components.{name}", comp, time_min) for name, comp in res.components.items()]
+            comps = [
+                self._resource_options(f"{where}.components.{name}", comp, time_min) for name, comp in res.components.items()
+            ]
             launcher = srun_line(self.site, list(range(len(comps))), [], extra=["--kill-on-bad-exit=1"])
-            return HetjobExecutor(folder, comps, job, launcher, setup=self._setup(node), python=self._python(node),
-                                  max_num_timeout=max_timeouts)
+            return HetjobExecutor(
+                folder, comps, job, launcher, setup=self._setup(node), python=self._python(node), max_num_timeout=max_timeouts
+            )
         python = self._python(node)
         if self.site.launcher == "ibrun" and self.world_size(node) > 1:
             python = f"ibrun {python}"  # TACC: ibrun starts the ranks where others use srun
@@ -243,7 +262,6 @@ class SlurmExecutor(Executor):
         """The batch script this stage would be submitted with (nothing is submitted or written)."""
         ex = self.executor_for(node, dependency)
         if node.items is not None and self.site.arrays_allowed:
-
             site_mod.validate_request(self.site, partition=self._partition(node.config.resources), array_size=len(node.items) - 1)
             ex.parameters["map_count"] = len(node.items)
         return ex._make_submission_file_text(ex._submitit_command_str, "render")
@@ -290,7 +308,8 @@ class SlurmExecutor(Executor):
             record = state.get(node.name, {})
             live = {k: row for k, row in alive.items() if parse_job_id(k)["job"] in record.get("job_ids", [])}
             stale = any(n in resubmitted for n in node.needs) or any(
-                "DependencyNeverSatisfied" in row["reason"] for row in live.values())
+                "DependencyNeverSatisfied" in row["reason"] for row in live.values()
+            )
             if live and not stale:  # still queued or running from an earlier submission: keep it
                 deps[node.name] = record.get("wait_on") or [f"afterok:{j}" for j in record["job_ids"]]
                 continue
@@ -336,8 +355,14 @@ class SlurmExecutor(Executor):
             wait_on = [f"afterany:{i}" for i in (continuations[-1:] or ids)]
         record = self.run.state()["stages"].get(node.name, {})
         self.run.update_stage(
-            node.name, status="submitted", executor="slurm", submitted=now(), job_ids=ids + continuations,
-            attempts=record.get("attempts", 0) + 1, wait_on=wait_on, continuations=continuations,
+            node.name,
+            status="submitted",
+            executor="slurm",
+            submitted=now(),
+            job_ids=ids + continuations,
+            attempts=record.get("attempts", 0) + 1,
+            wait_on=wait_on,
+            continuations=continuations,
             slurm_folder=str(ex.folder),
         )
         for u in pending:
@@ -348,7 +373,9 @@ class SlurmExecutor(Executor):
     # reconciliation ----------------------------------------------------------------------------
 
     def job_ids(self) -> list[str]:
-        return [j for rec in self.run.state()["stages"].values() for j in rec.get("job_ids", []) if not str(j).startswith("local:")]
+        return [
+            j for rec in self.run.state()["stages"].values() for j in rec.get("job_ids", []) if not str(j).startswith("local:")
+        ]
 
     def sacct(self) -> dict[str, dict]:
         """One sacct call for every job of the run: {job id: row}. Array and hetjob rows keep
@@ -359,7 +386,9 @@ class SlurmExecutor(Executor):
         fields = "JobID,State,ExitCode,Reason,NodeList,Partition,Account,Elapsed,Start,End"
         proc = subprocess.run(
             ["sacct", "-n", "-P", "-X", "--duplicates", "-j", ",".join(ids), "-o", fields],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         if proc.returncode != 0:
             raise UserError(f"sacct failed: {proc.stderr.strip() or proc.stdout.strip()}")
@@ -392,9 +421,14 @@ class SlurmExecutor(Executor):
                     continue
                 states = [r["state"].split()[0] for r in unit_rows]
                 latest = unit_rows[-1]
-                info = {"state": latest["state"], "reason": latest["reason"] if latest["reason"] not in ("None", "") else None,
-                        "nodes": latest["nodelist"], "exit_code": latest["exitcode"], "partition": latest["partition"],
-                        "account": latest["account"]}
+                info = {
+                    "state": latest["state"],
+                    "reason": latest["reason"] if latest["reason"] not in ("None", "") else None,
+                    "nodes": latest["nodelist"],
+                    "exit_code": latest["exitcode"],
+                    "partition": latest["partition"],
+                    "account": latest["account"],
+                }
                 if "DependencyNeverSatisfied" in (info["reason"] or ""):
                     status = "failed"  # waits on an input that failed: it would pend forever
                     info["reason"] = "an input stage failed (dependency never satisfied); snowcat resume resubmits"

@@ -52,8 +52,16 @@ class HetjobExecutor(submitit.SlurmExecutor):
     python command that submitit appends.
     """
 
-    def __init__(self, folder: str | Path, components: list[dict], job_options: dict, launcher: list[str],
-                 setup: list[str] = (), python: str | None = None, max_num_timeout: int = 3):
+    def __init__(
+        self,
+        folder: str | Path,
+        components: list[dict],
+        job_options: dict,
+        launcher: list[str],
+        setup: list[str] = (),
+        python: str | None = None,
+        max_num_timeout: int = 3,
+    ):
         super().__init__(folder, max_num_timeout=max_num_timeout, python=python)
         if len(components) < 2:
             raise ValueError("a heterogeneous job needs at least two components")
@@ -87,6 +95,11 @@ class HetjobExecutor(submitit.SlurmExecutor):
         per_task = str(paths.stdout)  # %j_%t: one log per rank, as submitit does for plain jobs
         srun = [*self.launcher, "--unbuffered", "--output", per_task, "--error", per_task]
         watch = [sys.executable, "-m", "snowcat.slurm.stepwatch", "--"]  # host python: the launcher runs outside any container
-        lines += ["", "# one step over every component: one MPI world", "export SUBMITIT_EXECUTOR=slurm",
-                  f"{shlex.join(watch + srun)} {command}", ""]
+        lines += [
+            "",
+            "# one step over every component: one MPI world",
+            "export SUBMITIT_EXECUTOR=slurm",
+            f"{shlex.join(watch + srun)} {command}",
+            "",
+        ]
         return "\n".join(lines)

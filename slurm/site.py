@@ -142,9 +142,16 @@ def use_local_cluster(site) -> None:
 # ---------------------------------------------------------------- requests and rendering
 
 
-def validate_request(site: SiteProfile, partition: str | None = None, nodes: int = 1, gpus_per_node: int = 0,
-                     time_min: int = 60, array_size: int = 0, hetjob: bool = False,
-                     account: str | None = None) -> None:
+def validate_request(
+    site: SiteProfile,
+    partition: str | None = None,
+    nodes: int = 1,
+    gpus_per_node: int = 0,
+    time_min: int = 60,
+    array_size: int = 0,
+    hetjob: bool = False,
+    account: str | None = None,
+) -> None:
     """Raise UserError (naming site, partition and the limit) if the site cannot run this request."""
     part_name = partition or site.default_partition
     where = f"site {site.name}, partition {part_name}"
@@ -167,9 +174,24 @@ def validate_request(site: SiteProfile, partition: str | None = None, nodes: int
         raise UserError(f"site {site.name}: an account is required (set the site's `account` or pass one)")
 
 
-_SHORT = {"A": "account", "N": "nodes", "n": "ntasks", "p": "partition", "t": "time", "G": "gpus", "J": "job-name",
-          "o": "output", "e": "error", "a": "array", "d": "dependency", "c": "cpus-per-task", "w": "nodelist",
-          "x": "exclude", "q": "qos", "C": "constraint"}
+_SHORT = {
+    "A": "account",
+    "N": "nodes",
+    "n": "ntasks",
+    "p": "partition",
+    "t": "time",
+    "G": "gpus",
+    "J": "job-name",
+    "o": "output",
+    "e": "error",
+    "a": "array",
+    "d": "dependency",
+    "c": "cpus-per-task",
+    "w": "nodelist",
+    "x": "exclude",
+    "q": "qos",
+    "C": "constraint",
+}
 _GPU_KEYS = ("gres", "gpus", "gpus-per-node", "gpus-per-task")
 
 

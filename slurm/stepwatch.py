@@ -109,8 +109,12 @@ def watch(command: list[str], job: str | None, grace_s: float = 30.0, poll_s: fl
         else:
             ended_at = None
     names = ", ".join(f"{job}.{s}" for s in sorted(ours))
-    print(f"stepwatch: {command[0]} is still running {grace_s:.0f} s after step {names} ended "
-          f"(Slurm 22.05 hangs this way after heterogeneous PMIx steps); stopping it", file=sys.stderr, flush=True)
+    print(
+        f"stepwatch: {command[0]} is still running {grace_s:.0f} s after step {names} ended "
+        f"(Slurm 22.05 hangs this way after heterogeneous PMIx steps); stopping it",
+        file=sys.stderr,
+        flush=True,
+    )
     os.killpg(child.pid, signal.SIGKILL)
     child.wait()
     return max(exit_status(code) for rows in ours.values() for _, code in rows)

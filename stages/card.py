@@ -14,7 +14,6 @@ from snowcat.pipeline.rundir import RunDir
 
 
 def run(ctx) -> dict:
-
     text = build_card(RunDir(ctx.run_dir))
     atomic_write_text(Path(ctx.out_dir) / ctx.config.filename, text)
     return {"not_recorded": text.count("not recorded")}

@@ -328,4 +328,3 @@ KINDS: dict[str, type] = {
     "scan": ScanConfig,
     "mpi_check": MpiCheckConfig,
 }
-

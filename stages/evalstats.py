@@ -8,7 +8,7 @@ differences, and intervals come from a bootstrap that resamples tasks.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -45,7 +45,6 @@ def _attempt_seed(run_seed: int, batch_index: int) -> int:
 def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier) -> list[dict]:
     """One record per (task, attempt) for checkpoint `ref`."""
 
-
     device = local_device(ctx.local_rank)
     model, _, tok = load_model_dir(ctx.checkpoint(ref, "checkpoints"), device=device)
     if tok is None:
@@ -65,28 +64,48 @@ def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVe
             except EngineError as e:
                 causes.append(f"engine: {e}")
         for i, (task, attempt) in enumerate(batch):
-            rec = dict(checkpoint=ref, task_id=task.task_id, domain=task.domain, difficulty=int(task.difficulty),
-                       attempt=attempt, token_ids=[], logprobs=[], text="", reward=math.nan, passed=-1,
-                       finish_reason="", status="infra_error", infra_causes=list(causes))
+            rec = dict(
+                checkpoint=ref,
+                task_id=task.task_id,
+                domain=task.domain,
+                difficulty=int(task.difficulty),
+                attempt=attempt,
+                token_ids=[],
+                logprobs=[],
+                text="",
+                reward=math.nan,
+                passed=-1,
+                finish_reason="",
+                status="infra_error",
+                infra_causes=list(causes),
+            )
             records.append(rec)
             if completions is None:
                 continue
             c = completions[i]
             ids = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids  # drop the end-of-turn id
-            rec.update(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
-                       text=tok.decode(ids, skip_special_tokens=True))
+            rec.update(
+                token_ids=c.token_ids,
+                logprobs=c.logprobs,
+                finish_reason=c.finish_reason,
+                text=tok.decode(ids, skip_special_tokens=True),
+            )
             for _ in range(cfg.infra_retries + 1 - len(causes)):
                 try:
                     v = verifier(task, rec["text"])
                 except VerifierError as e:
                     rec["infra_causes"].append(f"verifier: {e}")
                     continue
-                rec.update(reward=v.reward, passed=int(v.passed),
-                           status="truncated" if c.finish_reason == "length" else "ok")
+                rec.update(reward=v.reward, passed=int(v.passed), status="truncated" if c.finish_reason == "length" else "ok")
                 break
         scored = [r["passed"] for r in records if r["passed"] >= 0]
-        ctx.progress(len(records), len(requests), unit="episodes", phase=ref,
-                     **({"pass_rate": sum(scored) / len(scored)} if scored else {}))
+        ctx.progress(
+            len(records),
+            len(requests),
+            unit="episodes",
+            phase=ref,
+            **({"pass_rate": sum(scored) / len(scored)} if scored else {}),
+        )
     return records
 
 
@@ -162,14 +181,11 @@ def compare(base: list[dict], other: list[dict], seed: int, n_boot: int) -> dict
 
 
 def write_traces(path: Path, records: list[dict]) -> None:
-
     buf = io.BytesIO()
     with h5py.File(buf, "w") as f:
         text = h5py.string_dtype()
-        f.create_dataset("token_ids", data=_vlen([r["token_ids"] for r in records], np.int32),
-                         dtype=h5py.vlen_dtype(np.int32))
-        f.create_dataset("logprobs", data=_vlen([r["logprobs"] for r in records], np.float32),
-                         dtype=h5py.vlen_dtype(np.float32))
+        f.create_dataset("token_ids", data=_vlen([r["token_ids"] for r in records], np.int32), dtype=h5py.vlen_dtype(np.int32))
+        f.create_dataset("logprobs", data=_vlen([r["logprobs"] for r in records], np.float32), dtype=h5py.vlen_dtype(np.float32))
         for name in ("checkpoint", "task_id", "domain", "status", "finish_reason"):
             f.create_dataset(name, data=[r[name] for r in records], dtype=text)
         # HDF5 strings cannot hold NUL; the text is a readable rendering, token_ids are exact
@@ -189,7 +205,6 @@ def _vlen(rows: list[list], dtype) -> np.ndarray:
 
 
 def plot_pass_at_k(path: Path, results: dict, pass_k: list[int]) -> None:
-
     matplotlib.use("Agg")
 
     refs = list(results)
@@ -216,7 +231,6 @@ def plot_pass_at_k(path: Path, results: dict, pass_k: list[int]) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-
     cfg = ctx.config
     refs = [ctx.item["checkpoint"]] if ctx.item and "checkpoint" in ctx.item else list(cfg.checkpoints)
     pass_k = sorted(int(k) for k in cfg.pass_k)
@@ -232,8 +246,10 @@ def run(ctx: StageContext) -> dict:
         verifier.close()
 
     results = {
-        ref: {"path": str(ctx.checkpoint(ref, "checkpoints")),
-              "groups": {g: summarize(rs, pass_k) for g, rs in _groups(recs).items()}}
+        ref: {
+            "path": str(ctx.checkpoint(ref, "checkpoints")),
+            "groups": {g: summarize(rs, pass_k) for g, rs in _groups(recs).items()},
+        }
         for ref, recs in records.items()
     }
     comparisons = {}
@@ -243,12 +259,25 @@ def run(ctx: StageContext) -> dict:
             g: compare(base[g], other[g], ctx.seed, cfg.bootstrap_samples) for g in base if g in other
         }
     write_traces(ctx.out_dir / "traces.h5", [r for recs in records.values() for r in recs])
-    atomic_write_json(ctx.out_dir / "results.json", _finite({
-        "split": cfg.split, "tasks": len(tasks), "attempts": cfg.attempts, "pass_k": pass_k,
-        "sampling": {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
-                     "max_tokens": cfg.max_tokens},
-        "checkpoints": results, "comparisons": comparisons,
-    }))
+    atomic_write_json(
+        ctx.out_dir / "results.json",
+        _finite(
+            {
+                "split": cfg.split,
+                "tasks": len(tasks),
+                "attempts": cfg.attempts,
+                "pass_k": pass_k,
+                "sampling": {
+                    "temperature": cfg.temperature,
+                    "top_k": cfg.top_k,
+                    "top_p": cfg.top_p,
+                    "max_tokens": cfg.max_tokens,
+                },
+                "checkpoints": results,
+                "comparisons": comparisons,
+            }
+        ),
+    )
     plot_pass_at_k(ctx.out_dir / "pass_at_k.png", results, pass_k)
     return _finite(headline(results, comparisons, pass_k))
 

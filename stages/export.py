@@ -70,8 +70,10 @@ def choose_checkpoint(inputs: dict[str, Path], ref: str = "") -> tuple[Path, dic
         return checkpoint_dir(inputs[stage], name), {"ref": ref, "reason": "named in the export stage's config"}
     trained = sorted(s for s, p in inputs.items() if (Path(p) / "checkpoints").is_dir())
     if len(trained) != 1:
-        raise UserError(f"export: needs {'no' if not trained else 'several'} training stage(s) with checkpoints "
-                        f"({', '.join(trained) or 'none'}); name one with export.checkpoint='<stage>:<name>'")
+        raise UserError(
+            f"export: needs {'no' if not trained else 'several'} training stage(s) with checkpoints "
+            f"({', '.join(trained) or 'none'}); name one with export.checkpoint='<stage>:<name>'"
+        )
     stage = trained[0]
     ckpts = Path(inputs[stage]) / "checkpoints"
     ledger = _read_json(ckpts / "retention.json")
@@ -87,9 +89,16 @@ def choose_checkpoint(inputs: dict[str, Path], ref: str = "") -> tuple[Path, dic
             reason = f"best retained checkpoint by {metric} ({mode}): {live[best]:g} at step {best}"
             if hist and hist[0] != best:
                 reason += f"; the historical best ({every[hist[0]]:g} at step {hist[0]}) had been deleted by retention"
-            return path, {"ref": f"{stage}:{path.name}", "reason": reason, "metric": metric, "mode": mode,
-                          "value": live[best], "step": best, "historical_best_step": hist[0] if hist else None,
-                          "ledger": str(Path("checkpoints") / "retention.json")}
+            return path, {
+                "ref": f"{stage}:{path.name}",
+                "reason": reason,
+                "metric": metric,
+                "mode": mode,
+                "value": live[best],
+                "step": best,
+                "historical_best_step": hist[0] if hist else None,
+                "ledger": str(Path("checkpoints") / "retention.json"),
+            }
         why = "no retained checkpoint with a metric value in retention.json"
     else:
         why = "no retention ledger (checkpoints/retention.json)"
@@ -115,22 +124,40 @@ def hf_config(mcfg, tok, dtype: str) -> dict:
     if mcfg.expert_capacity_factor > 0:
         raise UserError("export: the model drops tokens (expert_capacity_factor > 0); Qwen3MoeForCausalLM is dropless")
     return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "vocab_size": mcfg.vocab_size, "hidden_size": mcfg.hidden_size,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": mcfg.vocab_size,
+        "hidden_size": mcfg.hidden_size,
         "intermediate_size": mcfg.dense_intermediate_size or mcfg.moe_intermediate_size,
-        "num_hidden_layers": mcfg.num_layers, "num_attention_heads": mcfg.num_heads,
-        "num_key_value_heads": mcfg.num_kv_heads, "head_dim": mcfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": mcfg.max_position_embeddings, "initializer_range": mcfg.initializer_range,
-        "rms_norm_eps": mcfg.rms_norm_eps, "use_cache": True, "tie_word_embeddings": mcfg.tie_word_embeddings,
+        "num_hidden_layers": mcfg.num_layers,
+        "num_attention_heads": mcfg.num_heads,
+        "num_key_value_heads": mcfg.num_kv_heads,
+        "head_dim": mcfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": mcfg.max_position_embeddings,
+        "initializer_range": mcfg.initializer_range,
+        "rms_norm_eps": mcfg.rms_norm_eps,
+        "use_cache": True,
+        "tie_word_embeddings": mcfg.tie_word_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": mcfg.rope_theta},
         "rope_theta": mcfg.rope_theta,  # transformers 4 reads this key
-        "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
-        "decoder_sparse_step": 1, "mlp_only_layers": list(mcfg.mlp_only_layers),
-        "moe_intermediate_size": mcfg.moe_intermediate_size, "num_experts": mcfg.num_experts,
-        "num_experts_per_tok": mcfg.experts_per_token, "norm_topk_prob": mcfg.norm_topk_prob,
-        "output_router_logits": False, "router_aux_loss_coef": mcfg.router_aux_loss_coef,
-        "bos_token_id": None, "eos_token_id": tok.end_of_turn_id, "pad_token_id": tok.pad_id,
-        "dtype": dtype, "transformers_version": transformers.__version__,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(mcfg.mlp_only_layers),
+        "moe_intermediate_size": mcfg.moe_intermediate_size,
+        "num_experts": mcfg.num_experts,
+        "num_experts_per_tok": mcfg.experts_per_token,
+        "norm_topk_prob": mcfg.norm_topk_prob,
+        "output_router_logits": False,
+        "router_aux_loss_coef": mcfg.router_aux_loss_coef,
+        "bos_token_id": None,
+        "eos_token_id": tok.end_of_turn_id,
+        "pad_token_id": tok.pad_id,
+        "dtype": dtype,
+        "transformers_version": transformers.__version__,
     }
 
 
@@ -138,22 +165,47 @@ def tokenizer_files(tok, max_len: int) -> dict[str, dict]:
     """tokenizer_config.json and special_tokens_map.json for the ChatTokenizer's tokenizer.json."""
 
     specials = {"eos_token": "<|end|>", "pad_token": "<|pad|>"}
-    added = {str(tok.special_ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                       "normalized": False, "single_word": False} for t in SPECIAL_TOKENS}
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len, "bos_token": None,
-        "unk_token": None, **specials, "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in specials.values()],
-        "added_tokens_decoder": added, "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+    added = {
+        str(tok.special_ids[t]): {
+            "content": t,
+            "special": True,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        }
+        for t in SPECIAL_TOKENS
     }
-    return {"tokenizer_config.json": config, "special_tokens_map.json": {**specials, "additional_special_tokens": config["additional_special_tokens"]}}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_len,
+        "bos_token": None,
+        "unk_token": None,
+        **specials,
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in specials.values()],
+        "added_tokens_decoder": added,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }
+    return {
+        "tokenizer_config.json": config,
+        "special_tokens_map.json": {**specials, "additional_special_tokens": config["additional_special_tokens"]},
+    }
 
 
 def generation_config(tok) -> dict:
     import transformers  # noqa: PLC0415 (transformers takes seconds to import; only the export check needs it)
 
     # full-distribution sampling is snowcat's default (top_k 0 disables HF's default top-k of 50)
-    return {"eos_token_id": [tok.end_of_turn_id, tok.eos_id], "pad_token_id": tok.pad_id, "do_sample": True,
-            "temperature": 1.0, "top_p": 1.0, "top_k": 0, "transformers_version": transformers.__version__}
+    return {
+        "eos_token_id": [tok.end_of_turn_id, tok.eos_id],
+        "pad_token_id": tok.pad_id,
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "transformers_version": transformers.__version__,
+    }
 
 
 def corrupt(tensors: dict, how: str) -> dict:
@@ -171,7 +223,6 @@ def corrupt(tensors: dict, how: str) -> dict:
 def convert(src: Path, dst: Path, dtype: str = "float32", max_shard_bytes: int = 4 << 30, debug_corrupt: str = "") -> dict:
     """Write the HF model dir `dst` (atomically, with manifest.json) from the snowcat model dir `src`."""
 
-
     model, mcfg, tok = load_model_dir(src)
     if tok is None:
         raise UserError(f"{src}: checkpoint has no tokenizer.json; nothing to export a tokenizer from")
@@ -186,15 +237,18 @@ def convert(src: Path, dst: Path, dtype: str = "float32", max_shard_bytes: int =
         for name, obj in tokenizer_files(tok, mcfg.max_position_embeddings).items():
             atomic_write_json(tmp / name, obj)
         files = write_manifest(tmp)
-    return {"files": len(files), "bytes": sum(f["size"] for f in files.values()),
-            "tensors": len(tensors), "params": sum(t.numel() for t in tensors.values())}
+    return {
+        "files": len(files),
+        "bytes": sum(f["size"] for f in files.values()),
+        "tensors": len(tensors),
+        "params": sum(t.numel() for t in tensors.values()),
+    }
 
 
 # ---------------------------------------------------------------- inference equivalence
 
 
 def probe_batch(vocab_size: int, rows: int, length: int, seed: int):
-
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (rows, length), generator=g)
 
@@ -216,20 +270,32 @@ def _hf_side(model_dir: str, probe_file: str, out_file: str) -> None:
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             template_ids.append([int(i) for i in ids])
         for prompt in spec["prompt_ids"]:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=spec["max_new_tokens"], do_sample=False,
-                                 eos_token_id=spec["stop_id"], pad_token_id=spec["pad_id"])
-            new = out[0, len(prompt):].tolist()
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=spec["max_new_tokens"],
+                do_sample=False,
+                eos_token_id=spec["stop_id"],
+                pad_token_id=spec["pad_id"],
+            )
+            new = out[0, len(prompt) :].tolist()
             gens.append(new[:-1] if new and new[-1] == spec["stop_id"] else new)
     save_file({"logits": logits.contiguous()}, out_file)
-    Path(out_file).with_suffix(".json").write_text(json.dumps({
-        "generations": gens, "template_ids": template_ids, "architecture": type(model).__name__,
-        "expert_params": sorted({n.split("layers.0.")[-1] for n, _ in model.named_parameters() if "layers.0.mlp.experts" in n}),
-    }))
+    Path(out_file).with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "generations": gens,
+                "template_ids": template_ids,
+                "architecture": type(model).__name__,
+                "expert_params": sorted(
+                    {n.split("layers.0.")[-1] for n, _ in model.named_parameters() if "layers.0.mlp.experts" in n}
+                ),
+            }
+        )
+    )
 
 
 def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
     """Compare the trainer's model (weights rounded to the export dtype) with transformers on the export."""
-
 
     model, mcfg, tok = load_model_dir(src)
     with torch.no_grad():  # the same rounding the export applied, then float32 compute on both sides
@@ -246,12 +312,23 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="export-probe-") as tmp:
         probe_file, out_file = Path(tmp) / "probe.safetensors", Path(tmp) / "hf.safetensors"
         save_file({"input_ids": ids.contiguous()}, str(probe_file))
-        probe_file.with_suffix(".json").write_text(json.dumps({
-            "conversations": conversations, "prompt_ids": prompts, "max_new_tokens": cfg.max_new_tokens,
-            "stop_id": tok.end_of_turn_id, "pad_id": tok.pad_id}))
-        code = f"from snowcat.stages.export import _hf_side; _hf_side({str(export_dir)!r}, {str(probe_file)!r}, {str(out_file)!r})"
-        proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True,
-                              timeout=cfg.timeout_s)
+        probe_file.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "conversations": conversations,
+                    "prompt_ids": prompts,
+                    "max_new_tokens": cfg.max_new_tokens,
+                    "stop_id": tok.end_of_turn_id,
+                    "pad_id": tok.pad_id,
+                }
+            )
+        )
+        code = (
+            f"from snowcat.stages.export import _hf_side; _hf_side({str(export_dir)!r}, {str(probe_file)!r}, {str(out_file)!r})"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=cfg.timeout_s
+        )
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             raise RuntimeError(f"export: transformers could not load {export_dir} offline:\n{tail}")
@@ -259,15 +336,24 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
         hf = json.loads(out_file.with_suffix(".json").read_text())
 
     delta = float((ours - theirs).abs().max()) if ours.shape == theirs.shape else float("inf")
-    first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None if len(x) == len(y) else min(len(x), len(y)))
-                  for x, y in zip(our_gens, hf["generations"])]
+    first_diff = [
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None if len(x) == len(y) else min(len(x), len(y)))
+        for x, y in zip(our_gens, hf["generations"])
+    ]
     return {
-        "transformers_architecture": hf["architecture"], "hf_expert_params": hf["expert_params"],
-        "offline_env": OFFLINE_ENV, "local_files_only": True, "compute_dtype": "float32",
+        "transformers_architecture": hf["architecture"],
+        "hf_expert_params": hf["expert_params"],
+        "offline_env": OFFLINE_ENV,
+        "local_files_only": True,
+        "compute_dtype": "float32",
         "probe": {"rows": cfg.probe_rows, "len": cfg.probe_len, "seed": seed, "prompts": list(cfg.probe_prompts)},
-        "max_abs_dlogit": delta, "tolerance": cfg.tolerance, "logits_match": delta <= cfg.tolerance,
-        "greedy_tokens_compared": sum(len(g) for g in our_gens), "greedy_trainer": our_gens,
-        "greedy_transformers": hf["generations"], "greedy_first_mismatch": first_diff,
+        "max_abs_dlogit": delta,
+        "tolerance": cfg.tolerance,
+        "logits_match": delta <= cfg.tolerance,
+        "greedy_tokens_compared": sum(len(g) for g in our_gens),
+        "greedy_trainer": our_gens,
+        "greedy_transformers": hf["generations"],
+        "greedy_first_mismatch": first_diff,
         "greedy_match": our_gens == hf["generations"],
         "chat_template_match": hf["template_ids"] == prompts,
     }
@@ -277,8 +363,6 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
 
 
 def run(ctx) -> dict:
-
-
     cfg = ctx.config
     torch.set_num_threads(ctx.threads)
     src, choice = choose_checkpoint(dict(ctx.inputs), cfg.checkpoint)
@@ -286,20 +370,43 @@ def run(ctx) -> dict:
     conversion = convert(src, out / "model", cfg.dtype, cfg.max_shard_mb << 20, cfg.debug_corrupt)
     check = check_equivalence(src, out / "model", cfg, ctx.seed)
     record = {
-        "source": {**choice, "path": os.path.relpath(src, ctx.run_dir),
-                   "manifest_sha256": sha256_file(src / "manifest.json") if (src / "manifest.json").is_file() else None,
-                   "meta": read_json(src / "meta.json", {})},
-        "format": {"architecture": "Qwen3MoeForCausalLM", "dtype": cfg.dtype, "expert_layout": "per-expert hub names",
-                   **conversion},
+        "source": {
+            **choice,
+            "path": os.path.relpath(src, ctx.run_dir),
+            "manifest_sha256": sha256_file(src / "manifest.json") if (src / "manifest.json").is_file() else None,
+            "meta": read_json(src / "meta.json", {}),
+        },
+        "format": {
+            "architecture": "Qwen3MoeForCausalLM",
+            "dtype": cfg.dtype,
+            "expert_layout": "per-expert hub names",
+            **conversion,
+        },
         "model_manifest_sha256": sha256_file(out / "model" / "manifest.json"),
-        "equivalence": check, "debug_corrupt": cfg.debug_corrupt or None,
+        "equivalence": check,
+        "debug_corrupt": cfg.debug_corrupt or None,
     }
     atomic_write_json(out / "export.json", record)
-    failed = [what for what, ok in (("logits", check["logits_match"]), ("greedy generations", check["greedy_match"]),
-                                    ("chat template ids", check["chat_template_match"])) if not ok]
+    failed = [
+        what
+        for what, ok in (
+            ("logits", check["logits_match"]),
+            ("greedy generations", check["greedy_match"]),
+            ("chat template ids", check["chat_template_match"]),
+        )
+        if not ok
+    ]
     if failed:
-        raise RuntimeError(f"export: inference-equivalence check failed ({', '.join(failed)}): max |Δlogit| "
-                           f"{check['max_abs_dlogit']:.3g} (tolerance {cfg.tolerance:g}); see {out / 'export.json'}")
-    return {"max_abs_dlogit": check["max_abs_dlogit"], "tolerance": cfg.tolerance,
-            "greedy_tokens_matched": check["greedy_tokens_compared"], "files": conversion["files"],
-            "bytes": conversion["bytes"], "params": conversion["params"], "source": choice["ref"]}
+        raise RuntimeError(
+            f"export: inference-equivalence check failed ({', '.join(failed)}): max |Δlogit| "
+            f"{check['max_abs_dlogit']:.3g} (tolerance {cfg.tolerance:g}); see {out / 'export.json'}"
+        )
+    return {
+        "max_abs_dlogit": check["max_abs_dlogit"],
+        "tolerance": cfg.tolerance,
+        "greedy_tokens_matched": check["greedy_tokens_compared"],
+        "files": conversion["files"],
+        "bytes": conversion["bytes"],
+        "params": conversion["params"],
+        "source": choice["ref"],
+    }

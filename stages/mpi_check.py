@@ -60,4 +60,9 @@ def run(ctx: StageContext) -> dict:
     if me == 0:
         atomic_write_text(ctx.out_dir / "world.json", json.dumps({"ranks": world, "role_hosts": role_hosts}, indent=2) + "\n")
     comm.Barrier()
-    return {"world_size": comm.Get_size(), "roles": len(roles), "hosts": len({w["host"] for w in world}), "bytes_exchanged": exchanged}
+    return {
+        "world_size": comm.Get_size(),
+        "roles": len(roles),
+        "hosts": len({w["host"] for w in world}),
+        "bytes_exchanged": exchanged,
+    }

@@ -78,10 +78,12 @@ def _fetch(art, dest: Path) -> None:
         try:
             from huggingface_hub import snapshot_download  # noqa: PLC0415 (only for name-only hub downloads)
         except ImportError as e:
-            raise UserError(f"artefact '{art.name}': fetching by Hugging Face id needs huggingface_hub "
-                            f"(or give a path/url)") from e
-        snapshot_download(repo_id=art.name, revision=art.revision, local_dir=dest,
-                          repo_type="dataset" if art.kind == "dataset" else "model")
+            raise UserError(
+                f"artefact '{art.name}': fetching by Hugging Face id needs huggingface_hub (or give a path/url)"
+            ) from e
+        snapshot_download(
+            repo_id=art.name, revision=art.revision, local_dir=dest, repo_type="dataset" if art.kind == "dataset" else "model"
+        )
         shutil.rmtree(dest / ".cache", ignore_errors=True)  # hub bookkeeping, not content
     else:
         raise UserError(f"artefact '{art.name}': give a path or url for a {art.kind}")
@@ -116,8 +118,7 @@ def stage_artefact(art, staging_dir: Path, index: dict) -> tuple[dict, bool]:
             raise UserError(f"artefact '{art.name}': sha256 {digest} does not match the configured {art.sha256}")
         only = next(iter(build_manifest(tmp))) if nfiles == 1 else None
     rel = rel_dir / only if only else rel_dir
-    return {"kind": art.kind, "path": str(rel), "sha256": digest, "files": nfiles, "bytes": size,
-            "source": source}, True
+    return {"kind": art.kind, "path": str(rel), "sha256": digest, "files": nfiles, "bytes": size, "source": source}, True
 
 
 def prestage(staging_dir: str | os.PathLike, artefacts) -> dict:
@@ -146,9 +147,12 @@ def run(ctx: StageContext) -> dict:
     result = prestage(staging_dir, list(ctx.config.artefacts))
     # The run directory keeps its own copy: which artefacts (and hashes) this run was staged with.
     wanted = {a.name for a in ctx.config.artefacts}
-    atomic_write_json(ctx.out_dir / "staged.json", {
-        "staging_dir": str(staging_dir),
-        "artefacts": {k: v for k, v in result["artefacts"].items() if k in wanted},
-    })
+    atomic_write_json(
+        ctx.out_dir / "staged.json",
+        {
+            "staging_dir": str(staging_dir),
+            "artefacts": {k: v for k, v in result["artefacts"].items() if k in wanted},
+        },
+    )
     total = sum(v["bytes"] for k, v in result["artefacts"].items() if k in wanted)
     return {"artefacts": len(wanted), "fetched": result["fetched"], "bytes": total}

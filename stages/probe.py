@@ -55,8 +55,7 @@ def load_checkpoint(ctx, ref: str, key: str, device: str = "cpu"):
     return model, tok
 
 
-def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path | None = None, checkpoint_due=None,
-          progress=None):
+def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path | None = None, checkpoint_due=None, progress=None):
     """All episodes (`attempts` per task, group id = task index), infra errors retried.
 
     With `partial_dir`, each finished batch is saved there (packed trajectories) and reused on the
@@ -68,8 +67,19 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
     params = sampling_params(cfg, tok)
     budget = Budget(cfg.max_context, cfg.max_turn_tokens, cfg.max_turns)
     jobs = [EpisodeJob(t, group_id=g, attempt=a) for g, t in enumerate(tasks) for a in range(cfg.attempts)]
-    key = json.dumps([seed, str(cfg.checkpoint), cfg.env, cfg.require_tool, repr(params), repr(budget), cfg.batch_size,
-                      [t.task_id for t in tasks], cfg.attempts])
+    key = json.dumps(
+        [
+            seed,
+            str(cfg.checkpoint),
+            cfg.env,
+            cfg.require_tool,
+            repr(params),
+            repr(budget),
+            cfg.batch_size,
+            [t.task_id for t in tasks],
+            cfg.attempts,
+        ]
+    )
     trajs = []
     for b, start in enumerate(range(0, len(jobs), cfg.batch_size)):
         path = partial_dir / f"batch_{b:06d}.npz" if partial_dir is not None else None
@@ -98,12 +108,10 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
 
 
 def sampling_params(cfg, tok):
-
     return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_turn_tokens, (tok.end_of_turn_id,))
 
 
 def _save_batch(path: Path, key: str, trajs) -> None:
-
     buf = io.BytesIO()
     np.savez(buf, key=np.frombuffer(key.encode(), np.uint8), **pack(trajs))
     atomic_write_bytes(path, buf.getvalue())
@@ -122,8 +130,12 @@ def _load_batch(path: Path, key: str):
 
 def pass_counts(tasks, trajs) -> list[dict]:
     """One row per task: n scored attempts, passes (reward 1 = full credit), infra failures."""
-    rows = {t.task_id: dict(task_id=t.task_id, domain=t.domain, difficulty=int(t.difficulty), n=0, passes=0,
-                            infra_failures=0, rewards=[]) for t in tasks}
+    rows = {
+        t.task_id: dict(
+            task_id=t.task_id, domain=t.domain, difficulty=int(t.difficulty), n=0, passes=0, infra_failures=0, rewards=[]
+        )
+        for t in tasks
+    }
     for tr in trajs:
         r = rows[tr.task_id]
         if tr.status == "infra_error":
@@ -142,27 +154,41 @@ def summarize(rows: list[dict], attempts: int, lo: int, hi: int) -> dict:
     def stats(rs):
         hist = np.bincount([r["passes"] for r in rs], minlength=attempts + 1).tolist()
         in_band = [lo <= r["passes"] <= hi for r in rs]
-        return {"tasks": len(rs), "histogram": hist, "band_fraction": float(np.mean(in_band)) if rs else None,
-                "infra_failures": int(sum(r["infra_failures"] for r in rs)),
-                "pass_rate": float(sum(r["passes"] for r in rs) / max(1, sum(r["n"] for r in rs)))}
+        return {
+            "tasks": len(rs),
+            "histogram": hist,
+            "band_fraction": float(np.mean(in_band)) if rs else None,
+            "infra_failures": int(sum(r["infra_failures"] for r in rs)),
+            "pass_rate": float(sum(r["passes"] for r in rs) / max(1, sum(r["n"] for r in rs))),
+        }
 
     domains = sorted({r["domain"] for r in rows})
-    return {"attempts": attempts, "band": [lo, hi], "all": stats(rows),
-            "domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains}}
+    return {
+        "attempts": attempts,
+        "band": [lo, hi],
+        "all": stats(rows),
+        "domains": {d: stats([r for r in rows if r["domain"] == d]) for d in domains},
+    }
 
 
 def write_table(path: Path, rows: list[dict]) -> None:
-
-    schema = pa.schema([("task_id", pa.string()), ("domain", pa.string()), ("difficulty", pa.int32()),
-                        ("n", pa.int32()), ("passes", pa.int32()), ("infra_failures", pa.int32()),
-                        ("mean_reward", pa.float64())])
+    schema = pa.schema(
+        [
+            ("task_id", pa.string()),
+            ("domain", pa.string()),
+            ("difficulty", pa.int32()),
+            ("n", pa.int32()),
+            ("passes", pa.int32()),
+            ("infra_failures", pa.int32()),
+            ("mean_reward", pa.float64()),
+        ]
+    )
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf, compression="zstd")
     atomic_write_bytes(path, buf.getvalue())
 
 
 def write_traces(path: Path, trajs) -> None:
-
     def vlen(name, dtype):
         arr = np.empty(len(trajs), dtype=object)
         arr[:] = [np.asarray(getattr(t, name), dtype) for t in trajs]
@@ -187,7 +213,6 @@ def write_traces(path: Path, trajs) -> None:
 
 
 def plot_histogram(path: Path, summary: dict) -> None:
-
     matplotlib.use("Agg")
 
     groups = list(summary["domains"]) + ["all"]
@@ -206,8 +231,6 @@ def plot_histogram(path: Path, summary: dict) -> None:
 
 
 def run(ctx) -> dict:
-
-
     cfg = ctx.config
     key = f"stages.{ctx.name}"
     if cfg.tasks not in ctx.inputs:
@@ -218,8 +241,10 @@ def run(ctx) -> dict:
     model, tok = load_checkpoint(ctx, cfg.checkpoint, "checkpoint", device)
     limit = model.config.max_position_embeddings
     if cfg.max_context + cfg.max_turn_tokens > limit:
-        raise UserError(f"{key}: max_context + max_turn_tokens ({cfg.max_context + cfg.max_turn_tokens}) "
-                        f"exceeds the model's max_position_embeddings ({limit})")
+        raise UserError(
+            f"{key}: max_context + max_turn_tokens ({cfg.max_context + cfg.max_turn_tokens}) "
+            f"exceeds the model's max_position_embeddings ({limit})"
+        )
     engine = TorchEngine(model, max_batch=cfg.batch_size)
     verifier = TimedVerifier(cfg.verifier, cfg.verifier_timeout_s)
     partial = Path(ctx.out_dir) / "partial"
@@ -237,8 +262,12 @@ def run(ctx) -> dict:
     atomic_write_json(out / "probe.json", {"checkpoint": cfg.checkpoint, "env": cfg.env, **summary})
     plot_histogram(out / "probe_histogram.png", summary)
     shutil.rmtree(partial)  # everything it held is in traces.h5 now
-    metrics = {"tasks": len(rows), "band_fraction": summary["all"]["band_fraction"],
-               "pass_rate": summary["all"]["pass_rate"], "infra_failures": summary["all"]["infra_failures"]}
+    metrics = {
+        "tasks": len(rows),
+        "band_fraction": summary["all"]["band_fraction"],
+        "pass_rate": summary["all"]["pass_rate"],
+        "infra_failures": summary["all"]["infra_failures"],
+    }
     for d, s in summary["domains"].items():
         metrics[f"{d}/band_fraction"] = s["band_fraction"]
         metrics[f"{d}/pass_rate"] = s["pass_rate"]

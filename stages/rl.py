@@ -49,7 +49,6 @@ def load_pool(ctx, cfg: Config):
     pool = train
     band = Path(ctx.inputs[cfg.band_input]) / "band.parquet" if cfg.band_input in ctx.inputs else None
     if band is not None and band.is_file():
-
         wanted = set(pq.read_table(band, columns=["task_id"]).column("task_id").to_pylist())
         pool = [t for t in train if t.task_id in wanted]
         if not pool:
@@ -80,7 +79,6 @@ def batch_tasks(pool: list, tasks_per_update: int, seed: int, batch_index: int) 
 
 
 def batch_seed(seed: int, batch_index: int) -> int:
-
     return int(np.random.SeedSequence([seed, 11, batch_index]).generate_state(1)[0])
 
 
@@ -91,7 +89,6 @@ class Rollout:
     """Produces batch k with weights of step max(0, k - lag) loaded through the handoff."""
 
     def __init__(self, ctx, cfg: Config, model, tok, pool, handoff, transport):
-
         self.ctx, self.cfg, self.tok, self.pool = ctx, cfg, tok, pool
         self.model = model
         self.engine = TorchEngine(model, max_batch=cfg.rollout_batch)
@@ -100,7 +97,6 @@ class Rollout:
         self.version: int | None = None
 
     def produce(self, k: int) -> None:
-
         v = version_for_batch(k, self.cfg.lag)
         if v != self.version:
             self.handoff.load_into(self.model, v, timeout_s=self.cfg.timeout_s, should_stop=self.ctx.checkpoint_due)
@@ -119,15 +115,14 @@ def _role(ctx) -> str:
 
 
 def run(ctx) -> dict:
-
-
     cfg: Config = ctx.config
     torch.set_num_threads(cfg.threads or ctx.threads)
     out = Path(ctx.out_dir)
     role = _role(ctx)
     if role == "trainer" and ctx.rank != 0:
-        raise UserError(f"rl: one trainer rank (rank 0) is supported, got trainer rank {ctx.rank}; "
-                        "give the trainer component 1 task")
+        raise UserError(
+            f"rl: one trainer rank (rank 0) is supported, got trainer rank {ctx.rank}; give the trainer component 1 task"
+        )
     pool, held_out = load_pool(ctx, cfg)
     handoff = WeightHandoff(out / "weights")
 
@@ -150,14 +145,12 @@ def run(ctx) -> dict:
     trainer = Trainer(ctx, cfg, pool, held_out, handoff, transport, comm)
     local_rollout = None
     if role == "both":
-
         model, _, tok = load_model_dir(trainer.init_path, device=trainer.device)
         local_rollout = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
     return trainer.train(local_rollout)
 
 
 def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
-
     start = comm.bcast(None, root=0)  # the trainer's resumed step: the first batch still needed
     model, _, tok = load_model_dir(ctx.checkpoint(cfg.init_from, "init_from"), device=local_device(ctx.local_rank))
     worker = Rollout(ctx, cfg, model, tok, pool, handoff, transport)

@@ -140,14 +140,18 @@ class Sandbox:
 
     def _env(self) -> dict[str, str]:
         tmp = self.workdir / ".tmp"
-        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.workdir), "TMPDIR": str(tmp),
-                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        return {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(self.workdir),
+            "TMPDIR": str(tmp),
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
 
     def _prepare(self) -> None:
         """Hook run before each call (e.g. hand the work dir to the sandbox uid)."""
 
-    def run(self, cmd: list[str] | str, files: dict[str, str | bytes] | None = None,
-            timeout_s: float = 60.0) -> SandboxResult:
+    def run(self, cmd: list[str] | str, files: dict[str, str | bytes] | None = None, timeout_s: float = 60.0) -> SandboxResult:
         """Run one tool call in the work dir; `files` ({relative path: content}) are written first."""
         try:
             if not self.workdir.is_dir():
@@ -160,9 +164,17 @@ class Sandbox:
             return SandboxResult("infra_error", None, "", "", detail=f"sandbox setup: {e}")
         try:
             argv = self.command(cmd, ready_w)
-            proc = subprocess.Popen(argv, cwd=self.workdir, env=self._env(), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(ready_w,),
-                                    start_new_session=True, preexec_fn=self._preexec)
+            proc = subprocess.Popen(
+                argv,
+                cwd=self.workdir,
+                env=self._env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(ready_w,),
+                start_new_session=True,
+                preexec_fn=self._preexec,
+            )
         except (OSError, subprocess.SubprocessError) as e:
             os.close(ready_r)
             return SandboxResult("infra_error", None, "", "", detail=f"sandbox start: {e}")
@@ -218,12 +230,16 @@ class Sandbox:
         code = proc.returncode
         if not ready.startswith(b"ready"):
             # The command never started: whatever failed is the sandbox's fault, not the model's.
-            return SandboxResult("infra_error", code, "", stderr.decode(errors="replace"),
-                                 detail=f"sandbox did not start (exit {code}): {stderr.decode(errors='replace').strip()[-300:]}")
+            return SandboxResult(
+                "infra_error",
+                code,
+                "",
+                stderr.decode(errors="replace"),
+                detail=f"sandbox did not start (exit {code}): {stderr.decode(errors='replace').strip()[-300:]}",
+            )
         if status == "ok" and (which := _limit_status(code)):
             status, detail = "limit", which
-        return SandboxResult(status, code, stdout.decode(errors="replace"), stderr.decode(errors="replace"),
-                             truncated, detail)
+        return SandboxResult(status, code, stdout.decode(errors="replace"), stderr.decode(errors="replace"), truncated, detail)
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
@@ -236,8 +252,13 @@ class Sandbox:
 class LocalSandbox(Sandbox):
     """Tool calls as host processes in fresh namespaces (see the module docstring for guarantees)."""
 
-    def __init__(self, workdir: str | os.PathLike | None = None, limits: Limits | None = None,
-                 isolate: bool = True, unshare: str = "unshare") -> None:
+    def __init__(
+        self,
+        workdir: str | os.PathLike | None = None,
+        limits: Limits | None = None,
+        isolate: bool = True,
+        unshare: str = "unshare",
+    ) -> None:
         super().__init__(workdir, limits)
         self.isolate = isolate
         self.unshare = unshare
@@ -270,16 +291,35 @@ class ApptainerSandbox(Sandbox):
     is read-only, scratch writes land in a throwaway overlay; the work dir is the only host path.
     """
 
-    def __init__(self, image: str | os.PathLike, workdir: str | os.PathLike | None = None,
-                 limits: Limits | None = None, apptainer: str = "apptainer") -> None:
+    def __init__(
+        self,
+        image: str | os.PathLike,
+        workdir: str | os.PathLike | None = None,
+        limits: Limits | None = None,
+        apptainer: str = "apptainer",
+    ) -> None:
         super().__init__(workdir, limits)
         self.image = str(image)
         self.apptainer = apptainer
 
     def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        inner = [self.apptainer, "exec", "--containall", "--no-home", "--net", "--network", "none",
-                 "--writable-tmpfs", "--bind", f"{self.workdir}:/work", "--pwd", "/work", self.image, *argv]
+        inner = [
+            self.apptainer,
+            "exec",
+            "--containall",
+            "--no-home",
+            "--net",
+            "--network",
+            "none",
+            "--writable-tmpfs",
+            "--bind",
+            f"{self.workdir}:/work",
+            "--pwd",
+            "/work",
+            self.image,
+            *argv,
+        ]
         if ready_fd is None:
             return inner
         # Readiness is reported by the host-side wrapper; an apptainer start-up failure is then

@@ -29,7 +29,6 @@ def _upstream(dag, name: str) -> set[str]:
 
 
 def run(ctx) -> dict:
-
     dag = build(ctx.run_config)
     covered = _upstream(dag, ctx.name) | dag.downstream(ctx.name) | {ctx.name}
     missing = [n for n in dag.order if n not in covered]
@@ -39,10 +38,14 @@ def run(ctx) -> dict:
     findings = scan_tree(ctx.run_dir, known, high_entropy=ctx.config.high_entropy)
     run_dir = Path(ctx.run_dir)
     report = [{"file": str(f.path.relative_to(run_dir)), "line": f.line, "kind": f.kind, "where": f.where} for f in findings]
-    atomic_write_json(Path(ctx.out_dir) / "scan.json", {
-        "stages_scanned": sorted(covered - {ctx.name} - dag.downstream(ctx.name)),
-        "high_entropy": bool(ctx.config.high_entropy), "findings": report,
-    })
+    atomic_write_json(
+        Path(ctx.out_dir) / "scan.json",
+        {
+            "stages_scanned": sorted(covered - {ctx.name} - dag.downstream(ctx.name)),
+            "high_entropy": bool(ctx.config.high_entropy),
+            "findings": report,
+        },
+    )
     if findings:
         shown = "; ".join(f"{r['file']}:{r['line']} {r['kind']}" for r in report[:10])
         raise RuntimeError(f"scan: {len(findings)} credential finding(s) in the run directory: {shown}")

@@ -32,27 +32,20 @@ def select(rows: list[dict], train, val, min_pass: int, max_pass: int, min_score
     if unknown:
         raise UserError(f"probe results name tasks not in the train split, e.g. {unknown[0]}")
     band = [
-        t for t in train
-        if t.task_id in by_id
-        and by_id[t.task_id]["n"] >= min_scored
-        and min_pass <= by_id[t.task_id]["passes"] <= max_pass
+        t
+        for t in train
+        if t.task_id in by_id and by_id[t.task_id]["n"] >= min_scored and min_pass <= by_id[t.task_id]["passes"] <= max_pass
     ]
     assert not {t.task_id for t in band} & held_out, "a held-out task was selected"
     return band
 
 
 def load_band(stage_dir) -> list:
-
-
-
     rows = pq.read_table(Path(stage_dir) / BAND).to_pylist()
     return [Task(**(r | {"meta": json.loads(r["meta"])})) for r in rows]
 
 
 def run(ctx) -> dict:
-
-
-
     cfg = ctx.config
     key = f"stages.{ctx.name}"
     for need in (cfg.probe, cfg.tasks):
@@ -70,10 +63,17 @@ def run(ctx) -> dict:
     out = Path(ctx.out_dir)
     save_tasks(out, "band", band)  # writes band.parquet with the tasks tables' schema
     domains = sorted({r["domain"] for r in rows})
-    counts = {d: {"probed": sum(r["domain"] == d for r in rows), "selected": sum(t.domain == d for t in band)}
-              for d in domains}
-    atomic_write_json(out / "select.json", {"band": [cfg.min_pass, cfg.max_pass], "attempts": attempts,
-                                            "probed": len(rows), "selected": len(band), "domains": counts})
+    counts = {d: {"probed": sum(r["domain"] == d for r in rows), "selected": sum(t.domain == d for t in band)} for d in domains}
+    atomic_write_json(
+        out / "select.json",
+        {
+            "band": [cfg.min_pass, cfg.max_pass],
+            "attempts": attempts,
+            "probed": len(rows),
+            "selected": len(band),
+            "domains": counts,
+        },
+    )
     metrics = {"probed": len(rows), "selected": len(band), "selected_fraction": len(band) / max(1, len(rows))}
     metrics.update({f"{d}/selected": c["selected"] for d, c in counts.items()})
     return metrics

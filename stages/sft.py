@@ -76,7 +76,6 @@ def build_conversations(tasks, relay_fraction: float, seed: int) -> list[tuple[l
     The student here is synthetic (a prefix or a one-character corruption of the reference); with
     a real policy its sampled turns are used instead, unchanged (token-in, token-out)."""
 
-
     rng = np.random.default_rng([seed, 1])
     alphabets: dict[str, str] = {}
     for t in tasks:
@@ -92,14 +91,21 @@ def build_conversations(tasks, relay_fraction: float, seed: int) -> list[tuple[l
             convs.append(([user, {"role": "assistant", "student_prefix": teacher[:k], "content": teacher[k:]}], t.domain))
         else:
             wrong = _corrupt(t.answer, alphabets[t.domain], rng)
-            convs.append(([user, {"role": "assistant", "content": wrong, "train": False},
-                           {"role": "user", "content": RETRY_PROMPT},
-                           {"role": "assistant", "content": teacher}], t.domain))
+            convs.append(
+                (
+                    [
+                        user,
+                        {"role": "assistant", "content": wrong, "train": False},
+                        {"role": "user", "content": RETRY_PROMPT},
+                        {"role": "assistant", "content": teacher},
+                    ],
+                    t.domain,
+                )
+            )
     return convs
 
 
 def tokenizer_corpus(tasks) -> list[str]:
-
     return [t.prompt for t in tasks] + [demonstration(t) for t in tasks] + [RETRY_PROMPT]
 
 
@@ -107,7 +113,6 @@ def tokenizer_corpus(tasks) -> list[str]:
 
 
 def _tasks_dir(ctx, cfg: Config) -> Path:
-
     if cfg.tasks_input in ctx.inputs:
         return Path(ctx.inputs[cfg.tasks_input])
     raise UserError(f"sft: needs the tasks stage {cfg.tasks_input!r} (sft.tasks_input); inputs are {sorted(ctx.inputs)}")
@@ -131,9 +136,7 @@ def greedy_pass_rate(model, tok, tasks, max_new_tokens: int) -> dict:
 
 
 def _plot(history: list[dict], path: Path) -> None:
-
     matplotlib.use("Agg")
-
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
@@ -148,8 +151,6 @@ def _plot(history: list[dict], path: Path) -> None:
 
 
 def run(ctx) -> dict:
-
-
     cfg: Config = ctx.config
     if cfg.model not in PRESETS and not cfg.init_from:
         raise UserError(f"sft.model={cfg.model!r} is not a preset ({', '.join(PRESETS)})")
@@ -190,8 +191,15 @@ def run(ctx) -> dict:
         ids, mask = tok.encode_chat(msgs)
         examples += [Example(ids, mask, dom_index[dom])] * int(cfg.domain_repeats.get(dom, 1))
     loader = PackedLoader(examples, cfg.seq_len, tok.pad_id, cfg.batch_rows, ctx.seed, cfg.micro_batches, rank, world_size)
-    optim = OptimConfig(lr=cfg.lr, min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
-                        schedule=cfg.schedule, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
+    optim = OptimConfig(
+        lr=cfg.lr,
+        min_lr_ratio=cfg.min_lr_ratio,
+        warmup_steps=cfg.warmup_steps,
+        total_steps=cfg.steps,
+        schedule=cfg.schedule,
+        weight_decay=cfg.weight_decay,
+        grad_clip=cfg.grad_clip,
+    )
     backend = make_backend(cfg.backend, model, optim, zero_stage=cfg.zero_stage)
     history_path = out / "metrics_history.jsonl"
     history: list[dict] = []
@@ -224,10 +232,15 @@ def run(ctx) -> dict:
             tokens = float(s["tokens"])
             tokens_seen += float(s["input_tokens"])
             rec = {
-                "step": backend.step, "loss": float(s["nll_sum"]) / max(tokens, 1), "lr": float(s["lr"]),
-                "grad_norm": float(s["grad_norm"]), "tokens": tokens, "step_time_s": float(s["step_time_s"]),
+                "step": backend.step,
+                "loss": float(s["nll_sum"]) / max(tokens, 1),
+                "lr": float(s["lr"]),
+                "grad_norm": float(s["grad_norm"]),
+                "tokens": tokens,
+                "step_time_s": float(s["step_time_s"]),
                 "tokens_per_s": float(s["input_tokens"]) / max(float(s["step_time_s"]), 1e-9),
-                "entropy": float(s["entropy_sum"]) / max(tokens, 1), "epoch": loader.epoch,
+                "entropy": float(s["entropy_sum"]) / max(tokens, 1),
+                "epoch": loader.epoch,
                 **{f"router/{k}": float(v) / float(s["num_micro"]) for k, v in s.get("router", {}).items()},
             }
             if "domain_nll" in s:
@@ -246,10 +259,14 @@ def run(ctx) -> dict:
             log.close()
     train_s = time.perf_counter() - t_start
 
-    metrics: dict = {"steps": backend.step, "train_seconds": round(train_s, 2),
-                     "tokens_per_s": round(tokens_seen / max(train_s, 1e-9), 1),
-                     "final_loss": history[-1]["loss"] if history else None,
-                     "num_examples": len(examples), "num_params": model.num_params()}
+    metrics: dict = {
+        "steps": backend.step,
+        "train_seconds": round(train_s, 2),
+        "tokens_per_s": round(tokens_seen / max(train_s, 1e-9), 1),
+        "final_loss": history[-1]["loss"] if history else None,
+        "num_examples": len(examples),
+        "num_params": model.num_params(),
+    }
     if rank == 0:
         save_model_dir(ckpts / "final", model, tok, meta={"stage": ctx.name, "seed": ctx.seed, "step": backend.step})
         atomic_write_text(ckpts / "best", "final\n")

@@ -28,24 +28,34 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from snowcat.pipeline.fsio import atomic_write_text
 
 SPECIAL_TOKENS = [
-    "<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>",
-    "<tool_call>", "</tool_call>", "<tool_result>", "</tool_result>",
+    "<|pad|>",
+    "<|endoftext|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_result>",
+    "</tool_result>",
 ]
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
 FILE = "tokenizer.json"
 
 
 def _pipeline_parts():
-
-    pre = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"[\[\]{}()]"), behavior="isolated"),
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"[\[\]{}()]"), behavior="isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     return pre, decoders.ByteLevel()
 
 
-def train_tokenizer(texts, vocab_size: int = 512, min_frequency: int = 2) -> "ChatTokenizer":
+def train_tokenizer(texts, vocab_size: int = 512, min_frequency: int = 2) -> ChatTokenizer:
     """Learn a byte-level BPE over `texts` (an iterable of str); deterministic for the same input."""
 
     tok = Tokenizer(models.BPE())
@@ -114,18 +124,15 @@ class ChatTokenizer:
         return ids + [self.role_ids["assistant"]]
 
     def save(self, dir) -> Path:
-
         path = Path(dir) / FILE
         atomic_write_text(path, self._tok.to_str(pretty=False))
         return path
 
     @classmethod
-    def load(cls, dir) -> "ChatTokenizer":
-
+    def load(cls, dir) -> ChatTokenizer:
         path = Path(dir)
         path = path / FILE if path.is_dir() else path
         return cls(Tokenizer.from_str(path.read_text()))
 
     def fingerprint(self) -> str:
-
         return hashlib.sha256(json.dumps(json.loads(self._tok.to_str()), sort_keys=True).encode()).hexdigest()[:16]

@@ -26,7 +26,7 @@ class Executor(abc.ABC):
     def launch(self, stages: list[str]) -> int:
         """Run or submit these stages (a dependency-closed set, in DAG order). Exit status."""
 
-    def refresh(self) -> None:
+    def refresh(self) -> None:  # noqa: B027 (a hook: nothing to reconcile by default)
         """Reconcile state records with the processes or jobs behind them."""
 
     @abc.abstractmethod

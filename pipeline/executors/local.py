@@ -74,13 +74,22 @@ class LocalExecutor(Executor):
         log.write(f"\n===== {now()} {unit.key} attempt =====\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            self.command(unit), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self._env(), preexec_fn=_die_with_parent,
+            self.command(unit),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self._env(),
+            preexec_fn=_die_with_parent,
         )
         record = self.run.state()["stages"].get(unit.key, {})
         self.run.update_stage(
-            unit.key, status="running", attempts=record.get("attempts", 0) + 1, pid=proc.pid,
-            executor="local", submitted=now(), job_ids=[f"local:{proc.pid}"],
+            unit.key,
+            status="running",
+            attempts=record.get("attempts", 0) + 1,
+            pid=proc.pid,
+            executor="local",
+            submitted=now(),
+            job_ids=[f"local:{proc.pid}"],
         )
         return _Running(unit, proc, log)
 

@@ -20,8 +20,9 @@ Determinism: turn t of episode (group_id, attempt) samples from a generator seed
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

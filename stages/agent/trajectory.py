@@ -82,8 +82,18 @@ class Trajectory:
     def __eq__(self, other) -> bool:  # arrays compare by value
         if not isinstance(other, Trajectory):
             return NotImplemented
-        scalars = ("task_id", "group_id", "attempt", "policy_version", "reward", "status", "turn_boundaries",
-                   "domain", "prompt_len", "detail")
+        scalars = (
+            "task_id",
+            "group_id",
+            "attempt",
+            "policy_version",
+            "reward",
+            "status",
+            "turn_boundaries",
+            "domain",
+            "prompt_len",
+            "detail",
+        )
         return all(getattr(self, k) == getattr(other, k) for k in scalars) and all(
             np.array_equal(getattr(self, k), getattr(other, k)) for k in ("token_ids", "loss_mask", "rollout_logprobs")
         )
@@ -95,6 +105,7 @@ def _offsets(lengths) -> np.ndarray:
 
 def pack(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
     """A batch as contiguous typed arrays, keyed and typed as in `FIELDS`."""
+
     def cat(name, parts):
         dtype, tail = FIELDS[name]
         parts = [np.asarray(p, dtype=dtype).reshape((-1, *tail)) for p in parts]
@@ -130,21 +141,23 @@ def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
     trajs = []
     for i in range(len(tok) - 1):
         lo, hi = int(tok[i]), int(tok[i + 1])
-        trajs.append(Trajectory(
-            task_id=text[3 * i],
-            group_id=int(b["group_id"][i]),
-            attempt=int(b["attempt"][i]),
-            policy_version=int(b["policy_version"][i]),
-            token_ids=b["token_ids"][lo:hi].copy(),
-            loss_mask=b["loss_mask"][lo:hi].copy(),
-            rollout_logprobs=b["rollout_logprobs"][lo:hi].copy(),
-            reward=float(b["reward"][i]),
-            status=STATUSES[int(b["status"][i])],
-            turn_boundaries=[tuple(map(int, s)) for s in b["turns"][turn[i] : turn[i + 1]]],
-            domain=text[3 * i + 1],
-            prompt_len=int(b["prompt_len"][i]),
-            detail=text[3 * i + 2],
-        ))
+        trajs.append(
+            Trajectory(
+                task_id=text[3 * i],
+                group_id=int(b["group_id"][i]),
+                attempt=int(b["attempt"][i]),
+                policy_version=int(b["policy_version"][i]),
+                token_ids=b["token_ids"][lo:hi].copy(),
+                loss_mask=b["loss_mask"][lo:hi].copy(),
+                rollout_logprobs=b["rollout_logprobs"][lo:hi].copy(),
+                reward=float(b["reward"][i]),
+                status=STATUSES[int(b["status"][i])],
+                turn_boundaries=[tuple(map(int, s)) for s in b["turns"][turn[i] : turn[i + 1]]],
+                domain=text[3 * i + 1],
+                prompt_len=int(b["prompt_len"][i]),
+                detail=text[3 * i + 2],
+            )
+        )
     return trajs
 
 

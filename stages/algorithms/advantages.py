@@ -5,7 +5,8 @@ Every estimator returns a tensor of the same shape. Rewards are treated as const
 
 from __future__ import annotations
 
-from typing import Sequence, get_args
+from collections.abc import Sequence
+from typing import get_args
 
 import torch
 
@@ -64,7 +65,9 @@ def valid_from_status(status: Sequence[Sequence[str]]) -> torch.Tensor:
 ESTIMATORS = get_args(Estimator)
 
 
-def compute_advantages(estimator: str, rewards: torch.Tensor, valid: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+def compute_advantages(
+    estimator: str, rewards: torch.Tensor, valid: torch.Tensor | None = None, eps: float = 1e-6
+) -> torch.Tensor:
     """Dispatch by name (the RL stage's config value). Only `rloo_n` uses `valid`."""
     if estimator == "grpo":
         return grpo_advantages(rewards, eps=eps)

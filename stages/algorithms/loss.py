@@ -115,7 +115,9 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x.detach() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def mismatch_stats(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, tis_cap: float | None = None) -> dict[str, float]:
+def mismatch_stats(
+    logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, tis_cap: float | None = None
+) -> dict[str, float]:
     """Engine-vs-trainer agreement on the sampled tokens (log it every step).
 
     ratio = exp(logp_train - logp_rollout) over masked-in tokens; quantiles use linear

@@ -6,6 +6,14 @@ from .kv_cache import KVCache
 from .modeling import ModelOutput, MoEForCausalLM
 
 __all__ = [
-    "PRESETS", "ModelConfig", "count_params", "KVCache", "ModelOutput", "MoEForCausalLM",
-    "save_model_dir", "load_model_dir", "hf_state_dict", "load_hf_state_dict",
+    "PRESETS",
+    "ModelConfig",
+    "count_params",
+    "KVCache",
+    "ModelOutput",
+    "MoEForCausalLM",
+    "save_model_dir",
+    "load_model_dir",
+    "hf_state_dict",
+    "load_hf_state_dict",
 ]

@@ -48,7 +48,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -86,25 +86,59 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
 PRESETS: dict[str, ModelConfig] = {
     # Trains in minutes on 2 CPU cores (the embedded demo); ~2 M parameters.
     "demo-tiny": ModelConfig(
-        vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-        num_experts=8, experts_per_token=2, moe_intermediate_size=128, max_position_embeddings=1024,
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        num_experts=8,
+        experts_per_token=2,
+        moe_intermediate_size=128,
+        max_position_embeddings=1024,
         tie_word_embeddings=True,
     ),
     # Unit tests: smallest model that still exercises GQA, top-k routing and a shared expert.
     "test-micro": ModelConfig(
-        vocab_size=384, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-        num_experts=4, experts_per_token=2, moe_intermediate_size=32, shared_expert_intermediate_size=16,
+        vocab_size=384,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        num_experts=4,
+        experts_per_token=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=16,
         max_position_embeddings=256,
     ),
     # A few hundred million parameters: a single-GPU smoke test of the real code path.
     "snowball-mini": ModelConfig(
-        vocab_size=32768, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
-        num_experts=32, experts_per_token=4, moe_intermediate_size=512, max_position_embeddings=8192,
+        vocab_size=32768,
+        hidden_size=1024,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        num_experts=32,
+        experts_per_token=4,
+        moe_intermediate_size=512,
+        max_position_embeddings=8192,
     ),
     # The production shape (a config only): ~67 B total, ~2 B active per token.
     "snowball-67b-a2b": ModelConfig(
-        vocab_size=128256, hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=4, head_dim=128,
-        num_experts=376, experts_per_token=8, moe_intermediate_size=1024, rope_theta=1_000_000.0,
-        max_position_embeddings=65536, router_aux_loss_coef=0.001, router_z_loss_coef=0.0001,
+        vocab_size=128256,
+        hidden_size=2048,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=376,
+        experts_per_token=8,
+        moe_intermediate_size=1024,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=65536,
+        router_aux_loss_coef=0.001,
+        router_z_loss_coef=0.0001,
     ),
 }

@@ -76,7 +76,6 @@ def load_hf_state_dict(model: MoEForCausalLM, tensors: dict[str, torch.Tensor]) 
 
 
 def _write_tensors(dir: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
-
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -100,7 +99,6 @@ def _write_tensors(dir: Path, tensors: dict[str, torch.Tensor], max_shard_bytes:
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-
     path = Path(path)
     if (path / SINGLE).is_file():
         return load_file(str(path / SINGLE))
@@ -113,8 +111,14 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_model_dir(path, model: MoEForCausalLM, tokenizer=None, meta: dict | None = None,
-                   max_shard_bytes: int = 4 << 30, extra_files: dict | None = None) -> Path:
+def save_model_dir(
+    path,
+    model: MoEForCausalLM,
+    tokenizer=None,
+    meta: dict | None = None,
+    max_shard_bytes: int = 4 << 30,
+    extra_files: dict | None = None,
+) -> Path:
     """Write a model directory atomically. `extra_files`: {relative name: callable(path)} written
     inside the same directory before the manifest (e.g. a trainer's resumable state)."""
     path = Path(path)
@@ -134,7 +138,6 @@ def save_model_dir(path, model: MoEForCausalLM, tokenizer=None, meta: dict | Non
 def load_model_config(path) -> ModelConfig:
     d = read_json(Path(path) / CONFIG)
     if d is None:
-
         raise UserError(f"{path}: not a model directory (no {CONFIG})")
     return ModelConfig.from_dict(d)
 
@@ -153,16 +156,13 @@ def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify:
     with torch.device("meta"):
         model = MoEForCausalLM(cfg)
     model = model.to_empty(device="cpu")
-    model.model.inv_freq.copy_(
-        1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
-    )
+    model.model.inv_freq.copy_(1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
     load_hf_state_dict(model, read_tensors(path))
     if cfg.tie_word_embeddings:  # to_empty() broke the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
     tokenizer = None
     if (path / "tokenizer.json").is_file():
-
         tokenizer = ChatTokenizer.load(path)
     return model, cfg, tokenizer
 

@@ -14,7 +14,7 @@ class KVCache:
     lengths: torch.Tensor  # [batch] int64: filled slots per row; the next forward writes from here
 
     @classmethod
-    def allocate(cls, cfg, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> "KVCache":
+    def allocate(cls, cfg, batch: int, max_len: int, dtype=torch.float32, device="cpu") -> KVCache:
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         return cls(
             k=torch.zeros(shape, dtype=dtype, device=device),
@@ -34,6 +34,6 @@ class KVCache:
             raise ValueError("truncate() can only shorten rows")
         self.lengths.copy_(lengths)
 
-    def select_rows(self, rows: torch.Tensor) -> "KVCache":
+    def select_rows(self, rows: torch.Tensor) -> KVCache:
         """A cache holding only `rows` (drop finished sequences from a decoding batch)."""
         return KVCache(self.k[:, rows], self.v[:, rows], self.lengths[rows].clone())

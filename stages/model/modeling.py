@@ -234,8 +234,15 @@ class MoEForCausalLM(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, input_ids, position_ids=None, segment_ids=None, kv_cache: KVCache | None = None,
-                targets: torch.Tensor | None = None, temperature: float = 1.0) -> ModelOutput:
+    def forward(
+        self,
+        input_ids,
+        position_ids=None,
+        segment_ids=None,
+        kv_cache: KVCache | None = None,
+        targets: torch.Tensor | None = None,
+        temperature: float = 1.0,
+    ) -> ModelOutput:
         """With `targets` [B, T] (next-token ids, -1 = none) the output also carries the per-token
         logprob/entropy from `kernels.linear_logprob_entropy` (no [B*T, V] logits kept). It runs
         inside forward so that wrappers which gather parameters around forward (ZeRO-3) see the
@@ -295,10 +302,10 @@ class MoEForCausalLM(nn.Module):
             }
         out = ModelOutput(hidden=hidden, aux_loss=aux_loss, z_loss=z_loss, router_stats=stats)
         if targets is not None:
-
             H = hidden.shape[-1]
-            logp, ent = linear_logprob_entropy(hidden.reshape(B * T, H), self.lm_head.weight.to(hidden.dtype),
-                                               targets.reshape(-1), temperature=temperature)
+            logp, ent = linear_logprob_entropy(
+                hidden.reshape(B * T, H), self.lm_head.weight.to(hidden.dtype), targets.reshape(-1), temperature=temperature
+            )
             out.logprobs, out.entropy = logp.view(B, T), ent.view(B, T)
         return out
 

@@ -1,8 +1,8 @@
 """Parts of the RL stage: weight handoff, trajectory transport, the trainer's loss and loop.
 
-    handoff.py    trainer publishes weights/step_N (manifest + STABLE); rollout loads exactly step k - lag
-    transport.py  send_batch / recv_batch: MPITransport (typed buffers) and FileQueueTransport
-    trainer.py    advantages, padded batches, the TIS policy loss under the sampling distribution
-    loop.py       the trainer role: resume, update, publish, log, evaluate, checkpoint
-    episodes.py   batch k's episodes through stages.agent.run_episodes
+handoff.py    trainer publishes weights/step_N (manifest + STABLE); rollout loads exactly step k - lag
+transport.py  send_batch / recv_batch: MPITransport (typed buffers) and FileQueueTransport
+trainer.py    advantages, padded batches, the TIS policy loss under the sampling distribution
+loop.py       the trainer role: resume, update, publish, log, evaluate, checkpoint
+episodes.py   batch k's episodes through stages.agent.run_episodes
 """

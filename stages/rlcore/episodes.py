@@ -25,11 +25,11 @@ def reward_verifier(spec: str, reward: str):
 
 
 def generate_batch(engine, tok, tasks, cfg, params, seed: int, policy_version: int):
-
-
     env = make_env(cfg.env, tok)
     budget = Budget(max_context=cfg.max_total_tokens, max_turn_tokens=cfg.max_tokens, max_turns=cfg.max_turns)
     # group_id = position of the task in the batch: the attempts at one task form one group
     jobs = [EpisodeJob(task, group_id=g, attempt=a) for g, task in enumerate(tasks) for a in range(cfg.attempts)]
     with torch.no_grad():  # sampling needs no graph (and a kept graph grows memory every batch)
-        return run_episodes(engine, tok, jobs, env, params, budget, seed, policy_version, verifier=reward_verifier(cfg.verifier, cfg.reward))
+        return run_episodes(
+            engine, tok, jobs, env, params, budget, seed, policy_version, verifier=reward_verifier(cfg.verifier, cfg.reward)
+        )

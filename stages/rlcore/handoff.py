@@ -137,7 +137,6 @@ class WeightHandoff:
     def load_into(self, model, step: int, **wait_kwargs) -> None:
         """Wait for version `step` and copy its verified tensors into `model` in place."""
 
-
         files = self.wait_verified(step, **wait_kwargs)
         names = [SINGLE] if SINGLE in files else sorted(n for n in files if n.endswith(".safetensors"))
         if not names:

@@ -77,7 +77,6 @@ def quick_eval(model, tok, tasks, params, attempts: int, seed: int, verify, batc
 
 class Trainer:
     def __init__(self, ctx, cfg, pool, held_out, handoff, transport, comm=None):
-
         self.ctx, self.cfg, self.pool, self.held_out = ctx, cfg, pool, held_out
         self.handoff, self.transport, self.comm = handoff, transport, comm
         self.out = Path(ctx.out_dir)
@@ -88,24 +87,38 @@ class Trainer:
         resume = latest_checkpoint(self.ckpts)
         self.model, _, self.tok = load_model_dir(resume or self.init_path, device=self.device)
         if self.tok is None:
-
             raise UserError(f"{self.init_path}: checkpoint has no tokenizer.json")
         if resume is None and not (self.ckpts / "initial").is_dir():
             save_model_dir(self.ckpts / "initial", self.model, self.tok, meta={"stage": ctx.name, "step": 0})
         self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (self.tok.end_of_turn_id,))
-        optim = OptimConfig(lr=cfg.lr, min_lr_ratio=1.0, warmup_steps=cfg.warmup_steps, total_steps=cfg.updates,
-                            schedule="constant", weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
+        optim = OptimConfig(
+            lr=cfg.lr,
+            min_lr_ratio=1.0,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=cfg.updates,
+            schedule="constant",
+            weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip,
+        )
         self.backend = make_backend("torch", self.model, optim)
-        self.loss_cfg = PolicyLossConfig(aggregation=cfg.aggregation, clip_low=cfg.ppo_clip, tis_cap=cfg.tis_cap,
-                                         length_const=float(cfg.max_total_tokens), kl_coef=cfg.kl_coef,
-                                         entropy_coef=cfg.entropy_coef)
+        self.loss_cfg = PolicyLossConfig(
+            aggregation=cfg.aggregation,
+            clip_low=cfg.ppo_clip,
+            tis_cap=cfg.tis_cap,
+            length_const=float(cfg.max_total_tokens),
+            kl_coef=cfg.kl_coef,
+            entropy_coef=cfg.entropy_coef,
+        )
         self.verify = load_verifier(cfg.verifier, "rl.verifier")
         self.behaviour = None  # the weights that generated the current batch, when lag > 0
         self.ref_model = None
         if cfg.kl_coef:
             self.ref_model = load_model_dir(self.init_path, device=self.device)[0].eval().requires_grad_(False)
-        self.retention = Retention(self.ckpts, RetentionPolicy(metric="val/pass@1", mode="max", keep_best=cfg.keep_best,
-                                                               keep_last=cfg.keep_last), name="step_{step:06d}")
+        self.retention = Retention(
+            self.ckpts,
+            RetentionPolicy(metric="val/pass@1", mode="max", keep_best=cfg.keep_best, keep_last=cfg.keep_last),
+            name="step_{step:06d}",
+        )
         self.history_h5 = History(ctx.run_dir)
         self.history_path = self.out / "metrics_history.jsonl"
         self.history: list[dict] = []
@@ -116,22 +129,32 @@ class Trainer:
             self.last_ckpt = int(client["step"])
             self.eval_cache = client.get("last_eval", {})
             if self.history_path.is_file():  # lines after the checkpoint belong to a lost future
-                self.history = [h for h in map(json.loads, self.history_path.read_text().splitlines())
-                                if h["step"] <= self.backend.step]
+                self.history = [
+                    h for h in map(json.loads, self.history_path.read_text().splitlines()) if h["step"] <= self.backend.step
+                ]
 
     @property
     def step(self) -> int:
         return self.backend.step
 
     def save(self, metrics: dict | None = None) -> None:
-
         if self.last_ckpt == self.step and self.retention.path(self.step).is_dir():
             return  # already saved at this step (keep its registered metric)
-        client = {"policy_version": self.step, "next_batch": self.step, "lag": self.cfg.lag,
-                  "data_order": "pure function of (seed, batch index)", "last_eval": self.eval_cache,
-                  "handoff_versions": self.handoff.versions()}
-        save_checkpoint(self.retention.path(self.step), self.backend, self.tok, client,
-                        meta={"stage": self.ctx.name, "seed": self.ctx.seed, "policy_version": self.step})
+        client = {
+            "policy_version": self.step,
+            "next_batch": self.step,
+            "lag": self.cfg.lag,
+            "data_order": "pure function of (seed, batch index)",
+            "last_eval": self.eval_cache,
+            "handoff_versions": self.handoff.versions(),
+        }
+        save_checkpoint(
+            self.retention.path(self.step),
+            self.backend,
+            self.tok,
+            client,
+            meta={"stage": self.ctx.name, "seed": self.ctx.seed, "policy_version": self.step},
+        )
         self.retention.register(self.step, metrics or {})
         self.last_ckpt = self.step
         # nothing before the checkpoint can be needed again, even by a resumed run
@@ -142,8 +165,9 @@ class Trainer:
     def evaluate(self) -> dict:
         if not self.held_out or not self.cfg.eval_tasks:
             return {}
-        self.eval_cache = quick_eval(self.model, self.tok, self.held_out, self.params, self.cfg.eval_attempts,
-                                     seed=self.ctx.seed + 101, verify=self.verify)
+        self.eval_cache = quick_eval(
+            self.model, self.tok, self.held_out, self.params, self.cfg.eval_attempts, seed=self.ctx.seed + 101, verify=self.verify
+        )
         return self.eval_cache
 
     def _add_behaviour_logprobs(self, batch: dict, versions: set[int]) -> None:
@@ -154,7 +178,6 @@ class Trainer:
         if version == self.step:
             return
         if self.behaviour is None:
-
             self.behaviour = load_model_dir(self.init_path, device=self.device)[0].requires_grad_(False)
             self.behaviour_version = None
         if self.behaviour_version != version:
@@ -171,7 +194,6 @@ class Trainer:
         self.history_h5.append(self.ctx.name, rec["step"], {k: v for k, v in rec.items() if k != "step"})
 
     def train(self, local_rollout=None) -> dict:
-
         cfg, ctx = self.cfg, self.ctx
         # Repair the handoff: drop torn/unstable versions and any "future" beyond the resumed step,
         # then (re)publish the current version so rollout ranks can start.
@@ -215,15 +237,25 @@ class Trainer:
                 rec.update({f"router/{k2}": float(v) for k2, v in s.get("router", {}).items()})
                 sampled = int(sum(int(t.loss_mask.sum()) for t in trajs))
                 tokens_total += sampled
-                rec.update({"time/step_s": step_time, "time/wait_batch_s": wait,
-                            "throughput/sampled_tokens_per_s": sampled / max(step_time, 1e-9)})
+                rec.update(
+                    {
+                        "time/step_s": step_time,
+                        "time/wait_batch_s": wait,
+                        "throughput/sampled_tokens_per_s": sampled / max(step_time, 1e-9),
+                    }
+                )
                 evaluated = cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.updates)
                 if evaluated:
                     rec.update(self.evaluate())
                 self._log(log, rec)
-                ctx.progress(self.step, cfg.updates, unit="updates", reward=rec["reward/mean"],
-                             **({"val pass@1": rec["val/pass@1"]} if "val/pass@1" in rec else {}),
-                             **{"tok/s": rec["throughput/sampled_tokens_per_s"]})
+                ctx.progress(
+                    self.step,
+                    cfg.updates,
+                    unit="updates",
+                    reward=rec["reward/mean"],
+                    **({"val pass@1": rec["val/pass@1"]} if "val/pass@1" in rec else {}),
+                    **{"tok/s": rec["throughput/sampled_tokens_per_s"]},
+                )
                 if self.step == cfg.updates or (cfg.save_every and self.step % cfg.save_every == 0) or evaluated:
                     self.save(rec if evaluated else None)
         finally:
@@ -232,15 +264,19 @@ class Trainer:
 
         if self.last_ckpt != self.step:
             self.save()
-        save_model_dir(self.ckpts / "final", self.model, self.tok,
-                       meta={"stage": ctx.name, "seed": ctx.seed, "step": self.step})
+        save_model_dir(self.ckpts / "final", self.model, self.tok, meta={"stage": ctx.name, "seed": ctx.seed, "step": self.step})
         best = self.retention.best()
         atomic_write_text(self.ckpts / "best", (self.retention.path(best).name if best is not None else "final") + "\n")
         last = self.history[-1] if self.history else {}
-        metrics = {"updates": self.step, "train_seconds": round(train_s, 2), "wait_seconds": round(wait_total, 2),
-                   "sampled_tokens_per_s": round(tokens_total / max(train_s, 1e-9), 1),
-                   "best_step": best, **{k: v for k, v in self.eval_cache.items()},
-                   **{f"initial_{k}": v for k, v in (self.history[0] if self.history else {}).items() if k.startswith("val/")},
-                   "final_reward_mean": last.get("reward/mean")}
+        metrics = {
+            "updates": self.step,
+            "train_seconds": round(train_s, 2),
+            "wait_seconds": round(wait_total, 2),
+            "sampled_tokens_per_s": round(tokens_total / max(train_s, 1e-9), 1),
+            "best_step": best,
+            **{k: v for k, v in self.eval_cache.items()},
+            **{f"initial_{k}": v for k, v in (self.history[0] if self.history else {}).items() if k.startswith("val/")},
+            "final_reward_mean": last.get("reward/mean"),
+        }
         atomic_write_json(self.out / "metrics.json", metrics)
         return metrics

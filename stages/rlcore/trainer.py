@@ -58,8 +58,14 @@ def make_batch(trajs: list[Trajectory], pad_id: int, estimator: str) -> dict[str
         mask[b, :n] = t.loss_mask * float(t.trainable)  # infra failures carry no loss at all
     ids, mask, lp = map(torch.from_numpy, (ids, mask, lp))
     targets = torch.where(mask[:, 1:] > 0, ids[:, 1:], torch.full_like(ids[:, 1:], -1))
-    return {"input_ids": ids[:, :-1], "targets": targets, "mask": mask[:, 1:], "rollout_logprobs": lp[:, 1:],
-            "advantages": adv, "trainable": trainable}
+    return {
+        "input_ids": ids[:, :-1],
+        "targets": targets,
+        "mask": mask[:, 1:],
+        "rollout_logprobs": lp[:, 1:],
+        "advantages": adv,
+        "trainable": trainable,
+    }
 
 
 def _unwrap(model):
@@ -79,8 +85,10 @@ def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 40
     targets = batch["targets"][sel]
     if not params.is_full_distribution:
         with torch.no_grad():  # the kept set is a constant of the loss, as it is for the engine
-            parts = [support_ids(torch.nn.functional.linear(h[i : i + chunk].float(), head.float()), params)
-                     for i in range(0, h.shape[0], chunk)]
+            parts = [
+                support_ids(torch.nn.functional.linear(h[i : i + chunk].float(), head.float()), params)
+                for i in range(0, h.shape[0], chunk)
+            ]
             width = max(p.shape[1] for p in parts)
             support = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
             # The sampled token was in the engine's support. Logits in other precisions (bf16
@@ -89,8 +97,7 @@ def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 40
             missing = ~(support == targets[:, None]).any(dim=1)
             support = torch.cat([support, torch.where(missing, targets, -1)[:, None]], dim=1)
     temperature = params.temperature if params.temperature > 0 else 1.0
-    logp_sel, ent_sel = linear_logprob_entropy(h, head.to(h.dtype), targets, temperature=temperature,
-                                               support=support)
+    logp_sel, ent_sel = linear_logprob_entropy(h, head.to(h.dtype), targets, temperature=temperature, support=support)
     logp = torch.zeros(B, T, dtype=logp_sel.dtype, device=h.device).masked_scatter(sel, logp_sel)
     ent = torch.zeros(B, T, dtype=ent_sel.dtype, device=h.device).masked_scatter(sel, ent_sel)
     return logp, ent, out
@@ -118,8 +125,9 @@ def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=N
         # the engine-vs-trainer difference, which is what `mismatch` reports: same weights, two
         # implementations.
         logp_old = batch["logp_old"] if "logp_old" in batch else logp.detach()
-        loss, stats = policy_loss(logp, logp_old, batch["rollout_logprobs"], batch["advantages"], mask, loss_cfg,
-                                  logp_ref=logp_ref, entropy=ent)
+        loss, stats = policy_loss(
+            logp, logp_old, batch["rollout_logprobs"], batch["advantages"], mask, loss_cfg, logp_ref=logp_ref, entropy=ent
+        )
         loss = loss / num_micro + (cfg.router_aux_loss_coef * out.aux_loss + cfg.router_z_loss_coef * out.z_loss) / num_micro
         # (on the CPU: mismatch_stats builds its quantile points there)
         mism = mismatch_stats(logp_old.cpu(), batch["rollout_logprobs"].cpu(), mask.cpu(), loss_cfg.tis_cap)
@@ -127,9 +135,12 @@ def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=N
         res = {f"loss/{k}": torch.tensor(float(v)) for k, v in stats.items()}
         res |= {f"mismatch/{k}": torch.tensor(float(v)) for k, v in mism.items()}
         res["staleness/mean_abs_dlogp"] = _masked_mean((logp.detach() - logp_old).abs(), mask)
-        res |= {"tokens": tokens.detach(), "entropy": ((ent * mask).sum() / tokens.clamp(min=1)).detach(),
-                "router": {k: v for k, v in out.router_stats.items() if k != "expert_load"},
-                "input_tokens": torch.tensor(float(batch["input_ids"].numel()))}
+        res |= {
+            "tokens": tokens.detach(),
+            "entropy": ((ent * mask).sum() / tokens.clamp(min=1)).detach(),
+            "router": {k: v for k, v in out.router_stats.items() if k != "expert_load"},
+            "input_tokens": torch.tensor(float(batch["input_ids"].numel())),
+        }
         return loss, res
 
     return loss_fn

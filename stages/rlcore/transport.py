@@ -16,8 +16,9 @@ from __future__ import annotations
 import io
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -55,8 +56,15 @@ def rollout_owner(batch_index: int, first_rollout: int, n_rollout: int) -> int:
 
 
 class MPITransport:
-    def __init__(self, comm, trainer_rank: int = 0, first_rollout: int = 1, n_rollout: int | None = None,
-                 timeout_s: float = 3600.0, should_stop: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        comm,
+        trainer_rank: int = 0,
+        first_rollout: int = 1,
+        n_rollout: int | None = None,
+        timeout_s: float = 3600.0,
+        should_stop: Callable[[], bool] | None = None,
+    ):
         self.comm = comm
         self.trainer_rank = trainer_rank
         self.first_rollout = first_rollout
@@ -79,19 +87,32 @@ class MPITransport:
     def recv_batch(self, batch_index: int) -> list[Trajectory]:
         src = self.owner(batch_index)
         head = np.empty(1 + len(FIELDS), np.int64)
-        _wait([self.comm.Irecv(head, source=src, tag=_TAG)], self.timeout_s, self.should_stop,
-              f"receive batch {batch_index} from rank {src}")
+        _wait(
+            [self.comm.Irecv(head, source=src, tag=_TAG)],
+            self.timeout_s,
+            self.should_stop,
+            f"receive batch {batch_index} from rank {src}",
+        )
         if int(head[0]) != batch_index:
             raise TransportError(f"expected batch {batch_index} from rank {src}, got batch {int(head[0])}")
         bufs = allocate(head[1:])
-        _wait([self.comm.Irecv(bufs[name], source=src, tag=_TAG) for name in FIELDS], self.timeout_s,
-              self.should_stop, f"receive batch {batch_index} from rank {src}")
+        _wait(
+            [self.comm.Irecv(bufs[name], source=src, tag=_TAG) for name in FIELDS],
+            self.timeout_s,
+            self.should_stop,
+            f"receive batch {batch_index} from rank {src}",
+        )
         return unpack(bufs)
 
 
 class FileQueueTransport:
-    def __init__(self, root: str | os.PathLike, timeout_s: float = 3600.0, poll_s: float = 0.05,
-                 should_stop: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        timeout_s: float = 3600.0,
+        poll_s: float = 0.05,
+        should_stop: Callable[[], bool] | None = None,
+    ):
         self.root = Path(root)
         self.timeout_s = timeout_s
         self.poll_s = poll_s
@@ -104,7 +125,6 @@ class FileQueueTransport:
         return self.path(batch_index).is_file()
 
     def send_batch(self, batch_index: int, trajs: list[Trajectory]) -> None:
-
         buf = io.BytesIO()
         np.savez(buf, **pack(trajs))
         atomic_write_bytes(self.path(batch_index), buf.getvalue())

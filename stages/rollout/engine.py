@@ -13,9 +13,10 @@ GPU kernels may differ in the last bits).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, Sequence
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -65,8 +66,7 @@ class TorchEngine:
         self.max_batch = max_batch
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, **kwargs) -> "TorchEngine":
-
+    def from_model_dir(cls, model_dir: str | Path, **kwargs) -> TorchEngine:
         try:
             model, _cfg, _tokenizer = load_model_dir(Path(model_dir))
         except Exception as e:
@@ -99,7 +99,6 @@ class TorchEngine:
 
     @torch.no_grad()  # also called directly by the agent loop: sampling never keeps a graph
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, gens: list[torch.Generator]):
-
         if any(len(p) == 0 for p in prompts):
             raise EngineError("empty prompt")
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
@@ -181,9 +180,7 @@ class VLLMEngine:
             for i in range(len(prompts))
         ]
         try:
-            outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_request, use_tqdm=False
-            )
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_request, use_tqdm=False)
         except Exception as e:
             raise EngineError(f"vllm generation failed: {e}") from e
         completions = []

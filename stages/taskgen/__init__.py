@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -110,19 +110,22 @@ def split_tasks(tasks: list[Task], val_count: int, rng: np.random.Generator) -> 
 
 
 def _table(tasks: list[Task]):
-
     rows = [asdict(t) | {"meta": json.dumps(t.meta, sort_keys=True)} for t in tasks]
     schema = pa.schema(
-        [("task_id", pa.string()), ("domain", pa.string()), ("difficulty", pa.int32()), ("prompt", pa.string()),
-         ("answer", pa.string()), ("verifier", pa.string()), ("meta", pa.string())]
+        [
+            ("task_id", pa.string()),
+            ("domain", pa.string()),
+            ("difficulty", pa.int32()),
+            ("prompt", pa.string()),
+            ("answer", pa.string()),
+            ("verifier", pa.string()),
+            ("meta", pa.string()),
+        ]
     )
     return pa.Table.from_pylist(rows, schema=schema)
 
 
 def save_tasks(out_dir: Path, split: str, tasks: list[Task]) -> Path:
-
-
-
     buf = io.BytesIO()
     pq.write_table(_table(tasks), buf, compression="zstd")
     path = Path(out_dir) / f"{split}.parquet"
@@ -131,7 +134,6 @@ def save_tasks(out_dir: Path, split: str, tasks: list[Task]) -> Path:
 
 
 def load_tasks(tasks_dir: Path, split: str) -> list[Task]:
-
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     rows = pq.read_table(Path(tasks_dir) / f"{split}.parquet").to_pylist()

@@ -6,6 +6,18 @@ from .optim import OptimConfig, lr_factor
 from .packing import Example, PackedLoader, pack_rows
 
 __all__ = [
-    "DeepSpeedBackend", "TorchBackend", "local_device", "make_backend", "world", "latest_checkpoint", "load_checkpoint",
-    "save_checkpoint", "step_name", "OptimConfig", "lr_factor", "Example", "PackedLoader", "pack_rows",
+    "DeepSpeedBackend",
+    "TorchBackend",
+    "local_device",
+    "make_backend",
+    "world",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "step_name",
+    "OptimConfig",
+    "lr_factor",
+    "Example",
+    "PackedLoader",
+    "pack_rows",
 ]

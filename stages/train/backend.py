@@ -72,7 +72,6 @@ class TorchBackend:
         self.device = next(model.parameters()).device
         self.wrapped = model
         if self.world_size > 1:
-
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped = DistributedDataParallel(model, device_ids=ids)
         self.optimizer, self.scheduler = build_optimizer(model, cfg)
@@ -104,9 +103,7 @@ class TorchBackend:
     def train_step(self, micro_batches: list[dict], loss_fn) -> dict:
         t0 = time.perf_counter()
         lr = self.cfg.lr * lr_factor(self.step, self.cfg)
-        n_tokens = _all_reduce_sum(
-            torch.tensor(sum(int((b["targets"] >= 0).sum()) for b in micro_batches), dtype=torch.float64)
-        )
+        n_tokens = _all_reduce_sum(torch.tensor(sum(int((b["targets"] >= 0).sum()) for b in micro_batches), dtype=torch.float64))
         # DP backends average gradients over ranks; scale so the result is a mean over all tokens.
         n_local = max(1.0, float(n_tokens)) / self.world_size
         self.wrapped.train()
@@ -130,8 +127,10 @@ class TorchBackend:
         """Optimizer + schedule + step into `dir` (collective; replicated state: rank 0 writes)."""
         if self.rank == 0:
             dir.mkdir(parents=True, exist_ok=True)
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "step": self.step}, dir / "optimizer.pt")
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step},
+                dir / "optimizer.pt",
+            )
 
     def load_state(self, dir) -> None:
         sd = torch.load(dir / "optimizer.pt", map_location=self.device, weights_only=False)
@@ -169,7 +168,10 @@ class DeepSpeedBackend(TorchBackend):
         # wraps an existing torch process group (or creates one from the env:// variables)
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config,
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=ds_config,
         )
         self.wrapped = self.engine
         self.step = 0
@@ -218,7 +220,6 @@ def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1):
         return TorchBackend(model, cfg)
     if name == "deepspeed":
         if zero_stage not in (0, 1, 2):
-
             # ZeRO-3 partitions the LM head, which the fused logprob kernel reads outside
             # lm_head.forward; gathering it there is not done yet (a trial run deadlocked).
             raise UserError(f"deepspeed zero_stage={zero_stage}: only stages 0-2 are supported")

@@ -56,8 +56,9 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path, backend, tokenizer=None, client_state: dict | None = None, meta: dict | None = None,
-                    max_shard_bytes: int = 4 << 30) -> Path:
+def save_checkpoint(
+    path, backend, tokenizer=None, client_state: dict | None = None, meta: dict | None = None, max_shard_bytes: int = 4 << 30
+) -> Path:
     """Collective: every rank calls it. Returns the checkpoint path."""
 
     path = Path(path)
@@ -75,8 +76,14 @@ def save_checkpoint(path, backend, tokenizer=None, client_state: dict | None = N
     with backend.full_params():
         if rank == 0:
             meta = {"step": backend.step, "backend": backend.name, "world_size": world_size, **(meta or {})}
-            save_model_dir(path, backend.model, tokenizer, meta=meta, max_shard_bytes=max_shard_bytes,
-                           extra_files={STATE: lambda dst: os.replace(staging / STATE, dst)})
+            save_model_dir(
+                path,
+                backend.model,
+                tokenizer,
+                meta=meta,
+                max_shard_bytes=max_shard_bytes,
+                extra_files={STATE: lambda dst: os.replace(staging / STATE, dst)},
+            )
             shutil.rmtree(staging, ignore_errors=True)
     _barrier(world_size)
     return path

@@ -11,8 +11,9 @@ from snowcat.stages.model import KVCache
 
 
 @torch.no_grad()
-def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_id: int, pad_id: int,
-                    batch_size: int = 64) -> list[list[int]]:
+def greedy_generate(
+    model, prompts: list[list[int]], max_new_tokens: int, stop_id: int, pad_id: int, batch_size: int = 64
+) -> list[list[int]]:
     model.eval()
     cfg = model.config
     device = next(model.parameters()).device

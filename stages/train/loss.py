@@ -13,8 +13,13 @@ import torch
 
 def token_logprobs(model, batch: dict, temperature: float = 1.0):
     """(logprob [B, T], entropy [B, T], model output); positions with target -1 give logprob 0."""
-    out = model(batch["input_ids"], position_ids=batch.get("position_ids"), segment_ids=batch.get("segment_ids"),
-                targets=batch["targets"], temperature=temperature)
+    out = model(
+        batch["input_ids"],
+        position_ids=batch.get("position_ids"),
+        segment_ids=batch.get("segment_ids"),
+        targets=batch["targets"],
+        temperature=temperature,
+    )
     return out.logprobs, out.entropy, out
 
 

@@ -50,9 +50,6 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model, cfg: OptimConfig):
-
-    opt = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
-    )
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
     return opt, sched

@@ -58,8 +58,13 @@ def pack_rows(examples: list[Example], seq_len: int, pad_id: int) -> dict[str, t
             at += n
         position_ids[r, at:] = np.arange(seq_len - at)
     t = torch.from_numpy
-    return {"input_ids": t(input_ids), "targets": t(targets), "segment_ids": t(segment_ids),
-            "position_ids": t(position_ids), "domain_ids": t(domain_ids)}
+    return {
+        "input_ids": t(input_ids),
+        "targets": t(targets),
+        "segment_ids": t(segment_ids),
+        "position_ids": t(position_ids),
+        "domain_ids": t(domain_ids),
+    }
 
 
 class PackedLoader:
@@ -70,8 +75,17 @@ class PackedLoader:
     state gives exactly the batches an uninterrupted run would have seen.
     """
 
-    def __init__(self, examples: list[Example], seq_len: int, pad_id: int, batch_rows: int, seed: int,
-                 micro_batches: int = 1, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        examples: list[Example],
+        seq_len: int,
+        pad_id: int,
+        batch_rows: int,
+        seed: int,
+        micro_batches: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         if batch_rows % (world_size * micro_batches):
             raise ValueError(f"batch_rows={batch_rows} must divide by world_size*micro_batches={world_size * micro_batches}")
         self.examples, self.seq_len, self.pad_id = examples, seq_len, pad_id
