@@ -52,6 +52,9 @@ class Preempted(Exception):
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL
 
 
+MODEL_CONFIG = "model_config.json"  # what makes a directory a model directory (stages/model/io.py writes it)
+
+
 def checkpoint_dir(stage_dir: str | os.PathLike, name: str) -> Path:
     """`<stage_dir>/checkpoints/<name>`, a model directory; a plain file there (e.g. `best`) names the
     checkpoint it stands for."""
@@ -59,7 +62,7 @@ def checkpoint_dir(stage_dir: str | os.PathLike, name: str) -> Path:
     path = root / name
     if path.is_file():
         path = root / path.read_text().strip()
-    if not (path / "config.json").is_file():
+    if not (path / MODEL_CONFIG).is_file():
         raise UserError(f"{path}: no such checkpoint (expected a model directory)")
     return path
 

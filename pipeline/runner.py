@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 from submitit.slurm.slurm import _parse_node_list
 
 from . import config as config_mod
@@ -97,6 +99,13 @@ def _job_fields() -> dict:
     return fields
 
 
+def seed_global_generators(seed: int) -> None:
+    """Python's and numpy's global generators, seeded from the unit's seed. Stages draw from their own
+    generators, but checkpoints record these states too; unseeded, every checkpoint differed."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
     run = RunDir.open(run_dir)
     cfg = run.config()
@@ -125,6 +134,7 @@ def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
         run.update_stage(unit.key, status="running", started=now(), **_job_fields())
     print(f"[snowcat] {unit.key} ({node.kind}) rank {ctx.rank}/{ctx.world_size} role={ctx.role} starts", flush=True)
     t0 = time.monotonic()
+    seed_global_generators(ctx.seed)
     try:
         ctx.staged = prepare(ctx)  # offline checks fail fast, naming what was not staged
         metrics = config_mod.stage_module(node.kind).run(ctx) or {}

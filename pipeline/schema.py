@@ -74,14 +74,11 @@ class Component:
 
 
 @dataclass
-class Resources:
-    nodes: int = bounded(1, ge=1)
-    tasks_per_node: int = bounded(1, ge=1)
-    cpus_per_task: int = bounded(1, ge=1)
-    gpus_per_node: int = bounded(0, ge=0)
+class Resources(Component):
+    """A stage's job: a component's shape, plus memory, walltime and (for multi-role stages) components."""
+
     mem_gb: int | None = bounded(None, ge=1)
     time_min: int = bounded(30, ge=1)
-    partition: str | None = None
     # Non-empty: a co-scheduled multi-role stage (one Slurm hetjob, one MPI world; component order
     # is rank order). Locally it runs under mpirun with the same roles.
     components: dict[str, Component] = field(default_factory=dict)

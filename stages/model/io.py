@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from snowcat.pipeline.context import MODEL_CONFIG
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, verify_manifest, write_manifest
 from snowcat.stages.tokenizer import ChatTokenizer
@@ -29,7 +30,7 @@ from .modeling import MoEForCausalLM
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-CONFIG = "model_config.json"
+CONFIG = MODEL_CONFIG
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
