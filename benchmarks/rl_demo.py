@@ -18,6 +18,9 @@ import textwrap
 import time
 from pathlib import Path
 
+import snowcat.stages.evaluate as ev
+from snowcat.pipeline.context import StageContext
+
 REPO = Path(__file__).resolve().parent.parent
 
 _CHILD = textwrap.dedent("""
@@ -28,10 +31,9 @@ _CHILD = textwrap.dedent("""
     import snowcat.stages.rl as rl
     root, over = Path(sys.argv[1]), sys.argv[2:]
     rank, world = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)), int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
-    cfg = OmegaConf.merge(OmegaConf.structured(rl.Config), OmegaConf.from_dotlist(over))
-    ctx = StageContext(name="rl", kind="rl", config=cfg, run_config=None, run_dir=root, out_dir=root / "rl",
-                       inputs={"tasks": root / "tasks", "sft": root / "sft"}, seed=4321, rank=rank, world_size=world,
-                       role=("trainer", "rollout")[min(rank, 1)] if world > 1 else None)
+    ctx = StageContext.standalone("rl", OmegaConf.to_container(OmegaConf.from_dotlist(over)), run_dir=root,
+                                  inputs={"tasks": root / "tasks", "sft": root / "sft"}, seed=4321, rank=rank, world_size=world,
+                                  role=("trainer", "rollout")[min(rank, 1)] if world > 1 else None)
     ctx.signal.install()
     print(json.dumps(rl.run(ctx)), flush=True)
 """)
@@ -41,33 +43,55 @@ def main() -> None:
     root, overrides = Path(sys.argv[1]).resolve(), sys.argv[2:]
     child = root / "rl_child.py"
     child.write_text(_CHILD)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp", "SLURM_CPUS_PER_TASK": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_btl": "self,tcp",
+        "SLURM_CPUS_PER_TASK": "1",
+    }
     t0 = time.perf_counter()
-    proc = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, str(child),
-                           str(root), *overrides], env=env, cwd=REPO, text=True, capture_output=True)
+    proc = subprocess.run(
+        ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, str(child), str(root), *overrides],
+        env=env,
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+    )
     rl_s = time.perf_counter() - t0
     if proc.returncode:
         sys.exit(f"rl failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     print(proc.stdout.strip().splitlines()[-1])
     print(f"rl stage wall time under mpirun -n 2: {rl_s:.0f} s")
 
-    from omegaconf import OmegaConf
-
-    import snowcat.stages.evaluate as ev
-    from snowcat.pipeline.context import StageContext
-
-    cfg = OmegaConf.merge(OmegaConf.structured(ev.Config), {"checkpoints": ["sft:final", "rl:final", "rl:best"]})
-    ctx = StageContext(name="eval", kind="evaluate", config=cfg, run_config=None, run_dir=root, out_dir=root / "eval",
-                       inputs={"tasks": root / "tasks", "sft": root / "sft", "rl": root / "rl"}, seed=99)
+    ctx = StageContext.standalone(
+        "evaluate",
+        {"checkpoints": ["sft:final", "rl:final", "rl:best"]},
+        name="eval",
+        run_dir=root,
+        inputs={"tasks": root / "tasks", "sft": root / "sft", "rl": root / "rl"},
+        seed=99,
+    )
     t0 = time.perf_counter()
     head = ev.run(ctx)
     print(f"evaluate wall time: {time.perf_counter() - t0:.0f} s")
     for ref in ("rl:final", "rl:best"):
         d, se = head[f"{ref} - sft:final/all/pass@1_diff"], head[f"{ref} - sft:final/all/pass@1_diff_se"]
-        print(json.dumps({"checkpoint": ref, "sft_pass@1": head["sft:final/all/pass@1"], "rl_pass@1": head[f"{ref}/all/pass@1"],
-                          "diff": d, "paired_se": se, "diff_over_se": d / se if se else None,
-                          "target_met": bool(se and d > 2 * se), "rl_seconds": round(rl_s)}))
+        print(
+            json.dumps(
+                {
+                    "checkpoint": ref,
+                    "sft_pass@1": head["sft:final/all/pass@1"],
+                    "rl_pass@1": head[f"{ref}/all/pass@1"],
+                    "diff": d,
+                    "paired_se": se,
+                    "diff_over_se": d / se if se else None,
+                    "target_met": bool(se and d > 2 * se),
+                    "rl_seconds": round(rl_s),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -15,15 +15,18 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+from omegaconf import OmegaConf
+
+import snowcat.stages.sft as sft
+from snowcat.pipeline.context import StageContext
+from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks
+
 TARGETS = {"closure": 0.60, "arith": 0.30}
 TASKS = [("closure", 2400, 240, [1, 2, 3, 4, 5, 6]), ("arith", 2400, 200, [2, 3])]
 
 
 def make_tasks(out: Path, seed: int = 1234) -> None:
-    import numpy as np
-
-    from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks
-
     rng = np.random.default_rng(seed)
     train, val = [], []
     for domain, count, val_count, diffs in TASKS:
@@ -34,20 +37,14 @@ def make_tasks(out: Path, seed: int = 1234) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from omegaconf import OmegaConf
-
-    import snowcat.stages.sft as sft
-    from snowcat.pipeline.context import StageContext
-
     if not argv:
         print(__doc__)
         return 2
     root, overrides = Path(argv[0]), argv[1:]
     if not (root / "tasks" / "train.parquet").is_file():
         make_tasks(root / "tasks")
-    cfg = OmegaConf.merge(OmegaConf.structured(sft.Config), OmegaConf.from_dotlist(["eval_tasks=1000", *overrides]))
-    ctx = StageContext(name="sft", kind="sft", config=cfg, run_config=None, run_dir=root, out_dir=root / "sft",
-                       inputs={"tasks": root / "tasks"}, seed=1234)
+    values = OmegaConf.to_container(OmegaConf.from_dotlist(["eval_tasks=1000", *overrides]))
+    ctx = StageContext.standalone("sft", values, run_dir=root, inputs={"tasks": root / "tasks"}, seed=1234)
     t0 = time.perf_counter()
     metrics = sft.run(ctx)
     wall = time.perf_counter() - t0

@@ -62,7 +62,7 @@ def stage_config(kind: str, values: dict | None = None, *, name: str | None = No
     try:
         section = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(stage_schema(kind)), {"kind": kind, **(values or {})}))
     except OmegaConfBaseException as e:
-        raise UserError(f"{_key(e, where)}: {_msg(e)}") from None
+        raise UserError(f"{_key(e, where, values)}: {_msg(e)}") from None
     problems = list(range_problems(section, where)) + [(_join(where, key), problem) for key, problem in section.problems()]
     if problems:
         raise UserError(f"{problems[0][0]}: {problems[0][1]}")
@@ -131,9 +131,30 @@ def _msg(e: OmegaConfBaseException) -> str:
     return str(e).splitlines()[0].strip()
 
 
-def _key(e: OmegaConfBaseException, prefix: str = "") -> str:
-    key = getattr(e, "full_key", None) or ""
-    return ".".join(p for p in (prefix, str(key)) if p)
+def _key(e: OmegaConfBaseException, prefix: str = "", raw: Any = None) -> str:
+    """The full key path of an OmegaConf error. Inside a list of structured items (prestage artefacts)
+    OmegaConf names only the item's own key; the list and index are found again in `raw`."""
+    key = str(getattr(e, "full_key", None) or "")
+    item_type = getattr(e, "object_type", None)
+    if raw is not None and dataclasses.is_dataclass(item_type) and (item := _failing_item(raw, item_type)):
+        key = f"{item}.{key}" if key else item
+    return ".".join(p for p in (prefix, key) if p)
+
+
+def _failing_item(raw: Any, item_type: type, path: str = "") -> str | None:
+    """The path of the first list item in `raw` that does not fit `item_type`."""
+    if isinstance(raw, (dict, DictConfig)):
+        for k, v in raw.items():
+            if found := _failing_item(v, item_type, f"{path}.{k}" if path else str(k)):
+                return found
+    elif isinstance(raw, (list, ListConfig)):
+        for i, item in enumerate(raw):
+            if isinstance(item, (dict, DictConfig)):
+                try:
+                    OmegaConf.merge(OmegaConf.structured(item_type), item)
+                except OmegaConfBaseException:
+                    return f"{path}[{i}]"
+    return None
 
 
 def _typed_stage(name: str, raw: Any, label_of: dict) -> DictConfig:
@@ -179,7 +200,7 @@ def compose(path: str | Path, overrides: list[str] = (), site: str | None = None
         try:
             typed = OmegaConf.merge(typed, src)
         except OmegaConfBaseException as e:
-            raise UserError(f"{label}: {_key(e)}: {_msg(e)}") from None
+            raise UserError(f"{label}: {_key(e, raw=src)}: {_msg(e)}") from None
     try:
         _check_values(typed, str(path), lambda key: _source_of(sources, key, str(path)))
     except OmegaConfBaseException as e:

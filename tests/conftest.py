@@ -1,9 +1,11 @@
-"""Shared fixtures: run the real CLI in a subprocess, as a user would."""
+"""Shared fixtures: run the real CLI in a subprocess, as a user would; the small real runs that several
+test files share; contexts for one stage outside a run."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,20 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "demo.yaml"
 
 
+def _run(cmd: list[str], cwd: Path, env: dict | None, timeout: float) -> subprocess.CompletedProcess:
+    """Like subprocess.run(capture_output=True, text=True), but a time-out or an interrupted test stops
+    the whole process tree (the CLI's stage processes included), not only its first process."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 class Snowcat:
     """Runs `snowcat ARGS` (the real CLI entry point) with cwd in a temp dir."""
 
@@ -21,10 +37,7 @@ class Snowcat:
         self.cwd = cwd
 
     def __call__(self, *args: str, check: bool = False, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-        proc = subprocess.run(
-            [sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)], cwd=self.cwd, capture_output=True, text=True,
-            env={**os.environ, **(env or {})}, timeout=timeout,
-        )
+        proc = _run([sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)], self.cwd, env, timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"snowcat {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
         return proc
@@ -43,7 +56,6 @@ class Snowcat:
         import fcntl
         import pty
         import select
-        import signal
         import termios
         import time
 
@@ -94,6 +106,129 @@ def snowcat(tmp_path: Path) -> Snowcat:
 def write_config(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+# --- the shared small real runs ----------------------------------------------------------------
+#
+# Made through the CLI once per session, on first use, and shared by every test that reads one
+# (export, audit, card, scan: `full_run`; reproduce: `tiny_run`). A test that changes a run copies
+# it first. Each takes minutes on a busy 2-core machine: the tests that use one are marked slow.
+
+# Built at run time so this source file never holds a credential-shaped literal.
+PLANTED = {
+    "HF_TOKEN": "hf_" + "planted123" + "Q7xZ" * 6,
+    "DAYTONA_API_KEY": "dtn_" + "planted" + "k4Rw9" * 5,
+}
+
+TINY = """\
+name: tiny
+seed: 7
+description: tasks, tiny SFT, evaluate, export, card, scan (test run)
+executor: {kind: local, max_parallel: 1}
+stages:
+  tasks:
+    kind: tasks
+    domains:
+      closure: {count: 60, val_count: 12, difficulties: [1, 2]}
+      arith: {count: 60, val_count: 12, difficulties: [2]}
+  sft:
+    kind: sft
+    needs: [tasks]
+    model: demo-tiny
+    tokenizer_vocab_size: 320
+    seq_len: 64
+    batch_rows: 4
+    steps: 20
+    warmup_steps: 2
+    save_every: 10
+    threads: 1
+    eval_tasks: 4
+    eval_max_new_tokens: 8
+"""
+
+FULL = TINY + """\
+  eval:
+    kind: evaluate
+    needs: [tasks, sft]
+    checkpoints: ["sft:initial", "sft:final"]
+    limit: 8
+    attempts: 2
+    pass_k: [1, 2]
+    max_tokens: 8
+    bootstrap_samples: 100
+  export:
+    kind: export
+    needs: [sft]
+    max_shard_mb: 2  # several shards + index, as real exports have
+    probe_rows: 2
+    probe_len: 16
+    max_new_tokens: 8
+  card:
+    kind: card
+    needs: [tasks, sft, eval, export]
+  scan:
+    kind: scan
+    needs: [tasks, sft, eval, export, card]
+"""
+
+SHARED_RUN_TIMEOUT_S = 1800  # the pytest timeout of a test that builds a shared run (pytestmark of its file)
+
+
+def snowcat_in_repo(*args, timeout: float = SHARED_RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`snowcat ARGS` run from the repository, as audit, card and reproduce are run from a checkout."""
+    return Snowcat(REPO)(*args, timeout=timeout)
+
+
+def make_run(root: Path, config: str, name: str = "run", env: dict | None = None) -> Path:
+    """`snowcat run` of `config` into root/name (the config saved as root/name.yaml); the run directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{name}.yaml").write_text(config)
+    Snowcat(root)("run", root / f"{name}.yaml", "--run-dir", root / name, env=env, timeout=SHARED_RUN_TIMEOUT_S, check=True)
+    return root / name
+
+
+@pytest.fixture(scope="session")
+def full_run(tmp_path_factory) -> Path:
+    """tasks → tiny SFT → evaluate → export → card → scan, started with the PLANTED credentials in its
+    environment (the scan test checks that none of them reaches any file of the run)."""
+    return make_run(tmp_path_factory.mktemp("shared-full"), FULL, env=PLANTED)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """tasks → tiny SFT only."""
+    return make_run(tmp_path_factory.mktemp("shared-tiny"), TINY)
+
+
+# --- one stage outside a run -----------------------------------------------------------------
+
+
+def runner_context(run_dir: Path, stage: str, cfg=None):
+    """The context the runner hands `stage` of the run at `run_dir` (its own config unless `cfg`, a
+    loaded run config, is given): typed run config included, for stages that read the whole run."""
+    from snowcat.pipeline.dag import Unit, build
+    from snowcat.pipeline.rundir import RunDir
+    from snowcat.pipeline.runner import make_context
+
+    run = RunDir.open(run_dir)
+    cfg = run.config() if cfg is None else cfg
+    return make_context(run, build(cfg)[stage], Unit(stage), cfg)
+
+
+# --- markers -----------------------------------------------------------------------------------
+
+# A test that uses one of these fixtures must carry the marker: `cluster` keeps the default run off the
+# Slurm cluster, `slow` keeps the minutes a shared run takes out of it.
+MARKER_OF_FIXTURE = {"slurm_cluster": "cluster", "slurm_env": "cluster", "sbatch": "cluster",
+                     "full_run": "slow", "tiny_run": "slow"}
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = [f"{item.nodeid} (uses {fixture}: mark it {marker})" for item in items
+               for fixture, marker in MARKER_OF_FIXTURE.items()
+               if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None]
+    if missing:
+        raise pytest.UsageError("tests without the marker their fixtures need:\n  " + "\n  ".join(missing))
 
 
 from tests.cluster_fixtures import sbatch, slurm_cluster, slurm_env  # noqa: E402,F401  (the local Slurm cluster)

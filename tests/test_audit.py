@@ -10,15 +10,10 @@ from pathlib import Path
 import pytest
 
 from snowcat.pipeline.history import History
-from tinyrun import module, shared_run
+from tests.conftest import SHARED_RUN_TIMEOUT_S, snowcat_in_repo
 
-# the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
-pytestmark = pytest.mark.timeout(1800)
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    return shared_run(tmp_path_factory)
+# the shared full run (built by the first test that needs it) takes minutes on a busy 2-core machine
+pytestmark = pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)
 
 
 def _copy(run_dir: Path, tmp_path: Path) -> Path:
@@ -27,15 +22,16 @@ def _copy(run_dir: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def test_untouched_run_passes(run_dir, tmp_path):
-    copy = _copy(run_dir, tmp_path)
-    proc = module("audit", copy, "--json")
+@pytest.mark.slow
+def test_untouched_run_passes(full_run, tmp_path):
+    copy = _copy(full_run, tmp_path)
+    proc = snowcat_in_repo("audit", copy, "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"]
     kinds = {c["check"] for c in report["checks"]}
     assert kinds == {"outputs", "provenance", "history", "export", "secrets"}
-    table = module("audit", copy)
+    table = snowcat_in_repo("audit", copy)
     assert table.returncode == 0 and "audit passed" in table.stdout
 
 
@@ -59,38 +55,40 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_changes_fail_the_audit_naming_the_file(run_dir, tmp_path, case):
+def test_changes_fail_the_audit_naming_the_file(full_run, tmp_path, case):
     rel, change = CASES[case]
-    copy = _copy(run_dir, tmp_path)
+    copy = _copy(full_run, tmp_path)
     change(copy / rel)
-    proc = module("audit", copy, "--json")
+    proc = snowcat_in_repo("audit", copy, "--json")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     problems = [p for c in report["checks"] for p in c["problems"]]
     assert any(str(copy / rel) in p for p in problems), problems
     if case == "truncated metrics history":  # caught twice: by hash and by the step count it must reach
         assert any("expected step 20 (truncated)" in p for p in problems)
-    table = module("audit", copy)
+    table = snowcat_in_repo("audit", copy)
     assert table.returncode == 1 and "FAIL" in table.stdout and Path(rel).name in table.stdout
 
 
-def test_truncated_history_h5_fails_the_audit(run_dir, tmp_path):
+@pytest.mark.slow
+def test_truncated_history_h5_fails_the_audit(full_run, tmp_path):
     import h5py
 
-    copy = _copy(run_dir, tmp_path)
+    copy = _copy(full_run, tmp_path)
     hist = History(copy)
     for step in range(1, 21):
         hist.append("sft", step, {"loss": 1.0 / step})
-    assert module("audit", copy).returncode == 0
+    assert snowcat_in_repo("audit", copy).returncode == 0
     with h5py.File(hist.path, "a") as f:  # drop the last five committed rows
         f["sft"].attrs["rows"] = 15
-    proc = module("audit", copy, "--json")
+    proc = snowcat_in_repo("audit", copy, "--json")
     assert proc.returncode == 1
     problems = [p for c in json.loads(proc.stdout)["checks"] for p in c["problems"]]
     assert any(str(hist.path) in p and "expected step 20" in p for p in problems), problems
 
 
 def test_not_a_run_dir_is_a_user_error(tmp_path):
-    proc = module("audit", tmp_path)
+    proc = snowcat_in_repo("audit", tmp_path)
     assert proc.returncode == 2 and "not a snowcat run directory" in proc.stderr

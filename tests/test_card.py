@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import yaml
 
 from snowcat.pipeline.fsio import sha256_file
-from tinyrun import module, shared_run
+from tests.conftest import SHARED_RUN_TIMEOUT_S, snowcat_in_repo
 
-# the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
-pytestmark = pytest.mark.timeout(1800)
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    return shared_run(tmp_path_factory)
+# every test reads the shared full run (built by the first test that needs it: minutes on 2 cores)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)]
 
 
 def _front_matter(card: str) -> dict:
@@ -26,7 +20,8 @@ def _front_matter(card: str) -> dict:
     return yaml.safe_load(card.split("---\n")[1])
 
 
-def test_card_holds_the_recorded_facts(run_dir):
+def test_card_holds_the_recorded_facts(full_run):
+    run_dir = full_run
     card = (run_dir / "stages" / "card" / "card.md").read_text()
     meta = _front_matter(card)
     tasks = json.loads((run_dir / "stages" / "tasks" / "manifest.json").read_text())["files"]
@@ -45,13 +40,13 @@ def test_card_holds_the_recorded_facts(run_dir):
     assert f"snowcat reproduce {run_dir}" in card
 
 
-def test_missing_facts_are_reported_as_missing(run_dir, tmp_path):
+def test_missing_facts_are_reported_as_missing(full_run, tmp_path):
     copy = tmp_path / "run"
-    shutil.copytree(run_dir, copy)
+    shutil.copytree(full_run, copy)
     shutil.rmtree(copy / "provenance")
     (copy / "stages" / "eval" / "results.json").unlink()
     (copy / "stages" / "sft" / "checkpoints" / "initial" / "meta.json").unlink()
-    proc = module("card", copy, "-o", tmp_path / "card.md")
+    proc = snowcat_in_repo("card", copy, "-o", tmp_path / "card.md")
     assert proc.returncode == 0, proc.stderr
     card = (tmp_path / "card.md").read_text()
     assert "Software: not recorded (no provenance records)" in card

@@ -70,6 +70,7 @@ def test_changed_output_is_reported_not_reused(snowcat, small, tmp_path):
     assert proc.returncode == 2 and "train.parquet" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_same_seed_same_outputs_across_runs(snowcat, small, tmp_path):
     snowcat("run", small, "--run-dir", tmp_path / "a", check=True)
     snowcat("run", small, "--run-dir", tmp_path / "b", check=True)
@@ -114,12 +115,18 @@ def _wait_for(predicate, timeout=120.0):
     return False
 
 
+@pytest.mark.slow
 def test_sigkill_mid_stage_then_resume_matches_uninterrupted(snowcat, small, tmp_path):
     killed = tmp_path / "killed"
     proc = snowcat.popen("run", small, *SLOW, "--run-dir", killed)
     state = killed / "state.json"
-    assert _wait_for(lambda: (read_json(state, {}) or {}).get("stages", {}).get("tasks", {}).get("status") == "running")
-    time.sleep(1.0)  # well inside the stage
+
+    def tasks_record() -> dict:
+        return (read_json(state, {}) or {}).get("stages", {}).get("tasks", {})
+
+    # Inside the stage: its own process records `started` once it has loaded the run and is about to
+    # run the stage body (the executor's "running" record, made when it spawns the process, has none).
+    assert _wait_for(lambda: tasks_record().get("status") == "running" and "started" in tasks_record())
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "stages" / "tasks" / "DONE").exists()
@@ -144,6 +151,7 @@ def test_concurrent_driver_is_refused(snowcat, small, tmp_path):
     assert json.loads((run_dir / "state.json").read_text())["stages"]["tasks"]["status"] == "done"
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_local_run(snowcat, small, tmp_path):
     run_dir = tmp_path / "run"
     first = snowcat.popen("run", small, *SLOW, "--run-dir", run_dir)

@@ -72,19 +72,17 @@ def workdir(tmp_path_factory):
     return root
 
 
+SMALL = dict(checkpoints=["sft:initial", "sft:final"], attempts=3, max_tokens=6, pass_k=[1, 2, 3], infra_retries=0,
+             verifier_timeout_s=3.0, batch_size=16, bootstrap_samples=500, verifier=f"{__name__}:task_oracle_verifier_test_double")
+
+
 def run_stage(workdir: Path, out: str, **overrides):
     from snowcat.pipeline.context import StageContext
     from snowcat.stages import evaluate
 
-    cfg = evaluate.Config(checkpoints=["sft:initial", "sft:final"], attempts=3, max_tokens=6, pass_k=[1, 2, 3],
-                          infra_retries=0, verifier_timeout_s=3.0, batch_size=16, bootstrap_samples=500,
-                          verifier=f"{__name__}:task_oracle_verifier_test_double")
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    evaluate.validate(cfg, "stages.eval")
-    ctx = StageContext(name="eval", kind="evaluate", config=cfg, run_config=None, run_dir=workdir,
-                       out_dir=workdir / out, inputs={"tasks": workdir / "tasks", "sft": workdir / "sft"}, seed=7)
-    ctx.out_dir.mkdir()
+    assert not (workdir / out).exists()  # each call writes a stage directory of its own
+    ctx = StageContext.standalone("evaluate", SMALL | overrides, name="eval", run_dir=workdir, out_dir=workdir / out,
+                                  inputs={"tasks": workdir / "tasks", "sft": workdir / "sft"}, seed=7)
     metrics = evaluate.run(ctx)
     return metrics, json.loads((ctx.out_dir / "results.json").read_text()), read_traces(ctx.out_dir / "traces.h5")
 
@@ -183,22 +181,22 @@ def test_engine_errors_are_infra_failures(workdir):
 
 
 def test_real_verifier_and_bad_config(workdir):
+    from snowcat.pipeline.config import stage_config
     from snowcat.pipeline.errors import UserError
-    from snowcat.stages import evaluate
 
     _, results, traces = run_stage(workdir, "real", checkpoints=["sft:final"], verifier="snowcat.stages.taskgen:verify",
                                    limit=4)
     assert len(traces) == 12 and all(r["status"] in ("ok", "truncated") for r in traces)
     assert 0.0 <= results["checkpoints"]["sft:final"]["groups"]["all"]["reward"] <= 1.0
-    for bad in (dict(pass_k=[4]), dict(split="test"), dict(top_p=0.0)):
-        cfg = evaluate.Config(attempts=3, **bad)
-        with pytest.raises(UserError, match="stages.eval"):
-            evaluate.validate(cfg, "stages.eval")
-    from dataclasses import asdict
-    from types import SimpleNamespace
-
-    section = SimpleNamespace(**asdict(evaluate.Config(tasks="mine")), needs=["tasks", "sft"])
-    with pytest.raises(UserError, match="stages.eval.needs: add 'mine'"):
-        evaluate.validate(section, "stages.eval")
+    good = {"attempts": 3, "pass_k": [1, 3], "needs": ["tasks", "sft"]}
+    stage_config("evaluate", good, name="eval")
+    for bad, error in ((dict(pass_k=[4]), r"stages\.eval\.pass_k: \[4\] outside 1\.\.attempts \(3\)"),
+                       (dict(split="test"), r"stages\.eval\.split: Invalid value 'test'"),
+                       (dict(top_p=0.0), r"stages\.eval\.top_p: must be > 0, got 0\.0"),
+                       (dict(tasks="mine"), r"stages\.eval\.needs: add 'mine' \(named in tasks\)"),
+                       (dict(verifier="no_colon"), r"stages\.eval\.verifier: 'no_colon' is not 'module:function'"),
+                       (dict(checkpoints=[]), r"stages\.eval\.checkpoints: name at least one checkpoint")):
+        with pytest.raises(UserError, match=f"^{error}"):
+            stage_config("evaluate", good | bad, name="eval")
     with pytest.raises(UserError, match="sft:nope"):
         run_stage(workdir, "missing", checkpoints=["sft:nope"])

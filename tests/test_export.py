@@ -4,29 +4,24 @@ conversion bug is caught by the stage; the checkpoint choice follows the retenti
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import verify_manifest
 from snowcat.pipeline.retention import Retention, RetentionPolicy
 from snowcat.stages import export
-from tinyrun import shared_run
+from tests.conftest import SHARED_RUN_TIMEOUT_S
 
-# the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
-pytestmark = pytest.mark.timeout(1800)
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    return shared_run(tmp_path_factory)
+# the shared full run (built by the first test that needs it) takes minutes on a busy 2-core machine
+pytestmark = pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)
 
 
-def test_export_loads_offline_and_matches_the_trainer(run_dir, monkeypatch):
+@pytest.mark.slow
+def test_export_loads_offline_and_matches_the_trainer(full_run, monkeypatch):
+    run_dir = full_run
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from snowcat.stages.model import load_model_dir
@@ -60,10 +55,10 @@ def test_export_loads_offline_and_matches_the_trainer(run_dir, monkeypatch):
     assert list(ids) == our_tok.render_prompt(msgs)
 
 
-def test_a_corrupted_conversion_fails_the_stage(run_dir, tmp_path):
-    cfg = OmegaConf.structured(export.Config(probe_rows=2, probe_len=12, max_new_tokens=4, debug_corrupt="transpose_q"))
-    ctx = StageContext(name="export", kind="export", config=cfg, run_config=None, run_dir=run_dir, out_dir=tmp_path / "out",
-                       inputs={"sft": run_dir / "stages" / "sft"}, seed=5)
+@pytest.mark.slow
+def test_a_corrupted_conversion_fails_the_stage(full_run, tmp_path):
+    ctx = StageContext.standalone("export", dict(probe_rows=2, probe_len=12, max_new_tokens=4, debug_corrupt="transpose_q"),
+                                  run_dir=full_run, out_dir=tmp_path / "out", inputs={"sft": full_run / "stages" / "sft"}, seed=5)
     with pytest.raises(RuntimeError, match="inference-equivalence check failed"):
         export.run(ctx)
     eq = json.loads((tmp_path / "out" / "export.json").read_text())["equivalence"]
@@ -106,5 +101,7 @@ def test_config_errors_name_the_key(tmp_path):
     with pytest.raises(UserError, match=r"stages\.export\.checkpoint: 'rl:best' names stage 'rl', which is not in stages\.export\.needs"):
         config_mod.load(path)
     path.write_text("stages:\n  export: {kind: export, debug_corrupt: flip}\n")
-    with pytest.raises(UserError, match=r"stages\.export\.debug_corrupt: 'flip' is not one of"):
+    with pytest.raises(UserError, match=r"stages\.export\.debug_corrupt: Invalid value 'flip', expected one of"):
         config_mod.load(path)
+    with pytest.raises(UserError, match=r"^stages\.export\.probe_prompts: name at least one prompt$"):
+        config_mod.stage_config("export", {"probe_prompts": []})

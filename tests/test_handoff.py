@@ -106,7 +106,7 @@ _CHILD = textwrap.dedent("""
         pause() if path.name == "STABLE" else real_write(path, text)
 
     if where == "building":
-        model.save_model_dir = save
+        model.save_model_dir = handoff.save_model_dir = save  # handoff calls the name it imported
     else:
         handoff.atomic_write_text = write
     torch.manual_seed(0)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from snowcat import kernels
+from snowcat.kernels import linear_logprob_entropy
 from snowcat.kernels.reference import support_mask
 from tests.test_kernels import assert_close_all, make_problem, run_tp, run_with_grads, truth
 
@@ -23,11 +25,12 @@ needs_kernels = pytest.mark.skipif(not (ON_GPU or INTERPRETING),
                                    reason="runs in the TRITON_INTERPRET=1 subprocess (test_under_interpreter)")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(ON_GPU or INTERPRETING, reason="kernels run directly here")
 def test_under_interpreter():
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m", "not gpu",
                            "-k", "not test_under_interpreter and not compile_for_gpus"],
                           cwd=repo, env=env, capture_output=True, text=True, timeout=840)  # under pytest-timeout 900
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -105,6 +108,23 @@ def test_support_bits_match_bool_mask(triton_fused):
         assert torch.equal(unpacked, support_mask(support, start, rows))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU or INTERPRETING, reason="needs a CUDA GPU (the compiled kernels, not the interpreter)")
+@pytest.mark.parametrize("dtype,support_k", [(torch.bfloat16, 0), (torch.bfloat16, 40), (torch.float32, 0)])
+def test_triton_on_cuda_with_production_tiles(triton_fused, dtype, support_k):
+    """The compiled kernels at a size spanning many production tiles (128 x 128 in bf16, 64 x 64 in fp32;
+    the tests above fit in one), and `auto` choosing them for CUDA tensors."""
+    problem = device_problem(n=300, hdim=128, vocab=1000, dtype=dtype, support_k=support_k)
+    got = [t.cpu() for t in run_triton(triton_fused, problem, 0.9, chunk_size=None)]
+    want = expected(problem, 0.9)
+    assert_close_all(got[:2], want[:2], atol=2e-4, rtol=1e-4)  # statistics in fp32
+    for g, e in zip(got[2:], want[2:]):
+        assert (g.double() - e).abs().max() <= 2e-2 * e.abs().max()  # gradients in the input dtype
+    h, w, y, support, _, _ = problem
+    auto = linear_logprob_entropy(h, w, y, temperature=0.9, support=support)
+    torch.testing.assert_close([t.cpu() for t in auto], got[:2], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(INTERPRETING, reason="compiles the real kernels (no GPU needed)")
 @pytest.mark.parametrize("arch,shared_limit", [(80, 163 << 10), (90, 227 << 10)])  # A100; H100/H200/GH200
 def test_kernels_compile_for_gpus_pipelined_without_spills(arch, shared_limit):
@@ -126,14 +146,10 @@ def test_tensor_parallel_triton_two_gloo_ranks(tmp_path):
 
 
 def test_auto_backend_picks_reference_on_cpu(monkeypatch):
-    from snowcat import kernels
-
     calls = []
-    import snowcat.kernels.reference as reference
-
-    real = reference.linear_logprob_entropy_reference
-    monkeypatch.setattr(reference, "linear_logprob_entropy_reference",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernels.linear_logprob_entropy_reference
+    # the dispatcher calls the name it imported from kernels.reference
+    monkeypatch.setattr(kernels, "linear_logprob_entropy_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
     h, w, y, _, _, _ = make_problem()
     kernels.linear_logprob_entropy(h, w, y)
     assert calls == [1]

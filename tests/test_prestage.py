@@ -1,17 +1,21 @@
 """prestage stage and offline checks, with local files and a local wheel directory (no network)."""
 
+import dataclasses
 import hashlib
 import os
 import zipfile
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
+from snowcat.pipeline import config as config_mod
 from snowcat.pipeline import offline
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.rundir import RunDir
 from snowcat.stages import prestage
+from snowcat.stages.config import Artefact
+from tests.conftest import runner_context
 
 
 def make_wheel(directory: Path, name="demo_pkg", version="1.0") -> Path:
@@ -31,11 +35,10 @@ def make_wheel(directory: Path, name="demo_pkg", version="1.0") -> Path:
     return path
 
 
-def make_ctx(tmp_path: Path, section) -> StageContext:
-    out = tmp_path / "run" / "stages" / "prestage"
-    out.mkdir(parents=True, exist_ok=True)
-    return StageContext(name="prestage", kind="prestage", config=section, run_config=None,
-                        run_dir=tmp_path / "run", out_dir=out, inputs={}, seed=0)
+def make_ctx(tmp_path: Path, staging: Path, artefacts: list[dict]) -> StageContext:
+    """The prestage stage's context, its section typed and checked as a loaded config's is."""
+    return StageContext.standalone("prestage", section(staging, artefacts), run_dir=tmp_path / "run",
+                                   out_dir=tmp_path / "run" / "stages" / "prestage")
 
 
 @pytest.fixture
@@ -51,21 +54,19 @@ def sources(tmp_path):
     return {"model": model, "data": data, "wheels": wheels}
 
 
-def section(staging, artefacts):
-    cfg = OmegaConf.structured(prestage.Config(staging_dir=str(staging), artefacts=[prestage.Artefact(**a) for a in artefacts]))
-    prestage.validate(cfg, "stages.prestage")
-    return cfg
+def section(staging: Path, artefacts: list[dict]) -> dict:
+    return {"staging_dir": str(staging), "artefacts": artefacts}
 
 
 def test_prestage_stages_files_dirs_and_wheels(tmp_path, sources):
     staging = tmp_path / "staging"
     data_sha = hashlib.sha256(sources["data"].read_bytes()).hexdigest()
-    cfg = section(staging, [
+    artefacts = [
         {"kind": "model", "name": "org/tiny-model", "path": str(sources["model"])},
         {"kind": "dataset", "name": "tasks", "url": sources["data"].as_uri(), "sha256": data_sha},
         {"kind": "wheel", "name": "demo-pkg==1.0", "find_links": str(sources["wheels"])},
-    ])
-    metrics = prestage.run(make_ctx(tmp_path, cfg))
+    ]
+    metrics = prestage.run(make_ctx(tmp_path, staging, artefacts))
     assert metrics["artefacts"] == 3 and metrics["fetched"] == 3
 
     index = offline.load_index(staging)
@@ -78,7 +79,7 @@ def test_prestage_stages_files_dirs_and_wheels(tmp_path, sources):
     assert data_sha in run_copy
 
     # Idempotent: a second run fetches nothing and leaves the index as it was.
-    again = prestage.run(make_ctx(tmp_path, cfg))
+    again = prestage.run(make_ctx(tmp_path, staging, artefacts))
     assert again["fetched"] == 0
     assert offline.load_index(staging) == index
 
@@ -86,25 +87,32 @@ def test_prestage_stages_files_dirs_and_wheels(tmp_path, sources):
 def test_prestage_rejects_bad_sources_naming_the_artefact(tmp_path, sources):
     staging = tmp_path / "staging"
     with pytest.raises(UserError, match="'tasks': sha256"):
-        prestage.run(make_ctx(tmp_path, section(staging, [
-            {"kind": "dataset", "name": "tasks", "path": str(sources["data"]), "sha256": "0" * 64}])))
+        prestage.run(make_ctx(tmp_path, staging, [
+            {"kind": "dataset", "name": "tasks", "path": str(sources["data"]), "sha256": "0" * 64}]))
     assert "tasks" not in offline.load_index(staging)
     assert not (staging / "dataset" / "tasks").exists()  # nothing half-staged
     with pytest.raises(UserError, match="'gone': path .* does not exist"):
-        prestage.run(make_ctx(tmp_path, section(staging, [{"kind": "file", "name": "gone", "path": str(tmp_path / "nope")}])))
+        prestage.run(make_ctx(tmp_path, staging, [{"kind": "file", "name": "gone", "path": str(tmp_path / "nope")}]))
     with pytest.raises(UserError, match="'nowheel==9': pip download failed"):
-        prestage.run(make_ctx(tmp_path, section(staging, [
-            {"kind": "wheel", "name": "nowheel==9", "find_links": str(sources["wheels"])}])))
-    with pytest.raises(UserError, match=r"artefacts\[0\].kind: 'weights'"):
-        section(staging, [{"kind": "weights", "name": "x", "path": "/x"}])
-    with pytest.raises(UserError, match=r"artefacts\[1\].name: 'a' listed twice"):
-        section(staging, [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}])
+        prestage.run(make_ctx(tmp_path, staging, [
+            {"kind": "wheel", "name": "nowheel==9", "find_links": str(sources["wheels"])}]))
+
+
+@pytest.mark.parametrize("artefacts,error", [
+    ([{"kind": "weights", "name": "x", "path": "/x"}], r"stages\.prestage\.artefacts\[0\]\.kind: .*'weights'"),
+    ([{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}], r"stages\.prestage\.artefacts\[1\]\.name: 'a' listed twice"),
+    ([{"path": "/x"}], r"stages\.prestage\.artefacts\[0\]\.name: required"),
+    ([{"name": "a", "path": "/x", "url": "file:///x"}], r"stages\.prestage\.artefacts\[0\]: give path or url, not both"),
+    ([{"name": "a", "path": "/x", "sha256": "ABC"}], r"stages\.prestage\.artefacts\[0\]\.sha256: expected 64 lowercase hex"),
+], ids=["unknown kind", "name twice", "no name", "path and url", "bad sha256"])
+def test_bad_artefact_lists_name_the_key(tmp_path, artefacts, error):
+    with pytest.raises(UserError, match=f"^{error}"):
+        config_mod.stage_config("prestage", section(tmp_path / "staging", artefacts))
 
 
 def test_offline_stage_with_missing_artefact_fails_before_work(tmp_path, sources, monkeypatch):
     staging = tmp_path / "staging"
-    prestage.prestage(staging, [OmegaConf.structured(prestage.Artefact(kind="model", name="org/tiny-model",
-                                                                       path=str(sources["model"])))])
+    prestage.prestage(staging, [Artefact(kind="model", name="org/tiny-model", path=str(sources["model"]))])
     for key in [*offline.OFFLINE_ENV, "HF_HOME"]:
         monkeypatch.setenv(key, "")  # recorded, so the test's environment is restored afterwards
         monkeypatch.delenv(key)
@@ -140,17 +148,20 @@ def test_runner_hook_checks_a_stage_configured_offline(tmp_path, sources, monkey
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
     staging = tmp_path / "staging"
-    run_config = OmegaConf.create({
-        "site": {"internet_on_compute": False},
-        "stages": {"stage_in": {"kind": "prestage", "staging_dir": str(staging),
-                                "artefacts": [{"kind": "model", "name": "org/tiny-model", "path": str(sources["model"])}]},
-                   "sft": {"kind": "sft", "staged": ["org/tiny-model", "org/tokenizer"]}},
-    })
-    prestage.prestage(staging, run_config.stages.stage_in.artefacts)
-    ctx = StageContext(name="sft", kind="sft", config=run_config.stages.sft, run_config=run_config,
-                       run_dir=tmp_path, out_dir=tmp_path / "out", inputs={}, seed=0)
+    (tmp_path / "run.yaml").write_text(f"""\
+stages:
+  stage_in:
+    kind: prestage
+    staging_dir: {staging}
+    artefacts: [{{kind: model, name: org/tiny-model, path: {sources["model"]}}}]
+  sft: {{kind: sft, staged: [org/tiny-model, org/tokenizer]}}
+""")
+    cfg = config_mod.load(tmp_path / "run.yaml", ["site.internet_on_compute=false"], site="local")
+    run = RunDir.create(cfg, tmp_path / "run")
+    ctx = runner_context(run.path, "sft")  # prepare reads the site and the prestage stage: the runner's context
+    prestage.prestage(staging, ctx.run_config.stages["stage_in"].artefacts)
     with pytest.raises(UserError, match="'org/tokenizer' is not staged"):
         offline.prepare(ctx)
     assert "HF_HUB_OFFLINE" not in os.environ
-    ctx.config = OmegaConf.create({"kind": "sft", "staged": ["org/tiny-model"]})
+    ctx.config = dataclasses.replace(ctx.config, staged=["org/tiny-model"])
     assert set(offline.prepare(ctx)) == {"org/tiny-model"} and os.environ["HF_HUB_OFFLINE"] == "1"

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from snowcat.pipeline.config import stage_config
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.stages import probe, select
@@ -32,11 +33,10 @@ def workdir(tmp_path_factory):
     return root
 
 
-def context(workdir: Path, kind: str, out: str, cfg, inputs: dict) -> StageContext:
-    ctx = StageContext(name=kind, kind=kind, config=cfg, run_config=None, run_dir=workdir, out_dir=workdir / out,
-                       inputs={k: workdir / v for k, v in inputs.items()}, seed=3)
-    ctx.out_dir.mkdir(exist_ok=True)
-    return ctx
+def context(workdir: Path, kind: str, out: str, values: dict, inputs: dict) -> StageContext:
+    """Stage `kind` writing into workdir/out, its inputs (stage name -> dir under workdir) as `needs`."""
+    return StageContext.standalone(kind, values, run_dir=workdir, out_dir=workdir / out,
+                                   inputs={k: workdir / v for k, v in inputs.items()}, seed=3)
 
 
 def run_probe(workdir: Path, out: str, preempt: bool = False, **changes) -> tuple[dict, list[dict]]:
@@ -44,9 +44,7 @@ def run_probe(workdir: Path, out: str, preempt: bool = False, **changes) -> tupl
 
     settings = dict(checkpoint="sft:final", env="calculator", attempts=4, max_context=64, max_turn_tokens=12,
                     max_turns=3, band_min_pass=1, band_max_pass=3, batch_size=12, verifier_timeout_s=20.0)
-    cfg = probe.Config(**(settings | changes))
-    probe.validate(cfg, "stages.probe")
-    ctx = context(workdir, "probe", out, cfg, {"tasks": "tasks", "sft": "sft"})
+    ctx = context(workdir, "probe", out, settings | changes, {"tasks": "tasks", "sft": "sft"})
     if preempt:
         ctx.signal.set()  # as SIGUSR2 from Slurm would: the stage saves after its batch and stops
     metrics = probe.run(ctx)
@@ -106,8 +104,13 @@ def test_probe_config_errors_name_the_key(workdir):
     path.write_text("stages:\n  tasks: {kind: tasks}\n  probe: {kind: probe, needs: [tasks], checkpoint: final}\n")
     with pytest.raises(UserError, match="stages.probe.checkpoint: 'final' is not"):
         config_mod.load(path)
-    with pytest.raises(UserError, match="band_max_pass"):
-        probe.validate(probe.Config(attempts=4, band_max_pass=6), "stages.probe")
+    for bad, error in ((dict(attempts=4, band_max_pass=6), r"band_max_pass: need band_min_pass <= band_max_pass <= attempts \(4\)"),
+                       (dict(band_min_pass=3, band_max_pass=2), r"band_max_pass: need band_min_pass <= band_max_pass"),
+                       (dict(env="bogus"), r"env: Invalid value 'bogus', expected one of \['single', 'calculator'\]"),
+                       (dict(tasks="mine"), r"needs: add 'mine' \(named in tasks\)"),
+                       (dict(top_p=0), r"top_p: must be > 0, got 0")):
+        with pytest.raises(UserError, match=rf"^stages\.probe\.{error}"):
+            stage_config("probe", {"needs": ["tasks", "sft"], **bad})
     with pytest.raises(UserError, match="max_position_embeddings"):
         run_probe(workdir, "probe_long", max_context=250, max_turn_tokens=12)
 
@@ -132,7 +135,7 @@ def test_select_keeps_the_band_and_never_a_held_out_task(workdir):
     rows = [row(t, p) for t, p in zip(train, passes)]
     rows[7] = row(train[7], 5, n=7, infra=1)  # an infra failure: fewer scored attempts than asked
     write_probe_rows(workdir / "probe_rows", rows)
-    ctx = context(workdir, "select", "select_a", select.Config(probe="probe", min_pass=1, max_pass=6),
+    ctx = context(workdir, "select", "select_a", dict(probe="probe", min_pass=1, max_pass=6),
                   {"probe": "probe_rows", "tasks": "tasks"})
     metrics = select.run(ctx)
     band = select.load_band(ctx.out_dir)
@@ -142,24 +145,27 @@ def test_select_keeps_the_band_and_never_a_held_out_task(workdir):
     counts = json.loads((ctx.out_dir / "select.json").read_text())["domains"]
     assert counts == {"arith": {"probed": 8, "selected": len(expected)}}
     # accepting partly-scored tasks keeps it
-    ctx = context(workdir, "select", "select_b", select.Config(min_pass=1, max_pass=6, min_scored=7),
+    ctx = context(workdir, "select", "select_b", dict(min_pass=1, max_pass=6, min_scored=7),
                   {"probe": "probe_rows", "tasks": "tasks"})
     select.run(ctx)
     assert select.load_band(ctx.out_dir) == expected + [train[7]]
 
     # a held-out task in the probe results is a bug upstream: stop, never select it
     write_probe_rows(workdir / "probe_leak", rows + [row(val[0], 3)])
-    ctx = context(workdir, "select", "select_c", select.Config(), {"probe": "probe_leak", "tasks": "tasks"})
+    ctx = context(workdir, "select", "select_c", {}, {"probe": "probe_leak", "tasks": "tasks"})
     with pytest.raises(AssertionError, match="held-out"):
         select.run(ctx)
     assert not (ctx.out_dir / "band.parquet").exists()
 
 
 def test_select_config_errors():
-    with pytest.raises(UserError, match="min_pass"):
-        select.validate(select.Config(min_pass=5, max_pass=2), "stages.select")
-    with pytest.raises(UserError, match="needs"):
-        select.validate(SimpleNamespace(**vars(select.Config()), needs=["tasks"]), "stages.select")
+    stage_config("select", {"needs": ["probe", "tasks"]})
+    with pytest.raises(UserError, match=r"^stages\.select\.max_pass: need min_pass <= max_pass, got 5\.\.2"):
+        stage_config("select", {"min_pass": 5, "max_pass": 2, "needs": ["probe", "tasks"]})
+    with pytest.raises(UserError, match=r"^stages\.select\.needs: add 'probe' \(named in probe\)"):
+        stage_config("select", {"needs": ["tasks"]})
+    with pytest.raises(UserError, match=r"^stages\.select_b\.needs: add 'probe_b' \(named in probe\)"):
+        stage_config("select", {"probe": "probe_b", "needs": ["probe", "tasks"]}, name="select_b")
 
 
 def test_probe_reuses_saved_batches_only_under_the_same_settings(workdir, tmp_path):
@@ -169,7 +175,8 @@ def test_probe_reuses_saved_batches_only_under_the_same_settings(workdir, tmp_pa
 
     model, _, tok = load_model_dir(workdir / "sft" / "checkpoints" / "final")
     tasks = load_tasks(workdir / "tasks", "train")[:3]
-    cfg = probe.Config(env="calculator", attempts=2, max_context=64, max_turn_tokens=12, batch_size=4)
+    cfg = stage_config("probe", dict(env="calculator", attempts=2, band_max_pass=2, max_context=64, max_turn_tokens=12,
+                                     batch_size=4, needs=["tasks"]))
     first = probe.probe(TorchEngine(model), tok, tasks, cfg, seed=3, partial_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 2
     # every batch is on disk: no engine needed (one that cannot generate would make infra errors)

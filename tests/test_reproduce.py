@@ -5,26 +5,21 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 from snowcat.pipeline.fsio import read_json
 from snowcat.pipeline.reproduce import TIMING_METRICS
-from tinyrun import TINY, make_run, module
+from tests.conftest import SHARED_RUN_TIMEOUT_S, snowcat_in_repo
 
-# the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
-pytestmark = pytest.mark.timeout(1800)
-
-
-@pytest.fixture(scope="module")
-def original(tmp_path_factory) -> Path:
-    return make_run(tmp_path_factory.mktemp("repro"), TINY)
+# every test reads the shared tiny run (built by the first test that needs it: minutes on 2 cores)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)]
 
 
-def test_reproduction_matches_the_original(original, tmp_path):
+def test_reproduction_matches_the_original(tiny_run, tmp_path):
+    original = tiny_run
     new = tmp_path / "again"
-    proc = module("reproduce", original, "--run-dir", new, "--json")
+    proc = snowcat_in_repo("reproduce", original, "--run-dir", new, "--json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["ok"] and set(report["stages"]) == {"tasks", "sft"}
@@ -40,11 +35,12 @@ def test_reproduction_matches_the_original(original, tmp_path):
     assert "duration_s" in report["excluded_metrics"] and "tokens_per_s" in report["excluded_metrics"]
 
 
-def test_a_different_result_is_reported(original, tmp_path):
+def test_a_different_result_is_reported(tiny_run, tmp_path):
     """The comparison can fail: a reproduction whose SFT final weights differ is named."""
     from snowcat.pipeline.reproduce import compare_runs
     from snowcat.pipeline.rundir import RunDir
 
+    original = tiny_run
     copy = tmp_path / "copy"
     shutil.copytree(original, copy)
     weights = copy / "stages" / "sft" / "checkpoints" / "final" / "model.safetensors"
@@ -61,14 +57,14 @@ def test_a_different_result_is_reported(original, tmp_path):
     assert any(p.startswith("metric final_loss") for p in problems)
 
 
-def test_unrestorable_code_is_refused(original, tmp_path):
+def test_unrestorable_code_is_refused(tiny_run, tmp_path):
     copy = tmp_path / "copy"
-    shutil.copytree(original, copy)
+    shutil.copytree(tiny_run, copy)
     for path in (copy / "provenance").glob("*.json"):
         record = json.loads(path.read_text())
         record["code"]["revision"] = "0" * 40
         path.write_text(json.dumps(record))
-    proc = module("reproduce", copy, "--run-dir", tmp_path / "never")
+    proc = snowcat_in_repo("reproduce", copy, "--run-dir", tmp_path / "never")
     assert proc.returncode == 2
     assert "revision 0000000000000000000000000000000000000000 is not in the git repository" in proc.stderr
     assert not (tmp_path / "never").exists()

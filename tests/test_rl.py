@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 import snowcat.stages.rl as rl
 from snowcat.pipeline.context import StageContext
@@ -64,12 +63,11 @@ def inputs(tmp_path_factory) -> Path:
     return root
 
 
-def make_ctx(inputs: Path, run_dir: Path, *, rank: int = 0, world: int = 1, **over) -> StageContext:
-    cfg = OmegaConf.merge(OmegaConf.structured(rl.Config), {**SMALL, **over})
+def make_ctx(inputs: Path, run_dir: Path, *, rank: int = 0, world: int = 1, cls: type[StageContext] = StageContext,
+             **over) -> StageContext:
     role = None if world == 1 else ("trainer" if rank == 0 else "rollout")
-    return StageContext(name="rl", kind="rl", config=cfg, run_config=None, run_dir=run_dir, out_dir=run_dir / "rl",
-                        inputs={"tasks": inputs / "tasks", "sft": inputs / "sft"}, seed=5, rank=rank,
-                        world_size=world, role=role)
+    return cls.standalone("rl", {**SMALL, **over}, run_dir=run_dir, inputs={"tasks": inputs / "tasks", "sft": inputs / "sft"},
+                          seed=5, rank=rank, world_size=world, role=role)
 
 
 def final_sha(run_dir: Path) -> str:
@@ -93,11 +91,12 @@ def baseline(inputs, tmp_path_factory) -> Path:
 
 def test_run_writes_loadable_checkpoints_and_metrics(baseline):
     from snowcat.pipeline.history import History
-    from snowcat.stages.model import load_model_dir, resolve_checkpoint
+    from snowcat.pipeline.context import checkpoint_dir
+    from snowcat.stages.model import load_model_dir
 
     out = baseline / "rl"
     for name in ("initial", "final", "best"):
-        model, _, tok = load_model_dir(resolve_checkpoint(out, name))
+        model, _, tok = load_model_dir(checkpoint_dir(out, name))
         assert tok is not None
     assert (out / "checkpoints" / "best").read_text().strip().startswith("step_")
     rows = [json.loads(line) for line in (out / "metrics_history.jsonl").read_text().splitlines()]
@@ -157,7 +156,9 @@ _CHILD = textwrap.dedent("""
         if path.name == "STABLE" and path.parent.name == f"step_{kill.get('before_stable', -1):06d}":
             die()
         return real_write(path, text)
-    model.save_model_dir, handoff.atomic_write_text = save, write
+    # handoff publishes the weight versions with the names it imported
+    model.save_model_dir = handoff.save_model_dir = save
+    handoff.atomic_write_text = write
     print(json.dumps(rl.run(make_ctx(inputs, run_dir, rank=rank, world=world))), flush=True)
 """)
 
@@ -201,6 +202,7 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical(inputs, baseline,
     assert "step_000000" not in weights  # versions no batch can need any more are pruned
 
 
+@pytest.mark.slow
 def test_mpi_trainer_killed_while_publishing_then_resumed_is_bit_identical(inputs, baseline, tmp_path):
     """Under mpirun the trainer dies inside a weight publish (mpirun then ends the rollout rank);
     a new mpirun resumes both roles from the checkpoint and ends with the same weights."""
@@ -233,8 +235,7 @@ class _PreemptAt(StageContext):
 
 
 def test_preemption_checkpoints_then_resume_is_bit_identical(inputs, baseline, tmp_path):
-    ctx = make_ctx(inputs, tmp_path)
-    pre = _PreemptAt(**{f: getattr(ctx, f) for f in ctx.__dataclass_fields__})
+    pre = make_ctx(inputs, tmp_path, cls=_PreemptAt)
     with pytest.raises(StageContext.Preempted):
         rl.run(pre)
     assert (tmp_path / "rl" / "checkpoints" / "step_000003").is_dir()
@@ -294,9 +295,11 @@ def test_training_tasks_come_from_the_select_band_when_given(inputs, tmp_path):
 
 
 def test_bad_config_names_the_key(inputs, tmp_path):
-    with pytest.raises(UserError, match=r"stages\.rl\.estimator: 'ppo' is not one of"):
+    with pytest.raises(UserError, match=r"^stages\.rl\.estimator: Invalid value 'ppo', expected one of"):
         rl.run(make_ctx(inputs, tmp_path, estimator="ppo"))
+    with pytest.raises(UserError, match=r"^stages\.rl\.attempts: rloo_n needs at least 2 attempts per task"):
+        rl.run(make_ctx(inputs, tmp_path, attempts=1))
     with pytest.raises(UserError, match=r"rl.tasks_per_update=999 exceeds"):
         rl.run(make_ctx(inputs, tmp_path, tasks_per_update=999))
-    with pytest.raises(UserError, match=r"init_from='nope:final'"):
+    with pytest.raises(UserError, match=r"^stages\.rl\.init_from: 'nope:final' names stage 'nope', which is not in needs"):
         rl.run(make_ctx(inputs, tmp_path, init_from="nope:final"))

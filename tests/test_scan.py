@@ -10,22 +10,23 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from snowcat.pipeline.context import StageContext
-from snowcat.pipeline.dag import build
+from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.rundir import RunDir
 from snowcat.stages import scan
-from tinyrun import PLANTED, shared_run
+from tests.conftest import PLANTED, SHARED_RUN_TIMEOUT_S, runner_context
 
-# the shared run (built by the first test that needs it) takes minutes on a busy 2-core machine
-pytestmark = pytest.mark.timeout(1800)
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    return shared_run(tmp_path_factory)
+# every test reads the shared full run (built by the first test that needs it: minutes on 2 cores)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)]
 
 
-def test_planted_credentials_reach_no_file_of_the_run(run_dir):
+def _copy(run_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+def test_planted_credentials_reach_no_file_of_the_run(full_run):
+    run_dir = full_run
     assert (run_dir / "stages" / "scan" / "DONE").is_file()
     files = [p for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink()]
     assert any(p.parent.name == "logs" for p in files) and any("provenance" in p.parts for p in files)
@@ -38,28 +39,21 @@ def test_planted_credentials_reach_no_file_of_the_run(run_dir):
     assert record["env"].get("HF_TOKEN") == "<redacted>"
 
 
-def test_a_leaked_secret_fails_the_scan(run_dir, tmp_path, monkeypatch):
-    copy = tmp_path / "run"
-    shutil.copytree(run_dir, copy)
+def test_a_leaked_secret_fails_the_scan(full_run, tmp_path, monkeypatch):
+    copy = _copy(full_run, tmp_path)
     monkeypatch.setenv("DAYTONA_API_KEY", PLANTED["DAYTONA_API_KEY"])
     (copy / "logs" / "sft.log").write_text("debug: key=" + PLANTED["DAYTONA_API_KEY"] + "\n")
-    cfg = RunDir.open(copy).config()
-    node = build(cfg)["scan"]
-    ctx = StageContext(name="scan", kind="scan", config=node.config, run_config=cfg, run_dir=copy,
-                       out_dir=tmp_path / "scan-out", inputs={}, seed=0)
+    (copy / "stages" / "scan" / "scan.json").unlink()  # the clean scan's report, to be written again
+    ctx = runner_context(copy, "scan")  # scan reads the whole run's config: the runner's context
     with pytest.raises(RuntimeError, match=r"logs/sft.log:1 known:DAYTONA_API_KEY"):
         scan.run(ctx)
-    report = (tmp_path / "scan-out" / "scan.json").read_text()
-    assert PLANTED["DAYTONA_API_KEY"] not in report
+    report = (ctx.out_dir / "scan.json").read_text()
+    assert "DAYTONA_API_KEY" in report and PLANTED["DAYTONA_API_KEY"] not in report
 
 
-def test_scan_refuses_to_run_before_other_stages(run_dir, tmp_path):
-    from snowcat.pipeline.errors import UserError
-
-    cfg = RunDir.open(run_dir).config()
-    cfg = OmegaConf.merge(cfg, {"stages": {"scan": {"needs": ["tasks"]}}})
-    node = build(cfg)["scan"]
-    ctx = StageContext(name="scan", kind="scan", config=node.config, run_config=cfg, run_dir=run_dir,
-                       out_dir=tmp_path / "o", inputs={}, seed=0)
+def test_scan_refuses_to_run_before_other_stages(full_run, tmp_path):
+    copy = _copy(full_run, tmp_path)
+    cfg = OmegaConf.merge(RunDir.open(copy).config(), {"stages": {"scan": {"needs": ["tasks"]}}})
+    ctx = runner_context(copy, "scan", cfg)
     with pytest.raises(UserError, match=r"stages\.scan\.needs: add .*card"):
         scan.run(ctx)

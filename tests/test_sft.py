@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 import snowcat.stages.sft as sft
+from snowcat.pipeline.config import stage_config
 from snowcat.pipeline.context import Preempted, StageContext
+from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import sha256_file, verify_manifest
 from snowcat.stages.taskgen import demonstration, generate_domain, load_tasks, save_tasks, split_tasks, verify
 
@@ -40,11 +41,9 @@ class Ctx(StageContext):
 
 
 def make_ctx(out: Path, tasks_dir: Path, preempt_before=None, **overrides) -> Ctx:
-    cfg = OmegaConf.merge(OmegaConf.structured(sft.Config), dict(
-        model="test-micro", tokenizer_vocab_size=300, seq_len=96, batch_rows=4, steps=6, save_every=3,
-        warmup_steps=2, lr=3e-3, eval_tasks=3, eval_max_new_tokens=6, threads=1, **overrides))
-    ctx = Ctx(name="sft", kind="sft", config=cfg, run_config=None, run_dir=out, out_dir=out / "sft",
-              inputs={"tasks": tasks_dir}, seed=11)
+    ctx = Ctx.standalone("sft", dict(model="test-micro", tokenizer_vocab_size=300, seq_len=96, batch_rows=4, steps=6,
+                                     save_every=3, warmup_steps=2, lr=3e-3, eval_tasks=3, eval_max_new_tokens=6, threads=1,
+                                     **overrides), run_dir=out, inputs={"tasks": tasks_dir}, seed=11)
     ctx.preempt_before = preempt_before
     return ctx
 
@@ -112,11 +111,12 @@ def test_sft_outputs_and_preempted_run_resumes_bit_identically(tmp_path, tasks_d
 
 
 def test_config_validation_names_the_key():
-    from snowcat.pipeline.errors import UserError
-
-    base = OmegaConf.structured(sft.Config)
-    sft.validate(base, "stages.sft")
-    for change, key in [({"model": "gpt-9"}, "stages.sft.model"), ({"backend": "jax"}, "stages.sft.backend"),
-                        ({"batch_rows": 6, "micro_batches": 4}, "stages.sft.batch_rows")]:
-        with pytest.raises(UserError, match=key.replace(".", r"\.")):
-            sft.validate(OmegaConf.merge(base, change), "stages.sft")
+    assert stage_config("sft").model == "demo-tiny"  # the defaults are valid
+    stage_config("sft", {"batch_rows": 8, "micro_batches": 4})
+    for change, error in [({"model": "gpt-9"}, r"stages\.sft\.model: 'gpt-9' is not a preset"),
+                          ({"backend": "jax"}, r"stages\.sft\.backend: Invalid value 'jax'"),
+                          ({"batch_rows": 6, "micro_batches": 4}, r"stages\.sft\.batch_rows: 6 must be a multiple of micro_batches=4"),
+                          ({"lr": 0}, r"stages\.sft\.lr: must be > 0"),
+                          ({"domain_repeats": {"arith": -1}}, r"stages\.sft\.domain_repeats\.arith: must be >= 0")]:
+        with pytest.raises(UserError, match=f"^{error}"):
+            stage_config("sft", change)

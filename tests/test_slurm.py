@@ -149,6 +149,7 @@ def _running_job(run_dir: Path, stage: str, timeout: float = 120) -> str:
     raise AssertionError(f"{stage} never started running")
 
 
+@pytest.mark.slow
 def test_scancel_of_running_stage_fails_promptly_and_resume_finishes(snowcat, slurm_env, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="scancel"))
     run_dir = tmp_path / "run"
@@ -212,6 +213,7 @@ def test_oversized_requests_are_refused_before_submission(site):
         _render(site, [f"stages.tasks.resources.time_min={limits.max_time_min + 1}"])
 
 
+@pytest.mark.slow
 def test_killed_slurmd_fails_the_stage_promptly_and_resume_finishes(snowcat, slurm_env, slurm_cluster, tmp_path):
     from snowcat.slurm import cluster
 
@@ -263,6 +265,7 @@ def _final_weights(run_dir: Path) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in sorted(final.glob("*.safetensors"))}
 
 
+@pytest.mark.slow
 def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(snowcat, slurm_env, tmp_path):
     """A stage with a 1-minute walltime and ~2 minutes of training completes through requeue and
     through chained continuation jobs, with final weights identical to an uninterrupted run."""

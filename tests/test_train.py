@@ -148,7 +148,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         save_checkpoint(tmp_path / step_name(2), backend, client_state={"loader": loader.state_dict()})
     assert not (tmp_path / step_name(2)).exists()
     assert latest_checkpoint(tmp_path) == tmp_path / step_name(1)
-    assert pipeline.fsio.verify_manifest(tmp_path / step_name(1)) == []
+    assert verify_manifest(tmp_path / step_name(1)) == []
 
     # a checkpoint whose files no longer match the manifest is never resumed from
     monkeypatch.undo()

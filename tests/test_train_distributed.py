@@ -78,6 +78,7 @@ def _worker(rank, world, port, tmp, queue):
     queue.put((rank, result))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ddp_and_deepspeed_zero2_match_single_process(tmp_path):
     sys.path.insert(0, str(REPO / "tests"))
