@@ -27,7 +27,7 @@ from snowcat.slurm.cluster import default_root
 SITES_DIR = Path(__file__).with_name("sites")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Partition:
     gpus_per_node: int = bounded(0, ge=0)
     cpus_per_node: int = bounded(1, ge=1)  # physical cores
@@ -38,7 +38,7 @@ class Partition:
     cpu_arch: str = "x86_64"
 
 
-@dataclass
+@dataclass(frozen=True)  # read-only: what the site allows is not changed by the code that reads it
 class SiteProfile:
     name: str = "???"
     description: str = ""

@@ -1,6 +1,6 @@
 """Fixtures for tests that need the local Slurm cluster (slurm/cluster.py); import them in conftest.py.
 
-    from cluster_fixtures import slurm_cluster, slurm_env, sbatch  # noqa: F401  (tests/ is on sys.path)
+from cluster_fixtures import slurm_cluster, slurm_env, sbatch  # noqa: F401  (tests/ is on sys.path)
 """
 
 from __future__ import annotations

@@ -3,14 +3,24 @@ test files share; contexts for one stage outside a run."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 import pytest
+
+from snowcat.pipeline.dag import Unit, build
+from snowcat.pipeline.rundir import RunDir
+from snowcat.pipeline.runner import make_context
+from tests.cluster_fixtures import sbatch, slurm_cluster, slurm_env  # noqa: F401 (fixtures of the local Slurm cluster)
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "demo.yaml"
@@ -19,8 +29,15 @@ DEMO = REPO / "configs" / "demo.yaml"
 def _run(cmd: list[str], cwd: Path, env: dict | None, timeout: float) -> subprocess.CompletedProcess:
     """Like subprocess.run(capture_output=True, text=True), but a time-out or an interrupted test stops
     the whole process tree (the CLI's stage processes included), not only its first process."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -36,7 +53,9 @@ class Snowcat:
     def __init__(self, cwd: Path):
         self.cwd = cwd
 
-    def __call__(self, *args: str, check: bool = False, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    def __call__(
+        self, *args: str, check: bool = False, env: dict | None = None, timeout: float = 600
+    ) -> subprocess.CompletedProcess:
         proc = _run([sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)], self.cwd, env, timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"snowcat {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -44,27 +63,33 @@ class Snowcat:
 
     def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)], cwd=self.cwd, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+            [sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)],
+            cwd=self.cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
         )
 
-    def terminal(self, *args: str, env: dict | None = None, timeout: float = 300, columns: int = 200,
-                 interrupt_after: str | None = None) -> tuple[int, str]:
+    def terminal(
+        self, *args: str, env: dict | None = None, timeout: float = 300, columns: int = 200, interrupt_after: str | None = None
+    ) -> tuple[int, str]:
         """`snowcat ARGS` on a pseudo-terminal, as a person runs it: rich sees a terminal (live view,
         colours). Returns (exit code, everything it printed). With `interrupt_after`, Ctrl-C is
         typed once that text has been printed."""
-        import fcntl
-        import pty
-        import select
-        import termios
-        import time
 
         leader, follower = pty.openpty()
         term = {"TERM": "xterm-256color", "COLUMNS": str(columns), "LINES": "50"}
-        proc = subprocess.Popen([sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)], cwd=self.cwd,
-                                stdin=follower, stdout=follower, stderr=follower, start_new_session=True,
-                                preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # its controlling terminal
-                                env={**os.environ, **term, **(env or {})})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "snowcat.pipeline.cli", *map(str, args)],
+            cwd=self.cwd,
+            stdin=follower,
+            stdout=follower,
+            stderr=follower,
+            start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # its controlling terminal
+            env={**os.environ, **term, **(env or {})},
+        )
         os.close(follower)
         chunks: list[bytes] = []
         deadline = time.monotonic() + timeout
@@ -85,8 +110,10 @@ class Snowcat:
                 if proc.poll() is not None and not select.select([leader], [], [], 0.2)[0]:
                     break
             else:
-                raise AssertionError(f"snowcat {' '.join(map(str, args))} on a terminal ran past {timeout}s:\n"
-                                     + b"".join(chunks).decode(errors="replace")[-3000:])
+                raise AssertionError(
+                    f"snowcat {' '.join(map(str, args))} on a terminal ran past {timeout}s:\n"
+                    + b"".join(chunks).decode(errors="replace")[-3000:]
+                )
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -146,7 +173,9 @@ stages:
     eval_max_new_tokens: 8
 """
 
-FULL = TINY + """\
+FULL = (
+    TINY
+    + """\
   eval:
     kind: evaluate
     needs: [tasks, sft]
@@ -170,6 +199,7 @@ FULL = TINY + """\
     kind: scan
     needs: [tasks, sft, eval, export, card]
 """
+)
 
 SHARED_RUN_TIMEOUT_S = 1800  # the pytest timeout of a test that builds a shared run (pytestmark of its file)
 
@@ -206,9 +236,6 @@ def tiny_run(tmp_path_factory) -> Path:
 def runner_context(run_dir: Path, stage: str, cfg=None):
     """The context the runner hands `stage` of the run at `run_dir` (its own config unless `cfg`, a
     loaded run config, is given): typed run config included, for stages that read the whole run."""
-    from snowcat.pipeline.dag import Unit, build
-    from snowcat.pipeline.rundir import RunDir
-    from snowcat.pipeline.runner import make_context
 
     run = RunDir.open(run_dir)
     cfg = run.config() if cfg is None else cfg
@@ -219,16 +246,21 @@ def runner_context(run_dir: Path, stage: str, cfg=None):
 
 # A test that uses one of these fixtures must carry the marker: `cluster` keeps the default run off the
 # Slurm cluster, `slow` keeps the minutes a shared run takes out of it.
-MARKER_OF_FIXTURE = {"slurm_cluster": "cluster", "slurm_env": "cluster", "sbatch": "cluster",
-                     "full_run": "slow", "tiny_run": "slow"}
+MARKER_OF_FIXTURE = {
+    "slurm_cluster": "cluster",
+    "slurm_env": "cluster",
+    "sbatch": "cluster",
+    "full_run": "slow",
+    "tiny_run": "slow",
+}
 
 
 def pytest_collection_modifyitems(config, items):
-    missing = [f"{item.nodeid} (uses {fixture}: mark it {marker})" for item in items
-               for fixture, marker in MARKER_OF_FIXTURE.items()
-               if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None]
+    missing = [
+        f"{item.nodeid} (uses {fixture}: mark it {marker})"
+        for item in items
+        for fixture, marker in MARKER_OF_FIXTURE.items()
+        if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None
+    ]
     if missing:
         raise pytest.UsageError("tests without the marker their fixtures need:\n  " + "\n  ".join(missing))
-
-
-from tests.cluster_fixtures import sbatch, slurm_cluster, slurm_env  # noqa: E402,F401  (the local Slurm cluster)

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from snowcat.stages.agent import (FIELDS, STATUSES, Budget, CalculatorEnv, EpisodeJob, Trajectory, allocate, calculate, header,
-                          make_env, pack, run_episodes, teacher_messages, unpack)
+from snowcat.stages.agent import (
+    FIELDS,
+    STATUSES,
+    Budget,
+    CalculatorEnv,
+    EpisodeJob,
+    Trajectory,
+    allocate,
+    calculate,
+    header,
+    make_env,
+    pack,
+    run_episodes,
+    teacher_messages,
+    unpack,
+)
 from snowcat.stages.agent.envs import CalcError, tool_message_ids
+from snowcat.stages.model import PRESETS, MoEForCausalLM
+from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.taskgen import generate_domain
+from snowcat.stages.tokenizer import train_tokenizer
 
 
 @st.composite
@@ -79,34 +100,24 @@ def test_trajectory_rejects_bad_shapes_and_status():
 
 # ---------------------------------------------------------------- a tiny real world: tasks, BPE, MoE model
 
-def tiny_tasks(count: int = 40, seed: int = 0):
-    from snowcat.stages.taskgen import generate_domain
 
+def tiny_tasks(count: int = 40, seed: int = 0):
     rng = np.random.default_rng(seed)
     return generate_domain(rng, "arith", [2], count), generate_domain(rng, "closure", [2], count)
 
 
 def tiny_tokenizer(tasks):
-    from snowcat.stages.tokenizer import train_tokenizer
-
     texts = [t.prompt for t in tasks] + [t.answer for t in tasks] + ["turn cut at tokens; answer briefly"]
     return train_tokenizer(texts * 2, vocab_size=300)
 
 
 def tiny_model(tok, seed: int = 0):
-    import dataclasses
-
-    import torch
-
-    from snowcat.stages.model import PRESETS, MoEForCausalLM
-
     torch.manual_seed(seed)
     return MoEForCausalLM(dataclasses.replace(PRESETS["test-micro"], vocab_size=tok.vocab_size)).eval()
 
 
 def overfit(model, tok, conversations: list[list[dict]], max_steps: int = 200):
     """Teach `model` the demonstrations by heart (full-batch AdamW on the assistant tokens)."""
-    import torch
 
     encoded = [tok.encode_chat(c) for c in conversations]
     width = max(len(i) for i, _ in encoded)
@@ -142,22 +153,22 @@ def calculator_model(world):
 
 
 def engine_for(model):
-    from snowcat.stages.rollout import TorchEngine
-
     return TorchEngine(model, max_batch=8)
 
 
 # ---------------------------------------------------------------- the calculator and the environments
 
 
-@pytest.mark.parametrize("expr,value", [("37+45", 82), ("2*(3+4)-5", 9), ("-3*-3", 9), (" 10 - 2 - 3 ", 5),
-                                        ("007", 7), ("((1))", 1)])
+@pytest.mark.parametrize(
+    "expr,value", [("37+45", 82), ("2*(3+4)-5", 9), ("-3*-3", 9), (" 10 - 2 - 3 ", 5), ("007", 7), ("((1))", 1)]
+)
 def test_calculator_evaluates_integer_arithmetic(expr, value):
     assert calculate(expr) == value
 
 
-@pytest.mark.parametrize("expr", ["", "2**3", "1/2", "(1+2", "1+", "__import__('os')", "1e3", "3 4",
-                                  "9" * 41 + "*1", "99999999999*" * 5 + "9"])
+@pytest.mark.parametrize(
+    "expr", ["", "2**3", "1/2", "(1+2", "1+", "__import__('os')", "1e3", "3 4", "9" * 41 + "*1", "99999999999*" * 5 + "9"]
+)
 def test_calculator_rejects_anything_else(expr):
     with pytest.raises(CalcError):
         calculate(expr)
@@ -213,13 +224,19 @@ def test_calculator_env_statuses(world):
 
 
 def test_learned_calculator_protocol_end_to_end(world, calculator_model):
-    from snowcat.stages.rollout import SamplingParams
-
     arith, _, tok = world
     tasks = arith[:4]
     jobs = [EpisodeJob(t, group_id=i, attempt=0) for i, t in enumerate(tasks)]
-    trajs = run_episodes(engine_for(calculator_model), tok, jobs, CalculatorEnv(tok), SamplingParams(temperature=0),
-                         Budget(max_context=128, max_turn_tokens=16, max_turns=3), seed=1, policy_version=7)
+    trajs = run_episodes(
+        engine_for(calculator_model),
+        tok,
+        jobs,
+        CalculatorEnv(tok),
+        SamplingParams(temperature=0),
+        Budget(max_context=128, max_turn_tokens=16, max_turns=3),
+        seed=1,
+        policy_version=7,
+    )
     for t, tr in zip(tasks, trajs):
         assert (tr.task_id, tr.domain, tr.policy_version, tr.status, tr.reward) == (t.task_id, "arith", 7, "ok", 1.0)
         teacher_ids, teacher_mask = tok.encode_chat(teacher_messages(t, "calculator"))
@@ -231,17 +248,21 @@ def test_learned_calculator_protocol_end_to_end(world, calculator_model):
 
 
 def test_failures_are_labelled_by_cause(world, calculator_model):
-    import dataclasses
-
-    from snowcat.stages.rollout import SamplingParams
-
     arith, closure, tok = world
     engine = engine_for(calculator_model)
     greedy = SamplingParams(temperature=0)
     budget = Budget(max_context=128, max_turn_tokens=16, max_turns=3)
     run = lambda tasks, env=None, budget=budget, **kw: run_episodes(  # noqa: E731
-        engine, tok, [EpisodeJob(t, i, 0) for i, t in enumerate(tasks)], env or CalculatorEnv(tok), greedy, budget,
-        seed=0, policy_version=0, **kw)
+        engine,
+        tok,
+        [EpisodeJob(t, i, 0) for i, t in enumerate(tasks)],
+        env or CalculatorEnv(tok),
+        greedy,
+        budget,
+        seed=0,
+        policy_version=0,
+        **kw,
+    )
 
     # the verifier itself fails (unknown verifier): infrastructure, not the model
     broken_task = dataclasses.replace(arith[0], verifier="no-such-verifier")
@@ -260,6 +281,7 @@ def test_failures_are_labelled_by_cause(world, calculator_model):
     # a tiny context ends the episode truncated, cut exactly at the budget
     tr = run(arith[:1], budget=Budget(max_context=12, max_turn_tokens=16))[0]
     assert tr.status == "truncated" and len(tr) == 12 and tr.reward == 0.0
+
     # an unparseable tool call is the model's failure
     class calc_without_closing_tag_test_double(CalculatorEnv):  # the model's call, with </tool_call> dropped
         def step(self, task, state, turn_ids):
@@ -272,14 +294,18 @@ def test_failures_are_labelled_by_cause(world, calculator_model):
 def assert_same_episodes(xs, ys):
     assert len(xs) == len(ys)
     for x, y in zip(xs, ys):
-        assert (x.task_id, x.attempt, x.status, x.reward, x.turn_boundaries) == (y.task_id, y.attempt, y.status, y.reward, y.turn_boundaries)
+        assert (x.task_id, x.attempt, x.status, x.reward, x.turn_boundaries) == (
+            y.task_id,
+            y.attempt,
+            y.status,
+            y.reward,
+            y.turn_boundaries,
+        )
         assert np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.loss_mask, y.loss_mask)
         np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-4)
 
 
 def test_episodes_are_deterministic_and_independent_of_the_batch(world):
-    from snowcat.stages.rollout import SamplingParams
-
     arith, closure, tok = world
     engine = engine_for(tiny_model(tok, seed=3))
     params = SamplingParams(temperature=1.0)

@@ -48,7 +48,11 @@ def test_rloo_leave_one_out():
 
 
 def test_rloo_n_infra_errors_are_neutral_and_outside_baselines():
-    status = [["ok", "ok", "truncated", "infra_error"], ["ok", "infra_error", "infra_error", "ok"], ["infra_error", "ok", "infra_error", "infra_error"]]
+    status = [
+        ["ok", "ok", "truncated", "infra_error"],
+        ["ok", "infra_error", "infra_error", "ok"],
+        ["infra_error", "ok", "infra_error", "infra_error"],
+    ]
     valid = valid_from_status(status)
     assert valid.tolist() == [[True, True, True, False], [True, False, False, True], [False, True, False, False]]
     rewards = T([[1.0, 0, 0, 1], [1.0, 1, 1, 0], [1.0, 1, 0, 0]])

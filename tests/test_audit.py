@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import h5py
 import pytest
 
 from snowcat.pipeline.history import History
@@ -74,8 +75,6 @@ def test_changes_fail_the_audit_naming_the_file(full_run, tmp_path, case):
 
 @pytest.mark.slow
 def test_truncated_history_h5_fails_the_audit(full_run, tmp_path):
-    import h5py
-
     copy = _copy(full_run, tmp_path)
     hist = History(copy)
     for step in range(1, 21):

@@ -32,8 +32,14 @@ def test_card_holds_the_recorded_facts(full_run):
     assert meta["snowcat"]["initializer_manifest_sha256"] == sha256_file(init / "manifest.json")
     assert meta["snowcat"]["model_manifest_sha256"] == export["model_manifest_sha256"]
     assert meta["snowcat"]["config_sha256"] == sha256_file(run_dir / "config.yaml")
-    for fact in (tasks["train.parquet"]["sha256"], tasks["val.parquet"]["sha256"], sha256_file(init / "manifest.json"),
-                 export["source"]["manifest_sha256"], prov["code"]["patch_sha256"], "`train.parquet`"):
+    for fact in (
+        tasks["train.parquet"]["sha256"],
+        tasks["val.parquet"]["sha256"],
+        sha256_file(init / "manifest.json"),
+        export["source"]["manifest_sha256"],
+        prov["code"]["patch_sha256"],
+        "`train.parquet`",
+    ):
         assert fact in card
     assert "| all | pass@1 |" in card and "sft:initial (initializer)" in card and "sft:final (exported)" in card
     assert "no retention ledger; what intermediate checkpoints were deleted is not recorded" in card

@@ -155,7 +155,9 @@ def test_concurrent_driver_is_refused(snowcat, small, tmp_path):
 def test_cancel_stops_a_local_run(snowcat, small, tmp_path):
     run_dir = tmp_path / "run"
     first = snowcat.popen("run", small, *SLOW, "--run-dir", run_dir)
-    assert _wait_for(lambda: (read_json(run_dir / "state.json", {}) or {}).get("stages", {}).get("tasks", {}).get("status") == "running")
+    assert _wait_for(
+        lambda: (read_json(run_dir / "state.json", {}) or {}).get("stages", {}).get("tasks", {}).get("status") == "running"
+    )
     assert snowcat("cancel", run_dir).returncode == 0
     assert first.wait(timeout=60) != 0
     assert snowcat.status(run_dir)["stages"]["tasks"]["status"] == "cancelled"

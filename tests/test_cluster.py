@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from cluster_fixtures import sbatch, slurm_cluster, slurm_env  # noqa: F401
 from snowcat.slurm import cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 def _sacct(env: dict, job: str, fields: str = "JobID,State,Account,ExitCode") -> list[list[str]]:
-    out = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", fields], env=env,
-                         capture_output=True, text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        ["sacct", "-j", job, "-X", "-n", "-P", "-o", fields], env=env, capture_output=True, text=True, timeout=30, check=True
+    ).stdout
     return [line.split("|") for line in out.splitlines() if line]
 
 
@@ -44,8 +44,16 @@ def _state(env: dict, job: str) -> str:
 
 def test_batch_job_sees_gpus_and_is_accounted(sbatch, slurm_env, tmp_path):
     out = tmp_path / "job.out"
-    job = sbatch("-p", "gpu", "--gpus-per-node=2", "-o", str(out),
-                 "--wrap", "echo $SLURMD_NODENAME $CUDA_VISIBLE_DEVICES $SLURM_JOB_ACCOUNT", wait=True)
+    job = sbatch(
+        "-p",
+        "gpu",
+        "--gpus-per-node=2",
+        "-o",
+        str(out),
+        "--wrap",
+        "echo $SLURMD_NODENAME $CUDA_VISIBLE_DEVICES $SLURM_JOB_ACCOUNT",
+        wait=True,
+    )
     node, gpus, account = out.read_text().split()
     assert node in cluster.NODES and len(gpus.split(",")) == 2 and account == cluster.ACCOUNT
     rows = _until(lambda: [r for r in _sacct(slurm_env, job) if r[1] == "COMPLETED"], what="sacct COMPLETED")
@@ -53,22 +61,30 @@ def test_batch_job_sees_gpus_and_is_accounted(sbatch, slurm_env, tmp_path):
 
 
 def test_wrong_account_is_refused(slurm_env):
-    p = subprocess.run(["sbatch", "--account=not-a-snowcat-account", "--wrap", "true"], env=slurm_env,
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        ["sbatch", "--account=not-a-snowcat-account", "--wrap", "true"], env=slurm_env, capture_output=True, text=True, timeout=30
+    )
     assert p.returncode != 0 and "account" in p.stderr.lower()
 
 
 def test_over_max_time_is_refused(slurm_env):
-    p = subprocess.run(["sbatch", f"--time={cluster.MAX_TIME_MIN + 1}", "--wrap", "true"], env=slurm_env,
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        ["sbatch", f"--time={cluster.MAX_TIME_MIN + 1}", "--wrap", "true"],
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode != 0 and "time limit" in p.stderr.lower()
 
 
 def test_array_of_200_tasks_in_one_sbatch(sbatch, slurm_env, tmp_path):
     job = sbatch("--array=0-199", "-o", "/dev/null", "--wrap", f"touch {tmp_path}/$SLURM_ARRAY_TASK_ID", wait=True)
     assert sorted(int(p.name) for p in tmp_path.iterdir()) == list(range(200))
-    rows = _until(lambda: (r := _sacct(slurm_env, job)) and all(s == "COMPLETED" for _, s, *_ in r) and len(r) == 200 and r,
-                  what="200 array tasks COMPLETED in sacct")
+    rows = _until(
+        lambda: (r := _sacct(slurm_env, job)) and all(s == "COMPLETED" for _, s, *_ in r) and len(r) == 200 and r,
+        what="200 array tasks COMPLETED in sacct",
+    )
     assert {r[0] for r in rows} == {f"{job}_{i}" for i in range(200)}
 
 
@@ -117,12 +133,17 @@ def test_stepwatch_stops_a_launcher_that_hangs_after_its_step_ended(sbatch, slur
     launcher sleeps. The job must end soon after the step, with the step's exit code."""
     script = tmp_path / "hang.sh"
     hanging_launcher = f"srun -n1 bash -c 'exit {step_exit}'; sleep 600"
-    script.write_text("#!/bin/bash\n#SBATCH -N1 -n1 --time=3\n"
-                      f"{sys.executable} -m snowcat.slurm.stepwatch --grace 3 --poll 1 -- bash -c {shlex.quote(hanging_launcher)}\n")
+    script.write_text(
+        "#!/bin/bash\n#SBATCH -N1 -n1 --time=3\n"
+        f"{sys.executable} -m snowcat.slurm.stepwatch --grace 3 --poll 1 -- bash -c {shlex.quote(hanging_launcher)}\n"
+    )
     log = tmp_path / "hang.out"
     job = sbatch("-o", str(log), str(script))
-    rows = _until(lambda: [r for r in _sacct(slurm_env, job, "JobID,State,ExitCode") if r[1] not in ("PENDING", "RUNNING")],
-                  timeout=120, what="job ended")
+    rows = _until(
+        lambda: [r for r in _sacct(slurm_env, job, "JobID,State,ExitCode") if r[1] not in ("PENDING", "RUNNING")],
+        timeout=120,
+        what="job ended",
+    )
     assert rows == [[job, "COMPLETED" if step_exit == 0 else "FAILED", f"{step_exit}:0"]]
     assert "stepwatch: bash is still running" in log.read_text()
 
@@ -179,8 +200,14 @@ def test_up_is_idempotent_recovers_from_a_crash_and_down_stops_all(second_root):
     assert st["up"] and st["daemons"]["slurmd-n1"] == pids["slurmd-n1"]
     assert st["daemons"]["slurmctld"] != pids["slurmctld"] and st["daemons"]["slurmd-n2"] != pids["slurmd-n2"]
     env = {**os.environ, **info.env}
-    job = subprocess.run(["sbatch", "--parsable", "--wait", "-o", "/dev/null", "--wrap", "true"], env=env,
-                         capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    job = subprocess.run(
+        ["sbatch", "--parsable", "--wait", "-o", "/dev/null", "--wrap", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
     assert job
 
     running = cluster.status(root)["daemons"].values()

@@ -77,4 +77,6 @@ def test_site_option_and_unknown_site():
 
 def test_stage_seeds_are_stable_and_distinct():
     assert config.stage_seed(1, "a") == config.stage_seed(1, "a")
-    assert len({config.stage_seed(1, "a"), config.stage_seed(1, "b"), config.stage_seed(2, "a"), config.stage_seed(1, "a", 0)}) == 4
+    assert (
+        len({config.stage_seed(1, "a"), config.stage_seed(1, "b"), config.stage_seed(2, "a"), config.stage_seed(1, "a", 0)}) == 4
+    )

@@ -4,8 +4,10 @@ Apptainer cannot run here, so the end-to-end wrapping test uses tests/fake_appta
 test double that validates the arguments like the real binary and runs the inner command on the host.
 """
 
+import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 from snowcat.containers import images
 from snowcat.containers.wrap import image_provenance, srun_line, stage_command, wrap_command
 from snowcat.pipeline.errors import UserError
-from snowcat.slurm.site import SiteProfile
+from snowcat.slurm.site import SiteProfile, load_site
 
 FAKE_APPTAINER_DIR = Path(__file__).parent / "fake_apptainer"
 
@@ -46,26 +48,50 @@ def test_runtime_none_returns_command_unchanged():
 
 def test_apptainer_command_line():
     cmd = stage_command("/p/runs/r1", "sft")
-    out = wrap_command(cmd, "apptainer", image="/p/img/trainer.sif",
-                       binds=["/p/runs/r1", "/p/data:/data:ro", "/p/runs/r1"], gpu=True,
-                       env={"HF_HUB_OFFLINE": "1", "A_B": "x y"})
-    assert out == ["apptainer", "exec", "--nv", "--bind", "/p/runs/r1", "--bind", "/p/data:/data:ro",
-                   "--env", "A_B=x y", "--env", "HF_HUB_OFFLINE=1",
-                   "/p/img/trainer.sif", "python", "-m", "snowcat.stages", "/p/runs/r1", "sft"]
+    out = wrap_command(
+        cmd,
+        "apptainer",
+        image="/p/img/trainer.sif",
+        binds=["/p/runs/r1", "/p/data:/data:ro", "/p/runs/r1"],
+        gpu=True,
+        env={"HF_HUB_OFFLINE": "1", "A_B": "x y"},
+    )
+    assert out == [
+        "apptainer",
+        "exec",
+        "--nv",
+        "--bind",
+        "/p/runs/r1",
+        "--bind",
+        "/p/data:/data:ro",
+        "--env",
+        "A_B=x y",
+        "--env",
+        "HF_HUB_OFFLINE=1",
+        "/p/img/trainer.sif",
+        "python",
+        "-m",
+        "snowcat.stages",
+        "/p/runs/r1",
+        "sft",
+    ]
     assert "--nv" not in wrap_command(cmd, "apptainer", image="i.sif", gpu=False)
     assert wrap_command(["x"], "apptainer", image="i.sif", binds=["."])[3] == os.getcwd()  # relative: made absolute
     assert stage_command("/r", "eval", item=3)[-2:] == ["--item", "3"]
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"runtime": "docker", "image": "i.sif"}, "runtime 'docker'"),
-    ({"runtime": "apptainer", "image": None}, "needs an image"),
-    ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a:rel"]}, "container path must be absolute"),
-    ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a,/b"]}, "bind '/a,/b'"),
-    ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a:/b:rx"]}, "ro or rw"),
-    ({"runtime": "apptainer", "image": "i.sif", "env": {"1BAD": "x"}}, "env '1BAD'"),
-    ({"runtime": "apptainer", "image": "i.sif", "binds": ["$SNOWCAT_UNSET_VAR_X/data"]}, "variable not set"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"runtime": "docker", "image": "i.sif"}, "runtime 'docker'"),
+        ({"runtime": "apptainer", "image": None}, "needs an image"),
+        ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a:rel"]}, "container path must be absolute"),
+        ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a,/b"]}, "bind '/a,/b'"),
+        ({"runtime": "apptainer", "image": "i.sif", "binds": ["/a:/b:rx"]}, "ro or rw"),
+        ({"runtime": "apptainer", "image": "i.sif", "env": {"1BAD": "x"}}, "env '1BAD'"),
+        ({"runtime": "apptainer", "image": "i.sif", "binds": ["$SNOWCAT_UNSET_VAR_X/data"]}, "variable not set"),
+    ],
+)
 def test_bad_container_settings_name_the_culprit(kwargs, words):
     with pytest.raises(UserError, match=words.replace("(", r"\(")):
         wrap_command(["true"], **kwargs)
@@ -77,7 +103,15 @@ def test_srun_lines():
     assert srun_line(SiteProfile(launcher="ibrun"), None, ["a"]) == ["ibrun", "a"]
     assert srun_line(site, [0, 1], ["a"]) == ["srun", "--mpi=pspmix", "--het-group=0,1", "a"]
     assert srun_line(SiteProfile(), [0, 1], {0: ["a"], 1: ["b", "c"]}) == [
-        "srun", "--mpi=pmix", "--het-group=0", "a", ":", "--het-group=1", "b", "c"]
+        "srun",
+        "--mpi=pmix",
+        "--het-group=0",
+        "a",
+        ":",
+        "--het-group=1",
+        "b",
+        "c",
+    ]
     with pytest.raises(UserError, match=r"het group\(s\) \[1\]"):
         srun_line(site, [0, 1], {0: ["a"]})
 
@@ -87,9 +121,13 @@ def test_wrapped_stage_runs_through_fake_apptainer(fake_apptainer, tmp_path):
     run_dir.mkdir()
     image = tmp_path / "trainer.sif"
     image.write_bytes(b"SIF fake image bytes")
-    inner = [sys.executable, "-c",
-             "import os, sys; open(os.path.join(sys.argv[1], 'out.txt'), 'w').write("
-             "os.environ['SNOWCAT_X'] + ' ' + os.environ['FAKE_APPTAINER_IMAGE'])", str(run_dir)]
+    inner = [
+        sys.executable,
+        "-c",
+        "import os, sys; open(os.path.join(sys.argv[1], 'out.txt'), 'w').write("
+        "os.environ['SNOWCAT_X'] + ' ' + os.environ['FAKE_APPTAINER_IMAGE'])",
+        str(run_dir),
+    ]
     cmd = wrap_command(inner, "apptainer", image=image, binds=[str(run_dir)], gpu=True, env={"SNOWCAT_X": "42"})
     subprocess.run(cmd, check=True)
     assert (run_dir / "out.txt").read_text() == f"42 {image}"
@@ -109,7 +147,6 @@ def test_image_provenance_records_digest_and_labels(fake_apptainer, tmp_path):
     image.write_bytes(b"another fake SIF")
     (tmp_path / "rollout.sif.labels.json").write_text(json.dumps({"org.snowcat.revision": "abc123"}))
     prov = image_provenance(image)
-    import hashlib
     assert prov["sha256"] == hashlib.sha256(b"another fake SIF").hexdigest()
     assert prov["labels"] == {"org.snowcat.revision": "abc123"}
     with pytest.raises(UserError, match="not found"):
@@ -160,8 +197,7 @@ def test_arch_variants_and_build_args():
 
 def test_dockerfile_converts_to_definition(tmp_path):
     dockerfile = tmp_path / "Dockerfile"
-    dockerfile.write_text("FROM python:3.11-slim\nENV FOO=bar\nRUN pip install requests==2.32.3\n"
-                          "LABEL maintainer=me\n")
+    dockerfile.write_text("FROM python:3.11-slim\nENV FOO=bar\nRUN pip install requests==2.32.3\nLABEL maintainer=me\n")
     out = images.dockerfile_to_def(dockerfile, tmp_path / "user.def")
     text = out.read_text()
     assert "Bootstrap: docker" in text and "From: python:3.11-slim" in text
@@ -195,26 +231,32 @@ def test_build_templates_labels_then_provenance_reads_them(fake_apptainer, tmp_p
 GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_SITES = {
     # site: (environment of a user on that site, run dir, image dir)
-    "jsc-juwels-booster": ({"PROJECT": "/p/project/cjsc", "SCRATCH": "/p/scratch/cjsc"},
-                           "/p/project/cjsc/alice/snowcat/runs/rl-demo", "/p/project/cjsc/images", "x86_64"),
-    "tacc-vista": ({"WORK": "/work/01234/alice/vista", "SCRATCH": "/scratch/01234/alice"},
-                   "/work/01234/alice/vista/snowcat/runs/rl-demo", "/work/01234/alice/vista/images", "aarch64"),
+    "jsc-juwels-booster": (
+        {"PROJECT": "/p/project/cjsc", "SCRATCH": "/p/scratch/cjsc"},
+        "/p/project/cjsc/alice/snowcat/runs/rl-demo",
+        "/p/project/cjsc/images",
+        "x86_64",
+    ),
+    "tacc-vista": (
+        {"WORK": "/work/01234/alice/vista", "SCRATCH": "/scratch/01234/alice"},
+        "/work/01234/alice/vista/snowcat/runs/rl-demo",
+        "/work/01234/alice/vista/images",
+        "aarch64",
+    ),
 }
 
 
 def render_golden(site_name: str) -> list[str]:
     """The launcher lines of a containerised stage on a site, as the Slurm executor composes them."""
-    import shlex
-
-    from snowcat.slurm.site import load_site
 
     site = load_site(site_name)
     _, run_dir, image_dir, arch = GOLDEN_SITES[site_name]
     binds = [run_dir, site.scratch, site.project]
 
     def wrapped(stage, image, gpu=True):
-        return wrap_command(stage_command(run_dir, stage), site.container_runtime,
-                            image=f"{image_dir}/{image}-{arch}.sif", binds=binds, gpu=gpu)
+        return wrap_command(
+            stage_command(run_dir, stage), site.container_runtime, image=f"{image_dir}/{image}-{arch}.sif", binds=binds, gpu=gpu
+        )
 
     extra = ["--kill-on-bad-exit=1"]
     lines = [
@@ -230,6 +272,9 @@ def test_golden_launcher_lines(site_name, monkeypatch):
     env = GOLDEN_SITES[site_name][0]
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    expected = [line for line in (GOLDEN / f"launch_{site_name}.txt").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    expected = [
+        line
+        for line in (GOLDEN / f"launch_{site_name}.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert render_golden(site_name) == expected

@@ -10,7 +10,9 @@ TWO = ["stages.b.kind=tasks", "stages.b.needs=[tasks]", "stages.c.kind=tasks", "
 
 
 def test_topological_order_follows_needs():
-    d = dag.build(config.load(DEMO, ["stages.c.kind=tasks", "stages.c.needs=[b]", "stages.b.kind=tasks", "stages.b.needs=[tasks]"]))
+    d = dag.build(
+        config.load(DEMO, ["stages.c.kind=tasks", "stages.c.needs=[b]", "stages.b.kind=tasks", "stages.b.needs=[tasks]"])
+    )
     order = [n for n in d.order if n in ("tasks", "b", "c")]
     assert order == ["tasks", "b", "c"]
     for node in d:

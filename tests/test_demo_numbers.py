@@ -14,8 +14,11 @@ from snowcat.benchmarks.demo import HEADLINE, RESULTS, quote
 REPO = Path(__file__).resolve().parent.parent
 QUOTED_IN = {
     "README.md": list(HEADLINE),
-    "configs/demo.yaml": ["sft/val_greedy_pass@1/closure", "sft/val_greedy_pass@1/arith",
-                          "eval/rl:final - sft:final/all/pass@1_diff"],
+    "configs/demo.yaml": [
+        "sft/val_greedy_pass@1/closure",
+        "sft/val_greedy_pass@1/arith",
+        "eval/rl:final - sft:final/all/pass@1_diff",
+    ],
     "docs/training.md": ["sft/val_greedy_pass@1/closure", "sft/val_greedy_pass@1/arith"],
     "docs/rl.md": ["eval/rl:final - sft:final/all/pass@1_diff", "eval/rl:final - sft:final/all/pass@1_diff_se"],
 }

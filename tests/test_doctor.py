@@ -5,24 +5,24 @@ import os
 from pathlib import Path
 
 import pytest
-from cluster_fixtures import slurm_cluster, slurm_env  # noqa: F401  (local Slurm cluster fixtures)
 
 from snowcat.pipeline import doctor
 from snowcat.pipeline.doctor import FAIL, PASS, WARN, Check
-from snowcat.slurm.site import Partition, SiteProfile
+from snowcat.slurm.site import Partition, SiteProfile, load_site
 
 FAKE_APPTAINER_DIR = Path(__file__).parent / "fake_apptainer"
 
 
 def local_profile():
     """The profile of the local test cluster, as B's slurm/sites/local.yaml describes it."""
-    from snowcat.slurm.site import load_site
 
     return load_site("local")
 
 
-@pytest.mark.parametrize("text, minutes", [("1:00:00", 60), ("2-00:00:00", 2880), ("30", 30), ("2-12", 3600),
-                                           ("infinite", None), ("48:00:00", 2880), ("0:30", 1)])
+@pytest.mark.parametrize(
+    "text, minutes",
+    [("1:00:00", 60), ("2-00:00:00", 2880), ("30", 30), ("2-12", 3600), ("infinite", None), ("48:00:00", 2880), ("0:30", 1)],
+)
 def test_slurm_time_limits(text, minutes):
     assert doctor._minutes(text) == minutes
 
@@ -33,8 +33,12 @@ def test_run_root_under_home_fails_with_fix(tmp_path):
     checks = {c.name: c for c in doctor.check_run_root(profile(min_free_gb=0), home / "runs", home=str(home))}
     assert checks["run_root.home"].status == FAIL and "$PROJECT" in checks["run_root.home"].fix
     assert not (home / "runs").exists()  # doctor creates nothing
-    ok = {c.name: c for c in doctor.check_run_root(profile(min_free_gb=0, shared_fs_required=False),
-                                                     tmp_path / "proj" / "runs", home=str(home))}
+    ok = {
+        c.name: c
+        for c in doctor.check_run_root(
+            profile(min_free_gb=0, shared_fs_required=False), tmp_path / "proj" / "runs", home=str(home)
+        )
+    }
     assert ok["run_root.home"].status == PASS and ok["run_root.writable"].status == PASS
     assert ok["run_root.shared"].status in (PASS, WARN)  # local disk: fine when the profile allows it
     strict = {c.name: c for c in doctor.check_run_root(profile(min_free_gb=0), tmp_path, home=str(home))}
@@ -45,8 +49,12 @@ def test_run_root_under_home_fails_with_fix(tmp_path):
 def test_scratch_purge_warning(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    checks = {c.name: c for c in doctor.check_run_root(
-        profile(scratch=str(scratch), scratch_purge_days=10, min_free_gb=0), scratch / "runs", home="/nonexistent")}
+    checks = {
+        c.name: c
+        for c in doctor.check_run_root(
+            profile(scratch=str(scratch), scratch_purge_days=10, min_free_gb=0), scratch / "runs", home="/nonexistent"
+        )
+    }
     assert checks["run_root.purge"].status == WARN and "10 days" in checks["run_root.purge"].detail
 
 
@@ -71,18 +79,33 @@ def test_staged_check(tmp_path):
 
 def test_format_prints_fixes_and_onboard_uses_findings(tmp_path):
     checks = [
-        Check("account", FAIL, "account 'x' is not one of u's associations: u, proj1", "set account: proj1",
-              {"accounts": ["proj1", "u"]}),
-        Check("partitions", FAIL, "partition 'booster' does not exist", "pick one of: gpu",
-              {"partitions": {"gpu": {"gpus_per_node": 4, "max_time_min": 60, "nodes": 2, "up": True}}}),
+        Check(
+            "account",
+            FAIL,
+            "account 'x' is not one of u's associations: u, proj1",
+            "set account: proj1",
+            {"accounts": ["proj1", "u"]},
+        ),
+        Check(
+            "partitions",
+            FAIL,
+            "partition 'booster' does not exist",
+            "pick one of: gpu",
+            {"partitions": {"gpu": {"gpus_per_node": 4, "max_time_min": 60, "nodes": 2, "up": True}}},
+        ),
         Check("internet", PASS, "a compute node cannot reach pypi.org:443", found={"internet_on_compute": False}),
     ]
     text = doctor.format_checks(checks)
     assert "FAIL  account" in text and "fix: set account: proj1" in text and "2 failed" in text
-    override = doctor.onboard(profile(account="x", partitions={"booster": Partition(gpus_per_node=4)}),
-                              tmp_path / "runs", checks, user="u")
-    assert override == {"account": "proj1", "partitions": {"gpu": {"gpus_per_node": 4, "max_time_min": 60}},
-                        "run_root": str(tmp_path / "runs"), "internet_on_compute": False}
+    override = doctor.onboard(
+        profile(account="x", partitions={"booster": Partition(gpus_per_node=4)}), tmp_path / "runs", checks, user="u"
+    )
+    assert override == {
+        "account": "proj1",
+        "partitions": {"gpu": {"gpus_per_node": 4, "max_time_min": 60}},
+        "run_root": str(tmp_path / "runs"),
+        "internet_on_compute": False,
+    }
     written = doctor.write_override(override, tmp_path / "override.yaml").read_text()
     assert "account: proj1" in written
     # No run root given: project storage from the environment, never $HOME.
@@ -99,8 +122,7 @@ def test_doctor_passes_on_local(slurm_env, tmp_path):
     failed = [f"{c.name}: {c.detail}" for c in checks if c.status == FAIL]
     assert not failed, failed
     names = {c.name for c in checks}
-    assert {"slurm", "partitions", "account", "hetjobs", "arrays", "mpi", "apptainer", "run_root.writable",
-            "internet"} <= names
+    assert {"slurm", "partitions", "account", "hetjobs", "arrays", "mpi", "apptainer", "run_root.writable", "internet"} <= names
 
 
 @pytest.mark.cluster

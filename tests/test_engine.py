@@ -6,7 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from snowcat.stages.model import PRESETS, MoEForCausalLM
+from snowcat.kernels import linear_logprob_entropy
+from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
 from snowcat.stages.rollout import Completion, EngineError, SamplingParams, TorchEngine, VLLMEngine
 from snowcat.stages.rollout.sampling import processed_logprobs, support_ids, support_mask
 
@@ -68,7 +69,7 @@ def test_cached_decoding_matches_a_full_forward(model):
 def chi_square_critical(df: int, z: float = 3.719) -> float:
     """Upper quantile of chi-square(df) (z = 3.719: p = 1e-4), scipy if present, else Wilson-Hilferty."""
     try:
-        from scipy.stats import chi2
+        from scipy.stats import chi2  # noqa: PLC0415 (optional)
 
         return float(chi2.ppf(1 - 1e-4, df))
     except ImportError:
@@ -104,8 +105,6 @@ def test_empirical_frequencies_match_reported_probabilities(model):
 
 
 def test_trainer_recomputation_with_the_support_matches_and_full_vocab_does_not(model):
-    from snowcat.kernels import linear_logprob_entropy
-
     p = SamplingParams(temperature=0.8, top_p=0.7, max_tokens=6)
     hs, targets, engine_lp, supports = [], [], [], []
     for prompt, c in zip(PROMPTS, TorchEngine(model).generate(PROMPTS, p, seed=5)):
@@ -137,8 +136,6 @@ def test_engine_errors_are_engine_errors(model):
 
 
 def test_load_weights_from_a_model_dir(model, tmp_path):
-    from snowcat.stages.model import save_model_dir
-
     p = SamplingParams(max_tokens=4)
     reference = TorchEngine(model).generate(PROMPTS, p, seed=2)
     torch.manual_seed(1)
@@ -153,7 +150,7 @@ def test_load_weights_from_a_model_dir(model, tmp_path):
 def test_vllm_engine_says_clearly_when_vllm_is_missing(tmp_path):
     pytest.importorskip("torch")
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401, PLC0415 (the GPU extra: absent here)
     except ImportError:
         with pytest.raises(EngineError, match="vllm"):
             VLLMEngine(tmp_path)

@@ -9,6 +9,7 @@ process imports this module.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -16,7 +17,18 @@ import os
 import time
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
+import torch
+
+from snowcat.pipeline.config import stage_config
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.errors import UserError
+from snowcat.stages import evaluate
+from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
+from snowcat.stages.taskgen import Verdict, generate_domain, save_tasks
+from snowcat.stages.tokenizer import train_tokenizer
 
 MARKERS = "SNOWCAT_TEST_VERIFIER_MARKERS"
 SLOW_TASKS = "SNOWCAT_TEST_SLOW_TASKS"
@@ -27,8 +39,6 @@ def oracle_passes(task_id: str) -> bool:
 
 
 def task_oracle_verifier_test_double(task, text):
-    from snowcat.stages.taskgen import Verdict
-
     ok = oracle_passes(task.task_id)
     return Verdict(float(ok), ok, "graded by task id (test double)")
 
@@ -45,14 +55,6 @@ def slow_first_call_verifier_test_double(task, text):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tasks stage dir and an `sft` stage dir with two tiny random checkpoints."""
-    import dataclasses
-
-    import numpy as np
-    import torch
-
-    from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
-    from snowcat.stages.taskgen import generate_domain, save_tasks
-    from snowcat.stages.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("eval")
     rng = np.random.default_rng(0)
@@ -72,24 +74,35 @@ def workdir(tmp_path_factory):
     return root
 
 
-SMALL = dict(checkpoints=["sft:initial", "sft:final"], attempts=3, max_tokens=6, pass_k=[1, 2, 3], infra_retries=0,
-             verifier_timeout_s=3.0, batch_size=16, bootstrap_samples=500, verifier=f"{__name__}:task_oracle_verifier_test_double")
+SMALL = dict(
+    checkpoints=["sft:initial", "sft:final"],
+    attempts=3,
+    max_tokens=6,
+    pass_k=[1, 2, 3],
+    infra_retries=0,
+    verifier_timeout_s=3.0,
+    batch_size=16,
+    bootstrap_samples=500,
+    verifier=f"{__name__}:task_oracle_verifier_test_double",
+)
 
 
 def run_stage(workdir: Path, out: str, **overrides):
-    from snowcat.pipeline.context import StageContext
-    from snowcat.stages import evaluate
-
     assert not (workdir / out).exists()  # each call writes a stage directory of its own
-    ctx = StageContext.standalone("evaluate", SMALL | overrides, name="eval", run_dir=workdir, out_dir=workdir / out,
-                                  inputs={"tasks": workdir / "tasks", "sft": workdir / "sft"}, seed=7)
+    ctx = StageContext.standalone(
+        "evaluate",
+        SMALL | overrides,
+        name="eval",
+        run_dir=workdir,
+        out_dir=workdir / out,
+        inputs={"tasks": workdir / "tasks", "sft": workdir / "sft"},
+        seed=7,
+    )
     metrics = evaluate.run(ctx)
     return metrics, json.loads((ctx.out_dir / "results.json").read_text()), read_traces(ctx.out_dir / "traces.h5")
 
 
 def read_traces(path: Path) -> list[dict]:
-    import h5py
-
     with h5py.File(path) as f:
         cols = {k: f[k][()] for k in f}
     rows = []
@@ -161,13 +174,16 @@ def test_transient_timeouts_are_retried(workdir, clean, tmp_path, monkeypatch):
     task_ids = sorted({r["task_id"] for r in clean[2]})
     monkeypatch.setenv(MARKERS, str(tmp_path))
     monkeypatch.setenv(SLOW_TASKS, task_ids[0])
-    _, results, traces = run_stage(workdir, "retried", checkpoints=["sft:best"], infra_retries=1,
-                                   verifier=f"{__name__}:slow_first_call_verifier_test_double")
+    _, results, traces = run_stage(
+        workdir, "retried", checkpoints=["sft:best"], infra_retries=1, verifier=f"{__name__}:slow_first_call_verifier_test_double"
+    )
     assert all(r["status"] != "infra_error" for r in traces)
     assert sum(r["infra_retries"] for r in traces) == 1
     assert results["checkpoints"]["sft:best"]["path"].endswith("final")  # the pointer file was followed
-    assert (results["checkpoints"]["sft:best"]["groups"]["all"]["pass@1"]
-            == clean[1]["checkpoints"]["sft:final"]["groups"]["all"]["pass@1"])
+    assert (
+        results["checkpoints"]["sft:best"]["groups"]["all"]["pass@1"]
+        == clean[1]["checkpoints"]["sft:final"]["groups"]["all"]["pass@1"]
+    )
 
 
 def test_engine_errors_are_infra_failures(workdir):
@@ -181,21 +197,19 @@ def test_engine_errors_are_infra_failures(workdir):
 
 
 def test_real_verifier_and_bad_config(workdir):
-    from snowcat.pipeline.config import stage_config
-    from snowcat.pipeline.errors import UserError
-
-    _, results, traces = run_stage(workdir, "real", checkpoints=["sft:final"], verifier="snowcat.stages.taskgen:verify",
-                                   limit=4)
+    _, results, traces = run_stage(workdir, "real", checkpoints=["sft:final"], verifier="snowcat.stages.taskgen:verify", limit=4)
     assert len(traces) == 12 and all(r["status"] in ("ok", "truncated") for r in traces)
     assert 0.0 <= results["checkpoints"]["sft:final"]["groups"]["all"]["reward"] <= 1.0
     good = {"attempts": 3, "pass_k": [1, 3], "needs": ["tasks", "sft"]}
     stage_config("evaluate", good, name="eval")
-    for bad, error in ((dict(pass_k=[4]), r"stages\.eval\.pass_k: \[4\] outside 1\.\.attempts \(3\)"),
-                       (dict(split="test"), r"stages\.eval\.split: Invalid value 'test'"),
-                       (dict(top_p=0.0), r"stages\.eval\.top_p: must be > 0, got 0\.0"),
-                       (dict(tasks="mine"), r"stages\.eval\.needs: add 'mine' \(named in tasks\)"),
-                       (dict(verifier="no_colon"), r"stages\.eval\.verifier: 'no_colon' is not 'module:function'"),
-                       (dict(checkpoints=[]), r"stages\.eval\.checkpoints: name at least one checkpoint")):
+    for bad, error in (
+        (dict(pass_k=[4]), r"stages\.eval\.pass_k: \[4\] outside 1\.\.attempts \(3\)"),
+        (dict(split="test"), r"stages\.eval\.split: Invalid value 'test'"),
+        (dict(top_p=0.0), r"stages\.eval\.top_p: must be > 0, got 0\.0"),
+        (dict(tasks="mine"), r"stages\.eval\.needs: add 'mine' \(named in tasks\)"),
+        (dict(verifier="no_colon"), r"stages\.eval\.verifier: 'no_colon' is not 'module:function'"),
+        (dict(checkpoints=[]), r"stages\.eval\.checkpoints: name at least one checkpoint"),
+    ):
         with pytest.raises(UserError, match=f"^{error}"):
             stage_config("evaluate", good | bad, name="eval")
     with pytest.raises(UserError, match="sft:nope"):

@@ -7,12 +7,16 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import verify_manifest
 from snowcat.pipeline.retention import Retention, RetentionPolicy
 from snowcat.stages import export
+from snowcat.stages.model import PRESETS, load_model_dir
+from snowcat.stages.tokenizer import train_tokenizer
 from tests.conftest import SHARED_RUN_TIMEOUT_S
 
 # the shared full run (built by the first test that needs it) takes minutes on a busy 2-core machine
@@ -22,9 +26,6 @@ pytestmark = pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)
 @pytest.mark.slow
 def test_export_loads_offline_and_matches_the_trainer(full_run, monkeypatch):
     run_dir = full_run
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from snowcat.stages.model import load_model_dir
 
     out = run_dir / "stages" / "export"
     model_dir = out / "model"
@@ -35,7 +36,13 @@ def test_export_loads_offline_and_matches_the_trainer(full_run, monkeypatch):
     assert eq["max_abs_dlogit"] <= eq["tolerance"] and eq["transformers_architecture"] == "Qwen3MoeForCausalLM"
     assert verify_manifest(model_dir) == []
     names = {p.name for p in model_dir.iterdir()}
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+    } <= names
     assert len([n for n in names if n.endswith(".safetensors")]) == 4  # max_shard_mb: 2 of ~7 MB
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
 
@@ -57,8 +64,14 @@ def test_export_loads_offline_and_matches_the_trainer(full_run, monkeypatch):
 
 @pytest.mark.slow
 def test_a_corrupted_conversion_fails_the_stage(full_run, tmp_path):
-    ctx = StageContext.standalone("export", dict(probe_rows=2, probe_len=12, max_new_tokens=4, debug_corrupt="transpose_q"),
-                                  run_dir=full_run, out_dir=tmp_path / "out", inputs={"sft": full_run / "stages" / "sft"}, seed=5)
+    ctx = StageContext.standalone(
+        "export",
+        dict(probe_rows=2, probe_len=12, max_new_tokens=4, debug_corrupt="transpose_q"),
+        run_dir=full_run,
+        out_dir=tmp_path / "out",
+        inputs={"sft": full_run / "stages" / "sft"},
+        seed=5,
+    )
     with pytest.raises(RuntimeError, match="inference-equivalence check failed"):
         export.run(ctx)
     eq = json.loads((tmp_path / "out" / "export.json").read_text())["equivalence"]
@@ -84,21 +97,17 @@ def test_default_choice_is_the_best_retained_checkpoint(tmp_path):
 
 
 def test_converter_refuses_what_qwen3_moe_cannot_express():
-    from snowcat.stages.model import PRESETS
-
-    from snowcat.stages.tokenizer import train_tokenizer
-
     tok = train_tokenizer(["a b c 1 2 3"] * 3, 300)
     with pytest.raises(UserError, match="shared expert"):
         export.hf_config(PRESETS["test-micro"], tok, "float32")
 
 
 def test_config_errors_name_the_key(tmp_path):
-    from snowcat.pipeline import config as config_mod
-
     path = tmp_path / "c.yaml"
     path.write_text("stages:\n  sft: {kind: sft}\n  export: {kind: export, needs: [sft], checkpoint: 'rl:best'}\n")
-    with pytest.raises(UserError, match=r"stages\.export\.checkpoint: 'rl:best' names stage 'rl', which is not in stages\.export\.needs"):
+    with pytest.raises(
+        UserError, match=r"stages\.export\.checkpoint: 'rl:best' names stage 'rl', which is not in stages\.export\.needs"
+    ):
         config_mod.load(path)
     path.write_text("stages:\n  export: {kind: export, debug_corrupt: flip}\n")
     with pytest.raises(UserError, match=r"stages\.export\.debug_corrupt: Invalid value 'flip', expected one of"):

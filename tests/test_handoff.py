@@ -119,8 +119,13 @@ def test_publisher_killed_mid_publish_leaves_nothing_loadable(tmp_path, where):
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
     root = tmp_path / "weights"
-    proc = subprocess.Popen([sys.executable, str(script), where, str(root)], cwd=REPO, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, str(script), where, str(root)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert proc.stdout.readline().strip() == "PAUSED"
         proc.send_signal(signal.SIGKILL)

@@ -42,8 +42,15 @@ def run_with_grads(fn, h, w, y, support, g_lp, g_ent, **kw):
 
 
 def truth(h, w, y, support, g_lp, g_ent, temperature):
-    return run_with_grads(lambda *a, **k: materialised_reference(*a, temperature=temperature, **k),
-                          h.double(), w.double(), y, support, g_lp.double(), g_ent.double())
+    return run_with_grads(
+        lambda *a, **k: materialised_reference(*a, temperature=temperature, **k),
+        h.double(),
+        w.double(),
+        y,
+        support,
+        g_lp.double(),
+        g_ent.double(),
+    )
 
 
 def assert_close_all(got, want, atol, rtol):
@@ -55,8 +62,9 @@ def assert_close_all(got, want, atol, rtol):
 @pytest.mark.parametrize("support_k", [0, 7])
 def test_reference_matches_materialised_fp32(temperature, support_k):
     h, w, y, support, g_lp, g_ent = make_problem(support_k=support_k)
-    got = run_with_grads(linear_logprob_entropy, h, w, y, support, g_lp, g_ent,
-                         temperature=temperature, backend="reference", chunk_size=8)
+    got = run_with_grads(
+        linear_logprob_entropy, h, w, y, support, g_lp, g_ent, temperature=temperature, backend="reference", chunk_size=8
+    )
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     assert got[0][3] == 0  # ignored target
     assert_close_all(got, truth(h, w, y, support, g_lp, g_ent, temperature), atol=2e-5, rtol=1e-4)
@@ -89,8 +97,9 @@ def test_truncated_support_renormalises():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reference_low_precision_inputs(dtype):
     h, w, y, support, g_lp, g_ent = make_problem(dtype=dtype, support_k=6)
-    got = run_with_grads(linear_logprob_entropy, h, w, y, support, g_lp, g_ent,
-                         temperature=0.8, backend="reference", chunk_size=10)
+    got = run_with_grads(
+        linear_logprob_entropy, h, w, y, support, g_lp, g_ent, temperature=0.8, backend="reference", chunk_size=10
+    )
     assert got[2].dtype == dtype and got[3].dtype == dtype
     # Ground truth from the same rounded inputs; the grads are rounded to bf16/fp16 on the way out.
     assert_close_all(got, truth(h, w, y, support, g_lp, g_ent, 0.8), atol=2e-2, rtol=2e-2)
@@ -130,12 +139,13 @@ def tp_worker(rank, world, init_file, backend):
         for support_k in (0, 5):
             h, w, y, support, g_lp, g_ent = make_problem(n=29, hdim=12, vocab=48, support_k=support_k, seed=3)
             rows = w.shape[0] // world
-            shard = w[rank * rows:(rank + 1) * rows]
+            shard = w[rank * rows : (rank + 1) * rows]
             fn = lambda *a, **k: linear_logprob_entropy(  # noqa: E731
-                *a, temperature=0.9, backend=backend, chunk_size=16, tp_group=dist.group.WORLD, **k)
+                *a, temperature=0.9, backend=backend, chunk_size=16, tp_group=dist.group.WORLD, **k
+            )
             got = run_with_grads(fn, h, shard, y, support, g_lp, g_ent)
             want = list(truth(h, w, y, support, g_lp, g_ent, 0.9))
-            want[3] = want[3][rank * rows:(rank + 1) * rows]
+            want[3] = want[3][rank * rows : (rank + 1) * rows]
             assert_close_all(got, want, atol=3e-5, rtol=1e-4)
     finally:
         dist.destroy_process_group()

@@ -11,8 +11,26 @@ def test_benchmark_reports_every_method(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = tmp_path / "rows.json"
     methods = ["eager", "torch_lce", "liger", "cce", "reference", "triton"]
-    rc = main(["--device", "cpu", "--n", "48", "--h", "16", "--v", "96", "--warmup", "1", "--iters", "1",
-               "--methods", ",".join(methods), "--json", str(out)])
+    rc = main(
+        [
+            "--device",
+            "cpu",
+            "--n",
+            "48",
+            "--h",
+            "16",
+            "--v",
+            "96",
+            "--warmup",
+            "1",
+            "--iters",
+            "1",
+            "--methods",
+            ",".join(methods),
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == methods

@@ -12,17 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
+import snowcat.kernels.triton_fused as module
 from snowcat import kernels
 from snowcat.kernels import linear_logprob_entropy
+from snowcat.kernels.compile_check import compile_kernels
 from snowcat.kernels.reference import support_mask
+from snowcat.kernels.triton_fused import tile_config
 from tests.test_kernels import assert_close_all, make_problem, run_tp, run_with_grads, truth
 
 pytest.importorskip("triton")
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernels = pytest.mark.skipif(not (ON_GPU or INTERPRETING),
-                                   reason="runs in the TRITON_INTERPRET=1 subprocess (test_under_interpreter)")
+needs_kernels = pytest.mark.skipif(
+    not (ON_GPU or INTERPRETING), reason="runs in the TRITON_INTERPRET=1 subprocess (test_under_interpreter)"
+)
 
 
 @pytest.mark.slow
@@ -30,17 +34,32 @@ needs_kernels = pytest.mark.skipif(not (ON_GPU or INTERPRETING),
 def test_under_interpreter():
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-m", "not gpu",
-                           "-k", "not test_under_interpreter and not compile_for_gpus"],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=840)  # under pytest-timeout 900
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-m",
+            "not gpu",
+            "-k",
+            "not test_under_interpreter and not compile_for_gpus",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )  # under pytest-timeout 900
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
 def triton_fused():
-    import snowcat.kernels.triton_fused as module
-
     assert module.INTERPRETED == (not ON_GPU)
     return module
 
@@ -57,8 +76,9 @@ def device_problem(**kw):
 def run_triton(module, problem, temperature, chunk_size):
     h, w, y, support, g_lp, g_ent = problem
     fn = module.linear_logprob_entropy_triton
-    return run_with_grads(lambda *a, **k: fn(*a, temperature=temperature, chunk_size=chunk_size, **k),
-                          h, w, y, support, g_lp, g_ent)
+    return run_with_grads(
+        lambda *a, **k: fn(*a, temperature=temperature, chunk_size=chunk_size, **k), h, w, y, support, g_lp, g_ent
+    )
 
 
 def expected(problem, temperature):
@@ -128,9 +148,6 @@ def test_triton_on_cuda_with_production_tiles(triton_fused, dtype, support_k):
 @pytest.mark.skipif(INTERPRETING, reason="compiles the real kernels (no GPU needed)")
 @pytest.mark.parametrize("arch,shared_limit", [(80, 163 << 10), (90, 227 << 10)])  # A100; H100/H200/GH200
 def test_kernels_compile_for_gpus_pipelined_without_spills(arch, shared_limit):
-    from snowcat.kernels.compile_check import compile_kernels
-    from snowcat.kernels.triton_fused import tile_config
-
     cfg = tile_config(torch.bfloat16)
     one_stage = (cfg.block_n + cfg.block_v) * cfg.block_h * 2  # an h tile and a W tile, bf16
     reports = compile_kernels(arch, torch.bfloat16)

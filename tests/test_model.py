@@ -7,11 +7,20 @@ import json
 
 import pytest
 import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from snowcat.pipeline.errors import UserError
-from snowcat.stages.model import (PRESETS, KVCache, ModelConfig, MoEForCausalLM, count_params, hf_state_dict,
-                          load_model_dir, save_model_dir)
 from snowcat.pipeline.context import checkpoint_dir
+from snowcat.pipeline.errors import UserError
+from snowcat.stages.model import (
+    PRESETS,
+    KVCache,
+    ModelConfig,
+    MoEForCausalLM,
+    count_params,
+    hf_state_dict,
+    load_model_dir,
+    save_model_dir,
+)
 
 MICRO = PRESETS["test-micro"]
 
@@ -21,8 +30,15 @@ def make(cfg=MICRO, seed=0, **changes):
     return MoEForCausalLM(dataclasses.replace(cfg, **changes))
 
 
-@pytest.mark.parametrize("changes", [{}, {"tie_word_embeddings": True}, {"shared_expert_intermediate_size": 0},
-                                     {"mlp_only_layers": [0], "dense_intermediate_size": 48}])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {"shared_expert_intermediate_size": 0},
+        {"mlp_only_layers": [0], "dense_intermediate_size": 48},
+    ],
+)
 def test_param_count_matches_allocated_model(changes):
     model = make(**changes)
     total, active = count_params(model.config)
@@ -46,20 +62,26 @@ def test_invalid_config_is_rejected():
 
 
 def _hf_config(c: ModelConfig):
-    from transformers import Qwen3MoeConfig
-
     return Qwen3MoeConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=64, num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-        num_experts=c.num_experts, num_experts_per_tok=c.experts_per_token, moe_intermediate_size=c.moe_intermediate_size,
-        norm_topk_prob=c.norm_topk_prob, rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, tie_word_embeddings=False,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        num_experts=c.num_experts,
+        num_experts_per_tok=c.experts_per_token,
+        moe_intermediate_size=c.moe_intermediate_size,
+        norm_topk_prob=c.norm_topk_prob,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=False,
     )
 
 
 def test_matches_transformers_qwen3_moe_with_our_state_dict_unrenamed():
-    from transformers import Qwen3MoeForCausalLM
-
     model = make(shared_expert_intermediate_size=0).eval()
     c = model.config
     hf = Qwen3MoeForCausalLM(_hf_config(c)).eval()
@@ -73,8 +95,6 @@ def test_matches_transformers_qwen3_moe_with_our_state_dict_unrenamed():
 
 def test_model_dir_loads_with_transformers_from_pretrained(tmp_path):
     """Per-expert hub names on disk: transformers 5 fuses them into its 3-D experts on load."""
-    from transformers import Qwen3MoeForCausalLM
-
     model = make(shared_expert_intermediate_size=0).eval()
     save_model_dir(tmp_path / "m", model)
     _hf_config(model.config).save_pretrained(tmp_path / "m")
@@ -86,10 +106,17 @@ def test_model_dir_loads_with_transformers_from_pretrained(tmp_path):
 
 def test_hf_hub_names_are_per_expert():
     names = set(hf_state_dict(make()))
-    for n in ["model.embed_tokens.weight", "model.layers.1.self_attn.q_norm.weight", "model.layers.1.mlp.gate.weight",
-              "model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight",
-              "model.layers.1.mlp.experts.3.down_proj.weight", "model.layers.0.post_attention_layernorm.weight",
-              "model.norm.weight", "lm_head.weight"]:
+    for n in [
+        "model.embed_tokens.weight",
+        "model.layers.1.self_attn.q_norm.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.mlp.experts.3.gate_proj.weight",
+        "model.layers.1.mlp.experts.3.up_proj.weight",
+        "model.layers.1.mlp.experts.3.down_proj.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]:
         assert n in names
     assert not any(n.endswith("gate_up_proj") for n in names)
 

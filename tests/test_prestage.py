@@ -37,8 +37,9 @@ def make_wheel(directory: Path, name="demo_pkg", version="1.0") -> Path:
 
 def make_ctx(tmp_path: Path, staging: Path, artefacts: list[dict]) -> StageContext:
     """The prestage stage's context, its section typed and checked as a loaded config's is."""
-    return StageContext.standalone("prestage", section(staging, artefacts), run_dir=tmp_path / "run",
-                                   out_dir=tmp_path / "run" / "stages" / "prestage")
+    return StageContext.standalone(
+        "prestage", section(staging, artefacts), run_dir=tmp_path / "run", out_dir=tmp_path / "run" / "stages" / "prestage"
+    )
 
 
 @pytest.fixture
@@ -87,24 +88,28 @@ def test_prestage_stages_files_dirs_and_wheels(tmp_path, sources):
 def test_prestage_rejects_bad_sources_naming_the_artefact(tmp_path, sources):
     staging = tmp_path / "staging"
     with pytest.raises(UserError, match="'tasks': sha256"):
-        prestage.run(make_ctx(tmp_path, staging, [
-            {"kind": "dataset", "name": "tasks", "path": str(sources["data"]), "sha256": "0" * 64}]))
+        prestage.run(
+            make_ctx(tmp_path, staging, [{"kind": "dataset", "name": "tasks", "path": str(sources["data"]), "sha256": "0" * 64}])
+        )
     assert "tasks" not in offline.load_index(staging)
     assert not (staging / "dataset" / "tasks").exists()  # nothing half-staged
     with pytest.raises(UserError, match="'gone': path .* does not exist"):
         prestage.run(make_ctx(tmp_path, staging, [{"kind": "file", "name": "gone", "path": str(tmp_path / "nope")}]))
     with pytest.raises(UserError, match="'nowheel==9': pip download failed"):
-        prestage.run(make_ctx(tmp_path, staging, [
-            {"kind": "wheel", "name": "nowheel==9", "find_links": str(sources["wheels"])}]))
+        prestage.run(make_ctx(tmp_path, staging, [{"kind": "wheel", "name": "nowheel==9", "find_links": str(sources["wheels"])}]))
 
 
-@pytest.mark.parametrize("artefacts,error", [
-    ([{"kind": "weights", "name": "x", "path": "/x"}], r"stages\.prestage\.artefacts\[0\]\.kind: .*'weights'"),
-    ([{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}], r"stages\.prestage\.artefacts\[1\]\.name: 'a' listed twice"),
-    ([{"path": "/x"}], r"stages\.prestage\.artefacts\[0\]\.name: required"),
-    ([{"name": "a", "path": "/x", "url": "file:///x"}], r"stages\.prestage\.artefacts\[0\]: give path or url, not both"),
-    ([{"name": "a", "path": "/x", "sha256": "ABC"}], r"stages\.prestage\.artefacts\[0\]\.sha256: expected 64 lowercase hex"),
-], ids=["unknown kind", "name twice", "no name", "path and url", "bad sha256"])
+@pytest.mark.parametrize(
+    "artefacts,error",
+    [
+        ([{"kind": "weights", "name": "x", "path": "/x"}], r"stages\.prestage\.artefacts\[0\]\.kind: .*'weights'"),
+        ([{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}], r"stages\.prestage\.artefacts\[1\]\.name: 'a' listed twice"),
+        ([{"path": "/x"}], r"stages\.prestage\.artefacts\[0\]\.name: required"),
+        ([{"name": "a", "path": "/x", "url": "file:///x"}], r"stages\.prestage\.artefacts\[0\]: give path or url, not both"),
+        ([{"name": "a", "path": "/x", "sha256": "ABC"}], r"stages\.prestage\.artefacts\[0\]\.sha256: expected 64 lowercase hex"),
+    ],
+    ids=["unknown kind", "name twice", "no name", "path and url", "bad sha256"],
+)
 def test_bad_artefact_lists_name_the_key(tmp_path, artefacts, error):
     with pytest.raises(UserError, match=f"^{error}"):
         config_mod.stage_config("prestage", section(tmp_path / "staging", artefacts))

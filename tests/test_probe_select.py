@@ -6,21 +6,25 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import h5py
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
+from test_agent import overfit, teacher_messages, tiny_model, tiny_tasks, tiny_tokenizer
 
+from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.config import stage_config
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.stages import probe, select
-from test_agent import overfit, teacher_messages, tiny_model, tiny_tasks, tiny_tokenizer
+from snowcat.stages.model import load_model_dir, save_model_dir
+from snowcat.stages.rollout import TorchEngine
+from snowcat.stages.taskgen import load_tasks, save_tasks
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """tasks/ (train + held-out val) and sft/checkpoints/final: a micro model taught 3 of 8 train tasks."""
-    from snowcat.stages.model import save_model_dir
-    from snowcat.stages.taskgen import save_tasks
 
     root = tmp_path_factory.mktemp("probe")
     arith, closure = tiny_tasks()
@@ -35,15 +39,24 @@ def workdir(tmp_path_factory):
 
 def context(workdir: Path, kind: str, out: str, values: dict, inputs: dict) -> StageContext:
     """Stage `kind` writing into workdir/out, its inputs (stage name -> dir under workdir) as `needs`."""
-    return StageContext.standalone(kind, values, run_dir=workdir, out_dir=workdir / out,
-                                   inputs={k: workdir / v for k, v in inputs.items()}, seed=3)
+    return StageContext.standalone(
+        kind, values, run_dir=workdir, out_dir=workdir / out, inputs={k: workdir / v for k, v in inputs.items()}, seed=3
+    )
 
 
 def run_probe(workdir: Path, out: str, preempt: bool = False, **changes) -> tuple[dict, list[dict]]:
-    import pyarrow.parquet as pq
-
-    settings = dict(checkpoint="sft:final", env="calculator", attempts=4, max_context=64, max_turn_tokens=12,
-                    max_turns=3, band_min_pass=1, band_max_pass=3, batch_size=12, verifier_timeout_s=20.0)
+    settings = dict(
+        checkpoint="sft:final",
+        env="calculator",
+        attempts=4,
+        max_context=64,
+        max_turn_tokens=12,
+        max_turns=3,
+        band_min_pass=1,
+        band_max_pass=3,
+        batch_size=12,
+        verifier_timeout_s=20.0,
+    )
     ctx = context(workdir, "probe", out, settings | changes, {"tasks": "tasks", "sft": "sft"})
     if preempt:
         ctx.signal.set()  # as SIGUSR2 from Slurm would: the stage saves after its batch and stops
@@ -52,15 +65,11 @@ def run_probe(workdir: Path, out: str, preempt: bool = False, **changes) -> tupl
 
 
 def read_traces(path: Path) -> dict:
-    import h5py
-
     with h5py.File(path) as f:
         return {k: f[k][()] for k in f}
 
 
 def test_probe_counts_passes_per_train_task(workdir):
-    from snowcat.stages.taskgen import load_tasks
-
     metrics, rows = run_probe(workdir, "probe_a")
     train = load_tasks(workdir / "tasks", "train")
     assert [r["task_id"] for r in rows] == [t.task_id for t in train]
@@ -98,17 +107,17 @@ def test_probe_counts_passes_per_train_task(workdir):
 
 
 def test_probe_config_errors_name_the_key(workdir):
-    from snowcat.pipeline import config as config_mod
-
     path = workdir / "bad_probe.yaml"
     path.write_text("stages:\n  tasks: {kind: tasks}\n  probe: {kind: probe, needs: [tasks], checkpoint: final}\n")
     with pytest.raises(UserError, match="stages.probe.checkpoint: 'final' is not"):
         config_mod.load(path)
-    for bad, error in ((dict(attempts=4, band_max_pass=6), r"band_max_pass: need band_min_pass <= band_max_pass <= attempts \(4\)"),
-                       (dict(band_min_pass=3, band_max_pass=2), r"band_max_pass: need band_min_pass <= band_max_pass"),
-                       (dict(env="bogus"), r"env: Invalid value 'bogus', expected one of \['single', 'calculator'\]"),
-                       (dict(tasks="mine"), r"needs: add 'mine' \(named in tasks\)"),
-                       (dict(top_p=0), r"top_p: must be > 0, got 0")):
+    for bad, error in (
+        (dict(attempts=4, band_max_pass=6), r"band_max_pass: need band_min_pass <= band_max_pass <= attempts \(4\)"),
+        (dict(band_min_pass=3, band_max_pass=2), r"band_max_pass: need band_min_pass <= band_max_pass"),
+        (dict(env="bogus"), r"env: Invalid value 'bogus', expected one of \['single', 'calculator'\]"),
+        (dict(tasks="mine"), r"needs: add 'mine' \(named in tasks\)"),
+        (dict(top_p=0), r"top_p: must be > 0, got 0"),
+    ):
         with pytest.raises(UserError, match=rf"^stages\.probe\.{error}"):
             stage_config("probe", {"needs": ["tasks", "sft"], **bad})
     with pytest.raises(UserError, match="max_position_embeddings"):
@@ -122,21 +131,27 @@ def write_probe_rows(dir: Path, rows: list[dict], attempts: int = 8) -> None:
 
 
 def row(task, passes, n=8, infra=0):
-    return dict(task_id=task.task_id, domain=task.domain, difficulty=task.difficulty, n=n, passes=passes,
-                infra_failures=infra, mean_reward=passes / max(n, 1))
+    return dict(
+        task_id=task.task_id,
+        domain=task.domain,
+        difficulty=task.difficulty,
+        n=n,
+        passes=passes,
+        infra_failures=infra,
+        mean_reward=passes / max(n, 1),
+    )
 
 
 def test_select_keeps_the_band_and_never_a_held_out_task(workdir):
-    from snowcat.stages.taskgen import load_tasks
-
     train = load_tasks(workdir / "tasks", "train")
     val = load_tasks(workdir / "tasks", "val")
     passes = [0, 1, 3, 6, 7, 8, 2, 5]
     rows = [row(t, p) for t, p in zip(train, passes)]
     rows[7] = row(train[7], 5, n=7, infra=1)  # an infra failure: fewer scored attempts than asked
     write_probe_rows(workdir / "probe_rows", rows)
-    ctx = context(workdir, "select", "select_a", dict(probe="probe", min_pass=1, max_pass=6),
-                  {"probe": "probe_rows", "tasks": "tasks"})
+    ctx = context(
+        workdir, "select", "select_a", dict(probe="probe", min_pass=1, max_pass=6), {"probe": "probe_rows", "tasks": "tasks"}
+    )
     metrics = select.run(ctx)
     band = select.load_band(ctx.out_dir)
     expected = [t for t, p in zip(train, passes) if 1 <= p <= 6][:-1]  # the 7-of-8-scored task is dropped
@@ -145,8 +160,9 @@ def test_select_keeps_the_band_and_never_a_held_out_task(workdir):
     counts = json.loads((ctx.out_dir / "select.json").read_text())["domains"]
     assert counts == {"arith": {"probed": 8, "selected": len(expected)}}
     # accepting partly-scored tasks keeps it
-    ctx = context(workdir, "select", "select_b", dict(min_pass=1, max_pass=6, min_scored=7),
-                  {"probe": "probe_rows", "tasks": "tasks"})
+    ctx = context(
+        workdir, "select", "select_b", dict(min_pass=1, max_pass=6, min_scored=7), {"probe": "probe_rows", "tasks": "tasks"}
+    )
     select.run(ctx)
     assert select.load_band(ctx.out_dir) == expected + [train[7]]
 
@@ -169,14 +185,12 @@ def test_select_config_errors():
 
 
 def test_probe_reuses_saved_batches_only_under_the_same_settings(workdir, tmp_path):
-    from snowcat.stages.model import load_model_dir
-    from snowcat.stages.rollout import TorchEngine
-    from snowcat.stages.taskgen import load_tasks
-
     model, _, tok = load_model_dir(workdir / "sft" / "checkpoints" / "final")
     tasks = load_tasks(workdir / "tasks", "train")[:3]
-    cfg = stage_config("probe", dict(env="calculator", attempts=2, band_max_pass=2, max_context=64, max_turn_tokens=12,
-                                     batch_size=4, needs=["tasks"]))
+    cfg = stage_config(
+        "probe",
+        dict(env="calculator", attempts=2, band_max_pass=2, max_context=64, max_turn_tokens=12, batch_size=4, needs=["tasks"]),
+    )
     first = probe.probe(TorchEngine(model), tok, tasks, cfg, seed=3, partial_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 2
     # every batch is on disk: no engine needed (one that cannot generate would make infra errors)

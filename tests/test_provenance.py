@@ -47,8 +47,16 @@ def run_dir(tmp_path):
 def test_capture_is_complete_verifiable_and_secret_free(run_dir, secret_env):
     out = run_dir / "stages" / "select"
     inputs = {"probe": run_dir / "stages" / "probe", "tasks": run_dir / "stages" / "tasks"}
-    rec = capture("select", run_dir, inputs, out, {"cmd": f"train --token {HF}", "note": f"key={DAYTONA}"},
-                  started="2026-11-29T00:00:00+00:00", stage_config={"k": 3}, probe_gpu=False)
+    rec = capture(
+        "select",
+        run_dir,
+        inputs,
+        out,
+        {"cmd": f"train --token {HF}", "note": f"key={DAYTONA}"},
+        started="2026-11-29T00:00:00+00:00",
+        stage_config={"k": 3},
+        probe_gpu=False,
+    )
     path = write(rec, run_dir)
     assert path == run_dir / "provenance" / "select.json"
     text = path.read_text()
@@ -56,13 +64,19 @@ def test_capture_is_complete_verifiable_and_secret_free(run_dir, secret_env):
     assert check_complete(rec, run_dir) == []
     assert scan_tree(run_dir) == []  # the audit's scan finds nothing in what provenance wrote
 
-    head = subprocess.run(["git", "-C", str(provenance.source_root()), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(provenance.source_root()), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     assert rec["code"]["revision"] == head
     assert sha256_file(run_dir / rec["code"]["patch"]) == rec["code"]["patch_sha256"]
     assert rec["config"]["sha256"] == sha256_file(run_dir / "config.yaml")
     assert set(rec["inputs"]["probe"]["manifests"]) == {"0000/manifest.json", "0001/manifest.json"}
     assert rec["inputs"]["tasks"]["manifests"] == {"manifest.json": sha256_file(run_dir / "stages/tasks/manifest.json")}
-    assert rec["slurm"]["job_id"] == "777" and rec["slurm"]["array_task_id"] == "7" and rec["slurm"]["het"] == {"SLURM_HET_SIZE": "2"}
+    assert (
+        rec["slurm"]["job_id"] == "777"
+        and rec["slurm"]["array_task_id"] == "7"
+        and rec["slurm"]["het"] == {"SLURM_HET_SIZE": "2"}
+    )
     assert rec["env"]["HF_TOKEN"] == "<redacted>" and rec["env"]["OMP_NUM_THREADS"] == "4"
     assert "UNRELATED_VAR" not in rec["env"] and "DAYTONA_API_KEY" not in rec["env"]  # not whitelisted at all
     assert rec["packages"]["numpy"] and rec["python"]["version"] and rec["host"]["cpu_count"] >= 1
@@ -134,7 +148,9 @@ def test_container_digest_cached_and_labels(tmp_path):
     labels.write_text(json.dumps({"org.snowcat.revision": "abc"}))
     run = tmp_path / "run"
     rec = container_state(run, {"APPTAINER_CONTAINER": str(sif)}, labels_json=labels)
-    assert rec["sha256"] == sha256_file(sif) and rec["labels"] == {"org.snowcat.revision": "abc"} and rec["runtime"] == "apptainer"
+    assert (
+        rec["sha256"] == sha256_file(sif) and rec["labels"] == {"org.snowcat.revision": "abc"} and rec["runtime"] == "apptainer"
+    )
     assert len(list((run / "provenance" / "images").glob("*.json"))) == 1
     given = container_state(run, {"SNOWCAT_IMAGE": "/elsewhere/x.sif", "SNOWCAT_IMAGE_SHA256": "f" * 64}, labels_json=labels)
     assert given["sha256"] == "f" * 64
@@ -144,10 +160,20 @@ def test_container_digest_cached_and_labels(tmp_path):
 
 
 def test_record_unit_hook_writes_item_record(run_dir, secret_env):
-    run = SimpleNamespace(path=run_dir, state=lambda: {"stages": {"probe[1]": {"started": "2026-11-29T01:00:00+00:00", "attempts": 2}}})
+    run = SimpleNamespace(
+        path=run_dir, state=lambda: {"stages": {"probe[1]": {"started": "2026-11-29T01:00:00+00:00", "attempts": 2}}}
+    )
     unit = SimpleNamespace(stage="probe", index=1, key="probe[1]")
-    ctx = SimpleNamespace(inputs={"tasks": run_dir / "stages" / "tasks"}, out_dir=run_dir / "stages" / "probe" / "0001",
-                          kind="probe", rank=0, world_size=1, role=None, seed=5, config={"n": 8})
+    ctx = SimpleNamespace(
+        inputs={"tasks": run_dir / "stages" / "tasks"},
+        out_dir=run_dir / "stages" / "probe" / "0001",
+        kind="probe",
+        rank=0,
+        world_size=1,
+        role=None,
+        seed=5,
+        config={"n": 8},
+    )
     path = record_unit(run, unit, ctx)
     rec = json.loads(path.read_text())
     assert path.name == "probe.1.json" and rec["item"] == 1 and rec["extra"]["attempts"] == 2

@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from snowcat.pipeline.fsio import read_json
-from snowcat.pipeline.reproduce import TIMING_METRICS
+from snowcat.pipeline.reproduce import TIMING_METRICS, compare_runs
+from snowcat.pipeline.rundir import RunDir
 from tests.conftest import SHARED_RUN_TIMEOUT_S, snowcat_in_repo
 
 # every test reads the shared tiny run (built by the first test that needs it: minutes on 2 cores)
@@ -28,8 +29,9 @@ def test_reproduction_matches_the_original(tiny_run, tmp_path):
     for ckpt in ("initial", "final", "step_000010"):
         a = read_json(original / "stages" / "sft" / "checkpoints" / ckpt / "manifest.json")["files"]
         b = read_json(new / "stages" / "sft" / "checkpoints" / ckpt / "manifest.json")["files"]
-        assert {k: v["sha256"] for k, v in a.items() if k.endswith(".safetensors")} == \
-               {k: v["sha256"] for k, v in b.items() if k.endswith(".safetensors")}
+        assert {k: v["sha256"] for k, v in a.items() if k.endswith(".safetensors")} == {
+            k: v["sha256"] for k, v in b.items() if k.endswith(".safetensors")
+        }
     m1, m2 = (read_json(r / "stages" / "sft" / "metrics.json") for r in (original, new))
     assert {k: v for k, v in m1.items() if k not in TIMING_METRICS} == {k: v for k, v in m2.items() if k not in TIMING_METRICS}
     assert "duration_s" in report["excluded_metrics"] and "tokens_per_s" in report["excluded_metrics"]
@@ -37,8 +39,6 @@ def test_reproduction_matches_the_original(tiny_run, tmp_path):
 
 def test_a_different_result_is_reported(tiny_run, tmp_path):
     """The comparison can fail: a reproduction whose SFT final weights differ is named."""
-    from snowcat.pipeline.reproduce import compare_runs
-    from snowcat.pipeline.rundir import RunDir
 
     original = tiny_run
     copy = tmp_path / "copy"

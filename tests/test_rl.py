@@ -18,15 +18,34 @@ import pytest
 import torch
 
 import snowcat.stages.rl as rl
-from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.context import StageContext, checkpoint_dir
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import sha256_file
-from snowcat.stages.taskgen import Verdict
+from snowcat.pipeline.history import History
+from snowcat.stages.agent import Budget, EpisodeJob, SingleTurnEnv, run_episodes
+from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
+from snowcat.stages.rlcore.trainer import make_batch, sampled_logprobs
+from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.sft import tokenizer_corpus
+from snowcat.stages.taskgen import Verdict, generate_domain, load_tasks, save_tasks, split_tasks
+from snowcat.stages.tokenizer import train_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
-SMALL = dict(updates=6, tasks_per_update=4, attempts=4, max_tokens=8, lag=1, eval_every=3, eval_tasks=8,
-             eval_attempts=1, save_every=2, keep_last=1, threads=1, verifier="tests.test_rl:parity_verify")
+SMALL = dict(
+    updates=6,
+    tasks_per_update=4,
+    attempts=4,
+    max_tokens=8,
+    lag=1,
+    eval_every=3,
+    eval_tasks=8,
+    eval_attempts=1,
+    save_every=2,
+    keep_last=1,
+    threads=1,
+    verifier="tests.test_rl:parity_verify",
+)
 
 
 def parity_verify(task, text: str) -> Verdict:
@@ -37,10 +56,6 @@ def parity_verify(task, text: str) -> Verdict:
 
 def build_inputs(root: Path, seed: int = 3) -> None:
     """tasks/ (train, val) and sft/checkpoints/final: a random test-micro model with a trained tokenizer."""
-    from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
-    from snowcat.stages.sft import tokenizer_corpus
-    from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks
-    from snowcat.stages.tokenizer import train_tokenizer
 
     rng = np.random.default_rng(seed)
     train, val = [], []
@@ -63,11 +78,20 @@ def inputs(tmp_path_factory) -> Path:
     return root
 
 
-def make_ctx(inputs: Path, run_dir: Path, *, rank: int = 0, world: int = 1, cls: type[StageContext] = StageContext,
-             **over) -> StageContext:
+def make_ctx(
+    inputs: Path, run_dir: Path, *, rank: int = 0, world: int = 1, cls: type[StageContext] = StageContext, **over
+) -> StageContext:
     role = None if world == 1 else ("trainer" if rank == 0 else "rollout")
-    return cls.standalone("rl", {**SMALL, **over}, run_dir=run_dir, inputs={"tasks": inputs / "tasks", "sft": inputs / "sft"},
-                          seed=5, rank=rank, world_size=world, role=role)
+    return cls.standalone(
+        "rl",
+        {**SMALL, **over},
+        run_dir=run_dir,
+        inputs={"tasks": inputs / "tasks", "sft": inputs / "sft"},
+        seed=5,
+        rank=rank,
+        world_size=world,
+        role=role,
+    )
 
 
 def final_sha(run_dir: Path) -> str:
@@ -76,8 +100,15 @@ def final_sha(run_dir: Path) -> str:
 
 def trained_rows(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "rl" / "metrics_history.jsonl").read_text().splitlines()]
-    keep = ("step", "reward/mean", "loss/pg_loss", "grad_norm", "mismatch/mean_abs_dlogp", "staleness/mean_abs_dlogp",
-            "val/pass@1")
+    keep = (
+        "step",
+        "reward/mean",
+        "loss/pg_loss",
+        "grad_norm",
+        "mismatch/mean_abs_dlogp",
+        "staleness/mean_abs_dlogp",
+        "val/pass@1",
+    )
     return [{k: r[k] for k in keep if k in r} for r in rows]
 
 
@@ -90,10 +121,6 @@ def baseline(inputs, tmp_path_factory) -> Path:
 
 
 def test_run_writes_loadable_checkpoints_and_metrics(baseline):
-    from snowcat.pipeline.history import History
-    from snowcat.pipeline.context import checkpoint_dir
-    from snowcat.stages.model import load_model_dir
-
     out = baseline / "rl"
     for name in ("initial", "final", "best"):
         model, _, tok = load_model_dir(checkpoint_dir(out, name))
@@ -103,8 +130,18 @@ def test_run_writes_loadable_checkpoints_and_metrics(baseline):
     assert [r["step"] for r in rows] == list(range(0, 7))  # row 0: the init's held-out score
     assert "val/pass@1" in rows[0]
     rows = rows[1:]
-    for key in ("reward/mean", "pass_rate", "entropy", "length/response_mean", "turns/mean", "status/ok",
-                "mismatch/mean_abs_dlogp", "mismatch/ratio_p50", "throughput/sampled_tokens_per_s", "policy_lag/mean"):
+    for key in (
+        "reward/mean",
+        "pass_rate",
+        "entropy",
+        "length/response_mean",
+        "turns/mean",
+        "status/ok",
+        "mismatch/mean_abs_dlogp",
+        "mismatch/ratio_p50",
+        "throughput/sampled_tokens_per_s",
+        "policy_lag/mean",
+    ):
         assert all(key in r for r in rows), key
     assert all(r["policy_lag/mean"] == (0 if r["step"] == 1 else 1) for r in rows)  # batch k from step k-1
     assert {r["step"] for r in rows if "val/pass@1" in r} == {3, 6}
@@ -123,10 +160,26 @@ def test_run_writes_loadable_checkpoints_and_metrics(baseline):
 def test_mpi_one_trainer_one_rollout_matches_single_process(inputs, baseline, tmp_path):
     if shutil.which("mpirun") is None:
         pytest.skip("needs OpenMPI's mpirun")
-    proc = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
-                           str(_child_script(tmp_path)), str(inputs), str(tmp_path), "{}"],
-                          capture_output=True, text=True, env={**os.environ, **MPI_ENV, "PYTHONPATH": str(REPO)},
-                          timeout=600, cwd=REPO)
+    proc = subprocess.run(
+        [
+            "mpirun",
+            "-n",
+            "2",
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            sys.executable,
+            str(_child_script(tmp_path)),
+            str(inputs),
+            str(tmp_path),
+            "{}",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **MPI_ENV, "PYTHONPATH": str(REPO)},
+        timeout=600,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert '"role": "rollout"' in proc.stdout
     assert not list((tmp_path / "rl" / "queue").glob("*.npz"))  # trajectories went over MPI, not files
@@ -175,8 +228,14 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical(inputs, baseline,
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def child(kill: dict, after_s: float | None = None) -> int:
-        p = subprocess.Popen([sys.executable, str(script), str(inputs), str(run_dir), json.dumps(kill)], cwd=REPO,
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, str(script), str(inputs), str(run_dir), json.dumps(kill)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         if after_s is not None:
             try:
                 p.wait(timeout=after_s)
@@ -211,9 +270,26 @@ def test_mpi_trainer_killed_while_publishing_then_resumed_is_bit_identical(input
     script = _child_script(tmp_path)
 
     def mpirun(kill: dict) -> subprocess.CompletedProcess:
-        return subprocess.run(["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, str(script),
-                               str(inputs), str(tmp_path / "run"), json.dumps(kill)], capture_output=True, text=True,
-                              env={**os.environ, **MPI_ENV, "PYTHONPATH": str(REPO)}, timeout=600, cwd=REPO)
+        return subprocess.run(
+            [
+                "mpirun",
+                "-n",
+                "2",
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                sys.executable,
+                str(script),
+                str(inputs),
+                str(tmp_path / "run"),
+                json.dumps(kill),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **MPI_ENV, "PYTHONPATH": str(REPO)},
+            timeout=600,
+            cwd=REPO,
+        )
 
     assert mpirun({"building": 4}).returncode != 0
     assert not (tmp_path / "run" / "rl" / "checkpoints" / "final").exists()
@@ -246,18 +322,14 @@ def test_preemption_checkpoints_then_resume_is_bit_identical(inputs, baseline, t
 def test_trainer_logprobs_use_the_engines_truncated_distribution(inputs):
     """top-k/top-p sampling at temperature 0.7: the trainer's recomputation under the same support
     matches the engine's processed logprobs; a full-vocabulary recomputation would not."""
-    from snowcat.stages.agent import Budget, EpisodeJob, SingleTurnEnv, run_episodes
-    from snowcat.stages.model import load_model_dir
-    from snowcat.stages.rlcore.trainer import make_batch, sampled_logprobs
-    from snowcat.stages.rollout import SamplingParams, TorchEngine
-    from snowcat.stages.taskgen import load_tasks
 
     model, _, tok = load_model_dir(inputs / "sft" / "checkpoints" / "final")
     tasks = load_tasks(inputs / "tasks", "train")[:4]
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=8, stop_ids=(tok.end_of_turn_id,))
     jobs = [EpisodeJob(t, g, a) for g, t in enumerate(tasks) for a in range(3)]
-    trajs = run_episodes(TorchEngine(model), tok, jobs, SingleTurnEnv(tok), params, Budget(128, 8, 1), 9, 0,
-                         verifier=parity_verify)
+    trajs = run_episodes(
+        TorchEngine(model), tok, jobs, SingleTurnEnv(tok), params, Budget(128, 8, 1), 9, 0, verifier=parity_verify
+    )
     batch = make_batch(trajs, tok.pad_id, "rloo_n")
     mask = batch["mask"] > 0
     with torch.no_grad():
@@ -276,8 +348,6 @@ def test_trainer_logprobs_use_the_engines_truncated_distribution(inputs):
 
 
 def test_training_tasks_come_from_the_select_band_when_given(inputs, tmp_path):
-    from snowcat.stages.taskgen import load_tasks, save_tasks
-
     train = load_tasks(inputs / "tasks", "train")
     band = [t for t in train if t.domain == "closure"][:10]
     save_tasks(tmp_path / "select", "band", band)

@@ -17,9 +17,7 @@ def test_full_distribution_is_plain_log_softmax():
 
 def test_temperature_scales_logits():
     logits = torch.randn(11, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(
-        processed_logprobs(logits, SamplingParams(temperature=0.5)), torch.log_softmax(logits / 0.5, -1)
-    )
+    torch.testing.assert_close(processed_logprobs(logits, SamplingParams(temperature=0.5)), torch.log_softmax(logits / 0.5, -1))
 
 
 def test_top_k_keeps_k_largest_and_renormalises():

@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,14 +14,14 @@ import pytest
 
 from snowcat.stages.sandbox import ApptainerSandbox, Limits, LocalSandbox, strip_git_history
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                                reason="isolating LocalSandbox tests run as root with util-linux unshare")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="isolating LocalSandbox tests run as root with util-linux unshare"
+)
 
 
 @pytest.fixture
 def sandbox():
-    with LocalSandbox(limits=Limits(cpu_s=2, memory_bytes=1 << 30, file_bytes=1 << 20,
-                                    output_bytes=20_000)) as sb:
+    with LocalSandbox(limits=Limits(cpu_s=2, memory_bytes=1 << 30, file_bytes=1 << 20, output_bytes=20_000)) as sb:
         yield sb
 
 
@@ -40,10 +41,12 @@ def test_no_network_even_to_parent_loopback(sandbox):
     server.bind(("127.0.0.1", 0))
     server.listen()
     port = server.getsockname()[1]
-    probe = ("import socket,sys\n"
-             f"try: socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
-             "except OSError as e: sys.exit(f'blocked: {e}')\n"
-             "print('connected')")
+    probe = (
+        "import socket,sys\n"
+        f"try: socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
+        "except OSError as e: sys.exit(f'blocked: {e}')\n"
+        "print('connected')"
+    )
     # The same probe outside the sandbox connects: the server is really there.
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout == "connected\n"
     r = sandbox.run([sys.executable, "-c", probe], timeout_s=30)
@@ -53,11 +56,11 @@ def test_no_network_even_to_parent_loopback(sandbox):
 
 @needs_root
 def test_cannot_write_outside_work_dir(sandbox):
-    import tempfile
     outside = Path(tempfile.mkdtemp(prefix="snowcat-outside-", dir="/tmp"))
     outside.chmod(0o777)  # permissions would allow it: the read-only mount is what stops it
-    r = sandbox.run(f"echo pwned > {outside}/x; echo pwned > /tmp/x-{os.getpid()}; "
-                    f"mount -o remount,rw / ; echo rc=$?", timeout_s=30)
+    r = sandbox.run(
+        f"echo pwned > {outside}/x; echo pwned > /tmp/x-{os.getpid()}; mount -o remount,rw / ; echo rc=$?", timeout_s=30
+    )
     assert r.status == "ok", r
     assert r.stderr.count("Read-only file system") == 2, r.stderr
     assert "rc=0" not in r.stdout
@@ -126,11 +129,26 @@ def test_files_cannot_escape_work_dir():
 def test_apptainer_sandbox_rendering(tmp_path):
     sb = ApptainerSandbox("/img/sandbox.sif", workdir=tmp_path)
     argv = sb.command("pytest -q")
-    assert argv == ["apptainer", "exec", "--containall", "--no-home", "--net", "--network", "none",
-                    "--writable-tmpfs", "--bind", f"{tmp_path}:/work", "--pwd", "/work",
-                    "/img/sandbox.sif", "sh", "-c", "pytest -q"]
+    assert argv == [
+        "apptainer",
+        "exec",
+        "--containall",
+        "--no-home",
+        "--net",
+        "--network",
+        "none",
+        "--writable-tmpfs",
+        "--bind",
+        f"{tmp_path}:/work",
+        "--pwd",
+        "/work",
+        "/img/sandbox.sif",
+        "sh",
+        "-c",
+        "pytest -q",
+    ]
     wrapped = sb.command(["ls"], ready_fd=7)
-    assert wrapped[:2] == ["bash", "-c"] and wrapped[-len(argv) + 2:][-1] == "ls"
+    assert wrapped[:2] == ["bash", "-c"] and wrapped[-len(argv) + 2 :][-1] == "ls"
     assert wrapped[4:] == argv[:-3] + ["ls"]
 
 

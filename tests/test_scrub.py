@@ -9,11 +9,12 @@ import h5py
 import numpy as np
 import pytest
 
+import snowcat.pipeline.scrub as scrub
 from snowcat.pipeline.scrub import (
     REDACTED,
     Finding,
-    is_secret_name,
     env_secrets,
+    is_secret_name,
     looks_like_secret,
     scan_tree,
     scrub_env,
@@ -36,8 +37,22 @@ ENV = {
 
 @pytest.mark.parametrize(
     "name",
-    ["HF_TOKEN", "DAYTONA_API_KEY", "AWS_SECRET_ACCESS_KEY", "MYSQL_PASSWORD", "PGPASSWD", "APIKEY", "apiKey",
-     "GOOGLE_CREDENTIALS", "OAUTH_CLIENT", "SESSION_COOKIE", "SSH_PRIVATE", "GITHUB_PAT", "SENTRY_DSN", "hfToken"],
+    [
+        "HF_TOKEN",
+        "DAYTONA_API_KEY",
+        "AWS_SECRET_ACCESS_KEY",
+        "MYSQL_PASSWORD",
+        "PGPASSWD",
+        "APIKEY",
+        "apiKey",
+        "GOOGLE_CREDENTIALS",
+        "OAUTH_CLIENT",
+        "SESSION_COOKIE",
+        "SSH_PRIVATE",
+        "GITHUB_PAT",
+        "SENTRY_DSN",
+        "hfToken",
+    ],
 )
 def test_secret_names(name):
     assert is_secret_name(name)
@@ -45,7 +60,17 @@ def test_secret_names(name):
 
 @pytest.mark.parametrize(
     "name",
-    ["KEYBOARD", "TOKENIZERS_PARALLELISM", "GIT_AUTHOR_NAME", "PATH", "PWD", "SLURM_JOB_PARTITION", "HF_TOKEN_PATH", "SSH_AUTH_SOCK", "PYTHONPATH"],
+    [
+        "KEYBOARD",
+        "TOKENIZERS_PARALLELISM",
+        "GIT_AUTHOR_NAME",
+        "PATH",
+        "PWD",
+        "SLURM_JOB_PARTITION",
+        "HF_TOKEN_PATH",
+        "SSH_AUTH_SOCK",
+        "PYTHONPATH",
+    ],
 )
 def test_not_secret_names(name):
     assert not is_secret_name(name)
@@ -53,10 +78,18 @@ def test_not_secret_names(name):
 
 @pytest.mark.parametrize(
     "value",
-    [HF, "ghp_" + "x" * 36, "github_pat_11ABCDEFG0123456789_abcdefghijklmnop", "AKIAIOSFODNN7EXAMPLE",
-     "sk-proj-abcdefghijklmnopqrstuvwxyz0123", "xoxb-1234567890-abcdefghij", "-----BEGIN OPENSSH PRIVATE KEY-----",
-     "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
-     "https://user:s3cr3tpass@example.org/repo.git", "Zx8Qv2LmN4pR7sT1uW3yA5cE6gH9jK0bD"],
+    [
+        HF,
+        "ghp_" + "x" * 36,
+        "github_pat_11ABCDEFG0123456789_abcdefghijklmnop",
+        "AKIAIOSFODNN7EXAMPLE",
+        "sk-proj-abcdefghijklmnopqrstuvwxyz0123",
+        "xoxb-1234567890-abcdefghij",
+        "-----BEGIN OPENSSH PRIVATE KEY-----",
+        "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+        "https://user:s3cr3tpass@example.org/repo.git",
+        "Zx8Qv2LmN4pR7sT1uW3yA5cE6gH9jK0bD",
+    ],
 )
 def test_looks_like_secret(value):
     assert looks_like_secret(value)
@@ -64,9 +97,17 @@ def test_looks_like_secret(value):
 
 @pytest.mark.parametrize(
     "value",
-    ["a" * 64, "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", "27c0bcf8e3a1d7f49b0c2e6a5d8f1b3c7e9a0d2f",
-     "123e4567-e89b-12d3-a456-426614174000", "/work/main/.venv/lib/python3.11/site-packages", "TOKENIZERS_PARALLELISM_IS_FALSE_TODAY",
-     "the quick brown fox jumps over the lazy dog", "false", "4242"],
+    [
+        "a" * 64,
+        "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+        "27c0bcf8e3a1d7f49b0c2e6a5d8f1b3c7e9a0d2f",
+        "123e4567-e89b-12d3-a456-426614174000",
+        "/work/main/.venv/lib/python3.11/site-packages",
+        "TOKENIZERS_PARALLELISM_IS_FALSE_TODAY",
+        "the quick brown fox jumps over the lazy dog",
+        "false",
+        "4242",
+    ],
 )
 def test_not_looks_like_secret(value):
     assert not looks_like_secret(value)
@@ -122,8 +163,6 @@ def test_scan_tree_finds_planted_values_in_text_binary_and_hdf5(tmp_path):
 
 
 def test_scan_tree_match_across_chunk_edge(tmp_path, monkeypatch):
-    import snowcat.pipeline.scrub as scrub
-
     monkeypatch.setattr(scrub, "_CHUNK", 1000)
     monkeypatch.setattr(scrub, "_MAX_MATCH", 100)  # overlap smaller than a chunk, as with real sizes
     data = b"x\n" * 4000  # 8000 bytes: several chunks
@@ -162,9 +201,14 @@ with scrubbed_output():
 
 def test_scrubbed_output_does_not_wait_for_children_and_keeps_the_last_line(tmp_path):
     secret = "hf_" + "Zq8Lw3" * 6
-    proc = subprocess.run([sys.executable, "-c", _HOLDS_OUTPUT, secret], capture_output=True, text=True,
-                          env={**os.environ, "HF_TOKEN": secret}, cwd=Path(__file__).resolve().parent.parent,
-                          timeout=25)  # the old pump waited 30 s for an EOF the child never sends
+    proc = subprocess.run(
+        [sys.executable, "-c", _HOLDS_OUTPUT, secret],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_TOKEN": secret},
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=25,
+    )  # the old pump waited 30 s for an EOF the child never sends
     assert proc.returncode == 0, proc.stderr
     assert secret not in proc.stdout
     assert proc.stdout.endswith("last line, no newline")

@@ -13,7 +13,7 @@ from snowcat.pipeline.config import stage_config
 from snowcat.pipeline.context import Preempted, StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import sha256_file, verify_manifest
-from snowcat.stages.taskgen import demonstration, generate_domain, load_tasks, save_tasks, split_tasks, verify
+from snowcat.stages.taskgen import arith, demonstration, generate_domain, load_tasks, save_tasks, split_tasks, verify
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +41,26 @@ class Ctx(StageContext):
 
 
 def make_ctx(out: Path, tasks_dir: Path, preempt_before=None, **overrides) -> Ctx:
-    ctx = Ctx.standalone("sft", dict(model="test-micro", tokenizer_vocab_size=300, seq_len=96, batch_rows=4, steps=6,
-                                     save_every=3, warmup_steps=2, lr=3e-3, eval_tasks=3, eval_max_new_tokens=6, threads=1,
-                                     **overrides), run_dir=out, inputs={"tasks": tasks_dir}, seed=11)
+    ctx = Ctx.standalone(
+        "sft",
+        dict(
+            model="test-micro",
+            tokenizer_vocab_size=300,
+            seq_len=96,
+            batch_rows=4,
+            steps=6,
+            save_every=3,
+            warmup_steps=2,
+            lr=3e-3,
+            eval_tasks=3,
+            eval_max_new_tokens=6,
+            threads=1,
+            **overrides,
+        ),
+        run_dir=out,
+        inputs={"tasks": tasks_dir},
+        seed=11,
+    )
     ctx.preempt_before = preempt_before
     return ctx
 
@@ -54,7 +71,7 @@ def test_relay_conversations_mask_the_student(tasks_dir):
     assert len(convs) == len(tasks) + round(0.5 * len(tasks))
     by_prompt = {t.prompt: t for t in tasks}
     kinds = set()
-    for msgs, _ in convs[len(tasks):]:
+    for msgs, _ in convs[len(tasks) :]:
         task = by_prompt[msgs[0]["content"]]
         teacher = demonstration(task)  # arith: the worked solution ending in ";answer"
         if "student_prefix" in msgs[1]:  # handoff: the teacher continues the student's turn
@@ -68,8 +85,6 @@ def test_relay_conversations_mask_the_student(tasks_dir):
 
 
 def test_arith_demonstrations_work_column_by_column_and_verify():
-    from snowcat.stages.taskgen import arith
-
     assert arith.worked_solution("347+285=", "632") == "7+5=12,4+8+1=13,3+2+1=6;632"
     assert arith.worked_solution("905-387=", "518") == "15-7=8,10-8-1=1,9-3-1=5;518"
     rng = np.random.default_rng(3)
@@ -104,7 +119,9 @@ def test_sft_outputs_and_preempted_run_resumes_bit_identically(tmp_path, tasks_d
     assert (ckpts / "step_000004").is_dir() and not (ckpts / "final").exists()
     resumed = make_ctx(tmp_path / "b", tasks_dir)
     sft.run(resumed)
-    assert sha256_file(ckpts / "initial" / "model.safetensors") == sha256_file(out / "checkpoints" / "initial" / "model.safetensors")
+    assert sha256_file(ckpts / "initial" / "model.safetensors") == sha256_file(
+        out / "checkpoints" / "initial" / "model.safetensors"
+    )
     assert sha256_file(ckpts / "final" / "model.safetensors") == sha256_file(out / "checkpoints" / "final" / "model.safetensors")
     resumed_history = [json.loads(line) for line in (resumed.out_dir / "metrics_history.jsonl").read_text().splitlines()]
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in history]
@@ -113,10 +130,12 @@ def test_sft_outputs_and_preempted_run_resumes_bit_identically(tmp_path, tasks_d
 def test_config_validation_names_the_key():
     assert stage_config("sft").model == "demo-tiny"  # the defaults are valid
     stage_config("sft", {"batch_rows": 8, "micro_batches": 4})
-    for change, error in [({"model": "gpt-9"}, r"stages\.sft\.model: 'gpt-9' is not a preset"),
-                          ({"backend": "jax"}, r"stages\.sft\.backend: Invalid value 'jax'"),
-                          ({"batch_rows": 6, "micro_batches": 4}, r"stages\.sft\.batch_rows: 6 must be a multiple of micro_batches=4"),
-                          ({"lr": 0}, r"stages\.sft\.lr: must be > 0"),
-                          ({"domain_repeats": {"arith": -1}}, r"stages\.sft\.domain_repeats\.arith: must be >= 0")]:
+    for change, error in [
+        ({"model": "gpt-9"}, r"stages\.sft\.model: 'gpt-9' is not a preset"),
+        ({"backend": "jax"}, r"stages\.sft\.backend: Invalid value 'jax'"),
+        ({"batch_rows": 6, "micro_batches": 4}, r"stages\.sft\.batch_rows: 6 must be a multiple of micro_batches=4"),
+        ({"lr": 0}, r"stages\.sft\.lr: must be > 0"),
+        ({"domain_repeats": {"arith": -1}}, r"stages\.sft\.domain_repeats\.arith: must be >= 0"),
+    ]:
         with pytest.raises(UserError, match=f"^{error}"):
             stage_config("sft", change)

@@ -3,6 +3,8 @@ never contain an option the site rejects."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,8 +12,16 @@ from hypothesis import strategies as st
 from snowcat.pipeline.errors import UserError
 from snowcat.slurm.site import SITES_DIR, filter_sbatch_options, list_sites, load_site, validate_request
 
-EXPECTED = {"jsc-juwels-booster", "jsc-jureca-dc", "jsc-jupiter", "tacc-vista", "tacc-frontera",
-            "tacc-lonestar6", "tacc-stampede3", "local"}
+EXPECTED = {
+    "jsc-juwels-booster",
+    "jsc-jureca-dc",
+    "jsc-jupiter",
+    "tacc-vista",
+    "tacc-frontera",
+    "tacc-lonestar6",
+    "tacc-stampede3",
+    "local",
+}
 
 
 def test_every_profile_loads_and_names_its_sources():
@@ -35,20 +45,25 @@ def _write(tmp_path, text: str):
     return path
 
 
-def _profile(partition: str = "p: {gpus_per_node: 4, max_nodes: 2, max_time_min: 60}", default: str = "p", extra: str = "") -> str:
+def _profile(
+    partition: str = "p: {gpus_per_node: 4, max_nodes: 2, max_time_min: 60}", default: str = "p", extra: str = ""
+) -> str:
     return f"name: bad\ndefault_partition: {default}\npartitions:\n  {partition}\n{extra}"
 
 
-@pytest.mark.parametrize("text, key", [
-    (_profile(extra="gpus_per_nodes: 4\n"), "gpus_per_nodes"),               # unknown top-level key
-    (_profile(partition="p: {gpus: 4}"), "partitions.p.gpus"),              # unknown nested key
-    (_profile(extra="arrays_allowed: maybe\n"), "arrays_allowed"),           # wrong type
-    (_profile(partition="p: {max_nodes: many}"), "partitions.p.max_nodes"),
-    (_profile(extra="gpu_request: ask-nicely\n"), "gpu_request"),            # not an allowed value
-    (_profile(default="q"), "default_partition"),
-    (_profile(extra="rejected_options: [mem]\n"), "rejected_options"),
-    (_profile(partition="p: {max_time_min: 0}"), "partitions.p.max_time_min"),
-])
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        (_profile(extra="gpus_per_nodes: 4\n"), "gpus_per_nodes"),  # unknown top-level key
+        (_profile(partition="p: {gpus: 4}"), "partitions.p.gpus"),  # unknown nested key
+        (_profile(extra="arrays_allowed: maybe\n"), "arrays_allowed"),  # wrong type
+        (_profile(partition="p: {max_nodes: many}"), "partitions.p.max_nodes"),
+        (_profile(extra="gpu_request: ask-nicely\n"), "gpu_request"),  # not an allowed value
+        (_profile(default="q"), "default_partition"),
+        (_profile(extra="rejected_options: [mem]\n"), "rejected_options"),
+        (_profile(partition="p: {max_time_min: 0}"), "partitions.p.max_time_min"),
+    ],
+)
 def test_bad_profile_is_one_line_user_error_naming_file_and_key(tmp_path, text, key):
     path = _write(tmp_path, text)
     with pytest.raises(UserError) as err:
@@ -71,17 +86,22 @@ def test_missing_required_key_is_named(tmp_path):
 
 def test_profiles_are_read_only():
     site = load_site("local")
-    with pytest.raises(Exception):
-        site.partitions.gpu.gpus_per_node = 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        site.partitions["gpu"].gpus_per_node = 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        site.account = "someone-else"
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(partition="gh", gpus_per_node=2), "2 GPUs per node requested, nodes have 1"),
-    (dict(partition="gh-dev", nodes=9), "9 nodes requested, allowed 1..8"),
-    (dict(partition="gh-dev", time_min=121), "walltime 121 min requested, maximum 120"),
-    (dict(partition="gpu-a100"), "unknown partition 'gpu-a100'"),
-    (dict(array_size=5000), "maximum 1000"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(partition="gh", gpus_per_node=2), "2 GPUs per node requested, nodes have 1"),
+        (dict(partition="gh-dev", nodes=9), "9 nodes requested, allowed 1..8"),
+        (dict(partition="gh-dev", time_min=121), "walltime 121 min requested, maximum 120"),
+        (dict(partition="gpu-a100"), "unknown partition 'gpu-a100'"),
+        (dict(array_size=5000), "maximum 1000"),
+    ],
+)
 def test_over_large_requests_are_refused_on_vista(kwargs, fragment):
     with pytest.raises(UserError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
         validate_request(load_site("tacc-vista"), **kwargs)
@@ -98,20 +118,51 @@ def test_site_rules_refuse_arrays_hetjobs_and_missing_accounts():
 
 def test_gpu_request_translated_to_the_sites_way():
     ask = {"--gres": "gpu:a100:4", "nodes": 2, "mem": "100G", "export": "ALL"}
-    assert filter_sbatch_options(load_site("jsc-juwels-booster"), ask) == {"gres": "gpu:4", "nodes": 2, "mem": "100G", "export": "ALL"}
+    assert filter_sbatch_options(load_site("jsc-juwels-booster"), ask) == {
+        "gres": "gpu:4",
+        "nodes": 2,
+        "mem": "100G",
+        "export": "ALL",
+    }
     assert filter_sbatch_options(load_site("local"), ask)["gpus-per-node"] == 4
     assert filter_sbatch_options(load_site("tacc-vista"), ask) == {"nodes": 2}  # whole node; --mem/--export refused
     assert filter_sbatch_options(load_site("local"), {"gpus": 8, "-N": 2, "time": None}) == {"nodes": 2, "gpus-per-node": 4}
 
 
-OPTION_NAMES = ["gres", "--gres", "gpus", "-G", "gpus_per_node", "gpus-per-task", "mem", "--mem", "mem_per_cpu", "export",
-                "--export", "nodelist", "-w", "exclude", "-x", "nodes", "-N", "ntasks-per-node", "time", "-t", "account",
-                "partition", "signal", "requeue", "job_name"]
+OPTION_NAMES = [
+    "gres",
+    "--gres",
+    "gpus",
+    "-G",
+    "gpus_per_node",
+    "gpus-per-task",
+    "mem",
+    "--mem",
+    "mem_per_cpu",
+    "export",
+    "--export",
+    "nodelist",
+    "-w",
+    "exclude",
+    "-x",
+    "nodes",
+    "-N",
+    "ntasks-per-node",
+    "time",
+    "-t",
+    "account",
+    "partition",
+    "signal",
+    "requeue",
+    "job_name",
+]
 
 
 @settings(max_examples=300, deadline=None)
-@given(site_name=st.sampled_from(sorted(EXPECTED)),
-       options=st.dictionaries(st.sampled_from(OPTION_NAMES), st.integers(1, 8), max_size=10))
+@given(
+    site_name=st.sampled_from(sorted(EXPECTED)),
+    options=st.dictionaries(st.sampled_from(OPTION_NAMES), st.integers(1, 8), max_size=10),
+)
 def test_filtered_options_never_contain_a_rejected_option(site_name, options):
     site = load_site(site_name)
     out = filter_sbatch_options(site, options)

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from snowcat.pipeline import config, dag
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import read_json, sha256_file
 from snowcat.pipeline.rundir import RunDir
+from snowcat.slurm import cluster
 from snowcat.slurm.executor import SlurmExecutor
+from snowcat.slurm.hetjob import parse_job_id
 from snowcat.slurm.site import list_sites, load_site
 from tests.conftest import write_config
 
@@ -74,8 +77,13 @@ def wait_status(snowcat, run_dir: Path, want: set[str], timeout: float = 300, st
 
 
 def sacct_rows(env, ids: list[str]) -> list[list[str]]:
-    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", ",".join(ids), "-o", "JobID,JobName,State"],
-                         env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-j", ",".join(ids), "-o", "JobID,JobName,State"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [line.split("|") for line in out.splitlines() if line]
 
 
@@ -109,16 +117,33 @@ def test_fan_out_of_200_is_one_array_in_one_sbatch(snowcat, slurm_env, tmp_path)
     cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="wide"))
     run_dir = tmp_path / "run"
     # `tasks` runs for a while, so the array waits on it: only the submission is under test.
-    snowcat("run", cfg, *SLOW_TASKS, "stages.more.fan_out.part=[" + ",".join(map(str, range(200))) + "]",
-            "stages.more.max_parallel=8", "--executor", "slurm", "--site", "local", "--run-dir", run_dir,
-            env=slurm_env, check=True)
+    snowcat(
+        "run",
+        cfg,
+        *SLOW_TASKS,
+        "stages.more.fan_out.part=[" + ",".join(map(str, range(200))) + "]",
+        "stages.more.max_parallel=8",
+        "--executor",
+        "slurm",
+        "--site",
+        "local",
+        "--run-dir",
+        run_dir,
+        env=slurm_env,
+        check=True,
+    )
     try:
         state = read_json(run_dir / "state.json")["stages"]
         assert len(state["more"]["job_ids"]) == 1
         scripts = list((run_dir / "slurm" / "more").glob("*_submission.sh"))
         assert len(scripts) == 1 and "#SBATCH --array=0-199%8" in scripts[0].read_text()
-        out = subprocess.run(["squeue", "-h", "-r", "-j", state["more"]["job_ids"][0], "-o", "%i"], env=slurm_env,
-                             capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            ["squeue", "-h", "-r", "-j", state["more"]["job_ids"][0], "-o", "%i"],
+            env=slurm_env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         assert len(out) == 200
     finally:
         snowcat("cancel", run_dir, env=slurm_env, check=True)
@@ -165,8 +190,6 @@ def test_scancel_of_running_stage_fails_promptly_and_resume_finishes(snowcat, sl
 
 
 def test_parse_het_and_array_ids():
-    from snowcat.slurm.hetjob import parse_job_id
-
     assert parse_job_id("123+1") == {"job": "123", "component": 1, "task": None, "step": None}
     assert parse_job_id("77_4")["task"] == "4" and parse_job_id("77_[5-199%8]")["task"] == "[5-199%8]"
     assert parse_job_id("123+0.batch")["step"] == "batch"
@@ -181,11 +204,16 @@ def _render(site: str, overrides: list[str], stage: str = "tasks") -> str:
     gpu_part = next((p for p, v in profile.partitions.items() if v.gpus_per_node), part)
     cfg = config.load(
         Path(__file__).parent.parent / "configs" / "demo.yaml",
-        ["executor.kind=slurm", "site.account=proj", f"stages.tasks.resources.partition={gpu_part}",
-         "stages.tasks.resources.gpus_per_node=1", "stages.tasks.resources.mem_gb=8", *overrides],
+        [
+            "executor.kind=slurm",
+            "site.account=proj",
+            f"stages.tasks.resources.partition={gpu_part}",
+            "stages.tasks.resources.gpus_per_node=1",
+            "stages.tasks.resources.mem_gb=8",
+            *overrides,
+        ],
         site=site,
     )
-    import tempfile
 
     run = RunDir.create(cfg, Path(tempfile.mkdtemp()) / "r")
     return SlurmExecutor(run, dag.build(cfg), cfg).render(dag.build(cfg)[stage], "afterok:1")
@@ -215,13 +243,23 @@ def test_oversized_requests_are_refused_before_submission(site):
 
 @pytest.mark.slow
 def test_killed_slurmd_fails_the_stage_promptly_and_resume_finishes(snowcat, slurm_env, slurm_cluster, tmp_path):
-    from snowcat.slurm import cluster
-
     cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="nodefail"))
     run_dir = tmp_path / "run"
     slower = ["stages.tasks.domains.closure.count=300000", "stages.tasks.domains.closure.val_count=50"]
-    snowcat("run", cfg, *slower, "stages.tasks.resume.strategy=none", "--executor", "slurm", "--site", "local",
-            "--run-dir", run_dir, env=slurm_env, check=True)
+    snowcat(
+        "run",
+        cfg,
+        *slower,
+        "stages.tasks.resume.strategy=none",
+        "--executor",
+        "slurm",
+        "--site",
+        "local",
+        "--run-dir",
+        run_dir,
+        env=slurm_env,
+        check=True,
+    )
     _running_job(run_dir, "tasks")
     record = read_json(run_dir / "state.json")["stages"]["tasks"]
     pid = int((slurm_cluster.root / "run" / f"slurmd-{record['node']}.pid").read_text())
@@ -281,8 +319,20 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
     runs = {}
     for strategy in ("requeue", "chain"):
         runs[strategy] = tmp_path / strategy
-        snowcat("run", cfg, steps, f"stages.sft.resume.strategy={strategy}", "--executor", "slurm", "--site", "local",
-                "--run-dir", runs[strategy], env=slurm_env, check=True)
+        snowcat(
+            "run",
+            cfg,
+            steps,
+            f"stages.sft.resume.strategy={strategy}",
+            "--executor",
+            "slurm",
+            "--site",
+            "local",
+            "--run-dir",
+            runs[strategy],
+            env=slurm_env,
+            check=True,
+        )
     straight = tmp_path / "straight"
     snowcat("run", cfg, steps, "--run-dir", straight, check=True)
     reference = _final_weights(straight)
@@ -304,14 +354,29 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
 
 
 DEMO_SMALL = [
-    "stages.tasks.domains.closure.count=240", "stages.tasks.domains.closure.val_count=40",
-    "stages.tasks.domains.arith.count=240", "stages.tasks.domains.arith.val_count=40",
-    "stages.sft.steps=20", "stages.sft.eval_tasks=0", "stages.sft.threads=1",
-    "stages.probe.limit=32", "stages.probe.attempts=4", "stages.probe.band_max_pass=3",
-    "stages.select.min_pass=0", "stages.select.max_pass=4",
-    "stages.rl.updates=2", "stages.rl.tasks_per_update=4", "stages.rl.attempts=4", "stages.rl.eval_every=1",
-    "stages.rl.eval_tasks=8", "stages.rl.eval_attempts=1", "stages.rl.save_every=1",
-    "stages.eval.limit=16", "stages.eval.attempts=2", "stages.eval.pass_k=[1,2]", "stages.eval_greedy.limit=16",
+    "stages.tasks.domains.closure.count=240",
+    "stages.tasks.domains.closure.val_count=40",
+    "stages.tasks.domains.arith.count=240",
+    "stages.tasks.domains.arith.val_count=40",
+    "stages.sft.steps=20",
+    "stages.sft.eval_tasks=0",
+    "stages.sft.threads=1",
+    "stages.probe.limit=32",
+    "stages.probe.attempts=4",
+    "stages.probe.band_max_pass=3",
+    "stages.select.min_pass=0",
+    "stages.select.max_pass=4",
+    "stages.rl.updates=2",
+    "stages.rl.tasks_per_update=4",
+    "stages.rl.attempts=4",
+    "stages.rl.eval_every=1",
+    "stages.rl.eval_tasks=8",
+    "stages.rl.eval_attempts=1",
+    "stages.rl.save_every=1",
+    "stages.eval.limit=16",
+    "stages.eval.attempts=2",
+    "stages.eval.pass_k=[1,2]",
+    "stages.eval_greedy.limit=16",
 ]
 
 
@@ -336,8 +401,19 @@ def test_fan_out_without_arrays_is_separate_jobs_tracked_per_element(snowcat, sl
     """Sites without job arrays (Frontera): one job per fan-out element, each element's status its own."""
     cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="noarrays"))
     run_dir = tmp_path / "run"
-    snowcat("run", cfg, "site.arrays_allowed=false", "--executor", "slurm", "--site", "local", "--run-dir", run_dir,
-            env=slurm_env, check=True)
+    snowcat(
+        "run",
+        cfg,
+        "site.arrays_allowed=false",
+        "--executor",
+        "slurm",
+        "--site",
+        "local",
+        "--run-dir",
+        run_dir,
+        env=slurm_env,
+        check=True,
+    )
     state = read_json(run_dir / "state.json")["stages"]
     assert len(state["more"]["job_ids"]) == 3
     assert sorted(state[f"more[{i}]"]["own_job_ids"][0] for i in range(3)) == sorted(state["more"]["job_ids"])
@@ -346,7 +422,9 @@ def test_fan_out_without_arrays_is_separate_jobs_tracked_per_element(snowcat, sl
     assert {u["status"] for u in status["stages"]["more"]["units"].values()} == {"done"}
 
 
-DRY = TASKS + """\
+DRY = (
+    TASKS
+    + """\
   fabric:
     kind: mpi_check
     needs: [more]
@@ -356,6 +434,7 @@ DRY = TASKS + """\
         trainer: {{nodes: 1, tasks_per_node: 1}}
         rollout: {{nodes: 1, tasks_per_node: 1}}
 """
+)
 
 
 def _normalized(script: str, ids: dict[str, str]) -> str:
@@ -370,8 +449,17 @@ def test_dry_run_writes_exactly_the_scripts_a_submission_sends(snowcat, slurm_en
     scripts equal the submitted ones, job ids apart; the dry run itself writes no run directory."""
     cfg = write_config(tmp_path / "c.yaml", DRY.format(name="dry"))
     run_dir = tmp_path / "run"
-    args = (cfg, "stages.more.resume.strategy=chain", "stages.more.resume.max_continuations=2", "--executor", "slurm",
-            "--site", "local", "--run-dir", run_dir)
+    args = (
+        cfg,
+        "stages.more.resume.strategy=chain",
+        "stages.more.resume.max_continuations=2",
+        "--executor",
+        "slurm",
+        "--site",
+        "local",
+        "--run-dir",
+        run_dir,
+    )
     dry = snowcat("run", *args, "--dry-run", env=slurm_env)
     assert dry.returncode == 0, dry.stderr
     where = Path(re.search(r"are in (\S+);", " ".join(dry.stdout.split())).group(1))
@@ -384,8 +472,13 @@ def test_dry_run_writes_exactly_the_scripts_a_submission_sends(snowcat, slurm_en
     try:
         state = read_json(run_dir / "state.json")["stages"]
         more = state["more"]["job_ids"]  # the array, then its continuations in chain order
-        ids = {"tasks": state["tasks"]["job_ids"][0], "more": more[0], "more.continuation1": more[1],
-               "more.continuation2": more[2], "fabric": state["fabric"]["job_ids"][0]}
+        ids = {
+            "tasks": state["tasks"]["job_ids"][0],
+            "more": more[0],
+            "more.continuation1": more[1],
+            "more.continuation2": more[2],
+            "fabric": state["fabric"]["job_ids"][0],
+        }
         for name, job_id in ids.items():
             folder = run_dir / "slurm" / name.split(".")[0]
             submitted = (folder / f"{job_id}_submission.sh").read_text()

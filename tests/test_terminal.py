@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+import snowcat.pipeline.progress as progress_mod
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.progress import STYLE, Progress
@@ -32,8 +33,9 @@ def _tasks_stage(count: int = 20) -> str:
 def _every_status_run(tmp_path: Path) -> tuple[RunDir, object]:
     """A run with one stage in each status: done and modified really ran, the others are recorded."""
     cfg_path = tmp_path / "statuses.yaml"
-    cfg_path.write_text("name: statuses\nexecutor: {kind: local}\nstages:\n"
-                        + "".join(f"  {s}:\n{_tasks_stage()}" for s in STATUSES))
+    cfg_path.write_text(
+        "name: statuses\nexecutor: {kind: local}\nstages:\n" + "".join(f"  {s}:\n{_tasks_stage()}" for s in STATUSES)
+    )
     cfg = config_mod.load(cfg_path)
     run = RunDir.create(cfg, tmp_path / "run")
     for stage in ("done", "modified"):
@@ -78,8 +80,6 @@ def test_live_view_renders_every_status(tmp_path):
 
 
 def test_progress_lines_in_a_log_when_not_on_a_terminal(tmp_path, monkeypatch):
-    import snowcat.pipeline.progress as progress_mod
-
     run, cfg = _every_status_run(tmp_path)
     dag = build(cfg)
     log = Console(record=True, force_terminal=False, width=200)
@@ -141,8 +141,9 @@ def _sft_running(run_dir: Path) -> bool:
 
 def test_ctrl_c_on_a_terminal_stops_the_run(tmp_path, snowcat):
     run_dir = tmp_path / "run"
-    code, screen = snowcat.terminal("run", _sft_config(tmp_path, steps=100000), "--run-dir", run_dir,
-                                    interrupt_after="/100000 steps", timeout=600)
+    code, screen = snowcat.terminal(
+        "run", _sft_config(tmp_path, steps=100000), "--run-dir", run_dir, interrupt_after="/100000 steps", timeout=600
+    )
     assert code == 130, screen
     record = snowcat.status(run_dir)
     assert record["stages"]["sft"]["status"] == "cancelled"
@@ -152,8 +153,14 @@ def test_ctrl_c_on_a_terminal_stops_the_run(tmp_path, snowcat):
 def test_cancel_on_a_terminal_stops_a_run_on_another(tmp_path, snowcat):
     run_dir = tmp_path / "run"
     result: dict = {}
-    driver = threading.Thread(target=lambda: result.update(
-        zip(("code", "screen"), snowcat.terminal("run", _sft_config(tmp_path, steps=100000), "--run-dir", run_dir, timeout=600))))
+    driver = threading.Thread(
+        target=lambda: result.update(
+            zip(
+                ("code", "screen"),
+                snowcat.terminal("run", _sft_config(tmp_path, steps=100000), "--run-dir", run_dir, timeout=600),
+            )
+        )
+    )
     driver.start()
     _wait_for(lambda: _sft_running(run_dir))
     code, screen = snowcat.terminal("cancel", run_dir)

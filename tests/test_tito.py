@@ -8,12 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from test_agent import tiny_model, tiny_tasks, tiny_tokenizer
 
 from snowcat.stages.agent import Budget, CalculatorEnv, EpisodeJob, episode_seed, run_episodes
 from snowcat.stages.agent.envs import tool_message_ids
 from snowcat.stages.agent.loop import TRUNCATION_NOTE
 from snowcat.stages.rollout import SamplingParams, TorchEngine
-from test_agent import tiny_model, tiny_tasks, tiny_tokenizer
 
 SEED = 5
 BUDGET = Budget(max_context=160, max_turn_tokens=6, max_turns=4, recover_long_turns=True)

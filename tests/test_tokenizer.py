@@ -59,8 +59,15 @@ def test_relay_student_tokens_are_context(tok):
 
 
 def test_special_token_ids_and_save_load(tok, tmp_path):
-    specials = {tok.pad_id, tok.end_of_turn_id, tok.tool_call_start_id, tok.tool_call_end_id,
-                tok.tool_result_start_id, tok.tool_result_end_id, *tok.role_ids.values()}
+    specials = {
+        tok.pad_id,
+        tok.end_of_turn_id,
+        tok.tool_call_start_id,
+        tok.tool_call_end_id,
+        tok.tool_result_start_id,
+        tok.tool_result_end_id,
+        *tok.role_ids.values(),
+    }
     assert len(specials) == 10 and max(specials) < tok.vocab_size
     assert tok.encode("<tool_call>") == [tok.tool_call_start_id]
     tok.save(tmp_path)

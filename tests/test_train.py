@@ -13,8 +13,18 @@ import torch
 
 from snowcat.pipeline.fsio import sha256_file, verify_manifest
 from snowcat.stages.model import PRESETS, MoEForCausalLM
-from snowcat.stages.train import (Example, OptimConfig, PackedLoader, latest_checkpoint, load_checkpoint, lr_factor,
-                          make_backend, pack_rows, save_checkpoint, step_name)
+from snowcat.stages.train import (
+    Example,
+    OptimConfig,
+    PackedLoader,
+    latest_checkpoint,
+    load_checkpoint,
+    lr_factor,
+    make_backend,
+    pack_rows,
+    save_checkpoint,
+    step_name,
+)
 from snowcat.stages.train.loss import sft_loss
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +54,11 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
 
 
 def test_packing_keeps_examples_apart():
-    exs = [Example([1, 2, 3, 4], [0, 0, 1, 1], 0), Example([5, 6, 7], [0, 1, 1], 1), Example([8, 9, 10, 11, 12, 13], [0] * 3 + [1] * 3, 0)]
+    exs = [
+        Example([1, 2, 3, 4], [0, 0, 1, 1], 0),
+        Example([5, 6, 7], [0, 1, 1], 1),
+        Example([8, 9, 10, 11, 12, 13], [0] * 3 + [1] * 3, 0),
+    ]
     rows = pack_rows(exs, seq_len=8, pad_id=0)
     assert rows["input_ids"].shape == (2, 8)
     assert rows["input_ids"][0].tolist() == [1, 2, 3, 4, 5, 6, 7, 0]
@@ -127,8 +141,12 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
     save_checkpoint(tmp_path / "straight", backend, client_state={"loader": loader.state_dict()})
     assert verify_manifest(tmp_path / step_name(k)) == []
 
-    subprocess.run([sys.executable, "-c", RESUME_SCRIPT, "resume", str(tmp_path / step_name(k)), str(total),
-                    str(tmp_path / "resumed")], cwd=REPO, check=True, env={"PYTHONPATH": str(REPO), "PATH": ""})
+    subprocess.run(
+        [sys.executable, "-c", RESUME_SCRIPT, "resume", str(tmp_path / step_name(k)), str(total), str(tmp_path / "resumed")],
+        cwd=REPO,
+        check=True,
+        env={"PYTHONPATH": str(REPO), "PATH": ""},
+    )
     assert sha256_file(tmp_path / "resumed" / "model.safetensors") == sha256_file(tmp_path / "straight" / "model.safetensors")
 
 

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_train import MICRO, _train, toy_examples
+
+from snowcat.stages.model import MoEForCausalLM
+from snowcat.stages.train import OptimConfig, PackedLoader, load_checkpoint, make_backend, save_checkpoint
+from snowcat.stages.train.loss import sft_loss
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -28,11 +34,6 @@ def _free_port() -> int:
 
 
 def _losses(backend, loader, steps, ckpt_at=None, ckpt_dir=None):
-    import torch.distributed as dist
-
-    from snowcat.stages.train import save_checkpoint
-    from snowcat.stages.train.loss import sft_loss
-
     out = []
     while backend.step < steps:
         s = backend.train_step(loader.next(), sft_loss)
@@ -45,15 +46,17 @@ def _losses(backend, loader, steps, ckpt_at=None, ckpt_dir=None):
 
 
 def _worker(rank, world, port, tmp, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     sys.path.insert(0, str(REPO / "tests"))
-    import deepspeed
-    from test_train import MICRO, toy_examples
-
-    from snowcat.stages.model import MoEForCausalLM
-    from snowcat.stages.train import OptimConfig, PackedLoader, load_checkpoint, make_backend
+    import deepspeed  # noqa: PLC0415 (in the worker process only)
 
     deepspeed.init_distributed(dist_backend="gloo")
     optim = OptimConfig(lr=1e-2, warmup_steps=2, total_steps=STEPS)
@@ -82,7 +85,6 @@ def _worker(rank, world, port, tmp, queue):
 @pytest.mark.timeout(600)
 def test_ddp_and_deepspeed_zero2_match_single_process(tmp_path):
     sys.path.insert(0, str(REPO / "tests"))
-    from test_train import _train
 
     _, single = _train(steps=STEPS)
     ctx = mp.get_context("spawn")

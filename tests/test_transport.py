@@ -25,12 +25,22 @@ def make_batch(k: int, n: int = 5) -> list[Trajectory]:
     for i in range(n):
         length = int(rng.integers(1, 40))
         mask = rng.integers(0, 2, length).astype(np.uint8)
-        out.append(Trajectory(
-            task_id=f"task-{k}-{i}-ü", group_id=i // 2, attempt=i % 2, policy_version=max(0, k - 1),
-            token_ids=rng.integers(0, 50000, length), loss_mask=mask,
-            rollout_logprobs=np.where(mask > 0, -rng.random(length), 0.0),
-            reward=float(rng.random()), status=("ok", "truncated", "invalid_action", "infra_error")[i % 4],
-            turn_boundaries=[(0, length)], domain="arith" if i % 2 else "closure", prompt_len=min(3, length)))
+        out.append(
+            Trajectory(
+                task_id=f"task-{k}-{i}-ü",
+                group_id=i // 2,
+                attempt=i % 2,
+                policy_version=max(0, k - 1),
+                token_ids=rng.integers(0, 50000, length),
+                loss_mask=mask,
+                rollout_logprobs=np.where(mask > 0, -rng.random(length), 0.0),
+                reward=float(rng.random()),
+                status=("ok", "truncated", "invalid_action", "infra_error")[i % 4],
+                turn_boundaries=[(0, length)],
+                domain="arith" if i % 2 else "closure",
+                prompt_len=min(3, length),
+            )
+        )
     return out
 
 
@@ -82,9 +92,20 @@ _MPI_CHILD = textwrap.dedent("""
 def test_mpi_transport_delivers_batches_in_order(tmp_path, ranks):
     script = tmp_path / "child.py"
     script.write_text(_MPI_CHILD)
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_btl": "self,tcp", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable,
-                           str(script), str(REPO)], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    env = {
+        **os.environ,
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_btl": "self,tcp",
+        "PYTHONPATH": str(REPO),
+    }
+    proc = subprocess.run(
+        ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable, str(script), str(REPO)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TRAINER-OK 7" in proc.stdout

@@ -27,9 +27,15 @@ BAD = [
     # checkpoint references: a name the stage never writes, a stage not in needs, a stage without checkpoints
     ("stages.rl.init_from=sft:nope", "stages.rl.init_from: 'sft:nope': stage 'sft' (kind sft) writes only"),
     ("stages.eval.checkpoints=[sft:final,sft:nope]", "stages.eval.checkpoints: 'sft:nope'"),
-    ("stages.export.checkpoint=sft:nope", "stages.export.checkpoint: 'sft:nope' names stage 'sft', which is not in stages.export.needs"),
+    (
+        "stages.export.checkpoint=sft:nope",
+        "stages.export.checkpoint: 'sft:nope' names stage 'sft', which is not in stages.export.needs",
+    ),
     ("stages.export.checkpoint=rl:nope", "stages.export.checkpoint: 'rl:nope': stage 'rl' (kind rl) writes only"),
-    ("stages.probe.checkpoint=tasks:final", "stages.probe.checkpoint: 'tasks:final': stage 'tasks' (kind tasks) writes no checkpoints"),
+    (
+        "stages.probe.checkpoint=tasks:final",
+        "stages.probe.checkpoint: 'tasks:final': stage 'tasks' (kind tasks) writes no checkpoints",
+    ),
     ("stages.probe.checkpoint=final", "stages.probe.checkpoint: 'final' is not '<stage>:<checkpoint>'"),
     ("stages.sft.init_from=tasks:initial", "stages.sft.init_from: 'tasks:initial'"),
     # malformed overrides
@@ -59,7 +65,7 @@ def test_bad_value_in_a_file_names_the_file(snowcat, tmp_path, override, fragmen
     key, _, value = override.partition("=")
     *parents, leaf = key.split(".")
     nested = f"{leaf}: {value}"
-    for depth, parent in reversed(list(enumerate(parents))):
+    for parent in reversed(parents):
         nested = f"{parent}:\n" + "\n".join("  " + line for line in nested.splitlines())
     config.write_text(f"defaults: [{DEMO}]\n{nested}\n")
     proc = snowcat("run", config, "--run-dir", tmp_path / "run")
