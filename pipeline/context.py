@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from snowcat.pipeline.config import stage_config
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import checkpoint_dir
 from snowcat.pipeline.schema import RunConfig, parse_checkpoint_ref
 
 from .unitprogress import PROGRESS_FILE, ProgressReporter
@@ -50,21 +50,6 @@ class Preempted(Exception):
 
 # Exit code of a stage process that checkpointed and wants to be continued (not a failure).
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL
-
-
-MODEL_CONFIG = "model_config.json"  # what makes a directory a model directory (stages/model/io.py writes it)
-
-
-def checkpoint_dir(stage_dir: str | os.PathLike, name: str) -> Path:
-    """`<stage_dir>/checkpoints/<name>`, a model directory; a plain file there (e.g. `best`) names the
-    checkpoint it stands for."""
-    root = Path(stage_dir) / "checkpoints"
-    path = root / name
-    if path.is_file():
-        path = root / path.read_text().strip()
-    if not (path / MODEL_CONFIG).is_file():
-        raise UserError(f"{path}: no such checkpoint (expected a model directory)")
-    return path
 
 
 @dataclass
@@ -105,6 +90,9 @@ class StageContext:
         """A context for one stage outside a run (tests, benchmarks, notebooks): the config typed and
         checked as the runner's is (`stage_config`), `needs` = the inputs' names unless given, and
         out_dir = run_dir/name, created."""
+        # the configuration layer sits above the context; only this helper for standalone use needs it
+        from snowcat.pipeline.config import stage_config  # noqa: PLC0415
+
         name = name or kind
         inputs = dict(inputs or {})
         config = stage_config(kind, {"needs": list(inputs), **(values or {})}, name=name)

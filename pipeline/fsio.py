@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from snowcat.pipeline.errors import UserError
+
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
 
@@ -182,3 +184,18 @@ def atomic_write_figure(path: str | os.PathLike, fig) -> None:
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
+
+
+MODEL_CONFIG = "model_config.json"  # what makes a directory a model directory (stages/model/io.py writes it)
+
+
+def checkpoint_dir(stage_dir: str | os.PathLike, name: str) -> Path:
+    """`<stage_dir>/checkpoints/<name>`, a model directory; a plain file there (e.g. `best`) names the
+    checkpoint it stands for."""
+    root = Path(stage_dir) / "checkpoints"
+    path = root / name
+    if path.is_file():
+        path = root / path.read_text().strip()
+    if not (path / MODEL_CONFIG).is_file():
+        raise UserError(f"{path}: no such checkpoint (expected a model directory)")
+    return path

@@ -31,9 +31,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from snowcat.pipeline.context import checkpoint_dir
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, sha256_file, write_manifest
+from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, checkpoint_dir, read_json, sha256_file, write_manifest
 from snowcat.pipeline.schema import parse_checkpoint_ref
 from snowcat.stages.model import hf_state_dict, load_model_dir
 from snowcat.stages.model.io import _write_tensors

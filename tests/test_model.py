@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from snowcat.pipeline.context import checkpoint_dir
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import checkpoint_dir
 from snowcat.stages.model import (
     PRESETS,
     KVCache,

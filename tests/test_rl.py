@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import snowcat.stages.rl as rl
-from snowcat.pipeline.context import StageContext, checkpoint_dir
+from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import sha256_file
+from snowcat.pipeline.fsio import checkpoint_dir, sha256_file
 from snowcat.pipeline.history import History
 from snowcat.stages.agent import Budget, EpisodeJob, SingleTurnEnv, run_episodes
 from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir

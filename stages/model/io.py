@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from snowcat.pipeline.context import MODEL_CONFIG
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, verify_manifest, write_manifest
+from snowcat.pipeline.fsio import MODEL_CONFIG, atomic_dir, atomic_write_json, read_json, verify_manifest, write_manifest
 from snowcat.stages.tokenizer import ChatTokenizer
 
 from .config import ModelConfig
