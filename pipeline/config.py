@@ -2,9 +2,10 @@
 
 A config file may list `defaults:` — other YAML files (paths relative to it) and `site: NAME`
 entries (profiles from `slurm/sites/`) — merged in order beneath the file itself; then `--site`
-and `key=value` overrides (dot paths) are applied. Each stage section is typed by its kind:
-`stages/<kind>.py` defines `Config`, and the section's schema is that plus the common keys below.
-Every error names the source (file or override) and the key path, in one line.
+and `key=value` overrides (dot paths) are applied. Each stage section is typed by its kind's class
+in `stages/config.py` plus the common keys (`pipeline/schema.py`), the site by `SiteProfile`.
+Every error names the source (file or override) and the key path, in one line. Nothing here
+imports torch.
 """
 
 from __future__ import annotations
