@@ -157,10 +157,9 @@ def test_run_writes_loadable_checkpoints_and_metrics(baseline):
     assert metrics["updates"] == 6 and "val/pass@1" in metrics
 
 
-def test_mpi_one_trainer_one_rollout_matches_single_process(inputs, baseline, tmp_path):
-    if shutil.which("mpirun") is None:
-        pytest.skip("needs OpenMPI's mpirun")
-    proc = subprocess.run(
+def mpirun_child(script: Path, inputs: Path, run_dir: Path, kill: dict) -> subprocess.CompletedProcess:
+    """The child script as 1 trainer + 1 rollout rank under mpirun (`kill`: where a rank dies)."""
+    return subprocess.run(
         [
             "mpirun",
             "-n",
@@ -169,10 +168,10 @@ def test_mpi_one_trainer_one_rollout_matches_single_process(inputs, baseline, tm
             "--bind-to",
             "none",
             sys.executable,
-            str(_child_script(tmp_path)),
+            str(script),
             str(inputs),
-            str(tmp_path),
-            "{}",
+            str(run_dir),
+            json.dumps(kill),
         ],
         capture_output=True,
         text=True,
@@ -180,6 +179,12 @@ def test_mpi_one_trainer_one_rollout_matches_single_process(inputs, baseline, tm
         timeout=600,
         cwd=REPO,
     )
+
+
+def test_mpi_one_trainer_one_rollout_matches_single_process(inputs, baseline, tmp_path):
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs OpenMPI's mpirun")
+    proc = mpirun_child(_child_script(tmp_path), inputs, tmp_path, {})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert '"role": "rollout"' in proc.stdout
     assert not list((tmp_path / "rl" / "queue").glob("*.npz"))  # trajectories went over MPI, not files
@@ -268,32 +273,9 @@ def test_mpi_trainer_killed_while_publishing_then_resumed_is_bit_identical(input
     if shutil.which("mpirun") is None:
         pytest.skip("needs OpenMPI's mpirun")
     script = _child_script(tmp_path)
-
-    def mpirun(kill: dict) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [
-                "mpirun",
-                "-n",
-                "2",
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-                sys.executable,
-                str(script),
-                str(inputs),
-                str(tmp_path / "run"),
-                json.dumps(kill),
-            ],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **MPI_ENV, "PYTHONPATH": str(REPO)},
-            timeout=600,
-            cwd=REPO,
-        )
-
-    assert mpirun({"building": 4}).returncode != 0
+    assert mpirun_child(script, inputs, tmp_path / "run", {"building": 4}).returncode != 0
     assert not (tmp_path / "run" / "rl" / "checkpoints" / "final").exists()
-    proc = mpirun({})
+    proc = mpirun_child(script, inputs, tmp_path / "run", {})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert final_sha(tmp_path / "run") == final_sha(baseline)
     assert trained_rows(tmp_path / "run") == trained_rows(baseline)

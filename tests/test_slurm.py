@@ -60,6 +60,12 @@ stages:
 
 pytestmark = pytest.mark.cluster
 
+
+def on_local_slurm(run_dir) -> tuple:
+    """The options that send a run to the local test cluster."""
+    return ("--executor", "slurm", "--site", "local", "--run-dir", run_dir)
+
+
 # Big enough that the tasks stage runs for a while (seconds to minutes on 2 shared cores).
 SLOW_TASKS = ["stages.tasks.domains.closure.count=40000", "stages.tasks.domains.closure.val_count=50"]
 
@@ -90,7 +96,7 @@ def sacct_rows(env, ids: list[str]) -> list[list[str]]:
 def test_dag_is_submitted_at_once_with_afterok_chains(snowcat, slurm_env, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="chain"))
     run_dir = tmp_path / "run"
-    proc = snowcat("run", cfg, "--executor", "slurm", "--site", "local", "--run-dir", run_dir, env=slurm_env)
+    proc = snowcat("run", cfg, *on_local_slurm(run_dir), env=slurm_env)
     assert proc.returncode == 0, proc.stderr
     state = read_json(run_dir / "state.json")["stages"]
     tasks_id, more_id = state["tasks"]["job_ids"][0], state["more"]["job_ids"][0]
@@ -123,12 +129,7 @@ def test_fan_out_of_200_is_one_array_in_one_sbatch(snowcat, slurm_env, tmp_path)
         *SLOW_TASKS,
         "stages.more.fan_out.part=[" + ",".join(map(str, range(200))) + "]",
         "stages.more.max_parallel=8",
-        "--executor",
-        "slurm",
-        "--site",
-        "local",
-        "--run-dir",
-        run_dir,
+        *on_local_slurm(run_dir),
         env=slurm_env,
         check=True,
     )
@@ -153,7 +154,7 @@ def test_fan_out_of_200_is_one_array_in_one_sbatch(snowcat, slurm_env, tmp_path)
 def test_hetjob_components_share_one_mpi_world(snowcat, slurm_env, tmp_path):
     cfg = write_config(tmp_path / "h.yaml", HETJOB)
     run_dir = tmp_path / "run"
-    snowcat("run", cfg, "--executor", "slurm", "--site", "local", "--run-dir", run_dir, env=slurm_env, check=True)
+    snowcat("run", cfg, *on_local_slurm(run_dir), env=slurm_env, check=True)
     script = next((run_dir / "slurm" / "fabric").glob("*_submission.sh")).read_text()
     assert "#SBATCH hetjob" in script and "srun --mpi=pmix --het-group=0,1 --kill-on-bad-exit=1" in script
     status = wait_status(snowcat, run_dir, {"done", "failed"})
@@ -178,7 +179,7 @@ def _running_job(run_dir: Path, stage: str, timeout: float = 120) -> str:
 def test_scancel_of_running_stage_fails_promptly_and_resume_finishes(snowcat, slurm_env, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="scancel"))
     run_dir = tmp_path / "run"
-    snowcat("run", cfg, *SLOW_TASKS, "--executor", "slurm", "--site", "local", "--run-dir", run_dir, env=slurm_env, check=True)
+    snowcat("run", cfg, *SLOW_TASKS, *on_local_slurm(run_dir), env=slurm_env, check=True)
     job = _running_job(run_dir, "tasks")
     subprocess.run(["scancel", job], env=slurm_env, check=True)
     status = wait_status(snowcat, run_dir, {"failed", "cancelled", "done"}, timeout=120, stage="tasks")
@@ -251,12 +252,7 @@ def test_killed_slurmd_fails_the_stage_promptly_and_resume_finishes(snowcat, slu
         cfg,
         *slower,
         "stages.tasks.resume.strategy=none",
-        "--executor",
-        "slurm",
-        "--site",
-        "local",
-        "--run-dir",
-        run_dir,
+        *on_local_slurm(run_dir),
         env=slurm_env,
         check=True,
     )
@@ -324,12 +320,7 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
             cfg,
             steps,
             f"stages.sft.resume.strategy={strategy}",
-            "--executor",
-            "slurm",
-            "--site",
-            "local",
-            "--run-dir",
-            runs[strategy],
+            *on_local_slurm(runs[strategy]),
             env=slurm_env,
             check=True,
         )
@@ -385,7 +376,7 @@ def test_demo_pipeline_on_slurm_with_rl_as_a_hetjob(snowcat, slurm_env, tmp_path
     stage one heterogeneous job (trainer and rollout components in one MPI world)."""
     run_dir = tmp_path / "run"
     demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
-    proc = snowcat("run", demo, *DEMO_SMALL, "--executor", "slurm", "--site", "local", "--run-dir", run_dir, env=slurm_env)
+    proc = snowcat("run", demo, *DEMO_SMALL, *on_local_slurm(run_dir), env=slurm_env)
     assert proc.returncode == 0, proc.stderr
     rl_script = next((run_dir / "slurm" / "rl").glob("*_submission.sh")).read_text()
     assert "#SBATCH hetjob" in rl_script and "--het-group=0,1" in rl_script
@@ -405,12 +396,7 @@ def test_fan_out_without_arrays_is_separate_jobs_tracked_per_element(snowcat, sl
         "run",
         cfg,
         "site.arrays_allowed=false",
-        "--executor",
-        "slurm",
-        "--site",
-        "local",
-        "--run-dir",
-        run_dir,
+        *on_local_slurm(run_dir),
         env=slurm_env,
         check=True,
     )
@@ -453,12 +439,7 @@ def test_dry_run_writes_exactly_the_scripts_a_submission_sends(snowcat, slurm_en
         cfg,
         "stages.more.resume.strategy=chain",
         "stages.more.resume.max_continuations=2",
-        "--executor",
-        "slurm",
-        "--site",
-        "local",
-        "--run-dir",
-        run_dir,
+        *on_local_slurm(run_dir),
     )
     dry = snowcat("run", *args, "--dry-run", env=slurm_env)
     assert dry.returncode == 0, dry.stderr
@@ -492,7 +473,7 @@ def test_site_local_finds_the_local_cluster_without_its_env_file(snowcat, slurm_
     monkeypatch.delenv("SLURM_CONF", raising=False)
     cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="noenv"))
     run_dir = tmp_path / "run"
-    snowcat("run", cfg, "--executor", "slurm", "--site", "local", "--run-dir", run_dir, check=True)
+    snowcat("run", cfg, *on_local_slurm(run_dir), check=True)
     status = wait_status(snowcat, run_dir, {"done", "failed"})
     assert {s["status"] for s in status["stages"].values()} == {"done"}, status
     doctor = snowcat("doctor", "--site", "local", "--no-jobs", "--json")
