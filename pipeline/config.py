@@ -34,11 +34,6 @@ SITES_DIR = Path(__file__).resolve().parent.parent / "slurm" / "sites"
 # --- stage kinds ---------------------------------------------------------------------------
 
 
-def stage_kinds() -> list[str]:
-    """The stage kinds a config may name (`stages.config.KINDS`), in pipeline order."""
-    return list(KINDS)
-
-
 def stage_module(kind: str) -> ModuleType:
     """The module that runs a kind (`stages/<kind>.py`, with `run(ctx)`): imported only to run a unit,
     since it pulls in torch."""
@@ -163,12 +158,12 @@ def _typed_stage(name: str, raw: Any, label_of: dict) -> DictConfig:
         raise UserError(f"{label_of.get(name, 'config')}: stages.{name}: expected a mapping")
     kind = raw.get("kind")
     if kind is None:
-        raise UserError(f"{label_of.get(name, 'config')}: stages.{name}.kind: missing (known kinds: {', '.join(stage_kinds())})")
+        raise UserError(f"{label_of.get(name, 'config')}: stages.{name}.kind: missing (known kinds: {', '.join(KINDS)})")
     try:
         schema = stage_schema(str(kind))
     except KeyError:
         raise UserError(
-            f"{label_of.get(name, 'config')}: stages.{name}.kind: unknown stage kind {kind!r} (known: {', '.join(stage_kinds())})"
+            f"{label_of.get(name, 'config')}: stages.{name}.kind: unknown stage kind {kind!r} (known: {', '.join(KINDS)})"
         ) from None
     return OmegaConf.structured(schema)
 

@@ -178,7 +178,7 @@ class SlurmExecutor(Executor):
         lines = [f"module load {m}" for m in self.site.modules]
         if node.config.image and self.site.container_module:
             lines.append(f"module load {self.site.container_module}")
-        for key, value in (self.site.env or {}).items():
+        for key, value in self.site.env.items():
             lines.append(f"export {key}={shlex.quote(str(value))}")
         lines.append(f"export SNOWCAT_RUN_DIR={shlex.quote(str(self.run.path))}")
         lines.append("export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}")

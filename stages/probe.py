@@ -51,7 +51,7 @@ def load_checkpoint(ctx, ref: str, key: str, device: str = "cpu"):
 
     model, _, tok = load_model_dir(ctx.checkpoint(ref, key), device=device)
     if tok is None:
-        raise UserError(f"{key}: {ref!r} has no tokenizer.json")
+        raise UserError(f"stages.{ctx.name}.{key}: {ref!r} has no tokenizer.json")
     return model, tok
 
 

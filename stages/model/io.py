@@ -29,7 +29,6 @@ from .modeling import MoEForCausalLM
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-CONFIG = MODEL_CONFIG
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -124,7 +123,7 @@ def save_model_dir(
     path = Path(path)
     with atomic_dir(path) as tmp:
         _write_tensors(tmp, hf_state_dict(model), max_shard_bytes)
-        atomic_write_json(tmp / CONFIG, model.config.to_dict())
+        atomic_write_json(tmp / MODEL_CONFIG, model.config.to_dict())
         if tokenizer is not None:
             tokenizer.save(tmp)
         if meta:
@@ -136,9 +135,9 @@ def save_model_dir(
 
 
 def load_model_config(path) -> ModelConfig:
-    d = read_json(Path(path) / CONFIG)
+    d = read_json(Path(path) / MODEL_CONFIG)
     if d is None:
-        raise UserError(f"{path}: not a model directory (no {CONFIG})")
+        raise UserError(f"{path}: not a model directory (no {MODEL_CONFIG})")
     return ModelConfig.from_dict(d)
 
 
