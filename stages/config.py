@@ -93,7 +93,9 @@ class SftConfig:
     backend: Literal["torch", "deepspeed"] = "torch"
     zero_stage: Literal[0, 1, 2] = 1  # ZeRO-3 is not supported yet
     save_every: int = bounded(200, ge=0)  # resumable checkpoint period in steps (0 = only at the end / on preemption)
-    keep_last: int = bounded(2, ge=0)  # resumable checkpoints kept (0 = all)
+    keep_last: int = bounded(
+        2, ge=1
+    )  # resumable checkpoints kept, the newest among them (deletions on checkpoints/retention.json)
     threads: int = bounded(0, ge=0)  # torch intra-op threads; 0 = the job's CPUs
     eval_tasks: int = bounded(200, ge=0)  # val tasks per domain for the end-of-stage greedy check (0 = skip)
     eval_max_new_tokens: int = bounded(40, ge=1)  # a 3-digit arith worked solution is ~30 tokens
@@ -194,7 +196,7 @@ class RlConfig:
     eval_attempts: int = bounded(2, ge=1)
     save_every: int = bounded(10, ge=0)  # resumable checkpoint period (also at every eval)
     keep_last: int = bounded(2, ge=0)
-    keep_best: int = bounded(1, ge=0)
+    keep_best: int = bounded(1, ge=1)  # the best by val/pass@1 is never deleted
     transport: Literal["auto", "mpi", "file"] = "auto"  # auto: mpi when world > 1
     timeout_s: float = bounded(1800.0, gt=0)  # waiting for a batch or a weight version
     threads: int = bounded(0, ge=0)  # torch threads; 0 = the job's CPUs

@@ -143,11 +143,10 @@ def run(ctx) -> dict:
         return _run_rollout(ctx, cfg, comm, pool, handoff, transport)
 
     trainer = Trainer(ctx, cfg, pool, held_out, handoff, transport, comm)
-    local_rollout = None
     if role == "both":
         model, _, tok = load_model_dir(trainer.init_path, device=trainer.device)
-        local_rollout = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
-    return trainer.train(local_rollout)
+        trainer.local_rollout = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
+    return trainer.run()
 
 
 def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:

@@ -16,8 +16,6 @@ over; the student's tokens are context (masked), the teacher's are trained.
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
 from pathlib import Path
 
 import matplotlib
@@ -26,24 +24,16 @@ import numpy as np
 import torch
 
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, atomic_write_text
+from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json
+from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.stages.config import SftConfig as Config
 from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
 from snowcat.stages.taskgen import VerifierError, demonstration, load_tasks, verify
 from snowcat.stages.tokenizer import train_tokenizer
-from snowcat.stages.train import (
-    Example,
-    OptimConfig,
-    PackedLoader,
-    latest_checkpoint,
-    load_checkpoint,
-    make_backend,
-    save_checkpoint,
-    step_name,
-)
+from snowcat.stages.train import Example, OptimConfig, PackedLoader, StepStats, latest_checkpoint, make_backend
 from snowcat.stages.train.backend import init_distributed, local_device
-from snowcat.stages.train.checkpoint import prune_checkpoints
 from snowcat.stages.train.greedy import greedy_generate
+from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
 from snowcat.stages.train.loss import sft_loss
 
 RETRY_PROMPT = "That is not right. Try again."
@@ -150,6 +140,33 @@ def _plot(history: list[dict], path: Path) -> None:
 # ---------------------------------------------------------------- the stage
 
 
+class SftLoop(TrainLoop):
+    """Packed demonstration rows in, token-mean NLL (+ router losses) out; the loader's position is checkpointed."""
+
+    def __init__(self, ctx, backend, checkpoints, log, cfg: Config, loader: PackedLoader, domains: list[str]):
+        super().__init__(ctx, backend, checkpoints, log, steps=cfg.steps, save_every=cfg.save_every)
+        self.loader, self.domains = loader, domains
+
+    def next_batch(self, k: int) -> list[dict]:
+        return self.loader.next()
+
+    def loss_fn(self, model, batch, n_tokens, n_micro):
+        return sft_loss(model, batch, n_tokens, n_micro, len(self.domains))
+
+    def client_state(self) -> dict:
+        return {"loader": self.loader.state_dict()}
+
+    def record(self, stats: StepStats, batch: list[dict]) -> dict:
+        rec = {"loss": float(stats.sums["nll_sum"]) / max(stats.tokens, 1), **stats.record(), "epoch": self.loader.epoch}
+        if "domain_nll" in stats.sums:
+            nll, tokens = stats.sums["domain_nll"], stats.sums["domain_tokens"]
+            rec.update({f"loss/{d}": float(nll[i]) / float(tokens[i]) for i, d in enumerate(self.domains) if float(tokens[i])})
+        return rec
+
+    def progress_numbers(self, rec: dict) -> dict:
+        return {"loss": rec["loss"], "tok/s": rec["tokens_per_s"]}
+
+
 def run(ctx) -> dict:
     cfg: Config = ctx.config
     if cfg.model not in PRESETS and not cfg.init_from:
@@ -201,75 +218,35 @@ def run(ctx) -> dict:
         grad_clip=cfg.grad_clip,
     )
     backend = make_backend(cfg.backend, model, optim, zero_stage=cfg.zero_stage)
-    history_path = out / "metrics_history.jsonl"
-    history: list[dict] = []
-    if resume is not None:
-        client = load_checkpoint(resume, backend)
+    # no metric during SFT: retention keeps the last `keep_last` (and records what it deletes)
+    policy = RetentionPolicy(metric="val/pass@1", keep_best=1, keep_last=cfg.keep_last)
+    checkpoints = Checkpoints(
+        ckpts, backend, tok, policy, meta={"stage": ctx.name, "seed": ctx.seed, "tokenizer": tok.fingerprint()}
+    )
+    client = checkpoints.restore()
+    if client is not None:
         loader.load_state_dict(client["loader"])
-        # history lines written after the checkpoint belong to the lost future: drop them
-        if history_path.is_file():
-            history = [h for h in map(json.loads, history_path.read_text().splitlines()) if h["step"] <= backend.step]
-    if rank == 0:
-        atomic_write_text(history_path, "".join(json.dumps(h) + "\n" for h in history))
+    log = MetricsLog(
+        out / "metrics_history.jsonl",
+        restored_step=backend.step if client else None,
+        stage=ctx.name,
+        run_dir=ctx.run_dir,
+        writer=rank == 0,
+    )
+    loop = SftLoop(ctx, backend, checkpoints, log, cfg, loader, domains)
+    loop.train()
 
-    def save_step():
-        meta = {"stage": ctx.name, "seed": ctx.seed, "tokenizer": tok.fingerprint()}
-        save_checkpoint(ckpts / step_name(backend.step), backend, tok, {"loader": loader.state_dict()}, meta)
-        if rank == 0:
-            prune_checkpoints(ckpts, cfg.keep_last)
-
-    num_domains = len(domains)
-    loss_fn = lambda m, b, n, k: sft_loss(m, b, n, k, num_domains)  # noqa: E731
-    t_start = time.perf_counter()
-    tokens_seen = 0
-    log = history_path.open("a") if rank == 0 else None
-    try:
-        while backend.step < cfg.steps:
-            if ctx.checkpoint_due():
-                save_step()
-                raise ctx.Preempted(f"sft: checkpointed at step {backend.step}")
-            s = backend.train_step(loader.next(), loss_fn)
-            tokens = float(s["tokens"])
-            tokens_seen += float(s["input_tokens"])
-            rec = {
-                "step": backend.step,
-                "loss": float(s["nll_sum"]) / max(tokens, 1),
-                "lr": float(s["lr"]),
-                "grad_norm": float(s["grad_norm"]),
-                "tokens": tokens,
-                "step_time_s": float(s["step_time_s"]),
-                "tokens_per_s": float(s["input_tokens"]) / max(float(s["step_time_s"]), 1e-9),
-                "entropy": float(s["entropy_sum"]) / max(tokens, 1),
-                "epoch": loader.epoch,
-                **{f"router/{k}": float(v) / float(s["num_micro"]) for k, v in s.get("router", {}).items()},
-            }
-            if "domain_nll" in s:
-                for d, i in dom_index.items():
-                    if float(s["domain_tokens"][i]):
-                        rec[f"loss/{d}"] = float(s["domain_nll"][i]) / float(s["domain_tokens"][i])
-            history.append(rec)
-            if log is not None:
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-            ctx.progress(backend.step, cfg.steps, loss=rec["loss"], **{"tok/s": rec["tokens_per_s"]})
-            if cfg.save_every and backend.step % cfg.save_every == 0 and backend.step < cfg.steps:
-                save_step()
-    finally:
-        if log is not None:
-            log.close()
-    train_s = time.perf_counter() - t_start
-
+    history = log.records
     metrics: dict = {
         "steps": backend.step,
-        "train_seconds": round(train_s, 2),
-        "tokens_per_s": round(tokens_seen / max(train_s, 1e-9), 1),
+        "train_seconds": round(loop.train_seconds, 2),
+        "tokens_per_s": round(loop.tokens_processed / max(loop.train_seconds, 1e-9), 1),
         "final_loss": history[-1]["loss"] if history else None,
         "num_examples": len(examples),
         "num_params": model.num_params(),
     }
     if rank == 0:
-        save_model_dir(ckpts / "final", model, tok, meta={"stage": ctx.name, "seed": ctx.seed, "step": backend.step})
-        atomic_write_text(ckpts / "best", "final\n")
+        checkpoints.finish(meta={"stage": ctx.name, "seed": ctx.seed})
         if history:
             _plot(history, out / "loss_curve.png")
         if cfg.eval_tasks:

@@ -42,7 +42,8 @@ def test_card_holds_the_recorded_facts(full_run):
     ):
         assert fact in card
     assert "| all | pass@1 |" in card and "sft:initial (initializer)" in card and "sft:final (exported)" in card
-    assert "no retention ledger; what intermediate checkpoints were deleted is not recorded" in card
+    ledger = json.loads((run_dir / "stages" / "sft" / "checkpoints" / "retention.json").read_text())
+    assert f"- `sft`: policy {json.dumps(ledger['policy'])}; {len(ledger['deleted'])} checkpoint(s) deleted" in card
     assert f"snowcat reproduce {run_dir}" in card
 
 
@@ -52,11 +53,13 @@ def test_missing_facts_are_reported_as_missing(full_run, tmp_path):
     shutil.rmtree(copy / "provenance")
     (copy / "stages" / "eval" / "results.json").unlink()
     (copy / "stages" / "sft" / "checkpoints" / "initial" / "meta.json").unlink()
+    (copy / "stages" / "sft" / "checkpoints" / "retention.json").unlink()
     proc = snowcat_in_repo("card", copy, "-o", tmp_path / "card.md")
     assert proc.returncode == 0, proc.stderr
     card = (tmp_path / "card.md").read_text()
     assert "Software: not recorded (no provenance records)" in card
     assert "results.json not recorded" in card and "its results are not recorded" in card
     assert "seed not recorded" in card
+    assert "`sft`: no retention ledger; what intermediate checkpoints were deleted is not recorded" in card
     assert _front_matter(card)["snowcat"]["code_revision"] is None
     assert "model-index" not in _front_matter(card)

@@ -31,7 +31,7 @@ def test_export_loads_offline_and_matches_the_trainer(full_run, monkeypatch):
     model_dir = out / "model"
     record = json.loads((out / "export.json").read_text())
     eq = record["equivalence"]
-    assert record["source"]["ref"] == "sft:final" and "no retention ledger" in record["source"]["reason"]
+    assert record["source"]["ref"] == "sft:final" and "no retained checkpoint with a metric value" in record["source"]["reason"]
     assert eq["logits_match"] and eq["greedy_match"] and eq["chat_template_match"]
     assert eq["max_abs_dlogit"] <= eq["tolerance"] and eq["transformers_architecture"] == "Qwen3MoeForCausalLM"
     assert verify_manifest(model_dir) == []

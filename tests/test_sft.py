@@ -43,20 +43,20 @@ class Ctx(StageContext):
 def make_ctx(out: Path, tasks_dir: Path, preempt_before=None, **overrides) -> Ctx:
     ctx = Ctx.standalone(
         "sft",
-        dict(
-            model="test-micro",
-            tokenizer_vocab_size=300,
-            seq_len=96,
-            batch_rows=4,
-            steps=6,
-            save_every=3,
-            warmup_steps=2,
-            lr=3e-3,
-            eval_tasks=3,
-            eval_max_new_tokens=6,
-            threads=1,
+        {
+            "model": "test-micro",
+            "tokenizer_vocab_size": 300,
+            "seq_len": 96,
+            "batch_rows": 4,
+            "steps": 6,
+            "save_every": 3,
+            "warmup_steps": 2,
+            "lr": 3e-3,
+            "eval_tasks": 3,
+            "eval_max_new_tokens": 6,
+            "threads": 1,
             **overrides,
-        ),
+        },
         run_dir=out,
         inputs={"tasks": tasks_dir},
         seed=11,
@@ -127,6 +127,22 @@ def test_sft_outputs_and_preempted_run_resumes_bit_identically(tmp_path, tasks_d
     assert [h["loss"] for h in resumed_history] == [h["loss"] for h in history]
 
 
+def test_checkpoint_retention_is_on_record_and_a_finished_stage_continues(tmp_path, tasks_dir):
+    ctx = make_ctx(tmp_path, tasks_dir, save_every=2, keep_last=1, eval_tasks=0)
+    sft.run(ctx)
+    ckpts = ctx.out_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000006"]  # the last step is always resumable
+    ledger = json.loads((ckpts / "retention.json").read_text())
+    assert [d["step"] for d in ledger["deleted"]] == [2, 4]
+    assert all("not among the last 1" in d["reason"] for d in ledger["deleted"])
+
+    more = make_ctx(tmp_path, tasks_dir, save_every=2, keep_last=1, eval_tasks=0, steps=8)
+    assert sft.run(more)["steps"] == 8
+    history = [json.loads(line) for line in (ctx.out_dir / "metrics_history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == list(range(1, 9))
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000008"]
+
+
 def test_config_validation_names_the_key():
     assert stage_config("sft").model == "demo-tiny"  # the defaults are valid
     stage_config("sft", {"batch_rows": 8, "micro_batches": 4})
@@ -135,6 +151,7 @@ def test_config_validation_names_the_key():
         ({"backend": "jax"}, r"stages\.sft\.backend: Invalid value 'jax'"),
         ({"batch_rows": 6, "micro_batches": 4}, r"stages\.sft\.batch_rows: 6 must be a multiple of micro_batches=4"),
         ({"lr": 0}, r"stages\.sft\.lr: must be > 0"),
+        ({"keep_last": 0}, r"stages\.sft\.keep_last: must be >= 1"),
         ({"domain_repeats": {"arith": -1}}, r"stages\.sft\.domain_repeats\.arith: must be >= 0"),
     ]:
         with pytest.raises(UserError, match=f"^{error}"):

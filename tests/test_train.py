@@ -75,7 +75,7 @@ def _train(backend_name="torch", steps=4, micro=1, seed=0, cfg=MICRO):
     backend = make_backend(backend_name, model, OptimConfig(lr=1e-2, warmup_steps=2, total_steps=steps))
     loader = PackedLoader(toy_examples(), seq_len=32, pad_id=0, batch_rows=4, seed=seed, micro_batches=micro)
     losses = [backend.train_step(loader.next(), sft_loss) for _ in range(steps)]
-    return model, [float(s["nll_sum"]) / float(s["tokens"]) for s in losses]
+    return model, [float(s.sums["nll_sum"]) / s.tokens for s in losses]
 
 
 def test_loss_decreases():

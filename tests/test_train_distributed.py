@@ -37,7 +37,7 @@ def _losses(backend, loader, steps, ckpt_at=None, ckpt_dir=None):
     out = []
     while backend.step < steps:
         s = backend.train_step(loader.next(), sft_loss)
-        t = torch.stack([s["nll_sum"], s["tokens"].float()])
+        t = torch.stack([s.sums["nll_sum"], torch.tensor(s.tokens)])
         dist.all_reduce(t)
         out.append(float(t[0] / t[1]))
         if backend.step == ckpt_at:

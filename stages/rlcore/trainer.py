@@ -137,7 +137,7 @@ def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=N
         res["staleness/mean_abs_dlogp"] = _masked_mean((logp.detach() - logp_old).abs(), mask)
         res |= {
             "tokens": tokens.detach(),
-            "entropy": ((ent * mask).sum() / tokens.clamp(min=1)).detach(),
+            "entropy_sum": (ent * mask).sum().detach(),
             "router": {k: v for k, v in out.router_stats.items() if k != "expert_load"},
             "input_tokens": torch.tensor(float(batch["input_ids"].numel())),
         }

@@ -1,12 +1,13 @@
 """Training backend: optimizer/schedule, packed data, loss, train-step backends, checkpoints."""
 
-from .backend import DeepSpeedBackend, TorchBackend, local_device, make_backend, world
+from .backend import DeepSpeedBackend, StepStats, TorchBackend, local_device, make_backend, world
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_name
 from .optim import OptimConfig, lr_factor
 from .packing import Example, PackedLoader, pack_rows
 
 __all__ = [
     "DeepSpeedBackend",
+    "StepStats",
     "TorchBackend",
     "local_device",
     "make_backend",

@@ -1,7 +1,7 @@
 """Train-step backends: one optimizer step over a list of micro-batches, behind one small API.
 
     backend = make_backend("torch" | "deepspeed", model, optim_cfg, zero_stage=...)
-    stats = backend.train_step(micro_batches, loss_fn)   # loss_fn(model, batch, n_tokens, n_micro)
+    stats = backend.train_step(micro_batches, loss_fn)   # -> StepStats; loss_fn(model, batch, n_tokens, n_micro)
     backend.save_state(dir) / backend.load_state(dir)     # optimizer + schedule + step (collective)
 
 `torch`: single process, or DDP when a process group is initialised (gloo on CPU, NCCL on GPU).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,42 @@ from torch.nn.parallel import DistributedDataParallel
 from snowcat.pipeline.errors import UserError
 
 from .optim import OptimConfig, build_optimizer, lr_factor
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step reports, the same for every loss.
+
+    A loss function returns `(loss, stats)`; `stats` holds tensors summed over micro-batches:
+    `tokens` (trained target tokens), `input_tokens`, `entropy_sum` (over trained tokens), an optional
+    `router` dict (averaged over micro-batches here) and anything loss-specific, kept in `sums`."""
+
+    step: int
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    num_micro: int
+    tokens: float
+    input_tokens: float
+    entropy: float  # mean over trained tokens
+    router: dict[str, float] = field(default_factory=dict)
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.input_tokens / max(self.step_time_s, 1e-9)
+
+    def record(self) -> dict[str, float]:
+        """The fields every training log line carries."""
+        return {
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "tokens": self.tokens,
+            "entropy": self.entropy,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            **{f"router/{k}": v for k, v in self.router.items()},
+        }
 
 
 def local_device(local_rank: int = 0) -> torch.device:
@@ -100,7 +137,7 @@ class TorchBackend:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def train_step(self, micro_batches: list[dict], loss_fn) -> dict:
+    def train_step(self, micro_batches: list[dict], loss_fn) -> StepStats:
         t0 = time.perf_counter()
         lr = self.cfg.lr * lr_factor(self.step, self.cfg)
         n_tokens = _all_reduce_sum(torch.tensor(sum(int((b["targets"] >= 0).sum()) for b in micro_batches), dtype=torch.float64))
@@ -117,11 +154,22 @@ class TorchBackend:
         grad_norm = self._clip()
         self._optimizer_step()
         self.step += 1
-        acc["grad_norm"] = torch.as_tensor(float(grad_norm))
-        acc["lr"] = torch.tensor(lr)
-        acc["step_time_s"] = torch.tensor(time.perf_counter() - t0)
-        acc["num_micro"] = torch.tensor(float(len(micro_batches)))
-        return acc
+        tokens = float(acc.pop("tokens"))
+        return StepStats(
+            step=self.step,
+            lr=lr,
+            grad_norm=self._grad_norm(grad_norm),
+            step_time_s=time.perf_counter() - t0,
+            num_micro=len(micro_batches),
+            tokens=tokens,
+            input_tokens=float(acc.pop("input_tokens")),
+            entropy=float(acc.pop("entropy_sum")) / max(tokens, 1.0),
+            router={k: float(v) / len(micro_batches) for k, v in acc.pop("router", {}).items()},
+            sums=acc,
+        )
+
+    def _grad_norm(self, clipped) -> float:
+        return float(clipped)
 
     def save_state(self, dir) -> None:
         """Optimizer + schedule + step into `dir` (collective; replicated state: rank 0 writes)."""
@@ -190,13 +238,10 @@ class DeepSpeedBackend(TorchBackend):
 
     def _optimizer_step(self):
         self.engine.step()
-        self._last_norm = self.engine.get_global_grad_norm()
 
-    def train_step(self, micro_batches, loss_fn) -> dict:
-        stats = super().train_step(micro_batches, loss_fn)
-        norm = getattr(self, "_last_norm", None)
-        stats["grad_norm"] = torch.as_tensor(float(norm) if norm is not None else float("nan"))
-        return stats
+    def _grad_norm(self, _clipped) -> float:
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
 
     def save_state(self, dir) -> None:
         # ZeRO partitions optimizer state across ranks; deepspeed's own collective checkpoint

@@ -118,11 +118,3 @@ def latest_checkpoint(root, verify: bool = True) -> Path | None:
         if not verify or not verify_manifest(path):
             return path
     return None
-
-
-def prune_checkpoints(root, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` step checkpoints (0 = keep all)."""
-    if keep_last <= 0:
-        return
-    for _, path in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)

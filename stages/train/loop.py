@@ -1,0 +1,181 @@
+"""The training loop SFT and RL share, and the two things it keeps: checkpoints and the metrics log.
+
+    loop = SomeLoop(ctx, backend, Checkpoints(...), MetricsLog(...), steps=..., save_every=..., eval_every=...)
+    loop.train()        # resume-aware: starts at backend.step (restored from the newest checkpoint)
+
+A stage subclasses `TrainLoop` and says where a step's micro-batches come from (`next_batch`), what
+its log line holds (`record`) and what a checkpoint must carry to resume (`client_state`); the loop
+owns the order of everything else, which reads as a short list of component calls in `train`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from snowcat.pipeline.fsio import atomic_write_text
+from snowcat.pipeline.history import History
+from snowcat.pipeline.retention import Retention, RetentionPolicy
+from snowcat.stages.model.io import save_model_dir
+
+from .backend import StepStats
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_name
+
+
+class Checkpoints:
+    """A stage's `checkpoints/`: resumable `step_NNNNNN/` under a retention policy (every deletion on
+    the ledger `retention.json`), the trained model in `final/`, and `best` naming the one to use."""
+
+    def __init__(self, root: str | os.PathLike, backend, tokenizer, policy: RetentionPolicy, meta: dict):
+        self.root, self.backend, self.tokenizer, self.meta = Path(root), backend, tokenizer, meta
+        # one writer: rank 0 keeps the ledger; every rank writes its part of a checkpoint
+        self.retention = Retention(self.root, policy, name="step_{step:06d}") if backend.rank == 0 else None
+        self.last_saved: int | None = None
+
+    def path(self, step: int) -> Path:
+        return self.root / step_name(step)
+
+    def restore(self) -> dict | None:
+        """Load the newest verified checkpoint into the backend; its client state, or None for a fresh start."""
+        latest = latest_checkpoint(self.root)
+        if latest is None:
+            return None
+        client = load_checkpoint(latest, self.backend)
+        self.last_saved = self.backend.step
+        return client
+
+    def save(self, client_state: dict, metrics: dict | None = None) -> bool:
+        """Collective. Save the current step (once) and register it with retention; False if already saved."""
+        step = self.backend.step
+        if self.last_saved == step and self.path(step).is_dir():
+            return False
+        save_checkpoint(self.path(step), self.backend, self.tokenizer, client_state, meta=self.meta)
+        if self.retention is not None:
+            self.retention.register(step, metrics or {})
+        self.last_saved = step
+        return True
+
+    def finish(self, meta: dict) -> str:
+        """Rank 0: write `final/` (the trained model) and `best`; returns the name `best` points to."""
+        save_model_dir(self.root / "final", self.backend.model, self.tokenizer, meta={**meta, "step": self.backend.step})
+        best_step = self.retention.best()
+        best = step_name(best_step) if best_step is not None else "final"
+        atomic_write_text(self.root / "best", best + "\n")
+        return best
+
+
+class MetricsLog:
+    """`metrics_history.jsonl` (one line per step; rank 0) and the run's `history.h5`.
+
+    On resume, lines after the restored step are dropped: they belong to a future that was lost,
+    and the resumed run writes them again (history.h5 drops them itself on the next append)."""
+
+    def __init__(self, path: str | os.PathLike, *, restored_step: int | None, stage: str, run_dir, writer: bool = True):
+        self.path, self.stage, self.writer = Path(path), stage, writer
+        self.records: list[dict] = []
+        if restored_step is not None and self.path.is_file():
+            self.records = [r for r in map(json.loads, self.path.read_text().splitlines()) if r["step"] <= restored_step]
+        self.history = History(run_dir) if writer else None
+        self._file = None
+        if writer:
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+            self._file = self.path.open("a")
+
+    def append(self, rec: dict) -> None:
+        self.records.append(rec)
+        if not self.writer:
+            return
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        self.history.append(self.stage, rec["step"], {k: v for k, v in rec.items() if k != "step" and _is_number(v)})
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+class TrainLoop:
+    """Resume → (preempted? save, stop) → batch → step → record → evaluate? → log → save?, to `steps`.
+
+    The last step is always saved as a resumable checkpoint, so a finished stage can be continued
+    (raise `steps` and run again)."""
+
+    unit = "steps"
+
+    def __init__(
+        self, ctx, backend, checkpoints: Checkpoints, log: MetricsLog, *, steps: int, save_every: int, eval_every: int = 0
+    ):
+        self.ctx, self.backend, self.checkpoints, self.log = ctx, backend, checkpoints, log
+        self.steps, self.save_every, self.eval_every = steps, save_every, eval_every
+        self.train_seconds = 0.0  # of this process's run of the loop (a resumed run counts from its restart)
+        self.tokens_processed = 0.0  # input tokens stepped over in that time
+
+    # ---------------------------------------------------------------- what a stage provides
+
+    def next_batch(self, k: int) -> list[dict]:
+        """The micro-batches of update k+1 (may raise ctx.Preempted after saving)."""
+        raise NotImplementedError
+
+    def loss_fn(self, model, batch: dict, n_tokens: float, n_micro: int):
+        raise NotImplementedError
+
+    def record(self, stats: StepStats, batch: list[dict]) -> dict:
+        """The log line of a step (besides `step`)."""
+        return stats.record()
+
+    def client_state(self) -> dict:
+        """What a checkpoint carries besides weights, optimizer and RNG (data position, versions...)."""
+        return {}
+
+    def evaluate(self) -> dict:
+        return {}
+
+    def after_step(self) -> None:
+        """Right after the optimizer step (RL publishes the new weights here)."""
+
+    def progress_numbers(self, rec: dict) -> dict:
+        return {"loss": rec.get("loss", float("nan"))}
+
+    # ---------------------------------------------------------------- the loop
+
+    @property
+    def step(self) -> int:
+        return self.backend.step
+
+    def save(self, rec: dict | None = None) -> bool:
+        return self.checkpoints.save(self.client_state(), rec)
+
+    def _eval_due(self) -> bool:
+        return bool(self.eval_every) and (self.step % self.eval_every == 0 or self.step == self.steps)
+
+    def train(self) -> None:
+        ctx, t_start = self.ctx, time.perf_counter()
+        try:
+            if self.step == 0 and self.eval_every and not self.log.records:  # the initial model's score: row 0
+                self.log.append({"step": 0, **self.evaluate()})
+            while self.step < self.steps:
+                if ctx.checkpoint_due():
+                    self.save()
+                    raise ctx.Preempted(f"{ctx.name}: checkpointed at step {self.step}")
+                batch = self.next_batch(self.step)
+                stats = self.backend.train_step(batch, self.loss_fn)
+                self.tokens_processed += stats.input_tokens
+                self.after_step()
+                rec = {"step": self.step, **self.record(stats, batch)}
+                evaluated = self._eval_due()
+                if evaluated:
+                    rec.update(self.evaluate())
+                self.log.append(rec)
+                ctx.progress(self.step, self.steps, unit=self.unit, **self.progress_numbers(rec))
+                if self.step == self.steps or evaluated or (self.save_every and self.step % self.save_every == 0):
+                    self.save(rec if evaluated else None)
+            self.save()  # a no-op unless the run resumed at the last step
+        finally:
+            self.log.close()
+            self.train_seconds = time.perf_counter() - t_start
