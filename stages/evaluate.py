@@ -13,6 +13,7 @@ Outputs in the stage dir: `traces.h5` (one row per attempt), `results.json`, `pa
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 from pathlib import Path
@@ -28,117 +29,66 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 from snowcat.stages import evalstats
 from snowcat.stages.model import load_model_dir
-from snowcat.stages.rollout import EngineError, SamplingParams, TorchEngine
-from snowcat.stages.taskgen import VerifierError, load_tasks
+from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.scoring import Attempt, sample_attempts
+from snowcat.stages.taskgen import load_tasks
 from snowcat.stages.train.backend import local_device
 from snowcat.stages.verifiers import TimedVerifier
 
 # ---------------------------------------------------------------- sampling + verification
 
 
-def _attempt_seed(run_seed: int, batch_index: int) -> int:
-    # the same (task, attempt) gets the same seed for every checkpoint: common random numbers
-    # make the paired comparison sharper
-    return int(np.random.SeedSequence([run_seed, batch_index]).generate_state(1)[0])
+def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier) -> list[Attempt]:
+    """`cfg.attempts` verified answers per task from checkpoint `ref`."""
 
-
-def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier) -> list[dict]:
-    """One record per (task, attempt) for checkpoint `ref`."""
-
-    device = local_device(ctx.local_rank)
-    model, _, tok = load_model_dir(ctx.checkpoint(ref, "checkpoints"), device=device)
+    model, _, tok = load_model_dir(ctx.checkpoint(ref, "checkpoints"), device=local_device(ctx.local_rank))
     if tok is None:
         raise UserError(f"{ref}: checkpoint has no tokenizer.json")
-    engine = TorchEngine(model, max_batch=cfg.batch_size)
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (tok.end_of_turn_id,))
-    requests = [(t, a) for t in tasks for a in range(cfg.attempts)]
-    records = []
-    for b, start in enumerate(range(0, len(requests), cfg.batch_size)):
-        batch = requests[start : start + cfg.batch_size]
-        prompts = [tok.render_prompt([{"role": "user", "content": t.prompt}]) for t, _ in batch]
-        completions, causes = None, []
-        for _ in range(cfg.infra_retries + 1):
-            try:
-                completions = engine.generate(prompts, params, seed=_attempt_seed(ctx.seed, b))
-                break
-            except EngineError as e:
-                causes.append(f"engine: {e}")
-        for i, (task, attempt) in enumerate(batch):
-            rec = dict(
-                checkpoint=ref,
-                task_id=task.task_id,
-                domain=task.domain,
-                difficulty=int(task.difficulty),
-                attempt=attempt,
-                token_ids=[],
-                logprobs=[],
-                text="",
-                reward=math.nan,
-                passed=-1,
-                finish_reason="",
-                status="infra_error",
-                infra_causes=list(causes),
-            )
-            records.append(rec)
-            if completions is None:
-                continue
-            c = completions[i]
-            ids = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids  # drop the end-of-turn id
-            rec.update(
-                token_ids=c.token_ids,
-                logprobs=c.logprobs,
-                finish_reason=c.finish_reason,
-                text=tok.decode(ids, skip_special_tokens=True),
-            )
-            for _ in range(cfg.infra_retries + 1 - len(causes)):
-                try:
-                    v = verifier(task, rec["text"])
-                except VerifierError as e:
-                    rec["infra_causes"].append(f"verifier: {e}")
-                    continue
-                rec.update(reward=v.reward, passed=int(v.passed), status="truncated" if c.finish_reason == "length" else "ok")
-                break
-        scored = [r["passed"] for r in records if r["passed"] >= 0]
-        ctx.progress(
-            len(records),
-            len(requests),
-            unit="episodes",
-            phase=ref,
-            **({"pass_rate": sum(scored) / len(scored)} if scored else {}),
-        )
-    return records
+    return sample_attempts(
+        TorchEngine(model, max_batch=cfg.batch_size),
+        tok,
+        tasks,
+        params,
+        attempts=cfg.attempts,
+        seed=ctx.seed,
+        verifier=verifier,
+        retries=cfg.infra_retries,
+        batch_size=cfg.batch_size,
+        progress=functools.partial(ctx.progress, unit="episodes", phase=ref),
+    )
 
 
 # ---------------------------------------------------------------- statistics
 
 
-def _groups(records: list[dict]) -> dict[str, list[dict]]:
-    groups: dict[str, list[dict]] = {"all": records}
+def _groups(records: list[Attempt]) -> dict[str, list[Attempt]]:
+    groups: dict[str, list[Attempt]] = {"all": records}
     for r in records:
-        groups.setdefault(r["domain"], []).append(r)
-        groups.setdefault(f"{r['domain']}/d{r['difficulty']}", []).append(r)
+        groups.setdefault(r.task.domain, []).append(r)
+        groups.setdefault(f"{r.task.domain}/d{int(r.task.difficulty)}", []).append(r)
     return groups
 
 
-def per_task(records: list[dict], pass_k: list[int]) -> dict[str, dict]:
+def per_task(records: list[Attempt], pass_k: list[int]) -> dict[str, dict]:
     """task id -> n (scored attempts), c (passed), reward (mean over scored), pass@k (None if n < k)."""
     out: dict[str, dict] = {}
     for r in records:
-        t = out.setdefault(r["task_id"], {"n": 0, "c": 0, "rewards": [], "attempts": 0, "infra": 0})
+        t = out.setdefault(r.task.task_id, {"n": 0, "c": 0, "rewards": [], "attempts": 0, "infra": 0})
         t["attempts"] += 1
-        if r["status"] == "infra_error":
+        if not r.scored:
             t["infra"] += 1
             continue
         t["n"] += 1
-        t["c"] += int(r["passed"] == 1)
-        t["rewards"].append(float(r["reward"]))
+        t["c"] += int(r.passed == 1)
+        t["rewards"].append(r.reward)
     for t in out.values():
         t["reward"] = float(np.mean(t["rewards"])) if t["rewards"] else None
         t["pass"] = {k: (evalstats.pass_at_k(t["n"], t["c"], k) if t["n"] >= k else None) for k in pass_k}
     return out
 
 
-def summarize(records: list[dict], pass_k: list[int]) -> dict[str, Any]:
+def summarize(records: list[Attempt], pass_k: list[int]) -> dict[str, Any]:
     tasks = per_task(records, pass_k)
     attempts = sum(t["attempts"] for t in tasks.values())
     infra = sum(t["infra"] for t in tasks.values())
@@ -148,7 +98,7 @@ def summarize(records: list[dict], pass_k: list[int]) -> dict[str, Any]:
         "attempts": attempts,
         "infra_failures": infra,
         "infra_rate": infra / attempts if attempts else math.nan,
-        "truncated_rate": _rate([r["status"] == "truncated" for r in records if r["status"] != "infra_error"]),
+        "truncated_rate": _rate([r.status == "truncated" for r in records if r.scored]),
     }
     for k in pass_k:
         vals = [t["pass"][k] for t in tasks.values() if t["pass"][k] is not None]
@@ -164,7 +114,7 @@ def _rate(flags: list[bool]) -> float:
     return float(np.mean(flags)) if flags else math.nan
 
 
-def compare(base: list[dict], other: list[dict], seed: int, n_boot: int) -> dict[str, Any]:
+def compare(base: list[Attempt], other: list[Attempt], seed: int, n_boot: int) -> dict[str, Any]:
     """Paired pass@1 and reward difference (other - base) over tasks scored under both."""
     a, b = per_task(base, [1]), per_task(other, [1])
     common = sorted(t for t in a if t in b and a[t]["n"] and b[t]["n"])
@@ -180,20 +130,34 @@ def compare(base: list[dict], other: list[dict], seed: int, n_boot: int) -> dict
 # ---------------------------------------------------------------- outputs
 
 
-def write_traces(path: Path, records: list[dict]) -> None:
+def write_traces(path: Path, records: dict[str, list[Attempt]]) -> None:
+    rows = [(ref, r) for ref, rs in records.items() for r in rs]
     buf = io.BytesIO()
     with h5py.File(buf, "w") as f:
         text = h5py.string_dtype()
-        f.create_dataset("token_ids", data=_vlen([r["token_ids"] for r in records], np.int32), dtype=h5py.vlen_dtype(np.int32))
-        f.create_dataset("logprobs", data=_vlen([r["logprobs"] for r in records], np.float32), dtype=h5py.vlen_dtype(np.float32))
-        for name in ("checkpoint", "task_id", "domain", "status", "finish_reason"):
-            f.create_dataset(name, data=[r[name] for r in records], dtype=text)
-        # HDF5 strings cannot hold NUL; the text is a readable rendering, token_ids are exact
-        f.create_dataset("text", data=[r["text"].replace("\x00", "\ufffd") for r in records], dtype=text)
-        f.create_dataset("infra_cause", data=["; ".join(r["infra_causes"]) for r in records], dtype=text)
-        f.create_dataset("infra_retries", data=[len(r["infra_causes"]) for r in records], dtype=np.int32)
-        for name, dt in (("difficulty", np.int32), ("attempt", np.int32), ("reward", np.float32), ("passed", np.int8)):
-            f.create_dataset(name, data=np.array([r[name] for r in records], dtype=dt))
+        f.create_dataset("token_ids", data=_vlen([r.token_ids for _, r in rows], np.int32), dtype=h5py.vlen_dtype(np.int32))
+        f.create_dataset("logprobs", data=_vlen([r.logprobs for _, r in rows], np.float32), dtype=h5py.vlen_dtype(np.float32))
+        columns = {
+            "checkpoint": [ref for ref, _ in rows],
+            "task_id": [r.task.task_id for _, r in rows],
+            "domain": [r.task.domain for _, r in rows],
+            "status": [r.status for _, r in rows],
+            "finish_reason": [r.finish_reason for _, r in rows],
+            # HDF5 strings cannot hold NUL; the text is a readable rendering, token_ids are exact
+            "text": [r.text.replace("\x00", "\ufffd") for _, r in rows],
+            "infra_cause": ["; ".join(r.infra_causes) for _, r in rows],
+        }
+        for name, values in columns.items():
+            f.create_dataset(name, data=values, dtype=text)
+        numbers = {
+            "infra_retries": (np.int32, [len(r.infra_causes) for _, r in rows]),
+            "difficulty": (np.int32, [int(r.task.difficulty) for _, r in rows]),
+            "attempt": (np.int32, [r.attempt for _, r in rows]),
+            "reward": (np.float32, [r.reward for _, r in rows]),
+            "passed": (np.int8, [r.passed for _, r in rows]),
+        }
+        for name, (dt, values) in numbers.items():
+            f.create_dataset(name, data=np.array(values, dtype=dt))
         f.attrs["passed_meaning"] = "1 passed, 0 failed, -1 not scored (infra_error)"
     atomic_write_bytes(path, buf.getvalue())
 
@@ -258,7 +222,7 @@ def run(ctx: StageContext) -> dict:
         comparisons[f"{ref} - {refs[0]}"] = {
             g: compare(base[g], other[g], ctx.seed, cfg.bootstrap_samples) for g in base if g in other
         }
-    write_traces(ctx.out_dir / "traces.h5", [r for recs in records.values() for r in recs])
+    write_traces(ctx.out_dir / "traces.h5", records)
     atomic_write_json(
         ctx.out_dir / "results.json",
         _finite(

@@ -28,11 +28,12 @@ from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.stages.config import SftConfig as Config
 from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
-from snowcat.stages.taskgen import VerifierError, demonstration, load_tasks, verify
+from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.scoring import pass_rates, sample_attempts
+from snowcat.stages.taskgen import demonstration, load_tasks, verify
 from snowcat.stages.tokenizer import train_tokenizer
 from snowcat.stages.train import Example, OptimConfig, PackedLoader, StepStats, latest_checkpoint, make_backend
 from snowcat.stages.train.backend import init_distributed, local_device
-from snowcat.stages.train.greedy import greedy_generate
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
 from snowcat.stages.train.loss import sft_loss
 
@@ -109,19 +110,11 @@ def _tasks_dir(ctx, cfg: Config) -> Path:
 
 
 def greedy_pass_rate(model, tok, tasks, max_new_tokens: int) -> dict:
-    """Greedy pass@1 per domain on `tasks` (VerifierError counted apart, never as a fail)."""
-
-    prompts = [tok.render_prompt(t.messages(with_answer=False)) for t in tasks]
-    outs = greedy_generate(model, prompts, max_new_tokens, tok.end_of_turn_id, tok.pad_id)
-    per: dict[str, list[float]] = {}
-    infra = 0
-    for t, ids in zip(tasks, outs):
-        try:
-            per.setdefault(t.domain, []).append(float(verify(t, tok.decode(ids, skip_special_tokens=True)).passed))
-        except VerifierError:
-            infra += 1
-    res = {f"val_greedy_pass@1/{d}": sum(v) / len(v) for d, v in sorted(per.items())}
-    res["val_greedy_infra_errors"] = infra
+    """Greedy pass@1 per domain on `tasks` (verifier failures counted apart, never as fails)."""
+    params = SamplingParams(0.0, 0, 1.0, max_new_tokens, (tok.end_of_turn_id,))
+    scored = sample_attempts(TorchEngine(model), tok, tasks, params, attempts=1, seed=0, verifier=verify)
+    res = {f"val_greedy_pass@1/{d}": v for d, v in pass_rates(scored).items() if d != "all"}
+    res["val_greedy_infra_errors"] = sum(not r.scored for r in scored)
     return res
 
 

@@ -18,6 +18,7 @@ from snowcat.stages.model import load_model_dir, save_model_dir
 from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logprobs
 from snowcat.stages.rlcore.transport import TransportError
 from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.train import OptimConfig, StepStats, latest_checkpoint, make_backend
 from snowcat.stages.train.backend import local_device
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
@@ -54,24 +55,13 @@ def batch_metrics(trajs) -> dict[str, float]:
 
 
 def quick_eval(model, tok, tasks, params, attempts: int, seed: int, verify, batch: int = 128) -> dict[str, float]:
-    """Sampled pass rate on held-out tasks (same seeds every time: common random numbers).
-    Verifier failures are infrastructure: left out, never counted as fails."""
-
+    """Sampled pass rate on held-out tasks (same seeds every time: common random numbers)."""
     engine = TorchEngine(model, max_batch=batch)
-    reqs = [t for t in tasks for _ in range(attempts)]
-    prompts = [tok.render_prompt(t.messages(with_answer=False)) for t in reqs]
-    outs = engine.generate(prompts, params, seed=seed)
+    rates = pass_rates(
+        sample_attempts(engine, tok, tasks, params, attempts=attempts, seed=seed, verifier=verify, batch_size=batch)
+    )
     model.train()
-    per: dict[str, list[float]] = defaultdict(list)
-    for t, c in zip(reqs, outs):
-        ids = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
-        try:
-            per[t.domain].append(float(verify(t, tok.decode(ids, skip_special_tokens=True)).passed))
-        except Exception:  # noqa: BLE001 - a verifier crash is infrastructure, not a model failure
-            continue
-    res = {f"val/pass@1/{d}": float(np.mean(v)) for d, v in sorted(per.items())}
-    res["val/pass@1"] = float(np.mean([x for v in per.values() for x in v])) if per else float("nan")
-    return res
+    return {("val/pass@1" if d == "all" else f"val/pass@1/{d}"): v for d, v in rates.items()}
 
 
 class Trainer(TrainLoop):
