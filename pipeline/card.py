@@ -74,11 +74,11 @@ def _initializer(f: Facts) -> tuple[list[str], dict]:
     digest = sha256_file(manifest) if manifest.is_file() else None
     weights = {k: v["sha256"] for k, v in (read_json(manifest) or {}).get("files", {}).items() if k.endswith(".safetensors")}
     meta = read_json(init / "meta.json") or {}
-    source = first.config.get("init_from") or ""
+    source = first.config.init_from
     if source:
         what = f"checkpoint `{source}` (named by `stages.{first.name}.init_from`)"
     else:
-        what = f"fresh initialization of the `{_v(first.config.get('model'))}` preset, seed {_v(meta.get('seed'))}"
+        what = f"fresh initialization of the `{_v(first.config.model)}` preset, seed {_v(meta.get('seed'))}"
     lines = [
         f"- Initializer: {what}",
         f"- Initializer checkpoint: `{f.run.path.name}/stages/{first.name}/checkpoints/initial`, manifest sha256 `{_v(digest)}`",
@@ -112,37 +112,33 @@ def _recipe(f: Facts) -> list[str]:
         if node.kind == "sft":
             lines.append(
                 f"  - objective: supervised fine-tuning on task demonstrations (assistant tokens only), "
-                f"Relay fraction {_v(c.get('relay_fraction'))}"
+                f"Relay fraction {_v(c.relay_fraction)}"
             )
             lines.append(
-                f"  - batch: {_v(c.get('batch_rows'))} packed rows × {_v(c.get('seq_len'))} tokens, "
-                f"{_v(c.get('micro_batches'))} micro-batch(es)"
+                f"  - batch: {_v(c.batch_rows)} packed rows × {_v(c.seq_len)} tokens, {_v(c.micro_batches)} micro-batch(es)"
             )
             lines.append(
-                f"  - lr {_v(c.get('lr'))} ({_v(c.get('schedule'))}, warmup {_v(c.get('warmup_steps'))}, "
-                f"min ratio {_v(c.get('min_lr_ratio'))}), weight decay {_v(c.get('weight_decay'))}, grad clip {_v(c.get('grad_clip'))}"
+                f"  - lr {_v(c.lr)} ({_v(c.schedule)}, warmup {_v(c.warmup_steps)}, "
+                f"min ratio {_v(c.min_lr_ratio)}), weight decay {_v(c.weight_decay)}, grad clip {_v(c.grad_clip)}"
             )
-            lines.append(f"  - updates: {_v(metrics.get('steps'))} completed of {_v(c.get('steps'))} configured")
+            lines.append(f"  - updates: {_v(metrics.get('steps'))} completed of {_v(c.steps)} configured")
         else:
             lines.append(
-                f"  - estimator: {_v(c.get('estimator'))}, aggregation {_v(c.get('aggregation'))}, "
-                f"truncated importance sampling cap {_v(c.get('tis_cap'))}, staleness lag {_v(c.get('lag'))}"
+                f"  - estimator: {_v(c.estimator)}, aggregation {_v(c.aggregation)}, "
+                f"truncated importance sampling cap {_v(c.tis_cap)}, staleness lag {_v(c.lag)}"
             )
-            lines.append(f"  - batch: {_v(c.get('tasks_per_update'))} tasks × {_v(c.get('attempts'))} attempts per update")
-            lines.append(f"  - lr {_v(c.get('lr'))}, KL coef {_v(c.get('kl_coef'))}")
+            lines.append(f"  - batch: {_v(c.tasks_per_update)} tasks × {_v(c.attempts)} attempts per update")
+            lines.append(f"  - lr {_v(c.lr)}, KL coef {_v(c.kl_coef)}")
             lines.append(
-                f"  - updates: {_v(metrics.get('updates', metrics.get('steps')))} completed of {_v(c.get('updates'))} configured"
+                f"  - updates: {_v(metrics.get('updates', metrics.get('steps')))} completed of {_v(c.updates)} configured"
             )
         comps = (
             ", ".join(f"{k}: {v.nodes}×{v.gpus_per_node} GPU" for k, v in res.components.items())
             if res.components
             else f"{res.nodes} node(s) × {res.tasks_per_node} task(s) × {res.gpus_per_node} GPU"
         )
-        backend = (
-            f"{c.get('backend')}" + (f" ZeRO-{c.get('zero_stage')}" if c.get("backend") == "deepspeed" else "")
-            if c.get("backend")
-            else NR
-        )
+        name = getattr(c, "backend", None)  # RL has no choice of backend (torch)
+        backend = (f"{name}" + (f" ZeRO-{c.zero_stage}" if name == "deepspeed" else "")) if name else NR
         lines.append(f"  - parallelism: data parallel, world size {_v(world)}; backend {backend}; resources {comps}")
     return lines or [f"Recipe: {NR} (no training stage)."]
 
@@ -160,7 +156,7 @@ def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[st
             limits.append(f"Evaluation `{node.name}`: its results are {NR}.")
             continue
         # the evaluate stage's first checkpoint is its baseline (results.json keys are sorted on disk)
-        refs = [str(r) for r in node.config.get("checkpoints") or [] if str(r) in results["checkpoints"]]
+        refs = [r for r in getattr(node.config, "checkpoints", []) if r in results["checkpoints"]]
         refs += sorted(r for r in results["checkpoints"] if r not in refs)
         initial = refs[0]
         exported = exported_ref if exported_ref in refs else None
@@ -168,7 +164,7 @@ def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[st
         # "initializer" only where it is one: a checkpoint named `initial`, or what the exported stage started from
         init_refs = {r for r in refs if r.endswith(":initial")}
         if exported_ref and exported_ref.partition(":")[0] in f.dag.nodes:
-            init_refs.add(str(f.dag[exported_ref.partition(":")[0]].config.get("init_from") or ""))
+            init_refs.add(f.dag[exported_ref.partition(":")[0]].config.init_from)
         labels = [
             ("initializer" if r in init_refs else "baseline") if r == initial else ("exported" if r == exported else "")
             for r in cols
@@ -261,9 +257,7 @@ def _software(f: Facts) -> tuple[list[str], dict]:
     for image in sorted(images):
         c = json.loads(image)
         lines.append(
-            "- Container: none (stages ran on the host)"
-            if c is None
-            else f"- Container: `{c.get('image')}` sha256 `{_v(c.get('sha256'))}`"
+            "- Container: none (stages ran on the host)" if c is None else f"- Container: `{c.image}` sha256 `{_v(c.sha256)}`"
         )
     hosts = sorted({r.get("host", {}).get("hostname") or NR for r in records})
     lines.append(f"- Hosts: {', '.join(hosts)}")
@@ -295,7 +289,7 @@ def build_card(run: RunDir) -> str:
             "tasks solved. pass@1 counts only explicit verifier passes."
         )
     for node in f.nodes("sft"):
-        if node.config.get("eval_tasks"):
+        if node.config.eval_tasks:
             limits.append(
                 f"The validation split also served `{node.name}`'s end-of-stage greedy check: it is a "
                 "development set, not an independent final evaluation."

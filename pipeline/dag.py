@@ -10,8 +10,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig
 
+from snowcat.pipeline.schema import StageCommon
+
+from .config import typed
 from .errors import UserError
 
 
@@ -31,7 +34,7 @@ class StageNode:
     kind: str
     needs: list[str]
     items: list[dict[str, Any]] | None  # fan-out elements, None for a plain stage
-    config: DictConfig
+    config: StageCommon  # the stage's typed config (its kind's dataclass)
 
     @property
     def units(self) -> list[Unit]:
@@ -71,14 +74,13 @@ class Dag:
         return out
 
 
-def fan_out_items(fan_out: DictConfig, where: str) -> list[dict[str, Any]] | None:
+def fan_out_items(fan_out: dict[str, list], where: str) -> list[dict[str, Any]] | None:
     if not fan_out:
         return None
     keys = list(fan_out.keys())
     values = []
     for k in keys:
         v = fan_out[k]
-        v = OmegaConf.to_container(v, resolve=True) if isinstance(v, ListConfig) else v
         if not isinstance(v, list) or not v:
             raise UserError(f"{where}.fan_out.{k}: expected a non-empty list")
         values.append(v)
@@ -89,15 +91,15 @@ def build(cfg: DictConfig) -> Dag:
     if not cfg.stages:
         raise UserError("stages: the config declares no stages")
     nodes: dict[str, StageNode] = {}
-    for name, section in cfg.stages.items():
+    for name, section in typed(cfg).stages.items():
         where = f"stages.{name}"
-        needs = [str(n) for n in section.needs]
+        needs = list(section.needs)
         for need in needs:
             if need not in cfg.stages:
                 raise UserError(f"{where}.needs: unknown stage {need!r} (stages: {', '.join(cfg.stages.keys())})")
             if need == name:
                 raise UserError(f"{where}.needs: a stage cannot need itself")
-        nodes[str(name)] = StageNode(str(name), str(section.kind), needs, fan_out_items(section.fan_out, where), section)
+        nodes[name] = StageNode(name, section.kind, needs, fan_out_items(section.fan_out, where), section)
     return Dag(nodes)
 
 

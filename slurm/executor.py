@@ -164,7 +164,7 @@ class SlurmExecutor(Executor):
         options = {
             "job-name": f"snowcat-{self.run.run_id}-{node.name}"[:120],
             "time": int(time_min),
-            "signal": f"USR2@{int(node.config.resume.signal_margin_s)}",
+            "signal": f"USR2@{node.config.resume.signal_margin_s}",
         }
         account = self.site.account
         if account:
@@ -204,7 +204,7 @@ class SlurmExecutor(Executor):
 
     def strategy(self, node: StageNode) -> str:
         """The continuation strategy: `requeue` falls back to `chain` where the site disallows requeue."""
-        wanted = str(node.config.resume.strategy)
+        wanted = node.config.resume.strategy
         if wanted == "requeue" and not self.site.requeue_allowed:
             return "chain"
         return wanted
@@ -217,7 +217,7 @@ class SlurmExecutor(Executor):
         job = self._job_options(node, time_min)
         if dependency:
             job["dependency"] = dependency
-        max_timeouts = int(node.config.resume.max_continuations)
+        max_timeouts = node.config.resume.max_continuations
         if res.components:
             if not self.site.hetjobs_allowed:
                 raise UserError(f"stages.{node.name}: site {self.site.name} does not allow heterogeneous jobs")
@@ -237,7 +237,7 @@ class SlurmExecutor(Executor):
         params = {
             "job_name": options.pop("job-name"),
             "time": options.pop("time"),
-            "signal_delay_s": int(node.config.resume.signal_margin_s),
+            "signal_delay_s": node.config.resume.signal_margin_s,
             "setup": self._setup(node),
             "srun_args": self._launch_args(node),
             "use_srun": self.site.launcher == "srun",
@@ -278,7 +278,7 @@ class SlurmExecutor(Executor):
             terms = [t for n in node.needs if n in wait_on for t in wait_on[n]]
             jobs = [(node.name, ",".join(terms) or None)]
             if self.strategy(node) == "chain":
-                for i in range(1, int(node.config.resume.max_continuations) + 1):
+                for i in range(1, node.config.resume.max_continuations + 1):
                     jobs.append((f"{node.name}.continuation{i}", f"afterany:<job of {jobs[-1][0]}>"))
                 wait_on[node.name] = [f"afterany:<job of {jobs[-1][0]}>"]
             else:
@@ -328,7 +328,7 @@ class SlurmExecutor(Executor):
     def _submit(self, node: StageNode, dependency: str | None) -> tuple[list[str], list[str]]:
         """Submit one stage; returns (job ids, dependency terms its dependents wait on)."""
         ex = self.executor_for(node, dependency)
-        job = StageJob(str(self.run.path), node.name, self.strategy(node), int(node.config.resume.max_continuations))
+        job = StageJob(str(self.run.path), node.name, self.strategy(node), node.config.resume.max_continuations)
         pending = self.pending_units(node)
         try:
             if node.items is None:
@@ -346,7 +346,7 @@ class SlurmExecutor(Executor):
         continuations = []
         if self.strategy(node) == "chain":
             previous = ids
-            for _ in range(int(node.config.resume.max_continuations)):
+            for _ in range(node.config.resume.max_continuations):
                 cont = self.executor_for(node, ":".join(["afterany", *previous]))
                 cjobs = [cont.submit(job)] if node.items is None else cont.map_array(job, [u.index for u in pending])
                 previous = sorted({str(j.job_id).split("_")[0] for j in cjobs})
