@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from snowcat.pipeline.schema import StageCommon
+from snowcat.pipeline.schema import RunConfig, StageCommon
 
 from .config import typed
 from .errors import UserError
@@ -87,11 +87,13 @@ def fan_out_items(fan_out: dict[str, list], where: str) -> list[dict[str, Any]] 
     return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
 
 
-def build(cfg: DictConfig) -> Dag:
+def build(cfg: DictConfig | RunConfig) -> Dag:
+    """The DAG of a loaded config (as composed, or already typed: a stage's `ctx.run_config`)."""
     if not cfg.stages:
         raise UserError("stages: the config declares no stages")
+    run = cfg if isinstance(cfg, RunConfig) else typed(cfg)
     nodes: dict[str, StageNode] = {}
-    for name, section in typed(cfg).stages.items():
+    for name, section in run.stages.items():
         where = f"stages.{name}"
         needs = list(section.needs)
         for need in needs:

@@ -100,7 +100,7 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
         if path is not None:
             _save_batch(path, key, out)
         if progress is not None:
-            scored = [t.reward >= 1.0 for t in trajs if t.status != "infra_error"]  # as pass_counts counts
+            scored = [t.passed for t in trajs if t.trainable]
             progress(len(trajs), len(jobs), unit="episodes", **({"pass_rate": sum(scored) / len(scored)} if scored else {}))
         if checkpoint_due is not None and checkpoint_due() and start + cfg.batch_size < len(jobs):
             raise Preempted(f"probe: {b + 1} batches saved in {partial_dir}")
@@ -142,7 +142,7 @@ def pass_counts(tasks, trajs) -> list[dict]:
             r["infra_failures"] += 1
             continue
         r["n"] += 1
-        r["passes"] += int(tr.reward >= 1.0)
+        r["passes"] += int(tr.passed)
         r["rewards"].append(tr.reward)
     for r in rows.values():
         rewards = r.pop("rewards")

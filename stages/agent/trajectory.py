@@ -79,6 +79,11 @@ class Trajectory:
         """Whether the trainer should learn from it: infrastructure failures carry no signal."""
         return self.status != "infra_error"
 
+    @property
+    def passed(self) -> bool:
+        """Full credit: what probe, select and RL count as a pass (partial credit is reward only)."""
+        return self.reward >= 1.0
+
     def __eq__(self, other) -> bool:  # arrays compare by value
         if not isinstance(other, Trajectory):
             return NotImplemented

@@ -33,7 +33,7 @@ def batch_metrics(trajs) -> dict[str, float]:
         by_dom[t.domain].append(t)
     ok = [t for t in trajs if t.trainable]
     rec["reward/mean"] = float(np.mean([t.reward for t in ok])) if ok else float("nan")
-    rec["pass_rate"] = float(np.mean([t.reward >= 1.0 for t in ok])) if ok else float("nan")
+    rec["pass_rate"] = float(np.mean([t.passed for t in ok])) if ok else float("nan")
     for d, ts in sorted(by_dom.items()):
         good = [t for t in ts if t.trainable]
         if good:
