@@ -30,6 +30,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     mlp_only_layers: list[int] = field(default_factory=list)  # dense SwiGLU layers (HF `mlp_only_layers`)
     dense_intermediate_size: int = 0  # width of those dense layers (HF `intermediate_size`)
+    qk_norm: str = "head"  # RMSNorm of q and k per head (Qwen3) or over all heads at once ("full", OLMoE)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -40,6 +41,8 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even (rotary embedding)")
         if self.mlp_only_layers and self.dense_intermediate_size <= 0:
             raise ValueError("mlp_only_layers needs dense_intermediate_size > 0")
+        if self.qk_norm not in ("head", "full"):
+            raise ValueError(f"qk_norm={self.qk_norm!r} must be 'head' or 'full'")
 
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.mlp_only_layers
@@ -62,7 +65,8 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
     Active = everything a token touches: embeddings, attention, norms, router, shared expert and
     `experts_per_token` routed experts (the usual "A2B" convention, embeddings included)."""
     H, D = cfg.hidden_size, cfg.head_dim
-    attn = H * cfg.num_heads * D * 2 + H * cfg.num_kv_heads * D * 2 + 2 * D  # q,o + k,v + q/k norms
+    qk_norms = (cfg.num_heads + cfg.num_kv_heads) * D if cfg.qk_norm == "full" else 2 * D
+    attn = H * cfg.num_heads * D * 2 + H * cfg.num_kv_heads * D * 2 + qk_norms  # q,o + k,v + q/k norms
     norms = 2 * H
     expert = 3 * H * cfg.moe_intermediate_size
     shared = 3 * H * cfg.shared_expert_intermediate_size + (H if cfg.shared_expert_intermediate_size else 0)

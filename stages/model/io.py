@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import MODEL_CONFIG, atomic_dir, atomic_write_json, read_json, verify_manifest, write_manifest
 from snowcat.stages.tokenizer import ChatTokenizer
 
+from . import hf
 from .config import ModelConfig
 from .modeling import MoEForCausalLM
 
@@ -54,24 +57,65 @@ def hf_state_dict(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_hf_state_dict(model: MoEForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of `hf_state_dict` (strict: every parameter must be present, nothing extra)."""
-    fused: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    plain = {}
-    for name, t in tensors.items():
+def _fused(tensors: Iterable[tuple[str, torch.Tensor]], num_experts: int, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert hub tensors stacked into the model's fused expert tensors, a layer as soon as its
+    experts are all read (so at most one layer's experts exist twice); other tensors pass through."""
+    pending: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in tensors:
         m = _PER_EXPERT.match(name)
-        if m:
-            prefix, e, kind = m.groups()
-            fused.setdefault(prefix, {}).setdefault(int(e), {})[kind] = t
-        else:
-            plain[name] = t
-    for prefix, experts in fused.items():
-        ids = sorted(experts)
-        plain[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in ids])
-        plain[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in ids])
+        if not m:
+            yield name, t
+            continue
+        prefix, e, kind = m.groups()
+        layer = pending.setdefault(prefix, {})
+        layer.setdefault(int(e), {})[kind] = t
+        if len(layer) == num_experts and all(len(parts) == 3 for parts in layer.values()):
+            experts = [layer[e] for e in sorted(pending.pop(prefix))]
+            yield f"{prefix}.gate_up_proj", torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in experts])
+            yield f"{prefix}.down_proj", torch.stack([x["down_proj"] for x in experts])
+    for prefix, layer in pending.items():
+        have = sorted(layer)
+        raise UserError(
+            f"{where}: {prefix}: tensors of {len(have)} experts (ids {have[0]}..{have[-1]}), the model has {num_experts}"
+        )
+
+
+def _state_dict(model: MoEForCausalLM, tensors, where: str, convert=lambda t: t) -> dict[str, torch.Tensor]:
+    state = {name: convert(t) for name, t in _fused(tensors, model.config.num_experts, where)}
     if model.config.tie_word_embeddings:
-        plain["lm_head.weight"] = plain["model.embed_tokens.weight"]
-    model.load_state_dict(plain, strict=True)
+        state.pop("lm_head.weight", None)  # a checkpoint may store the tied head too
+        if "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    wanted = set(model.state_dict())
+    missing, extra = sorted(wanted - set(state)), sorted(set(state) - wanted)
+    if missing or extra:
+        what = f"missing tensor {missing[0]}" if missing else f"unexpected tensor {extra[0]}"
+        raise UserError(f"{where}: {what} ({len(missing)} missing, {len(extra)} unexpected for this model config)")
+    return state
+
+
+def load_hf_state_dict(model: MoEForCausalLM, tensors: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+    """Inverse of `hf_state_dict` (strict: every parameter must be present, nothing extra)."""
+    model.load_state_dict(_state_dict(model, tensors.items(), where), strict=True)
+
+
+def stream_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a model directory's safetensors, one shard file open at a time (memory-mapped)."""
+    path = Path(path)
+    if (path / SINGLE).is_file():
+        files = [path / SINGLE]
+    else:
+        index = read_json(path / INDEX)
+        if index is None:
+            raise UserError(f"{path}: neither {SINGLE} nor {INDEX}")
+        files = [path / name for name in sorted(set(index["weight_map"].values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise UserError(f"{path / INDEX}: shard {absent[0]} is missing ({len(absent)} of {len(files)} shards absent)")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def _write_tensors(dir: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
@@ -98,16 +142,7 @@ def _write_tensors(dir: Path, tensors: dict[str, torch.Tensor], max_shard_bytes:
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    path = Path(path)
-    if (path / SINGLE).is_file():
-        return load_file(str(path / SINGLE))
-    index = read_json(path / INDEX)
-    if index is None:
-        raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX}")
-    out = {}
-    for fname in sorted(set(index["weight_map"].values())):
-        out.update(load_file(str(path / fname)))
-    return out
+    return dict(stream_tensors(path))
 
 
 def save_model_dir(
@@ -135,33 +170,47 @@ def save_model_dir(
 
 
 def load_model_config(path) -> ModelConfig:
-    d = read_json(Path(path) / MODEL_CONFIG)
-    if d is None:
-        raise UserError(f"{path}: not a model directory (no {MODEL_CONFIG})")
-    return ModelConfig.from_dict(d)
+    """From a snowcat model directory (model_config.json) or a Hugging Face checkpoint (config.json)."""
+    path = Path(path)
+    d = read_json(path / MODEL_CONFIG)
+    if d is not None:
+        return ModelConfig.from_dict(d)
+    if (path / hf.CONFIG).is_file():
+        return hf.model_config_from_hf(hf.read_hf_config(path), str(path / hf.CONFIG))
+    raise UserError(f"{path}: not a model directory (no {MODEL_CONFIG} or {hf.CONFIG})")
+
+
+def load_weights(path, cfg: ModelConfig, device="cpu", dtype: torch.dtype | None = None) -> MoEForCausalLM:
+    """The model of `cfg` with the directory's weights, each tensor read (memory-mapped), cast and
+    placed once: the parameters are the loaded tensors, never a second full copy."""
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+
+    model.load_state_dict(_state_dict(model, stream_tensors(path), str(path), place), strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+    model.model.inv_freq = inv_freq.to(device)  # a non-persistent buffer: not in any checkpoint
+    return model
 
 
 def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify: bool = True):
-    """(model, cfg, tokenizer) from a model directory; sha256 checked against the manifest."""
+    """(model, cfg, tokenizer) from a model directory; sha256 checked against the manifest when it has one."""
 
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"{path}: model directory not found")
-    if verify:
+    if verify and ((path / MODEL_CONFIG).is_file() or (path / "manifest.json").is_file()):  # ours always have one
         problems = verify_manifest(path)
         if problems:
             raise UserError(f"{path}: corrupt model directory: {problems[0]}")
     cfg = load_model_config(path)
-    with torch.device("meta"):
-        model = MoEForCausalLM(cfg)
-    model = model.to_empty(device="cpu")
-    model.model.inv_freq.copy_(1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-    load_hf_state_dict(model, read_tensors(path))
-    if cfg.tie_word_embeddings:  # to_empty() broke the tie; restore it
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model = model.to(device=device, dtype=dtype) if dtype else model.to(device)
+    model = load_weights(path, cfg, device, dtype)
     tokenizer = None
-    if (path / "tokenizer.json").is_file():
+    if (path / "tokenizer.json").is_file() and (path / MODEL_CONFIG).is_file():
         tokenizer = ChatTokenizer.load(path)
     return model, cfg, tokenizer
 

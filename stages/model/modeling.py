@@ -62,13 +62,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * D, H, bias=False)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        # per head (Qwen3) or over the whole projection (OLMoE): the norm's width says which
+        self.full_qk_norm = cfg.qk_norm == "full"
+        self.q_norm = RMSNorm(cfg.num_heads * D if self.full_qk_norm else D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.num_kv_heads * D if self.full_qk_norm else D, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: tuple | None = None):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        if self.full_qk_norm:
+            q = self.q_norm(self.q_proj(x)).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+            k = self.k_norm(self.k_proj(x)).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        else:
+            q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+            k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin

@@ -21,6 +21,7 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
+from snowcat.pipeline.errors import UserError
 from snowcat.stages.model import KVCache, load_model_dir
 from snowcat.stages.model.io import load_hf_state_dict, read_tensors
 from snowcat.stages.rollout.sampling import SamplingParams, sample
@@ -80,7 +81,7 @@ class TorchEngine:
         try:
             tensors = read_tensors(Path(model_dir))
             load_hf_state_dict(self.model, {k: v.to(self.device) for k, v in tensors.items()})
-        except (OSError, RuntimeError, KeyError, ValueError) as e:
+        except (OSError, RuntimeError, KeyError, ValueError, UserError) as e:  # a missing/torn weights dir: infrastructure
             raise EngineError(f"{model_dir}: cannot load weights: {e}") from e
 
     @torch.no_grad()

@@ -1,0 +1,143 @@
+"""Hugging Face checkpoints in and out: `config.json` <-> `ModelConfig`, and the `hf:` model source.
+
+Supported architectures (`model_type`): `qwen3_moe` and `qwen3` (dense: every layer a SwiGLU MLP),
+and `olmoe` — chosen over Mixtral because it is the same block as Qwen3-MoE except for one thing
+the model already parameterises (q/k RMSNorm over the whole projection instead of per head),
+while Mixtral has no q/k norm and its own tensor names. Anything in a `config.json` that the
+trainer cannot represent (sliding windows, rope scaling, attention biases, other activations,
+qkv clipping, dropout) is refused with the field's name: never silently dropped.
+
+Torch-free on purpose: `snowcat config` reads a checkpoint's size from here on a login node.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from snowcat.pipeline.errors import UserError
+
+from .config import ModelConfig
+
+PREFIX = "hf:"
+SUPPORTED = ("qwen3_moe", "qwen3", "olmoe")
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "olmoe": "OlmoeForCausalLM"}
+CONFIG = "config.json"
+
+
+def is_hf_source(spec: str) -> bool:
+    return isinstance(spec, str) and spec.startswith(PREFIX)
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return json.loads((path / CONFIG).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: not a Hugging Face checkpoint (no {CONFIG})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path / CONFIG}: not valid JSON ({e})") from None
+
+
+def _refuse(where: str, key: str, value, why: str) -> UserError:
+    return UserError(f"{where}: {key}={value!r}: {why}")
+
+
+def _rope_theta(hf: dict, where: str) -> float:
+    """The rope base; any rope scaling kind (yarn, linear, dynamic, llama3...) is refused."""
+    params = hf.get("rope_parameters") or {}
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        raise _refuse(where, "rope_parameters.rope_type", kind, "only plain rotary embeddings ('default') are supported")
+    scaling = hf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise _refuse(where, "rope_scaling", scaling, "rope scaling is not supported")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _check_common(hf: dict, where: str) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _refuse(where, "hidden_act", hf["hidden_act"], "only SwiGLU (silu) MLPs are supported")
+    if hf.get("attention_bias"):
+        raise _refuse(where, "attention_bias", True, "attention projections with biases are not supported")
+    if hf.get("use_sliding_window") or (hf.get("sliding_window") and hf.get("model_type") not in ("qwen3", "qwen3_moe")):
+        raise _refuse(
+            where, "use_sliding_window", hf.get("use_sliding_window", True), "sliding-window attention is not supported"
+        )
+    layer_types = hf.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        bad = next(t for t in layer_types if t != "full_attention")
+        raise _refuse(where, "layer_types", bad, "only full attention layers are supported")
+    if float(hf.get("attention_dropout") or 0.0):
+        raise _refuse(where, "attention_dropout", hf["attention_dropout"], "dropout is not supported")
+    if hf.get("clip_qkv") is not None:
+        raise _refuse(where, "clip_qkv", hf["clip_qkv"], "clipping q/k/v is not supported")
+
+
+def model_config_from_hf(hf: dict, where: str) -> ModelConfig:
+    """The trainer's ModelConfig for a checkpoint's config.json (`where` names the file in errors)."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise UserError(f"{where}: model_type={kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    _check_common(hf, where)
+    L = int(hf["num_hidden_layers"])
+    heads = int(hf["num_attention_heads"])
+    common = dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_layers=L,
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        rope_theta=_rope_theta(hf, where),
+        max_position_embeddings=int(hf["max_position_embeddings"]),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+        # these checkpoints were not trained with a router z-loss; keep the objective theirs
+        router_z_loss_coef=float(hf.get("router_z_loss_coef", 0.0)),
+    )
+    if kind == "qwen3":
+        width = int(hf["intermediate_size"])
+        moe = dict(num_experts=1, experts_per_token=1, moe_intermediate_size=width, router_aux_loss_coef=0.0)
+        return _build(where, common, moe, mlp_only_layers=list(range(L)), dense_intermediate_size=width)
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if experts <= 0:
+        raise _refuse(where, "num_experts", experts, "a mixture-of-experts model needs experts")
+    moe = dict(
+        num_experts=experts,
+        experts_per_token=int(hf["num_experts_per_tok"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
+    if kind == "olmoe":
+        return _build(where, common, moe, moe_intermediate_size=int(hf["intermediate_size"]), qk_norm="full")
+    # qwen3_moe: a layer is sparse unless listed in mlp_only_layers or skipped by decoder_sparse_step
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense = sorted(set(hf.get("mlp_only_layers") or []) | {i for i in range(L) if (i + 1) % step})
+    return _build(
+        where,
+        common,
+        moe,
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        mlp_only_layers=dense,
+        dense_intermediate_size=int(hf["intermediate_size"]) if dense else 0,
+    )
+
+
+def _build(where: str, *parts: dict, **more) -> ModelConfig:
+    try:
+        return ModelConfig(**{k: v for part in parts for k, v in part.items()}, **more)
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The architecture a ModelConfig exports as (the inverse of `model_config_from_hf`)."""
+    all_dense = len(cfg.mlp_only_layers) == cfg.num_layers
+    if cfg.qk_norm == "full":
+        if cfg.mlp_only_layers:
+            raise UserError("export: an OLMoE-style model (qk_norm 'full') with dense layers has no Hugging Face architecture")
+        return "olmoe"
+    return "qwen3" if all_dense else "qwen3_moe"

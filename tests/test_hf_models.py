@@ -1,0 +1,130 @@
+"""Hugging Face checkpoints in: snowcat's model equals transformers on the same files.
+
+Small random checkpoints are built here with transformers itself (`<Arch>ForCausalLM(config)
+.save_pretrained`), one file and sharded; head_dim stays >= 32 (vLLM's CPU attention rejects 16).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from snowcat.pipeline.errors import UserError
+from snowcat.stages.model import count_params, load_model_dir
+from snowcat.stages.model.hf import hf_model_type, model_config_from_hf, read_hf_config
+
+COMMON = dict(
+    vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128
+)
+
+ARCHES = {
+    # experts in layers 1 and 2 only (decoder_sparse_step 2 and mlp_only_layers), renormalised top-k
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON,
+        head_dim=32,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32, intermediate_size=96, tie_word_embeddings=True),
+    # OLMoE's head_dim is hidden_size / heads: 64 / 2 = 32
+    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+}
+
+
+def _save(cfg, path, seed: int, **kwargs):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # norms start at 1: randomise them so a mixed-up norm cannot pass
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, **kwargs)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(ARCHES))
+def checkpoint(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    hf_model = _save(ARCHES[request.param](), root / "single", seed=0)
+    shutil.copytree(root / "single", root / "sharded")
+    (root / "sharded" / "model.safetensors").unlink()
+    hf_model.save_pretrained(root / "sharded", max_shard_size="40KB")
+    assert len(list((root / "sharded").glob("model-*.safetensors"))) > 2
+    return request.param, hf_model, root
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_logits_equal_transformers(checkpoint, layout):
+    arch, hf_model, root = checkpoint
+    model, cfg, _ = load_model_dir(root / layout)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf_model(ids).logits
+        got = model.logits(model(ids).hidden)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert hf_model_type(cfg) == arch  # what export will write back
+    total, _ = count_params(cfg)
+    assert total == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_mapped_config_keeps_what_matters():
+    qwen = model_config_from_hf(ARCHES["qwen3_moe"]().to_dict(), "config.json")
+    assert qwen.mlp_only_layers == [0] and qwen.dense_intermediate_size == 96 and qwen.norm_topk_prob
+    assert qwen.rope_theta == 5000.0 and qwen.head_dim == 32 and qwen.router_z_loss_coef == 0.0
+    step = model_config_from_hf({**ARCHES["qwen3_moe"]().to_dict(), "decoder_sparse_step": 2, "mlp_only_layers": []}, "c")
+    assert step.mlp_only_layers == [0, 2]  # HF: layer i is sparse iff (i + 1) % step == 0
+    olmoe = model_config_from_hf(ARCHES["olmoe"]().to_dict(), "c")
+    assert olmoe.qk_norm == "full" and olmoe.moe_intermediate_size == 32 and not olmoe.mlp_only_layers
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        ({"model_type": "mixtral"}, r"model_type='mixtral' is not supported \(supported: qwen3_moe, qwen3, olmoe\)"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, r"rope_parameters\.rope_type='yarn'"),
+        ({"use_sliding_window": True, "sliding_window": 64}, r"use_sliding_window=True: sliding-window attention"),
+        ({"attention_bias": True}, r"attention_bias=True"),
+        ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+        ({"num_key_value_heads": 3}, r"num_heads=2 is not a multiple of num_kv_heads=3"),
+    ],
+)
+def test_unsupported_features_are_refused_by_name(tmp_path, change, error):
+    cfg = {**ARCHES["qwen3_moe"]().to_dict(), **change}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=rf"^{tmp_path}/config\.json: {error}"):
+        load_model_dir(tmp_path)
+
+
+def test_missing_shard_and_missing_tensor_name_the_file(tmp_path, checkpoint):
+    _, _, root = checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "sharded", broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(UserError, match=rf"model\.safetensors\.index\.json: shard {shard.name} is missing"):
+        load_model_dir(broken)
+    assert read_hf_config(broken)["model_type"]
+
+    pruned = tmp_path / "pruned"
+    shutil.copytree(root / "single", pruned)
+    tensors = load_file(pruned / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, pruned / "model.safetensors")
+    with pytest.raises(UserError, match=r"pruned: missing tensor model\.norm\.weight \(1 missing, 0 unexpected"):
+        load_model_dir(pruned)
+
+
+def test_a_checkpoint_without_config_is_not_a_model(tmp_path):
+    with pytest.raises(UserError, match="not a model directory"):
+        load_model_dir(tmp_path)
