@@ -123,6 +123,12 @@ class ChatTokenizer:
         ids, _ = self.encode_chat(messages)
         return ids + [self.role_ids["assistant"]]
 
+    def observation_ids(self, role: str, content: str) -> list[int]:
+        """Ids to append after an assistant turn that ended with <|end|> (as sampled): a `role`
+        message, then the next assistant header (exactly what `encode_chat` gives for them)."""
+        ids, _ = self.encode_chat([{"role": role, "content": content}])
+        return ids + [self.role_ids["assistant"]]
+
     def save(self, dir) -> Path:
         path = Path(dir) / FILE
         atomic_write_text(path, self._tok.to_str(pretty=False))
@@ -136,3 +142,16 @@ class ChatTokenizer:
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(json.loads(self._tok.to_str()), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_tokenizer(dir):
+    """A model directory's tokenizer: the checkpoint's own (tokenizer_config.json with a chat
+    template: `HFChatTokenizer`) or snowcat's locally trained one (tokenizer.json alone); None if neither."""
+    path = Path(dir)
+    if (path / "tokenizer_config.json").is_file():
+        from snowcat.stages.hf_tokenizer import HFChatTokenizer  # noqa: PLC0415 (transformers takes seconds to import)
+
+        return HFChatTokenizer.load(path)
+    if (path / FILE).is_file():
+        return ChatTokenizer.load(path)
+    return None

@@ -1,5 +1,6 @@
 """Token-in-token-out: the training sequence holds exactly the sampled ids, though re-tokenising
-the sampled text would change them (this repo's BPE merges 'h'+'e' -> 'he' and so on)."""
+the sampled text would change them (this repo's BPE merges 'h'+'e' -> 'he' and so on). Every test
+runs with snowcat's local tokenizer and with a checkpoint-style HF tokenizer and chat template."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hf_fixtures import hf_chat_tokenizer
 from test_agent import tiny_model, tiny_tasks, tiny_tokenizer
 
 from snowcat.stages.agent import Budget, CalculatorEnv, EpisodeJob, episode_seed, run_episodes
@@ -20,10 +22,14 @@ BUDGET = Budget(max_context=160, max_turn_tokens=6, max_turns=4, recover_long_tu
 PARAMS = SamplingParams(temperature=1.0)
 
 
-@pytest.fixture(scope="module")
-def rollout():
+@pytest.fixture(scope="module", params=["local", "hf"])
+def rollout(request, tmp_path_factory):
     arith, closure = tiny_tasks()
-    tok = tiny_tokenizer(arith + closure)
+    if request.param == "local":
+        tok = tiny_tokenizer(arith + closure)
+    else:
+        texts = [t.prompt for t in arith + closure] + [t.answer for t in arith + closure] + ["turn cut at tokens; answer briefly"]
+        tok = hf_chat_tokenizer(texts, tmp_path_factory.mktemp("tokenizer"), vocab_size=300)
     model = tiny_model(tok, seed=1)  # untrained: it samples arbitrary token sequences, the worst case for TITO
     engine = TorchEngine(model, max_batch=16)
     jobs = [EpisodeJob(t, group_id=g, attempt=a) for g, t in enumerate(arith[:2] + closure[:2]) for a in range(2)]

@@ -115,10 +115,9 @@ def teacher_messages(task, env_name: str, tool_domains: tuple[str, ...] = ("arit
 
 
 def tool_message_ids(tok, text: str) -> list[int]:
-    """`<|tool|> <tool_result> text </tool_result> <|end|> <|assistant|>`: exactly what `encode_chat`
-    gives for the same tool message, followed by the header of the next assistant turn."""
-    ids, _ = tok.encode_chat([{"role": "tool", "content": f"<tool_result>{text}</tool_result>"}])
-    return ids + [tok.role_ids["assistant"]]
+    """A tool message `<tool_result>text</tool_result>` and the next assistant header, as the
+    tokenizer's chat template renders them after a finished assistant turn."""
+    return tok.observation_ids("tool", f"<tool_result>{text}</tool_result>")
 
 
 def _strip_stop(tok, ids: list[int]) -> list[int]:

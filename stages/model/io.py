@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import MODEL_CONFIG, atomic_dir, atomic_write_json, read_json, verify_manifest, write_manifest
-from snowcat.stages.tokenizer import ChatTokenizer
+from snowcat.stages.tokenizer import load_tokenizer
 
 from . import hf
 from .config import ModelConfig
@@ -209,10 +209,7 @@ def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify:
             raise UserError(f"{path}: corrupt model directory: {problems[0]}")
     cfg = load_model_config(path)
     model = load_weights(path, cfg, device, dtype)
-    tokenizer = None
-    if (path / "tokenizer.json").is_file() and (path / MODEL_CONFIG).is_file():
-        tokenizer = ChatTokenizer.load(path)
-    return model, cfg, tokenizer
+    return model, cfg, load_tokenizer(path)
 
 
 def model_dir_meta(path) -> dict:

@@ -1,0 +1,64 @@
+"""A checkpoint-style tokenizer built locally (there is no hub here): byte-level BPE from
+`tokenizers`, wrapped in `PreTrainedTokenizerFast` with a ChatML chat template that renders tool
+calls and tool results the way Qwen3's does (`<tool_call>` JSON blocks, `<tool_response>`)."""
+
+from __future__ import annotations
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from snowcat.stages.hf_tokenizer import HFChatTokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+CHAT_TEMPLATE = """{%- for m in messages -%}
+{%- if m.role == 'tool' -%}
+<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}
+{%- for call in m.tool_calls | default([]) %}
+<tool_call>
+{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+
+
+def hf_tokenizer_files(texts: list[str], out_dir, vocab_size: int = 400) -> None:
+    """tokenizer.json, tokenizer_config.json and chat_template.jinja in `out_dir`."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"[\[\]{}()]"), behavior="isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts) * 2, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:2] + SPECIALS[3:],
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(str(out_dir))
+
+
+def hf_chat_tokenizer(texts: list[str], out_dir, vocab_size: int = 400) -> HFChatTokenizer:
+    hf_tokenizer_files(texts, out_dir, vocab_size)
+    return HFChatTokenizer.load(out_dir)
