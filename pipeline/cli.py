@@ -17,14 +17,16 @@ from rich.table import Table
 from rich.text import Text
 
 from snowcat.slurm import cluster
+from snowcat.stages.model import hf
 
-from . import audit, card, doctor, reproduce
+from . import audit, card, doctor, offline, reproduce
 from . import config as config_mod
 from .dag import Dag, build
 from .errors import UserError
 from .executors import make_executor
 from .progress import progress_lines, styled
 from .rundir import RunDir, new_run_id
+from .schema import hf_sources, hub_id
 from .scrub import env_secrets
 
 out = Console(highlight=False)
@@ -252,7 +254,36 @@ def cmd_cancel(args) -> int:
 def cmd_config(args) -> int:
     cfg = config_mod.load(args.config, list(args.overrides), site=args.site)
     print(OmegaConf.to_yaml(cfg, sort_keys=False), end="")
+    for line in _model_sizes(config_mod.typed(cfg)):
+        print(f"# {line}")  # comments: the output stays a valid config
     return 0
+
+
+def _model_sizes(run) -> list[str]:
+    """One line per hf: model a stage names whose config.json is readable here (local or staged)."""
+    staged = {}
+    for stage in run.stages.values():
+        if stage.kind == "prestage":
+            staged |= {name: e["_root"] + "/" + e["path"] for name, e in offline.load_index(stage.staging_dir).items()}
+    lines = []
+    for name, stage in run.stages.items():
+        for key, source in hf_sources(stage):
+            repo = hub_id(source)
+            path = Path(source.removeprefix("hf:")).expanduser() if repo is None else staged.get(repo)
+            if path is None:
+                lines.append(f"stages.{name}.{key} {source}: not staged yet (its size shows once prestage ran)")
+                continue
+            try:
+                mcfg = hf.model_config_from_hf(hf.read_hf_config(path), f"{path}/config.json")
+            except UserError as e:
+                lines.append(f"stages.{name}.{key} {source}: {e}")
+                continue
+            backend, zero = getattr(stage, "backend", "torch"), getattr(stage, "zero_stage", 0)
+            world = stage.resources.nodes * stage.resources.tasks_per_node
+            lines.append(
+                f"stages.{name}.{key} {source}: " + hf.describe(mcfg, backend=backend, zero_stage=zero, world_size=world)
+            )
+    return lines
 
 
 def cmd_cluster(args) -> int:

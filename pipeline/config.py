@@ -24,7 +24,16 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.schema import Problem, RunConfig, StageCommon, parse_checkpoint_ref, range_problems
+from snowcat.pipeline.schema import (
+    HF_PREFIX,
+    Problem,
+    RunConfig,
+    StageCommon,
+    hf_sources,
+    hub_id,
+    parse_checkpoint_ref,
+    range_problems,
+)
 from snowcat.slurm.site import SiteProfile
 from snowcat.stages.config import KINDS
 
@@ -231,8 +240,8 @@ def _ref_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Pro
     if fields:
         refs += [(f"stages.{name}.fan_out.checkpoint", ref) for ref in stage.fan_out.get("checkpoint", [])]
     for key, ref in refs:
-        if ref == "":
-            continue  # "": the stage's documented default choice
+        if ref == "" or ref.startswith(HF_PREFIX):
+            continue  # "": the stage's documented default choice; hf: sources are checked apart
         try:
             needed, ckpt = parse_checkpoint_ref(ref)
         except ValueError as e:
@@ -251,12 +260,26 @@ def _ref_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Pro
             yield key, f"{ref!r}: stage {needed!r} (kind {producer.kind}) writes only {', '.join(names)}"
 
 
+def _hf_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Problem]:
+    """A hub model must be staged by a prestage stage: compute nodes cannot fetch it."""
+    staged = {a.name for s in cfg.stages.values() if s.kind == "prestage" for a in s.artefacts}
+    for key, source in hf_sources(stage):
+        repo = hub_id(source)
+        if repo is not None and repo not in staged:
+            yield (
+                f"stages.{name}.{key}",
+                f"{source!r} is neither a local directory nor staged: add {{kind: model, name: {repo}}} to a prestage "
+                "stage's artefacts (it fetches on a node with internet; compute nodes have none)",
+            )
+
+
 def _problems(cfg: RunConfig) -> Iterator[Problem]:
     yield from range_problems(cfg, "")
     if cfg.site is not None:
         yield from ((_join("site", key), why) for key, why in cfg.site.problems())
     for name, stage in cfg.stages.items():
         yield from _ref_problems(cfg, name, stage)
+        yield from _hf_problems(cfg, name, stage)
         for key, problem in stage.problems():
             yield _join(f"stages.{name}", key), problem
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .fsio import build_manifest, read_json, sha256_bytes, sha256_file
+from .schema import hf_sources, hub_id
 
 INDEX = "index.json"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -110,7 +111,8 @@ def prepare(ctx) -> dict[str, Path]:
     if it lists nothing. Returns the staged paths by name ({} when nothing applies).
     """
     cfg = ctx.run_config
-    names = list(ctx.config.staged)
+    # hub models the stage names (hf:org/name) must be staged too; it then runs offline
+    names = list(dict.fromkeys([*ctx.config.staged, *filter(None, (hub_id(v) for _, v in hf_sources(ctx.config)))]))
     site_online = cfg.site.internet_on_compute if cfg.site is not None else None
     staging_dirs = [s.staging_dir for s in cfg.stages.values() if s.kind == "prestage"]
     if names and not staging_dirs:

@@ -9,6 +9,7 @@ import dataclasses
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from omegaconf import MISSING
@@ -32,6 +33,26 @@ def checkpoint_refs(default: str | list[str] = ""):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"checkpoint_ref": True})
     return field(default=default, metadata={"checkpoint_ref": True})
+
+
+HF_PREFIX = "hf:"  # a Hugging Face checkpoint: hf:<local dir> or hf:<org/name> staged by a prestage stage
+
+
+def hf_sources(stage) -> list[tuple[str, str]]:
+    """(field, "hf:...") for every model source a stage's config names (model, init_from, checkpoints...)."""
+    out = []
+    for f in dataclasses.fields(stage):
+        value = getattr(stage, f.name)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and v.startswith(HF_PREFIX):
+                out.append((f.name, v))
+    return out + [("fan_out.checkpoint", v) for v in stage.fan_out.get("checkpoint", []) if str(v).startswith(HF_PREFIX)]
+
+
+def hub_id(source: str) -> str | None:
+    """ "org/name" for a hub source (what a prestage artefact is named), None for a local directory."""
+    ref = source.removeprefix(HF_PREFIX)
+    return None if Path(ref).expanduser().is_dir() else ref
 
 
 def parse_checkpoint_ref(ref: str) -> tuple[str, str]:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from snowcat.pipeline.schema import Problem, bounded, checkpoint_refs
+from snowcat.pipeline.schema import HF_PREFIX, Problem, bounded, checkpoint_refs
 from snowcat.stages.model.config import PRESETS
 from snowcat.stages.taskgen import DOMAINS
 
@@ -72,8 +72,8 @@ class TasksConfig:
 
 @dataclass
 class SftConfig:
-    model: str = "demo-tiny"  # a stages.model PRESETS name
-    init_from: str = checkpoint_refs("")  # "<stage>:<checkpoint>" to start from a trained model instead of a fresh init
+    model: str = "demo-tiny"  # a stages.model PRESETS name (fresh init), or "hf:<dir or org/name>" (pretrained)
+    init_from: str = checkpoint_refs("")  # "<stage>:<checkpoint>" or "hf:..." to continue from instead of `model`
     tokenizer_vocab_size: int = bounded(512, ge=256)  # when training the tokenizer (fresh init only; bytes first)
     tasks_input: str = "tasks"  # name of the needed tasks stage
     seq_len: int = bounded(256, ge=8)
@@ -93,9 +93,8 @@ class SftConfig:
     backend: Literal["torch", "deepspeed"] = "torch"
     zero_stage: Literal[0, 1, 2] = 1  # ZeRO-3 is not supported yet
     save_every: int = bounded(200, ge=0)  # resumable checkpoint period in steps (0 = only at the end / on preemption)
-    keep_last: int = bounded(
-        2, ge=1
-    )  # resumable checkpoints kept, the newest among them (deletions on checkpoints/retention.json)
+    # resumable checkpoints kept, the newest among them (deletions on checkpoints/retention.json)
+    keep_last: int = bounded(2, ge=1)
     threads: int = bounded(0, ge=0)  # torch intra-op threads; 0 = the job's CPUs
     eval_tasks: int = bounded(200, ge=0)  # val tasks per domain for the end-of-stage greedy check (0 = skip)
     eval_max_new_tokens: int = bounded(40, ge=1)  # a 3-digit arith worked solution is ~30 tokens
@@ -105,8 +104,8 @@ class SftConfig:
         return ("final", "best", "step_*") + (() if self.init_from else ("initial",))
 
     def problems(self) -> Iterator[Problem]:
-        if not self.init_from and self.model not in PRESETS:
-            yield "model", f"{self.model!r} is not a preset ({', '.join(PRESETS)})"
+        if not self.init_from and self.model not in PRESETS and not self.model.startswith(HF_PREFIX):
+            yield "model", f"{self.model!r} is not a preset ({', '.join(PRESETS)}) or an hf: checkpoint"
         if self.batch_rows % self.micro_batches:
             yield "batch_rows", f"{self.batch_rows} must be a multiple of micro_batches={self.micro_batches}"
         for domain, n in self.domain_repeats.items():

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json
+from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, build_manifest
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.stages.config import SftConfig as Config
-from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
+from snowcat.stages.model import PRESETS, MoEForCausalLM, hf, load_model_dir, save_model_dir
+from snowcat.stages.model.io import load_model_config
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import demonstration, load_tasks, verify
@@ -130,6 +131,29 @@ def _plot(history: list[dict], path: Path) -> None:
     atomic_write_figure(path, fig)
 
 
+def load_pretrained(ctx, cfg: Config, rank: int, world_size: int):
+    """The `hf:` checkpoint named by `model`, with its tokenizer; its size is printed before loading."""
+    path = ctx.checkpoint(cfg.model, "model")
+    mcfg = load_model_config(path)
+    if rank == 0:
+        print(
+            f"[snowcat] {cfg.model}: " + hf.describe(mcfg, backend=cfg.backend, zero_stage=cfg.zero_stage, world_size=world_size),
+            flush=True,
+        )
+    model, mcfg, tok = load_model_dir(path)
+    if tok is None:
+        raise UserError(
+            f"stages.{ctx.name}.model: {cfg.model!r} ({path}) has no tokenizer (tokenizer.json + tokenizer_config.json)"
+        )
+    return model, mcfg, tok
+
+
+def source_files(ctx, cfg: Config) -> dict[str, str]:
+    """sha256 of every file of the pretrained checkpoint, for the card's lineage."""
+    path = ctx.checkpoint(cfg.model, "model")
+    return {name: entry["sha256"] for name, entry in build_manifest(path).items()}
+
+
 # ---------------------------------------------------------------- the stage
 
 
@@ -162,8 +186,6 @@ class SftLoop(TrainLoop):
 
 def run(ctx) -> dict:
     cfg: Config = ctx.config
-    if cfg.model not in PRESETS and not cfg.init_from:
-        raise UserError(f"sft.model={cfg.model!r} is not a preset ({', '.join(PRESETS)})")
     torch.set_num_threads(cfg.threads or ctx.threads)
     rank, world_size = init_distributed(ctx.rank, ctx.world_size)
     out = Path(ctx.out_dir)
@@ -181,6 +203,17 @@ def run(ctx) -> dict:
     else:
         if (ckpts / "initial").is_dir():
             model, mcfg, tok = load_model_dir(ckpts / "initial")
+        elif hf.is_hf_source(cfg.model):
+            model, mcfg, tok = load_pretrained(ctx, cfg, rank, world_size)
+            if rank == 0:
+                meta = {
+                    "stage": ctx.name,
+                    "seed": ctx.seed,
+                    "step": 0,
+                    "source": cfg.model,
+                    "source_files": source_files(ctx, cfg),
+                }
+                save_model_dir(ckpts / "initial", model, tok, meta=meta)
         else:
             tok = train_tokenizer(tokenizer_corpus(train_tasks), cfg.tokenizer_vocab_size)
             mcfg = PRESETS[cfg.model]

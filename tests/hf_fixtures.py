@@ -62,3 +62,34 @@ def hf_tokenizer_files(texts: list[str], out_dir, vocab_size: int = 400) -> None
 def hf_chat_tokenizer(texts: list[str], out_dir, vocab_size: int = 400) -> HFChatTokenizer:
     hf_tokenizer_files(texts, out_dir, vocab_size)
     return HFChatTokenizer.load(out_dir)
+
+
+def tiny_checkpoint(out_dir, texts: list[str], arch: str = "qwen3_moe", seed: int = 0):
+    """A random Hugging Face checkpoint (weights, config.json) with the tokenizer above: what a
+    hub download looks like, small enough for a test. head_dim 32 (vLLM's CPU floor)."""
+    import torch  # noqa: PLC0415 (the tokenizer helpers above need no torch)
+    import transformers  # noqa: PLC0415
+
+    hf_tokenizer_files(texts, out_dir, vocab_size=300)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out_dir))
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    configs = {
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common, head_dim=32, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+        ),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32, intermediate_size=96),
+        "olmoe": lambda: transformers.OlmoeConfig(**common, intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    }
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(configs[arch]())
+    model.save_pretrained(str(out_dir))
+    return model.eval()

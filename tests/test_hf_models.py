@@ -9,14 +9,20 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+import snowcat.stages.sft as sft
+from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
+from snowcat.stages.hf_tokenizer import HFChatTokenizer
 from snowcat.stages.model import count_params, load_model_dir
 from snowcat.stages.model.hf import hf_model_type, model_config_from_hf, read_hf_config
+from snowcat.stages.model.io import hf_state_dict
+from snowcat.stages.taskgen import demonstration, generate_domain, save_tasks, split_tasks
 
 COMMON = dict(
     vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128
@@ -128,3 +134,44 @@ def test_missing_shard_and_missing_tensor_name_the_file(tmp_path, checkpoint):
 def test_a_checkpoint_without_config_is_not_a_model(tmp_path):
     with pytest.raises(UserError, match="not a model directory"):
         load_model_dir(tmp_path)
+
+
+# ---------------------------------------------------------------- hf: sources in stages
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    from hf_fixtures import tiny_checkpoint  # noqa: PLC0415 (a test helper module beside this file)
+
+    root = tmp_path_factory.mktemp("tiny-hf")
+    rng = np.random.default_rng(0)
+    train, val = [], []
+    for domain, diffs in [("closure", [1, 2]), ("arith", [2])]:
+        tr, va = split_tasks(generate_domain(rng, domain, diffs, 24), 4, rng)
+        train, val = train + tr, val + va
+    save_tasks(root / "tasks", "train", train)
+    save_tasks(root / "tasks", "val", val)
+    texts = [t.prompt for t in train] + [demonstration(t) for t in train]
+    hf_model = tiny_checkpoint(root / "model", texts)
+    return root, hf_model
+
+
+def test_sft_starts_from_an_hf_checkpoint_with_its_tokenizer(tiny_hf, capsys):
+    root, _ = tiny_hf
+    values = dict(
+        model=f"hf:{root / 'model'}", steps=3, seq_len=96, batch_rows=4, warmup_steps=1, lr=1e-3, eval_tasks=2, threads=1
+    )
+    ctx = StageContext.standalone("sft", values, run_dir=root / "run", inputs={"tasks": root / "tasks"}, seed=3)
+    metrics = sft.run(ctx)
+    assert "qwen3_moe:" in capsys.readouterr().out and metrics["steps"] == 3  # the size, printed before loading
+    ckpts = ctx.out_dir / "checkpoints"
+    initial, _, tok = load_model_dir(ckpts / "initial")
+    assert hf_state_dict(initial).keys() == load_file(root / "model" / "model.safetensors").keys()
+    for name, t in load_file(root / "model" / "model.safetensors").items():
+        assert torch.equal(hf_state_dict(initial)[name], t), name  # bit for bit, before any update
+    assert isinstance(tok, HFChatTokenizer) and tok.fingerprint() == HFChatTokenizer.load(root / "model").fingerprint()
+    meta = json.loads((ckpts / "initial" / "meta.json").read_text())
+    assert meta["source"] == values["model"] and meta["source_files"]["config.json"]
+    final, _, final_tok = load_model_dir(ckpts / "final")
+    assert isinstance(final_tok, HFChatTokenizer)
+    assert not torch.equal(final.lm_head.weight, initial.lm_head.weight)  # it trained

@@ -170,3 +170,32 @@ stages:
     assert "HF_HUB_OFFLINE" not in os.environ
     ctx.config = dataclasses.replace(ctx.config, staged=["org/tiny-model"])
     assert set(offline.prepare(ctx)) == {"org/tiny-model"} and os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_an_hf_hub_source_resolves_to_the_staged_copy_offline_and_is_refused_unstaged(tmp_path, sources, monkeypatch):
+    for key in [*offline.OFFLINE_ENV, "HF_HOME"]:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    staging = tmp_path / "staging"
+    unstaged = "stages:\n  sft: {kind: sft, model: 'hf:org/tiny-model'}\n"
+    (tmp_path / "bad.yaml").write_text(unstaged)
+    with pytest.raises(UserError, match=r"stages\.sft\.model: 'hf:org/tiny-model' is neither a local directory nor staged: add "):
+        config_mod.load(tmp_path / "bad.yaml")
+    (tmp_path / "run.yaml").write_text(f"""\
+stages:
+  stage_in:
+    kind: prestage
+    staging_dir: {staging}
+    artefacts: [{{kind: model, name: org/tiny-model, path: {sources["model"]}}}]
+  sft: {{kind: sft, needs: [stage_in], model: 'hf:org/tiny-model'}}
+""")
+    run = RunDir.create(config_mod.load(tmp_path / "run.yaml"), tmp_path / "run")
+    ctx = runner_context(run.path, "sft")
+    with pytest.raises(UserError, match="'org/tiny-model' is not staged"):  # before the prestage stage ran
+        offline.prepare(ctx)
+    prestage.prestage(staging, ctx.run_config.stages["stage_in"].artefacts)
+    ctx.staged = offline.prepare(ctx)  # as the runner does before run(ctx)
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    path = ctx.checkpoint("hf:org/tiny-model", "model")
+    assert path == ctx.staged["org/tiny-model"] and path.is_relative_to(staging)
+    assert ctx.checkpoint(f"hf:{sources['model']}", "model") == sources["model"]  # a local directory as it is

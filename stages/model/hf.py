@@ -18,7 +18,7 @@ from typing import Any
 
 from snowcat.pipeline.errors import UserError
 
-from .config import ModelConfig
+from .config import ModelConfig, count_params
 
 PREFIX = "hf:"
 SUPPORTED = ("qwen3_moe", "qwen3", "olmoe")
@@ -141,3 +141,22 @@ def hf_model_type(cfg: ModelConfig) -> str:
             raise UserError("export: an OLMoE-style model (qk_norm 'full') with dense layers has no Hugging Face architecture")
         return "olmoe"
     return "qwen3" if all_dense else "qwen3_moe"
+
+
+def describe(cfg: ModelConfig, *, dtype_bytes: int = 4, backend: str = "torch", zero_stage: int = 0, world_size: int = 1) -> str:
+    """Parameters (total / active per token) and the memory the trainer will hold per rank."""
+    total, active = count_params(cfg)
+    shards = world_size if backend == "deepspeed" else 1
+    weights = total * dtype_bytes
+    grads = weights / (shards if zero_stage >= 2 else 1)
+    adam = total * 8 / (shards if zero_stage >= 1 else 1)  # AdamW's two fp32 moments
+    zero = f" ZeRO-{zero_stage} over {world_size}" if backend == "deepspeed" else ""
+    return (
+        f"{hf_model_type(cfg)}: {total / 1e6:,.2f} M parameters ({active / 1e6:,.2f} M active per token); "
+        f"weights {_gib(weights)}; training state {_gib(weights + grads + adam)} per rank "
+        f"({backend}{zero}: weights + gradients + AdamW moments; activations come on top)"
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
