@@ -243,7 +243,8 @@ class EvaluateConfig:
 
 @dataclass
 class ExportConfig:
-    checkpoint: str = checkpoint_refs("")  # "<needed stage>:<name>"; "" = best retained checkpoint of the needed training stage
+    # "<needed stage>:<name>" or "hf:..."; "" = the best retained checkpoint of the needed training stage
+    checkpoint: str = checkpoint_refs("")
     dtype: ExportDtype = "float32"  # dtype of the exported weights
     max_shard_mb: int = bounded(4096, ge=1)
     probe_rows: int = bounded(4, ge=1)  # seeded random token rows for the logit comparison

@@ -1,4 +1,7 @@
-"""`export` stage: a trained checkpoint as a Hugging Face `Qwen3MoeForCausalLM` model, proven equivalent.
+"""`export` stage: a trained checkpoint as a Hugging Face model, proven equivalent.
+
+The architecture is the one the model came in as (`hf:` sources: Qwen3-MoE, Qwen3, OLMoE) and
+Qwen3-MoE for snowcat's own models; a checkpoint's own tokenizer is written back as its files were.
 
 Outputs in the stage dir:
     model/          config.json, generation_config.json, model*.safetensors (+ index), tokenizer.json,
@@ -33,10 +36,11 @@ from safetensors.torch import load_file, save_file
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, checkpoint_dir, read_json, sha256_file, write_manifest
-from snowcat.pipeline.schema import parse_checkpoint_ref
+from snowcat.pipeline.schema import HF_PREFIX, parse_checkpoint_ref
 from snowcat.stages.model import hf_state_dict, load_model_dir
+from snowcat.stages.model.hf import hf_config_dict
 from snowcat.stages.model.io import _write_tensors
-from snowcat.stages.tokenizer import SPECIAL_TOKENS
+from snowcat.stages.tokenizer import SPECIAL_TOKENS, ChatTokenizer
 from snowcat.stages.train.greedy import greedy_generate
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -115,43 +119,10 @@ def _read_json(path: Path):
 
 
 def hf_config(mcfg, tok, dtype: str) -> dict:
-    """config.json of `Qwen3MoeForCausalLM` for a snowcat ModelConfig (refuses what it cannot express)."""
+    """config.json for a snowcat ModelConfig in the architecture it came from (or Qwen3-MoE)."""
     import transformers  # noqa: PLC0415 (transformers takes seconds to import; only the export check needs it)
 
-    if mcfg.shared_expert_intermediate_size:
-        raise UserError("export: the model has a shared expert, which Qwen3MoeForCausalLM cannot express")
-    if mcfg.expert_capacity_factor > 0:
-        raise UserError("export: the model drops tokens (expert_capacity_factor > 0); Qwen3MoeForCausalLM is dropless")
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": mcfg.vocab_size,
-        "hidden_size": mcfg.hidden_size,
-        "intermediate_size": mcfg.dense_intermediate_size or mcfg.moe_intermediate_size,
-        "num_hidden_layers": mcfg.num_layers,
-        "num_attention_heads": mcfg.num_heads,
-        "num_key_value_heads": mcfg.num_kv_heads,
-        "head_dim": mcfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": mcfg.max_position_embeddings,
-        "initializer_range": mcfg.initializer_range,
-        "rms_norm_eps": mcfg.rms_norm_eps,
-        "use_cache": True,
-        "tie_word_embeddings": mcfg.tie_word_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": mcfg.rope_theta},
-        "rope_theta": mcfg.rope_theta,  # transformers 4 reads this key
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": list(mcfg.mlp_only_layers),
-        "moe_intermediate_size": mcfg.moe_intermediate_size,
-        "num_experts": mcfg.num_experts,
-        "num_experts_per_tok": mcfg.experts_per_token,
-        "norm_topk_prob": mcfg.norm_topk_prob,
-        "output_router_logits": False,
-        "router_aux_loss_coef": mcfg.router_aux_loss_coef,
+    return hf_config_dict(mcfg) | {
         "bos_token_id": None,
         "eos_token_id": tok.end_of_turn_id,
         "pad_token_id": tok.pad_id,
@@ -232,9 +203,10 @@ def convert(src: Path, dst: Path, dtype: str = "float32", max_shard_bytes: int =
         _write_tensors(tmp, tensors, max_shard_bytes)
         atomic_write_json(tmp / "config.json", config)
         atomic_write_json(tmp / "generation_config.json", generation_config(tok))
-        tok.save(tmp)
-        for name, obj in tokenizer_files(tok, mcfg.max_position_embeddings).items():
-            atomic_write_json(tmp / name, obj)
+        tok.save(tmp)  # a checkpoint's own tokenizer writes its original files; snowcat's gets a config beside
+        if isinstance(tok, ChatTokenizer):
+            for name, obj in tokenizer_files(tok, mcfg.max_position_embeddings).items():
+                atomic_write_json(tmp / name, obj)
         files = write_manifest(tmp)
     return {
         "files": len(files),
@@ -364,9 +336,16 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
 def run(ctx) -> dict:
     cfg = ctx.config
     torch.set_num_threads(ctx.threads)
-    src, choice = choose_checkpoint(dict(ctx.inputs), cfg.checkpoint)
+    if cfg.checkpoint.startswith(HF_PREFIX):  # a pretrained checkpoint as it is: the round trip
+        src, choice = (
+            ctx.checkpoint(cfg.checkpoint, "checkpoint"),
+            {"ref": cfg.checkpoint, "reason": "named in the export stage's config"},
+        )
+    else:
+        src, choice = choose_checkpoint(dict(ctx.inputs), cfg.checkpoint)
     out = Path(ctx.out_dir)
     conversion = convert(src, out / "model", cfg.dtype, cfg.max_shard_mb << 20, cfg.debug_corrupt)
+    architecture = read_json(out / "model" / "config.json")["architectures"][0]
     check = check_equivalence(src, out / "model", cfg, ctx.seed)
     record = {
         "source": {
@@ -376,7 +355,7 @@ def run(ctx) -> dict:
             "meta": read_json(src / "meta.json", {}),
         },
         "format": {
-            "architecture": "Qwen3MoeForCausalLM",
+            "architecture": architecture,
             "dtype": cfg.dtype,
             "expert_layout": "per-expert hub names",
             **conversion,

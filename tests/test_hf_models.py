@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 import snowcat.stages.sft as sft
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
+from snowcat.stages import export
 from snowcat.stages.hf_tokenizer import HFChatTokenizer
 from snowcat.stages.model import count_params, load_model_dir
 from snowcat.stages.model.hf import hf_model_type, model_config_from_hf, read_hf_config
@@ -175,3 +176,21 @@ def test_sft_starts_from_an_hf_checkpoint_with_its_tokenizer(tiny_hf, capsys):
     final, _, final_tok = load_model_dir(ckpts / "final")
     assert isinstance(final_tok, HFChatTokenizer)
     assert not torch.equal(final.lm_head.weight, initial.lm_head.weight)  # it trained
+
+
+@pytest.mark.parametrize("arch", list(ARCHES))
+def test_export_of_an_hf_checkpoint_is_the_same_model_and_tokenizer(tmp_path, arch):
+    from hf_fixtures import tiny_checkpoint  # noqa: PLC0415 (a test helper module beside this file)
+
+    source = tmp_path / "source"
+    tiny_checkpoint(source, ["What is 12+30?", "42", "hello world"], arch=arch)
+    values = dict(checkpoint=f"hf:{source}", max_new_tokens=4, probe_prompts=["hello", "12+30"])
+    ctx = StageContext.standalone("export", values, run_dir=tmp_path / "run", seed=0)
+    export.run(ctx)  # raises unless transformers, offline, gives the same logits, greedy tokens and template ids
+    out = ctx.out_dir / "model"
+    record = json.loads((ctx.out_dir / "export.json").read_text())
+    assert record["format"]["architecture"] == read_hf_config(source)["architectures"][0]
+    got, want = load_file(out / "model.safetensors"), load_file(source / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)  # bit for bit
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (source / name).read_bytes()

@@ -143,6 +143,66 @@ def hf_model_type(cfg: ModelConfig) -> str:
     return "qwen3" if all_dense else "qwen3_moe"
 
 
+def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json fields of the architecture `cfg` exports as (inverse of `model_config_from_hf`;
+    the caller adds token ids and dtype). Refuses what that architecture cannot express."""
+    kind = hf_model_type(cfg)
+    if cfg.shared_expert_intermediate_size and kind != "qwen3":
+        raise UserError(f"export: the model has a shared expert, which {ARCHITECTURES[kind]} cannot express")
+    if cfg.expert_capacity_factor > 0:
+        raise UserError(f"export: the model drops tokens (expert_capacity_factor > 0); {ARCHITECTURES[kind]} is dropless")
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "initializer_range": cfg.initializer_range,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "use_cache": True,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,  # transformers 4 reads this key
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+    }
+    if kind == "qwen3":
+        return out | {
+            "head_dim": cfg.head_dim,
+            "intermediate_size": cfg.dense_intermediate_size,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        }
+    if cfg.head_dim * cfg.num_heads != cfg.hidden_size and kind == "olmoe":
+        raise UserError(f"export: OLMoE needs head_dim * heads == hidden_size, got {cfg.head_dim} * {cfg.num_heads}")
+    moe = {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "output_router_logits": False,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+    }
+    if kind == "olmoe":
+        return out | moe | {"intermediate_size": cfg.moe_intermediate_size, "clip_qkv": None}
+    return (
+        out
+        | moe
+        | {
+            "head_dim": cfg.head_dim,
+            "intermediate_size": cfg.dense_intermediate_size or cfg.moe_intermediate_size,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(cfg.mlp_only_layers),
+            "use_sliding_window": False,
+            "sliding_window": None,
+        }
+    )
+
+
 def describe(cfg: ModelConfig, *, dtype_bytes: int = 4, backend: str = "torch", zero_stage: int = 0, world_size: int = 1) -> str:
     """Parameters (total / active per token) and the memory the trainer will hold per rank."""
     total, active = count_params(cfg)
