@@ -75,7 +75,14 @@ def _initializer(f: Facts) -> tuple[list[str], dict]:
     weights = {k: v["sha256"] for k, v in (read_json(manifest) or {}).get("files", {}).items() if k.endswith(".safetensors")}
     meta = read_json(init / "meta.json") or {}
     source = first.config.init_from
-    if source:
+    lineage = meta.get("lineage") or {}
+    if lineage:
+        where = f"hub id `{lineage['hub_id']}`" if lineage.get("hub_id") else "a local directory"
+        what = (
+            f"pretrained checkpoint `{lineage['source']}` (named by `stages.{first.name}.model`; {where}, "
+            f"revision {_v(lineage.get('revision'))}, license {_v(lineage.get('license'))})"
+        )
+    elif source:
         what = f"checkpoint `{source}` (named by `stages.{first.name}.init_from`)"
     else:
         what = f"fresh initialization of the `{_v(first.config.model)}` preset, seed {_v(meta.get('seed'))}"
@@ -84,6 +91,10 @@ def _initializer(f: Facts) -> tuple[list[str], dict]:
         f"- Initializer checkpoint: `{f.run.path.name}/stages/{first.name}/checkpoints/initial`, manifest sha256 `{_v(digest)}`",
     ]
     lines += [f"  - `{k}` sha256 `{v}`" for k, v in sorted(weights.items())]
+    if lineage:
+        lines.append(f"- Pretrained source files (as loaded; staged copy sha256 `{_v(lineage.get('staged_sha256'))}`):")
+        lines += [f"  - `{k}` sha256 `{v}`" for k, v in sorted(lineage.get("files", {}).items())]
+        return lines, {"initializer_manifest_sha256": digest, "base_model": lineage.get("hub_id") or lineage["source"]}
     return lines, {"initializer_manifest_sha256": digest}
 
 
@@ -301,7 +312,9 @@ def build_card(run: RunDir) -> str:
     if export_record is None:
         limits.append("No verified export: the inference-equivalence of any published weights is not established.")
 
+    base_model = init_meta.pop("base_model", None)
     meta: dict[str, Any] = {
+        **({"base_model": base_model} if base_model else {}),  # the Hugging Face model-card field for lineage
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
         "tags": ["snowcat", "mixture-of-experts", "qwen3_moe", "coding-agent"],

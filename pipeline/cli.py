@@ -290,6 +290,11 @@ def cmd_cluster(args) -> int:
     return cluster.main([args.action] + (["--root", args.root] if args.root else []))
 
 
+def cmd_tiny_hf(args) -> int:
+    # torch and transformers load only when this command runs (as for bench)
+    return importlib.import_module("snowcat.stages.model.tiny_hf").main(list(args.args))
+
+
 def cmd_bench(args) -> int:
     try:
         module = importlib.import_module(f"snowcat.benchmarks.{args.name}")
@@ -363,6 +368,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("name")
     b.add_argument("args", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
+
+    th = sub.add_parser("tiny-hf", help="write a small random Hugging Face checkpoint + tokenizer (tests, configs/hf-tiny.yaml)")
+    th.add_argument("args", nargs=argparse.REMAINDER, help="OUT_DIR [--arch qwen3_moe|qwen3|olmoe] [--seed N]")
+    th.set_defaults(func=cmd_tiny_hf)
     return p
 
 

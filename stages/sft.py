@@ -25,7 +25,9 @@ import torch
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, build_manifest
+from snowcat.pipeline.offline import load_index
 from snowcat.pipeline.retention import RetentionPolicy
+from snowcat.pipeline.schema import hub_id
 from snowcat.stages.config import SftConfig as Config
 from snowcat.stages.model import PRESETS, MoEForCausalLM, hf, load_model_dir, save_model_dir
 from snowcat.stages.model.io import load_model_config
@@ -148,10 +150,24 @@ def load_pretrained(ctx, cfg: Config, rank: int, world_size: int):
     return model, mcfg, tok
 
 
-def source_files(ctx, cfg: Config) -> dict[str, str]:
-    """sha256 of every file of the pretrained checkpoint, for the card's lineage."""
+def lineage(ctx, cfg: Config) -> dict:
+    """Where the pretrained initializer came from, for the card: hub id, revision, license, the
+    sha256 of each of its files (and of the staged copy as prestage recorded it)."""
     path = ctx.checkpoint(cfg.model, "model")
-    return {name: entry["sha256"] for name, entry in build_manifest(path).items()}
+    repo = hub_id(cfg.model)
+    entry: dict = {}
+    if repo is not None and ctx.run_config is not None:
+        for stage in ctx.run_config.stages.values():
+            if stage.kind == "prestage":
+                entry = load_index(stage.staging_dir).get(repo, entry)
+    return {
+        "source": cfg.model,
+        "hub_id": repo,
+        "revision": entry.get("source", {}).get("revision") or hf.snapshot_revision(path),
+        "staged_sha256": entry.get("sha256"),
+        "license": hf.checkpoint_license(path),
+        "files": {name: e["sha256"] for name, e in build_manifest(path).items()},
+    }
 
 
 # ---------------------------------------------------------------- the stage
@@ -206,13 +222,7 @@ def run(ctx) -> dict:
         elif hf.is_hf_source(cfg.model):
             model, mcfg, tok = load_pretrained(ctx, cfg, rank, world_size)
             if rank == 0:
-                meta = {
-                    "stage": ctx.name,
-                    "seed": ctx.seed,
-                    "step": 0,
-                    "source": cfg.model,
-                    "source_files": source_files(ctx, cfg),
-                }
+                meta = {"stage": ctx.name, "seed": ctx.seed, "step": 0, "lineage": lineage(ctx, cfg)}
                 save_model_dir(ckpts / "initial", model, tok, meta=meta)
         else:
             tok = train_tokenizer(tokenizer_corpus(train_tasks), cfg.tokenizer_vocab_size)

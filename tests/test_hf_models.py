@@ -18,12 +18,14 @@ from safetensors.torch import load_file, save_file
 import snowcat.stages.sft as sft
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import sha256_file
 from snowcat.stages import export
 from snowcat.stages.hf_tokenizer import HFChatTokenizer
 from snowcat.stages.model import count_params, load_model_dir
 from snowcat.stages.model.hf import hf_model_type, model_config_from_hf, read_hf_config
 from snowcat.stages.model.io import hf_state_dict
 from snowcat.stages.taskgen import demonstration, generate_domain, save_tasks, split_tasks
+from tests.conftest import REPO, Snowcat
 
 COMMON = dict(
     vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128
@@ -154,6 +156,7 @@ def tiny_hf(tmp_path_factory):
     save_tasks(root / "tasks", "val", val)
     texts = [t.prompt for t in train] + [demonstration(t) for t in train]
     hf_model = tiny_checkpoint(root / "model", texts)
+    (root / "model" / "README.md").write_text("---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n# tiny\n")
     return root, hf_model
 
 
@@ -172,7 +175,10 @@ def test_sft_starts_from_an_hf_checkpoint_with_its_tokenizer(tiny_hf, capsys):
         assert torch.equal(hf_state_dict(initial)[name], t), name  # bit for bit, before any update
     assert isinstance(tok, HFChatTokenizer) and tok.fingerprint() == HFChatTokenizer.load(root / "model").fingerprint()
     meta = json.loads((ckpts / "initial" / "meta.json").read_text())
-    assert meta["source"] == values["model"] and meta["source_files"]["config.json"]
+    lineage = meta["lineage"]
+    assert lineage["source"] == values["model"] and lineage["hub_id"] is None  # a local directory
+    assert lineage["license"] == "apache-2.0"  # from the model card's front matter
+    assert lineage["files"]["model.safetensors"] == sha256_file(root / "model" / "model.safetensors")
     final, _, final_tok = load_model_dir(ckpts / "final")
     assert isinstance(final_tok, HFChatTokenizer)
     assert not torch.equal(final.lm_head.weight, initial.lm_head.weight)  # it trained
@@ -194,3 +200,30 @@ def test_export_of_an_hf_checkpoint_is_the_same_model_and_tokenizer(tmp_path, ar
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)  # bit for bit
     for name in ("tokenizer.json", "chat_template.jinja"):
         assert (out / name).read_bytes() == (source / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_hf_tiny_config_runs_from_a_staged_checkpoint_to_a_card_with_its_lineage(tmp_path):
+    """configs/hf-tiny.yaml as a user runs it: `snowcat tiny-hf`, then the run (its artefact path and
+    run root pointed into tmp_path)."""
+    snowcat = Snowcat(tmp_path)
+    snowcat("tiny-hf", tmp_path / "tiny", check=True)
+    config = (REPO / "configs" / "hf-tiny.yaml").read_text().replace("path: logs/tiny-hf/qwen3_moe", f"path: {tmp_path / 'tiny'}")
+    (tmp_path / "hf-tiny.yaml").write_text(config)
+    snowcat(
+        "run", tmp_path / "hf-tiny.yaml", "--run-dir", tmp_path / "run", "run_root=" + str(tmp_path), check=True, timeout=1500
+    )
+    run = tmp_path / "run" / "stages"
+
+    index = json.loads((tmp_path / "staged" / "index.json").read_text())["artefacts"]["snowcat/tiny-qwen3-moe"]
+    card = (run / "card" / "card.md").read_text()
+    assert "pretrained checkpoint `hf:snowcat/tiny-qwen3-moe`" in card and "hub id `snowcat/tiny-qwen3-moe`" in card
+    assert "license apache-2.0" in card and f"staged copy sha256 `{index['sha256']}`" in card
+    assert f"`model.safetensors` sha256 `{sha256_file(tmp_path / 'tiny' / 'model.safetensors')}`" in card
+    assert "base_model: snowcat/tiny-qwen3-moe" in card
+
+    record = json.loads((run / "export" / "export.json").read_text())
+    assert record["format"]["architecture"] == "Qwen3MoeForCausalLM" and record["equivalence"]["logits_match"]
+    assert (run / "export" / "model" / "tokenizer.json").read_bytes() == (tmp_path / "tiny" / "tokenizer.json").read_bytes()
+    results = json.loads((run / "eval" / "results.json").read_text())
+    assert set(results["checkpoints"]) == {"sft:initial", "sft:final"}

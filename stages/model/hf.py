@@ -203,6 +203,30 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     )
 
 
+def checkpoint_license(path: str | Path) -> str | None:
+    """The license a checkpoint declares: its model card's front matter (`license:`), else config.json."""
+    readme = Path(path) / "README.md"
+    if readme.is_file():
+        lines = readme.read_text(errors="replace").splitlines()
+        if lines and lines[0].strip() == "---":
+            for line in lines[1:]:
+                if line.strip() == "---":
+                    break
+                key, _, value = line.partition(":")
+                if key.strip() == "license" and value.strip():
+                    return value.strip().strip("'\"")
+    return (read_hf_config(path).get("license") or None) if (Path(path) / CONFIG).is_file() else None
+
+
+def snapshot_revision(path: str | Path) -> str | None:
+    """The commit of a hub cache snapshot directory (`.../snapshots/<commit>/`), None elsewhere."""
+    parts = Path(path).resolve().parts
+    for parent, name in zip(parts, parts[1:]):
+        if parent == "snapshots" and len(name) == 40 and all(c in "0123456789abcdef" for c in name):
+            return name
+    return None
+
+
 def describe(cfg: ModelConfig, *, dtype_bytes: int = 4, backend: str = "torch", zero_stage: int = 0, world_size: int = 1) -> str:
     """Parameters (total / active per token) and the memory the trainer will hold per rank."""
     total, active = count_params(cfg)

@@ -1,0 +1,126 @@
+"""Small random Hugging Face checkpoints built locally, for tests, demos and `configs/hf-tiny.yaml`.
+
+There is no hub on a test machine or an offline compute node, so `snowcat tiny-hf DIR` writes what a
+hub download looks like: `config.json` + safetensors from `transformers` (`<Arch>ForCausalLM(config)
+.save_pretrained`), and a byte-level BPE tokenizer (`tokenizers`) in `PreTrainedTokenizerFast` with a
+ChatML chat template that renders tool calls and results as Qwen3's does (`<tool_call>` JSON blocks,
+`<tool_response>`). head_dim is 32: vLLM's CPU attention rejects 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from snowcat.stages.hf_tokenizer import HFChatTokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+CHAT_TEMPLATE = """{%- for m in messages -%}
+{%- if m.role == 'tool' -%}
+<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}
+{%- for call in m.tool_calls | default([]) %}
+<tool_call>
+{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}"""
+
+
+def hf_tokenizer_files(texts: list[str], out_dir, vocab_size: int = 400) -> None:
+    """tokenizer.json, tokenizer_config.json and chat_template.jinja in `out_dir`."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"[\[\]{}()]"), behavior="isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts) * 2, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:2] + SPECIALS[3:],
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(str(out_dir))
+
+
+def hf_chat_tokenizer(texts: list[str], out_dir, vocab_size: int = 400) -> HFChatTokenizer:
+    hf_tokenizer_files(texts, out_dir, vocab_size)
+    return HFChatTokenizer.load(out_dir)
+
+
+def tiny_checkpoint(out_dir, texts: list[str], arch: str = "qwen3_moe", seed: int = 0):
+    """A random Hugging Face checkpoint (weights, config.json) with the tokenizer above: what a
+    hub download looks like, small enough for a test. head_dim 32 (vLLM's CPU floor)."""
+    hf_tokenizer_files(texts, out_dir, vocab_size=300)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out_dir))
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    configs = {
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common, head_dim=32, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+        ),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32, intermediate_size=96),
+        "olmoe": lambda: transformers.OlmoeConfig(**common, intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    }
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(configs[arch]())
+    model.save_pretrained(str(out_dir))
+    return model.eval()
+
+
+ARCHES = ("qwen3_moe", "qwen3", "olmoe")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="snowcat tiny-hf", description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="directory to write (created)")
+    ap.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    from snowcat.stages.taskgen import demonstration, generate_domain  # noqa: PLC0415 (only the command needs tasks)
+
+    rng = np.random.default_rng(args.seed)
+    tasks = generate_domain(rng, "closure", [1, 2, 3], 200) + generate_domain(rng, "arith", [2, 3], 200)
+    texts = [t.prompt for t in tasks] + [demonstration(t) for t in tasks] + ["That is not right. Try again."]
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = tiny_checkpoint(args.out, texts, arch=args.arch, seed=args.seed)
+    (args.out / "README.md").write_text(
+        f"---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n# tiny random {args.arch} (snowcat tiny-hf, seed {args.seed})\n"
+    )
+    print(f"{args.out}: random {args.arch}, {sum(p.numel() for p in model.parameters()):,} parameters")
+    return 0
