@@ -227,3 +227,12 @@ def test_hf_tiny_config_runs_from_a_staged_checkpoint_to_a_card_with_its_lineage
     assert (run / "export" / "model" / "tokenizer.json").read_bytes() == (tmp_path / "tiny" / "tokenizer.json").read_bytes()
     results = json.loads((run / "eval" / "results.json").read_text())
     assert set(results["checkpoints"]) == {"sft:initial", "sft:final"}
+
+
+def test_snowcat_config_shows_the_size_of_an_hf_model(tmp_path, tiny_hf):
+    root, _ = tiny_hf
+    (tmp_path / "c.yaml").write_text(f"stages:\n  sft: {{kind: sft, model: 'hf:{root / 'model'}'}}\n")
+    out = Snowcat(tmp_path)("config", tmp_path / "c.yaml", check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("# stages.sft.model"))
+    total, active = count_params(load_model_dir(root / "model")[1])
+    assert f"qwen3_moe: {total / 1e6:,.2f} M parameters ({active / 1e6:,.2f} M active per token)" in line
