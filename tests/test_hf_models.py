@@ -236,3 +236,20 @@ def test_snowcat_config_shows_the_size_of_an_hf_model(tmp_path, tiny_hf):
     line = next(x for x in out.splitlines() if x.startswith("# stages.sft.model"))
     total, active = count_params(load_model_dir(root / "model")[1])
     assert f"qwen3_moe: {total / 1e6:,.2f} M parameters ({active / 1e6:,.2f} M active per token)" in line
+
+
+def test_rl_and_probe_run_from_an_hf_checkpoint(tmp_path, tiny_hf):
+    """RL (rollouts through the agent loop with the checkpoint's chat template) and probe from hf:."""
+    from snowcat.stages import probe, rl  # noqa: PLC0415 (stage modules, only this test needs them)
+
+    root, _ = tiny_hf
+    source = f"hf:{root / 'model'}"
+    values = dict(init_from=source, updates=2, tasks_per_update=2, attempts=2, max_tokens=6, eval_every=2, eval_tasks=4)
+    ctx = StageContext.standalone("rl", values | {"threads": 1}, run_dir=tmp_path, inputs={"tasks": root / "tasks"}, seed=1)
+    metrics = rl.run(ctx)
+    assert metrics["updates"] == 2 and "val/pass@1" in metrics
+    _, _, tok = load_model_dir(ctx.out_dir / "checkpoints" / "final")
+    assert isinstance(tok, HFChatTokenizer)
+    values = dict(checkpoint=source, limit=4, attempts=2, band_min_pass=1, band_max_pass=1, max_turn_tokens=6, batch_size=8)
+    ctx = StageContext.standalone("probe", values, run_dir=tmp_path, inputs={"tasks": root / "tasks"}, seed=1)
+    assert probe.run(ctx)["tasks"] == 4

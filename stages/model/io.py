@@ -57,22 +57,49 @@ def hf_state_dict(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fused(tensors: Iterable[tuple[str, torch.Tensor]], num_experts: int, where: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Per-expert hub tensors stacked into the model's fused expert tensors, a layer as soon as its
-    experts are all read (so at most one layer's experts exist twice); other tensors pass through."""
+class _Placement:
+    """Where loaded tensors go: `own(t)` puts a tensor there (with `copy`, always as the model's own
+    memory rather than a view of a memory-mapped file), `empty(shape, like)` allocates a fused tensor
+    there to copy expert pieces into."""
+
+    def __init__(self, device=None, dtype: torch.dtype | None = None, copy: bool = False):
+        self.device, self.dtype, self.copy = device, dtype, copy
+
+    def _dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device or t.device, dtype=self._dtype(t), copy=self.copy)
+
+    def empty(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(shape, dtype=self._dtype(like), device=self.device or like.device)
+
+
+def _fused(
+    tensors: Iterable[tuple[str, torch.Tensor]], num_experts: int, where: str, place: _Placement
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert hub tensors copied into the model's fused expert tensors, a layer as soon as its
+    experts are all read; other tensors pass through (each placed once, no intermediate stack)."""
     pending: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name, t in tensors:
         m = _PER_EXPERT.match(name)
         if not m:
-            yield name, t
+            yield name, place.own(t)
             continue
         prefix, e, kind = m.groups()
         layer = pending.setdefault(prefix, {})
         layer.setdefault(int(e), {})[kind] = t
         if len(layer) == num_experts and all(len(parts) == 3 for parts in layer.values()):
             experts = [layer[e] for e in sorted(pending.pop(prefix))]
-            yield f"{prefix}.gate_up_proj", torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in experts])
-            yield f"{prefix}.down_proj", torch.stack([x["down_proj"] for x in experts])
+            (inter, hidden), n = experts[0]["gate_proj"].shape, len(experts)
+            gate_up = place.empty((n, 2 * inter, hidden), experts[0]["gate_proj"])
+            down = place.empty((n, hidden, inter), experts[0]["down_proj"])
+            for i, x in enumerate(experts):
+                gate_up[i, :inter].copy_(x["gate_proj"])
+                gate_up[i, inter:].copy_(x["up_proj"])
+                down[i].copy_(x["down_proj"])
+            yield f"{prefix}.gate_up_proj", gate_up
+            yield f"{prefix}.down_proj", down
     for prefix, layer in pending.items():
         have = sorted(layer)
         raise UserError(
@@ -80,8 +107,8 @@ def _fused(tensors: Iterable[tuple[str, torch.Tensor]], num_experts: int, where:
         )
 
 
-def _state_dict(model: MoEForCausalLM, tensors, where: str, convert=lambda t: t) -> dict[str, torch.Tensor]:
-    state = {name: convert(t) for name, t in _fused(tensors, model.config.num_experts, where)}
+def _state_dict(model: MoEForCausalLM, tensors, where: str, place: _Placement) -> dict[str, torch.Tensor]:
+    state = dict(_fused(tensors, model.config.num_experts, where, place))
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # a checkpoint may store the tied head too
         if "model.embed_tokens.weight" in state:
@@ -96,7 +123,7 @@ def _state_dict(model: MoEForCausalLM, tensors, where: str, convert=lambda t: t)
 
 def load_hf_state_dict(model: MoEForCausalLM, tensors: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
     """Inverse of `hf_state_dict` (strict: every parameter must be present, nothing extra)."""
-    model.load_state_dict(_state_dict(model, tensors.items(), where), strict=True)
+    model.load_state_dict(_state_dict(model, tensors.items(), where, _Placement()), strict=True)
 
 
 def stream_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -186,9 +213,7 @@ def load_weights(path, cfg: ModelConfig, device="cpu", dtype: torch.dtype | None
     with torch.device("meta"):
         model = MoEForCausalLM(cfg)
 
-    def place(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
-
+    place = _Placement(device, dtype, copy=True)  # the model owns its memory: no view of the memory-mapped files
     model.load_state_dict(_state_dict(model, stream_tensors(path), str(path), place), strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
