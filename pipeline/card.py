@@ -268,7 +268,9 @@ def _software(f: Facts) -> tuple[list[str], dict]:
     for image in sorted(images):
         c = json.loads(image)
         lines.append(
-            "- Container: none (stages ran on the host)" if c is None else f"- Container: `{c.image}` sha256 `{_v(c.sha256)}`"
+            "- Container: none (stages ran on the host)"
+            if c is None
+            else f"- Container: `{c.get('image')}` sha256 `{_v(c.get('sha256'))}`"
         )
     hosts = sorted({r.get("host", {}).get("hostname") or NR for r in records})
     lines.append(f"- Hosts: {', '.join(hosts)}")

@@ -63,3 +63,16 @@ def test_missing_facts_are_reported_as_missing(full_run, tmp_path):
     assert "`sft`: no retention ledger; what intermediate checkpoints were deleted is not recorded" in card
     assert _front_matter(card)["snowcat"]["code_revision"] is None
     assert "model-index" not in _front_matter(card)
+
+
+def test_a_stage_that_ran_in_a_container_names_its_image(full_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    record_file = copy / "provenance" / "sft.json"
+    record = json.loads(record_file.read_text())
+    record["container"] = {"image": "trainer.sif", "sha256": "ab" * 32}
+    record_file.write_text(json.dumps(record))
+    proc = snowcat_in_repo("card", copy, "-o", tmp_path / "card.md")
+    assert proc.returncode == 0, proc.stderr
+    card = (tmp_path / "card.md").read_text()
+    assert f"- Container: `trainer.sif` sha256 `{'ab' * 32}`" in card and "- Container: none (stages ran on the host)" in card
