@@ -147,8 +147,9 @@ def test_offline_stage_with_missing_artefact_fails_before_work(tmp_path, sources
         offline.require_staged(tmp_path / "empty-staging", ["x"])
 
 
-def test_runner_hook_checks_a_stage_configured_offline(tmp_path, sources, monkeypatch):
-    """`offline.prepare(ctx)`: the stage section lists `staged:`; the run's prestage stage says where."""
+def online_run_config(tmp_path: Path, sources, monkeypatch, sft_keys: str) -> Path:
+    """run.yaml: a prestage stage staging org/tiny-model, and an sft stage with `sft_keys`; no
+    offline variables in this process yet. Returns the staging dir."""
     for key in [*offline.OFFLINE_ENV, "HF_HOME"]:
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
@@ -159,8 +160,14 @@ stages:
     kind: prestage
     staging_dir: {staging}
     artefacts: [{{kind: model, name: org/tiny-model, path: {sources["model"]}}}]
-  sft: {{kind: sft, staged: [org/tiny-model, org/tokenizer]}}
+  sft: {{kind: sft, {sft_keys}}}
 """)
+    return staging
+
+
+def test_runner_hook_checks_a_stage_configured_offline(tmp_path, sources, monkeypatch):
+    """`offline.prepare(ctx)`: the stage section lists `staged:`; the run's prestage stage says where."""
+    staging = online_run_config(tmp_path, sources, monkeypatch, "staged: [org/tiny-model, org/tokenizer]")
     cfg = config_mod.load(tmp_path / "run.yaml", ["site.internet_on_compute=false"], site="local")
     run = RunDir.create(cfg, tmp_path / "run")
     ctx = runner_context(run.path, "sft")  # prepare reads the site and the prestage stage: the runner's context
@@ -173,22 +180,10 @@ stages:
 
 
 def test_an_hf_hub_source_resolves_to_the_staged_copy_offline_and_is_refused_unstaged(tmp_path, sources, monkeypatch):
-    for key in [*offline.OFFLINE_ENV, "HF_HOME"]:
-        monkeypatch.setenv(key, "")
-        monkeypatch.delenv(key)
-    staging = tmp_path / "staging"
-    unstaged = "stages:\n  sft: {kind: sft, model: 'hf:org/tiny-model'}\n"
-    (tmp_path / "bad.yaml").write_text(unstaged)
+    (tmp_path / "bad.yaml").write_text("stages:\n  sft: {kind: sft, model: 'hf:org/tiny-model'}\n")
     with pytest.raises(UserError, match=r"stages\.sft\.model: 'hf:org/tiny-model' is neither a local directory nor staged: add "):
         config_mod.load(tmp_path / "bad.yaml")
-    (tmp_path / "run.yaml").write_text(f"""\
-stages:
-  stage_in:
-    kind: prestage
-    staging_dir: {staging}
-    artefacts: [{{kind: model, name: org/tiny-model, path: {sources["model"]}}}]
-  sft: {{kind: sft, needs: [stage_in], model: 'hf:org/tiny-model'}}
-""")
+    staging = online_run_config(tmp_path, sources, monkeypatch, "needs: [stage_in], model: 'hf:org/tiny-model'")
     run = RunDir.create(config_mod.load(tmp_path / "run.yaml"), tmp_path / "run")
     ctx = runner_context(run.path, "sft")
     with pytest.raises(UserError, match="'org/tiny-model' is not staged"):  # before the prestage stage ran
