@@ -26,7 +26,7 @@ from .errors import UserError
 from .executors import make_executor
 from .progress import progress_lines, styled
 from .rundir import RunDir, new_run_id
-from .schema import hf_sources, hub_id
+from .schema import hf_sources, resolve_hf
 from .scrub import env_secrets
 
 out = Console(highlight=False)
@@ -268,8 +268,7 @@ def _model_sizes(run) -> list[str]:
     lines = []
     for name, stage in run.stages.items():
         for key, source in hf_sources(stage):
-            repo = hub_id(source)
-            path = Path(source.removeprefix("hf:")).expanduser() if repo is None else staged.get(repo)
+            path = resolve_hf(source, staged)
             if path is None:
                 lines.append(f"stages.{name}.{key} {source}: not staged yet (its size shows once prestage ran)")
                 continue

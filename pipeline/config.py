@@ -260,9 +260,8 @@ def _ref_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Pro
             yield key, f"{ref!r}: stage {needed!r} (kind {producer.kind}) writes only {', '.join(names)}"
 
 
-def _hf_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Problem]:
-    """A hub model must be staged by a prestage stage: compute nodes cannot fetch it."""
-    staged = {a.name for s in cfg.stages.values() if s.kind == "prestage" for a in s.artefacts}
+def _hf_problems(name: str, stage: StageCommon, staged: set[str]) -> Iterator[Problem]:
+    """A hub model must be staged by a prestage stage (`staged`: what they list): compute nodes cannot fetch it."""
     for key, source in hf_sources(stage):
         repo = hub_id(source)
         if repo is not None and repo not in staged:
@@ -277,9 +276,10 @@ def _problems(cfg: RunConfig) -> Iterator[Problem]:
     yield from range_problems(cfg, "")
     if cfg.site is not None:
         yield from ((_join("site", key), why) for key, why in cfg.site.problems())
+    staged = {a.name for s in cfg.stages.values() if s.kind == "prestage" for a in s.artefacts}
     for name, stage in cfg.stages.items():
         yield from _ref_problems(cfg, name, stage)
-        yield from _hf_problems(cfg, name, stage)
+        yield from _hf_problems(name, stage, staged)
         for key, problem in stage.problems():
             yield _join(f"stages.{name}", key), problem
 

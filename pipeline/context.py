@@ -17,7 +17,7 @@ from typing import Any
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import checkpoint_dir
-from snowcat.pipeline.schema import HF_PREFIX, RunConfig, hub_id, parse_checkpoint_ref
+from snowcat.pipeline.schema import HF_PREFIX, RunConfig, parse_checkpoint_ref, resolve_hf
 
 from .unitprogress import PROGRESS_FILE, ProgressReporter
 
@@ -115,14 +115,12 @@ class StageContext:
         (which errors name), or of a Hugging Face checkpoint "hf:<dir>" / "hf:<org/name>" (staged)."""
         where = f"stages.{self.name}.{key}"
         if ref.startswith(HF_PREFIX):
-            repo = hub_id(ref)
-            if repo is None:
-                return Path(ref.removeprefix(HF_PREFIX)).expanduser()
-            if repo not in self.staged:
+            path = resolve_hf(ref, self.staged)
+            if path is None:
                 raise UserError(
                     f"{where}: {ref!r} is not staged: run the prestage stage that lists it (compute nodes have no internet)"
                 )
-            return self.staged[repo]
+            return path
         try:
             stage, name = parse_checkpoint_ref(ref)
         except ValueError as e:

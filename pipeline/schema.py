@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -53,6 +53,15 @@ def hub_id(source: str) -> str | None:
     """ "org/name" for a hub source (what a prestage artefact is named), None for a local directory."""
     ref = source.removeprefix(HF_PREFIX)
     return None if Path(ref).expanduser().is_dir() else ref
+
+
+def resolve_hf(source: str, staged: Mapping[str, str | Path]) -> Path | None:
+    """The directory an "hf:..." source names here: the local directory as it is, or the staged copy
+    of a hub id (`staged`: hub id -> path); None when the hub id is not staged."""
+    repo = hub_id(source)
+    if repo is None:
+        return Path(source.removeprefix(HF_PREFIX)).expanduser()
+    return Path(staged[repo]) if repo in staged else None
 
 
 def parse_checkpoint_ref(ref: str) -> tuple[str, str]:

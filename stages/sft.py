@@ -27,7 +27,7 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, build_manifest
 from snowcat.pipeline.offline import load_index
 from snowcat.pipeline.retention import RetentionPolicy
-from snowcat.pipeline.schema import hub_id
+from snowcat.pipeline.schema import HF_PREFIX, hub_id
 from snowcat.stages.config import SftConfig as Config
 from snowcat.stages.model import PRESETS, MoEForCausalLM, hf, load_model_dir, save_model_dir
 from snowcat.stages.model.io import load_model_config
@@ -219,7 +219,7 @@ def run(ctx) -> dict:
     else:
         if (ckpts / "initial").is_dir():
             model, mcfg, tok = load_model_dir(ckpts / "initial")
-        elif hf.is_hf_source(cfg.model):
+        elif cfg.model.startswith(HF_PREFIX):
             model, mcfg, tok = load_pretrained(ctx, cfg, rank, world_size)
             if rank == 0:
                 meta = {"stage": ctx.name, "seed": ctx.seed, "step": 0, "lineage": lineage(ctx, cfg)}

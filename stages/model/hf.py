@@ -20,14 +20,9 @@ from snowcat.pipeline.errors import UserError
 
 from .config import ModelConfig, count_params
 
-PREFIX = "hf:"
 SUPPORTED = ("qwen3_moe", "qwen3", "olmoe")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "olmoe": "OlmoeForCausalLM"}
 CONFIG = "config.json"
-
-
-def is_hf_source(spec: str) -> bool:
-    return isinstance(spec, str) and spec.startswith(PREFIX)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
