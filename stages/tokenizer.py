@@ -44,31 +44,32 @@ ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assis
 FILE = "tokenizer.json"
 
 
-def _pipeline_parts():
-    pre = pre_tokenizers.Sequence(
+def train_bpe(texts, vocab_size: int, special_tokens: list[str], min_frequency: int = 2) -> Tokenizer:
+    """A byte-level BPE learned over `texts` with snowcat's pre-tokenizer (digits one per token,
+    brackets alone); deterministic for the same input."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(r"[\[\]{}()]"), behavior="isolated"),
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
-    return pre, decoders.ByteLevel()
-
-
-def train_tokenizer(texts, vocab_size: int = 512, min_frequency: int = 2) -> ChatTokenizer:
-    """Learn a byte-level BPE over `texts` (an iterable of str); deterministic for the same input."""
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = _pipeline_parts()
+    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
-    return ChatTokenizer(tok)
+    return tok
+
+
+def train_tokenizer(texts, vocab_size: int = 512, min_frequency: int = 2) -> ChatTokenizer:
+    """snowcat's chat tokenizer: a BPE over `texts` with its special tokens."""
+    return ChatTokenizer(train_bpe(texts, vocab_size, SPECIAL_TOKENS, min_frequency))
 
 
 class ChatTokenizer:

@@ -24,6 +24,7 @@ from snowcat.stages.hf_tokenizer import HFChatTokenizer
 from snowcat.stages.model import count_params, load_model_dir
 from snowcat.stages.model.hf import hf_model_type, model_config_from_hf, read_hf_config
 from snowcat.stages.model.io import hf_state_dict
+from snowcat.stages.model.tiny_hf import tiny_checkpoint
 from snowcat.stages.taskgen import demonstration, generate_domain, save_tasks, split_tasks
 from tests.conftest import REPO, Snowcat
 
@@ -144,7 +145,6 @@ def test_a_checkpoint_without_config_is_not_a_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from hf_fixtures import tiny_checkpoint  # noqa: PLC0415 (a test helper module beside this file)
 
     root = tmp_path_factory.mktemp("tiny-hf")
     rng = np.random.default_rng(0)
@@ -186,7 +186,6 @@ def test_sft_starts_from_an_hf_checkpoint_with_its_tokenizer(tiny_hf, capsys):
 
 @pytest.mark.parametrize("arch", list(ARCHES))
 def test_export_of_an_hf_checkpoint_is_the_same_model_and_tokenizer(tmp_path, arch):
-    from hf_fixtures import tiny_checkpoint  # noqa: PLC0415 (a test helper module beside this file)
 
     source = tmp_path / "source"
     tiny_checkpoint(source, ["What is 12+30?", "42", "hello world"], arch=arch)

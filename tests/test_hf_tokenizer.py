@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from hf_fixtures import CHAT_TEMPLATE, hf_chat_tokenizer, hf_tokenizer_files
 from transformers import PreTrainedTokenizerFast
 
 from snowcat.pipeline.errors import UserError
 from snowcat.stages.hf_tokenizer import HFChatTokenizer
+from snowcat.stages.model.tiny_hf import CHAT_TEMPLATE, hf_chat_tokenizer, hf_tokenizer_files
 from snowcat.stages.tokenizer import load_tokenizer
 
 TEXTS = ["What is 12+30?", "42", "call the calculator", "<tool_call>12+30</tool_call>", "That is not right. Try again."]

@@ -9,12 +9,12 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from hf_fixtures import hf_chat_tokenizer
 from test_agent import tiny_model, tiny_tasks, tiny_tokenizer
 
 from snowcat.stages.agent import Budget, CalculatorEnv, EpisodeJob, episode_seed, run_episodes
 from snowcat.stages.agent.envs import tool_message_ids
 from snowcat.stages.agent.loop import TRUNCATION_NOTE
+from snowcat.stages.model.tiny_hf import hf_chat_tokenizer
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 
 SEED = 5

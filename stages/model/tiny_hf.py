@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from snowcat.stages.hf_tokenizer import HFChatTokenizer
+from snowcat.stages.tokenizer import train_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
@@ -44,22 +44,7 @@ CHAT_TEMPLATE = """{%- for m in messages -%}
 
 def hf_tokenizer_files(texts: list[str], out_dir, vocab_size: int = 400) -> None:
     """tokenizer.json, tokenizer_config.json and chat_template.jinja in `out_dir`."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(r"[\[\]{}()]"), behavior="isolated"),
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(texts) * 2, trainer=trainer)
+    tok = train_bpe(list(texts) * 2, vocab_size, SPECIALS, min_frequency=0)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
