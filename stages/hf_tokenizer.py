@@ -68,14 +68,18 @@ class HFChatTokenizer:
 
     def render_prompt(self, messages: list[dict]) -> list[int]:
         """Ids of `messages` then the assistant header: generation continues from here."""
-        ids, _ = self.encode_chat(messages)
-        done = self._render(_template_messages(messages))
+        ids, _, done = self._encode(messages)
         head = self._render(_template_messages(messages), generation=True)
         return ids + self.encode(self._suffix(done, head, len(messages)))
 
     def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """(ids, loss_mask) of a conversation; assistant messages may carry `train: False` and
         `student_prefix` (context at the start of the turn), as ChatTokenizer's do."""
+        ids, mask, _ = self._encode(messages)
+        return ids, mask
+
+    def _encode(self, messages: list[dict]) -> tuple[list[int], list[int], str]:
+        """encode_chat's (ids, mask) and the template's text of the whole conversation."""
         ids: list[int] = []
         mask: list[int] = []
         done = ""
@@ -102,7 +106,7 @@ class HFChatTokenizer:
             ids += header + own[0] + own[1] + tail
             mask += [0] * (len(header) + len(own[0])) + [train] * (len(own[1]) + end) + [0] * (len(tail) - end)
             done = full
-        return ids, mask
+        return ids, mask, done
 
     def observation_ids(self, role: str, content: str) -> list[int]:
         """Ids to append after an assistant turn that ended with the end-of-turn id (as sampled):
