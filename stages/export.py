@@ -40,8 +40,8 @@ from snowcat.pipeline.schema import HF_PREFIX, parse_checkpoint_ref
 from snowcat.stages.model import hf_state_dict, load_model_dir
 from snowcat.stages.model.hf import hf_config_dict
 from snowcat.stages.model.io import _write_tensors
+from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.tokenizer import SPECIAL_TOKENS, ChatTokenizer
-from snowcat.stages.train.greedy import greedy_generate
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # role -> the ChatTokenizer's role token; the template renders exactly what ChatTokenizer.render_prompt does
@@ -278,7 +278,9 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
     prompts = [tok.render_prompt(m) for m in conversations]
     with torch.no_grad():
         ours = model.logits(model(ids).hidden).float()
-    our_gens = greedy_generate(model, prompts, cfg.max_new_tokens, tok.end_of_turn_id, tok.pad_id, batch_size=1)
+    greedy = SamplingParams(0.0, 0, 1.0, cfg.max_new_tokens, (tok.end_of_turn_id,))
+    outs = TorchEngine(model, max_batch=1).generate(prompts, greedy, seed=0)
+    our_gens = [c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids for c in outs]
 
     with tempfile.TemporaryDirectory(prefix="export-probe-") as tmp:
         probe_file, out_file = Path(tmp) / "probe.safetensors", Path(tmp) / "hf.safetensors"
