@@ -142,7 +142,7 @@ def run(ctx) -> dict:
     if role == "rollout":
         return _run_rollout(ctx, cfg, comm, pool, handoff, transport)
 
-    trainer = Trainer(ctx, cfg, pool, held_out, handoff, transport, comm)
+    trainer = Trainer(ctx, cfg, held_out, handoff, transport, comm)
     if role == "both":
         model, _, tok = load_model_dir(trainer.init_path, device=trainer.device)
         trainer.local_rollout = Rollout(ctx, cfg, model, tok, pool, handoff, transport)

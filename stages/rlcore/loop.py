@@ -69,8 +69,8 @@ class Trainer(TrainLoop):
 
     unit = "updates"
 
-    def __init__(self, ctx, cfg, pool, held_out, handoff, transport, comm=None):
-        self.cfg, self.pool, self.held_out = cfg, pool, held_out
+    def __init__(self, ctx, cfg, held_out, handoff, transport, comm=None):
+        self.cfg, self.held_out = cfg, held_out
         self.handoff, self.transport, self.comm = handoff, transport, comm
         self.local_rollout = None  # a `Rollout` producing batches in this process (world size 1)
         self.out = Path(ctx.out_dir)
