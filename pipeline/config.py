@@ -206,11 +206,21 @@ def compose(path: str | Path, overrides: list[str] = (), site: str | None = None
             typed = OmegaConf.merge(typed, src)
         except OmegaConfBaseException as e:
             raise UserError(f"{label}: {_key(e, raw=src)}: {_msg(e)}") from None
+    _resolve_engines(typed)
     try:
         _check_values(typed, str(path), lambda key: _source_of(sources, key, str(path)))
     except OmegaConfBaseException as e:
         raise UserError(f"{path}: {_key(e)}: bad interpolation: {_msg(e)}") from None
     return typed
+
+
+def _resolve_engines(typed: DictConfig) -> None:
+    """`engine: auto` becomes the site's rollout engine (torch without a site), so the frozen config
+    records the engine that ran."""
+    default = typed.site.rollout_engine if typed.get("site") is not None else "torch"
+    for section in typed.stages.values():
+        if section.get("engine") == "auto":
+            section.engine = default
 
 
 def _source_of(sources: list[tuple[str, DictConfig]], key: str, default: str) -> str:

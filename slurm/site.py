@@ -71,6 +71,7 @@ class SiteProfile:
     modules: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     master_addr_suffix: str = ""  # JSC: append "i" to a hostname to use its InfiniBand address
+    rollout_engine: Literal["torch", "vllm"] = "torch"  # what a sampling stage's `engine: auto` means here
 
     def problems(self) -> Iterator[Problem]:
         """Checks across fields (types, choices and ranges are checked when the profile loads)."""

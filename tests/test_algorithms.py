@@ -174,5 +174,8 @@ def test_mismatch_stats_by_hand():
     close(s["ratio_p99"], r[2] + 0.97 * (r[3] - r[2]))
     close(s["frac_ratio_off_0.1"], 0.5)  # 0.819 and 3.0
     close(s["tis_clip_frac"], 0.25)  # only 3.0 > 2
+    kept = d[:4]
+    close(s["k3_kl"], sum(math.exp(x) - x - 1 for x in kept) / 4)
+    close(s["log_ppl_diff"], sum(kept) / 4)
     empty = mismatch_stats(train, rollout, torch.zeros_like(mask))
     assert empty["tokens"] == 0 and math.isnan(empty["ratio_p50"])

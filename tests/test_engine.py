@@ -8,7 +8,7 @@ import torch
 
 from snowcat.kernels import linear_logprob_entropy
 from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
-from snowcat.stages.rollout import Completion, EngineError, SamplingParams, TorchEngine, VLLMEngine
+from snowcat.stages.rollout import Completion, EngineError, SamplingParams, TorchEngine
 from snowcat.stages.rollout.sampling import processed_logprobs, support_ids, support_mask
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 8, 1, 30, 7], [100], [12, 13, 14, 15]]
@@ -147,12 +147,22 @@ def test_load_weights_from_a_model_dir(model, tmp_path):
         engine.load_weights(tmp_path / "missing")
 
 
-def test_vllm_engine_says_clearly_when_vllm_is_missing(tmp_path):
-    pytest.importorskip("torch")
-    try:
-        import vllm  # noqa: F401, PLC0415 (the GPU extra: absent here)
-    except ImportError:
-        with pytest.raises(EngineError, match="vllm"):
-            VLLMEngine(tmp_path)
-    else:
-        pytest.skip("vllm installed: the missing-package path does not apply")
+def test_completions_carry_the_kept_support_of_every_token(model):
+    p = SamplingParams(temperature=0.8, top_k=20, top_p=0.85, max_tokens=6)
+    for prompt, c in zip(PROMPTS, TorchEngine(model).generate(PROMPTS, p, seed=1)):
+        _, logits = teacher_forced_logits(model, prompt, c)
+        assert len(c.support) == len(c.token_ids)
+        for t, kept, row in zip(c.token_ids, c.support, logits):
+            assert kept == support_mask(row, p).nonzero()[:, 0].tolist()
+            assert t in kept
+    assert all(c.support is None for c in TorchEngine(model).generate(PROMPTS, SamplingParams(max_tokens=3), seed=1))
+
+
+def test_generate_seeded_samples_each_request_as_alone(model):
+    p = SamplingParams(temperature=1.0, max_tokens=5)
+    seeds = [41, 7, 99, 3]
+    together = TorchEngine(model, max_batch=3).generate_seeded(PROMPTS, p, seeds)
+    for prompt, seed, c in zip(PROMPTS, seeds, together):
+        alone = TorchEngine(model).generate([prompt], p, seed=seed)[0]
+        assert c.token_ids == alone.token_ids  # logprobs agree to the batched kernels' rounding
+        assert c.logprobs == pytest.approx(alone.logprobs, abs=1e-5)

@@ -1,6 +1,7 @@
 """Token-in-token-out: the training sequence holds exactly the sampled ids, though re-tokenising
 the sampled text would change them (this repo's BPE merges 'h'+'e' -> 'he' and so on). Every test
-runs with snowcat's local tokenizer and with a checkpoint-style HF tokenizer and chat template."""
+runs with snowcat's local tokenizer and with a checkpoint-style HF tokenizer and chat template on the
+torch engine, and with that HF checkpoint served by vLLM (CPU)."""
 
 from __future__ import annotations
 
@@ -14,24 +15,34 @@ from test_agent import tiny_model, tiny_tasks, tiny_tokenizer
 from snowcat.stages.agent import Budget, CalculatorEnv, EpisodeJob, episode_seed, run_episodes
 from snowcat.stages.agent.envs import tool_message_ids
 from snowcat.stages.agent.loop import TRUNCATION_NOTE
-from snowcat.stages.model.tiny_hf import hf_chat_tokenizer
-from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.config import VllmConfig
+from snowcat.stages.model import load_model_dir
+from snowcat.stages.model.tiny_hf import hf_chat_tokenizer, tiny_checkpoint
+from snowcat.stages.rollout import SamplingParams, TorchEngine, open_engine
 
 SEED = 5
 BUDGET = Budget(max_context=160, max_turn_tokens=6, max_turns=4, recover_long_turns=True)
 PARAMS = SamplingParams(temperature=1.0)
 
 
-@pytest.fixture(scope="module", params=["local", "hf"])
+@pytest.fixture(scope="module", params=["local", "hf", "hf-vllm"])
 def rollout(request, tmp_path_factory):
     arith, closure = tiny_tasks()
+    texts = [t.prompt for t in arith + closure] + [t.answer for t in arith + closure] + ["turn cut at tokens; answer briefly"]
+    # untrained models: they sample arbitrary token sequences, the worst case for TITO
     if request.param == "local":
         tok = tiny_tokenizer(arith + closure)
-    else:
-        texts = [t.prompt for t in arith + closure] + [t.answer for t in arith + closure] + ["turn cut at tokens; answer briefly"]
+        model = tiny_model(tok, seed=1)
+        engine = TorchEngine(model, max_batch=16)
+    elif request.param == "hf":
         tok = hf_chat_tokenizer(texts, tmp_path_factory.mktemp("tokenizer"), vocab_size=300)
-    model = tiny_model(tok, seed=1)  # untrained: it samples arbitrary token sequences, the worst case for TITO
-    engine = TorchEngine(model, max_batch=16)
+        model = tiny_model(tok, seed=1)
+        engine = TorchEngine(model, max_batch=16)
+    else:
+        path = tmp_path_factory.mktemp("checkpoint")
+        tiny_checkpoint(path, texts, seed=1)
+        model, _, tok = load_model_dir(path)
+        engine = open_engine("vllm", path, vllm=VllmConfig())
     jobs = [EpisodeJob(t, group_id=g, attempt=a) for g, t in enumerate(arith[:2] + closure[:2]) for a in range(2)]
     trajs = run_episodes(engine, tok, jobs, CalculatorEnv(tok), PARAMS, BUDGET, seed=SEED, policy_version=0)
     return tok, model, engine, trajs

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from snowcat.stages.agent.trajectory import Trajectory
-from snowcat.stages.rollout.engine import EngineError, TorchEngine, request_generator
 from snowcat.stages.taskgen import verify
 
 TRUNCATION_NOTE = "turn cut at {n} tokens; answer briefly"
@@ -57,31 +56,6 @@ def episode_seed(seed: int, group_id: int, attempt: int, turn: int) -> int:
     return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-def generate_seeded(engine, prompts: list[list[int]], params, seeds: list[int]):
-    """One batched generation in which request i draws from its own seed `seeds[i]`.
-
-    `TorchEngine` takes per-request generators, so each request samples exactly as
-    `engine.generate([prompt], params, seed=seeds[i])` would alone. Other engines (vLLM) get one
-    seed mixed from all of them: deterministic for the same jobs, but not batch-independent."""
-
-    if hasattr(engine, "generate_seeded"):
-        return engine.generate_seeded(prompts, params, seeds)
-    if not isinstance(engine, TorchEngine):
-        mixed = int(np.random.SeedSequence([s & 0xFFFFFFFFFFFFFFFF for s in seeds]).generate_state(1)[0])
-        return engine.generate(prompts, params, seed=mixed)
-    out = []
-    for start in range(0, len(prompts), engine.max_batch):
-        chunk = [list(p) for p in prompts[start : start + engine.max_batch]]
-        gens = [request_generator(s, 0) for s in seeds[start : start + engine.max_batch]]
-        try:
-            out += engine._generate_batch(chunk, params, gens)
-        except EngineError:
-            raise
-        except (RuntimeError, ValueError, IndexError) as e:  # as TorchEngine.generate: device/OOM/shape
-            raise EngineError(f"generation failed: {e}") from e
-    return out
-
-
 @dataclass
 class _Episode:
     job: EpisodeJob
@@ -90,6 +64,7 @@ class _Episode:
     state: dict
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    support: list[list[int]] = field(default_factory=list)  # the engine's kept ids per token ([] where not sampled or not known)
     turns: list[tuple[int, int]] = field(default_factory=list)
     status: str | None = None  # None while live
     reward: float = 0.0
@@ -98,12 +73,14 @@ class _Episode:
     def __post_init__(self) -> None:
         self.mask = [0] * len(self.ids)
         self.logprobs = [0.0] * len(self.ids)
+        self.support = [[] for _ in self.ids]
 
-    def append(self, ids: list[int], logprobs: list[float] | None = None) -> None:
-        """Model ids with their logprobs (trained), or context ids without (not trained)."""
+    def append(self, ids: list[int], logprobs: list[float] | None = None, support: list[list[int]] | None = None) -> None:
+        """Model ids with their logprobs (trained) and kept supports, or context ids without (not trained)."""
         self.ids += ids
         self.mask += [int(logprobs is not None)] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.support += list(support) if support is not None else [[] for _ in ids]
 
     def end(self, status: str, reward: float = 0.0, detail: str = "") -> None:
         self.status, self.reward, self.detail = status, float(reward), detail
@@ -143,7 +120,7 @@ def run_episodes(
         turn_params = dataclasses.replace(params, max_tokens=min(budget.max_turn_tokens, room), stop_ids=stop_ids)
         seeds = [episode_seed(seed, e.job.group_id, e.job.attempt, turn) for e in live]
         try:
-            completions = generate_seeded(engine, [e.ids for e in live], turn_params, seeds)
+            completions = engine.generate_seeded([e.ids for e in live], turn_params, seeds)
         except Exception as exc:  # any engine failure is infrastructure
             for e in live:
                 e.end("infra_error", detail=f"engine: {exc}")
@@ -160,7 +137,7 @@ def _advance(e: _Episode, c, turn: int, env, tok, budget: Budget, verifier) -> N
     room = budget.max_context - len(e.ids)
     ids, logprobs = list(c.token_ids[:room]), list(c.logprobs[:room])
     start = len(e.ids)
-    e.append(ids, logprobs)
+    e.append(ids, logprobs, c.support[:room] if c.support is not None else None)
     e.turns.append((start, len(e.ids)))
     stopped = c.finish_reason == "stop" and len(ids) == len(c.token_ids)
     if not stopped:
@@ -201,6 +178,8 @@ def _trajectory(e: _Episode, policy_version: int) -> Trajectory:
         token_ids=np.asarray(e.ids, np.int32),
         loss_mask=np.asarray(e.mask, np.uint8),
         rollout_logprobs=np.asarray(e.logprobs, np.float32),
+        support_lengths=np.asarray([len(k) for k in e.support], np.int32),
+        support_ids=np.asarray([i for k in e.support for i in k], np.int32),
         reward=e.reward,
         status=e.status,
         turn_boundaries=e.turns,

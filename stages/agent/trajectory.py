@@ -27,6 +27,8 @@ FIELDS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
     "token_ids": (np.dtype(np.int32), ()),  # all trajectories' tokens, concatenated
     "loss_mask": (np.dtype(np.uint8), ()),
     "rollout_logprobs": (np.dtype(np.float32), ()),
+    "support_lengths": (np.dtype(np.int32), ()),  # per token: how many kept ids the engine reported
+    "support_ids": (np.dtype(np.int32), ()),  # all tokens' kept ids, concatenated
     "token_offsets": (np.dtype(np.int64), ()),  # [N+1]: trajectory i is tokens[off[i]:off[i+1]]
     "group_id": (np.dtype(np.int64), ()),
     "attempt": (np.dtype(np.int64), ()),
@@ -56,19 +58,31 @@ class Trajectory:
     domain: str = ""
     prompt_len: int = 0
     detail: str = ""  # why it ended (verifier detail, infra cause): for traces, not for training
+    # The engine's kept support of each sampled token under top-k/top-p/greedy: token j could have
+    # been drawn from support_ids[sum(support_lengths[:j]) : ...]. Length 0 = full distribution or
+    # not known (the trainer then rebuilds it from its own logits).
+    support_lengths: np.ndarray | None = None  # int32 [L]
+    support_ids: np.ndarray | None = None  # int32 [sum(support_lengths)]
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
         self.loss_mask = np.asarray(self.loss_mask, dtype=np.uint8)
         self.rollout_logprobs = np.asarray(self.rollout_logprobs, dtype=np.float32)
+        lengths = np.zeros(len(self.token_ids)) if self.support_lengths is None else self.support_lengths
+        self.support_lengths = np.asarray(lengths, dtype=np.int32)
+        self.support_ids = np.asarray(() if self.support_ids is None else self.support_ids, dtype=np.int32)
         self.turn_boundaries = [(int(s), int(e)) for s, e in self.turn_boundaries]
         if self.status not in STATUSES:
             raise ValueError(f"trajectory {self.task_id}: status {self.status!r} not in {STATUSES}")
         n = len(self.token_ids)
-        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
+        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n or len(self.support_lengths) != n:
             raise ValueError(
                 f"trajectory {self.task_id}: {n} tokens but {len(self.loss_mask)} mask entries "
-                f"and {len(self.rollout_logprobs)} logprobs"
+                f", {len(self.rollout_logprobs)} logprobs and {len(self.support_lengths)} support lengths"
+            )
+        if int(self.support_lengths.sum()) != len(self.support_ids):
+            raise ValueError(
+                f"trajectory {self.task_id}: support lengths sum to {self.support_lengths.sum()}, {len(self.support_ids)} ids"
             )
 
     def __len__(self) -> int:
@@ -100,8 +114,13 @@ class Trajectory:
             "detail",
         )
         return all(getattr(self, k) == getattr(other, k) for k in scalars) and all(
-            np.array_equal(getattr(self, k), getattr(other, k)) for k in ("token_ids", "loss_mask", "rollout_logprobs")
+            np.array_equal(getattr(self, k), getattr(other, k))
+            for k in ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths", "support_ids")
         )
+
+    def supports(self) -> list[np.ndarray]:
+        """The kept ids of each token (empty where not recorded)."""
+        return np.split(self.support_ids, np.cumsum(self.support_lengths)[:-1]) if len(self) else []
 
 
 def _offsets(lengths) -> np.ndarray:
@@ -121,6 +140,8 @@ def pack(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
         "token_ids": cat("token_ids", [t.token_ids for t in trajs]),
         "loss_mask": cat("loss_mask", [t.loss_mask for t in trajs]),
         "rollout_logprobs": cat("rollout_logprobs", [t.rollout_logprobs for t in trajs]),
+        "support_lengths": cat("support_lengths", [t.support_lengths for t in trajs]),
+        "support_ids": cat("support_ids", [t.support_ids for t in trajs]),
         "token_offsets": _offsets([len(t) for t in trajs]),
         "group_id": np.array([t.group_id for t in trajs], np.int64),
         "attempt": np.array([t.attempt for t in trajs], np.int64),
@@ -143,6 +164,7 @@ def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
     tok, turn, sof = b["token_offsets"], b["turn_offsets"], b["string_offsets"]
     raw = b["strings"].tobytes()
     text = [raw[sof[j] : sof[j + 1]].decode() for j in range(len(sof) - 1)]
+    sup = _offsets(b["support_lengths"])  # support_ids offset of every token
     trajs = []
     for i in range(len(tok) - 1):
         lo, hi = int(tok[i]), int(tok[i + 1])
@@ -155,6 +177,8 @@ def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
                 token_ids=b["token_ids"][lo:hi].copy(),
                 loss_mask=b["loss_mask"][lo:hi].copy(),
                 rollout_logprobs=b["rollout_logprobs"][lo:hi].copy(),
+                support_lengths=b["support_lengths"][lo:hi].copy(),
+                support_ids=b["support_ids"][sup[lo] : sup[hi]].copy(),
                 reward=float(b["reward"][i]),
                 status=STATUSES[int(b["status"][i])],
                 turn_boundaries=[tuple(map(int, s)) for s in b["turns"][turn[i] : turn[i + 1]]],

@@ -122,14 +122,28 @@ def mismatch_stats(
 
     ratio = exp(logp_train - logp_rollout) over masked-in tokens; quantiles use linear
     interpolation (torch.quantile). `tis_clip_frac` is the share of tokens whose ratio exceeds the
-    TIS cap, i.e. whose weight was truncated. An empty mask gives NaN statistics.
+    TIS cap, i.e. whose weight was truncated. `k3_kl` is the mean of ratio - log(ratio) - 1 (a
+    non-negative estimate of KL(engine || trainer) on the engine's tokens); `log_ppl_diff` is the log
+    perplexity of the response tokens under the engine minus under the trainer. An empty mask gives
+    NaN statistics.
     """
     sel = mask.to(torch.bool)
     delta = (logp_train.detach() - logp_rollout.detach())[sel].double()
     if delta.numel() == 0:
         nan = float("nan")
         return dict.fromkeys(
-            ("mean_abs_dlogp", "max_abs_dlogp", "ratio_p1", "ratio_p50", "ratio_p99", "frac_ratio_off_0.1", "tis_clip_frac"), nan
+            (
+                "mean_abs_dlogp",
+                "max_abs_dlogp",
+                "k3_kl",
+                "log_ppl_diff",
+                "ratio_p1",
+                "ratio_p50",
+                "ratio_p99",
+                "frac_ratio_off_0.1",
+                "tis_clip_frac",
+            ),
+            nan,
         ) | {"tokens": 0}
     ratio = torch.exp(delta)
     q = torch.quantile(ratio, torch.tensor([0.01, 0.5, 0.99], dtype=ratio.dtype))
@@ -137,6 +151,8 @@ def mismatch_stats(
         "tokens": int(delta.numel()),
         "mean_abs_dlogp": delta.abs().mean().item(),
         "max_abs_dlogp": delta.abs().max().item(),
+        "k3_kl": (ratio - delta - 1).mean().item(),
+        "log_ppl_diff": delta.mean().item(),  # mean(-logp_rollout) - mean(-logp_train)
         "ratio_p1": q[0].item(),
         "ratio_p50": q[1].item(),
         "ratio_p99": q[2].item(),

@@ -2,6 +2,7 @@
 
     <dir>/model.safetensors            (or model-0000i-of-0000n.safetensors + model.safetensors.index.json)
     <dir>/model_config.json            ModelConfig fields
+    <dir>/config.json                  the same in Hugging Face form, when an HF architecture can express it (vLLM loads the dir)
     <dir>/tokenizer.json               the ChatTokenizer
     <dir>/manifest.json                sha256 + size of every file (written last)
 
@@ -186,6 +187,9 @@ def save_model_dir(
     with atomic_dir(path) as tmp:
         _write_tensors(tmp, hf_state_dict(model), max_shard_bytes)
         atomic_write_json(tmp / MODEL_CONFIG, model.config.to_dict())
+        serving = serving_config(model)
+        if serving is not None:
+            atomic_write_json(tmp / hf.CONFIG, serving)
         if tokenizer is not None:
             tokenizer.save(tmp)
         if meta:
@@ -194,6 +198,17 @@ def save_model_dir(
             write(tmp / name)
         write_manifest(tmp)
     return path
+
+
+def serving_config(model: MoEForCausalLM) -> dict | None:
+    """config.json that lets vLLM (or transformers) load the directory, in the architecture the model
+    maps to; None when no Hugging Face architecture can express it (snowcat itself reads
+    model_config.json, which wins when both are present)."""
+    try:
+        fields = hf.hf_config_dict(model.config)
+    except UserError:
+        return None
+    return fields | {"dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
 
 
 def load_model_config(path) -> ModelConfig:

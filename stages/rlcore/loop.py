@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -121,6 +122,7 @@ class Trainer(TrainLoop):
         )
         super().__init__(ctx, backend, checkpoints, log, steps=cfg.updates, save_every=cfg.save_every, eval_every=cfg.eval_every)
         self.wait_seconds = self.sampled_tokens = 0.0
+        self.alarm_said = False  # the mismatch alarm is printed once per process
 
     # ---------------------------------------------------------------- TrainLoop parts
 
@@ -168,7 +170,7 @@ class Trainer(TrainLoop):
         sampled = float(sum(int(t.loss_mask.sum()) for t in trajs))
         self.wait_seconds += self._wait
         self.sampled_tokens += sampled
-        return {
+        rec = {
             **batch_metrics(trajs),
             "policy_lag/mean": float(np.mean([k - t.policy_version for t in trajs])),
             **stats.record(),
@@ -177,6 +179,25 @@ class Trainer(TrainLoop):
             "time/wait_batch_s": self._wait,
             "throughput/sampled_tokens_per_s": sampled / max(step_time, 1e-9),
         }
+        rec["alarm/mismatch_kl"] = float(self._mismatch_alarm(rec.get("mismatch/k3_kl", float("nan"))))
+        return rec
+
+    def _mismatch_alarm(self, kl: float) -> bool:
+        """On while the engine-vs-trainer k3 KL, averaged over the last `mismatch_kl_window` updates,
+        is above `mismatch_kl_alarm`: the rollouts no longer come from the policy being trained."""
+        window = self.cfg.mismatch_kl_window
+        recent = [r.get("mismatch/k3_kl", float("nan")) for r in self.log.records[-(window - 1) :]] if window > 1 else []
+        values = [v for v in [*recent, kl] if v == v]  # NaN: a batch without trained tokens
+        on = len(values) >= window and float(np.mean(values)) > self.cfg.mismatch_kl_alarm
+        if on and not self.alarm_said:
+            self.alarm_said = True
+            print(
+                f"rl: ALARM engine-vs-trainer mismatch: k3 KL {np.mean(values):.4f} over the last {window} updates "
+                f"exceeds {self.cfg.mismatch_kl_alarm} (rl.mismatch_kl_alarm); see docs/rollout-engines.md",
+                file=sys.stderr,
+                flush=True,
+            )
+        return on
 
     def evaluate(self) -> dict:
         if not self.held_out or not self.cfg.eval_tasks:
@@ -232,6 +253,7 @@ class Trainer(TrainLoop):
             **self.eval_cache,
             **{f"initial_{k}": v for k, v in (history[0] if history else {}).items() if k.startswith("val/")},
             "final_reward_mean": history[-1].get("reward/mean") if history else None,
+            "mismatch_kl_alarm_updates": int(sum(r.get("alarm/mismatch_kl", 0.0) for r in history)),
         }
         atomic_write_json(self.out / "metrics.json", metrics)
         return metrics

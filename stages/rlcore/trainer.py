@@ -1,9 +1,12 @@
 """The RL trainer's math on a batch of trajectories: advantages, padded tensors, the policy loss.
 
 Logprobs are recomputed under the *sampling* distribution, not the raw model: the same
-temperature, and for top-k/top-p sampling the same kept support (`stages.rollout.support_ids` on
-the trainer's own logits) passed to `kernels.linear_logprob_entropy(..., support=)`. Otherwise
-every importance ratio is off by log(kept mass) (see /docs/rl.md).
+temperature, and for top-k/top-p sampling the same kept support passed to
+`kernels.linear_logprob_entropy(..., support=)`; otherwise every importance ratio is off by
+log(kept mass) (see /docs/rl.md). The support is the one the engine actually sampled from, carried
+with each token: rebuilding it from the trainer's logits disagrees at ties (vLLM's top-p keeps tied
+tokens by sorted position) and needs fp32 [chunk, V] logits. Only tokens whose support the engine did
+not report are rebuilt, and `mismatch/support_rebuilt_frac` counts them.
 """
 
 from __future__ import annotations
@@ -63,9 +66,22 @@ def make_batch(trajs: list[Trajectory], pad_id: int, estimator: str) -> dict[str
         "targets": targets,
         "mask": mask[:, 1:],
         "rollout_logprobs": lp[:, 1:],
+        "support": support_tensor(trajs, length)[:, 1:],
         "advantages": adv,
         "trainable": trainable,
     }
+
+
+def support_tensor(trajs: list[Trajectory], length: int) -> torch.Tensor:
+    """int64 [B, length, K]: each token's recorded kept ids, padded with -1 (K = 0 when none recorded)."""
+    width = max((int(t.support_lengths.max(initial=0)) for t in trajs), default=0)
+    out = np.full((len(trajs), length, width), -1, np.int64)
+    for b, t in enumerate(trajs):
+        n = t.support_lengths.astype(np.int64)
+        rows = np.repeat(np.arange(len(t)), n)
+        cols = np.arange(len(t.support_ids)) - np.repeat(np.cumsum(n) - n, n)
+        out[b, rows, cols] = t.support_ids
+    return torch.from_numpy(out)
 
 
 def _unwrap(model):
@@ -81,26 +97,51 @@ def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 40
     sel = batch["targets"] >= 0
     h = out.hidden[sel]
     head = _unwrap(model).lm_head.weight
-    support = None
     targets = batch["targets"][sel]
+    support = None
     if not params.is_full_distribution:
         with torch.no_grad():  # the kept set is a constant of the loss, as it is for the engine
-            parts = [
-                support_ids(torch.nn.functional.linear(h[i : i + chunk].float(), head.float()), params)
-                for i in range(0, h.shape[0], chunk)
-            ]
-            width = max(p.shape[1] for p in parts)
-            support = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
-            # The sampled token was in the engine's support. Logits in other precisions (bf16
-            # trainer vs engine) can move a boundary token out of ours: keep it in, so its logprob
-            # stays finite and the difference shows up as mismatch for TIS, not as -inf / NaN.
-            missing = ~(support == targets[:, None]).any(dim=1)
-            support = torch.cat([support, torch.where(missing, targets, -1)[:, None]], dim=1)
+            support = kept_support(batch, sel, h, head, params, chunk)
     temperature = params.temperature if params.temperature > 0 else 1.0
     logp_sel, ent_sel = linear_logprob_entropy(h, head.to(h.dtype), targets, temperature=temperature, support=support)
     logp = torch.zeros(B, T, dtype=logp_sel.dtype, device=h.device).masked_scatter(sel, logp_sel)
     ent = torch.zeros(B, T, dtype=ent_sel.dtype, device=h.device).masked_scatter(sel, ent_sel)
     return logp, ent, out
+
+
+def kept_support(batch: dict, sel: torch.Tensor, h: torch.Tensor, head: torch.Tensor, params: SamplingParams, chunk: int):
+    """int64 [N, K] kept ids of the N target tokens: the engine's where it recorded them, rebuilt from
+    the trainer's own logits (fp32, `chunk` rows at a time) where it did not."""
+    targets = batch["targets"][sel]
+    recorded = batch.get("support")
+    if recorded is not None and recorded.shape[-1]:
+        support = recorded.to(h.device)[sel]
+    else:
+        support = torch.full((len(targets), 0), -1, dtype=torch.long, device=h.device)
+    unknown = (support < 0).all(dim=1).nonzero()[:, 0]
+    if len(unknown):
+        hu = h[unknown]
+        parts = [
+            support_ids(torch.nn.functional.linear(hu[i : i + chunk].float(), head.float()), params)
+            for i in range(0, len(hu), chunk)
+        ]
+        width = max([support.shape[1], *(p.shape[1] for p in parts)])
+        support = torch.nn.functional.pad(support, (0, width - support.shape[1]), value=-1)
+        support[unknown] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
+    # The sampled token was in the engine's support. A rebuilt support computed in another precision
+    # (bf16 trainer vs engine) can lose a boundary token: keep it in, so its logprob stays finite and
+    # the difference shows up as mismatch for TIS, not as -inf / NaN.
+    missing = ~(support == targets[:, None]).any(dim=1)
+    return torch.cat([support, torch.where(missing, targets, -1)[:, None]], dim=1)
+
+
+def support_rebuilt_frac(batch: dict) -> float:
+    """Share of trained tokens whose kept support the engine did not record."""
+    sel = batch["mask"] > 0
+    recorded = batch.get("support")
+    if recorded is None or not recorded.shape[-1] or not sel.any():
+        return float(sel.any())
+    return float((recorded[sel] < 0).all(dim=1).float().mean())
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -135,6 +176,8 @@ def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=N
         res = {f"loss/{k}": torch.tensor(float(v)) for k, v in stats.items()}
         res |= {f"mismatch/{k}": torch.tensor(float(v)) for k, v in mism.items()}
         res["staleness/mean_abs_dlogp"] = _masked_mean((logp.detach() - logp_old).abs(), mask)
+        if not params.is_full_distribution:
+            res["mismatch/support_rebuilt_frac"] = torch.tensor(support_rebuilt_frac(batch))
         res |= {
             "tokens": tokens.detach(),
             "entropy_sum": (ent * mask).sum().detach(),

@@ -1,9 +1,10 @@
 """Rollout: sampling with exact probability accounting, and generation engines.
 
-`from stages.rollout import SamplingParams, TorchEngine, Completion` — see sampling.py and engine.py.
+`from stages.rollout import SamplingParams, TorchEngine, Completion` — see sampling.py and engine.py;
+`VLLMEngine` lives in vllm_engine.py (imported by rollout ranks only, through `open_engine`).
 """
 
-from snowcat.stages.rollout.engine import Completion, Engine, EngineError, TorchEngine, VLLMEngine
+from snowcat.stages.rollout.engine import Completion, Engine, EngineError, TorchEngine, open_engine
 from snowcat.stages.rollout.sampling import SamplingParams, processed_logprobs, sample, support_ids, support_mask
 
 __all__ = [
@@ -12,7 +13,7 @@ __all__ = [
     "EngineError",
     "SamplingParams",
     "TorchEngine",
-    "VLLMEngine",
+    "open_engine",
     "processed_logprobs",
     "sample",
     "support_ids",

@@ -1,8 +1,12 @@
-"""Generation engines behind one interface: an in-process torch engine, and vLLM for GPU sites.
+"""Generation engines behind one interface: the in-process torch engine here, vLLM in `vllm_engine.py`.
 
 `Engine.generate(prompts, params, seed)` takes token ids (token-in, token-out: the caller never
 re-tokenises sampled text) and returns one `Completion` per prompt whose logprobs are under the
-distribution each token was actually drawn from (see `sampling.py`).
+distribution each token was actually drawn from (see `sampling.py`), and, when top-k/top-p/greedy
+truncate that distribution, the ids the engine kept for each token: the trainer computes its
+logprobs on exactly that support instead of rebuilding it from its own logits.
+`generate_seeded(prompts, params, seeds)` gives request i its own seed (the agent loop's per-episode
+seeds).
 
 Determinism: request i of a `generate` call draws from its own CPU generator seeded from
 (seed, i), one uniform per sampled token, so its completion depends only on its prompt, the weights
@@ -24,7 +28,7 @@ import torch
 from snowcat.pipeline.errors import UserError
 from snowcat.stages.model import KVCache, load_model_dir
 from snowcat.stages.model.io import load_hf_state_dict, read_tensors
-from snowcat.stages.rollout.sampling import SamplingParams, sample
+from snowcat.stages.rollout.sampling import SamplingParams, sample, support_ids
 
 
 class EngineError(RuntimeError):
@@ -36,10 +40,17 @@ class Completion:
     token_ids: list[int]  # exactly as sampled; a stop id that ended the completion is included
     logprobs: list[float]  # per token, under the processed (temperature/top-k/top-p) distribution
     finish_reason: Literal["stop", "length"]
+    # per token, the ids it could have been drawn from ([] = not known: the trainer rebuilds it);
+    # None when the full distribution was sampled
+    support: list[list[int]] | None = None
 
 
 class Engine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> list[Completion]: ...
+
+    def generate_seeded(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[Completion]: ...
 
     def load_weights(self, model_dir: str | Path) -> None: ...
 
@@ -84,21 +95,28 @@ class TorchEngine:
         except (OSError, RuntimeError, KeyError, ValueError, UserError) as e:  # a missing/torn weights dir: infrastructure
             raise EngineError(f"{model_dir}: cannot load weights: {e}") from e
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> list[Completion]:
+        return self._generate(prompts, params, [request_generator(seed, i) for i in range(len(prompts))])
+
+    def generate_seeded(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[Completion]:
+        """Request i samples exactly as `generate([prompts[i]], params, seed=seeds[i])` would alone."""
+        return self._generate(prompts, params, [request_generator(s, 0) for s in seeds])
+
+    @torch.no_grad()
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, gens: list[torch.Generator]
+    ) -> list[Completion]:
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch):
             chunk = [list(p) for p in prompts[start : start + self.max_batch]]
-            gens = [request_generator(seed, start + i) for i in range(len(chunk))]
             try:
-                out += self._generate_batch(chunk, params, gens)
+                out += self._generate_batch(chunk, params, gens[start : start + self.max_batch])
             except EngineError:
                 raise
             except (RuntimeError, ValueError, IndexError) as e:  # device/OOM/shape failures are infra
                 raise EngineError(f"generation failed: {e}") from e
         return out
 
-    @torch.no_grad()  # also called directly by the agent loop: sampling never keeps a graph
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, gens: list[torch.Generator]):
         if any(len(p) == 0 for p in prompts):
             raise EngineError("empty prompt")
@@ -122,10 +140,14 @@ class TorchEngine:
         stop = set(params.stop_ids)
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
+        kept: list[list[list[int]]] | None = None if params.is_full_distribution else [[] for _ in prompts]
         finish: list[str | None] = [None] * batch
         rows = list(range(batch))  # request index of each cache row
         while True:
             tok, lp = sample(logits, params, [gens[r] for r in rows])
+            if kept is not None:
+                for r, ids in zip(rows, support_ids(logits, params).tolist()):
+                    kept[r].append([i for i in ids if i >= 0])
             for r, t, l in zip(rows, tok.tolist(), lp.tolist()):
                 tokens[r].append(t)
                 logps[r].append(l)
@@ -141,53 +163,30 @@ class TorchEngine:
                 cache, tok, rows = cache.select_rows(index), tok[index], [rows[i] for i in keep]
             hidden = self.model(tok[:, None].to(self.device), kv_cache=cache).hidden
             logits = self.model.logits(hidden[:, -1]).float()
-        return [Completion(t, l, f) for t, l, f in zip(tokens, logps, finish)]
-
-
-class VLLMEngine:
-    """vLLM (>= 0.10) behind the same interface, for GPU sites. Not exercised in this workplace.
-
-    `logprobs_mode="processed_logprobs"` makes vLLM report logprobs after temperature/top-k/top-p
-    renormalisation, matching `sampling.processed_logprobs`; `SamplingParams(logprobs=0)` returns the
-    sampled token's logprob only. Each request carries its own seed derived from (seed, index).
-    """
-
-    def __init__(self, model_dir: str | Path, **llm_kwargs):
-        try:
-            import vllm  # noqa: PLC0415 (the GPU extra; absent on CPU installs)
-        except ImportError as e:
-            raise EngineError("VLLMEngine needs the vllm package (>= 0.10), which is not installed") from e
-        self._vllm = vllm
-        self._llm_kwargs = {"logprobs_mode": "processed_logprobs", **llm_kwargs}
-        self.llm = vllm.LLM(model=str(model_dir), **self._llm_kwargs)
-
-    def load_weights(self, model_dir: str | Path) -> None:
-        # simplest correct reload; in-place weight updates are a later optimisation
-        self.llm = self._vllm.LLM(model=str(model_dir), **self._llm_kwargs)
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> list[Completion]:
-        from vllm.inputs import TokensPrompt  # noqa: PLC0415 (the GPU extra; absent on CPU installs)
-
-        per_request = [
-            self._vllm.SamplingParams(
-                temperature=params.temperature,
-                top_k=params.top_k if params.top_k > 0 else -1,
-                top_p=params.top_p,
-                max_tokens=params.max_tokens,
-                stop_token_ids=list(params.stop_ids),
-                logprobs=0,
-                seed=int(request_generator(seed, i).initial_seed() % (2**31)),
-            )
-            for i in range(len(prompts))
+        return [
+            Completion(t, l, f, kept[i] if kept is not None else None) for i, (t, l, f) in enumerate(zip(tokens, logps, finish))
         ]
-        try:
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_request, use_tqdm=False)
-        except Exception as e:
-            raise EngineError(f"vllm generation failed: {e}") from e
-        completions = []
-        for o in outputs:
-            c = o.outputs[0]
-            logprobs = [step[t].logprob for t, step in zip(c.token_ids, c.logprobs)]
-            reason = "stop" if c.finish_reason == "stop" else "length"
-            completions.append(Completion(list(c.token_ids), logprobs, reason))
-        return completions
+
+
+def open_engine(
+    kind: str,
+    model_dir: str | Path,
+    *,
+    model=None,
+    vllm=None,
+    max_batch: int = 64,
+    max_model_len: int | None = None,
+    seed: int = 0,
+) -> Engine:
+    """The engine a stage's `engine` key names, serving the model in `model_dir`. torch reuses `model`
+    when the caller holds it already; vllm (`vllm`: the stage's VllmConfig) is imported only here, so
+    processes that never sample with it never import it."""
+    if kind == "vllm":
+        from snowcat.stages.rollout.vllm_engine import VLLMEngine  # noqa: PLC0415 (rollout side only)
+
+        return VLLMEngine(model_dir, vllm, max_model_len=max_model_len, seed=seed)
+    if kind != "torch":
+        raise UserError(f"unknown engine {kind!r}; expected torch or vllm")
+    if model is not None:
+        return TorchEngine(model, max_batch=max_batch)
+    return TorchEngine.from_model_dir(model_dir, max_batch=max_batch)
