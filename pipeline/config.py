@@ -68,6 +68,8 @@ def stage_config(kind: str, values: dict | None = None, *, name: str | None = No
         section = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(stage_schema(kind)), {"kind": kind, **(values or {})}))
     except OmegaConfBaseException as e:
         raise UserError(f"{_key(e, where, values)}: {_msg(e)}") from None
+    if getattr(section, "engine", None) == "auto":
+        section.engine = "torch"  # outside a run there is no site (see _resolve_engines)
     problems = list(range_problems(section, where)) + [(_join(where, key), problem) for key, problem in section.problems()]
     if problems:
         raise UserError(f"{problems[0][0]}: {problems[0][1]}")

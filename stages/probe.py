@@ -29,8 +29,7 @@ from snowcat.pipeline.context import Preempted
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 from snowcat.stages.agent import FIELDS, Budget, EpisodeJob, make_env, pack, run_episodes, unpack
-from snowcat.stages.model import load_model_dir
-from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.rollout import SamplingParams, serve_model_dir
 from snowcat.stages.taskgen import load_tasks
 from snowcat.stages.train.backend import local_device
 from snowcat.stages.verifiers import TimedVerifier
@@ -44,15 +43,6 @@ def first_of_each_domain_in_turn(tasks: list, n: int) -> list:
     for t in tasks:
         by_domain.setdefault(t.domain, []).append(t)
     return [t for turn in zip_longest(*by_domain.values()) for t in turn if t is not None][:n]
-
-
-def load_checkpoint(ctx, ref: str, key: str, device: str = "cpu"):
-    """'<stage>:<name>' -> (model, tokenizer) from that needed stage's checkpoints/<name>."""
-
-    model, _, tok = load_model_dir(ctx.checkpoint(ref, key), device=device)
-    if tok is None:
-        raise UserError(f"stages.{ctx.name}.{key}: {ref!r} has no tokenizer.json")
-    return model, tok
 
 
 def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path | None = None, checkpoint_due=None, progress=None):
@@ -237,15 +227,22 @@ def run(ctx) -> dict:
         raise UserError(f"{key}.tasks: stage {cfg.tasks!r} is not in needs")
     tasks = load_tasks(ctx.inputs[cfg.tasks], "train")  # never the held-out split
     tasks = first_of_each_domain_in_turn(tasks, cfg.limit) if cfg.limit > 0 else tasks
-    device = local_device(ctx.local_rank)
-    model, tok = load_checkpoint(ctx, cfg.checkpoint, "checkpoint", device)
-    limit = model.config.max_position_embeddings
+    engine, tok, model_cfg = serve_model_dir(
+        ctx.checkpoint(cfg.checkpoint, "checkpoint"),
+        cfg.engine,
+        vllm=cfg.vllm,
+        max_batch=cfg.batch_size,
+        device=local_device(ctx.local_rank),
+        seed=ctx.seed,
+    )
+    if tok is None:
+        raise UserError(f"{key}.checkpoint: {cfg.checkpoint!r} has no tokenizer.json")
+    limit = model_cfg.max_position_embeddings
     if cfg.max_context + cfg.max_turn_tokens > limit:
         raise UserError(
             f"{key}: max_context + max_turn_tokens ({cfg.max_context + cfg.max_turn_tokens}) "
             f"exceeds the model's max_position_embeddings ({limit})"
         )
-    engine = TorchEngine(model, max_batch=cfg.batch_size)
     verifier = TimedVerifier(cfg.verifier, cfg.verifier_timeout_s)
     partial = Path(ctx.out_dir) / "partial"
     partial.mkdir(exist_ok=True)

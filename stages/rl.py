@@ -26,14 +26,16 @@ import pyarrow.parquet as pq
 import torch
 
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.stages.config import RlConfig as Config
 from snowcat.stages.model import load_model_dir
 from snowcat.stages.rlcore.episodes import generate_batch
 from snowcat.stages.rlcore.handoff import HandoffError, WeightHandoff, version_for_batch
 from snowcat.stages.rlcore.loop import Trainer
 from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport, TransportError, rollout_owner
-from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.rollout import SamplingParams, TorchEngine, serve_model_dir
 from snowcat.stages.taskgen import load_tasks
+from snowcat.stages.tokenizer import load_tokenizer
 from snowcat.stages.train.backend import local_device
 
 # ---------------------------------------------------------------- data
@@ -86,21 +88,40 @@ def batch_seed(seed: int, batch_index: int) -> int:
 
 
 class Rollout:
-    """Produces batch k with weights of step max(0, k - lag) loaded through the handoff."""
+    """Produces batch k with weights of step max(0, k - lag) loaded through the handoff, on the
+    engine `rl.engine` names (the torch engine can share the trainer's model when world size is 1)."""
 
-    def __init__(self, ctx, cfg: Config, model, tok, pool, handoff, transport):
-        self.ctx, self.cfg, self.tok, self.pool = ctx, cfg, tok, pool
-        self.model = model
-        self.engine = TorchEngine(model, max_batch=cfg.rollout_batch)
-        self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (tok.end_of_turn_id,))
+    def __init__(self, ctx, cfg: Config, pool, handoff, transport, model=None):
+        self.ctx, self.cfg, self.pool = ctx, cfg, pool
+        init = ctx.checkpoint(cfg.init_from, "init_from")
+        if model is not None and cfg.engine == "torch":
+            self.engine, self.tok = TorchEngine(model, max_batch=cfg.rollout_batch), load_tokenizer(init)
+        else:
+            self.engine, self.tok, _ = serve_model_dir(
+                init, cfg.engine, vllm=cfg.vllm, max_batch=cfg.rollout_batch, device=local_device(ctx.local_rank), seed=ctx.seed
+            )
+        self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (self.tok.end_of_turn_id,))
         self.handoff, self.transport = handoff, transport
         self.version: int | None = None
+        self.stats_path = Path(ctx.out_dir) / f"engine_rank{ctx.rank}.json"
+        self.earlier = read_json(self.stats_path) or {}  # counters of this rank before a restart
+
+    def load(self, v: int) -> None:
+        wait = {"timeout_s": self.cfg.timeout_s, "should_stop": self.ctx.checkpoint_due}
+        if isinstance(self.engine, TorchEngine):
+            self.handoff.load_into(self.engine.model, v, **wait)  # copies the very bytes it verified
+        else:
+            self.handoff.wait_verified(v, **wait)
+            self.engine.load_weights(self.handoff.path(v))  # a STABLE version is never rewritten
+            # the trainer adds these to its history (engine/*): reloads, checks, rebuilds, seconds
+            totals = {k: self.earlier.get(k, 0) + n for k, n in self.engine.stats.items()}
+            atomic_write_json(self.stats_path, {"version": v, **totals})
+        self.version = v
 
     def produce(self, k: int) -> None:
         v = version_for_batch(k, self.cfg.lag)
         if v != self.version:
-            self.handoff.load_into(self.model, v, timeout_s=self.cfg.timeout_s, should_stop=self.ctx.checkpoint_due)
-            self.version = v
+            self.load(v)
         tasks = batch_tasks(self.pool, self.cfg.tasks_per_update, self.ctx.seed, k)
         trajs = generate_batch(self.engine, self.tok, tasks, self.cfg, self.params, batch_seed(self.ctx.seed, k), v)
         self.transport.send_batch(k, trajs)
@@ -144,15 +165,14 @@ def run(ctx) -> dict:
 
     trainer = Trainer(ctx, cfg, held_out, handoff, transport, comm)
     if role == "both":
-        model, _, tok = load_model_dir(trainer.init_path, device=trainer.device)
-        trainer.local_rollout = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
+        model = load_model_dir(trainer.init_path, device=trainer.device)[0] if cfg.engine == "torch" else None
+        trainer.local_rollout = Rollout(ctx, cfg, pool, handoff, transport, model)
     return trainer.run()
 
 
 def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
     start = comm.bcast(None, root=0)  # the trainer's resumed step: the first batch still needed
-    model, _, tok = load_model_dir(ctx.checkpoint(cfg.init_from, "init_from"), device=local_device(ctx.local_rank))
-    worker = Rollout(ctx, cfg, model, tok, pool, handoff, transport)
+    worker = Rollout(ctx, cfg, pool, handoff, transport)
     t0, made = time.perf_counter(), 0
     for k in range(start, cfg.updates):
         if rollout_owner(k, first_rollout=1, n_rollout=ctx.world_size - 1) != ctx.rank:  # the file transport has no owner()
@@ -166,4 +186,5 @@ def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
                 raise ctx.Preempted(f"rl rollout rank {ctx.rank}: stopped at batch {k}") from None
             raise
         made += 1
-    return {"role": "rollout", "batches": made, "seconds": round(time.perf_counter() - t0, 2)}
+    engine = getattr(worker.engine, "stats", {})
+    return {"role": "rollout", "engine": cfg.engine, "batches": made, "seconds": round(time.perf_counter() - t0, 2), **engine}

@@ -18,7 +18,7 @@ from snowcat.stages.agent.loop import TRUNCATION_NOTE
 from snowcat.stages.config import VllmConfig
 from snowcat.stages.model import load_model_dir
 from snowcat.stages.model.tiny_hf import hf_chat_tokenizer, tiny_checkpoint
-from snowcat.stages.rollout import SamplingParams, TorchEngine, open_engine
+from snowcat.stages.rollout import SamplingParams, TorchEngine, serve_model_dir
 
 SEED = 5
 BUDGET = Budget(max_context=160, max_turn_tokens=6, max_turns=4, recover_long_turns=True)
@@ -41,8 +41,8 @@ def rollout(request, tmp_path_factory):
     else:
         path = tmp_path_factory.mktemp("checkpoint")
         tiny_checkpoint(path, texts, seed=1)
-        model, _, tok = load_model_dir(path)
-        engine = open_engine("vllm", path, vllm=VllmConfig())
+        model = load_model_dir(path)[0]  # the trainer's side: rescores what vLLM sampled
+        engine, tok, _ = serve_model_dir(path, "vllm", vllm=VllmConfig())
     jobs = [EpisodeJob(t, group_id=g, attempt=a) for g, t in enumerate(arith[:2] + closure[:2]) for a in range(2)]
     trajs = run_episodes(engine, tok, jobs, CalculatorEnv(tok), PARAMS, BUDGET, seed=SEED, policy_version=0)
     return tok, model, engine, trajs

@@ -15,6 +15,7 @@ _WHERE = {
     "MoEForCausalLM": "modeling",
     "save_model_dir": "io",
     "load_model_dir": "io",
+    "open_model_dir": "io",
     "hf_state_dict": "io",
     "load_hf_state_dict": "io",
 }

@@ -237,9 +237,9 @@ def load_weights(path, cfg: ModelConfig, device="cpu", dtype: torch.dtype | None
     return model
 
 
-def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify: bool = True):
-    """(model, cfg, tokenizer) from a model directory; sha256 checked against the manifest when it has one."""
-
+def open_model_dir(path, verify: bool = True):
+    """(cfg, tokenizer) of a model directory, without its weights; sha256 checked against the
+    manifest when it has one."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"{path}: model directory not found")
@@ -247,9 +247,13 @@ def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify:
         problems = verify_manifest(path)
         if problems:
             raise UserError(f"{path}: corrupt model directory: {problems[0]}")
-    cfg = load_model_config(path)
-    model = load_weights(path, cfg, device, dtype)
-    return model, cfg, load_tokenizer(path)
+    return load_model_config(path), load_tokenizer(path)
+
+
+def load_model_dir(path, device="cpu", dtype: torch.dtype | None = None, verify: bool = True):
+    """(model, cfg, tokenizer) from a model directory; sha256 checked against the manifest when it has one."""
+    cfg, tok = open_model_dir(path, verify)
+    return load_weights(path, cfg, device, dtype), cfg, tok
 
 
 def model_dir_meta(path) -> dict:

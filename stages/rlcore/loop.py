@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_write_json
+from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.stages.agent import STATUSES
 from snowcat.stages.algorithms import PolicyLossConfig
@@ -63,6 +63,18 @@ def quick_eval(model, tok, tasks, params, attempts: int, seed: int, verify, batc
     )
     model.train()
     return {("val/pass@1" if d == "all" else f"val/pass@1/{d}"): v for d, v in rates.items()}
+
+
+def engine_counters(out: Path) -> dict[str, float]:
+    """The rollout ranks' engine counters (vLLM weight reloads, reload checks, rebuilds, seconds),
+    summed over ranks: each rank rewrites its engine_rank<r>.json after every weight load, before it
+    generates the batch that the trainer is receiving."""
+    total: dict[str, float] = {}
+    for path in sorted(out.glob("engine_rank*.json")):
+        for key, value in (read_json(path) or {}).items():
+            if key != "version":
+                total[f"engine/{key}"] = total.get(f"engine/{key}", 0.0) + float(value)
+    return total
 
 
 class Trainer(TrainLoop):
@@ -180,7 +192,7 @@ class Trainer(TrainLoop):
             "throughput/sampled_tokens_per_s": sampled / max(step_time, 1e-9),
         }
         rec["alarm/mismatch_kl"] = float(self._mismatch_alarm(rec.get("mismatch/k3_kl", float("nan"))))
-        return rec
+        return rec | engine_counters(self.out)
 
     def _mismatch_alarm(self, kl: float) -> bool:
         """On while the engine-vs-trainer k3 KL, averaged over the last `mismatch_kl_window` updates,

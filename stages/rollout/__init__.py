@@ -1,10 +1,10 @@
 """Rollout: sampling with exact probability accounting, and generation engines.
 
 `from stages.rollout import SamplingParams, TorchEngine, Completion` — see sampling.py and engine.py;
-`VLLMEngine` lives in vllm_engine.py (imported by rollout ranks only, through `open_engine`).
+`VLLMEngine` lives in vllm_engine.py (imported by rollout ranks only, through `serve_model_dir`).
 """
 
-from snowcat.stages.rollout.engine import Completion, Engine, EngineError, TorchEngine, open_engine
+from snowcat.stages.rollout.engine import Completion, Engine, EngineError, TorchEngine, serve_model_dir
 from snowcat.stages.rollout.sampling import SamplingParams, processed_logprobs, sample, support_ids, support_mask
 
 __all__ = [
@@ -13,7 +13,7 @@ __all__ = [
     "EngineError",
     "SamplingParams",
     "TorchEngine",
-    "open_engine",
+    "serve_model_dir",
     "processed_logprobs",
     "sample",
     "support_ids",

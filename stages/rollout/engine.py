@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from snowcat.pipeline.errors import UserError
-from snowcat.stages.model import KVCache, load_model_dir
+from snowcat.stages.model import KVCache, load_model_dir, open_model_dir
 from snowcat.stages.model.io import load_hf_state_dict, read_tensors
 from snowcat.stages.rollout.sampling import SamplingParams, sample, support_ids
 
@@ -76,14 +76,6 @@ class TorchEngine:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model.to(self.device)
         self.max_batch = max_batch
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path, **kwargs) -> TorchEngine:
-        try:
-            model, _cfg, _tokenizer = load_model_dir(Path(model_dir))
-        except Exception as e:
-            raise EngineError(f"{model_dir}: cannot load model: {e}") from e
-        return cls(model, **kwargs)
 
     def load_weights(self, model_dir: str | Path) -> None:
         """Replace the weights in place from a model/weights dir (safetensors under HF names, one
@@ -168,25 +160,19 @@ class TorchEngine:
         ]
 
 
-def open_engine(
-    kind: str,
-    model_dir: str | Path,
-    *,
-    model=None,
-    vllm=None,
-    max_batch: int = 64,
-    max_model_len: int | None = None,
-    seed: int = 0,
-) -> Engine:
-    """The engine a stage's `engine` key names, serving the model in `model_dir`. torch reuses `model`
-    when the caller holds it already; vllm (`vllm`: the stage's VllmConfig) is imported only here, so
+def serve_model_dir(
+    path: str | Path, kind: str, *, vllm=None, max_batch: int = 64, device: str | torch.device = "cpu", seed: int = 0
+) -> tuple[Engine, object, object]:
+    """(engine, tokenizer, model config) for sampling from the model directory at `path` with the
+    engine a stage's `engine` key names. torch loads the weights here; vllm (`vllm`: the stage's
+    VllmConfig) loads them itself, so the torch model is never built, and vLLM is imported only here:
     processes that never sample with it never import it."""
     if kind == "vllm":
         from snowcat.stages.rollout.vllm_engine import VLLMEngine  # noqa: PLC0415 (rollout side only)
 
-        return VLLMEngine(model_dir, vllm, max_model_len=max_model_len, seed=seed)
+        cfg, tok = open_model_dir(path)
+        return VLLMEngine(path, vllm, seed=seed), tok, cfg
     if kind != "torch":
         raise UserError(f"unknown engine {kind!r}; expected torch or vllm")
-    if model is not None:
-        return TorchEngine(model, max_batch=max_batch)
-    return TorchEngine.from_model_dir(model_dir, max_batch=max_batch)
+    model, cfg, tok = load_model_dir(Path(path), device=device)
+    return TorchEngine(model, max_batch=max_batch), tok, cfg
