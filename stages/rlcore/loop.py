@@ -266,6 +266,8 @@ class Trainer(TrainLoop):
             **{f"initial_{k}": v for k, v in (history[0] if history else {}).items() if k.startswith("val/")},
             "final_reward_mean": history[-1].get("reward/mean") if history else None,
             "mismatch_kl_alarm_updates": int(sum(r.get("alarm/mismatch_kl", 0.0) for r in history)),
+            # roles: a trainer rank of its own never imports the rollout engine (world size 1 plays both)
+            "trainer_imported_vllm": "vllm" in sys.modules,
         }
         atomic_write_json(self.out / "metrics.json", metrics)
         return metrics
