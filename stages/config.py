@@ -236,6 +236,7 @@ class RlConfig:
     rollout_batch: int = bounded(128, ge=1)  # engine batch size
     engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    router_replay: bool = False  # MoE: route each token to the experts the rollout engine recorded (torch engine)
     mismatch_kl_alarm: float = bounded(0.015, ge=0)  # alarm when the engine-vs-trainer k3 KL stays above this...
     mismatch_kl_window: int = bounded(20, ge=1)  # ...averaged over this many updates (0.015 over 20: prime-rl's gate)
 

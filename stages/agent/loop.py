@@ -65,6 +65,7 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     support: list[list[int]] = field(default_factory=list)  # the engine's kept ids per token ([] where not sampled or not known)
+    routes: np.ndarray | None = None  # the experts of ids[: len(routes)], from the latest turn's generation
     turns: list[tuple[int, int]] = field(default_factory=list)
     status: str | None = None  # None while live
     reward: float = 0.0
@@ -138,6 +139,8 @@ def _advance(e: _Episode, c, turn: int, env, tok, budget: Budget, verifier) -> N
     ids, logprobs = list(c.token_ids[:room]), list(c.logprobs[:room])
     start = len(e.ids)
     e.append(ids, logprobs, c.support[:room] if c.support is not None else None)
+    if c.routes is not None:  # this turn's generation routed the whole prefix again: the latest is kept
+        e.routes = c.routes[: len(e.ids)]
     e.turns.append((start, len(e.ids)))
     stopped = c.finish_reason == "stop" and len(ids) == len(c.token_ids)
     if not stopped:
@@ -169,6 +172,14 @@ def _advance(e: _Episode, c, turn: int, env, tok, budget: Budget, verifier) -> N
     e.end("ok", verdict.reward, detail=verdict.detail)
 
 
+def _routes(e: _Episode) -> np.ndarray | None:
+    if e.routes is None:
+        return None
+    out = np.full((len(e.ids), e.routes.shape[1]), -1, np.int16)  # -1: not fed to the engine (routes itself)
+    out[: len(e.routes)] = e.routes
+    return out
+
+
 def _trajectory(e: _Episode, policy_version: int) -> Trajectory:
     return Trajectory(
         task_id=e.job.task.task_id,
@@ -180,6 +191,7 @@ def _trajectory(e: _Episode, policy_version: int) -> Trajectory:
         rollout_logprobs=np.asarray(e.logprobs, np.float32),
         support_lengths=np.asarray([len(k) for k in e.support], np.int32),
         support_ids=np.asarray([i for k in e.support for i in k], np.int32),
+        routes=_routes(e),
         reward=e.reward,
         status=e.status,
         turn_boundaries=e.turns,

@@ -29,6 +29,8 @@ FIELDS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
     "rollout_logprobs": (np.dtype(np.float32), ()),
     "support_lengths": (np.dtype(np.int32), ()),  # per token: how many kept ids the engine reported
     "support_ids": (np.dtype(np.int32), ()),  # all tokens' kept ids, concatenated
+    "route_width": (np.dtype(np.int64), ()),  # per trajectory: moe layers * k, 0 = no routes recorded
+    "routes": (np.dtype(np.int16), ()),  # all trajectories' [L, width] routes, flattened and concatenated
     "token_offsets": (np.dtype(np.int64), ()),  # [N+1]: trajectory i is tokens[off[i]:off[i+1]]
     "group_id": (np.dtype(np.int64), ()),
     "attempt": (np.dtype(np.int64), ()),
@@ -63,6 +65,9 @@ class Trajectory:
     # not known (the trainer then rebuilds it from its own logits).
     support_lengths: np.ndarray | None = None  # int32 [L]
     support_ids: np.ndarray | None = None  # int32 [sum(support_lengths)]
+    # The experts the engine routed each token to (router replay): int16 [L, moe layers * k], -1
+    # where a token was not fed to the engine; None when not recorded (dense model, vLLM on CPU).
+    routes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
@@ -80,6 +85,10 @@ class Trajectory:
                 f"trajectory {self.task_id}: {n} tokens but {len(self.loss_mask)} mask entries "
                 f", {len(self.rollout_logprobs)} logprobs and {len(self.support_lengths)} support lengths"
             )
+        if self.routes is not None:
+            self.routes = np.asarray(self.routes, dtype=np.int16)
+            if self.routes.ndim != 2 or len(self.routes) != n:
+                raise ValueError(f"trajectory {self.task_id}: routes of shape {self.routes.shape} for {n} tokens")
         if int(self.support_lengths.sum()) != len(self.support_ids):
             raise ValueError(
                 f"trajectory {self.task_id}: support lengths sum to {self.support_lengths.sum()}, {len(self.support_ids)} ids"
@@ -116,7 +125,7 @@ class Trajectory:
         return all(getattr(self, k) == getattr(other, k) for k in scalars) and all(
             np.array_equal(getattr(self, k), getattr(other, k))
             for k in ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths", "support_ids")
-        )
+        ) and (self.routes is None) == (other.routes is None) and (self.routes is None or np.array_equal(self.routes, other.routes))
 
     def supports(self) -> list[np.ndarray]:
         """The kept ids of each token (empty where not recorded)."""
@@ -142,6 +151,8 @@ def pack(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
         "rollout_logprobs": cat("rollout_logprobs", [t.rollout_logprobs for t in trajs]),
         "support_lengths": cat("support_lengths", [t.support_lengths for t in trajs]),
         "support_ids": cat("support_ids", [t.support_ids for t in trajs]),
+        "route_width": np.array([0 if t.routes is None else t.routes.shape[1] for t in trajs], np.int64),
+        "routes": cat("routes", [t.routes.reshape(-1) for t in trajs if t.routes is not None]),
         "token_offsets": _offsets([len(t) for t in trajs]),
         "group_id": np.array([t.group_id for t in trajs], np.int64),
         "attempt": np.array([t.attempt for t in trajs], np.int64),
@@ -165,6 +176,8 @@ def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
     raw = b["strings"].tobytes()
     text = [raw[sof[j] : sof[j + 1]].decode() for j in range(len(sof) - 1)]
     sup = _offsets(b["support_lengths"])  # support_ids offset of every token
+    width = b["route_width"]
+    rof = _offsets([(tok[i + 1] - tok[i]) * width[i] for i in range(len(tok) - 1)])  # routes offset of every trajectory
     trajs = []
     for i in range(len(tok) - 1):
         lo, hi = int(tok[i]), int(tok[i + 1])
@@ -179,6 +192,7 @@ def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
                 rollout_logprobs=b["rollout_logprobs"][lo:hi].copy(),
                 support_lengths=b["support_lengths"][lo:hi].copy(),
                 support_ids=b["support_ids"][sup[lo] : sup[hi]].copy(),
+                routes=b["routes"][rof[i] : rof[i + 1]].reshape(hi - lo, int(width[i])).copy() if width[i] else None,
                 reward=float(b["reward"][i]),
                 status=STATUSES[int(b["status"][i])],
                 turn_boundaries=[tuple(map(int, s)) for s in b["turns"][turn[i] : turn[i + 1]]],

@@ -33,6 +33,9 @@ class ModelOutput:
     router_stats: dict = field(default_factory=dict)
     logprobs: torch.Tensor | None = None  # [B, T] fp32, when forward got `targets`
     entropy: torch.Tensor | None = None  # [B, T] fp32, when forward got `targets`
+    # [B, T, moe layers, k] experts the router chose for each token (its own choice, also where
+    # `routes` forced others); None for a dense model
+    routes: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -139,7 +142,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, hidden: torch.Tensor):
+    def forward(self, hidden: torch.Tensor, forced: torch.Tensor | None = None):
+        """`forced` [..., k] expert ids per token (router replay; a row with any -1 routes itself).
+        Returns (output, aux loss, z loss, load, dropped share, the router's own top-k ids [N, k])."""
         cfg = self.cfg
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
@@ -147,6 +152,11 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(x).float()
         probs = logits.softmax(dim=-1)
         top_w, top_i = probs.topk(k, dim=-1)
+        own = top_i
+        if forced is not None:
+            forced = forced.reshape(-1, k).to(top_i.device, top_i.dtype)
+            top_i = torch.where((forced >= 0).all(dim=-1, keepdim=True), forced, top_i)
+            top_w = probs.gather(-1, top_i)  # the gate still learns: its probabilities of the replayed experts
         if cfg.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
 
@@ -173,7 +183,7 @@ class SparseMoeBlock(nn.Module):
         load = torch.bincount(flat_e, minlength=E).float() / (N * k)
         aux = E * (load * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
-        return out.view(shape), aux, z, load.detach(), dropped.detach()
+        return out.view(shape), aux, z, load.detach(), dropped.detach(), own
 
 
 class DecoderLayer(nn.Module):
@@ -185,12 +195,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache=None):
+    def forward(self, x, cos, sin, mask, cache=None, forced=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
-            out, aux, z, load, dropped = self.mlp(h)
-            return x + out, (aux, z, load, dropped)
+            out, *moe = self.mlp(h, forced)
+            return x + out, moe
         return x + self.mlp(h), None
 
 
@@ -248,11 +258,13 @@ class MoEForCausalLM(nn.Module):
         kv_cache: KVCache | None = None,
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
+        routes: torch.Tensor | None = None,
     ) -> ModelOutput:
         """With `targets` [B, T] (next-token ids, -1 = none) the output also carries the per-token
         logprob/entropy from `kernels.linear_logprob_entropy` (no [B*T, V] logits kept). It runs
         inside forward so that wrappers which gather parameters around forward (ZeRO-3) see the
-        LM head used."""
+        LM head used. `routes` [B, T, moe layers * k] replays recorded expert choices (-1: the
+        token routes itself)."""
         B, T = input_ids.shape
         device = input_ids.device
         mask, cache_slots, span = None, None, None
@@ -281,14 +293,16 @@ class MoEForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
-        aux, z, loads, dropped = [], [], [], []
+        aux, z, loads, dropped, chosen = [], [], [], [], []
+        k = self.config.experts_per_token
+        forced = routes.reshape(B, T, -1, k) if routes is not None else None
         for i, layer in enumerate(m.layers):
             cache = None
             if kv_cache is not None:
                 cache = (kv_cache.k[i], kv_cache.v[i], cache_slots, span)
-            x, moe = layer(x, cos, sin, mask, cache)
+            x, moe = layer(x, cos, sin, mask, cache, forced[:, :, len(chosen)] if forced is not None and layer.is_moe else None)
             if moe is not None:
-                aux.append(moe[0]), z.append(moe[1]), loads.append(moe[2]), dropped.append(moe[3])
+                aux.append(moe[0]), z.append(moe[1]), loads.append(moe[2]), dropped.append(moe[3]), chosen.append(moe[4])
         if kv_cache is not None:
             kv_cache.lengths += T
         hidden = m.norm(x)
@@ -307,6 +321,8 @@ class MoEForCausalLM(nn.Module):
                 "z_loss": z_loss.detach(),
             }
         out = ModelOutput(hidden=hidden, aux_loss=aux_loss, z_loss=z_loss, router_stats=stats)
+        if chosen:
+            out.routes = torch.stack([c.view(B, T, k) for c in chosen], dim=2)
         if targets is not None:
             H = hidden.shape[-1]
             logp, ent = linear_logprob_entropy(

@@ -121,7 +121,7 @@ class Trainer(TrainLoop):
         ref_model = None
         if cfg.kl_coef:
             ref_model = load_model_dir(self.init_path, device=self.device)[0].eval().requires_grad_(False)
-        self.loss_fn = make_loss_fn(self.params, loss_cfg, ref_model)
+        self.loss_fn = make_loss_fn(self.params, loss_cfg, ref_model, replay=cfg.router_replay)
         policy = RetentionPolicy(metric="val/pass@1", mode="max", keep_best=cfg.keep_best, keep_last=cfg.keep_last)
         checkpoints = Checkpoints(ckpts, backend, self.tok, policy, meta={"stage": ctx.name, "seed": ctx.seed})
         client = checkpoints.restore()
@@ -241,7 +241,7 @@ class Trainer(TrainLoop):
             self.behaviour_version = version
         with torch.no_grad():
             on_device = {k: v.to(self.device) for k, v in batch.items()}
-            batch["logp_old"], _, _ = sampled_logprobs(self.behaviour, on_device, self.params)
+            batch["logp_old"], _, _ = sampled_logprobs(self.behaviour, on_device, self.params, replay=self.cfg.router_replay)
 
     # ---------------------------------------------------------------- the role
 

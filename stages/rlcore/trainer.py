@@ -67,6 +67,7 @@ def make_batch(trajs: list[Trajectory], pad_id: int, estimator: str) -> dict[str
         "mask": mask[:, 1:],
         "rollout_logprobs": lp[:, 1:],
         "support": support_tensor(trajs, length)[:, 1:],
+        **({"routes": routes_tensor(trajs, length)[:, :-1]} if any(t.routes is not None for t in trajs) else {}),
         "advantages": adv,
         "trainable": trainable,
     }
@@ -84,15 +85,35 @@ def support_tensor(trajs: list[Trajectory], length: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def routes_tensor(trajs: list[Trajectory], length: int) -> torch.Tensor:
+    """int64 [B, length, moe layers * k]: each input token's recorded experts, -1 where not recorded."""
+    width = max(t.routes.shape[1] for t in trajs if t.routes is not None)
+    out = np.full((len(trajs), length, width), -1, np.int64)
+    for b, t in enumerate(trajs):
+        if t.routes is not None:
+            out[b, : len(t)] = t.routes
+    return torch.from_numpy(out)
+
+
+def route_agreement(own: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
+    """Share of (token, MoE layer) pairs whose recorded expert set the trainer's router chose too.
+    `own` [B, T, layers, k] (ModelOutput.routes), `recorded` [B, T, layers * k] (-1: not recorded)."""
+    rec = recorded.view(own.shape)
+    valid = (rec >= 0).all(dim=-1)
+    same = (own.sort(dim=-1).values == rec.sort(dim=-1).values).all(dim=-1)
+    return (same & valid).sum() / valid.sum().clamp(min=1)
+
+
 def _unwrap(model):
     return getattr(model, "module", model)
 
 
-def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 4096):
+def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 4096, replay: bool = False):
     """(logprob [B, T], entropy [B, T], model output) of the target tokens under `params`' sampling
-    distribution; 0 where there is no target."""
+    distribution; 0 where there is no target. `replay`: route every token to the experts the engine
+    recorded for it (router replay), where the batch carries them."""
 
-    out = model(batch["input_ids"])
+    out = model(batch["input_ids"], routes=batch.get("routes") if replay else None)
     B, T, H = out.hidden.shape
     sel = batch["targets"] >= 0
     h = out.hidden[sel]
@@ -148,18 +169,19 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=None):
+def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=None, replay: bool = False):
     """loss_fn(model, batch, n_tokens, n_micro) for `stages.train` backends: the TIS policy loss
-    (+ router losses); its stats include the engine-vs-trainer mismatch of this very batch."""
+    (+ router losses); its stats include the engine-vs-trainer mismatch of this very batch.
+    `replay`: router replay (see `sampled_logprobs`)."""
 
     def loss_fn(model, batch, _n_tokens, num_micro):
         cfg = _unwrap(model).config
-        logp, ent, out = sampled_logprobs(model, batch, params)
+        logp, ent, out = sampled_logprobs(model, batch, params, replay=replay)
         mask = batch["mask"]
         logp_ref = None
         if loss_cfg.kl_coef:
             with torch.no_grad():
-                logp_ref, _, _ = sampled_logprobs(ref_model, batch, params)
+                logp_ref, _, _ = sampled_logprobs(ref_model, batch, params, replay=replay)
         # logp_old: the trainer's recomputation under the behaviour weights (step k - lag), given
         # by the caller when they differ from the current ones. exp(logp - logp_old) carries the
         # staleness (PPO-clipped if configured); the TIS weight exp(logp_old - logp_rollout) only
@@ -178,6 +200,8 @@ def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=N
         res["staleness/mean_abs_dlogp"] = _masked_mean((logp.detach() - logp_old).abs(), mask)
         if not params.is_full_distribution:
             res["mismatch/support_rebuilt_frac"] = torch.tensor(support_rebuilt_frac(batch))
+        if "routes" in batch and out.routes is not None:  # measured with and without replay
+            res["mismatch/route_agreement"] = route_agreement(out.routes, batch["routes"]).detach().float()
         res |= {
             "tokens": tokens.detach(),
             "entropy_sum": (ent * mask).sum().detach(),

@@ -43,6 +43,9 @@ class Completion:
     # per token, the ids it could have been drawn from ([] = not known: the trainer rebuilds it);
     # None when the full distribution was sampled
     support: list[list[int]] | None = None
+    # int16 [prompt + sampled - 1, moe layers * k]: the experts each fed token (the prompt, then every
+    # sampled token but the last) was routed to, for router replay; None if not recorded
+    routes: np.ndarray | None = None
 
 
 class Engine(Protocol):
@@ -125,7 +128,9 @@ class TorchEngine:
         ids = torch.zeros(batch, longest, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p)
-        hidden = self.model(ids, kv_cache=cache).hidden
+        out = self.model(ids, kv_cache=cache)
+        hidden = out.hidden
+        routes = None if out.routes is None else [[out.routes[b, : len(p)].flatten(1)] for b, p in enumerate(prompts)]
         cache.truncate(lengths)
         logits = self.model.logits(hidden[torch.arange(batch, device=self.device), lengths - 1]).float()
 
@@ -153,10 +158,20 @@ class TorchEngine:
             if len(keep) < len(rows):
                 index = torch.tensor(keep, device=self.device)
                 cache, tok, rows = cache.select_rows(index), tok[index], [rows[i] for i in keep]
-            hidden = self.model(tok[:, None].to(self.device), kv_cache=cache).hidden
-            logits = self.model.logits(hidden[:, -1]).float()
+            out = self.model(tok[:, None].to(self.device), kv_cache=cache)
+            if routes is not None:
+                for i, r in enumerate(rows):
+                    routes[r].append(out.routes[i, :1].flatten(1))
+            logits = self.model.logits(out.hidden[:, -1]).float()
         return [
-            Completion(t, l, f, kept[i] if kept is not None else None) for i, (t, l, f) in enumerate(zip(tokens, logps, finish))
+            Completion(
+                t,
+                l,
+                f,
+                kept[i] if kept is not None else None,
+                torch.cat(routes[i]).to(torch.int16).cpu().numpy() if routes is not None else None,
+            )
+            for i, (t, l, f) in enumerate(zip(tokens, logps, finish))
         ]
 
 
