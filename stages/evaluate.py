@@ -28,10 +28,9 @@ from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 from snowcat.stages import evalstats
-from snowcat.stages.rollout import SamplingParams, serve_model_dir
-from snowcat.stages.scoring import Attempt, sample_attempts
+from snowcat.stages.rollout import SamplingParams
+from snowcat.stages.scoring import Attempt, sample_attempts, serve_checkpoint
 from snowcat.stages.taskgen import load_tasks
-from snowcat.stages.train.backend import local_device
 from snowcat.stages.verifiers import TimedVerifier
 
 # ---------------------------------------------------------------- sampling + verification
@@ -40,16 +39,7 @@ from snowcat.stages.verifiers import TimedVerifier
 def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier) -> list[Attempt]:
     """`cfg.attempts` verified answers per task from checkpoint `ref`."""
 
-    engine, tok, _ = serve_model_dir(
-        ctx.checkpoint(ref, "checkpoints"),
-        cfg.engine,
-        vllm=cfg.vllm,
-        max_batch=cfg.batch_size,
-        device=local_device(ctx.local_rank),
-        seed=ctx.seed,
-    )
-    if tok is None:
-        raise UserError(f"{ref}: checkpoint has no tokenizer.json")
+    engine, tok, _ = serve_checkpoint(ctx, ref, "checkpoints")
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (tok.end_of_turn_id,))
     return sample_attempts(
         engine,

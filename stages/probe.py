@@ -29,9 +29,9 @@ from snowcat.pipeline.context import Preempted
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 from snowcat.stages.agent import FIELDS, Budget, EpisodeJob, make_env, pack, run_episodes, unpack
-from snowcat.stages.rollout import SamplingParams, serve_model_dir
+from snowcat.stages.rollout import SamplingParams
+from snowcat.stages.scoring import serve_checkpoint
 from snowcat.stages.taskgen import load_tasks
-from snowcat.stages.train.backend import local_device
 from snowcat.stages.verifiers import TimedVerifier
 
 
@@ -227,16 +227,7 @@ def run(ctx) -> dict:
         raise UserError(f"{key}.tasks: stage {cfg.tasks!r} is not in needs")
     tasks = load_tasks(ctx.inputs[cfg.tasks], "train")  # never the held-out split
     tasks = first_of_each_domain_in_turn(tasks, cfg.limit) if cfg.limit > 0 else tasks
-    engine, tok, model_cfg = serve_model_dir(
-        ctx.checkpoint(cfg.checkpoint, "checkpoint"),
-        cfg.engine,
-        vllm=cfg.vllm,
-        max_batch=cfg.batch_size,
-        device=local_device(ctx.local_rank),
-        seed=ctx.seed,
-    )
-    if tok is None:
-        raise UserError(f"{key}.checkpoint: {cfg.checkpoint!r} has no tokenizer.json")
+    engine, tok, model_cfg = serve_checkpoint(ctx, cfg.checkpoint, "checkpoint")
     limit = model_cfg.max_position_embeddings
     if cfg.max_context + cfg.max_turn_tokens > limit:
         raise UserError(

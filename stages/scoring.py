@@ -20,9 +20,28 @@ from typing import Any, Literal
 
 import numpy as np
 
-from snowcat.stages.rollout import EngineError, SamplingParams
+from snowcat.pipeline.errors import UserError
+from snowcat.stages.rollout import EngineError, SamplingParams, serve_model_dir
+from snowcat.stages.train.backend import local_device
 
 Status = Literal["ok", "truncated", "infra_error"]
+
+
+def serve_checkpoint(ctx, ref: str, key: str):
+    """(engine, tokenizer, model config) on checkpoint `ref` ("<stage>:<name>" or "hf:...") of a
+    sampling stage, with the engine its config names (`engine`, `vllm`, `batch_size`)."""
+    cfg = ctx.config
+    engine, tok, model_cfg = serve_model_dir(
+        ctx.checkpoint(ref, key),
+        cfg.engine,
+        vllm=cfg.vllm,
+        max_batch=cfg.batch_size,
+        device=local_device(ctx.local_rank),
+        seed=ctx.seed,
+    )
+    if tok is None:
+        raise UserError(f"stages.{ctx.name}.{key}: {ref!r} has no tokenizer.json")
+    return engine, tok, model_cfg
 
 
 @dataclass

@@ -122,10 +122,15 @@ class Trajectory:
             "prompt_len",
             "detail",
         )
-        return all(getattr(self, k) == getattr(other, k) for k in scalars) and all(
-            np.array_equal(getattr(self, k), getattr(other, k))
-            for k in ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths", "support_ids")
-        ) and (self.routes is None) == (other.routes is None) and (self.routes is None or np.array_equal(self.routes, other.routes))
+        return (
+            all(getattr(self, k) == getattr(other, k) for k in scalars)
+            and all(
+                np.array_equal(getattr(self, k), getattr(other, k))
+                for k in ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths", "support_ids")
+            )
+            and (self.routes is None) == (other.routes is None)
+            and (self.routes is None or np.array_equal(self.routes, other.routes))
+        )
 
     def supports(self) -> list[np.ndarray]:
         """The kept ids of each token (empty where not recorded)."""
