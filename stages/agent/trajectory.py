@@ -132,10 +132,6 @@ class Trajectory:
             and (self.routes is None or np.array_equal(self.routes, other.routes))
         )
 
-    def supports(self) -> list[np.ndarray]:
-        """The kept ids of each token (empty where not recorded)."""
-        return np.split(self.support_ids, np.cumsum(self.support_lengths)[:-1]) if len(self) else []
-
 
 def _offsets(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int64)
