@@ -11,6 +11,7 @@ Outputs in ctx.out_dir:
     checkpoints/final/    checkpoints/best (file naming the best step dir)   -> `rl:best`, `rl:final`
     weights/step_N/       the handoff versions still needed;  queue/  pending batches (file transport)
     metrics_history.jsonl, metrics.json; rows in the run's history.h5
+    engine_rank<r>.json   a vLLM rollout rank's reload/check/rebuild counters (engine/* in the history)
 Resume: the newest verified checkpoint holds policy, optimizer, RNG and the policy version; data
 order and sampling seeds are functions of (seed, batch index), so pending batches are simply
 regenerated, bit-identically (docs/rl.md).
@@ -28,14 +29,12 @@ import torch
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.stages.config import RlConfig as Config
-from snowcat.stages.model import load_model_dir
 from snowcat.stages.rlcore.episodes import generate_batch
 from snowcat.stages.rlcore.handoff import HandoffError, WeightHandoff, version_for_batch
 from snowcat.stages.rlcore.loop import Trainer
 from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport, TransportError, rollout_owner
 from snowcat.stages.rollout import SamplingParams, TorchEngine, serve_model_dir
 from snowcat.stages.taskgen import load_tasks
-from snowcat.stages.tokenizer import load_tokenizer
 from snowcat.stages.train.backend import local_device
 
 # ---------------------------------------------------------------- data
@@ -89,17 +88,18 @@ def batch_seed(seed: int, batch_index: int) -> int:
 
 class Rollout:
     """Produces batch k with weights of step max(0, k - lag) loaded through the handoff, on the
-    engine `rl.engine` names (the torch engine can share the trainer's model when world size is 1)."""
+    engine `rl.engine` names."""
 
-    def __init__(self, ctx, cfg: Config, pool, handoff, transport, model=None):
+    def __init__(self, ctx, cfg: Config, pool, handoff, transport):
         self.ctx, self.cfg, self.pool = ctx, cfg, pool
-        init = ctx.checkpoint(cfg.init_from, "init_from")
-        if model is not None and cfg.engine == "torch":
-            self.engine, self.tok = TorchEngine(model, max_batch=cfg.rollout_batch), load_tokenizer(init)
-        else:
-            self.engine, self.tok, _ = serve_model_dir(
-                init, cfg.engine, vllm=cfg.vllm, max_batch=cfg.rollout_batch, device=local_device(ctx.local_rank), seed=ctx.seed
-            )
+        self.engine, self.tok, _ = serve_model_dir(
+            ctx.checkpoint(cfg.init_from, "init_from"),
+            cfg.engine,
+            vllm=cfg.vllm,
+            max_batch=cfg.rollout_batch,
+            device=local_device(ctx.local_rank),
+            seed=ctx.seed,
+        )
         self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (self.tok.end_of_turn_id,))
         self.handoff, self.transport = handoff, transport
         self.version: int | None = None
@@ -165,8 +165,7 @@ def run(ctx) -> dict:
 
     trainer = Trainer(ctx, cfg, held_out, handoff, transport, comm)
     if role == "both":
-        model = load_model_dir(trainer.init_path, device=trainer.device)[0] if cfg.engine == "torch" else None
-        trainer.local_rollout = Rollout(ctx, cfg, pool, handoff, transport, model)
+        trainer.local_rollout = Rollout(ctx, cfg, pool, handoff, transport)
     return trainer.run()
 
 
