@@ -46,12 +46,10 @@ class VllmConfig:
     gpu_memory_utilization: float = bounded(0.85, gt=0, le=1)
     tensor_parallel_size: int = bounded(1, ge=1)  # GPUs per engine (GPU only; unverified here)
     max_num_seqs: int = bounded(256, ge=1)  # sequences the engine schedules at once
-    support_cap: int = bounded(
-        64, ge=1
-    )  # kept-support ids read back per sampled token; wider supports are rebuilt by the trainer
-    check_reload_every: int = bounded(
-        10, ge=0
-    )  # compare an in-place reload with a fresh engine at the first and every N-th; 0 = first only
+    # kept-support ids read back per sampled token; a wider support is rebuilt by the trainer
+    support_cap: int = bounded(64, ge=1)
+    # compare an in-place reload with a freshly built engine at the first reload and every N-th; 0 = first only
+    check_reload_every: int = bounded(10, ge=0)
 
 
 def _engine_problems(engine: str, image: str | None) -> Iterator[Problem]:

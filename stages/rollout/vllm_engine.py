@@ -41,15 +41,14 @@ class VLLMEngine:
         safetensors: what snowcat's model directories and handoff versions contain). `max_model_len`
         None: the checkpoint's max_position_embeddings."""
         self.cfg, self.max_model_len, self.seed = cfg, max_model_len, seed
-        self.model_dir = Path(model_dir)
-        config = self.model_dir / "config.json"
+        config = Path(model_dir) / "config.json"
         try:
             self.vocab_size = int(json.loads(config.read_text())["vocab_size"])
         except (OSError, ValueError, KeyError) as e:
             raise EngineError(f"{config}: vLLM needs a Hugging Face config.json here: {e}") from e
         self.in_place = True  # False once a check found an in-place reload wrong
         self.stats = {"reloads": 0, "reload_checks": 0, "rebuilds": 0, "reload_s": 0.0, "check_s": 0.0}
-        self.llm = self._build(self.model_dir)
+        self.llm = self._build(Path(model_dir))
 
     # -- building -------------------------------------------------------------------------------
 
@@ -173,7 +172,6 @@ class VLLMEngine:
                 every = self.cfg.check_reload_every
                 if self.stats["reloads"] == 1 or (every and self.stats["reloads"] % every == 0):
                     self._check_reload(model_dir)
-        self.model_dir = model_dir
         self.stats["reload_s"] += time.perf_counter() - t0
 
     def _reload_in_place(self, model_dir: Path) -> None:
