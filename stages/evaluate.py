@@ -39,7 +39,7 @@ from snowcat.stages.verifiers import TimedVerifier
 def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier) -> list[Attempt]:
     """`cfg.attempts` verified answers per task from checkpoint `ref`."""
 
-    engine, tok, _ = serve_checkpoint(ctx, ref, "checkpoints")
+    engine, tok, _ = serve_checkpoint(ctx, ref, "checkpoints", cfg.batch_size)
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (tok.end_of_turn_id,))
     return sample_attempts(
         engine,

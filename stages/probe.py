@@ -29,6 +29,7 @@ from snowcat.pipeline.context import Preempted
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 from snowcat.stages.agent import FIELDS, Budget, EpisodeJob, make_env, pack, run_episodes, unpack
+from snowcat.stages.model.io import load_model_config
 from snowcat.stages.rollout import SamplingParams
 from snowcat.stages.scoring import serve_checkpoint
 from snowcat.stages.taskgen import load_tasks
@@ -227,13 +228,14 @@ def run(ctx) -> dict:
         raise UserError(f"{key}.tasks: stage {cfg.tasks!r} is not in needs")
     tasks = load_tasks(ctx.inputs[cfg.tasks], "train")  # never the held-out split
     tasks = first_of_each_domain_in_turn(tasks, cfg.limit) if cfg.limit > 0 else tasks
-    engine, tok, model_cfg = serve_checkpoint(ctx, cfg.checkpoint, "checkpoint")
-    limit = model_cfg.max_position_embeddings
+    # the budget check reads config.json alone: refused before an engine spends minutes starting
+    limit = load_model_config(ctx.checkpoint(cfg.checkpoint, "checkpoint")).max_position_embeddings
     if cfg.max_context + cfg.max_turn_tokens > limit:
         raise UserError(
             f"{key}: max_context + max_turn_tokens ({cfg.max_context + cfg.max_turn_tokens}) "
             f"exceeds the model's max_position_embeddings ({limit})"
         )
+    engine, tok, _ = serve_checkpoint(ctx, cfg.checkpoint, "checkpoint", cfg.batch_size)
     verifier = TimedVerifier(cfg.verifier, cfg.verifier_timeout_s)
     partial = Path(ctx.out_dir) / "partial"
     partial.mkdir(exist_ok=True)

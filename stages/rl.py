@@ -33,9 +33,9 @@ from snowcat.stages.rlcore.episodes import generate_batch
 from snowcat.stages.rlcore.handoff import HandoffError, WeightHandoff, version_for_batch
 from snowcat.stages.rlcore.loop import Trainer
 from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport, TransportError, rollout_owner
-from snowcat.stages.rollout import SamplingParams, TorchEngine, serve_model_dir
+from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.scoring import serve_checkpoint
 from snowcat.stages.taskgen import load_tasks
-from snowcat.stages.train.backend import local_device
 
 # ---------------------------------------------------------------- data
 
@@ -92,14 +92,7 @@ class Rollout:
 
     def __init__(self, ctx, cfg: Config, pool, handoff, transport):
         self.ctx, self.cfg, self.pool = ctx, cfg, pool
-        self.engine, self.tok, _ = serve_model_dir(
-            ctx.checkpoint(cfg.init_from, "init_from"),
-            cfg.engine,
-            vllm=cfg.vllm,
-            max_batch=cfg.rollout_batch,
-            device=local_device(ctx.local_rank),
-            seed=ctx.seed,
-        )
+        self.engine, self.tok, _ = serve_checkpoint(ctx, cfg.init_from, "init_from", cfg.rollout_batch)
         self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (self.tok.end_of_turn_id,))
         self.handoff, self.transport = handoff, transport
         self.version: int | None = None

@@ -27,15 +27,15 @@ from snowcat.stages.train.backend import local_device
 Status = Literal["ok", "truncated", "infra_error"]
 
 
-def serve_checkpoint(ctx, ref: str, key: str):
+def serve_checkpoint(ctx, ref: str, key: str, max_batch: int):
     """(engine, tokenizer, model config) on checkpoint `ref` ("<stage>:<name>" or "hf:...") of a
-    sampling stage, with the engine its config names (`engine`, `vllm`, `batch_size`)."""
+    sampling stage, with the engine its config names (`engine`, `vllm`)."""
     cfg = ctx.config
     engine, tok, model_cfg = serve_model_dir(
         ctx.checkpoint(ref, key),
         cfg.engine,
         vllm=cfg.vllm,
-        max_batch=cfg.batch_size,
+        max_batch=max_batch,
         device=local_device(ctx.local_rank),
         seed=ctx.seed,
     )
