@@ -16,12 +16,11 @@ against this small one), plus allocator slack.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from snowcat.benchmarks import run_python
 from snowcat.pipeline.fsio import atomic_write_json
 
 CHILD = r"""
@@ -76,12 +75,6 @@ def make_checkpoint(out: Path, hidden: int, layers: int, experts: int) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measure(path: Path, how: str) -> dict:
-    # the baseline: a fresh interpreter that has imported torch and snowcat's model package
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(path), how], capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="snowcat bench hf_load", description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -91,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hf-load-") as tmp:
         weight_bytes = make_checkpoint(Path(tmp), args.hidden, args.layers, args.experts)
-        rows = {how: measure(Path(tmp), how) for how in ("streaming", "read_all_copy")}
+        # the baseline: a fresh interpreter that has imported torch and snowcat's model package
+        rows = {how: run_python(CHILD, tmp, how) for how in ("streaming", "read_all_copy")}
     print(
         f"checkpoint: {weight_bytes / 2**20:.0f} MiB of weights ({args.layers} layers, {args.experts} experts, hidden {args.hidden})"
     )

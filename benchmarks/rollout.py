@@ -13,14 +13,13 @@ process (`VllmConfig()` defaults); on a GPU each engine runs on the GPU in its d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from snowcat.benchmarks import run_python
 from snowcat.pipeline.fsio import atomic_write_json
 
 ENGINES = ("torch", "vllm", "hf_generate")
@@ -79,15 +78,6 @@ def make_checkpoint(out: Path, hidden: int, layers: int, experts: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def measure(path: Path, engine: str, batch: int, tokens: int) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(path), engine, str(batch), str(tokens)], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{engine}: failed\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="snowcat bench rollout", description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=256)
@@ -99,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rollout-") as tmp:
         params = make_checkpoint(Path(tmp), args.hidden, args.layers, args.experts)
-        rows = {engine: measure(Path(tmp), engine, args.batch, args.tokens) for engine in ENGINES}
+        rows = {engine: run_python(CHILD, tmp, engine, str(args.batch), str(args.tokens)) for engine in ENGINES}
     print(f"model: random Qwen3-MoE, {params:,} parameters; {args.batch} prompts x {args.tokens} new tokens, T=1, top-k 50")
     base = rows["torch"]["tokens_per_s"]
     for engine, r in rows.items():
