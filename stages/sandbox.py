@@ -8,15 +8,24 @@ failures: RL treats them as neutral and evaluation reports their rate instead of
 
 LocalSandbox, what it guarantees when running as root (the isolating mode, `isolate=True`):
   * network: the command runs in a fresh network namespace (`unshare --net`): only a loopback
-    device, down. Nothing on the host, including 127.0.0.1 servers of the parent, is reachable.
-  * filesystem: a private mount namespace in which every mount is remounted read-only (per-mount
-    flag, the host is untouched) and only the work dir is bind-mounted writable; the command then
-    runs as uid/gid 65534 (nobody) with no capabilities and no_new_privs, so it cannot remount.
-    /tmp is read-only too: TMPDIR and HOME point into the work dir.
+    device, down. Nothing on the host, including 127.0.0.1 servers of the parent, is reachable;
+    abstract unix sockets belong to the network namespace and are unreachable too.
+  * filesystem: the command sees a root of its own (a tmpfs, `pivot_root`) holding only the
+    `expose`d host paths, read-only (by default the system's /usr, /bin, /lib*, /etc and the
+    running interpreter's prefixes), a private /proc, /dev/{null,zero,full,random,urandom}, a
+    small /tmp, and the work dir, writable, at its host path. Nothing else on the host exists for
+    it: no other checkout, no /tmp of the host, no filesystem unix socket of another process
+    (a socket file is reachable by path: hiding the path is the only way to refuse it).
+    The command runs as uid/gid 65534 (nobody) with no capabilities and no_new_privs, so it
+    cannot remount or leave the root.
   * processes: a fresh PID namespace; when the wall time is up, the namespace's init is killed and
     the kernel kills every process left in it, including ones that escaped the process group.
-  * resources (setrlimit before exec): CPU seconds, address space, file size, process count; the
-    parent caps stdout+stderr and kills the command when it writes more.
+  * resources, for the call as a whole where a cgroup can be made (`stages.cgroup`: v2 with
+    delegation, or v1 as root): memory incl. swap, process count, CPU seconds summed over every
+    process of the call. Per process, always (setrlimit before exec): CPU seconds, address
+    space, file size, process count; the parent caps stdout+stderr and kills the command when it
+    writes more. Where no cgroup can be made (`Sandbox.caps == "rlimit"`), a call of N processes
+    may hold N times the memory limit.
 Without root (`os.geteuid() != 0`) the same namespaces are made inside an unprivileged user
 namespace (`unshare --user --map-root-user`, needs kernel.unprivileged_userns_clone) and the
 command keeps the user's own uid with all capabilities dropped.
@@ -33,10 +42,13 @@ import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from snowcat.stages.cgroup import CallCgroup
 
 STATUSES = ("ok", "timeout", "limit", "infra_error")
 NOBODY = 65534
@@ -61,19 +73,40 @@ class Limits:
     output_bytes: int = 1 << 20  # stdout + stderr kept; more kills the command
 
 
-# Runs (bash) inside the new namespaces as their init (pid 1), still privileged. Arguments: the work dir,
-# the fd to report readiness on, the uid to become, then the command. The command runs as a child,
+# Runs (bash) inside the new namespaces as their init (pid 1), still privileged. Arguments: the work
+# dir, the fd to report readiness on, the uid to become, the (empty) directory to build the new root
+# on, the ':'-separated host paths to expose read-only, then the command. The command runs as a child,
 # not exec'd: pid 1 ignores signals it has no handler for, which would swallow SIGXCPU.
 _INIT = r"""
 set -eu
-work=$1 ready_fd=$2 uid=$3; shift 3
+work=$1 ready_fd=$2 uid=$3 new=$4 expose=$5; shift 5
 die() { echo "sandbox-init: $*" >&2; exit 125; }
 mount --make-rprivate / || die "cannot make mounts private"
-for mp in $(awk '{print $5}' /proc/self/mountinfo | sort -u); do
-  mount -o remount,bind,ro "$mp" 2>/dev/null || true
+mount -t tmpfs -o mode=755,size=4m sandbox-root "$new" || die "cannot mount the sandbox root on $new"
+IFS=:
+for p in $expose; do
+  [ -e "$p" ] || [ -L "$p" ] || continue
+  mkdir -p "$new$(dirname "$p")"
+  if [ -L "$p" ]; then cp -P "$p" "$new$p"; continue; fi  # e.g. /bin -> usr/bin on merged-/usr systems
+  if [ -d "$p" ]; then mkdir -p "$new$p"; else touch "$new$p"; fi
+  mount --rbind "$p" "$new$p" || die "cannot expose $p"
 done
-mount --bind "$work" "$work" || die "cannot bind $work"
-mount -o remount,bind,rw "$work" || die "cannot make $work writable"
+unset IFS
+# every mount now under the new root (submounts of exposed paths too) read-only
+for mp in $(awk -v r="$new/" 'index($5, r) == 1 {print $5}' /proc/self/mountinfo); do
+  mount -o remount,bind,ro "$mp" || die "cannot make $mp read-only"
+done
+mkdir -p "$new/dev" "$new/proc" "$new/tmp"
+for d in null zero full random urandom; do
+  touch "$new/dev/$d" && mount --bind "/dev/$d" "$new/dev/$d" || die "cannot expose /dev/$d"
+done
+mount -t proc proc "$new/proc" || die "cannot mount /proc"
+mount -t tmpfs -o mode=1777,size=64m sandbox-tmp "$new/tmp" || die "cannot mount /tmp"
+mkdir -p "$new$work"
+mount --bind "$work" "$new$work" || die "cannot bind $work"
+cd "$new" && mkdir .old && PATH="/usr/sbin:/sbin:$PATH" pivot_root . .old || die "cannot pivot to the sandbox root"
+umount -l /.old && rmdir /.old || die "cannot detach the host root"
+mount -o remount,bind,ro / || die "cannot make the sandbox root read-only"
 touch /.sandbox-ro-check 2>/dev/null && die "root still writable after remount"
 cd "$work" || die "work dir $work unavailable"
 if [ "$uid" = keep ]; then
@@ -87,6 +120,14 @@ set +e
 $drop "$@"
 exit $?
 """
+
+
+def default_exposed() -> tuple[str, ...]:
+    """What a tool call sees of the host by default: the system's programs and libraries, /etc, and
+    the running interpreter (so `sys.executable` and its packages work inside)."""
+    system = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
+    pythons = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
+    return system + tuple(sorted(p for p in pythons if not any(p.startswith(s + "/") for s in system)))
 
 
 # Where no namespace init reports readiness, this wrapper does, just before exec. bash, not sh:
@@ -108,6 +149,7 @@ class Sandbox:
         self.limits = limits or Limits()
         self._own_dir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="snowcat-sandbox-"))
+        self.caps = "rlimit"  # "cgroup-v1" | "cgroup-v2" once a call got a group: how whole-call limits hold
 
     def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
         raise NotImplementedError
@@ -130,7 +172,9 @@ class Sandbox:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(content.encode() if isinstance(content, str) else content)
 
-    def _preexec(self) -> None:
+    def _preexec(self, group: CallCgroup | None) -> None:
+        if group is not None:
+            group.attach()
         lim = self.limits
         resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
@@ -151,6 +195,10 @@ class Sandbox:
     def _prepare(self) -> None:
         """Hook run before each call (e.g. hand the work dir to the sandbox uid)."""
 
+    def _group(self) -> CallCgroup | None:
+        """The cgroup capping one call as a whole (None: only per-process rlimits hold)."""
+        return None
+
     def run(self, cmd: list[str] | str, files: dict[str, str | bytes] | None = None, timeout_s: float = 60.0) -> SandboxResult:
         """Run one tool call in the work dir; `files` ({relative path: content}) are written first."""
         try:
@@ -162,6 +210,7 @@ class Sandbox:
             ready_r, ready_w = os.pipe()
         except (OSError, ValueError) as e:
             return SandboxResult("infra_error", None, "", "", detail=f"sandbox setup: {e}")
+        group = self._group()
         try:
             argv = self.command(cmd, ready_w)
             proc = subprocess.Popen(
@@ -173,16 +222,22 @@ class Sandbox:
                 stderr=subprocess.PIPE,
                 pass_fds=(ready_w,),
                 start_new_session=True,
-                preexec_fn=self._preexec,
+                preexec_fn=lambda: self._preexec(group),
             )
         except (OSError, subprocess.SubprocessError) as e:
             os.close(ready_r)
+            if group is not None:
+                group.remove()
             return SandboxResult("infra_error", None, "", "", detail=f"sandbox start: {e}")
         finally:
             os.close(ready_w)
-        return self._collect(proc, ready_r, timeout_s)
+        try:
+            return self._collect(proc, ready_r, timeout_s, group)
+        finally:
+            if group is not None:
+                group.remove()
 
-    def _collect(self, proc: subprocess.Popen, ready_r: int, timeout_s: float) -> SandboxResult:
+    def _collect(self, proc: subprocess.Popen, ready_r: int, timeout_s: float, group: CallCgroup | None = None) -> SandboxResult:
         cap = self.limits.output_bytes
         out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
         sel = selectors.DefaultSelector()
@@ -203,6 +258,8 @@ class Sandbox:
                 out[key.fileobj] += chunk
                 if sum(len(b) for b in out.values()) > cap:
                     status, detail, truncated = "limit", f"output over {cap} bytes", True
+            if group is not None and status == "ok" and group.cpu_seconds() > self.limits.cpu_s:
+                status, detail = "limit", f"cpu {self.limits.cpu_s}s for the call"
             if status != "ok":
                 break
         if status != "ok":
@@ -239,6 +296,8 @@ class Sandbox:
             )
         if status == "ok" and (which := _limit_status(code)):
             status, detail = "limit", which
+        if status == "ok" and group is not None and (which := group.hit()):
+            status, detail = "limit", f"{which} for the call"
         return SandboxResult(status, code, stdout.decode(errors="replace"), stderr.decode(errors="replace"), truncated, detail)
 
     @staticmethod
@@ -258,11 +317,22 @@ class LocalSandbox(Sandbox):
         limits: Limits | None = None,
         isolate: bool = True,
         unshare: str = "unshare",
+        expose: tuple[str, ...] | None = None,
     ) -> None:
         super().__init__(workdir, limits)
         self.isolate = isolate
         self.unshare = unshare
+        self.expose = tuple(expose) if expose is not None else default_exposed()
+        bad = [p for p in self.expose if not os.path.isabs(p) or ":" in p]
+        if bad:
+            raise ValueError(f"sandbox expose paths must be absolute without ':': {bad}")
         self.root = os.geteuid() == 0
+        self._newroot: str | None = None  # an empty host dir the calls' private roots are mounted on
+
+    def close(self) -> None:
+        if self._newroot:
+            shutil.rmtree(self._newroot, ignore_errors=True)
+        super().close()
 
     def _prepare(self) -> None:
         if self.isolate and self.root:
@@ -270,6 +340,16 @@ class LocalSandbox(Sandbox):
             os.chown(self.workdir, NOBODY, NOBODY)
             for p in self.workdir.rglob("*"):
                 os.lchown(p, NOBODY, NOBODY)
+        if self.isolate and self._newroot is None:
+            self._newroot = tempfile.mkdtemp(prefix="snowcat-sandbox-root-")
+
+    def _group(self) -> CallCgroup | None:
+        if not self.isolate:
+            return None
+        group = CallCgroup.open(self.limits.memory_bytes, self.limits.nproc)
+        if group is not None:
+            self.caps = "cgroup-v2" if group.v2 else "cgroup-v1"
+        return group
 
     def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
@@ -280,7 +360,10 @@ class LocalSandbox(Sandbox):
         if not self.root:
             ns = ["--user", "--map-root-user", *ns]
         uid = str(NOBODY) if self.root else "keep"
-        return [self.unshare, *ns, "bash", "-c", _INIT, "sandbox-init", str(self.workdir), str(ready_fd), uid, *argv]
+        newroot = self._newroot or tempfile.mkdtemp(prefix="snowcat-sandbox-root-")
+        self._newroot = newroot
+        init = [str(self.workdir), str(ready_fd), uid, newroot, ":".join(self.expose)]
+        return [self.unshare, *ns, "bash", "-c", _INIT, "sandbox-init", *init, *argv]
 
 
 class ApptainerSandbox(Sandbox):
@@ -326,8 +409,8 @@ class ApptainerSandbox(Sandbox):
         # told apart from the command's by apptainer's own exit code 255 and its FATAL line.
         return ["bash", "-c", _READY.format(fd=ready_fd), "sandbox", *inner]
 
-    def _collect(self, proc, ready_r, timeout_s):
-        result = super()._collect(proc, ready_r, timeout_s)
+    def _collect(self, proc, ready_r, timeout_s, group=None):
+        result = super()._collect(proc, ready_r, timeout_s, group)
         if result.status == "ok" and result.exit_code == 255 and "FATAL:" in result.stderr:
             result.status, result.detail = "infra_error", "apptainer failed to start the sandbox image"
         return result

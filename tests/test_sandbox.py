@@ -1,6 +1,7 @@
 """Agent sandboxes: isolation and limits of LocalSandbox (real namespaces), ApptainerSandbox rendering,
 and stripping a task repo's git history."""
 
+import json
 import os
 import shutil
 import socket
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from snowcat.stages.cgroup import CallCgroup
 from snowcat.stages.sandbox import ApptainerSandbox, Limits, LocalSandbox, strip_git_history
 
 needs_root = pytest.mark.skipif(
@@ -57,21 +59,105 @@ def test_no_network_even_to_parent_loopback(sandbox):
 @needs_root
 def test_cannot_write_outside_work_dir(sandbox):
     outside = Path(tempfile.mkdtemp(prefix="snowcat-outside-", dir="/tmp"))
-    outside.chmod(0o777)  # permissions would allow it: the read-only mount is what stops it
+    outside.chmod(0o777)  # permissions would allow it: the host path does not exist in the sandbox
+    tag = f"x-{os.getpid()}"
     r = sandbox.run(
-        f"echo pwned > {outside}/x; echo pwned > /tmp/x-{os.getpid()}; mount -o remount,rw / ; echo rc=$?", timeout_s=30
+        f"echo pwned > {outside}/x; echo pwned > /usr/{tag}; echo pwned > /{tag}; echo private > /tmp/{tag};"
+        " mount -o remount,rw / ; echo rc=$?",
+        timeout_s=30,
     )
     assert r.status == "ok", r
-    assert r.stderr.count("Read-only file system") == 2, r.stderr
+    assert "nonexistent" in r.stderr and r.stderr.count("Read-only file system") == 2, r.stderr
     assert "rc=0" not in r.stdout
-    assert not (outside / "x").exists() and not Path(f"/tmp/x-{os.getpid()}").exists()
+    # the sandbox's /tmp is its own: nothing reaches the host's
+    assert not (outside / "x").exists() and not Path(f"/tmp/{tag}").exists() and not Path(f"/usr/{tag}").exists()
     shutil.rmtree(outside)
+
+
+@needs_root
+def test_host_filesystem_is_not_readable(sandbox, tmp_path):
+    # Another checkout with its git history, world-readable: outside the exposed paths it does not exist.
+    other = tmp_path / "other-checkout"
+    (other / ".git").mkdir(parents=True)
+    (other / ".git" / "HEAD").write_text("ref: refs/heads/secret-fix\n")
+    for p in (tmp_path, other, other / ".git"):
+        p.chmod(0o755)
+    (other / ".git" / "HEAD").chmod(0o644)
+    r = sandbox.run(f"cat {other}/.git/HEAD; ls /home /var /srv; ls -A /", timeout_s=30)
+    assert r.status == "ok" and "secret-fix" not in r.stdout, r
+    assert r.stderr.count("No such file") == 4, r.stderr
+    # exposing the interpreter's prefix exposes it alone, not the checkout it may sit in
+    prefix = Path(sys.prefix).resolve()
+    r = sandbox.run(f"ls -A {prefix.parent}", timeout_s=30)
+    assert r.stdout.split() == [prefix.name], r
+    # ... while the system and the interpreter are there to run the task's tools
+    r = sandbox.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.version_info[:2]))"], timeout_s=30)
+    assert r.status == "ok" and r.stdout.strip() == json.dumps(list(sys.version_info[:2])), r
+
+
+@needs_root
+def test_no_host_unix_socket(sandbox, tmp_path):
+    # The network namespace does not cover filesystem sockets: a 0777 socket under /tmp must be unreachable by path.
+    path = Path(tempfile.mkdtemp(prefix="snowcat-sock-", dir="/tmp")) / "agent.sock"
+    path.parent.chmod(0o777)
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    path.chmod(0o777)
+    server.listen()
+    probe = (
+        "import socket,sys\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        f"try: s.connect({str(path)!r})\n"
+        "except OSError as e: sys.exit(f'blocked: {e}')\n"
+        "print('connected')"
+    )
+    outside = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+    )
+    assert outside.stdout == "connected\n", outside.stderr  # nobody on the host does reach it
+    r = sandbox.run([sys.executable, "-c", probe], timeout_s=30)
+    server.close()
+    shutil.rmtree(path.parent)
+    assert r.status == "ok" and r.exit_code == 1 and "blocked" in r.stderr, r
 
 
 @needs_root
 def test_cpu_limit(sandbox):
     r = sandbox.run([sys.executable, "-c", "while True: pass"], timeout_s=60)
-    assert (r.status, r.detail) == ("limit", "SIGXCPU"), r
+    assert r.status == "limit" and r.detail in ("SIGXCPU", "cpu 2s for the call"), r
+
+
+needs_cgroup = pytest.mark.skipif(
+    CallCgroup.open(1 << 30, 64) is None, reason="needs a writable cgroup (v2 delegated, or v1 as root) for whole-call caps"
+)
+
+
+@needs_root
+@needs_cgroup
+def test_cpu_seconds_are_capped_for_the_call_as_a_whole(sandbox):
+    # Three processes, 1.5 CPU seconds each: none reaches the 2 s per-process rlimit, the call does.
+    spin = f"{sys.executable} -c 'import time; t = time.process_time(); exec(\"while time.process_time() - t < 1.5: pass\")'"
+    r = sandbox.run(f"{spin} & {spin} & {spin} & wait; echo finished", timeout_s=60)
+    assert (r.status, r.detail) == ("limit", "cpu 2s for the call"), r
+    assert sandbox.caps in ("cgroup-v1", "cgroup-v2")
+
+
+@needs_root
+@needs_cgroup
+def test_fork_and_allocate_bomb_is_held_by_the_call_cap():
+    # Six children of 100 MiB each under a 256 MiB limit: every one is within the per-process
+    # address-space limit; the call as a whole is not.
+    limits = Limits(cpu_s=20, memory_bytes=256 << 20, nproc=64)
+    alloc = f"{sys.executable} -c 'import time; b = bytearray(100 << 20); b[::4096] = b\"x\" * len(b[::4096]); time.sleep(3)'"
+    with LocalSandbox(limits=limits) as sb:
+        r = sb.run(" & ".join([alloc] * 6) + " & wait; echo survived", timeout_s=60)
+        assert (r.status, r.detail) == ("limit", "memory for the call"), r
+        bomb = sb.run("for i in $(seq 200); do sleep 5 & done; wait", timeout_s=60)
+        assert (bomb.status, bomb.detail) == ("limit", "pids for the call") and "fork" in bomb.stderr, bomb
+        # the host is untouched and the sandbox still serves the next call
+        assert sb.run("echo fine", timeout_s=30).stdout == "fine\n"
 
 
 @needs_root
