@@ -18,7 +18,7 @@ from typing import Literal
 
 from snowcat.pipeline.schema import HF_PREFIX, Problem, bounded, checkpoint_refs
 from snowcat.stages.model.config import PRESETS
-from snowcat.stages.taskgen import DOMAINS
+from snowcat.stages.taskgen import DOMAINS, REPO_DOMAINS
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "rloo_n"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_over_const"]
@@ -88,8 +88,8 @@ class TasksConfig:
 
     def problems(self) -> Iterator[Problem]:
         for domain, spec in self.domains.items():
-            if domain not in DOMAINS:
-                yield f"domains.{domain}", f"unknown domain (known: {', '.join(DOMAINS)})"
+            if domain not in DOMAINS and domain not in REPO_DOMAINS:
+                yield f"domains.{domain}", f"unknown domain (known: {', '.join([*DOMAINS, *REPO_DOMAINS])})"
             if not spec.val_count < spec.count:
                 yield f"domains.{domain}.val_count", f"must be less than count ({spec.count}), got {spec.val_count}"
             if not spec.difficulties:

@@ -386,6 +386,9 @@ class ApptainerSandbox(Sandbox):
         self.apptainer = apptainer
 
     def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
+        if ready_fd is not None and shutil.which(self.apptainer) is None:
+            # the wrapper would report ready and then fail to exec: that is the machinery's failure
+            raise FileNotFoundError(f"{self.apptainer} not found on PATH")
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         inner = [
             self.apptainer,
@@ -414,6 +417,14 @@ class ApptainerSandbox(Sandbox):
         if result.status == "ok" and result.exit_code == 255 and "FATAL:" in result.stderr:
             result.status, result.detail = "infra_error", "apptainer failed to start the sandbox image"
         return result
+
+
+def open_sandbox(image: str | None = None, limits: Limits | None = None, workdir: str | os.PathLike | None = None) -> Sandbox:
+    """The sandbox a tool call or a verification runs in: the image's (Apptainer) when one is set, else
+    host processes in namespaces."""
+    if image:
+        return ApptainerSandbox(image, workdir=workdir, limits=limits)
+    return LocalSandbox(workdir=workdir, limits=limits)
 
 
 def strip_git_history(repo_dir: str | os.PathLike, base_commit: str) -> str:

@@ -212,7 +212,7 @@ def test_files_cannot_escape_work_dir():
         assert r.status == "infra_error" and "outside the work dir" in r.detail
 
 
-def test_apptainer_sandbox_rendering(tmp_path):
+def test_apptainer_sandbox_rendering(tmp_path, monkeypatch):
     sb = ApptainerSandbox("/img/sandbox.sif", workdir=tmp_path)
     argv = sb.command("pytest -q")
     assert argv == [
@@ -233,6 +233,13 @@ def test_apptainer_sandbox_rendering(tmp_path):
         "-c",
         "pytest -q",
     ]
+    with pytest.raises(FileNotFoundError, match="apptainer not found"):  # -> infra_error in run()
+        sb.command(["ls"], ready_fd=7)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "apptainer").write_text("#!/bin/sh\n")
+    (fake / "apptainer").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
     wrapped = sb.command(["ls"], ready_fd=7)
     assert wrapped[:2] == ["bash", "-c"] and wrapped[-len(argv) + 2 :][-1] == "ls"
     assert wrapped[4:] == argv[:-3] + ["ls"]

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 
 from snowcat.pipeline.fsio import atomic_write_bytes
 
-from . import arith, closure
+from . import arith, closure, repo, swe_mini
+from .verdict import Verdict, VerifierError
 
 SPLITS = ("train", "val")
 
@@ -41,22 +42,13 @@ class Task:
         return msgs
 
 
-@dataclass(frozen=True)
-class Verdict:
-    reward: float  # in [0, 1]; partial credit allowed
-    passed: bool
-    detail: str
-
-
-class VerifierError(Exception):
-    """The verifier itself failed (crash, time-out): an infrastructure failure, not a model failure."""
-
-
 # verifier id -> (generator(rng, difficulty), verifier(prompt, answer, completion))
 DOMAINS: dict[str, tuple[Callable, Callable]] = {
     "closure": (closure.generate, closure.verify),
     "arith": (arith.generate, arith.verify),
 }
+# domains whose tasks are repositories (verifier "repo": the completion is a patch judged by tests)
+REPO_DOMAINS: dict[str, Callable] = {"swe_mini": swe_mini.generate}
 
 
 # verifier id -> worked_solution(prompt, answer): what a teacher writes, where it is more than the answer
@@ -70,6 +62,9 @@ def demonstration(task: Task) -> str:
 
 
 def verify(task: Task, completion: str) -> Verdict:
+    if task.verifier == "repo":  # repository tasks: the completion is the agent's patch, judged by the task's tests
+        reward, passed, detail = repo.verify_patch(task, completion)
+        return Verdict(reward, passed, detail)
     try:
         _, check = DOMAINS[task.verifier]
     except KeyError:
@@ -87,7 +82,7 @@ def _task_id(domain: str, difficulty: int, prompt: str) -> str:
 
 def generate_domain(rng: np.random.Generator, domain: str, difficulties: list[int], count: int) -> list[Task]:
     """`count` distinct tasks, spread evenly over `difficulties` (round robin), deduplicated by prompt."""
-    gen, _ = DOMAINS[domain]
+    gen, verifier = (REPO_DOMAINS[domain], "repo") if domain in REPO_DOMAINS else (DOMAINS[domain][0], domain)
     seen: dict[str, Task] = {}
     attempts = 0
     while len(seen) < count:
@@ -97,7 +92,7 @@ def generate_domain(rng: np.random.Generator, domain: str, difficulties: list[in
         difficulty = int(difficulties[len(seen) % len(difficulties)])
         prompt, answer, meta = gen(rng, difficulty)
         if prompt not in seen:
-            seen[prompt] = Task(_task_id(domain, difficulty, prompt), domain, difficulty, prompt, answer, domain, meta)
+            seen[prompt] = Task(_task_id(domain, difficulty, prompt), domain, difficulty, prompt, answer, verifier, meta)
     return list(seen.values())
 
 

@@ -1,0 +1,282 @@
+"""Repository tasks: a code base with a bug, a problem statement, and the tests that judge a fix.
+
+A repository task is a `Task` (domain e.g. `swe_mini` or `swe`, verifier `repo`) whose `answer` is
+the gold patch (may be empty) and whose `meta["repo"]` is a `RepoSpec`:
+
+    source        where the code comes from, history stripped:
+                    {"files": {path: text}}                  inline (generated tasks)
+                    {"git": dir, "base_commit": sha}         a local repository (imported tasks)
+                    {"archive": file.tar[.gz]}               a snapshot archive
+    test_command  shell command run from the repository root; `{tests}` becomes the test ids
+    fail_to_pass  tests that fail before the fix and must pass after it
+    pass_to_pass  tests that pass before and must still pass
+    test_paths    test files the verifier restores from the snapshot before testing (editing them
+                  gains nothing); files the `test_patch` touches are restored too
+    test_patch    hidden tests, applied by the verifier only (SWE-bench's test_patch)
+    timeout_s, memory_mb   limits of one verification (and of each tool call)
+
+An agent's work is judged by its patch against the snapshot (`make_patch`): `verify_patch`
+materialises the snapshot in a fresh sandbox, applies the patch with `git apply`, restores the test
+files, applies the test patch and runs FAIL_TO_PASS + PASS_TO_PASS. Reward 1 only when all pass.
+A sandbox that fails to start or a test run past the time limit raises `VerifierError`: an
+infrastructure failure, never the model's.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tarfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from snowcat.stages.sandbox import Limits, open_sandbox
+from snowcat.stages.taskgen.verdict import VerifierError
+
+SKIP_DIRS = {".git", ".tmp", "__pycache__", ".pytest_cache"}
+MAX_FILE_BYTES = 1 << 20  # larger files are not part of a patch (and not offered to the model)
+
+
+@dataclass(frozen=True)
+class RepoSpec:
+    source: dict
+    test_command: str
+    fail_to_pass: list[str]
+    pass_to_pass: list[str] = field(default_factory=list)
+    test_paths: list[str] = field(default_factory=list)
+    test_patch: str = ""
+    timeout_s: float = 60.0
+    memory_mb: int = 1024
+
+    def __post_init__(self) -> None:
+        kinds = {"files", "git", "archive"} & set(self.source)
+        if len(kinds) != 1:
+            raise ValueError(f"repo source must name exactly one of files, git, archive; got {sorted(self.source)}")
+        if "git" in self.source and not self.source.get("base_commit"):
+            raise ValueError("a git repo source needs base_commit")
+        if "{tests}" not in self.test_command:
+            raise ValueError(f"test_command must contain '{{tests}}': {self.test_command!r}")
+        if not self.fail_to_pass:
+            raise ValueError("fail_to_pass must name at least one test")
+
+    def to_meta(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_task(cls, task) -> RepoSpec:
+        try:
+            return cls(**task.meta["repo"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"task {task.task_id}: bad repo spec: {e}") from None
+
+    def command(self, tests: list[str]) -> str:
+        return self.test_command.replace("{tests}", " ".join(shlex.quote(t) for t in tests))
+
+
+# ---------------------------------------------------------------- the snapshot
+
+
+def snapshot_files(spec: RepoSpec, cache: Path | None = None) -> dict[str, bytes]:
+    """The repository at its base state as {relative path: bytes} (no .git)."""
+    src = spec.source
+    if "files" in src:
+        return {p: t.encode() for p, t in src["files"].items()}
+    if cache is not None and cache.is_dir():
+        return read_tree(cache)
+    tmp = Path(
+        materialise_source(spec, (cache or Path(os.environ.get("TMPDIR", "/tmp")) / "snowcat-snapshot").with_suffix(".partial"))
+    )
+    files = read_tree(tmp)
+    if cache is not None:
+        tmp.rename(cache)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return files
+
+
+def materialise_source(spec: RepoSpec, dest: Path) -> Path:
+    """Write the base state into `dest` (created; must not exist) without any git history."""
+    dest = Path(dest)
+    shutil.rmtree(dest, ignore_errors=True)
+    src = spec.source
+    if "files" in src:
+        write_tree(dest, {p: t.encode() for p, t in src["files"].items()})
+    elif "git" in src:
+        dest.mkdir(parents=True)
+        # `git archive` of the base commit: the tree only, so no later commit can be mined
+        archive = subprocess.run(
+            ["git", "-C", str(src["git"]), "archive", "--format=tar", src["base_commit"]], capture_output=True, check=False
+        )
+        if archive.returncode != 0:
+            raise RuntimeError(f"git archive {src['git']}@{src['base_commit']}: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    else:
+        dest.mkdir(parents=True)
+        with tarfile.open(src["archive"]) as tar:
+            tar.extractall(dest, filter="data")
+    return dest
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    """Regular files under `root` (symlinks, special files, big files and SKIP_DIRS left out)."""
+    out: dict[str, bytes] = {}
+    root = Path(root)
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            st = path.lstat()
+            if path.is_symlink() or not path.is_file() or st.st_size > MAX_FILE_BYTES:
+                continue
+            out[path.relative_to(root).as_posix()] = path.read_bytes()
+    return out
+
+
+def write_tree(root: Path, files: dict[str, bytes]) -> None:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for rel, data in files.items():
+        path = (root / rel).resolve()
+        if not path.is_relative_to(root.resolve()):
+            raise ValueError(f"repo file {rel!r} is outside the repository")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+# ---------------------------------------------------------------- patches
+
+
+def make_patch(before: dict[str, bytes], after: dict[str, bytes]) -> str:
+    """A unified diff (git-apply compatible) from `before` to `after`; binary files are left out."""
+    parts: list[str] = []
+    for path in sorted(set(before) | set(after)):
+        a, b = before.get(path), after.get(path)
+        if a == b:
+            continue
+        try:
+            a_text = a.decode() if a is not None else None
+            b_text = b.decode() if b is not None else None
+        except UnicodeDecodeError:
+            continue
+        parts.append(f"diff --git a/{path} b/{path}\n")
+        if a_text is None:
+            parts.append("new file mode 100644\n")
+        elif b_text is None:
+            parts.append("deleted file mode 100644\n")
+        lines = difflib.unified_diff(
+            _lines(a_text or ""),
+            _lines(b_text or ""),
+            fromfile=f"a/{path}" if a_text is not None else "/dev/null",
+            tofile=f"b/{path}" if b_text is not None else "/dev/null",
+        )
+        parts.extend(lines)
+    return "".join(parts)
+
+
+def _lines(text: str) -> list[str]:
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n\\ No newline at end of file\n"
+    return lines
+
+
+def patched_paths(patch: str) -> list[str]:
+    """The files a unified diff touches (either side)."""
+    paths = set()
+    for m in re.finditer(r"^(?:---|\+\+\+) (?:[ab]/)?(\S+)", patch, re.M):
+        if m.group(1) != "/dev/null":
+            paths.add(m.group(1))
+    return sorted(paths)
+
+
+# ---------------------------------------------------------------- test results
+
+
+_UNITTEST_LINE = re.compile(
+    r"^(\w+) \(([\w.]+)\)(?: \.\.\.|\n.*?\.\.\.) (ok|FAIL|ERROR|skipped.*|expected failure|unexpected success)$", re.M
+)
+_PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR) (\S+)", re.M)
+
+
+def parse_results(output: str) -> dict[str, bool]:
+    """{test id: passed} from `python -m unittest -v` or `pytest -rA` output (what can be read)."""
+    out: dict[str, bool] = {}
+    for name, where, verdict in _UNITTEST_LINE.findall(output):
+        test_id = where if where.endswith("." + name) else f"{where}.{name}"
+        out[test_id] = verdict in ("ok", "expected failure") or verdict.startswith("skipped")
+    for verdict, test_id in _PYTEST_LINE.findall(output):
+        out[test_id] = verdict == "PASSED"
+    return out
+
+
+# ---------------------------------------------------------------- verification
+
+
+def _replace_files(root: Path, paths: list[str], base: dict[str, bytes]) -> None:
+    """Put `paths` back to their base content (or remove them where the base has none), whatever the
+    agent left there: a symlink or directory in their place is removed, never followed."""
+    for rel in paths:
+        path = root / rel
+        if not path.resolve(strict=False).parent.is_relative_to(root.resolve()) and not path.is_symlink():
+            raise ValueError(f"test path {rel!r} is outside the repository")
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+        if rel in base:
+            write_tree(root, {rel: base[rel]})
+
+
+def verify_patch(task, patch: str, image: str | None = None) -> tuple[float, bool, str]:
+    """Judge `patch` (the agent's changes to the snapshot) with the task's tests in a clean sandbox:
+    (reward, passed, detail). Raises VerifierError for what is not the model's doing."""
+    spec = RepoSpec.from_task(task)
+    base = snapshot_files(spec)
+    tests = list(dict.fromkeys(spec.fail_to_pass + spec.pass_to_pass))
+    limits = Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20)
+    with open_sandbox(image=image, limits=limits) as sb:
+        root = sb.workdir
+        write_tree(root, base)
+        if patch.strip():
+            r = sb.run(
+                "git apply --whitespace=nowarn .snowcat-agent.patch; rc=$?; rm -f .snowcat-agent.patch; exit $rc",
+                files={".snowcat-agent.patch": patch},
+                timeout_s=spec.timeout_s,
+            )
+            if r.status == "infra_error":
+                raise VerifierError(f"sandbox: {r.detail}")
+            if r.status != "ok" or r.exit_code != 0:
+                return 0.0, False, f"patch does not apply: {(r.stderr or r.detail).strip()[:300]}"
+        restore = sorted(set(spec.test_paths) | set(patched_paths(spec.test_patch)))
+        try:
+            _replace_files(root, restore, base)
+        except OSError as e:
+            raise VerifierError(f"restoring test files: {e}") from e
+        setup = (
+            "git apply --whitespace=nowarn .snowcat-test.patch && rm .snowcat-test.patch || exit 97; " if spec.test_patch else ""
+        )
+        files = {".snowcat-test.patch": spec.test_patch} if spec.test_patch else None
+        r = sb.run(setup + spec.command(tests), files=files, timeout_s=spec.timeout_s)
+    if r.status == "infra_error":
+        raise VerifierError(f"sandbox: {r.detail}")
+    if r.status == "timeout":
+        raise VerifierError(f"tests timed out after {spec.timeout_s:g}s")
+    if spec.test_patch and r.exit_code == 97:
+        raise VerifierError(f"the task's test patch does not apply: {r.stderr.strip()[:300]}")
+    if r.status == "limit":
+        return 0.0, False, f"tests stopped at a limit ({r.detail})"
+    results = parse_results(r.stdout + "\n" + r.stderr)
+    failing = [t for t in tests if results and not results.get(t, False)]
+    passed = r.exit_code == 0 and not failing
+    if passed:
+        return 1.0, True, f"{len(tests)} tests pass"
+    f2p = [t for t in failing if t in spec.fail_to_pass]
+    p2p = [t for t in failing if t in spec.pass_to_pass]
+    detail = f"tests fail (exit {r.exit_code})"
+    if failing:
+        detail += f": FAIL_TO_PASS {len(f2p)}/{len(spec.fail_to_pass)} failing, PASS_TO_PASS {len(p2p)}/{len(spec.pass_to_pass)} failing"
+    return 0.0, False, detail

@@ -1,0 +1,128 @@
+"""Repository tasks: the swe-mini generator and the verifier that judges a patch with the task's tests
+in a clean sandbox (real LocalSandbox, real `git apply`, real unittest runs)."""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from snowcat.stages.taskgen import Task, VerifierError, generate_domain, verify
+from snowcat.stages.taskgen import repo as repo_mod
+from snowcat.stages.taskgen.repo import RepoSpec, make_patch, parse_results, snapshot_files, verify_patch
+from snowcat.stages.taskgen.swe_mini import BUG_KINDS
+
+needs_sandbox = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"), reason="runs tests in LocalSandbox as root"
+)
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return generate_domain(np.random.default_rng(7), "swe_mini", [1, 2, 3], 30)
+
+
+def test_generation_is_seeded_and_covers_every_bug_kind(tasks):
+    again = generate_domain(np.random.default_rng(7), "swe_mini", [1, 2, 3], 30)
+    assert [t.task_id for t in again] == [t.task_id for t in tasks]
+    assert [t.meta for t in again] == [t.meta for t in tasks]
+    other = generate_domain(np.random.default_rng(8), "swe_mini", [1, 2, 3], 30)
+    assert {t.task_id for t in other} != {t.task_id for t in tasks}
+    assert {t.meta["bug_kind"] for t in tasks} == set(BUG_KINDS)
+    assert {t.difficulty for t in tasks} == {1, 2, 3}
+    for t in tasks:
+        spec = RepoSpec.from_task(t)
+        assert t.verifier == "repo" and spec.fail_to_pass and not set(spec.fail_to_pass) & set(spec.pass_to_pass)
+        assert t.meta["module"] in t.answer  # the gold patch fixes the buggy module
+
+
+def test_patch_round_trip_through_git_apply(tmp_path):
+    before = {"a.py": b"x = 1\n", "gone.txt": b"bye\n", "tail.txt": b"no newline"}
+    after = {"a.py": b"x = 2\n", "new/b.py": b"y = 3\n", "tail.txt": b"still none"}
+    patch = make_patch(before, after)
+    repo_mod.write_tree(tmp_path, before)
+    (tmp_path / "p.diff").write_text(patch)
+    subprocess.run(["git", "apply", "p.diff"], cwd=tmp_path, check=True, capture_output=True)
+    (tmp_path / "p.diff").unlink()
+    assert repo_mod.read_tree(tmp_path) == after
+    assert repo_mod.patched_paths(patch) == ["a.py", "gone.txt", "new/b.py", "tail.txt"]
+
+
+def test_parse_results_reads_unittest_and_pytest():
+    unittest_out = "test_0 (tests.test_core.TestTotal.test_0) ... ok\ntest_1 (tests.test_core.TestTotal.test_1) ... FAIL\n"
+    assert parse_results(unittest_out) == {"tests.test_core.TestTotal.test_0": True, "tests.test_core.TestTotal.test_1": False}
+    assert parse_results("test_x (tests.t.T) ... ERROR\n") == {"tests.t.T.test_x": False}
+    assert parse_results("PASSED tests/test_a.py::test_one\nFAILED tests/test_a.py::test_two - assert\n") == {
+        "tests/test_a.py::test_one": True,
+        "tests/test_a.py::test_two": False,
+    }
+
+
+@needs_sandbox
+def test_gold_patch_passes_and_empty_patch_fails(tasks):
+    for t in tasks[:6]:
+        good = verify(t, t.answer)
+        assert good.passed and good.reward == 1.0, (t.task_id, good.detail)
+        bad = verify(t, "")
+        assert not bad.passed and bad.reward == 0.0 and "FAIL_TO_PASS" in bad.detail, (t.task_id, bad.detail)
+
+
+@needs_sandbox
+def test_editing_the_tests_gains_nothing(tasks):
+    task = tasks[0]
+    spec = RepoSpec.from_task(task)
+    base = snapshot_files(spec)
+    # Neuter every test file (and delete one): the verifier restores them, so the bug is still caught.
+    cheat = dict(base)
+    for path in spec.test_paths:
+        cheat[path] = b"import unittest\n"
+    del cheat[spec.test_paths[0]]
+    verdict = verify(task, make_patch(base, cheat))
+    assert not verdict.passed and "FAIL_TO_PASS" in verdict.detail, verdict
+    # ... while the same test edits on top of the real fix still pass (nothing else is judged)
+    fixed_module = task.meta["module"]
+    gold_files = dict(base)
+    fix_dir = repo_mod.materialise_source(
+        spec, __import__("pathlib").Path(os.environ.get("TMPDIR", "/tmp")) / f"fix-{task.task_id}"
+    )
+    (fix_dir / "gold.diff").write_text(task.answer)
+    subprocess.run(["git", "apply", "gold.diff"], cwd=fix_dir, check=True)
+    gold_files[fixed_module] = (fix_dir / fixed_module).read_bytes()
+    shutil.rmtree(fix_dir)
+    assert verify(task, make_patch(base, gold_files | {p: b"import unittest\n" for p in spec.test_paths})).passed
+
+
+@needs_sandbox
+def test_patch_that_does_not_apply_is_the_models_failure(tasks):
+    verdict = verify(tasks[0], "diff --git a/nothere.py b/nothere.py\n--- a/nothere.py\n+++ b/nothere.py\n@@ -1 +1 @@\n-a\n+b\n")
+    assert not verdict.passed and "does not apply" in verdict.detail
+
+
+def _task_with(spec: RepoSpec) -> Task:
+    return Task("swe-t", "swe", 1, "fix it", "", "repo", {"repo": dataclasses.asdict(spec)})
+
+
+@needs_sandbox
+def test_verifier_time_out_and_broken_sandbox_are_infra_errors():
+    spec = RepoSpec(
+        source={"files": {"t.py": "import time\ntime.sleep(30)\n"}},
+        test_command="python3 t.py {tests}",
+        fail_to_pass=["t"],
+        timeout_s=1.0,
+    )
+    with pytest.raises(VerifierError, match="timed out"):
+        verify(_task_with(spec), "")
+    ok = dataclasses.replace(spec, source={"files": {"t.py": "print('fine')\n"}})
+    with pytest.raises(VerifierError, match="sandbox"):
+        verify_patch(_task_with(ok), "", image="/nonexistent/sandbox.sif")
+
+
+def test_repo_spec_refuses_incomplete_tasks():
+    with pytest.raises(ValueError, match="exactly one of"):
+        RepoSpec(source={}, test_command="x {tests}", fail_to_pass=["a"])
+    with pytest.raises(ValueError, match="base_commit"):
+        RepoSpec(source={"git": "/r"}, test_command="x {tests}", fail_to_pass=["a"])
+    with pytest.raises(ValueError, match="tests"):
+        RepoSpec(source={"files": {}}, test_command="pytest", fail_to_pass=["a"])
