@@ -13,7 +13,8 @@ LocalSandbox, what it guarantees when running as root (the isolating mode, `isol
   * filesystem: the command sees a root of its own (a tmpfs, `pivot_root`) holding only the
     `expose`d host paths, read-only (by default the system's /usr, /bin, /lib*, /etc and the
     running interpreter's prefixes), a private /proc, /dev/{null,zero,full,random,urandom}, a
-    small /tmp, and the work dir, writable, at its host path. Nothing else on the host exists for
+    small /tmp, and the work dir, writable, at `/workspace` (as in the Apptainer sandbox: paths in
+    tool output do not depend on where the host keeps the episode). Nothing else on the host exists for
     it: no other checkout, no /tmp of the host, no filesystem unix socket of another process
     (a socket file is reachable by path: hiding the path is the only way to refuse it).
     The command runs as uid/gid 65534 (nobody) with no capabilities and no_new_privs, so it
@@ -51,6 +52,7 @@ from pathlib import Path
 from snowcat.stages.cgroup import CallCgroup
 
 STATUSES = ("ok", "timeout", "limit", "infra_error")
+WORKSPACE = "/workspace"  # where an isolating sandbox shows the work dir
 NOBODY = 65534
 
 
@@ -75,11 +77,11 @@ class Limits:
 
 # Runs (bash) inside the new namespaces as their init (pid 1), still privileged. Arguments: the work
 # dir, the fd to report readiness on, the uid to become, the (empty) directory to build the new root
-# on, the ':'-separated host paths to expose read-only, then the command. The command runs as a child,
+# on, the ':'-separated host paths to expose read-only, where the work dir appears, then the command. The command runs as a child,
 # not exec'd: pid 1 ignores signals it has no handler for, which would swallow SIGXCPU.
 _INIT = r"""
 set -eu
-work=$1 ready_fd=$2 uid=$3 new=$4 expose=$5; shift 5
+work=$1 ready_fd=$2 uid=$3 new=$4 expose=$5 inside=$6; shift 6
 die() { echo "sandbox-init: $*" >&2; exit 125; }
 mount --make-rprivate / || die "cannot make mounts private"
 mount -t tmpfs -o mode=755,size=4m sandbox-root "$new" || die "cannot mount the sandbox root on $new"
@@ -102,13 +104,13 @@ for d in null zero full random urandom; do
 done
 mount -t proc proc "$new/proc" || die "cannot mount /proc"
 mount -t tmpfs -o mode=1777,size=64m sandbox-tmp "$new/tmp" || die "cannot mount /tmp"
-mkdir -p "$new$work"
-mount --bind "$work" "$new$work" || die "cannot bind $work"
+mkdir -p "$new$inside"
+mount --bind "$work" "$new$inside" || die "cannot bind $work"
 cd "$new" && mkdir .old && PATH="/usr/sbin:/sbin:$PATH" pivot_root . .old || die "cannot pivot to the sandbox root"
 umount -l /.old && rmdir /.old || die "cannot detach the host root"
 mount -o remount,bind,ro / || die "cannot make the sandbox root read-only"
 touch /.sandbox-ro-check 2>/dev/null && die "root still writable after remount"
-cd "$work" || die "work dir $work unavailable"
+cd "$inside" || die "work dir $inside unavailable"
 if [ "$uid" = keep ]; then
   drop="setpriv --inh-caps=-all --bounding-set=-all --no-new-privs --"
 else
@@ -151,6 +153,11 @@ class Sandbox:
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="snowcat-sandbox-"))
         self.caps = "rlimit"  # "cgroup-v1" | "cgroup-v2" once a call got a group: how whole-call limits hold
 
+    @property
+    def inside(self) -> str:
+        """The work dir's path as the command sees it."""
+        return WORKSPACE
+
     def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
         raise NotImplementedError
 
@@ -183,11 +190,10 @@ class Sandbox:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     def _env(self) -> dict[str, str]:
-        tmp = self.workdir / ".tmp"
         return {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": str(self.workdir),
-            "TMPDIR": str(tmp),
+            "HOME": self.inside,
+            "TMPDIR": f"{self.inside}/.tmp",
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
         }
@@ -334,6 +340,10 @@ class LocalSandbox(Sandbox):
             shutil.rmtree(self._newroot, ignore_errors=True)
         super().close()
 
+    @property
+    def inside(self) -> str:
+        return WORKSPACE if self.isolate else str(self.workdir)
+
     def _prepare(self) -> None:
         if self.isolate and self.root:
             # The command runs as nobody: give it (only) its work dir.
@@ -362,7 +372,7 @@ class LocalSandbox(Sandbox):
         uid = str(NOBODY) if self.root else "keep"
         newroot = self._newroot or tempfile.mkdtemp(prefix="snowcat-sandbox-root-")
         self._newroot = newroot
-        init = [str(self.workdir), str(ready_fd), uid, newroot, ":".join(self.expose)]
+        init = [str(self.workdir), str(ready_fd), uid, newroot, ":".join(self.expose), self.inside]
         return [self.unshare, *ns, "bash", "-c", _INIT, "sandbox-init", *init, *argv]
 
 
@@ -371,7 +381,8 @@ class ApptainerSandbox(Sandbox):
 
     --containall: private /tmp, /dev, IPC and PID namespaces and a clean environment; --no-home: the
     user's home is not mounted; --net --network none: only loopback; --writable-tmpfs: the image
-    is read-only, scratch writes land in a throwaway overlay; the work dir is the only host path.
+    is read-only, scratch writes land in a throwaway overlay; the work dir (at /workspace) is the
+    only host path.
     """
 
     def __init__(
@@ -400,9 +411,9 @@ class ApptainerSandbox(Sandbox):
             "none",
             "--writable-tmpfs",
             "--bind",
-            f"{self.workdir}:/work",
+            f"{self.workdir}:{self.inside}",
             "--pwd",
-            "/work",
+            self.inside,
             self.image,
             *argv,
         ]

@@ -31,7 +31,7 @@ def sandbox():
 def test_runs_in_work_dir_as_nobody_with_files(sandbox):
     r = sandbox.run("cat task/spec.txt; id -u; pwd", files={"task/spec.txt": "fix the bug\n"}, timeout_s=30)
     assert r.status == "ok" and r.exit_code == 0, r
-    assert r.stdout.splitlines() == ["fix the bug", "65534", str(sandbox.workdir)]
+    assert r.stdout.splitlines() == ["fix the bug", "65534", "/workspace"]
     # The work dir persists between calls of one episode.
     assert sandbox.run("echo 1 > a && cat a", timeout_s=30).stdout == "1\n"
     assert sandbox.run("cat a", timeout_s=30).stdout == "1\n"
@@ -225,9 +225,9 @@ def test_apptainer_sandbox_rendering(tmp_path, monkeypatch):
         "none",
         "--writable-tmpfs",
         "--bind",
-        f"{tmp_path}:/work",
+        f"{tmp_path}:/workspace",
         "--pwd",
-        "/work",
+        "/workspace",
         "/img/sandbox.sif",
         "sh",
         "-c",

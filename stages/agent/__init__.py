@@ -2,11 +2,15 @@
 
 from snowcat.stages.agent import Trajectory, pack, unpack           # trajectory.py (numpy only)
 from snowcat.stages.agent import run_episodes, EpisodeJob, Budget   # loop.py
-from snowcat.stages.agent import SingleTurnEnv, CalculatorEnv, make_env, teacher_messages  # envs.py
+from snowcat.stages.agent import SingleTurnEnv, CalculatorEnv                      # envs.py
+from snowcat.stages.agent import RepoEnv, behaviour                                # repo_env.py
+from snowcat.stages.agent import make_env, teacher_messages                        # registry.py
 """
 
-from snowcat.stages.agent.envs import CalculatorEnv, SingleTurnEnv, Step, calculate, make_env, teacher_messages
+from snowcat.stages.agent.envs import CalculatorEnv, SingleTurnEnv, Step, calculate
 from snowcat.stages.agent.loop import Budget, EpisodeJob, episode_seed, run_episodes
+from snowcat.stages.agent.registry import make_env, teacher_messages
+from snowcat.stages.agent.repo_env import RepoEnv, behaviour
 from snowcat.stages.agent.trajectory import FIELDS, STATUSES, Trajectory, allocate, header, pack, unpack
 
 __all__ = [
@@ -22,6 +26,8 @@ __all__ = [
     "episode_seed",
     "run_episodes",
     "CalculatorEnv",
+    "RepoEnv",
+    "behaviour",
     "SingleTurnEnv",
     "Step",
     "calculate",

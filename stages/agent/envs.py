@@ -29,6 +29,7 @@ class SingleTurnEnv:
     """Closure and plain tasks: the first assistant turn is the answer."""
 
     name = "single"
+    parallel = False  # whether the loop may run step() of different episodes at once
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -41,6 +42,9 @@ class SingleTurnEnv:
 
     def step(self, task, state: dict, turn_ids: list[int]) -> Step:
         return Step(done=True, answer=self.answer_text(turn_ids))
+
+    def finish(self, state: dict) -> None:
+        """Release what reset() acquired (the loop calls it once per episode, however it ended)."""
 
     def answer_text(self, turn_ids: list[int]) -> str:
         return self.tok.decode(_strip_stop(self.tok, turn_ids), skip_special_tokens=True)
@@ -86,32 +90,6 @@ class CalculatorEnv(SingleTurnEnv):
             return Step(done=True, status="invalid_action")
         state["calls"] += 1
         return Step(done=False, observation=tool_message_ids(tok, str(value)))
-
-
-ENVS = {SingleTurnEnv.name: SingleTurnEnv, CalculatorEnv.name: CalculatorEnv}
-
-
-def make_env(name: str, tokenizer, **options):
-    try:
-        cls = ENVS[name]
-    except KeyError:
-        raise ValueError(f"unknown environment {name!r}; expected one of {sorted(ENVS)}") from None
-    return cls(tokenizer, **options)
-
-
-def teacher_messages(task, env_name: str, tool_domains: tuple[str, ...] = ("arith",)) -> list[dict]:
-    """The demonstration of `task` in environment `env_name` as chat messages (for SFT's encode_chat)."""
-    if env_name not in ENVS:
-        raise ValueError(f"unknown environment {env_name!r}; expected one of {sorted(ENVS)}")
-    if env_name == CalculatorEnv.name and task.domain in tool_domains:
-        expr = task.prompt.rstrip().removesuffix("=")
-        return [
-            {"role": "user", "content": task.prompt},
-            {"role": "assistant", "content": f"<tool_call>{expr}</tool_call>"},
-            {"role": "tool", "content": f"<tool_result>{calculate(expr)}</tool_result>"},
-            {"role": "assistant", "content": task.answer},
-        ]
-    return task.messages()
 
 
 def tool_message_ids(tok, text: str) -> list[int]:

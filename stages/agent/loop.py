@@ -20,7 +20,10 @@ Determinism: turn t of episode (group_id, attempt) samples from a generator seed
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,30 +107,51 @@ def run_episodes(
     end-of-turn id is always a stop id). `verifier(task, text) -> Verdict` defaults to
     `stages.taskgen.verify`; raising is an infrastructure failure."""
     verifier = verifier or verify
+    lock = threading.Lock()
+
+    def locked(task, text):  # a verifier (e.g. one worker process) serves one call at a time
+        with lock:
+            return verifier(task, text)
+
     stop_ids = tuple(dict.fromkeys((*params.stop_ids, tokenizer.end_of_turn_id)))
     episodes = []
-    for job in jobs:
-        prompt = env.prompt(job.task)
-        episodes.append(_Episode(job, list(prompt), len(prompt), env.reset(job.task)))
-
-    for turn in range(budget.max_turns):
+    try:
+        for job in jobs:
+            prompt = env.prompt(job.task)
+            episodes.append(e := _Episode(job, list(prompt), len(prompt), {}))
+            try:
+                e.state = env.reset(job.task)
+            except Exception as exc:  # e.g. a sandbox that cannot be made: infrastructure
+                e.end("infra_error", detail=f"environment reset: {exc!r}")
+        for turn in range(budget.max_turns):
+            for e in episodes:
+                if e.status is None and len(e.ids) >= budget.max_context:
+                    e.end("truncated", detail="context budget")
+            live = [e for e in episodes if e.status is None]
+            if not live:
+                break
+            room = max(budget.max_context - len(e.ids) for e in live)
+            turn_params = dataclasses.replace(params, max_tokens=min(budget.max_turn_tokens, room), stop_ids=stop_ids)
+            seeds = [episode_seed(seed, e.job.group_id, e.job.attempt, turn) for e in live]
+            try:
+                completions = engine.generate_seeded([e.ids for e in live], turn_params, seeds)
+            except Exception as exc:  # any engine failure is infrastructure
+                for e in live:
+                    e.end("infra_error", detail=f"engine: {exc}")
+                break
+            if env.parallel and len(live) > 1:
+                # tool calls (sandboxed processes) of different episodes at once, bounded by the cores
+                with ThreadPoolExecutor(max_workers=min(len(live), len(os.sched_getaffinity(0)))) as pool:
+                    n = len(live)
+                    list(
+                        pool.map(_advance, live, completions, [turn] * n, [env] * n, [tokenizer] * n, [budget] * n, [locked] * n)
+                    )
+            else:
+                for e, c in zip(live, completions):
+                    _advance(e, c, turn, env, tokenizer, budget, verifier)
+    finally:
         for e in episodes:
-            if e.status is None and len(e.ids) >= budget.max_context:
-                e.end("truncated", detail="context budget")
-        live = [e for e in episodes if e.status is None]
-        if not live:
-            break
-        room = max(budget.max_context - len(e.ids) for e in live)
-        turn_params = dataclasses.replace(params, max_tokens=min(budget.max_turn_tokens, room), stop_ids=stop_ids)
-        seeds = [episode_seed(seed, e.job.group_id, e.job.attempt, turn) for e in live]
-        try:
-            completions = engine.generate_seeded([e.ids for e in live], turn_params, seeds)
-        except Exception as exc:  # any engine failure is infrastructure
-            for e in live:
-                e.end("infra_error", detail=f"engine: {exc}")
-            break
-        for e, c in zip(live, completions):
-            _advance(e, c, turn, env, tokenizer, budget, verifier)
+            env.finish(e.state)
     for e in episodes:
         if e.status is None:
             e.end("truncated", detail=f"no answer in {budget.max_turns} turns")

@@ -1,0 +1,254 @@
+"""RepoEnv: a coding agent fixing a repository task with tools, each episode in its own sandbox.
+
+The model calls a tool per turn in the tool-call format of its chat template (Hermes/Qwen style):
+
+    <tool_call>{"name": "edit", "arguments": {"path": "pkg/core.py", "old": "a - b", "new": "a + b"}}</tool_call>
+
+Tools:
+    bash   {"command": str}                 run a shell command in the repository (the sandbox)
+    view   {"path": str}                    the file with line numbers
+    edit   {"path": str, "old": str, "new": str}   replace the one occurrence of `old`
+    test   {}                               run the task's visible tests (FAIL_TO_PASS + PASS_TO_PASS)
+    submit {}                               end the episode: the patch is judged by the verifier
+
+Each result comes back as a tool message, cut to `observation_chars` (head and tail kept). A turn
+without a parseable call gets an error message and the episode goes on (counted as an invalid
+action by `behaviour`); the budget ends it if the model never recovers. On submit the env verifies
+the patch itself (`verify_patch`: clean sandbox, test files restored) and sets the reward, so
+verification runs in parallel with the other episodes' tool calls. A sandbox that cannot start and
+a verifier time-out raise: the loop records `infra_error`, never a model failure.
+
+`view` and `edit` run in the parent on the work dir (path checked to stay inside, symlinks never
+followed); `bash` and `test` run in the sandbox (no network, only the work dir writable, whole-call
+limits: docs/containers.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from pathlib import Path
+
+from snowcat.stages.agent.envs import SingleTurnEnv, Step, _strip_stop
+from snowcat.stages.sandbox import Limits, open_sandbox
+from snowcat.stages.taskgen.repo import RepoSpec, make_patch, read_tree, snapshot_files, verify_patch, write_tree
+
+TOOLS = ("bash", "view", "edit", "test", "submit")
+TOOL_HINT = "Tools: bash(command), view(path), edit(path, old, new), test(), submit()."
+
+
+def tool_call_text(name: str, arguments: dict | None = None) -> str:
+    """A tool call as the model writes it (what teacher demonstrations contain)."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments or {}}, separators=(",", ":")) + "</tool_call>"
+
+
+class ToolCallError(ValueError):
+    """The model's turn is not one well-formed call of a known tool."""
+
+
+def parse_tool_call(text: str) -> tuple[str, dict]:
+    """(name, arguments) of the one tool call in an assistant turn's text."""
+    m = re.search(r"<tool_call>(.*?)</tool_call>", text, re.S)
+    if m is None:
+        raise ToolCallError("no tool call found; call one tool per turn, or submit()")
+    try:
+        call = json.loads(m.group(1).strip())
+    except json.JSONDecodeError as e:
+        raise ToolCallError(f"tool call is not JSON: {e.msg}") from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ToolCallError('tool call must be {"name": ..., "arguments": {...}}')
+    name, args = call["name"], call.get("arguments") or {}
+    if name not in TOOLS:
+        raise ToolCallError(f"unknown tool {name!r}; tools: {', '.join(TOOLS)}")
+    if not isinstance(args, dict):
+        raise ToolCallError("arguments must be an object")
+    needed = {"bash": ("command",), "view": ("path",), "edit": ("path", "old", "new")}.get(name, ())
+    missing = [k for k in needed if not isinstance(args.get(k), str)]
+    if missing:
+        raise ToolCallError(f"{name} needs string argument(s) {', '.join(missing)}")
+    return name, args
+
+
+def clip(text: str, chars: int) -> str:
+    """`text` cut to about `chars` characters, keeping its head and tail (errors are often at the end)."""
+    if len(text) <= chars:
+        return text
+    head = chars * 2 // 3
+    tail = chars - head
+    return f"{text[:head]}\n[... {len(text) - chars} characters cut ...]\n{text[-tail:]}"
+
+
+class RepoEnv(SingleTurnEnv):
+    name = "repo"
+
+    def __init__(self, tokenizer, image: str | None = None, observation_chars: int = 1000, tool_timeout_s: float = 30.0):
+        super().__init__(tokenizer)
+        self.image = image
+        self.observation_chars = observation_chars
+        self.tool_timeout_s = tool_timeout_s
+        self.parallel = True  # the loop may run step() of different episodes at once
+
+    def prompt(self, task) -> list[int]:
+        return self.tok.render_prompt([{"role": "user", "content": f"{task.prompt}\n{TOOL_HINT}"}])
+
+    def reset(self, task) -> dict:
+        spec = RepoSpec.from_task(task)
+        base = snapshot_files(spec)
+        sandbox = open_sandbox(self.image, Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20))
+        write_tree(sandbox.workdir, base)
+        return {"spec": spec, "base": base, "sandbox": sandbox}
+
+    def finish(self, state: dict) -> None:
+        if "sandbox" in state:
+            state.pop("sandbox").close()
+
+    def step(self, task, state: dict, turn_ids: list[int]) -> Step:
+        text = self.tok.decode(_strip_stop(self.tok, turn_ids))
+        try:
+            name, args = parse_tool_call(text)
+        except ToolCallError as e:
+            return Step(done=False, observation=self.note(f"error: {e}"))
+        if name == "submit":
+            return self.submit(task, state)
+        return Step(done=False, observation=self.note(self.run_tool(state, name, args)))
+
+    def submit(self, task, state: dict) -> Step:
+        patch = make_patch(state["base"], read_tree(state["sandbox"].workdir))
+        reward, passed, detail = verify_patch(task, patch, image=self.image)
+        return Step(done=True, answer=patch, reward=reward)
+
+    def run_tool(self, state: dict, name: str, args: dict) -> str:
+        """The observation text of one non-submit tool call."""
+        sb, spec = state["sandbox"], state["spec"]
+        if name in ("view", "edit"):
+            try:
+                path = self._inside(sb.workdir, args["path"])
+            except ValueError as e:
+                return f"error: {e}"
+            if name == "view":
+                lines = path.read_text(errors="replace").splitlines()
+                return clip("\n".join(f"{i:>3} {line}" for i, line in enumerate(lines, 1)), self.observation_chars)
+            return self._edit(path, args["old"], args["new"], sb)
+        cmd = args["command"] if name == "bash" else spec.command(list(dict.fromkeys(spec.fail_to_pass + spec.pass_to_pass)))
+        r = sb.run(cmd, timeout_s=min(self.tool_timeout_s, spec.timeout_s))
+        if r.status == "infra_error":
+            raise RuntimeError(f"sandbox: {r.detail}")  # the loop records infra_error
+        status = f"exit {r.exit_code}" if r.status == "ok" else f"{r.status}: {r.detail}"
+        out = f"{status}\n{r.stdout}{r.stderr}".rstrip()
+        if name == "test":  # test runners print their wall time: keep demonstrations reproducible
+            out = re.sub(r"(Ran \d+ tests?) in [\d.]+s", r"\1", out)
+        return clip(out, self.observation_chars)
+
+    @staticmethod
+    def _inside(root: Path, rel: str) -> Path:
+        path = root / rel
+        real = Path(os.path.realpath(path))
+        if not real.is_relative_to(root.resolve()) or path.is_symlink():
+            raise ValueError(f"{rel}: outside the repository")
+        if not path.is_file():
+            raise ValueError(f"{rel}: no such file")
+        return path
+
+    @staticmethod
+    def _edit(path: Path, old: str, new: str, sb) -> str:
+        text = path.read_text(errors="replace")
+        n = text.count(old) if old else 0
+        if n != 1:
+            return f"error: `old` occurs {n} times in {path.relative_to(sb.workdir)}; it must occur exactly once"
+        path.write_text(text.replace(old, new, 1))
+        return f"edited {path.relative_to(sb.workdir)}"
+
+
+# ---------------------------------------------------------------- the scripted expert
+
+
+def gold_edit(task) -> tuple[str, str, str]:
+    """(path, old, new) of the smallest edit that applies the gold patch's (first) hunk, unique in the file."""
+    hunk = re.search(r"^\+\+\+ b/(\S+)\n@@[^\n]*@@\n(.*?)(?=^@@|^diff |\Z)", task.answer, re.S | re.M)
+    if hunk is None:
+        raise ValueError(f"task {task.task_id}: no gold patch hunk")
+    path, body = hunk.group(1), hunk.group(2).splitlines()
+    changed = [i for i, line in enumerate(body) if line[:1] in "+-"]
+    lo, hi = changed[0], changed[-1] + 1
+    source = snapshot_files(RepoSpec.from_task(task))[path].decode()
+
+    def sides(lo: int, hi: int) -> tuple[str, str]:
+        old = [line[1:] for line in body[lo:hi] if line[:1] in " -"]
+        new = [line[1:] for line in body[lo:hi] if line[:1] in " +"]
+        return "\n".join(old) + "\n", "\n".join(new) + "\n"
+
+    old, new = sides(lo, hi)
+    while (not old.strip() or source.count(old) != 1) and (lo > 0 or hi < len(body)):
+        lo, hi = max(0, lo - 1), min(len(body), hi + (lo == 0))
+        old, new = sides(lo, hi)
+    return path, old, new
+
+
+def teacher_episode(task, env: RepoEnv) -> list[dict]:
+    """The expert's demonstration as chat messages, every observation produced by the real tools:
+    run the tests, view the module, edit, run the tests again, submit."""
+    path, old, new = gold_edit(task)
+    calls = [("test", {}), ("view", {"path": path}), ("edit", {"path": path, "old": old, "new": new}), ("test", {})]
+    state = env.reset(task)
+    try:
+        messages = [{"role": "user", "content": f"{task.prompt}\n{TOOL_HINT}"}]
+        for name, args in calls:
+            messages.append({"role": "assistant", "content": tool_call_text(name, args)})
+            messages.append({"role": "tool", "content": f"<tool_result>{env.run_tool(state, name, args)}</tool_result>"})
+        step = env.submit(task, state)
+        if step.reward != 1.0:
+            raise RuntimeError(f"task {task.task_id}: the scripted expert's patch does not pass")
+        messages.append({"role": "assistant", "content": tool_call_text("submit")})
+        return messages
+    finally:
+        env.finish(state)
+
+
+# ---------------------------------------------------------------- behaviour, read back from the tokens
+
+
+def behaviour(trajectories, tokenizer) -> dict:
+    """What agents did, from the sampled turns alone: turns, tool calls by kind, invalid actions,
+    repeated identical commands, submissions without a test run before, context exhaustion, and
+    claim precision (passed among submitted)."""
+    calls: Counter = Counter()
+    out = Counter()
+    for t in trajectories:
+        seen, tested, submitted = set(), False, False
+        out["episodes"] += 1
+        out["turns"] += len(t.turn_boundaries)
+        for start, end in t.turn_boundaries:
+            text = tokenizer.decode(_strip_stop(tokenizer, [int(i) for i in t.token_ids[start:end]]))
+            try:
+                name, args = parse_tool_call(text)
+            except ToolCallError:
+                out["invalid_actions"] += 1
+                continue
+            calls[name] += 1
+            key = json.dumps([name, args], sort_keys=True)
+            out["repeated_calls"] += key in seen and name != "test"
+            seen.add(key)
+            if name == "test" or (name == "bash" and "test" in args.get("command", "")):
+                tested = True
+            if name == "submit":
+                submitted = True
+                out["submitted"] += 1
+                out["submitted_untested"] += not tested
+                out["submitted_passed"] += t.reward >= 1.0
+        out["context_exhausted"] += t.status == "truncated" and "context" in t.detail
+        out["no_submission"] += not submitted
+    n = max(out["episodes"], 1)
+    res = {
+        "episodes": out["episodes"],
+        "turns_mean": out["turns"] / n,
+        "invalid_actions_per_episode": out["invalid_actions"] / n,
+        "repeated_calls_per_episode": out["repeated_calls"] / n,
+        "context_exhausted_frac": out["context_exhausted"] / n,
+        "no_submission_frac": out["no_submission"] / n,
+        "submitted_untested_frac": out["submitted_untested"] / max(out["submitted"], 1),
+        "claim_precision": out["submitted_passed"] / out["submitted"] if out["submitted"] else None,
+    }
+    res.update({f"calls/{k}": calls[k] / n for k in TOOLS})
+    return res

@@ -1,0 +1,155 @@
+"""RepoEnv: tool calls parsed from the model's tokens, run in real sandboxes, the scripted expert's
+demonstrations, verification on submit, and the agent loop driving many episodes at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from snowcat.stages.agent import Budget, EpisodeJob, RepoEnv, Trajectory, behaviour, run_episodes, teacher_messages
+from snowcat.stages.agent.repo_env import TOOLS, ToolCallError, gold_edit, parse_tool_call, tool_call_text
+from snowcat.stages.model import PRESETS, MoEForCausalLM
+from snowcat.stages.rollout import SamplingParams, TorchEngine
+from snowcat.stages.taskgen import Task, generate_domain
+from snowcat.stages.tokenizer import train_tokenizer
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"),
+    reason="RepoEnv runs tools in LocalSandbox as root",
+)
+
+
+@pytest.fixture(scope="module")
+def world():
+    tasks = generate_domain(np.random.default_rng(3), "swe_mini", [1, 2], 6)
+    demos = [teacher_messages(t, "repo") for t in tasks]
+    texts = [m["content"] for d in demos for m in d]
+    return tasks, demos, train_tokenizer(texts, 512)
+
+
+def test_parse_tool_call():
+    assert parse_tool_call(tool_call_text("edit", {"path": "a.py", "old": "-", "new": "+"})) == (
+        "edit",
+        {"path": "a.py", "old": "-", "new": "+"},
+    )
+    assert parse_tool_call('thinking... <tool_call>\n{"name": "test", "arguments": {}}\n</tool_call>') == ("test", {})
+    for bad, why in [
+        ("I fixed it", "no tool call"),
+        ("<tool_call>{name: test}</tool_call>", "not JSON"),
+        ('<tool_call>{"name": "rm"}</tool_call>', "unknown tool"),
+        ('<tool_call>{"name": "bash", "arguments": {}}</tool_call>', "command"),
+        ('<tool_call>["test"]</tool_call>', "must be"),
+    ]:
+        with pytest.raises(ToolCallError, match=why):
+            parse_tool_call(bad)
+
+
+def test_teacher_demonstrations_are_real_and_reproducible(world):
+    tasks, demos, _ = world
+    for task, msgs in zip(tasks, demos):
+        assert [m["role"] for m in msgs] == ["user"] + ["assistant", "tool"] * 4 + ["assistant"]
+        names = [parse_tool_call(m["content"])[0] for m in msgs if m["role"] == "assistant"]
+        assert names == ["test", "view", "edit", "test", "submit"]
+        first_test, last_test = msgs[2]["content"], msgs[8]["content"]
+        assert "FAILED" in first_test and "exit 1" in first_test, first_test
+        assert "OK" in last_test and "exit 0" in last_test, last_test
+        assert "/workspace" in first_test or "Traceback" not in first_test  # paths do not depend on the host
+    assert teacher_messages(tasks[0], "repo") == demos[0]  # no timings, no host paths: same bytes again
+
+
+def test_rollout_layout_equals_the_teacher_demonstration(world):
+    """Playing the teacher's calls through env.step gives exactly encode_chat(teacher), and submit verifies."""
+    tasks, demos, tok = world
+    task, msgs = tasks[0], demos[0]
+    env = RepoEnv(tok)
+    state = env.reset(task)
+    try:
+        ids = env.prompt(task)
+        teacher_ids, mask = tok.encode_chat(msgs)
+        for m in msgs[1:]:
+            if m["role"] != "assistant":
+                continue
+            call = tok.encode(m["content"]) + [tok.end_of_turn_id]
+            step = env.step(task, state, call)
+            ids = ids + call + step.observation
+        assert step.done and step.reward == 1.0 and task.meta["module"] in step.answer
+        assert ids == teacher_ids
+    finally:
+        env.finish(state)
+
+
+def test_tools_refuse_escapes_and_keep_the_episode_going(world, tmp_path):
+    tasks, _, tok = world
+    task = tasks[1]
+    env = RepoEnv(tok, observation_chars=400)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    state = env.reset(task)
+    try:
+        sb = state["sandbox"]
+        os.symlink(secret, sb.workdir / "link.py")
+        assert env.run_tool(state, "view", {"path": "link.py"}) == "error: link.py: outside the repository"
+        assert "outside" in env.run_tool(state, "view", {"path": "../../etc/passwd"})
+        assert "no such file" in env.run_tool(state, "view", {"path": "missing.py"})
+        assert "occurs 0 times" in env.run_tool(state, "edit", {"path": task.meta["module"], "old": "zzz", "new": "y"})
+        out = env.run_tool(state, "bash", {"command": "cat /proc/self/status | grep -c . ; seq 1 5000"})
+        assert out.startswith("exit 0") and "characters cut" in out and len(out) < 500
+        # a turn that is not a tool call is an error message, not the end of the episode
+        step = env.step(task, state, tok.encode("the bug is fixed") + [tok.end_of_turn_id])
+        assert not step.done and "no tool call" in tok.decode(step.observation)
+        # editing the tests and submitting gains nothing
+        path, _, _ = gold_edit(task)
+        test_file = task.meta["repo"]["test_paths"][0]
+        (sb.workdir / test_file).write_text("import unittest\n")
+        step = env.step(task, state, tok.encode(tool_call_text("submit")) + [tok.end_of_turn_id])
+        assert step.done and step.reward == 0.0
+    finally:
+        env.finish(state)
+    assert "sandbox" not in state and not sb.workdir.exists()
+
+
+def test_agent_loop_runs_repo_episodes_in_parallel_and_cleans_up(world):
+    tasks, demos, tok = world
+    torch.manual_seed(0)
+    model = MoEForCausalLM(dataclasses.replace(PRESETS["test-micro"], vocab_size=tok.vocab_size)).eval()
+    broken = Task("swe-broken", "swe_mini", 1, "fix", "", "repo", {"repo": {"source": {}}})
+    jobs = [EpisodeJob(t, g, a) for g, t in enumerate(tasks[:3]) for a in range(2)] + [EpisodeJob(broken, 9, 0)]
+    before = set(glob.glob("/tmp/snowcat-sandbox-*"))
+    params = SamplingParams(1.0, 0, 1.0, 16, (tok.end_of_turn_id,))
+    trajs = run_episodes(
+        TorchEngine(model, max_batch=8), tok, jobs, RepoEnv(tok), params, Budget(1024, 16, 3), seed=1, policy_version=0
+    )
+    assert len(trajs) == len(jobs)
+    assert trajs[-1].status == "infra_error" and "reset" in trajs[-1].detail
+    # a random model does not submit: its episodes end on the budget with invalid actions counted
+    assert all(t.status == "truncated" for t in trajs[:-1]), [(t.status, t.detail) for t in trajs]
+    stats = behaviour(trajs[:-1], tok)
+    assert stats["episodes"] == 6 and stats["no_submission_frac"] == 1.0 and stats["invalid_actions_per_episode"] > 0
+    assert set(glob.glob("/tmp/snowcat-sandbox-*")) <= before  # every episode's sandbox is gone
+
+
+def test_behaviour_reads_the_teacher_protocol(world):
+    tasks, demos, tok = world
+    trajs = []
+    for i, msgs in enumerate(demos[:2]):
+        ids, mask = tok.encode_chat(msgs)
+        turns, start = [], None
+        for j, m in enumerate(mask + [0]):
+            if m and start is None:
+                start = j
+            if not m and start is not None:
+                turns.append((start, j))
+                start = None
+        ok = i == 0
+        trajs.append(Trajectory(tasks[i].task_id, i, 0, 0, ids, mask, [0.0] * len(ids), float(ok), "ok", turns, "swe_mini", 0))
+    stats = behaviour(trajs, tok)
+    assert stats["turns_mean"] == 5 and stats["invalid_actions_per_episode"] == 0
+    assert stats["calls/test"] == 2 and stats["calls/submit"] == 1 and stats["submitted_untested_frac"] == 0
+    assert stats["claim_precision"] == 0.5 and stats["no_submission_frac"] == 0
+    assert set(TOOLS) == {k.split("/")[1] for k in stats if k.startswith("calls/")}
