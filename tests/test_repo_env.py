@@ -53,6 +53,7 @@ def test_parse_tool_call():
 def test_teacher_demonstrations_are_real_and_reproducible(world):
     tasks, demos, _ = world
     for task, msgs in zip(tasks, demos):
+        assert task.prompt in msgs[0]["content"]
         assert [m["role"] for m in msgs] == ["user"] + ["assistant", "tool"] * 4 + ["assistant"]
         names = [parse_tool_call(m["content"])[0] for m in msgs if m["role"] == "assistant"]
         assert names == ["test", "view", "edit", "test", "submit"]
