@@ -22,7 +22,7 @@ from snowcat.stages.taskgen import DOMAINS, REPO_DOMAINS
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "rloo_n"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_over_const"]
-Env = Literal["single", "calculator"]
+Env = Literal["single", "calculator", "repo"]
 ExportDtype = Literal["float32", "bfloat16", "float16"]
 DEFAULT_VERIFIER = "snowcat.stages.taskgen:verify"
 
@@ -50,6 +50,28 @@ class VllmConfig:
     support_cap: int = bounded(64, ge=1)
     # compare an in-place reload with a freshly built engine at the first reload and every N-th; 0 = first only
     check_reload_every: int = bounded(10, ge=0)
+
+
+@dataclass
+class SandboxConfig:
+    """Where repository-task tool calls and verifications run (env: repo; docs/agents.md)."""
+
+    image: str | None = None  # an Apptainer sandbox image (.sif); null = host processes in namespaces (LocalSandbox)
+    observation_chars: int = bounded(1000, ge=64)  # a tool result is cut to this many characters (head and tail kept)
+    tool_timeout_s: float = bounded(30.0, gt=0)  # wall time of one tool call (the task's own limit applies too)
+
+    def options(self) -> dict:
+        """RepoEnv's keyword arguments."""
+        return {"image": self.image, "observation_chars": self.observation_chars, "tool_timeout_s": self.tool_timeout_s}
+
+
+def env_options(env: str, stage_cfg) -> dict:
+    """The keyword arguments of `make_env(env, tok, ...)` that a stage config holds."""
+    if env == "repo":
+        return stage_cfg.sandbox.options()
+    if env == "calculator" and hasattr(stage_cfg, "require_tool"):
+        return {"require_tool": stage_cfg.require_tool}
+    return {}
 
 
 def _engine_problems(engine: str, image: str | None) -> Iterator[Problem]:
@@ -127,6 +149,7 @@ class SftConfig:
     threads: int = bounded(0, ge=0)  # torch intra-op threads; 0 = the job's CPUs
     eval_tasks: int = bounded(200, ge=0)  # val tasks per domain for the end-of-stage greedy check (0 = skip)
     eval_max_new_tokens: int = bounded(40, ge=1)  # a 3-digit arith worked solution is ~30 tokens
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where repository tasks' demonstrations run
 
     def checkpoint_names(self) -> tuple[str, ...]:
         """What this stage writes under checkpoints/ (`initial` only when it initialises the model)."""
@@ -167,6 +190,7 @@ class ProbeConfig:
     verifier_timeout_s: float = bounded(30.0, gt=0)
     engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def problems(self) -> Iterator[Problem]:
         yield from _needs_problems(self.needs, ("tasks", self.tasks))
@@ -234,6 +258,7 @@ class RlConfig:
     rollout_batch: int = bounded(128, ge=1)  # engine batch size
     engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     router_replay: bool = False  # MoE: route each token to the experts the rollout engine recorded (torch engine)
     mismatch_kl_alarm: float = bounded(0.015, ge=0)  # alarm when the engine-vs-trainer k3 KL stays above this...
     mismatch_kl_window: int = bounded(20, ge=1)  # ...averaged over this many updates (0.015 over 20: prime-rl's gate)
@@ -261,7 +286,11 @@ class EvaluateConfig:
     temperature: float = bounded(1.0, ge=0)
     top_p: float = bounded(1.0, gt=0, le=1)
     top_k: int = bounded(0, ge=0)
-    max_tokens: int = bounded(48, ge=1)
+    max_tokens: int = bounded(48, ge=1)  # per model turn
+    env: Env = "single"  # calculator / repo: multi-turn episodes through the agent loop
+    max_turns: int = bounded(1, ge=1)  # model turns per episode (multi-turn envs)
+    max_context: int = bounded(512, ge=1)  # prompt + all turns + observations (multi-turn envs)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4])
     infra_retries: int = bounded(2, ge=0)
     verifier_timeout_s: float = bounded(30.0, gt=0)

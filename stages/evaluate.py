@@ -28,19 +28,38 @@ from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 from snowcat.stages import evalstats
+from snowcat.stages.agent import Budget, behaviour, make_env
+from snowcat.stages.config import env_options
 from snowcat.stages.rollout import SamplingParams
-from snowcat.stages.scoring import Attempt, sample_attempts, serve_checkpoint
+from snowcat.stages.scoring import Attempt, play_attempts, sample_attempts, serve_checkpoint
 from snowcat.stages.taskgen import load_tasks
 from snowcat.stages.verifiers import TimedVerifier
 
 # ---------------------------------------------------------------- sampling + verification
 
 
-def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier) -> list[Attempt]:
-    """`cfg.attempts` verified answers per task from checkpoint `ref`."""
+def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier) -> tuple[list[Attempt], dict | None]:
+    """`cfg.attempts` verified answers per task from checkpoint `ref`, and (multi-turn envs) what the
+    agent did (`stages.agent.behaviour`)."""
 
     engine, tok, _ = serve_checkpoint(ctx, ref, "checkpoints", cfg.batch_size)
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (tok.end_of_turn_id,))
+    if cfg.env != "single":
+        records, trajectories = play_attempts(
+            engine,
+            tok,
+            tasks,
+            make_env(cfg.env, tok, **env_options(cfg.env, cfg)),
+            params,
+            Budget(cfg.max_context, cfg.max_tokens, cfg.max_turns),
+            attempts=cfg.attempts,
+            seed=ctx.seed,
+            verifier=verifier,
+            retries=cfg.infra_retries,
+            batch_size=cfg.batch_size,
+            progress=functools.partial(ctx.progress, unit="episodes", phase=ref),
+        )
+        return records, behaviour([t for t in trajectories if t is not None and t.status != "infra_error"], tok)
     return sample_attempts(
         engine,
         tok,
@@ -52,7 +71,7 @@ def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVe
         retries=cfg.infra_retries,
         batch_size=cfg.batch_size,
         progress=functools.partial(ctx.progress, unit="episodes", phase=ref),
-    )
+    ), None
 
 
 # ---------------------------------------------------------------- statistics
@@ -201,16 +220,18 @@ def run(ctx: StageContext) -> dict:
 
     verifier = TimedVerifier(cfg.verifier, cfg.verifier_timeout_s)
     try:
-        records = {ref: sample_and_verify(cfg, ctx, ref, tasks, verifier) for ref in refs}
+        played = {ref: sample_and_verify(cfg, ctx, ref, tasks, verifier) for ref in refs}
     finally:
         verifier.close()
+    records = {ref: recs for ref, (recs, _) in played.items()}
 
     results = {
         ref: {
             "path": str(ctx.checkpoint(ref, "checkpoints")),
             "groups": {g: summarize(rs, pass_k) for g, rs in _groups(recs).items()},
         }
-        for ref, recs in records.items()
+        | ({"behaviour": agent} if agent is not None else {})
+        for ref, (recs, agent) in played.items()
     }
     comparisons = {}
     for ref in refs[1:]:
@@ -232,7 +253,8 @@ def run(ctx: StageContext) -> dict:
                     "top_k": cfg.top_k,
                     "top_p": cfg.top_p,
                     "max_tokens": cfg.max_tokens,
-                },
+                }
+                | ({"env": cfg.env, "max_turns": cfg.max_turns, "max_context": cfg.max_context} if cfg.env != "single" else {}),
                 "checkpoints": results,
                 "comparisons": comparisons,
             }
@@ -264,6 +286,9 @@ def headline(results: dict, comparisons: dict, pass_k: list[int]) -> dict[str, f
                 out[f"{ref}/{g}/pass@{k}"] = s[f"pass@{k}"]
             out[f"{ref}/{g}/reward"] = s["reward"]
         out[f"{ref}/infra_rate"] = res["groups"]["all"]["infra_rate"]
+        for key in ("turns_mean", "invalid_actions_per_episode", "submitted_untested_frac", "claim_precision"):
+            if key in res.get("behaviour", {}):
+                out[f"{ref}/agent/{key}"] = res["behaviour"][key]
     for name, groups in comparisons.items():
         out[f"{name}/all/pass@1_diff"] = groups["all"]["pass@1"]["diff"]
         out[f"{name}/all/pass@1_diff_se"] = groups["all"]["pass@1"]["se"]

@@ -29,6 +29,7 @@ from snowcat.pipeline.context import Preempted
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 from snowcat.stages.agent import FIELDS, Budget, EpisodeJob, make_env, pack, run_episodes, unpack
+from snowcat.stages.config import env_options
 from snowcat.stages.model.io import load_model_config
 from snowcat.stages.rollout import SamplingParams
 from snowcat.stages.scoring import serve_checkpoint
@@ -54,7 +55,7 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
     attempt, turn), so the result equals an uninterrupted run. `checkpoint_due()` true after a
     batch raises `Preempted`. `progress(done, total, ...)` hears of each batch (ctx.progress)."""
 
-    env = make_env(cfg.env, tok, **({"require_tool": cfg.require_tool} if cfg.env == "calculator" else {}))
+    env = make_env(cfg.env, tok, **env_options(cfg.env, cfg))
     params = sampling_params(cfg, tok)
     budget = Budget(cfg.max_context, cfg.max_turn_tokens, cfg.max_turns)
     jobs = [EpisodeJob(t, group_id=g, attempt=a) for g, t in enumerate(tasks) for a in range(cfg.attempts)]

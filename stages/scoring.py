@@ -7,7 +7,8 @@ starts from, so a score cannot drift from training by a hand-written prompt.
 
 Infrastructure failures (an engine error, a verifier crash or time-out) are retried `retries`
 times, recorded with their causes, and then left unscored: never counted as the model's failure.
-(Multi-turn episodes with tools are the agent loop's: `stages.agent.run_episodes`.)
+Multi-turn episodes with tools (`play_attempts`) go through the agent loop (`stages.agent.run_episodes`)
+and come back as the same Attempt records, so evaluation's statistics do not care which it was.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from snowcat.pipeline.errors import UserError
+from snowcat.stages.agent import Budget, EpisodeJob, run_episodes
 from snowcat.stages.rollout import EngineError, SamplingParams, serve_model_dir
 from snowcat.stages.train.backend import local_device
 
@@ -123,6 +125,51 @@ def _verify(r: Attempt, verifier: Callable, tries: int) -> None:
         r.reward, r.passed = float(v.reward), int(v.passed)
         r.status = "truncated" if r.finish_reason == "length" else "ok"
         return
+
+
+def play_attempts(
+    engine,
+    tok,
+    tasks: list,
+    env,
+    params: SamplingParams,
+    budget: Budget,
+    *,
+    attempts: int,
+    seed: int,
+    verifier: Callable,
+    retries: int = 0,
+    batch_size: int = 64,
+    progress: Callable | None = None,
+) -> tuple[list[Attempt], list]:
+    """`attempts` multi-turn episodes per task in `env` (task-major Attempts, and the trajectories of
+    their last tries). An episode that ends in infra_error is played again up to `retries` times;
+    an invalid action is the model's failure (reward 0)."""
+    requests = [Attempt(t, a) for t in tasks for a in range(attempts)]
+    trajectories: list = [None] * len(requests)
+    for start in range(0, len(requests), batch_size):
+        index = list(range(start, min(start + batch_size, len(requests))))
+        for _ in range(retries + 1):
+            jobs = [EpisodeJob(requests[i].task, i // attempts, requests[i].attempt) for i in index]
+            # the same seed per (task, attempt) whatever the checkpoint: common random numbers
+            for i, traj in zip(index, run_episodes(engine, tok, jobs, env, params, budget, seed, 0, verifier)):
+                r, trajectories[i] = requests[i], traj
+                if traj.status == "infra_error":
+                    r.infra_causes.append(traj.detail)
+                    continue
+                body = [int(x) for x in traj.token_ids[traj.prompt_len :]]
+                r.token_ids, r.logprobs = body, [float(x) for x in traj.rollout_logprobs[traj.prompt_len :]]
+                r.finish_reason, r.text = traj.status, tok.decode(body)
+                r.reward, r.passed = float(traj.reward), int(traj.reward >= 1.0)
+                r.status = "truncated" if traj.status == "truncated" else "ok"
+            index = [i for i in index if not requests[i].scored]
+            if not index:
+                break
+        if progress is not None:
+            done = min(start + batch_size, len(requests))
+            rates = pass_rates(requests[:done])
+            progress(done, len(requests), **({"pass_rate": rates["all"]} if "all" in rates else {}))
+    return requests, trajectories
 
 
 def pass_rates(attempts: list[Attempt]) -> dict[str, float]:

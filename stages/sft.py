@@ -10,12 +10,18 @@ Outputs in ctx.out_dir:
 Demonstrations are chat conversations (user: task prompt, assistant: reference answer), loss on
 assistant tokens only, packed into fixed-length rows (attention never crosses examples). A
 `relay_fraction` of them are Relay-style (see docs/training.md): a student starts, the teacher takes
-over; the student's tokens are context (masked), the teacher's are trained.
+over; the student's tokens are context (masked), the teacher's are trained. Repository tasks
+(verifier `repo`) are demonstrated by the scripted expert in RepoEnv instead — real tool calls in
+sandboxes, every observation as the environment returns it (`stages.agent.teacher_messages`) — and
+take no Relay variant.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import matplotlib
@@ -28,6 +34,7 @@ from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, build_
 from snowcat.pipeline.offline import load_index
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.pipeline.schema import HF_PREFIX, hub_id
+from snowcat.stages.agent import teacher_messages
 from snowcat.stages.config import SftConfig as Config
 from snowcat.stages.model import PRESETS, MoEForCausalLM, hf, load_model_dir, save_model_dir
 from snowcat.stages.model.io import load_model_config
@@ -62,7 +69,22 @@ def _corrupt(answer: str, alphabet: str, rng) -> str:
     return answer + answer[-1]
 
 
-def build_conversations(tasks, relay_fraction: float, seed: int) -> list[tuple[list[dict], str]]:
+def teacher_demos(tasks, sandbox: dict | None = None, progress=None) -> dict[str, list[dict]]:
+    """task id -> the scripted expert's RepoEnv episode, for the repository tasks among `tasks`
+    (tool calls in sandboxes: run side by side, bounded by the cores)."""
+    repo_tasks = [t for t in tasks if t.verifier == "repo"]
+    out: dict[str, list[dict]] = {}
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+        for i, (t, msgs) in enumerate(
+            zip(repo_tasks, pool.map(lambda t: teacher_messages(t, "repo", **(sandbox or {})), repo_tasks))
+        ):
+            out[t.task_id] = msgs
+            if progress is not None and ((i + 1) % 50 == 0 or i + 1 == len(repo_tasks)):
+                progress(i + 1, len(repo_tasks))
+    return out
+
+
+def build_conversations(tasks, relay_fraction: float, seed: int, demos: dict | None = None) -> list[tuple[list[dict], str]]:
     """(messages, domain) per demonstration: every task once plainly, plus Relay variants of a
     `relay_fraction` sample of tasks, alternating the two take-over points:
       handoff: the student wrote the first part of the answer; the teacher continues the same turn.
@@ -71,10 +93,12 @@ def build_conversations(tasks, relay_fraction: float, seed: int) -> list[tuple[l
     a real policy its sampled turns are used instead, unchanged (token-in, token-out)."""
 
     rng = np.random.default_rng([seed, 1])
+    demos = demos or {}
+    convs = [(demos[t.task_id] if t.task_id in demos else t.messages(), t.domain) for t in tasks]
+    tasks = [t for t in tasks if t.task_id not in demos]  # Relay: single-answer tasks only
     alphabets: dict[str, str] = {}
     for t in tasks:
         alphabets[t.domain] = "".join(sorted(set(alphabets.get(t.domain, "")) | set(t.answer)))
-    convs = [(t.messages(), t.domain) for t in tasks]
     n_relay = int(round(relay_fraction * len(tasks)))
     for j, i in enumerate(rng.permutation(len(tasks))[:n_relay]):
         t = tasks[int(i)]
@@ -99,8 +123,10 @@ def build_conversations(tasks, relay_fraction: float, seed: int) -> list[tuple[l
     return convs
 
 
-def tokenizer_corpus(tasks) -> list[str]:
-    return [t.prompt for t in tasks] + [demonstration(t) for t in tasks] + [RETRY_PROMPT]
+def tokenizer_corpus(tasks, demos: dict | None = None) -> list[str]:
+    demos = demos or {}
+    texts = [m["content"] for msgs in demos.values() for m in msgs]
+    return [t.prompt for t in tasks] + [demonstration(t) for t in tasks if t.task_id not in demos] + texts + [RETRY_PROMPT]
 
 
 # ---------------------------------------------------------------- helpers
@@ -209,6 +235,9 @@ def run(ctx) -> dict:
     tasks_dir = _tasks_dir(ctx, cfg)
     train_tasks = load_tasks(tasks_dir, "train")
     domains = sorted({t.domain for t in train_tasks})
+    demos = teacher_demos(
+        train_tasks, cfg.sandbox.options(), functools.partial(ctx.progress, unit="demonstrations", phase="teacher")
+    )
 
     # Model + tokenizer: resume > init_from > fresh (seeded) init, which is saved as `initial`.
     resume = latest_checkpoint(ckpts)
@@ -225,7 +254,7 @@ def run(ctx) -> dict:
                 meta = {"stage": ctx.name, "seed": ctx.seed, "step": 0, "lineage": lineage(ctx, cfg)}
                 save_model_dir(ckpts / "initial", model, tok, meta=meta)
         else:
-            tok = train_tokenizer(tokenizer_corpus(train_tasks), cfg.tokenizer_vocab_size)
+            tok = train_tokenizer(tokenizer_corpus(train_tasks, demos), cfg.tokenizer_vocab_size)
             mcfg = PRESETS[cfg.model]
             mcfg = dataclasses.replace(mcfg, vocab_size=tok.vocab_size)
             torch.manual_seed(ctx.seed)
@@ -240,7 +269,7 @@ def run(ctx) -> dict:
     # Data: deterministic from (tasks, tokenizer, seed); the loader's position is checkpointed.
     dom_index = {d: i for i, d in enumerate(domains)}
     examples = []
-    for msgs, dom in build_conversations(train_tasks, cfg.relay_fraction, ctx.seed):
+    for msgs, dom in build_conversations(train_tasks, cfg.relay_fraction, ctx.seed, demos):
         ids, mask = tok.encode_chat(msgs)
         examples += [Example(ids, mask, dom_index[dom])] * int(cfg.domain_repeats.get(dom, 1))
     loader = PackedLoader(examples, cfg.seq_len, tok.pad_id, cfg.batch_rows, ctx.seed, cfg.micro_batches, rank, world_size)

@@ -114,7 +114,7 @@ def test_probe_config_errors_name_the_key(workdir):
     for bad, error in (
         (dict(attempts=4, band_max_pass=6), r"band_max_pass: need band_min_pass <= band_max_pass <= attempts \(4\)"),
         (dict(band_min_pass=3, band_max_pass=2), r"band_max_pass: need band_min_pass <= band_max_pass"),
-        (dict(env="bogus"), r"env: Invalid value 'bogus', expected one of \['single', 'calculator'\]"),
+        (dict(env="bogus"), r"env: Invalid value 'bogus', expected one of \['single', 'calculator', 'repo'\]"),
         (dict(tasks="mine"), r"needs: add 'mine' \(named in tasks\)"),
         (dict(top_p=0), r"top_p: must be > 0, got 0"),
     ):
