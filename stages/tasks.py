@@ -1,7 +1,8 @@
 """`tasks` stage: generate verifiable task sets, seeded, with a held-out validation split.
 
 Outputs `train.parquet` and `val.parquet` (see `stages.taskgen` for the columns and verifiers);
-validation tasks never appear in training (checked by prompt).
+validation tasks never appear in training (checked by prompt; for repository tasks by prompt, code
+and gold patch).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from snowcat.pipeline.context import StageContext
-from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks
+from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks, task_key
 
 
 def run(ctx: StageContext) -> dict:
@@ -23,9 +24,9 @@ def run(ctx: StageContext) -> dict:
         val += d_val
         metrics[f"{domain}/train"] = len(d_train)
         metrics[f"{domain}/val"] = len(d_val)
-    leaked = {t.prompt for t in train} & {t.prompt for t in val}
+    leaked = {task_key(t) for t in train} & {task_key(t) for t in val}
     if leaked:
-        raise RuntimeError(f"{len(leaked)} validation prompts also occur in train")
+        raise RuntimeError(f"{len(leaked)} validation tasks also occur in train")
     save_tasks(ctx.out_dir, "train", train)
     save_tasks(ctx.out_dir, "val", val)
     metrics.update(train=len(train), val=len(val))

@@ -2,6 +2,7 @@
 in a clean sandbox (real LocalSandbox, real `git apply`, real unittest runs)."""
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -9,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from snowcat.stages.taskgen import Task, VerifierError, generate_domain, verify
+from snowcat.stages.taskgen import Task, VerifierError, generate_domain, split_tasks, task_key, verify
 from snowcat.stages.taskgen import repo as repo_mod
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, parse_results, snapshot_files, verify_patch
 from snowcat.stages.taskgen.swe_mini import BUG_KINDS
@@ -126,3 +127,15 @@ def test_repo_spec_refuses_incomplete_tasks():
         RepoSpec(source={"git": "/r"}, test_command="x {tests}", fail_to_pass=["a"])
     with pytest.raises(ValueError, match="tests"):
         RepoSpec(source={"files": {}}, test_command="pytest", fail_to_pass=["a"])
+
+
+def test_held_out_split_never_leaks_code_into_training():
+    # d3 statements repeat across tasks (only the failing test file is named): identity is the code
+    tasks = generate_domain(np.random.default_rng(1234), "swe_mini", [1, 2, 3], 360)
+    assert len({t.task_id for t in tasks}) == 360 and len({t.prompt for t in tasks}) < 360
+    train, val = split_tasks(tasks, 60, np.random.default_rng(0))
+    assert len(val) == 60 and len(train) == 300
+    assert not {task_key(t) for t in train} & {task_key(t) for t in val}
+    assert not {t.answer + json.dumps(t.meta["repo"]["source"]) for t in train} & {
+        t.answer + json.dumps(t.meta["repo"]["source"]) for t in val
+    }

@@ -76,12 +76,24 @@ def verify(task: Task, completion: str) -> Verdict:
     return Verdict(float(reward), bool(passed), detail)
 
 
-def _task_id(domain: str, difficulty: int, prompt: str) -> str:
-    return f"{domain}-d{difficulty}-{hashlib.sha256(prompt.encode()).hexdigest()[:10]}"
+def content_key(prompt: str, answer: str, meta: dict) -> str:
+    """What makes two tasks the same task: the prompt, and for a repository task also its code and
+    gold patch (generated repository tasks may share a statement)."""
+    if "repo" not in meta:
+        return prompt
+    return json.dumps([prompt, answer, meta["repo"]], sort_keys=True)
+
+
+def task_key(task: Task) -> str:
+    return content_key(task.prompt, task.answer, task.meta)
+
+
+def _task_id(domain: str, difficulty: int, key: str) -> str:
+    return f"{domain}-d{difficulty}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def generate_domain(rng: np.random.Generator, domain: str, difficulties: list[int], count: int) -> list[Task]:
-    """`count` distinct tasks, spread evenly over `difficulties` (round robin), deduplicated by prompt."""
+    """`count` distinct tasks, spread evenly over `difficulties` (round robin), deduplicated by `content_key`."""
     gen, verifier = (REPO_DOMAINS[domain], "repo") if domain in REPO_DOMAINS else (DOMAINS[domain][0], domain)
     seen: dict[str, Task] = {}
     attempts = 0
@@ -91,8 +103,9 @@ def generate_domain(rng: np.random.Generator, domain: str, difficulties: list[in
             raise ValueError(f"{domain}: cannot generate {count} distinct tasks at difficulties {difficulties}")
         difficulty = int(difficulties[len(seen) % len(difficulties)])
         prompt, answer, meta = gen(rng, difficulty)
-        if prompt not in seen:
-            seen[prompt] = Task(_task_id(domain, difficulty, prompt), domain, difficulty, prompt, answer, verifier, meta)
+        key = content_key(prompt, answer, meta)
+        if key not in seen:
+            seen[key] = Task(_task_id(domain, difficulty, key), domain, difficulty, prompt, answer, verifier, meta)
     return list(seen.values())
 
 
@@ -100,7 +113,7 @@ def split_tasks(tasks: list[Task], val_count: int, rng: np.random.Generator) -> 
     order = rng.permutation(len(tasks))
     val = [tasks[i] for i in order[:val_count]]
     train = [tasks[i] for i in order[val_count:]]
-    assert not {t.prompt for t in val} & {t.prompt for t in train}, "held-out tasks leaked into train"
+    assert not {task_key(t) for t in val} & {task_key(t) for t in train}, "held-out tasks leaked into train"
     return train, val
 
 
