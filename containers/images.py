@@ -78,14 +78,19 @@ def convert_recipe(path: str | os.PathLike, to: str) -> str:
     return writer_cls(parser_cls(str(path)).recipe).convert()
 
 
-def dockerfile_to_def(dockerfile: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write an Apptainer definition file converted from a user's Dockerfile."""
+def dockerfile_definition(dockerfile: str | os.PathLike) -> str:
+    """The Apptainer definition file text converted from a Dockerfile."""
     text = convert_recipe(dockerfile, "singularity")
     # spython names a single stage "spython-base"; Apptainer needs no Stage line for one stage, and
     # spython's own parser cannot read it back.
     if text.count("Stage: ") == 1:
         text = text.replace("Stage: spython-base\n", "")
-    atomic_write_text(out, text if text.endswith("\n") else text + "\n")
+    return text if text.endswith("\n") else text + "\n"
+
+
+def dockerfile_to_def(dockerfile: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write an Apptainer definition file converted from a user's Dockerfile."""
+    atomic_write_text(out, dockerfile_definition(dockerfile))
     return Path(out)
 
 

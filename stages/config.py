@@ -100,22 +100,48 @@ class DomainSpec:
 
 
 @dataclass
+class TaskImport:
+    """Repository tasks from files on the shared filesystem (stages/taskgen/importers.py)."""
+
+    format: Literal["swebench", "harbor"] = "swebench"
+    path: str = ""  # swebench: a JSONL file; harbor: a directory of task directories (or one task)
+    repos_dir: str = ""  # swebench: local clones, <owner>__<name>
+    domain: str = "swe"
+    test_command: str = "python -m pytest -rA {tests}"  # swebench; `{tests}` becomes the test ids
+    val_count: int = bounded(0, ge=0)  # held out into val (drawn with the run's seed)
+
+
+DEFAULT_DOMAINS = {
+    "closure": DomainSpec(count=2400, val_count=240, difficulties=[1, 2, 3, 4, 5, 6]),
+    "arith": DomainSpec(count=2400, val_count=200, difficulties=[2, 3]),
+}
+
+
+@dataclass
 class TasksConfig:
-    domains: dict[str, DomainSpec] = field(
-        default_factory=lambda: {
-            "closure": DomainSpec(count=2400, val_count=240, difficulties=[1, 2, 3, 4, 5, 6]),
-            "arith": DomainSpec(count=2400, val_count=200, difficulties=[2, 3]),
-        }
-    )
+    imports: list[TaskImport] = field(default_factory=list)
+    # generated domains; none given (and no imports): DEFAULT_DOMAINS. Empty by default because a
+    # dict default would be merged with the user's, adding domains they did not ask for.
+    domains: dict[str, DomainSpec] = field(default_factory=dict)
+
+    def generated(self) -> dict[str, DomainSpec]:
+        return self.domains or ({} if self.imports else DEFAULT_DOMAINS)
 
     def problems(self) -> Iterator[Problem]:
-        for domain, spec in self.domains.items():
+        for domain, spec in self.generated().items():
             if domain not in DOMAINS and domain not in REPO_DOMAINS:
                 yield f"domains.{domain}", f"unknown domain (known: {', '.join([*DOMAINS, *REPO_DOMAINS])})"
             if not spec.val_count < spec.count:
                 yield f"domains.{domain}.val_count", f"must be less than count ({spec.count}), got {spec.val_count}"
             if not spec.difficulties:
                 yield f"domains.{domain}.difficulties", "must not be empty"
+        for i, imp in enumerate(self.imports):
+            if not imp.path:
+                yield f"imports[{i}].path", "required"
+            if imp.format == "swebench" and not imp.repos_dir:
+                yield f"imports[{i}].repos_dir", "required for swebench (local clones: compute nodes have no network)"
+            if "{tests}" not in imp.test_command:
+                yield f"imports[{i}].test_command", "must contain '{tests}'"
 
 
 # ---------------------------------------------------------------- sft
@@ -150,6 +176,7 @@ class SftConfig:
     eval_tasks: int = bounded(200, ge=0)  # val tasks per domain for the end-of-stage greedy check (0 = skip)
     eval_max_new_tokens: int = bounded(40, ge=1)  # a 3-digit arith worked solution is ~30 tokens
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where repository tasks' demonstrations run
+    traces: list[str] = field(default_factory=list)  # JSONL files of external agent traces (OpenAI-style messages)
 
     def checkpoint_names(self) -> tuple[str, ...]:
         """What this stage writes under checkpoints/ (`initial` only when it initialises the model)."""

@@ -35,6 +35,7 @@ from snowcat.pipeline.offline import load_index
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.pipeline.schema import HF_PREFIX, hub_id
 from snowcat.stages.agent import teacher_messages
+from snowcat.stages.agent.traces import TraceError, import_traces
 from snowcat.stages.config import SftConfig as Config
 from snowcat.stages.model import PRESETS, MoEForCausalLM, hf, load_model_dir, save_model_dir
 from snowcat.stages.model.io import load_model_config
@@ -267,9 +268,17 @@ def run(ctx) -> dict:
     model.to(device)
 
     # Data: deterministic from (tasks, tokenizer, seed); the loader's position is checkpointed.
-    dom_index = {d: i for i, d in enumerate(domains)}
     examples = []
-    for msgs, dom in build_conversations(train_tasks, cfg.relay_fraction, ctx.seed, demos):
+    conversations = build_conversations(train_tasks, cfg.relay_fraction, ctx.seed, demos)
+    for i, path in enumerate(cfg.traces):
+        try:
+            conversations += [(msgs, "traces") for msgs in import_traces(path)]
+        except (OSError, TraceError) as e:
+            raise UserError(f"stages.{ctx.name}.traces[{i}]: {e}") from None
+    if cfg.traces:
+        domains.append("traces")
+    dom_index = {d: i for i, d in enumerate(domains)}
+    for msgs, dom in conversations:
         ids, mask = tok.encode_chat(msgs)
         examples += [Example(ids, mask, dom_index[dom])] * int(cfg.domain_repeats.get(dom, 1))
     loader = PackedLoader(examples, cfg.seq_len, tok.pad_id, cfg.batch_rows, ctx.seed, cfg.micro_batches, rank, world_size)

@@ -1,5 +1,6 @@
 """`tasks` stage: generate verifiable task sets, seeded, with a held-out validation split.
 
+Generated domains and imported repository tasks (`imports`: SWE-bench JSONL, Harbor directories).
 Outputs `train.parquet` and `val.parquet` (see `stages.taskgen` for the columns and verifiers);
 validation tasks never appear in training (checked by prompt; for repository tasks by prompt, code
 and gold patch).
@@ -7,17 +8,36 @@ and gold patch).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.errors import UserError
 from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks, task_key
+from snowcat.stages.taskgen.importers import ImportError_, import_harbor, import_swebench
+
+
+def _import(imp, key: str) -> list:
+    path = Path(imp.path)
+    if not path.exists():
+        raise UserError(f"{key}.path: {path} does not exist")
+    try:
+        if imp.format == "swebench":
+            return import_swebench(path, imp.repos_dir, domain=imp.domain, test_command=imp.test_command)
+        dirs = [path] if (path / "task.toml").is_file() else sorted(p for p in path.iterdir() if (p / "task.toml").is_file())
+        if not dirs:
+            raise ImportError_(f"{path}: no Harbor task directories (with task.toml)")
+        return [import_harbor(d, domain=imp.domain) for d in dirs]
+    except ImportError_ as e:
+        raise UserError(f"{key}: {e}") from None
 
 
 def run(ctx: StageContext) -> dict:
     rng = np.random.default_rng(ctx.seed)
     train, val = [], []
     metrics: dict[str, float] = {}
-    for domain, spec in ctx.config.domains.items():
+    for domain, spec in ctx.config.generated().items():
         tasks = generate_domain(rng, domain, list(spec.difficulties), spec.count)
         d_train, d_val = split_tasks(tasks, spec.val_count, rng)
         train += d_train
@@ -27,6 +47,13 @@ def run(ctx: StageContext) -> dict:
     leaked = {task_key(t) for t in train} & {task_key(t) for t in val}
     if leaked:
         raise RuntimeError(f"{len(leaked)} validation tasks also occur in train")
+    for i, imp in enumerate(ctx.config.imports):
+        tasks = _import(imp, f"stages.{ctx.name}.imports[{i}]")
+        d_train, d_val = split_tasks(tasks, imp.val_count, rng) if imp.val_count else (tasks, [])
+        train += d_train
+        val += d_val
+        metrics[f"{imp.domain}/train"] = metrics.get(f"{imp.domain}/train", 0) + len(d_train)
+        metrics[f"{imp.domain}/val"] = metrics.get(f"{imp.domain}/val", 0) + len(d_val)
     save_tasks(ctx.out_dir, "train", train)
     save_tasks(ctx.out_dir, "val", val)
     metrics.update(train=len(train), val=len(val))

@@ -31,6 +31,7 @@ import shlex
 import shutil
 import subprocess
 import tarfile
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -80,22 +81,16 @@ class RepoSpec:
 # ---------------------------------------------------------------- the snapshot
 
 
-def snapshot_files(spec: RepoSpec, cache: Path | None = None) -> dict[str, bytes]:
+def snapshot_files(spec: RepoSpec) -> dict[str, bytes]:
     """The repository at its base state as {relative path: bytes} (no .git)."""
     src = spec.source
     if "files" in src:
         return {p: t.encode() for p, t in src["files"].items()}
-    if cache is not None and cache.is_dir():
-        return read_tree(cache)
-    tmp = Path(
-        materialise_source(spec, (cache or Path(os.environ.get("TMPDIR", "/tmp")) / "snowcat-snapshot").with_suffix(".partial"))
-    )
-    files = read_tree(tmp)
-    if cache is not None:
-        tmp.rename(cache)
-    else:
+    tmp = Path(tempfile.mkdtemp(prefix="snowcat-snapshot-"))
+    try:
+        return read_tree(materialise_source(spec, tmp / "repo"))
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return files
 
 
 def materialise_source(spec: RepoSpec, dest: Path) -> Path:

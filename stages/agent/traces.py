@@ -1,0 +1,80 @@
+"""External agent traces as demonstrations: OpenAI-style chat messages with tool calls (the form
+SWE-smith, SWE-Gym and most agent frameworks publish), rendered in the protocol RepoEnv speaks.
+
+Input: JSONL with one `{"messages": [...]}` per line (or a bare list of messages per line). An
+assistant message's `tool_calls` ({"function": {"name", "arguments"}}, arguments a JSON string or
+an object) become `<tool_call>{"name": ..., "arguments": ...}</tool_call>` after its text; a `tool`
+message becomes `<tool_result>...</tool_result>`. The model's chat template then renders them like
+any other turn, so SFT on imported traces teaches the same format the agent loop parses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from snowcat.stages.agent.repo_env import tool_call_text
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message names the file, line and message."""
+
+
+def _text(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    raise TraceError(f"{where}: content must be a string or a list of parts")
+
+
+def _call(call: dict, where: str) -> str:
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise TraceError(f"{where}: a tool call needs function.name")
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{where}: tool call arguments are not JSON: {e.msg}") from None
+    return tool_call_text(fn["name"], args)
+
+
+def convert_messages(messages: list, where: str) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        at = f"{where}: message {i}"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise TraceError(f"{at}: role must be one of {', '.join(ROLES)}")
+        text = _text(m.get("content"), at)
+        if m["role"] == "assistant":
+            text += "".join(_call(c, at) for c in m.get("tool_calls") or [])
+        elif m["role"] == "tool":
+            text = f"<tool_result>{text}</tool_result>"
+        out.append({"role": m["role"], "content": text})
+    if not any(m["role"] == "assistant" for m in out):
+        raise TraceError(f"{where}: no assistant turn to learn from")
+    return out
+
+
+def import_traces(path: str | Path) -> list[list[dict]]:
+    """Every conversation in the JSONL file at `path`, converted."""
+    path = Path(path)
+    convs = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path}:{n}: not JSON: {e.msg}") from None
+        messages = row.get("messages") if isinstance(row, dict) else row
+        if not isinstance(messages, list):
+            raise TraceError(f"{path}:{n}: expected {{'messages': [...]}} or a list of messages")
+        convs.append(convert_messages(messages, f"{path}:{n}"))
+    return convs

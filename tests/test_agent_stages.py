@@ -1,0 +1,133 @@
+"""Repository tasks through the stages: tasks (swe_mini + imports), SFT on the scripted expert's
+episodes and imported traces, probe and evaluate playing RepoEnv episodes in real sandboxes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from test_importers import harbor, swebench  # noqa: F401 - fixtures
+
+from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.errors import UserError
+from snowcat.stages import evaluate, probe, sft, tasks
+from snowcat.stages.taskgen import load_tasks
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"),
+    reason="RepoEnv runs tools in LocalSandbox as root",
+)
+
+SANDBOX = {"observation_chars": 300}
+
+
+def test_tasks_stage_generates_and_imports_repository_tasks(tmp_path, swebench, harbor):  # noqa: F811
+    jsonl, repos, _ = swebench
+    values = {
+        "domains": {"swe_mini": {"count": 12, "val_count": 4, "difficulties": [1, 2]}},
+        "imports": [
+            {"format": "swebench", "path": str(jsonl), "repos_dir": str(repos), "test_command": "python3 -m unittest -v {tests}"},
+            {"format": "harbor", "path": str(harbor.parent), "domain": "terminal"},
+        ],
+    }
+    ctx = StageContext.standalone("tasks", values, run_dir=tmp_path, seed=5)
+    metrics = tasks.run(ctx)
+    train, val = load_tasks(ctx.out_dir, "train"), load_tasks(ctx.out_dir, "val")
+    assert metrics["swe_mini/train"] == 8 and metrics["swe/train"] == 1 and metrics["terminal/train"] == 1 and len(val) == 4
+    assert {t.verifier for t in train + val} == {"repo"}
+    assert {t.domain for t in train} == {"swe_mini", "swe", "terminal"}
+    bad = {**values, "imports": [{"format": "swebench", "path": str(tmp_path / "none.jsonl"), "repos_dir": str(repos)}]}
+    with pytest.raises(UserError, match=r"imports\[0\]\.path: .*none.jsonl does not exist"):
+        tasks.run(StageContext.standalone("tasks", bad, run_dir=tmp_path / "bad", seed=5))
+    with pytest.raises(UserError, match=r"imports\[0\]\.repos_dir: required"):
+        StageContext.standalone("tasks", {"imports": [{"format": "swebench", "path": str(jsonl)}]}, run_dir=tmp_path / "b2")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A micro model after a few SFT steps on swe_mini demonstrations and one imported trace."""
+    root = tmp_path_factory.mktemp("agent")
+    tctx = StageContext.standalone(
+        "tasks", {"domains": {"swe_mini": {"count": 8, "val_count": 3, "difficulties": [1]}}}, run_dir=root, seed=2
+    )
+    tasks.run(tctx)
+    trace = {
+        "messages": [
+            {"role": "user", "content": "Fix it."},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "test", "arguments": "{}"}}]},
+            {"role": "tool", "content": "exit 0"},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "submit", "arguments": "{}"}}]},
+        ]
+    }
+    (root / "traces.jsonl").write_text(json.dumps(trace) + "\n")
+    values = {
+        "model": "test-micro",
+        "tokenizer_vocab_size": 320,
+        "seq_len": 256,
+        "batch_rows": 2,
+        "steps": 2,
+        "warmup_steps": 0,
+        "save_every": 0,
+        "eval_tasks": 0,
+        "threads": 1,
+        "relay_fraction": 0.5,
+        "sandbox": SANDBOX,
+        "traces": [str(root / "traces.jsonl")],
+    }
+    sctx = StageContext.standalone("sft", values, run_dir=root, inputs={"tasks": tctx.out_dir}, seed=2)
+    metrics = sft.run(sctx)
+    return root, tctx, sctx, metrics
+
+
+def test_sft_trains_on_expert_episodes_and_traces(trained):
+    root, tctx, sctx, metrics = trained
+    train = load_tasks(tctx.out_dir, "train")
+    # every repository task once (no Relay variant for them), plus the imported trace
+    assert metrics["num_examples"] == len(train) + 1
+    history = [json.loads(line) for line in (sctx.out_dir / "metrics_history.jsonl").read_text().splitlines()]
+    assert history and any("loss/swe_mini" in h for h in history)
+    bad = StageContext.standalone(
+        "sft", {"model": "test-micro", "traces": [str(root / "nope.jsonl")]}, run_dir=root / "bad", inputs={"tasks": tctx.out_dir}
+    )
+    with pytest.raises(UserError, match=r"stages\.sft\.traces\[0\]: .*nope.jsonl"):
+        sft.run(bad)
+
+
+def test_probe_and_evaluate_play_repo_episodes(trained):
+    root, tctx, sctx, _ = trained
+    budget = {"max_context": 224, "max_turns": 2, "sandbox": SANDBOX, "batch_size": 8}
+    pctx = StageContext.standalone(
+        "probe",
+        {
+            "checkpoint": "sft:final",
+            "env": "repo",
+            "attempts": 2,
+            "limit": 3,
+            "max_turn_tokens": 24,
+            "band_max_pass": 2,
+            **budget,
+        },
+        run_dir=root,
+        inputs={"tasks": tctx.out_dir, "sft": sctx.out_dir},
+        seed=3,
+    )
+    pmetrics = probe.run(pctx)
+    rows = pq.read_table(pctx.out_dir / "probe.parquet").to_pylist()
+    assert pmetrics["tasks"] == 3 and pmetrics["infra_failures"] == 0
+    assert [r["n"] for r in rows] == [2, 2, 2]
+    ectx = StageContext.standalone(
+        "evaluate",
+        {"checkpoints": ["sft:final"], "env": "repo", "attempts": 2, "pass_k": [1, 2], "max_tokens": 24, **budget},
+        run_dir=root,
+        inputs={"tasks": tctx.out_dir, "sft": sctx.out_dir},
+        seed=3,
+    )
+    evaluate.run(ectx)
+    results = json.loads((ectx.out_dir / "results.json").read_text())
+    agent = results["checkpoints"]["sft:final"]["behaviour"]
+    assert agent["episodes"] == 6 and agent["turns_mean"] >= 1
+    assert set(agent) >= {"invalid_actions_per_episode", "submitted_untested_frac", "claim_precision", "calls/edit"}
+    assert results["sampling"]["env"] == "repo" and results["checkpoints"]["sft:final"]["groups"]["all"]["attempts"] == 6
