@@ -44,34 +44,20 @@ def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVe
 
     engine, tok, _ = serve_checkpoint(ctx, ref, "checkpoints", cfg.batch_size)
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (tok.end_of_turn_id,))
-    if cfg.env != "single":
-        records, trajectories = play_attempts(
-            engine,
-            tok,
-            tasks,
-            make_env(cfg.env, tok, **env_options(cfg.env, cfg)),
-            params,
-            Budget(cfg.max_context, cfg.max_tokens, cfg.max_turns),
-            attempts=cfg.attempts,
-            seed=ctx.seed,
-            verifier=verifier,
-            retries=cfg.infra_retries,
-            batch_size=cfg.batch_size,
-            progress=functools.partial(ctx.progress, unit="episodes", phase=ref),
-        )
-        return records, behaviour([t for t in trajectories if t is not None and t.status != "infra_error"], tok)
-    return sample_attempts(
-        engine,
-        tok,
-        tasks,
-        params,
+    common = dict(
         attempts=cfg.attempts,
         seed=ctx.seed,
         verifier=verifier,
         retries=cfg.infra_retries,
         batch_size=cfg.batch_size,
         progress=functools.partial(ctx.progress, unit="episodes", phase=ref),
-    ), None
+    )
+    if cfg.env == "single":
+        return sample_attempts(engine, tok, tasks, params, **common), None
+    env = make_env(cfg.env, tok, **env_options(cfg.env, cfg))
+    budget = Budget(cfg.max_context, cfg.max_tokens, cfg.max_turns)
+    records, trajectories = play_attempts(engine, tok, tasks, env, params, budget, **common)
+    return records, behaviour([t for t in trajectories if t is not None and t.status != "infra_error"], tok)
 
 
 # ---------------------------------------------------------------- statistics

@@ -109,10 +109,14 @@ def sample_attempts(
             r.token_ids, r.logprobs, r.finish_reason = list(c.token_ids), list(c.logprobs), c.finish_reason
             r.text = tok.decode(ids, skip_special_tokens=True)
             _verify(r, verifier, retries + 1 - len(r.infra_causes))
-        if progress is not None:
-            rates = pass_rates(requests[: start + len(batch)])
-            progress(start + len(batch), len(requests), **({"pass_rate": rates["all"]} if "all" in rates else {}))
+        _report(progress, requests, start + len(batch))
     return requests
+
+
+def _report(progress: Callable | None, requests: list[Attempt], done: int) -> None:
+    if progress is not None:
+        rates = pass_rates(requests[:done])
+        progress(done, len(requests), **({"pass_rate": rates["all"]} if "all" in rates else {}))
 
 
 def _verify(r: Attempt, verifier: Callable, tries: int) -> None:
@@ -165,10 +169,7 @@ def play_attempts(
             index = [i for i in index if not requests[i].scored]
             if not index:
                 break
-        if progress is not None:
-            done = min(start + batch_size, len(requests))
-            rates = pass_rates(requests[:done])
-            progress(done, len(requests), **({"pass_rate": rates["all"]} if "all" in rates else {}))
+        _report(progress, requests, min(start + batch_size, len(requests)))
     return requests, trajectories
 
 
