@@ -154,6 +154,16 @@ def _recipe(f: Facts) -> list[str]:
     return lines or [f"Recipe: {NR} (no training stage)."]
 
 
+AGENT_ROWS = (  # results.json `behaviour` keys shown on the card (stages.agent.behaviour)
+    ("turns_mean", "turns per episode", lambda v: _v(v, "{:.2f}")),
+    ("calls/edit", "edits per episode", lambda v: _v(v, "{:.2f}")),
+    ("invalid_actions_per_episode", "invalid actions per episode", lambda v: _v(v, "{:.2f}")),
+    ("no_submission_frac", "episodes without a submission", _pct),
+    ("submitted_untested_frac", "submissions without a test run", _pct),
+    ("claim_precision", "claim precision (passed / submitted)", _pct),
+)
+
+
 def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[str], list[dict]]:
     lines, limits, index = [], [], []
     for node in f.nodes("evaluate"):
@@ -202,6 +212,10 @@ def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[st
                     for r in cols:
                         s = results["checkpoints"][r]["groups"].get(g) or {}
                         index.append({"stage": node.name, "checkpoint": r, "group": g, "pass@1": s.get("pass@1")})
+        for key, label, fmt in AGENT_ROWS:  # multi-turn evaluations: what the agent did
+            if any(key in results["checkpoints"][r].get("behaviour", {}) for r in cols):
+                vals = [fmt(results["checkpoints"][r].get("behaviour", {}).get(key)) for r in cols]
+                lines.append(f"| agent | {label} | " + " | ".join(vals) + " |")
         if exported_ref and exported is None:
             limits.append(f"Evaluation `{node.name}` did not evaluate the exported checkpoint `{exported_ref}`.")
         for r in cols:

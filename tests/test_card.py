@@ -76,3 +76,19 @@ def test_a_stage_that_ran_in_a_container_names_its_image(full_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     card = (tmp_path / "card.md").read_text()
     assert f"- Container: `trainer.sif` sha256 `{'ab' * 32}`" in card and "- Container: none (stages ran on the host)" in card
+
+
+def test_agent_behaviour_of_a_multi_turn_evaluation_is_on_the_card(full_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    path = copy / "stages" / "eval" / "results.json"
+    results = json.loads(path.read_text())
+    for i, r in enumerate(sorted(results["checkpoints"])):
+        results["checkpoints"][r]["behaviour"] = {"turns_mean": 4.5 + i, "claim_precision": 0.25 * (i + 1), "calls/edit": 1.0}
+    path.write_text(json.dumps(results))
+    proc = snowcat_in_repo("card", copy, "-o", tmp_path / "card.md")
+    assert proc.returncode == 0, proc.stderr
+    card = (tmp_path / "card.md").read_text()
+    rows = {line.split("|")[2].strip(): line for line in card.splitlines() if line.startswith("| agent |")}
+    assert set(rows) == {"turns per episode", "edits per episode", "claim precision (passed / submitted)"}
+    assert "4.50" in rows["turns per episode"] and "25.0" in rows["claim precision (passed / submitted)"]
