@@ -42,7 +42,7 @@ from snowcat.stages.model.io import load_model_config
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import demonstration, load_tasks, verify
-from snowcat.stages.tokenizer import train_tokenizer
+from snowcat.stages.tokenizer import message_text, train_tokenizer
 from snowcat.stages.train import Example, OptimConfig, PackedLoader, StepStats, latest_checkpoint, make_backend
 from snowcat.stages.train.backend import init_distributed, local_device
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
@@ -126,7 +126,7 @@ def build_conversations(tasks, relay_fraction: float, seed: int, demos: dict | N
 
 def tokenizer_corpus(tasks, demos: dict | None = None) -> list[str]:
     demos = demos or {}
-    texts = [m["content"] for msgs in demos.values() for m in msgs]
+    texts = [message_text(m) for msgs in demos.values() for m in msgs]
     return [t.prompt for t in tasks] + [demonstration(t) for t in tasks if t.task_id not in demos] + texts + [RETRY_PROMPT]
 
 

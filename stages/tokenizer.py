@@ -11,6 +11,8 @@ Chat layout (each piece encoded separately, so a rendered prompt is a prefix of 
 
     <|user|> content <|end|> <|assistant|> content <|end|> ...
 
+An assistant message may carry OpenAI-style `tool_calls` (rendered `<tool_call>{json}</tool_call>`
+after its content); a `tool` message's content is wrapped in `<tool_result>` ... `</tool_result>`.
 The loss mask is 1 on assistant content tokens and their <|end|>; everything else is context.
 An assistant message may carry `"train": False` (a whole turn kept as context, e.g. a student's
 attempt in Relay SFT) or `"student_prefix": text` (the start of this turn written by someone else,
@@ -42,6 +44,28 @@ SPECIAL_TOKENS = [
 ]
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
 FILE = "tokenizer.json"
+
+
+def render_tool_call(call: dict) -> str:
+    """An OpenAI-style tool call ({"function": {"name", "arguments"}}) in the Hermes/Qwen form
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (compact JSON)."""
+    fn = call.get("function", call)
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}, separators=(",", ":")) + "</tool_call>"
+
+
+def message_text(msg: dict) -> str:
+    """A message's text as snowcat's template renders it: an assistant's `tool_calls` after its
+    content, a tool result inside <tool_result> ... </tool_result>. (HFChatTokenizer leaves both
+    to the checkpoint's own template.)"""
+    text = msg.get("content") or ""
+    if msg["role"] == "assistant":
+        text += "".join(render_tool_call(c) for c in msg.get("tool_calls") or [])
+    elif msg["role"] == "tool":
+        text = f"<tool_result>{text}</tool_result>"
+    return text
 
 
 def train_bpe(texts, vocab_size: int, special_tokens: list[str], min_frequency: int = 2) -> Tokenizer:
@@ -114,7 +138,7 @@ class ChatTokenizer:
             ids.append(self.role_ids[role])
             mask.append(0)
             prefix = self.encode(msg.get("student_prefix", "")) if role == "assistant" else []
-            body = self.encode(msg["content"]) + [self.end_of_turn_id]
+            body = self.encode(message_text(msg)) + [self.end_of_turn_id]
             ids += prefix + body
             mask += [0] * len(prefix) + [int(train)] * len(body)
         return ids, mask

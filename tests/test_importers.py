@@ -15,6 +15,7 @@ from snowcat.stages.agent.traces import TraceError, import_traces
 from snowcat.stages.taskgen import verify
 from snowcat.stages.taskgen.importers import ImportError_, import_harbor, import_swebench
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, snapshot_files
+from snowcat.stages.tokenizer import message_text
 
 needs_sandbox = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"), reason="verifies in LocalSandbox as root"
@@ -167,10 +168,13 @@ def test_trace_import_round_trip(tmp_path):
     assert len(convs) == 2 and convs[0] == convs[1]
     msgs = convs[0]
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
-    assert msgs[1]["content"] == "Fix add()." and msgs[2]["content"].startswith("Let me look.<tool_call>")
-    assert parse_tool_call(msgs[2]["content"]) == ("view", {"path": "calc/ops.py"})
-    assert parse_tool_call(msgs[4]["content"]) == ("submit", {})
-    assert msgs[3]["content"] == "<tool_result>1 def add(a, b):</tool_result>"
+    assert msgs[1]["content"] == "Fix add()." and msgs[2]["content"] == "Let me look."
+    assert msgs[2]["tool_calls"] == [{"type": "function", "function": {"name": "view", "arguments": {"path": "calc/ops.py"}}}]
+    # snowcat's template renders them in the protocol RepoEnv parses
+    assert message_text(msgs[2]).startswith("Let me look.<tool_call>")
+    assert parse_tool_call(message_text(msgs[2])) == ("view", {"path": "calc/ops.py"})
+    assert parse_tool_call(message_text(msgs[4])) == ("submit", {})
+    assert message_text(msgs[3]) == "<tool_result>1 def add(a, b):</tool_result>"
     path.write_text(
         '{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "bash", "arguments": "{oops"}}]}]}\n'
     )

@@ -17,7 +17,7 @@ from snowcat.stages.agent.repo_env import TOOLS, ToolCallError, gold_edit, parse
 from snowcat.stages.model import PRESETS, MoEForCausalLM
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.taskgen import Task, generate_domain
-from snowcat.stages.tokenizer import train_tokenizer
+from snowcat.stages.tokenizer import message_text, train_tokenizer
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"),
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 def world():
     tasks = generate_domain(np.random.default_rng(3), "swe_mini", [1, 2], 6)
     demos = [teacher_messages(t, "repo") for t in tasks]
-    texts = [m["content"] for d in demos for m in d]
+    texts = [message_text(m) for d in demos for m in d]
     return tasks, demos, train_tokenizer(texts, 512)
 
 
@@ -55,7 +55,7 @@ def test_teacher_demonstrations_are_real_and_reproducible(world):
     for task, msgs in zip(tasks, demos):
         assert task.prompt in msgs[0]["content"]
         assert [m["role"] for m in msgs] == ["user"] + ["assistant", "tool"] * 4 + ["assistant"]
-        names = [parse_tool_call(m["content"])[0] for m in msgs if m["role"] == "assistant"]
+        names = [parse_tool_call(message_text(m))[0] for m in msgs if m["role"] == "assistant"]
         assert names == ["test", "view", "edit", "test", "submit"]
         first_test, last_test = msgs[2]["content"], msgs[8]["content"]
         assert "FAILED" in first_test and "exit 1" in first_test, first_test
@@ -76,7 +76,7 @@ def test_rollout_layout_equals_the_teacher_demonstration(world):
         for m in msgs[1:]:
             if m["role"] != "assistant":
                 continue
-            call = tok.encode(m["content"]) + [tok.end_of_turn_id]
+            call = tok.encode(message_text(m)) + [tok.end_of_turn_id]
             step = env.step(task, state, call)
             ids = ids + call + step.observation
         assert step.done and step.reward == 1.0 and task.meta["module"] in step.answer
@@ -154,3 +154,36 @@ def test_behaviour_reads_the_teacher_protocol(world):
     assert stats["calls/test"] == 2 and stats["calls/submit"] == 1 and stats["submitted_untested_frac"] == 0
     assert stats["claim_precision"] == 0.5 and stats["no_submission_frac"] == 0
     assert set(TOOLS) == {k.split("/")[1] for k in stats if k.startswith("calls/")}
+
+
+def test_a_checkpoint_template_renders_the_same_protocol(world, tmp_path):
+    """With a Hugging Face chat template (Qwen style), demonstrations carry structured tool calls that
+    the template renders as `<tool_call>\\n{json}\\n</tool_call>`; replaying the sampled turns through
+    RepoEnv gives exactly the template's ids, and the env parses the template's own format."""
+    from snowcat.stages.model.tiny_hf import hf_chat_tokenizer  # noqa: PLC0415 - transformers is slow to import
+
+    tasks, demos, _ = world
+    task, msgs = tasks[0], demos[0]
+    tok = hf_chat_tokenizer([message_text(m) for d in demos for m in d], tmp_path, vocab_size=600)
+    ids, mask = tok.encode_chat(msgs)
+    assert '<tool_call>\n{"name": "view", "arguments": {"path": ' in tok.decode(ids)
+    turns, start = [], None
+    for j, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = j
+        if not m and start is not None:
+            turns.append(ids[start:j])
+            start = None
+    assert len(turns) == 5
+    env = RepoEnv(tok)
+    state = env.reset(task)
+    try:
+        rollout = env.prompt(task)
+        for turn in turns:
+            step = env.step(task, state, turn)
+            rollout += turn + step.observation
+        assert step.done and step.reward == 1.0
+    finally:
+        env.finish(state)
+    # the whole conversation, up to the newline the template writes after the final <|im_end|>
+    assert ids[: len(rollout)] == rollout and tok.decode(ids[len(rollout) :]).strip() == ""

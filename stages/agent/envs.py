@@ -93,9 +93,9 @@ class CalculatorEnv(SingleTurnEnv):
 
 
 def tool_message_ids(tok, text: str) -> list[int]:
-    """A tool message `<tool_result>text</tool_result>` and the next assistant header, as the
-    tokenizer's chat template renders them after a finished assistant turn."""
-    return tok.observation_ids("tool", f"<tool_result>{text}</tool_result>")
+    """A tool message holding `text` and the next assistant header, as the tokenizer's chat template
+    renders them after a finished assistant turn (snowcat's: `<tool_result>text</tool_result>`)."""
+    return tok.observation_ids("tool", text)
 
 
 def _strip_stop(tok, ids: list[int]) -> list[int]:

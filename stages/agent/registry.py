@@ -29,7 +29,7 @@ def teacher_messages(task, env_name: str, tool_domains: tuple[str, ...] = ("arit
         return [
             {"role": "user", "content": task.prompt},
             {"role": "assistant", "content": f"<tool_call>{expr}</tool_call>"},
-            {"role": "tool", "content": f"<tool_result>{calculate(expr)}</tool_result>"},
+            {"role": "tool", "content": str(calculate(expr))},
             {"role": "assistant", "content": task.answer},
         ]
     return task.messages()

@@ -34,14 +34,24 @@ from pathlib import Path
 from snowcat.stages.agent.envs import SingleTurnEnv, Step, _strip_stop
 from snowcat.stages.sandbox import Limits, open_sandbox
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, read_tree, snapshot_files, verify_patch, write_tree
+from snowcat.stages.tokenizer import render_tool_call
 
 TOOLS = ("bash", "view", "edit", "test", "submit")
 TOOL_HINT = "Tools: bash(command), view(path), edit(path, old, new), test(), submit()."
 
 
+def tool_call_message(name: str, arguments: dict | None = None) -> dict:
+    """An assistant turn that calls one tool (OpenAI form: each tokenizer renders it in its template's format)."""
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments or {}}}],
+    }
+
+
 def tool_call_text(name: str, arguments: dict | None = None) -> str:
-    """A tool call as the model writes it (what teacher demonstrations contain)."""
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments or {}}, separators=(",", ":")) + "</tool_call>"
+    """A tool call as snowcat's template renders it (`<tool_call>{json}</tool_call>`)."""
+    return render_tool_call({"function": {"name": name, "arguments": arguments or {}}})
 
 
 class ToolCallError(ValueError):
@@ -195,12 +205,12 @@ def teacher_episode(task, env: RepoEnv) -> list[dict]:
     try:
         messages = [{"role": "user", "content": f"{task.prompt}\n{TOOL_HINT}"}]
         for name, args in calls:
-            messages.append({"role": "assistant", "content": tool_call_text(name, args)})
-            messages.append({"role": "tool", "content": f"<tool_result>{env.run_tool(state, name, args)}</tool_result>"})
+            messages.append(tool_call_message(name, args))
+            messages.append({"role": "tool", "content": env.run_tool(state, name, args)})
         step = env.submit(task, state)
         if step.reward != 1.0:
             raise RuntimeError(f"task {task.task_id}: the scripted expert's patch does not pass")
-        messages.append({"role": "assistant", "content": tool_call_text("submit")})
+        messages.append(tool_call_message("submit"))
         return messages
     finally:
         env.finish(state)

@@ -1,19 +1,17 @@
 """External agent traces as demonstrations: OpenAI-style chat messages with tool calls (the form
 SWE-smith, SWE-Gym and most agent frameworks publish), rendered in the protocol RepoEnv speaks.
 
-Input: JSONL with one `{"messages": [...]}` per line (or a bare list of messages per line). An
-assistant message's `tool_calls` ({"function": {"name", "arguments"}}, arguments a JSON string or
-an object) become `<tool_call>{"name": ..., "arguments": ...}</tool_call>` after its text; a `tool`
-message becomes `<tool_result>...</tool_result>`. The model's chat template then renders them like
-any other turn, so SFT on imported traces teaches the same format the agent loop parses.
+Input: JSONL with one `{"messages": [...]}` per line (or a bare list of messages per line). Messages
+are checked and normalised (content parts joined, each tool call's `arguments` parsed to an object);
+the tokenizer then renders tool calls and results in its template's format (snowcat's:
+`<tool_call>{json}</tool_call>`, `<tool_result>...</tool_result>`; a checkpoint's: its own), the
+same format the agent loop parses, so SFT on imported traces teaches the agent loop's protocol.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from snowcat.stages.agent.repo_env import tool_call_text
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -32,7 +30,7 @@ def _text(content, where: str) -> str:
     raise TraceError(f"{where}: content must be a string or a list of parts")
 
 
-def _call(call: dict, where: str) -> str:
+def _call(call: dict, where: str) -> dict:
     fn = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise TraceError(f"{where}: a tool call needs function.name")
@@ -42,7 +40,9 @@ def _call(call: dict, where: str) -> str:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as e:
             raise TraceError(f"{where}: tool call arguments are not JSON: {e.msg}") from None
-    return tool_call_text(fn["name"], args)
+    if not isinstance(args, dict):
+        raise TraceError(f"{where}: tool call arguments must be an object")
+    return {"type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 def convert_messages(messages: list, where: str) -> list[dict]:
@@ -51,12 +51,10 @@ def convert_messages(messages: list, where: str) -> list[dict]:
         at = f"{where}: message {i}"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise TraceError(f"{at}: role must be one of {', '.join(ROLES)}")
-        text = _text(m.get("content"), at)
-        if m["role"] == "assistant":
-            text += "".join(_call(c, at) for c in m.get("tool_calls") or [])
-        elif m["role"] == "tool":
-            text = f"<tool_result>{text}</tool_result>"
-        out.append({"role": m["role"], "content": text})
+        msg = {"role": m["role"], "content": _text(m.get("content"), at)}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = [_call(c, at) for c in m["tool_calls"]]
+        out.append(msg)
     if not any(m["role"] == "assistant" for m in out):
         raise TraceError(f"{where}: no assistant turn to learn from")
     return out
