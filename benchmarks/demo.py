@@ -1,11 +1,12 @@
 """The demo's numbers over several seeds: what a user of `configs/demo.yaml` can expect, with spread.
 
-    snowcat bench demo [--seeds 3] [--first-seed 1234] [--root DIR] [--json FILE] [key=value ...]
+    snowcat bench demo [--config configs/demo.yaml] [--seeds 3] [--first-seed 1234] [--root DIR] [--json FILE] [key=value ...]
 
-Runs `snowcat run configs/demo.yaml seed=S` once per seed (each in ROOT/seed-S; a finished run is
+Runs `snowcat run CONFIG seed=S` once per seed (each in ROOT/seed-S; a finished run is
 re-verified and reused, so an interrupted benchmark resumes), then reads what each run recorded:
 SFT's held-out greedy pass@1 per domain, the sampled (`eval`) and greedy (`eval_greedy`) pass@1 of
-each checkpoint per domain, RL's paired gain over SFT, and stage durations (`duration_s/*`, the
+each checkpoint per domain (and per difficulty), RL's paired gain over SFT, for agent evaluations
+the agent's behaviour and pass rates per bug kind (swe_mini), and stage durations (`duration_s/*`, the
 stages' own times; they mean something only on an otherwise idle machine). Prints mean, standard
 deviation (over seeds), min and max of each, and writes every per-seed value with the machine's CPU
 model, its instruction-set flags and torch's CPU kernel level to --json. The seed changes the
@@ -61,14 +62,48 @@ def _eval_rows(results: dict, prefix: str) -> dict[str, float]:
     return rows
 
 
+def _agent_rows(stage_dir: Path, tasks_dir: Path, prefix: str) -> dict[str, float]:
+    """Per checkpoint: pass@1 per difficulty, the agent's behaviour, and (swe_mini) the pass rate
+    over scored attempts per bug kind, read from the stage's traces and the tasks' metadata."""
+    results = _read(stage_dir / "results.json")
+    if "env" not in results.get("sampling", {}):
+        return {}
+    rows: dict[str, float] = {}
+    for ref, res in results["checkpoints"].items():
+        for group, s in res["groups"].items():
+            if "/" in group:
+                rows[f"{prefix}/{ref}/{group}/pass@1"] = s["pass@1"]
+        for key, value in res.get("behaviour", {}).items():
+            rows[f"{prefix}/{ref}/agent/{key}"] = value
+    val = tasks_dir / "val.parquet"
+    if (stage_dir / "traces.h5").is_file() and val.is_file():
+        import h5py  # noqa: PLC0415 - only agent evaluations need it
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        kind = {r["task_id"]: json.loads(r["meta"]).get("bug_kind") for r in pq.read_table(val).to_pylist()}
+        with h5py.File(stage_dir / "traces.h5") as f:
+            refs = [x.decode() for x in f["checkpoint"][()]]
+            ids = [x.decode() for x in f["task_id"][()]]
+            passed = f["passed"][()]
+        per: dict[tuple[str, str], list[int]] = {}
+        for ref, tid, p in zip(refs, ids, passed):
+            if kind.get(tid) and p >= 0:
+                per.setdefault((ref, kind[tid]), []).append(int(p))
+        for (ref, k), v in sorted(per.items()):
+            rows[f"{prefix}/{ref}/bug_kind/{k}/pass_rate"] = sum(v) / len(v)
+    return rows
+
+
 def collect(run_dir: Path) -> dict[str, float]:
     """The headline numbers one demo run recorded, flat."""
     stages = run_dir / "stages"
     sft = _read(stages / "sft" / "metrics.json")
     rows = {f"sft/val_greedy_pass@1/{d}": sft.get(f"val_greedy_pass@1/{d}") for d in SFT_DOMAINS}
     rows["select/selected"] = _read(stages / "select" / "metrics.json").get("selected")
+    rows["probe/pass_rate"] = _read(stages / "probe" / "metrics.json").get("pass_rate")
     rows |= _eval_rows(_read(stages / "eval" / "results.json"), "eval")
     rows |= _eval_rows(_read(stages / "eval_greedy" / "results.json"), "eval_greedy")
+    rows |= _agent_rows(stages / "eval", stages / "tasks", "eval")
     for stage_dir in sorted(p for p in stages.iterdir() if p.is_dir()):
         duration = _read(stage_dir / "metrics.json").get("duration_s")
         if duration is not None:
@@ -106,6 +141,7 @@ def machine() -> dict:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="snowcat bench demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(CONFIG), help="the run config (default: configs/demo.yaml)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--first-seed", type=int, default=1234, help="the demo's own seed; then +1, +2, ...")
     p.add_argument("--root", default=str(REPO / "logs" / "bench-demo"))
@@ -123,7 +159,7 @@ def main(argv: list[str]) -> int:
             "-m",
             "snowcat.pipeline.cli",
             "run",
-            str(CONFIG),
+            str(args.config),
             f"seed={seed}",
             "--run-dir",
             str(run_dir),
@@ -147,7 +183,7 @@ def main(argv: list[str]) -> int:
         atomic_write_json(
             args.json,
             {
-                "config": str(CONFIG.relative_to(REPO)),
+                "config": os.path.relpath(Path(args.config).resolve(), REPO),
                 "overrides": args.overrides,
                 "machine": machine(),
                 "seeds": list(per_seed),
