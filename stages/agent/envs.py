@@ -23,6 +23,7 @@ class Step:
     answer: str | None = None  # when done: the final answer text, for the verifier
     status: str = "ok"  # "ok" | "invalid_action" (the model broke the protocol: ends the episode, reward 0)
     reward: float | None = None  # when done: a reward the env decides itself (None = ask the verifier)
+    detail: str = ""  # with such a reward: why (e.g. the tests that failed)
 
 
 class SingleTurnEnv:

@@ -188,7 +188,7 @@ def _advance(e: _Episode, c, turn: int, env, tok, budget: Budget, verifier) -> N
             return e.end("truncated", detail="context budget")
         return e.append(list(step.observation))
     if step.reward is not None:
-        return e.end("ok", step.reward, detail="reward set by the environment")
+        return e.end("ok", step.reward, detail=step.detail or "reward set by the environment")
     try:
         verdict = verifier(e.job.task, step.answer)
     except Exception as exc:  # VerifierError, time-out, crash: infrastructure

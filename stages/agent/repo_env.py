@@ -126,8 +126,8 @@ class RepoEnv(SingleTurnEnv):
 
     def submit(self, task, state: dict) -> Step:
         patch = make_patch(state["base"], read_tree(state["sandbox"].workdir))
-        reward, passed, detail = verify_patch(task, patch, image=self.image)
-        return Step(done=True, answer=patch, reward=reward)
+        reward, _, detail = verify_patch(task, patch, image=self.image)
+        return Step(done=True, answer=patch, reward=reward, detail=detail)
 
     def run_tool(self, state: dict, name: str, args: dict) -> str:
         """The observation text of one non-submit tool call."""
