@@ -39,3 +39,29 @@ def test_docs_quote_the_measured_numbers(doc):
     text = text.replace(" # ", " ")  # YAML comments wrap lines
     for key in QUOTED_IN[doc]:
         assert quote(summary[key]) in text, f"{doc} does not quote {key} as measured: {quote(summary[key])}"
+
+
+AGENT_RESULTS = REPO / "benchmarks" / "results" / "agent-demo-cpu-1seed.json"
+
+
+def test_agent_demo_numbers_in_the_docs_are_the_committed_run():
+    """docs/agents.md quotes one agent-demo run (3 decimals): every figure of its table and text."""
+    results = json.loads(AGENT_RESULTS.read_text())
+    assert results["config"] == "configs/agent-demo.yaml" and results["machine"]["cpu_model"]
+    (rows,) = results["per_seed"].values()
+    text = (REPO / "docs" / "agents.md").read_text()
+    section = text[text.index("## The agent demo, measured") :].split("\n## ")[0]
+    for ref in ("sft:final", "rl:final"):
+        for key in (
+            f"eval/{ref}/all/pass@1",
+            f"eval/{ref}/swe_mini/d1/pass@1",
+            f"eval/{ref}/swe_mini/d3/pass@1",
+            f"eval/{ref}/bug_kind/wrong_default/pass_rate",
+            f"eval/{ref}/bug_kind/wrong_operator/pass_rate",
+            f"eval/{ref}/agent/invalid_actions_per_episode",
+            f"eval/{ref}/agent/no_submission_frac",
+            f"eval/{ref}/agent/claim_precision",
+        ):
+            assert f"{rows[key]:.3f}" in section, key
+    for key in ("probe/pass_rate", "eval/rl:final - sft:final/all/pass@1_diff", "eval/rl:final - sft:final/all/pass@1_diff_se"):
+        assert f"{rows[key]:.3f}" in section, key
