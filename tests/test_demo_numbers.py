@@ -65,3 +65,6 @@ def test_agent_demo_numbers_in_the_docs_are_the_committed_run():
             assert f"{rows[key]:.3f}" in section, key
     for key in ("probe/pass_rate", "eval/rl:final - sft:final/all/pass@1_diff", "eval/rl:final - sft:final/all/pass@1_diff_se"):
         assert f"{rows[key]:.3f}" in section, key
+    header = (REPO / "configs" / "agent-demo.yaml").read_text()
+    for key in ("eval/sft:final/all/pass@1", "eval/rl:final/all/pass@1", "eval/rl:final - sft:final/all/pass@1_diff_se"):
+        assert f"{rows[key]:.3f}" in header, key
