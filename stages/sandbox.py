@@ -397,12 +397,14 @@ class ApptainerSandbox(Sandbox):
         self.apptainer = apptainer
 
     def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
-        if ready_fd is not None and shutil.which(self.apptainer) is None:
-            # the wrapper would report ready and then fail to exec: that is the machinery's failure
+        # Resolved here, on the caller's PATH (often a module's): the command's own PATH is the
+        # sandbox's. Not found: the wrapper would report ready and then fail to exec -- the machinery's failure.
+        binary = shutil.which(self.apptainer) if ready_fd is not None else self.apptainer
+        if binary is None:
             raise FileNotFoundError(f"{self.apptainer} not found on PATH")
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         inner = [
-            self.apptainer,
+            binary,
             "exec",
             "--containall",
             "--no-home",

@@ -7,6 +7,7 @@ import dataclasses
 import glob
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,3 +188,33 @@ def test_a_checkpoint_template_renders_the_same_protocol(world, tmp_path):
         env.finish(state)
     # the whole conversation, up to the newline the template writes after the final <|im_end|>
     assert ids[: len(rollout)] == rollout and tok.decode(ids[len(rollout) :]).strip() == ""
+
+
+def test_repo_env_in_a_sandbox_image_through_the_apptainer_test_double(world, tmp_path, monkeypatch):
+    """On clusters episodes run in the sandbox image (ApptainerSandbox). Apptainer cannot run here:
+    tests/fake_apptainer (a TEST DOUBLE) checks the arguments and runs the command on the host in
+    the bound work dir, which is enough to show the env, the verifier and the infra path use it."""
+    tasks, demos, tok = world
+    monkeypatch.setenv("PATH", f"{Path(__file__).parent / 'fake_apptainer'}{os.pathsep}{os.environ['PATH']}")
+    image = tmp_path / "sandbox.sif"
+    image.write_text("FAKE-SIF {}\n")
+    env = RepoEnv(tok, image=str(image))
+    task, msgs = tasks[0], demos[0]
+    state = env.reset(task)
+    try:
+        assert env.run_tool(state, "test", {}).startswith("exit 1")
+        # the command ran through `apptainer exec ... IMAGE` (the double exports the image it was given)
+        assert str(image) in env.run_tool(state, "bash", {"command": "echo $FAKE_APPTAINER_IMAGE"})
+        for m in msgs[1:]:
+            if m["role"] == "assistant":
+                step = env.step(task, state, tok.encode(message_text(m)) + [tok.end_of_turn_id])
+        assert step.done and step.reward == 1.0  # the verifier ran in the image too
+    finally:
+        env.finish(state)
+    image.unlink()  # the image gone: the sandbox cannot start, which is infrastructure, not the model
+    state = env.reset(task)
+    try:
+        with pytest.raises(RuntimeError, match="sandbox"):
+            env.run_tool(state, "test", {})
+    finally:
+        env.finish(state)

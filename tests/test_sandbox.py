@@ -242,7 +242,8 @@ def test_apptainer_sandbox_rendering(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
     wrapped = sb.command(["ls"], ready_fd=7)
     assert wrapped[:2] == ["bash", "-c"] and wrapped[-len(argv) + 2 :][-1] == "ls"
-    assert wrapped[4:] == argv[:-3] + ["ls"]
+    # the binary resolved on the caller's PATH: the wrapper runs with the sandbox's own PATH
+    assert wrapped[4:] == [str(fake / "apptainer")] + argv[1:-3] + ["ls"]
 
 
 def _git(repo, *args):
