@@ -203,7 +203,10 @@ class Sandbox:
 
     def _group(self) -> CallCgroup | None:
         """The cgroup capping one call as a whole (None: only per-process rlimits hold)."""
-        return None
+        group = CallCgroup.open(self.limits.memory_bytes, self.limits.nproc)
+        if group is not None:
+            self.caps = "cgroup-v2" if group.v2 else "cgroup-v1"
+        return group
 
     def run(self, cmd: list[str] | str, files: dict[str, str | bytes] | None = None, timeout_s: float = 60.0) -> SandboxResult:
         """Run one tool call in the work dir; `files` ({relative path: content}) are written first."""
@@ -354,12 +357,7 @@ class LocalSandbox(Sandbox):
             self._newroot = tempfile.mkdtemp(prefix="snowcat-sandbox-root-")
 
     def _group(self) -> CallCgroup | None:
-        if not self.isolate:
-            return None
-        group = CallCgroup.open(self.limits.memory_bytes, self.limits.nproc)
-        if group is not None:
-            self.caps = "cgroup-v2" if group.v2 else "cgroup-v1"
-        return group
+        return super()._group() if self.isolate else None
 
     def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
