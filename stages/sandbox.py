@@ -85,6 +85,8 @@ work=$1 ready_fd=$2 uid=$3 new=$4 expose=$5 inside=$6; shift 6
 die() { echo "sandbox-init: $*" >&2; exit 125; }
 mount --make-rprivate / || die "cannot make mounts private"
 mount -t tmpfs -o mode=755,size=4m sandbox-root "$new" || die "cannot mount the sandbox root on $new"
+# the private /tmp first: exposed paths under /tmp (a venv in a checkout there) are mounted inside it
+mkdir -p "$new/tmp" && mount -t tmpfs -o mode=1777,size=64m sandbox-tmp "$new/tmp" || die "cannot mount /tmp"
 IFS=:
 for p in $expose; do
   [ -e "$p" ] || [ -L "$p" ] || continue
@@ -94,16 +96,16 @@ for p in $expose; do
   mount --rbind "$p" "$new$p" || die "cannot expose $p"
 done
 unset IFS
-# every mount now under the new root (submounts of exposed paths too) read-only
+# every exposed mount (submounts too) read-only; the private /tmp stays writable
 for mp in $(awk -v r="$new/" 'index($5, r) == 1 {print $5}' /proc/self/mountinfo); do
+  [ "$mp" = "$new/tmp" ] && continue
   mount -o remount,bind,ro "$mp" || die "cannot make $mp read-only"
 done
-mkdir -p "$new/dev" "$new/proc" "$new/tmp"
+mkdir -p "$new/dev" "$new/proc"
 for d in null zero full random urandom; do
   touch "$new/dev/$d" && mount --bind "/dev/$d" "$new/dev/$d" || die "cannot expose /dev/$d"
 done
 mount -t proc proc "$new/proc" || die "cannot mount /proc"
-mount -t tmpfs -o mode=1777,size=64m sandbox-tmp "$new/tmp" || die "cannot mount /tmp"
 mkdir -p "$new$inside"
 mount --bind "$work" "$new$inside" || die "cannot bind $work"
 cd "$new" && mkdir .old && PATH="/usr/sbin:/sbin:$PATH" pivot_root . .old || die "cannot pivot to the sandbox root"

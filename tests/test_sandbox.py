@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from snowcat.stages.cgroup import CallCgroup
-from snowcat.stages.sandbox import ApptainerSandbox, Limits, LocalSandbox, strip_git_history
+from snowcat.stages.sandbox import ApptainerSandbox, Limits, LocalSandbox, default_exposed, strip_git_history
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare"), reason="isolating LocalSandbox tests run as root with util-linux unshare"
@@ -285,3 +285,17 @@ def test_strip_git_history_leaves_no_future(tmp_path):
     assert not (gitdir / "objects" / "info" / "alternates").exists()
     assert "THE FIX" not in subprocess.run(["grep", "-r", "THE FIX", str(gitdir)], capture_output=True, text=True).stdout
     assert _git(task, "fsck", "--full") == ""  # still a healthy repo
+
+
+@needs_root
+def test_exposed_paths_under_tmp_survive_the_private_tmp():
+    # A checkout (and its venv) under /tmp, as in CI: exposed read-only inside the private /tmp.
+    shared = Path(tempfile.mkdtemp(prefix="snowcat-expose-", dir="/tmp"))
+    shared.chmod(0o755)
+    (shared / "data.txt").write_text("visible\n")
+    (shared / "data.txt").chmod(0o644)
+    with LocalSandbox(expose=(*default_exposed(), str(shared))) as sb:
+        r = sb.run(f"cat {shared}/data.txt; echo scratch > /tmp/mine && cat /tmp/mine; echo x > {shared}/z", timeout_s=30)
+    shutil.rmtree(shared)
+    assert r.stdout.splitlines() == ["visible", "scratch"], r
+    assert "Read-only file system" in r.stderr

@@ -107,12 +107,13 @@ def test_dag_is_submitted_at_once_with_afterok_chains(snowcat, slurm_env, tmp_pa
     status = wait_status(snowcat, run_dir, {"done"})
     assert status["stages"]["more"]["units"]["more[2]"]["status"] == "done"
     deadline = time.monotonic() + 60  # DONE is written just before the job itself ends
-    while True:
+    expected = {tasks_id, f"{more_id}_0", f"{more_id}_1", f"{more_id}_2"}
+    while True:  # accounting records quick array elements a moment apart: wait for all of them
         rows = sacct_rows(slurm_env, [tasks_id, more_id])
-        if all(r[2] == "COMPLETED" for r in rows) or time.monotonic() > deadline:
+        if ({r[0] for r in rows} == expected and all(r[2] == "COMPLETED" for r in rows)) or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert {r[0] for r in rows} == {tasks_id, f"{more_id}_0", f"{more_id}_1", f"{more_id}_2"}
+    assert {r[0] for r in rows} == expected
     assert all(r[2] == "COMPLETED" for r in rows), rows
     # Nothing left to do: resume submits nothing.
     again = snowcat("resume", run_dir, env=slurm_env)
