@@ -57,14 +57,14 @@ class CallCgroup:
                 group = cls({c: root / c / own.get(c, "/").lstrip("/") / name for c in ("memory", "pids", "cpuacct")}, v2=False)
             else:
                 return None
-            for d in group.dirs.values():
-                d.mkdir()
         except OSError:
             return None
         try:
+            for d in group.dirs.values():
+                d.mkdir()
             group._limit(memory_bytes, pids)
         except OSError:
-            group.remove()
+            group.remove()  # what was made so far
             return None
         return group
 
