@@ -109,6 +109,7 @@ class TaskImport:
     domain: str = "swe"
     test_command: str = "python -m pytest -rA {tests}"  # swebench; `{tests}` becomes the test ids
     val_count: int = bounded(0, ge=0)  # held out into val (drawn with the run's seed)
+    build_images: bool = False  # harbor: build each task's Apptainer image (where building is allowed)
 
 
 DEFAULT_DOMAINS = {

@@ -8,14 +8,32 @@ and gold patch).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
+from snowcat.containers.images import build
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_text
 from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks, task_key
 from snowcat.stages.taskgen.importers import ImportError_, import_harbor, import_swebench
+
+
+def _with_image(task, images: Path, key: str):
+    """`task` with its own sandbox image, built from the recipe its Dockerfile became (none: as it is)."""
+    recipe = task.meta.get("apptainer_recipe")
+    if not recipe:
+        return task
+    images.mkdir(parents=True, exist_ok=True)
+    definition = images / f"{task.task_id}.def"
+    atomic_write_text(definition, recipe)
+    try:
+        image = build(definition, images / f"{task.task_id}.sif")
+    except UserError as e:
+        raise UserError(f"{key}: task {task.task_id}: {e}") from None
+    return dataclasses.replace(task, meta=task.meta | {"sandbox_image": str(image)})
 
 
 def _import(imp, key: str) -> list:
@@ -49,6 +67,8 @@ def run(ctx: StageContext) -> dict:
         raise RuntimeError(f"{len(leaked)} validation tasks also occur in train")
     for i, imp in enumerate(ctx.config.imports):
         tasks = _import(imp, f"stages.{ctx.name}.imports[{i}]")
+        if imp.build_images:
+            tasks = [_with_image(t, ctx.out_dir / "images", f"stages.{ctx.name}.imports[{i}]") for t in tasks]
         d_train, d_val = split_tasks(tasks, imp.val_count, rng) if imp.val_count else (tasks, [])
         train += d_train
         val += d_val

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -14,6 +15,7 @@ from test_importers import harbor, swebench  # noqa: F401 - fixtures
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.stages import evaluate, probe, sft, tasks
+from snowcat.stages.agent import RepoEnv
 from snowcat.stages.taskgen import load_tasks
 
 pytestmark = pytest.mark.skipif(
@@ -131,3 +133,26 @@ def test_probe_and_evaluate_play_repo_episodes(trained):
     assert agent["episodes"] == 6 and agent["turns_mean"] >= 1
     assert set(agent) >= {"invalid_actions_per_episode", "submitted_untested_frac", "claim_precision", "calls/edit"}
     assert results["sampling"]["env"] == "repo" and results["checkpoints"]["sft:final"]["groups"]["all"]["attempts"] == 6
+
+
+def test_harbor_tasks_get_their_own_image_built_from_the_dockerfile(tmp_path, harbor, monkeypatch):  # noqa: F811
+    """`build_images`: each Harbor task's Dockerfile, converted by spython, is built into the task's own
+    sandbox image, which RepoEnv and the verifier then use. Apptainer cannot run here: the build and the
+    exec go through tests/fake_apptainer (a TEST DOUBLE that checks the arguments and writes a stand-in SIF)."""
+    monkeypatch.setenv("PATH", f"{Path(__file__).parent / 'fake_apptainer'}{os.pathsep}{os.environ['PATH']}")
+    values = {"imports": [{"format": "harbor", "path": str(harbor), "domain": "terminal", "build_images": True}]}
+    ctx = StageContext.standalone("tasks", values, run_dir=tmp_path, seed=1)
+    tasks.run(ctx)
+    (task,) = load_tasks(ctx.out_dir, "train")
+    image = Path(task.meta["sandbox_image"])
+    assert image == ctx.out_dir / "images" / f"{task.task_id}.sif" and image.read_text().startswith("FAKE-SIF")
+    assert "From: python:3.11-slim" in (ctx.out_dir / "images" / f"{task.task_id}.def").read_text()
+    env = RepoEnv(None)
+    state = env.reset(task)
+    try:
+        # the episode's commands run in the task's image (the double exports the image it was given)
+        assert str(image) in env.run_tool(state, "bash", {"command": "echo $FAKE_APPTAINER_IMAGE"})
+        (state["sandbox"].workdir / "greet.sh").write_text("echo 'hello world'\n")
+        assert env.submit(task, state).reward == 1.0  # verified in the same image
+    finally:
+        env.finish(state)

@@ -106,7 +106,8 @@ class RepoEnv(SingleTurnEnv):
     def reset(self, task) -> dict:
         spec = RepoSpec.from_task(task)
         base = snapshot_files(spec)
-        sandbox = open_sandbox(self.image, Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20))
+        image = task.meta.get("sandbox_image") or self.image  # the task's own image first
+        sandbox = open_sandbox(image, Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20))
         write_tree(sandbox.workdir, base)
         return {"spec": spec, "base": base, "sandbox": sandbox}
 

@@ -230,6 +230,7 @@ def verify_patch(task, patch: str, image: str | None = None) -> tuple[float, boo
     """Judge `patch` (the agent's changes to the snapshot) with the task's tests in a clean sandbox:
     (reward, passed, detail). Raises VerifierError for what is not the model's doing."""
     spec = RepoSpec.from_task(task)
+    image = task.meta.get("sandbox_image") or image  # a task's own image (tasks.imports[].build_images) first
     base = snapshot_files(spec)
     tests = list(dict.fromkeys(spec.fail_to_pass + spec.pass_to_pass))
     limits = Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20)
