@@ -3,6 +3,7 @@ episodes and imported traces, probe and evaluate playing RepoEnv episodes in rea
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ from test_importers import harbor, swebench  # noqa: F401 - fixtures
 
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
-from snowcat.stages import evaluate, probe, sft, tasks
+from snowcat.stages import evaluate, probe, rl, sft, tasks
 from snowcat.stages.agent import RepoEnv
 from snowcat.stages.taskgen import load_tasks
 
@@ -156,3 +157,32 @@ def test_harbor_tasks_get_their_own_image_built_from_the_dockerfile(tmp_path, ha
         assert env.submit(task, state).reward == 1.0  # verified in the same image
     finally:
         env.finish(state)
+
+
+def test_rl_trains_on_repo_episodes(trained, tmp_path):
+    """RL with env repo in one process: episodes in sandboxes, rewards from the tests, updates applied."""
+    root, tctx, sctx, _ = trained
+    before = set(glob.glob("/tmp/snowcat-sandbox-*"))
+    values = {
+        "env": "repo",
+        "sandbox": SANDBOX,
+        "updates": 2,
+        "tasks_per_update": 2,
+        "attempts": 2,
+        "max_tokens": 24,
+        "max_turns": 2,
+        "max_total_tokens": 224,
+        "eval_every": 0,
+        "eval_tasks": 0,
+        "save_every": 1,
+        "threads": 1,
+        "rollout_batch": 8,
+    }
+    ctx = StageContext.standalone("rl", values, run_dir=tmp_path, inputs={"tasks": tctx.out_dir, "sft": sctx.out_dir}, seed=4)
+    rl.run(ctx)
+    rows = [json.loads(line) for line in (ctx.out_dir / "metrics_history.jsonl").read_text().splitlines()]
+    updates = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in updates] == [1, 2]
+    assert all(r["turns/mean"] >= 1 and "reward/mean" in r for r in updates)
+    assert (ctx.out_dir / "checkpoints" / "final").exists()
+    assert set(glob.glob("/tmp/snowcat-sandbox-*")) <= before  # every episode's sandbox is gone
