@@ -295,8 +295,8 @@ class RlConfig:
         return ("initial", "final", "best", "step_*")
 
     def problems(self) -> Iterator[Problem]:
-        if self.attempts < 2 and self.estimator != "grpo":
-            yield "attempts", f"{self.estimator} needs at least 2 attempts per task"
+        if self.attempts < 2:  # GRPO included: one attempt is its own group mean, every advantage 0
+            yield "attempts", f"{self.estimator} needs at least 2 attempts per task (one attempt has no baseline)"
         yield from _verifier_problems(self.verifier)
         yield from _engine_problems(self.engine, self.image)
 
@@ -320,6 +320,9 @@ class EvaluateConfig:
     max_context: int = bounded(512, ge=1)  # prompt + all turns + observations (multi-turn envs)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4])
+    # each: pass@k over the tasks with >= k scored attempts (task sets may differ by k; pass@k_tasks counts them)
+    # common: every k over the tasks with >= max(pass_k) scored attempts
+    pass_k_tasks: Literal["each", "common"] = "each"
     infra_retries: int = bounded(2, ge=0)
     verifier_timeout_s: float = bounded(30.0, gt=0)
     verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict

@@ -50,9 +50,10 @@ def paired_bootstrap_ci(
     n_boot: int = 2000,
     confidence: float = 0.95,
 ) -> tuple[float, float]:
-    """Percentile interval for mean(b - a), resampling tasks with replacement (pairs stay together)."""
+    """Percentile interval for mean(b - a), resampling tasks with replacement (pairs stay together).
+    Undefined (NaN) below 2 tasks, as the standard error is: one task resamples to itself."""
     d = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
-    if d.size == 0:
+    if d.size < 2:
         return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     means = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)

@@ -89,7 +89,10 @@ def per_task(records: list[Attempt], pass_k: list[int]) -> dict[str, dict]:
     return out
 
 
-def summarize(records: list[Attempt], pass_k: list[int]) -> dict[str, Any]:
+def summarize(records: list[Attempt], pass_k: list[int], common: bool = False) -> dict[str, Any]:
+    """Per-group statistics. pass@k averages the tasks with at least k scored attempts, so each k may
+    cover another task set (`pass@k_tasks` says how many); `common` averages every k over the tasks
+    with at least max(pass_k) scored attempts, so the curve compares like with like."""
     tasks = per_task(records, pass_k)
     attempts = sum(t["attempts"] for t in tasks.values())
     infra = sum(t["infra"] for t in tasks.values())
@@ -101,8 +104,9 @@ def summarize(records: list[Attempt], pass_k: list[int]) -> dict[str, Any]:
         "infra_rate": infra / attempts if attempts else math.nan,
         "truncated_rate": _rate([r.status == "truncated" for r in records if r.scored]),
     }
+    need = max(pass_k) if common else None
     for k in pass_k:
-        vals = [t["pass"][k] for t in tasks.values() if t["pass"][k] is not None]
+        vals = [t["pass"][k] for t in tasks.values() if t["pass"][k] is not None and t["n"] >= (need or k)]
         mean, se = evalstats.mean_se(vals)
         out[f"pass@{k}"], out[f"pass@{k}_se"], out[f"pass@{k}_tasks"] = mean, se, len(vals)
     out["reward"], out["reward_se"] = evalstats.mean_se([t["reward"] for t in tasks.values() if t["reward"] is not None])
@@ -214,7 +218,7 @@ def run(ctx: StageContext) -> dict:
     results = {
         ref: {
             "path": str(ctx.checkpoint(ref, "checkpoints")),
-            "groups": {g: summarize(rs, pass_k) for g, rs in _groups(recs).items()},
+            "groups": {g: summarize(rs, pass_k, cfg.pass_k_tasks == "common") for g, rs in _groups(recs).items()},
         }
         | ({"behaviour": agent} if agent is not None else {})
         for ref, (recs, agent) in played.items()
@@ -234,6 +238,7 @@ def run(ctx: StageContext) -> dict:
                 "tasks": len(tasks),
                 "attempts": cfg.attempts,
                 "pass_k": pass_k,
+                "pass_k_tasks": cfg.pass_k_tasks,
                 "sampling": {
                     "temperature": cfg.temperature,
                     "top_k": cfg.top_k,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from snowcat.pipeline.errors import UserError
+from snowcat.stages.agent import Trajectory
 from snowcat.stages.algorithms import (
     PolicyLossConfig,
     aggregate,
@@ -18,6 +19,7 @@ from snowcat.stages.algorithms import (
     rloo_n_advantages,
     valid_from_status,
 )
+from snowcat.stages.rlcore.trainer import group_advantages
 
 T = torch.tensor
 
@@ -179,3 +181,22 @@ def test_mismatch_stats_by_hand():
     close(s["log_ppl_diff"], sum(kept) / 4)
     empty = mismatch_stats(train, rollout, torch.zeros_like(mask))
     assert empty["tokens"] == 0 and math.isnan(empty["ratio_p50"])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_ragged_groups_are_not_padded_with_zero_rewards(estimator):
+    """A group that lost an attempt gets the advantages it would get alone, not ones skewed by a
+    padded reward of 0; a group of one attempt has no baseline (advantage 0)."""
+
+    def traj(group, attempt, reward):
+        return Trajectory("t", group, attempt, 0, [1, 2], [0, 1], [0.0, -1.0], reward, "ok", [(1, 2)], "d", 1)
+
+    full = [traj(0, a, r) for a, r in enumerate([1.0, 1.0, 0.0])]
+    short = [traj(1, a, r) for a, r in enumerate([1.0, 1.0])]  # lost its third attempt
+    single = [traj(2, 0, 1.0)]
+    adv, _ = group_advantages(full + short + single, estimator)
+    alone_full, _ = group_advantages(full, estimator)
+    alone_short, _ = group_advantages(short, estimator)
+    assert torch.allclose(adv[:3], alone_full) and torch.allclose(adv[3:5], alone_short)
+    assert torch.all(adv[3:5] == 0)  # two equal rewards: nothing to prefer (padding with 0 made them positive)
+    assert adv[5] == 0

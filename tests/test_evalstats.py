@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 
 from snowcat.stages import evalstats
+from snowcat.stages.evaluate import summarize
+from snowcat.stages.scoring import Attempt
+from snowcat.stages.taskgen import Task
 
 
 def test_pass_at_k_hand_cases():
@@ -77,3 +80,34 @@ def test_paired_bootstrap_ci_is_seeded_and_covers_the_difference():
 def test_mean_outcome_reward_counts_missing_as_zero_in_fixed_denominator():
     assert evalstats.mean_outcome_reward([1.0, 0.5, None, 0.25]) == pytest.approx(1.75 / 4)
     assert math.isnan(evalstats.mean_outcome_reward([]))
+
+
+def test_paired_bootstrap_ci_needs_two_tasks():
+    # one task resamples to itself: a zero-width interval would claim certainty the SE cannot give
+    assert all(math.isnan(x) for x in evalstats.paired_bootstrap_ci([0.0], [1.0], seed=0))
+    assert all(math.isnan(x) for x in evalstats.paired_bootstrap_ci([], [], seed=0))
+    lo, hi = evalstats.paired_bootstrap_ci([0.0, 0.0], [1.0, 0.0], seed=0, n_boot=500)
+    assert lo < hi
+
+
+def test_pass_at_k_common_task_set():
+    """Each k over its own task set by default; `common` restricts every k to the tasks with >= max(k)
+    scored attempts (hand-computed)."""
+
+    def attempts(task_id, outcomes):  # None: infra failure (not scored)
+        task = Task(task_id, "d", 1, "p", "a", "d")
+        out = []
+        for i, o in enumerate(outcomes):
+            a = Attempt(task, i)
+            if o is not None:
+                a.status, a.passed, a.reward = "ok", int(o), float(o)
+            out.append(a)
+        return out
+
+    # t1 has 2 scored attempts (1 pass), t2 only 1 scored (a pass) after an infra failure
+    records = attempts("t1", [1, 0]) + attempts("t2", [1, None])
+    each = summarize(records, [1, 2])
+    assert (each["pass@1"], each["pass@1_tasks"]) == (0.75, 2)  # mean(0.5, 1.0)
+    assert (each["pass@2"], each["pass@2_tasks"]) == (1.0, 1)  # t1 only
+    common = summarize(records, [1, 2], common=True)
+    assert (common["pass@1"], common["pass@1_tasks"]) == (0.5, 1) and (common["pass@2"], common["pass@2_tasks"]) == (1.0, 1)

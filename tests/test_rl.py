@@ -351,6 +351,10 @@ def test_bad_config_names_the_key(inputs, tmp_path):
         rl.run(make_ctx(inputs, tmp_path, estimator="ppo"))
     with pytest.raises(UserError, match=r"^stages\.rl\.attempts: rloo_n needs at least 2 attempts per task"):
         rl.run(make_ctx(inputs, tmp_path, attempts=1))
+    with pytest.raises(
+        UserError, match=r"^stages\.rl\.attempts: grpo needs at least 2 attempts per task \(one attempt has no baseline\)"
+    ):
+        rl.run(make_ctx(inputs, tmp_path, attempts=1, estimator="grpo"))
     with pytest.raises(UserError, match=r"rl.tasks_per_update=999 exceeds"):
         rl.run(make_ctx(inputs, tmp_path, tasks_per_update=999))
     with pytest.raises(UserError, match=r"^stages\.rl\.init_from: 'nope:final' names stage 'nope', which is not in needs"):

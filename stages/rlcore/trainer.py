@@ -25,8 +25,9 @@ from snowcat.stages.rollout import SamplingParams, support_ids
 def group_advantages(trajs: list[Trajectory], estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantage [N], trainable [N]) in the order of `trajs`, grouped by `group_id`.
 
-    Groups may be ragged (a lost attempt): each group is padded with invalid attempts, which
-    `rloo_n` ignores; for the other estimators a group must be complete."""
+    Groups may be ragged (a lost attempt). `rloo_n` takes them padded with invalid attempts, which
+    it ignores; the other estimators are computed group by group at each group's own size (padding
+    with reward 0 would enter their group means); a group of one attempt gets advantage 0."""
     groups: dict[int, list[int]] = defaultdict(list)
     for i, t in enumerate(trajs):
         groups[t.group_id].append(i)
@@ -38,7 +39,14 @@ def group_advantages(trajs: list[Trajectory], estimator: str) -> tuple[torch.Ten
         for a, i in enumerate(groups[gid]):
             rewards[g, a] = trajs[i].reward
             valid[g, a] = trajs[i].trainable
-    adv = compute_advantages(estimator, rewards, valid)
+    if estimator == "rloo_n":
+        adv = compute_advantages(estimator, rewards, valid)
+    else:
+        adv = torch.zeros_like(rewards)
+        for g, gid in enumerate(ids):
+            n = len(groups[gid])
+            if n > 1:
+                adv[g, :n] = compute_advantages(estimator, rewards[g : g + 1, :n])[0]
     out = torch.zeros(len(trajs), dtype=torch.float64)
     for g, gid in enumerate(ids):
         for a, i in enumerate(groups[gid]):
