@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from snowcat.stages.agent import Budget, EpisodeJob, RepoEnv, Trajectory, behaviour, run_episodes, teacher_messages
-from snowcat.stages.agent.repo_env import TOOLS, ToolCallError, gold_edit, parse_tool_call, tool_call_text
+from snowcat.stages.agent.repo_env import TOOLS, ToolCallError, parse_tool_call, tool_call_text
 from snowcat.stages.model import PRESETS, MoEForCausalLM
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.taskgen import Task, generate_domain
@@ -106,7 +106,6 @@ def test_tools_refuse_escapes_and_keep_the_episode_going(world, tmp_path):
         step = env.step(task, state, tok.encode("the bug is fixed") + [tok.end_of_turn_id])
         assert not step.done and "no tool call" in tok.decode(step.observation)
         # editing the tests and submitting gains nothing
-        path, _, _ = gold_edit(task)
         test_file = task.meta["repo"]["test_paths"][0]
         (sb.workdir / test_file).write_text("import unittest\n")
         step = env.step(task, state, tok.encode(tool_call_text("submit")) + [tok.end_of_turn_id])

@@ -40,6 +40,11 @@ TOOLS = ("bash", "view", "edit", "test", "submit")
 TOOL_HINT = "Tools: bash(command), view(path), edit(path, old, new), test(), submit()."
 
 
+def user_message(task) -> dict:
+    """The episode's first turn: the problem statement and the tools (the prompt and the demonstrations' start)."""
+    return {"role": "user", "content": f"{task.prompt}\n{TOOL_HINT}"}
+
+
 def tool_call_message(name: str, arguments: dict | None = None) -> dict:
     """An assistant turn that calls one tool (OpenAI form: each tokenizer renders it in its template's format)."""
     return {
@@ -101,7 +106,7 @@ class RepoEnv(SingleTurnEnv):
         self.parallel = True  # the loop may run step() of different episodes at once
 
     def prompt(self, task) -> list[int]:
-        return self.tok.render_prompt([{"role": "user", "content": f"{task.prompt}\n{TOOL_HINT}"}])
+        return self.tok.render_prompt([user_message(task)])
 
     def reset(self, task) -> dict:
         spec = RepoSpec.from_task(task)
@@ -127,7 +132,7 @@ class RepoEnv(SingleTurnEnv):
 
     def submit(self, task, state: dict) -> Step:
         patch = make_patch(state["base"], read_tree(state["sandbox"].workdir))
-        reward, _, detail = verify_patch(task, patch, image=self.image)
+        reward, _, detail = verify_patch(task, patch, image=self.image, base=state["base"])
         return Step(done=True, answer=patch, reward=reward, detail=detail)
 
     def run_tool(self, state: dict, name: str, args: dict) -> str:
@@ -175,15 +180,16 @@ class RepoEnv(SingleTurnEnv):
 # ---------------------------------------------------------------- the scripted expert
 
 
-def gold_edit(task) -> tuple[str, str, str]:
-    """(path, old, new) of the smallest edit that applies the gold patch's (first) hunk, unique in the file."""
+def gold_edit(task, base: dict[str, bytes]) -> tuple[str, str, str]:
+    """(path, old, new) of the smallest edit that applies the gold patch's (first) hunk, unique in the
+    file (`base`: the task's snapshot)."""
     hunk = re.search(r"^\+\+\+ b/(\S+)\n@@[^\n]*@@\n(.*?)(?=^@@|^diff |\Z)", task.answer, re.S | re.M)
     if hunk is None:
         raise ValueError(f"task {task.task_id}: no gold patch hunk")
     path, body = hunk.group(1), hunk.group(2).splitlines()
     changed = [i for i, line in enumerate(body) if line[:1] in "+-"]
     lo, hi = changed[0], changed[-1] + 1
-    source = snapshot_files(RepoSpec.from_task(task))[path].decode()
+    source = base[path].decode()
 
     def sides(lo: int, hi: int) -> tuple[str, str]:
         old = [line[1:] for line in body[lo:hi] if line[:1] in " -"]
@@ -200,11 +206,11 @@ def gold_edit(task) -> tuple[str, str, str]:
 def teacher_episode(task, env: RepoEnv) -> list[dict]:
     """The expert's demonstration as chat messages, every observation produced by the real tools:
     run the tests, view the module, edit, run the tests again, submit."""
-    path, old, new = gold_edit(task)
-    calls = [("test", {}), ("view", {"path": path}), ("edit", {"path": path, "old": old, "new": new}), ("test", {})]
     state = env.reset(task)
     try:
-        messages = [{"role": "user", "content": f"{task.prompt}\n{TOOL_HINT}"}]
+        path, old, new = gold_edit(task, state["base"])
+        calls = [("test", {}), ("view", {"path": path}), ("edit", {"path": path, "old": old, "new": new}), ("test", {})]
+        messages = [user_message(task)]
         for name, args in calls:
             messages.append(tool_call_message(name, args))
             messages.append({"role": "tool", "content": env.run_tool(state, name, args)})

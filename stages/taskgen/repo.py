@@ -226,12 +226,13 @@ def _replace_files(root: Path, paths: list[str], base: dict[str, bytes]) -> None
             write_tree(root, {rel: base[rel]})
 
 
-def verify_patch(task, patch: str, image: str | None = None) -> tuple[float, bool, str]:
+def verify_patch(task, patch: str, image: str | None = None, base: dict[str, bytes] | None = None) -> tuple[float, bool, str]:
     """Judge `patch` (the agent's changes to the snapshot) with the task's tests in a clean sandbox:
-    (reward, passed, detail). Raises VerifierError for what is not the model's doing."""
+    (reward, passed, detail). `base`: the snapshot, when the caller holds it already (a git source
+    is otherwise archived again). Raises VerifierError for what is not the model's doing."""
     spec = RepoSpec.from_task(task)
     image = task.meta.get("sandbox_image") or image  # a task's own image (tasks.imports[].build_images) first
-    base = snapshot_files(spec)
+    base = snapshot_files(spec) if base is None else base
     tests = list(dict.fromkeys(spec.fail_to_pass + spec.pass_to_pass))
     limits = Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20)
     with open_sandbox(image=image, limits=limits) as sb:
