@@ -139,3 +139,20 @@ def test_held_out_split_never_leaks_code_into_training():
     assert not {t.answer + json.dumps(t.meta["repo"]["source"]) for t in train} & {
         t.answer + json.dumps(t.meta["repo"]["source"]) for t in val
     }
+
+
+@needs_sandbox
+def test_a_test_directory_replaced_by_a_symlink_is_the_models_failure(tasks):
+    # The patch turns tests/ into a link to /etc: restoring must neither follow it (the host's /etc)
+    # nor give up (an infrastructure error would make the episode neutral instead of failed).
+    task = tasks[0]
+    spec = RepoSpec.from_task(task)
+    base = snapshot_files(spec)
+    gone = make_patch(base, {p: b for p, b in base.items() if not p.startswith("tests/")})
+    link = "diff --git a/tests b/tests\nnew file mode 120000\n--- /dev/null\n+++ b/tests\n@@ -0,0 +1 @@\n+/etc\n\\ No newline at end of file\n"
+    before = sorted(os.listdir("/etc"))
+    verdict = verify(task, gone + link + task.answer)  # a verdict, not an exception
+    assert sorted(os.listdir("/etc")) == before
+    # with the gold fix in the same patch it passes: the test files came back as real files
+    assert verdict.passed, verdict.detail
+    assert not verify(task, gone + link).passed

@@ -213,17 +213,25 @@ def parse_results(output: str) -> dict[str, bool]:
 
 def _replace_files(root: Path, paths: list[str], base: dict[str, bytes]) -> None:
     """Put `paths` back to their base content (or remove them where the base has none), whatever the
-    agent left there: a symlink or directory in their place is removed, never followed."""
+    agent left there, never following a link: a symlink or file where one of their directories
+    belongs is replaced by a directory, and whatever stands in a file's place is removed."""
     for rel in paths:
-        path = root / rel
-        if not path.resolve(strict=False).parent.is_relative_to(root.resolve()) and not path.is_symlink():
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts:
             raise ValueError(f"test path {rel!r} is outside the repository")
+        path = root
+        for part in parts[:-1]:
+            path = path / part
+            if path.is_symlink() or (path.exists() and not path.is_dir()):
+                path.unlink()
+            path.mkdir(exist_ok=True)
+        path = path / parts[-1]
         if path.is_symlink() or path.is_file():
             path.unlink()
         elif path.is_dir():
             shutil.rmtree(path)
         if rel in base:
-            write_tree(root, {rel: base[rel]})
+            path.write_bytes(base[rel])
 
 
 def verify_patch(task, patch: str, image: str | None = None, base: dict[str, bytes] | None = None) -> tuple[float, bool, str]:
