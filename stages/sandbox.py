@@ -139,6 +139,18 @@ def default_exposed() -> tuple[str, ...]:
 _READY = 'echo ready >&{fd}; exec {fd}>&-; exec "$@"'
 
 
+def write_files(root: str | os.PathLike, files: dict[str, str | bytes]) -> None:
+    """Write {relative path: content} under `root` (made if missing); a path that leaves it is refused."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for rel, content in files.items():
+        path = (root / rel).resolve()
+        if not path.is_relative_to(root.resolve()):
+            raise ValueError(f"file '{rel}' is outside the work dir {root}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+
+
 def _limit_status(code: int | None) -> str | None:
     for sig in (signal.SIGXCPU, signal.SIGXFSZ):
         if code in (-sig, 128 + sig):
@@ -172,14 +184,6 @@ class Sandbox:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _write_files(self, files: dict[str, str | bytes] | None) -> None:
-        for rel, content in (files or {}).items():
-            path = (self.workdir / rel).resolve()
-            if not path.is_relative_to(self.workdir.resolve()):
-                raise ValueError(f"sandbox file '{rel}' is outside the work dir")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(content.encode() if isinstance(content, str) else content)
 
     def _preexec(self, group: CallCgroup | None) -> None:
         if group is not None:
@@ -215,7 +219,7 @@ class Sandbox:
         try:
             if not self.workdir.is_dir():
                 raise FileNotFoundError(f"work dir {self.workdir} unavailable")
-            self._write_files(files)
+            write_files(self.workdir, files or {})
             (self.workdir / ".tmp").mkdir(exist_ok=True)
             self._prepare()
             ready_r, ready_w = os.pipe()

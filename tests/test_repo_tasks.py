@@ -10,6 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from snowcat.stages.sandbox import write_files
 from snowcat.stages.taskgen import Task, VerifierError, generate_domain, split_tasks, task_key, verify
 from snowcat.stages.taskgen import repo as repo_mod
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, parse_results, snapshot_files, verify_patch
@@ -43,7 +44,7 @@ def test_patch_round_trip_through_git_apply(tmp_path):
     before = {"a.py": b"x = 1\n", "gone.txt": b"bye\n", "tail.txt": b"no newline"}
     after = {"a.py": b"x = 2\n", "new/b.py": b"y = 3\n", "tail.txt": b"still none"}
     patch = make_patch(before, after)
-    repo_mod.write_tree(tmp_path, before)
+    write_files(tmp_path, before)
     (tmp_path / "p.diff").write_text(patch)
     subprocess.run(["git", "apply", "p.diff"], cwd=tmp_path, check=True, capture_output=True)
     (tmp_path / "p.diff").unlink()

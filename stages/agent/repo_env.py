@@ -32,8 +32,8 @@ from collections import Counter
 from pathlib import Path
 
 from snowcat.stages.agent.envs import SingleTurnEnv, Step, _strip_stop
-from snowcat.stages.sandbox import Limits, open_sandbox
-from snowcat.stages.taskgen.repo import RepoSpec, make_patch, read_tree, snapshot_files, verify_patch, write_tree
+from snowcat.stages.sandbox import Limits, open_sandbox, write_files
+from snowcat.stages.taskgen.repo import RepoSpec, make_patch, read_tree, snapshot_files, verify_patch
 from snowcat.stages.tokenizer import render_tool_call
 
 TOOLS = ("bash", "view", "edit", "test", "submit")
@@ -113,7 +113,7 @@ class RepoEnv(SingleTurnEnv):
         base = snapshot_files(spec)
         image = task.meta.get("sandbox_image") or self.image  # the task's own image first
         sandbox = open_sandbox(image, Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20))
-        write_tree(sandbox.workdir, base)
+        write_files(sandbox.workdir, base)
         return {"spec": spec, "base": base, "sandbox": sandbox}
 
     def finish(self, state: dict) -> None:

@@ -35,7 +35,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from snowcat.stages.sandbox import Limits, open_sandbox
+from snowcat.stages.sandbox import Limits, open_sandbox, write_files
 from snowcat.stages.taskgen.verdict import VerifierError
 
 SKIP_DIRS = {".git", ".tmp", "__pycache__", ".pytest_cache"}
@@ -99,7 +99,7 @@ def materialise_source(spec: RepoSpec, dest: Path) -> Path:
     shutil.rmtree(dest, ignore_errors=True)
     src = spec.source
     if "files" in src:
-        write_tree(dest, {p: t.encode() for p, t in src["files"].items()})
+        write_files(dest, {p: t.encode() for p, t in src["files"].items()})
     elif "git" in src:
         dest.mkdir(parents=True)
         # `git archive` of the base commit: the tree only, so no later commit can be mined
@@ -129,17 +129,6 @@ def read_tree(root: Path) -> dict[str, bytes]:
                 continue
             out[path.relative_to(root).as_posix()] = path.read_bytes()
     return out
-
-
-def write_tree(root: Path, files: dict[str, bytes]) -> None:
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    for rel, data in files.items():
-        path = (root / rel).resolve()
-        if not path.is_relative_to(root.resolve()):
-            raise ValueError(f"repo file {rel!r} is outside the repository")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
 
 
 # ---------------------------------------------------------------- patches
@@ -245,7 +234,7 @@ def verify_patch(task, patch: str, image: str | None = None, base: dict[str, byt
     limits = Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20)
     with open_sandbox(image=image, limits=limits) as sb:
         root = sb.workdir
-        write_tree(root, base)
+        write_files(root, base)
         if patch.strip():
             r = sb.run(
                 "git apply --whitespace=nowarn .snowcat-agent.patch; rc=$?; rm -f .snowcat-agent.patch; exit $rc",
