@@ -359,8 +359,6 @@ class LocalSandbox(Sandbox):
             os.chown(self.workdir, NOBODY, NOBODY)
             for p in self.workdir.rglob("*"):
                 os.lchown(p, NOBODY, NOBODY)
-        if self.isolate and self._newroot is None:
-            self._newroot = tempfile.mkdtemp(prefix="snowcat-sandbox-root-")
 
     def _group(self) -> CallCgroup | None:
         return super()._group() if self.isolate else None
@@ -374,9 +372,9 @@ class LocalSandbox(Sandbox):
         if not self.root:
             ns = ["--user", "--map-root-user", *ns]
         uid = str(NOBODY) if self.root else "keep"
-        newroot = self._newroot or tempfile.mkdtemp(prefix="snowcat-sandbox-root-")
-        self._newroot = newroot
-        init = [str(self.workdir), str(ready_fd), uid, newroot, ":".join(self.expose), self.inside]
+        if self._newroot is None:  # made once, reused by every call (each mounts its root privately)
+            self._newroot = tempfile.mkdtemp(prefix="snowcat-sandbox-root-")
+        init = [str(self.workdir), str(ready_fd), uid, self._newroot, ":".join(self.expose), self.inside]
         return [self.unshare, *ns, "bash", "-c", _INIT, "sandbox-init", *init, *argv]
 
 
