@@ -25,6 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
+import pyarrow.parquet as pq
+
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.pipeline.provenance import host_state
 
@@ -77,9 +80,6 @@ def _agent_rows(stage_dir: Path, tasks_dir: Path, prefix: str) -> dict[str, floa
             rows[f"{prefix}/{ref}/agent/{key}"] = value
     val = tasks_dir / "val.parquet"
     if (stage_dir / "traces.h5").is_file() and val.is_file():
-        import h5py  # noqa: PLC0415 - only agent evaluations need it
-        import pyarrow.parquet as pq  # noqa: PLC0415
-
         kind = {r["task_id"]: json.loads(r["meta"]).get("bug_kind") for r in pq.read_table(val).to_pylist()}
         with h5py.File(stage_dir / "traces.h5") as f:
             refs = [x.decode() for x in f["checkpoint"][()]]

@@ -18,7 +18,7 @@ from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_text
 from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks, task_key
-from snowcat.stages.taskgen.importers import ImportError_, import_harbor, import_swebench
+from snowcat.stages.taskgen.importers import TaskImportError, import_harbor, import_swebench
 
 
 def _with_image(task, images: Path, key: str):
@@ -45,9 +45,9 @@ def _import(imp, key: str) -> list:
             return import_swebench(path, imp.repos_dir, domain=imp.domain, test_command=imp.test_command)
         dirs = [path] if (path / "task.toml").is_file() else sorted(p for p in path.iterdir() if (p / "task.toml").is_file())
         if not dirs:
-            raise ImportError_(f"{path}: no Harbor task directories (with task.toml)")
+            raise TaskImportError(f"{path}: no Harbor task directories (with task.toml)")
         return [import_harbor(d, domain=imp.domain) for d in dirs]
-    except ImportError_ as e:
+    except TaskImportError as e:
         raise UserError(f"{key}: {e}") from None
 
 

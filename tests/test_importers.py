@@ -13,7 +13,7 @@ import pytest
 from snowcat.stages.agent.repo_env import parse_tool_call
 from snowcat.stages.agent.traces import TraceError, import_traces
 from snowcat.stages.taskgen import verify
-from snowcat.stages.taskgen.importers import ImportError_, import_harbor, import_swebench
+from snowcat.stages.taskgen.importers import TaskImportError, import_harbor, import_swebench
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, snapshot_files
 from snowcat.stages.tokenizer import message_text
 
@@ -91,14 +91,14 @@ def test_swebench_task_is_judged_by_its_hidden_tests(swebench):
 
 def test_swebench_import_errors_name_the_row(swebench, tmp_path):
     path, repos, row = swebench
-    with pytest.raises(ImportError_, match=rf"{path}:1: no local clone of acme/calc .*prestage"):
+    with pytest.raises(TaskImportError, match=rf"{path}:1: no local clone of acme/calc .*prestage"):
         import_swebench(path, tmp_path / "elsewhere")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({k: v for k, v in row.items() if k != "base_commit"}) + "\n")
-    with pytest.raises(ImportError_, match=rf"{bad}:1: missing base_commit"):
+    with pytest.raises(TaskImportError, match=rf"{bad}:1: missing base_commit"):
         import_swebench(bad, repos)
     bad.write_text(json.dumps(row | {"base_commit": "0" * 40}) + "\n")
-    with pytest.raises(ImportError_, match="does not hold base_commit"):
+    with pytest.raises(TaskImportError, match="does not hold base_commit"):
         import_swebench(bad, repos)
 
 
@@ -129,9 +129,9 @@ def test_harbor_import(harbor):
     assert spec.timeout_s == 20.0 and task.meta["agent_timeout_s"] == 60.0 and "sed -i" in task.meta["solution"]
     assert "From: python:3.11-slim" in task.meta["apptainer_recipe"]
     (harbor / "task.toml").write_text("not [toml")
-    with pytest.raises(ImportError_, match="task.toml"):
+    with pytest.raises(TaskImportError, match="task.toml"):
         import_harbor(harbor)
-    with pytest.raises(ImportError_, match="not a Harbor task"):
+    with pytest.raises(TaskImportError, match="not a Harbor task"):
         import_harbor(harbor / "tests")
 
 

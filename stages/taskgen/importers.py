@@ -30,7 +30,7 @@ HARBOR_DIFFICULTY = {"easy": 1, "medium": 2, "hard": 3}
 SWEBENCH_DIFFICULTY = {"<15 min fix": 1, "15 min - 1 hour": 2, "1-4 hours": 3, ">4 hours": 4}
 
 
-class ImportError_(ValueError):
+class TaskImportError(ValueError):
     """A task that cannot be imported; the message names the file and the field."""
 
 
@@ -39,9 +39,9 @@ def _list(value, where: str) -> list[str]:
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise ImportError_(f"{where}: not a JSON list") from None
+            raise TaskImportError(f"{where}: not a JSON list") from None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ImportError_(f"{where}: expected a list of test ids")
+        raise TaskImportError(f"{where}: expected a list of test ids")
     return value
 
 
@@ -51,9 +51,9 @@ def _local_repo(repos_dir: Path, repo: str, commit: str, where: str) -> Path:
         if cand.exists():
             ok = subprocess.run(["git", "-C", str(cand), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
             if ok.returncode != 0:
-                raise ImportError_(f"{where}: {cand} does not hold base_commit {commit}")
+                raise TaskImportError(f"{where}: {cand} does not hold base_commit {commit}")
             return cand.resolve()
-    raise ImportError_(f"{where}: no local clone of {repo} under {repos_dir} (compute nodes have no network: prestage it)")
+    raise TaskImportError(f"{where}: no local clone of {repo} under {repos_dir} (compute nodes have no network: prestage it)")
 
 
 def import_swebench(
@@ -76,10 +76,10 @@ def import_swebench(
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ImportError_(f"{where}: not JSON: {e.msg}") from None
+            raise TaskImportError(f"{where}: not JSON: {e.msg}") from None
         missing = [k for k in ("instance_id", "repo", "base_commit", "problem_statement", "FAIL_TO_PASS") if not row.get(k)]
         if missing:
-            raise ImportError_(f"{where}: missing {', '.join(missing)}")
+            raise TaskImportError(f"{where}: missing {', '.join(missing)}")
         clone = _local_repo(repos_dir, row["repo"], row["base_commit"], where)
         test_patch = row.get("test_patch") or ""
         spec = RepoSpec(
@@ -102,11 +102,11 @@ def import_harbor(task_dir: str | Path, *, domain: str = "terminal") -> Task:
     root = Path(task_dir)
     for required in ("instruction.md", "task.toml", "tests/test.sh"):
         if not (root / required).is_file():
-            raise ImportError_(f"{root}: not a Harbor task (no {required})")
+            raise TaskImportError(f"{root}: not a Harbor task (no {required})")
     try:
         config = tomllib.loads((root / "task.toml").read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ImportError_(f"{root / 'task.toml'}: {e}") from None
+        raise TaskImportError(f"{root / 'task.toml'}: {e}") from None
     env_dir = root / "environment"
     files = {p: b.decode() for p, b in read_tree(env_dir).items() if p != "Dockerfile"} if env_dir.is_dir() else {}
     tests = {f"tests/{p}": b for p, b in read_tree(root / "tests").items()}
@@ -148,4 +148,4 @@ def _megabytes(value, where: Path) -> int | None:
             return int(float(text[:-1]) * scale[text[-1]])
         return int(text)
     except ValueError:
-        raise ImportError_(f"{where / 'task.toml'}: environment.memory {value!r} is not a size") from None
+        raise TaskImportError(f"{where / 'task.toml'}: environment.memory {value!r} is not a size") from None
