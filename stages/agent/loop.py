@@ -20,6 +20,7 @@ Determinism: turn t of episode (group_id, attempt) samples from a generator seed
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -139,16 +140,13 @@ def run_episodes(
                 for e in live:
                     e.end("infra_error", detail=f"engine: {exc}")
                 break
-            if env.parallel and len(live) > 1:
-                # tool calls (sandboxed processes) of different episodes at once, bounded by the cores
-                with ThreadPoolExecutor(max_workers=min(len(live), len(os.sched_getaffinity(0)))) as pool:
-                    n = len(live)
-                    list(
-                        pool.map(_advance, live, completions, [turn] * n, [env] * n, [tokenizer] * n, [budget] * n, [locked] * n)
-                    )
-            else:
-                for e, c in zip(live, completions):
-                    _advance(e, c, turn, env, tokenizer, budget, verifier)
+            advance = functools.partial(_advance, turn=turn, env=env, tok=tokenizer, budget=budget, verifier=locked)
+            workers = min(len(live), len(os.sched_getaffinity(0))) if env.parallel else 1
+            if workers > 1:  # a parallel env's tool calls (sandboxed processes) of different episodes at once
+                with ThreadPoolExecutor(max_workers=workers) as pool:
+                    list(pool.map(advance, live, completions))
+            else:  # in this thread: a verifier may rely on being in the main thread (signals)
+                list(map(advance, live, completions))
     finally:
         for e in episodes:
             env.finish(e.state)
