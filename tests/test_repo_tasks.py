@@ -72,7 +72,7 @@ def test_gold_patch_passes_and_empty_patch_fails(tasks):
 
 
 @needs_sandbox
-def test_editing_the_tests_gains_nothing(tasks):
+def test_editing_the_tests_gains_nothing(tasks, tmp_path):
     task = tasks[0]
     spec = RepoSpec.from_task(task)
     base = snapshot_files(spec)
@@ -86,13 +86,10 @@ def test_editing_the_tests_gains_nothing(tasks):
     # ... while the same test edits on top of the real fix still pass (nothing else is judged)
     fixed_module = task.meta["module"]
     gold_files = dict(base)
-    fix_dir = repo_mod.materialise_source(
-        spec, __import__("pathlib").Path(os.environ.get("TMPDIR", "/tmp")) / f"fix-{task.task_id}"
-    )
+    fix_dir = repo_mod.materialise_source(spec, tmp_path / "fix")
     (fix_dir / "gold.diff").write_text(task.answer)
     subprocess.run(["git", "apply", "gold.diff"], cwd=fix_dir, check=True)
     gold_files[fixed_module] = (fix_dir / fixed_module).read_bytes()
-    shutil.rmtree(fix_dir)
     assert verify(task, make_patch(base, gold_files | {p: b"import unittest\n" for p in spec.test_paths})).passed
 
 
