@@ -3,6 +3,7 @@
 Checks, each naming the file at fault:
   outputs     every unit is done and every file hashes as its manifest says (`RunDir.verify_unit`)
   provenance  every unit's provenance record is complete and still matches the files (`check_complete`)
+  lineage     the inputs each unit recorded in provenance are the inputs' current outputs (not stale)
   history     the metrics history has no torn rows or gaps and reaches the recorded step count
               (`history.h5` via `check_gaps`; each unit's `metrics_history.jsonl`)
   export      each exported model dir matches its own manifest and the hash export.json recorded,
@@ -90,6 +91,8 @@ def audit(run: RunDir, known_secrets=None) -> list[Check]:
                 [f"{path}: missing"] if record is None else [f"{path}: {p}" for p in provenance.check_complete(record, run.path)]
             )
             checks.append(prov)
+            if record is not None:
+                checks.append(_lineage_check(run, dag, unit, path, record))
 
             metrics = run.metrics(unit)
             last = _expected_last(metrics)
@@ -118,6 +121,22 @@ def audit(run: RunDir, known_secrets=None) -> list[Check]:
         )
     )
     return checks
+
+
+def _lineage_check(run: RunDir, dag, unit, path: Path, record: dict) -> Check:
+    """The inputs this unit was computed from (its provenance record) are the inputs there now."""
+    check = Check("lineage", unit.key)
+    current = run.input_digests(dag, unit.stage)
+    recorded = record.get("inputs") or {}
+    for need, digest in current.items():
+        was = (recorded.get(need) or {}).get("sha256")
+        if was != digest:
+            now = "not done" if digest is None else f"{digest[:12]}"
+            check.problems.append(
+                f"{path}: input {need} was {str(was)[:12]} when this unit ran, is {now} now (stale: snowcat resume re-runs it)"
+            )
+    check.note = ", ".join(current) or "no inputs"
+    return check
 
 
 def _export_check(run: RunDir, unit) -> Check:

@@ -24,10 +24,11 @@ from . import config as config_mod
 from .dag import Dag, build
 from .errors import UserError
 from .executors import make_executor
+from .fsio import remove_leftovers
 from .progress import progress_lines, styled
 from .rundir import RunDir, new_run_id
 from .schema import hf_sources, resolve_hf
-from .scrub import env_secrets
+from .scrub import scrub_text
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -67,8 +68,14 @@ def drive(run: RunDir, dag: Dag, cfg) -> int:
                     f"{problems[0]} — stage {node.name!r} is done but its outputs changed; restore them, "
                     f"or delete {run.stage_dir(node.name)} to recompute it"
                 )
+            if status == "stale":
+                for unit in node.units:
+                    with run.unit_lock(unit):
+                        where = run.set_aside(unit)
+                err.print(Text(f"{problems[0]}: re-running it; its old outputs are in {where.parent}"))
             if status != "done":
                 todo.append(node.name)
+        _remove_leftovers(run, dag)
         if not todo:
             err.print(Text.assemble((f"all {len(dag.nodes)} stages done", "green"), f" in {run.path}"))
             return 0
@@ -83,13 +90,23 @@ def drive(run: RunDir, dag: Dag, cfg) -> int:
     return code
 
 
+def _remove_leftovers(run: RunDir, dag: Dag) -> None:
+    """Temp files a killed writer left behind, in every unit nobody is running now."""
+    for node in dag:
+        for unit in node.units:
+            try:
+                with run.unit_lock(unit):
+                    remove_leftovers(run.unit_dir(unit))
+            except UserError:
+                continue  # being run (by hand, or a job of this run): its temp files may be in use
+
+
 def cmd_run(args) -> int:
     overrides = list(args.overrides)
     if args.executor:
         overrides.append(f"executor.kind={args.executor}")
     cfg = config_mod.load(args.config, overrides, site=args.site)
     dag = build(cfg)
-    _refuse_secrets(cfg)
     run_dir = Path(args.run_dir) if args.run_dir else None
     existing = run_dir is not None and (run_dir / "config.yaml").is_file()
     if args.dry_run:
@@ -128,27 +145,6 @@ def dry_run(cfg, dag: Dag, run: RunDir | None, run_dir: Path | None) -> int:
         )
     )
     return 0
-
-
-def _refuse_secrets(cfg) -> None:
-    """A config that resolves to a credential (e.g. via ${oc.env:HF_TOKEN}) is never frozen to disk."""
-
-    secrets = env_secrets()
-    flat = OmegaConf.to_container(cfg, resolve=True)
-    stack = [("", flat)]
-    while stack:
-        path, node = stack.pop()
-        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-        for key, value in items:
-            where = f"{path}.{key}" if path else str(key)
-            if isinstance(value, (dict, list)):
-                stack.append((where, value))
-            elif isinstance(value, str):
-                for name, secret in secrets.items():
-                    if secret in value:
-                        raise UserError(
-                            f"{where}: resolves to the value of the secret variable {name}; a run directory must never record it"
-                        )
 
 
 def cmd_resume(args) -> int:
@@ -384,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(scrub_text(str(e)))}", highlight=False, soft_wrap=True)  # may quote an override
         return 2
     except KeyboardInterrupt:
         return 130

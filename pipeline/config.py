@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from snowcat.pipeline import scrub
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.schema import (
     HF_PREFIX,
@@ -322,8 +323,36 @@ def resolve(cfg: DictConfig, label: str = "config") -> DictConfig:
 
 
 def load(path: str | Path, overrides: list[str] = (), site: str | None = None) -> DictConfig:
-    """compose + resolve: the fully resolved, typed run config."""
-    return resolve(compose(path, overrides, site), str(path))
+    """compose + resolve: the fully resolved, typed run config (refused if it holds a credential)."""
+    cfg = resolve(compose(path, overrides, site), str(path))
+    refuse_secrets(cfg, str(path), list(overrides))
+    return cfg
+
+
+def refuse_secrets(cfg: DictConfig, label: str, overrides: list[str] = ()) -> None:
+    """A resolved config is frozen into the run directory, provenance and cards: it must hold no
+    credential, neither a value of a secret environment variable (e.g. via ${oc.env:HF_TOKEN}) nor a
+    credential-shaped string (a password in a URL, a token). The message never repeats the value."""
+    known = scrub.env_secrets()
+    stack: list[tuple[str, object]] = [("", OmegaConf.to_container(cfg, resolve=True))]
+    while stack:
+        where, node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            at = f"{where}.{key}" if where else str(key)
+            if isinstance(value, (dict, list)):
+                stack.append((at, value))
+                continue
+            if not isinstance(value, str):
+                continue
+            found = [f"the value of the secret variable {name}" for name, secret in known.items() if secret in value]
+            found += [f"a credential ({kind})" for kind in scrub.secret_kinds(value, high_entropy=False)]
+            if found:
+                source = next((f"override {o.split('=', 1)[0]}=..." for o in overrides if value in o), label)
+                raise UserError(
+                    f"{source}: {at}: holds {found[0]}; a run directory must never record it — "
+                    "pass credentials through the environment or a credentials file the tool reads (e.g. HF_TOKEN, ~/.netrc)"
+                )
 
 
 def load_frozen(path: str | Path) -> DictConfig:

@@ -7,6 +7,8 @@ A kill at any instant leaves either the old content or the new, never a torn fil
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import io
 import json
@@ -85,21 +87,52 @@ def read_json(path: str | os.PathLike, default: Any = None) -> Any:
         return default
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (renameat2 RENAME_EXCHANGE); False where the filesystem or libc
+    cannot (e.g. NFS), so the caller falls back to two renames."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up: a directory entry is durable only once
+    the directory holding it is synced, nested ones included."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(Path(dirpath))
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Build a directory under a temp name; rename it to `path` only if the block succeeds.
+    """Build a directory under a temp name; put it at `path` only if the block succeeds.
 
-    An existing `path` is replaced (moved aside, then removed) so readers see old or new, never a mix.
+    An existing `path` is swapped with the new one in a single rename (readers see old or new,
+    never a mix or nothing); where the filesystem cannot swap, the old one is moved aside to
+    `.<name>.old` first, which `remove_leftovers` puts back if a kill falls between the two renames.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temp_dir(path.parent, f".{path.name}.", ".tmp")
     try:
         yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
+        _fsync_tree(tmp)
+        if path.exists() and _exchange(tmp, path):
+            _fsync_dir(path.parent)
+            shutil.rmtree(tmp, ignore_errors=True)  # now the old content
+            return
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old")
@@ -112,6 +145,39 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_leftovers(root: str | os.PathLike) -> list[Path]:
+    """Temp files and directories a killed writer left under `root` (`.<name>.*.tmp`, `.<name>.old`).
+
+    Call it only while no writer can be at work there (the unit's lock held). A `.<name>.old` whose
+    `<name>` is missing is the previous complete version, caught between atomic_dir's two renames:
+    it is put back, not removed. Returns what was removed or restored."""
+    root = Path(root)
+    found = []
+    if not root.is_dir():
+        return found
+    for dirpath, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            if not name.startswith("."):
+                continue
+            entry = Path(dirpath) / name
+            if name.endswith(".old"):
+                target = entry.with_name(name[1:-4])
+                if not target.exists():
+                    os.replace(entry, target)
+                    _fsync_dir(entry.parent)
+                    found.append(entry)
+                    continue
+            elif not name.endswith(".tmp"):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            found.append(entry)
+        dirs[:] = [d for d in dirs if (Path(dirpath) / d).is_dir()]
+    return found
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -25,6 +25,7 @@ STYLE = {
     "done": "green",
     "failed": "red",
     "modified": "red",
+    "stale": "red",
     "running": "yellow",
     "started": "cyan",
     "continues": "cyan",

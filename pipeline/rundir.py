@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import os
 import secrets
 import shutil
@@ -27,12 +28,23 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig
 
 from . import config as config_mod
+from . import procid, provenance
 from .dag import Dag, Unit
 from .errors import UserError
-from .fsio import atomic_write_json, atomic_write_text, make_temp_dir, read_json, sha256_file, verify_manifest, write_manifest
+from .fsio import (
+    atomic_write_json,
+    atomic_write_text,
+    make_temp_dir,
+    read_json,
+    sha256_bytes,
+    sha256_file,
+    verify_manifest,
+    write_manifest,
+)
+from .scrub import scrub_text
 
 DONE = "DONE"
-STATUSES = ("pending", "submitted", "running", "done", "failed", "cancelled", "modified")
+STATUSES = ("pending", "submitted", "running", "done", "failed", "cancelled", "modified", "stale")
 
 
 def now() -> str:
@@ -41,6 +53,14 @@ def now() -> str:
 
 def new_run_id(name: str) -> str:
     return f"{name}-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+def _holder(path: Path) -> dict | None:
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) and "pid" in holder else None
 
 
 class RunDir:
@@ -59,8 +79,10 @@ class RunDir:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_temp_dir(path.parent, f".{path.name}.")
         try:
-            atomic_write_text(tmp / "config.yaml", config_mod.to_yaml(cfg))
-            atomic_write_json(tmp / "run.json", {"run_id": run_id, "created": now(), "origin": origin or {}})
+            text = config_mod.to_yaml(cfg)
+            atomic_write_text(tmp / "config.yaml", text)
+            info = {"run_id": run_id, "created": now(), "origin": origin or {}, "config_sha256": sha256_bytes(text.encode())}
+            atomic_write_json(tmp / "run.json", info)
             atomic_write_json(tmp / "state.json", {"stages": {}})
             if path.exists():
                 path.rmdir()
@@ -72,10 +94,26 @@ class RunDir:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> RunDir:
+        """Open an existing run; its frozen config must still be the one recorded at creation."""
         run = cls(path)
         if not (run.path / "config.yaml").is_file() or not (run.path / "run.json").is_file():
             raise UserError(f"{path}: not a snowcat run directory (no config.yaml / run.json)")
+        run.verify_config()
         return run
+
+    def verify_config(self) -> None:
+        """A truncated or edited config.yaml would silently shrink the DAG or fall back to defaults."""
+        try:
+            recorded = json.loads((self.path / "run.json").read_text()).get("config_sha256")
+        except (ValueError, AttributeError):
+            raise UserError(f"{self.path / 'run.json'}: damaged (not a JSON object); the run cannot be opened") from None
+        if recorded is None:
+            raise UserError(f"{self.path / 'run.json'}: records no config_sha256 (made by an older snowcat?)")
+        if sha256_file(self.path / "config.yaml") != recorded:
+            raise UserError(
+                f"{self.path / 'config.yaml'}: differs from the config frozen at creation (sha256 recorded in run.json); "
+                "restore it — a run's config never changes (start a new run for a new config)"
+            )
 
     @property
     def run_id(self) -> str:
@@ -94,14 +132,37 @@ class RunDir:
     @contextlib.contextmanager
     def driver_lock(self) -> Iterator[None]:
         """Held by the one snowcat process that launches or submits work for this run."""
-        lock = FileLock(self.path / ".driver.lock")
+        with self._exclusive(self.path / ".driver", "another snowcat process ({holder}) is driving this run"):
+            yield
+
+    @contextlib.contextmanager
+    def unit_lock(self, unit: Unit, rank: int = 0) -> Iterator[None]:
+        """Held by whoever runs a unit, rank by rank (the executor's process or a user by hand): two
+        runners of one unit would share its output and staging directories and delete each other's files."""
+        locks = self.path / ".locks"
+        locks.mkdir(exist_ok=True)
+        name = unit.key if rank == 0 else f"{unit.key}.rank{rank}"
+        with self._exclusive(locks / name, f"{unit.key} is already being run ({{holder}}); wait for it, or stop it"):
+            yield
+
+    def driver(self) -> dict | None:
+        """The process identity (pipeline.procid) of the last driver of this run, if recorded."""
+        return _holder(self.path / ".driver.pid")
+
+    @contextlib.contextmanager
+    def _exclusive(self, base: Path, busy: str) -> Iterator[None]:
+        """An exclusive lock `<base>.lock` (flock: released by the kernel when the holder dies), with
+        the holder's identity in `<base>.pid` for the message a second process gets."""
+        lock = FileLock(f"{base}.lock")
+        holder_file = Path(f"{base}.pid")
         try:
             lock.acquire(timeout=0)
         except Timeout:
-            holder = (self.path / ".driver.pid").read_text().strip() if (self.path / ".driver.pid").exists() else "?"
-            raise UserError(f"{self.path}: another snowcat process (pid {holder}) is driving this run") from None
+            holder = _holder(holder_file)
+            who = f"pid {holder['pid']} on {holder['host']}" if holder else "pid ?"
+            raise UserError(f"{self.path}: {busy.format(holder=who)}") from None
         try:
-            atomic_write_text(self.path / ".driver.pid", str(os.getpid()))
+            atomic_write_json(holder_file, procid.identify())
             yield
         finally:
             lock.release()
@@ -122,6 +183,8 @@ class RunDir:
             for key, value in fields.items():
                 if key == "job_ids":
                     record["job_ids"] = list(dict.fromkeys(record.get("job_ids", []) + list(value)))
+                elif key == "error" and isinstance(value, str):
+                    record[key] = scrub_text(value)  # exception text may quote a URL or a command line
                 else:
                     record[key] = value
             atomic_write_json(self.path / "state.json", state)
@@ -159,12 +222,58 @@ class RunDir:
             return [f"{manifest}: does not match the DONE marker"]
         return verify_manifest(out, exclude=(DONE,))
 
-    def mark_done(self, unit: Unit, metrics: dict) -> None:
-        """Write metrics and manifest, then the DONE marker — last, atomically."""
+    def mark_done(self, unit: Unit, metrics: dict, inputs: dict[str, str | None] | None = None) -> None:
+        """Write metrics and manifest, then the DONE marker — last, atomically. `inputs` (from
+        `input_digests`, taken when the unit started) is the lineage `stale_inputs` checks."""
         out = self.unit_dir(unit)
         atomic_write_json(out / "metrics.json", metrics)
         write_manifest(out, exclude=(DONE,))
-        atomic_write_json(out / DONE, {"manifest_sha256": sha256_file(out / "manifest.json"), "finished": now()})
+        marker = {"manifest_sha256": sha256_file(out / "manifest.json"), "finished": now(), "inputs": inputs or {}}
+        atomic_write_json(out / DONE, marker)
+
+    # --- lineage -----------------------------------------------------------------------------
+
+    def input_digests(self, dag: Dag, stage: str) -> dict[str, str | None]:
+        """Per needed stage, one sha256 over its units' manifests (None while any unit is not done):
+        the same digest provenance records as `inputs.<stage>.sha256`."""
+        digests = {}
+        for need in dag[stage].needs:
+            done = all(self.is_done(u) for u in dag[need].units)
+            digests[need] = provenance.inputs_state({need: self.stage_dir(need)}, self.path)[need]["sha256"] if done else None
+        return digests
+
+    def stale_inputs(self, dag: Dag, unit: Unit) -> list[str]:
+        """Needed stages whose outputs are no longer the ones this done unit was computed from
+        (re-run, deleted, or not done). A marker from before lineage was recorded has no `inputs`."""
+        recorded = (read_json(self.unit_dir(unit) / DONE) or {}).get("inputs")
+        if recorded is None:
+            return []
+        current = self.input_digests(dag, unit.stage)
+        return [need for need in dag[unit.stage].needs if current[need] is None or recorded.get(need) != current[need]]
+
+    def stale_stages(self, dag: Dag) -> dict[str, str]:
+        """Done stages whose lineage no longer holds, with the reason: an input changed, or an
+        upstream stage is itself stale or not done (its re-run will change what this one read)."""
+        stale: dict[str, str] = {}
+        for node in dag:  # topological order: needs are decided first
+            if not all(self.is_done(u) for u in node.units):
+                continue
+            changed = sorted({need for u in node.units for need in self.stale_inputs(dag, u)})
+            upstream = [need for need in node.needs if need in stale]
+            if changed:
+                stale[node.name] = f"input {', '.join(changed)} changed since it ran"
+            elif upstream:
+                stale[node.name] = f"upstream {', '.join(upstream)} is stale"
+        return stale
+
+    def set_aside(self, unit: Unit) -> Path:
+        """Move a stale unit's outputs to `<run>/stale/` (not deleted: they may hold the only copy
+        of a good checkpoint), so its re-run starts from scratch rather than resuming old state."""
+        target = self.path / "stale" / f"{unit.key}.{dt.datetime.now():%Y%m%d-%H%M%S}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.clear_done(unit)
+        os.replace(self.unit_dir(unit), target)
+        return target
 
     def clear_done(self, unit: Unit) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -176,12 +285,15 @@ class RunDir:
     # --- derived status ----------------------------------------------------------------------
 
     def stage_status(self, dag: Dag, stage: str, verify: bool = True) -> tuple[str, list[str]]:
-        """(status, problems): DONE markers decide `done`/`modified`; the state record the rest."""
+        """(status, problems): DONE markers decide `done`/`modified`/`stale`; the state record the rest."""
         units = dag[stage].units
         done = [u for u in units if self.is_done(u)]
         if len(done) == len(units):
             problems = [p for u in done for p in (self.verify_unit(u) if verify else [])]
-            return ("modified" if problems else "done"), problems
+            if problems:
+                return "modified", problems
+            why = self.stale_stages(dag).get(stage)
+            return ("stale", [f"{self.stage_dir(stage)}: {why}"]) if why else ("done", [])
         record = self.state()["stages"].get(stage, {})
         status = record.get("status", "pending")
         return (status if status != "done" else "failed"), []

@@ -19,10 +19,11 @@ import numpy as np
 from submitit.slurm.slurm import _parse_node_list
 
 from . import config as config_mod
-from . import provenance
+from . import procid, provenance
 from .context import PREEMPTED_EXIT_CODE, Preempted, StageContext
 from .dag import StageNode, Unit, build
 from .errors import UserError
+from .fsio import remove_leftovers
 from .logscrub import scrubbed_output
 from .offline import prepare
 from .rundir import RunDir, now
@@ -93,7 +94,7 @@ def make_context(run: RunDir, node: StageNode, unit: Unit, cfg) -> StageContext:
 
 def _job_fields() -> dict:
     job = os.environ.get("SLURM_JOB_ID")
-    fields = {"host": os.uname().nodename, "pid": os.getpid()}
+    fields = {"host": os.uname().nodename, "process": procid.identify()}
     if job:
         fields |= {"slurm_job_id": job, "node": os.environ.get("SLURMD_NODENAME", fields["host"])}
     return fields
@@ -116,15 +117,29 @@ def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
     unit = Unit(stage, index)
     if (index is None) != (node.items is None) or (index is not None and not 0 <= index < len(node.items)):
         raise UserError(f"stage {stage}: item {index} does not match its fan-out")
+    rank, world, _ = rank_and_role(node)
+    with run.unit_lock(unit, rank):  # nothing of the unit is read or written before it is ours
+        if world == 1:
+            remove_leftovers(run.unit_dir(unit))  # multi-rank units: the driver does it (ranks start together)
+        return _run_locked(run, cfg, dag, node, unit)
+
+
+def _run_locked(run: RunDir, cfg, dag, node: StageNode, unit: Unit) -> int:
     missing = [n for n in node.needs if not all(run.is_done(u) for u in dag[n].units)]
     if missing:  # e.g. a Slurm dependent released by `afterany` after its input's chain gave up
         print(f"[snowcat] {unit.key}: input stage(s) {', '.join(missing)} not done; not starting", file=sys.stderr, flush=True)
         run.update_stage(unit.key, status="failed", error=f"inputs not done: {', '.join(missing)}")
         return 1
     if run.is_done(unit) and not run.verify_unit(unit):
-        print(f"[snowcat] {unit.key}: already done, outputs verified; nothing to do", flush=True)
-        return 0
+        stale = run.stale_inputs(dag, unit)
+        if not stale:
+            print(f"[snowcat] {unit.key}: already done, outputs verified; nothing to do", flush=True)
+            return 0
+        print(
+            f"[snowcat] {unit.key}: input(s) {', '.join(stale)} changed; old outputs moved to {run.set_aside(unit)}", flush=True
+        )
     run.clear_done(unit)
+    inputs = run.input_digests(dag, unit.stage)  # what this unit reads: its lineage in the DONE marker
 
     ctx = make_context(run, node, unit, cfg)
     ctx.signal.install()
@@ -151,7 +166,7 @@ def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
     if lead:
         metrics = {"duration_s": round(time.monotonic() - t0, 3), **metrics}
         provenance.record_unit(run, unit, ctx)
-        run.mark_done(unit, metrics)
+        run.mark_done(unit, metrics, inputs)
         run.update_stage(unit.key, status="done", ended=now(), error=None)
     print(f"[snowcat] {unit.key}: done in {time.monotonic() - t0:.1f}s", flush=True)
     return 0

@@ -264,7 +264,7 @@ def test_killed_slurmd_fails_the_stage_promptly_and_resume_finishes(snowcat, slu
         # The node dies: its slurmd, the job's step daemons and the stage process, all at once.
         os.kill(pid, signal.SIGKILL)
         subprocess.run(["pkill", "-9", "-f", f"slurmstepd: \\[{record['slurm_job_id']}"], check=False)
-        os.kill(record["pid"], signal.SIGKILL)
+        os.kill(record["process"]["pid"], signal.SIGKILL)
         # SlurmdTimeout=10 on the local cluster: the node is declared down and the job ends NODE_FAIL.
         status = wait_status(snowcat, run_dir, {"failed", "done"}, timeout=180, stage="tasks")
         assert status["stages"]["tasks"]["status"] == "failed", status

@@ -5,7 +5,6 @@ stage is visible, Ctrl-C and `snowcat cancel` stop a run."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -16,13 +15,14 @@ from rich.console import Console
 
 import snowcat.pipeline.progress as progress_mod
 from snowcat.pipeline import config as config_mod
+from snowcat.pipeline import procid
 from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.progress import STYLE, Progress
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.unitprogress import PROGRESS_FILE, ProgressReporter
 
 REPO = Path(__file__).resolve().parent.parent
-STATUSES = ("done", "modified", "pending", "running", "submitted", "failed", "preempted", "cancelled")
+STATUSES = ("done", "modified", "stale", "pending", "running", "submitted", "failed", "preempted", "cancelled")
 BRACKETED = "ValueError: bad [/] closing [bold]tag[/bold] and [red"
 
 
@@ -33,17 +33,21 @@ def _tasks_stage(count: int = 20) -> str:
 def _every_status_run(tmp_path: Path) -> tuple[RunDir, object]:
     """A run with one stage in each status: done and modified really ran, the others are recorded."""
     cfg_path = tmp_path / "statuses.yaml"
+    needs = {"stale": "    needs: [done]\n"}  # done's outputs change after stale read them
     cfg_path.write_text(
-        "name: statuses\nexecutor: {kind: local}\nstages:\n" + "".join(f"  {s}:\n{_tasks_stage()}" for s in STATUSES)
+        "name: statuses\nexecutor: {kind: local}\nstages:\n"
+        + "".join(f"  {s}:\n{needs.get(s, '')}{_tasks_stage()}" for s in STATUSES)
     )
     cfg = config_mod.load(cfg_path)
     run = RunDir.create(cfg, tmp_path / "run")
-    for stage in ("done", "modified"):
+    for stage in ("done", "modified", "stale"):
         subprocess.run([sys.executable, "-m", "snowcat.stages", str(run.path), stage], cwd=REPO, check=True, capture_output=True)
     (run.stage_dir("modified") / "train.parquet").write_bytes(b"changed after it was done")
-    me = os.getpid()  # a live process: the local executor's reconciliation keeps these records
-    run.update_stage("running", status="running", executor="local", pid=me, job_ids=[f"local:{me}"], attempts=1)
-    run.update_stage("submitted", status="submitted", executor="local", pid=me, job_ids=["4242_[0-3]"])
+    (run.stage_dir("done") / "extra.txt").write_text("a re-run with another result")
+    run.mark_done(Unit("done"), run.metrics(Unit("done")), {})
+    me = procid.identify()  # a live process: the local executor's reconciliation keeps these records
+    run.update_stage("running", status="running", executor="local", group=me, job_ids=[f"local:{me['pid']}"], attempts=1)
+    run.update_stage("submitted", status="submitted", executor="local", group=me, job_ids=["4242_[0-3]"])
     run.update_stage("failed", status="failed", error=BRACKETED, attempts=2, job_ids=["local:1"])
     run.update_stage("preempted", status="preempted", attempts=1)
     run.update_stage("cancelled", status="cancelled")

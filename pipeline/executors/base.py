@@ -8,7 +8,6 @@ the run's state records with reality (live processes, `sacct`); `cancel` stops e
 from __future__ import annotations
 
 import abc
-import os
 
 from ..dag import Dag, StageNode, Unit
 from ..rundir import RunDir
@@ -44,20 +43,3 @@ class Executor(abc.ABC):
         if comps:
             return sum(c.nodes * c.tasks_per_node for c in comps.values())
         return node.config.resources.nodes * node.config.resources.tasks_per_node
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped) is not alive for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True

@@ -9,6 +9,7 @@ DONE markers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -18,11 +19,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .. import procid
 from ..context import PREEMPTED_EXIT_CODE
 from ..dag import Unit
 from ..progress import Progress
 from ..rundir import now
-from .base import Executor, pid_alive
+from .base import Executor
+
+_ACTIVE = ("running", "submitted", "pending")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -86,7 +90,7 @@ class LocalExecutor(Executor):
             unit.key,
             status="running",
             attempts=record.get("attempts", 0) + 1,
-            pid=proc.pid,
+            group=procid.identify(proc.pid),  # the process group cancel stops: pid + start time, never a bare pid
             executor="local",
             submitted=now(),
             job_ids=[f"local:{proc.pid}"],
@@ -176,23 +180,25 @@ class LocalExecutor(Executor):
         """A unit recorded as running whose process is gone (driver killed) is not running."""
         for key, record in self.run.state()["stages"].items():
             if record.get("executor") == "local" and record.get("status") in ("running", "submitted"):
-                if not pid_alive(record.get("pid")):
+                if not procid.alive(record.get("group")):
                     self.run.update_stage(key, status="failed", error="process gone (driver killed?)", ended=now())
 
     def cancel(self) -> list[str]:
+        """Stop this run's live processes: the driver, then any unit process left running. Only
+        processes whose recorded identity (pid and start time) still matches are signalled; a
+        finished unit's recorded pid may belong to someone else by now."""
         cancelled = []
-        driver = self.run.path / ".driver.pid"
-        pid = int(driver.read_text()) if driver.exists() else None
-        if pid and pid != os.getpid() and pid_alive(pid):
-            os.kill(pid, signal.SIGTERM)  # the driver stops its children and records them
-            cancelled.append(f"driver:{pid}")
+        driver = self.run.driver()
+        if driver and driver["pid"] != os.getpid() and procid.alive(driver):
+            os.kill(driver["pid"], signal.SIGTERM)  # the driver stops its children and records them
+            cancelled.append(f"driver:{driver['pid']}")
         for key, record in self.run.state()["stages"].items():
-            if record.get("executor") == "local" and pid_alive(record.get("pid")):
-                try:
-                    os.killpg(record["pid"], signal.SIGINT)
-                except ProcessLookupError:
-                    pass
-                cancelled.append(f"local:{record['pid']}")
-            if record.get("status") in ("running", "submitted", "pending"):
-                self.run.update_stage(key, status="cancelled", ended=now())
+            if record.get("status") not in _ACTIVE:
+                continue
+            group = record.get("group")
+            if record.get("executor") == "local" and procid.alive(group):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group["pid"], signal.SIGINT)
+                cancelled.append(f"local:{group['pid']}")
+            self.run.update_stage(key, status="cancelled", ended=now())
         return cancelled
