@@ -295,7 +295,7 @@ def run(ctx) -> dict:
     # no metric during SFT: retention keeps the last `keep_last` (and records what it deletes)
     policy = RetentionPolicy(metric="val/pass@1", keep_best=1, keep_last=cfg.keep_last)
     checkpoints = Checkpoints(
-        ckpts, backend, tok, policy, meta={"stage": ctx.name, "seed": ctx.seed, "tokenizer": tok.fingerprint()}
+        ckpts, backend, tok, policy, meta={"stage": ctx.name, "seed": ctx.seed, "tokenizer": tok.fingerprint()}, seed=ctx.seed
     )
     client = checkpoints.restore()
     if client is not None:

@@ -123,7 +123,7 @@ class Trainer(TrainLoop):
             ref_model = load_model_dir(self.init_path, device=self.device)[0].eval().requires_grad_(False)
         self.loss_fn = make_loss_fn(self.params, loss_cfg, ref_model, replay=cfg.router_replay)
         policy = RetentionPolicy(metric="val/pass@1", mode="max", keep_best=cfg.keep_best, keep_last=cfg.keep_last)
-        checkpoints = Checkpoints(ckpts, backend, self.tok, policy, meta={"stage": ctx.name, "seed": ctx.seed})
+        checkpoints = Checkpoints(ckpts, backend, self.tok, policy, meta={"stage": ctx.name, "seed": ctx.seed}, seed=ctx.seed)
         client = checkpoints.restore()
         self.eval_cache: dict = client.get("last_eval", {}) if client else {}  # the retention metric of the next checkpoint
         log = MetricsLog(
@@ -145,7 +145,8 @@ class Trainer(TrainLoop):
             "lag": self.cfg.lag,
             "data_order": "pure function of (seed, batch index)",
             "last_eval": self.eval_cache,
-            "handoff_versions": self.handoff.versions(),
+            # not the handoff versions on disk: they depend on where earlier attempts stopped, and a
+            # resumed run's checkpoint must equal an uninterrupted one's (resume needs only the step)
         }
 
     def save(self, rec: dict | None = None) -> bool:

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from snowcat.pipeline.errors import UserError
 
+from . import canonical
 from .optim import OptimConfig, build_optimizer, lr_factor
 
 
@@ -175,10 +176,8 @@ class TorchBackend:
         """Optimizer + schedule + step into `dir` (collective; replicated state: rank 0 writes)."""
         if self.rank == 0:
             dir.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step},
-                dir / "optimizer.pt",
-            )
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step}
+            canonical.save(state, dir / "optimizer.pt")  # a resumed run's equal state: equal bytes
 
     def load_state(self, dir) -> None:
         sd = torch.load(dir / "optimizer.pt", map_location=self.device, weights_only=False)

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from snowcat.pipeline.fsio import verify_manifest
 from snowcat.stages.model.io import load_hf_state_dict, read_tensors, save_model_dir
 
+from . import canonical
+
 STEP_RE = re.compile(r"^step_(\d+)$")
 STATE = "trainer_state"
 
@@ -46,6 +48,15 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def seed_rng(seed: int) -> None:
+    """A fresh start's generators (torch on every device, numpy's and Python's global ones), from the
+    unit's seed alone: whether the model was just initialised, read from `initial` by a retry, or
+    loaded from elsewhere, the states every checkpoint records are then the same."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def _set_rng_state(state: dict) -> None:
@@ -69,9 +80,9 @@ def save_checkpoint(
         (staging / STATE).mkdir(parents=True)
     _barrier(world_size)
     backend.save_state(staging / STATE)
-    torch.save(_rng_state(), staging / STATE / f"rng_rank{rank:05d}.pt")
+    canonical.save(_rng_state(), staging / STATE / f"rng_rank{rank:05d}.pt")
     if rank == 0:
-        torch.save({"step": backend.step, **(client_state or {})}, staging / STATE / "client.pt")
+        canonical.save({"step": backend.step, **(client_state or {})}, staging / STATE / "client.pt")
     _barrier(world_size)
     with backend.full_params():
         if rank == 0:

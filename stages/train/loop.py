@@ -21,15 +21,15 @@ from snowcat.pipeline.retention import Retention, RetentionPolicy
 from snowcat.stages.model.io import save_model_dir
 
 from .backend import StepStats
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_name
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, seed_rng, step_name
 
 
 class Checkpoints:
     """A stage's `checkpoints/`: resumable `step_NNNNNN/` under a retention policy (every deletion on
     the ledger `retention.json`), the trained model in `final/`, and `best` naming the one to use."""
 
-    def __init__(self, root: str | os.PathLike, backend, tokenizer, policy: RetentionPolicy, meta: dict):
-        self.root, self.backend, self.tokenizer, self.meta = Path(root), backend, tokenizer, meta
+    def __init__(self, root: str | os.PathLike, backend, tokenizer, policy: RetentionPolicy, meta: dict, *, seed: int):
+        self.root, self.backend, self.tokenizer, self.meta, self.seed = Path(root), backend, tokenizer, meta, seed
         # one writer: rank 0 keeps the ledger; every rank writes its part of a checkpoint
         self.retention = Retention(self.root, policy, name="step_{step:06d}") if backend.rank == 0 else None
         self.last_saved: int | None = None
@@ -38,9 +38,11 @@ class Checkpoints:
         return self.root / step_name(step)
 
     def restore(self) -> dict | None:
-        """Load the newest verified checkpoint into the backend; its client state, or None for a fresh start."""
+        """Load the newest verified checkpoint into the backend; its client state, or None for a fresh
+        start, whose generators are then seeded (a retry from `initial` must not inherit another path's)."""
         latest = latest_checkpoint(self.root)
         if latest is None:
+            seed_rng(self.seed)
             return None
         client = load_checkpoint(latest, self.backend)
         self.last_saved = self.backend.step
