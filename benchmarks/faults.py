@@ -18,6 +18,7 @@ compares the outcome with the reference. Per fault kind it counts:
   unrecovered   still not done after the retries, or a refusal the fault did not call for
   orphans       a stage process still alive after its driver was SIGKILLed
   leftovers     temp/staging/`.old` entries left in the stage directories after recovery
+  two_writers   a second driver or a by-hand unit worked on a unit while another process ran it
 
 Faults that damage outputs expect a refusal (exit 2 naming the file) followed by the documented
 remedy, deleting the stage directory and resuming; a damaged config.yaml must be refused (exit 2
@@ -54,7 +55,7 @@ from snowcat.pipeline.provenance import host_state
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "faults.yaml"
 RESULTS = REPO / "benchmarks" / "results" / "faults-local.json"
-CATEGORIES = ("torn", "lost", "hangs", "mismatches", "killed", "unrecovered", "orphans", "leftovers")
+CATEGORIES = ("torn", "lost", "hangs", "mismatches", "killed", "unrecovered", "orphans", "leftovers", "two_writers")
 
 # What the comparison with the reference leaves out, and why. Every other byte of every file in a
 # stage manifest must be equal.
@@ -676,7 +677,7 @@ class Campaign:
         if second is None:
             f.problems["hangs"].append("the second driver ran past the time-out")
         elif first_alive and proc.poll() is None and second != 2:
-            f.problems["unrecovered"].append(f"the second driver exited {second} while the first was driving")
+            f.problems["two_writers"].append(f"the second driver exited {second} while the first was driving")
         f.params["first_rc"] = self.finish_driver(f, proc)
         f.done_before = done_units(f.run)
         self.check_torn(f, "after both drivers")
@@ -688,10 +689,21 @@ class Campaign:
         f.params["delay_s"] = round(rng.uniform(0, 3), 2)
         time.sleep(f.params["delay_s"])
         f.done_before = done_units(f.run)
-        hand = _unit_cmd(f.run, "sft", f.dir / "by-hand.log")
+        driver_sft = [pid for pid, s in stage_pids(f.run) if s == "sft"]
+        hand_log = f.dir / "by-hand.log"
+        hand = _unit_cmd(f.run, "sft", hand_log)
+
+        def overlap() -> bool:  # the by-hand unit began training while the driver's SFT process lived
+            return "sft (sft) rank" in hand_log.read_text(errors="replace") and any(
+                Path(f"/proc/{p}").exists() for p in driver_sft
+            )
+
+        both = wait_for(lambda: overlap() or hand.poll() is not None, self.timeout, poll=0.02)
+        if both is True and overlap():
+            f.problems["two_writers"].append("the by-hand sft unit ran while the driver's sft process was running")
         f.params["by_hand_rc"] = wait(hand, self.timeout)
         f.params["driver_rc"] = self.finish_driver(f, proc)
-        f.params["by_hand_said"] = last_output(f.dir / "by-hand.log", 1)[:300]
+        f.params["by_hand_said"] = last_output(hand_log, 1)[:300]
         self.check_torn(f, "after both")
 
     # -- recovery and verdict --
@@ -707,7 +719,11 @@ class Campaign:
             (f.run / "config.yaml").write_text(f.config_backup or "")  # the user restores it
         for _ in range(self.args.retries):
             f.resumes += 1
-            rc = wait(_cli("resume", str(f.run), log=f.log), self.timeout)
+            # a run whose creation the fault stopped (e.g. a full disk) does not exist yet: run it again
+            again = (
+                ("resume", str(f.run)) if (f.run / "run.json").is_file() else ("run", str(self.config), "--run-dir", str(f.run))
+            )
+            rc = wait(_cli(*again, log=f.log), self.timeout)
             if rc is None:
                 f.problems["hangs"].append(f"resume {f.resumes} ran past {self.timeout}s")
                 continue
