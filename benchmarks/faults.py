@@ -19,6 +19,7 @@ compares the outcome with the reference. Per fault kind it counts:
   orphans       a stage process still alive after its driver was SIGKILLed
   leftovers     temp/staging/`.old` entries left in the stage directories after recovery
   two_writers   a second driver or a by-hand unit worked on a unit while another process ran it
+  undetected    a file the fault damaged on purpose, still damaged after resume reported success
 
 Faults that damage outputs expect a refusal (exit 2 naming the file) followed by the documented
 remedy, deleting the stage directory and resuming; a damaged config.yaml must be refused (exit 2
@@ -54,22 +55,47 @@ from snowcat.pipeline.provenance import host_state
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "faults.yaml"
+RL_CONFIG = REPO / "configs" / "faults-rl.yaml"
 RESULTS = REPO / "benchmarks" / "results" / "faults-local.json"
-CATEGORIES = ("torn", "lost", "hangs", "mismatches", "killed", "unrecovered", "orphans", "leftovers", "two_writers")
+CATEGORIES = (
+    "torn",
+    "lost",
+    "hangs",
+    "mismatches",
+    "killed",
+    "unrecovered",
+    "orphans",
+    "leftovers",
+    "two_writers",
+    "undetected",
+)
 
 # What the comparison with the reference leaves out, and why. Every other byte of every file in a
 # stage manifest must be equal.
 VOLATILE_KEYS = {  # JSON keys removed before comparing the named files (any depth)
-    "metrics.json": ("duration_s", "tokens_per_s", "train_seconds"),
-    "metrics_history.jsonl": ("step_time_s", "tokens_per_s"),
+    "metrics.json": ("duration_s", "tokens_per_s", "train_seconds", "wait_seconds"),
+    "metrics_history.jsonl": (
+        "step_time_s",
+        "tokens_per_s",
+        "throughput/sampled_tokens_per_s",
+        "time/step_s",
+        "time/wait_batch_s",
+    ),
     "retention.json": ("registered_at", "time"),
 }
 # The retention ledger also lists every checkpoint a run saved and then deleted; a preempted run
 # saves one more (at the signal's step), which retention deletes. Those entries are history, not
 # output: compared are the checkpoints still retained.
 EXCLUDED = [
-    {"what": "metrics.json: duration_s, tokens_per_s, train_seconds", "why": "wall-clock durations and speeds"},
-    {"what": "metrics_history.jsonl: step_time_s, tokens_per_s", "why": "per-step wall-clock time and speed"},
+    {
+        "what": "metrics.json: duration_s, tokens_per_s, train_seconds, wait_seconds (RL: the trainer's wait for batches)",
+        "why": "wall-clock durations and speeds",
+    },
+    {
+        "what": "metrics_history.jsonl: step_time_s, tokens_per_s, throughput/sampled_tokens_per_s, time/step_s, "
+        "time/wait_batch_s",
+        "why": "per-step wall-clock times and speeds",
+    },
     {"what": "checkpoints/retention.json: registered_at, time", "why": "wall-clock stamps of the retention ledger"},
     {
         "what": "checkpoints/retention.json: entries of deleted checkpoints (`deleted`, entries marked deleted)",
@@ -81,7 +107,7 @@ EXCLUDED = [
         "why": "each run lives in its own directory; replaced by <run>",
     },
     {
-        "what": "stages/<stage>/manifest.json (the stage's own; checkpoint manifests are compared)",
+        "what": "stages/<stage>/manifest.json (the stage's own; nested checkpoint/weight manifests are compared)",
         "why": "it hashes metrics.json, timings included; every file it lists is compared on its own",
     },
     {"what": "DONE markers", "why": "they hold the finishing time and the manifest's hash (above)"},
@@ -317,6 +343,12 @@ def fingerprint(run: Path, reference: Path | None = None) -> dict[str, dict[str,
             out[key] = {"<manifest>": "unreadable"}
             continue
         out[key] = {rel: normalized(d / rel, paths) if (d / rel).is_file() else "missing" for rel in sorted(files)}
+        # nested manifests (a checkpoint's, a weight version's) are outputs too, but no stage manifest
+        # lists them: fsio.list_files leaves out every file named manifest.json, at any depth
+        for m in sorted(d.rglob("manifest.json")):
+            rel = m.relative_to(d)
+            if m != d / "manifest.json" and not any(part.startswith(".") for part in rel.parts) and str(rel) not in files:
+                out[key][str(rel)] = normalized(m, paths)
     return out
 
 
@@ -381,6 +413,7 @@ class Fault:
     exempt: set[str] = field(default_factory=set)  # units the fault damaged: they (and downstream) may re-run
     remedy: bool = False  # a refusal naming a damaged output is expected, then the documented remedy
     skip_torn: frozenset[Path] = frozenset()  # what the fault itself damaged (not torn by the pipeline)
+    ref: str = "main"  # which reference run (and config) the fault starts from and is compared with
     config_backup: str | None = None
     expect_config_refusal: bool = False
     problems: dict[str, list[str]] = field(default_factory=lambda: {c: [] for c in CATEGORIES})
@@ -393,39 +426,62 @@ class Fault:
         return self.dir / "commands.log"
 
 
+@dataclass
+class Reference:
+    """An uninterrupted run of a config: what every fault's outcome is compared with."""
+
+    config: Path
+    path: Path
+    print: dict[str, dict[str, str]] = field(default_factory=dict)
+    wall: float = 0.0
+
+
 class Campaign:
-    def __init__(self, args, root: Path, config: Path):
+    def __init__(self, args, root: Path, config: Path, rl_config: Path | None = None):
         self.args = args
         self.root = root
         self.config = config
         self.timeout = args.timeout
-        self.reference = root / "reference"
-        self.ref_print: dict[str, dict[str, str]] = {}
-        self.ref_wall = 0.0
+        self.refs = {"main": Reference(config, root / "reference")}
+        if rl_config is not None:
+            self.refs["rl"] = Reference(rl_config, root / "reference-rl")
+
+    @property
+    def reference(self) -> Path:
+        return self.refs["main"].path
+
+    @property
+    def ref_print(self) -> dict[str, dict[str, str]]:
+        return self.refs["main"].print
+
+    @property
+    def ref_wall(self) -> float:
+        return self.refs["main"].wall
 
     # -- reference --
 
-    def make_reference(self) -> None:
-        shutil.rmtree(self.reference, ignore_errors=True)
-        log = self.root / "reference.log"
+    def make_reference(self, name: str = "main") -> None:
+        ref = self.refs[name]
+        shutil.rmtree(ref.path, ignore_errors=True)
+        log = self.root / f"{ref.path.name}.log"
         t0 = time.monotonic()
-        rc = wait(_cli("run", str(self.config), "--run-dir", str(self.reference), log=log), self.timeout)
-        self.ref_wall = time.monotonic() - t0
+        rc = wait(_cli("run", str(ref.config), "--run-dir", str(ref.path), log=log), self.timeout)
+        ref.wall = time.monotonic() - t0
         if rc != 0:
-            raise SystemExit(f"the reference run failed ({rc}): {last_output(log)}")
-        self.ref_print = fingerprint(self.reference)
-        torn = torn_files(self.reference)
+            raise SystemExit(f"the reference run of {ref.config} failed ({rc}): {last_output(log)}")
+        ref.print = fingerprint(ref.path)
+        torn = torn_files(ref.path)
         if torn:
-            raise SystemExit(f"the reference run has torn files: {torn[:3]}")
+            raise SystemExit(f"the reference run {ref.path} has torn files: {torn[:3]}")
 
     def fresh(self, kind: str, index: int) -> Fault:
         d = self.root / "faults" / f"{index:04d}-{kind}"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-        return Fault(kind, index, d, d / "run")
+        return Fault(kind, index, d, d / "run", ref="rl" if kind in RL_KINDS else "main")
 
     def copy_reference(self, f: Fault) -> None:
-        shutil.copytree(self.reference, f.run, symlinks=True)
+        shutil.copytree(self.refs[f.ref].path, f.run, symlinks=True)
         f.done_before = done_units(f.run)
 
     def start(self, f: Fault) -> subprocess.Popen:
@@ -706,6 +762,80 @@ class Campaign:
         f.params["by_hand_said"] = last_output(hand_log, 1)[:300]
         self.check_torn(f, "after both")
 
+    # -- RL kinds: on a copy of the RL reference with its rl stage removed, so only RL runs again --
+
+    def _start_rl(self, f: Fault) -> subprocess.Popen:
+        self.copy_reference(f)
+        shutil.rmtree(f.run / "stages" / "rl")
+        f.done_before = done_units(f.run)
+        return _cli("resume", str(f.run), log=f.log)
+
+    def _rl_ranks(self, f: Fault) -> dict[int, int]:
+        """MPI rank -> pid of the rl stage's rank processes (their environment names the rank)."""
+        ranks = {}
+        for pid, stage in stage_pids(f.run):
+            if stage != "rl":
+                continue
+            try:
+                env = dict(
+                    x.split("=", 1)
+                    for x in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+                    if "=" in x
+                )
+            except OSError:
+                continue
+            if env.get("OMPI_COMM_WORLD_RANK", "").isdigit():
+                ranks[int(env["OMPI_COMM_WORLD_RANK"])] = pid
+        return ranks
+
+    def kill_weight_publish(self, f: Fault, rng: random.Random) -> None:
+        """SIGKILL of the trainer rank (or the driver) while it publishes weights for the rollout rank."""
+        nth = rng.randint(1, 6)
+        who = rng.choice(["trainer", "driver"])
+        f.params |= {"publish": nth, "who": who}
+        weights = f.run / "stages" / "rl" / "weights"
+        proc = self._start_rl(f)
+        seen: set[str] = set()
+
+        def publishing():
+            if proc.poll() is not None:
+                return "ended"
+            names = {p.name for p in weights.iterdir() if STAGING.match(p.name)} if weights.is_dir() else set()
+            seen.update(names)
+            return "hit" if len(seen) >= nth and names else None
+
+        state = wait_for(publishing, self.timeout, poll=0.002)
+        if state != "hit":
+            f.notes.append(f"only {len(seen)} weight publications seen")
+        else:
+            f.params["during"] = sorted(seen)[-1]
+            pid = proc.pid if who == "driver" else self._rl_ranks(f).get(0)
+            if pid is None:
+                f.notes.append("no trainer rank found")
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.finish_driver(f, proc)
+        self.after_kill(f)
+        self.check_torn(f, "after the kill")
+
+    def kill_mpi_rank(self, f: Fault, rng: random.Random) -> None:
+        """SIGKILL of one MPI rank of RL (trainer or rollout) at a random instant: the other must not hang."""
+        rank = rng.randint(0, 1)
+        duration = float(json.loads((self.refs["rl"].path / "stages" / "rl" / "metrics.json").read_text())["duration_s"])
+        f.params |= {"rank": rank, "at_s": round(rng.uniform(0.5, duration + 2.0), 2)}
+        proc = self._start_rl(f)
+        wait_for(lambda: len(self._rl_ranks(f)) == 2 or proc.poll() is not None, self.timeout, poll=0.05)
+        time.sleep(f.params["at_s"])
+        pid = self._rl_ranks(f).get(rank)
+        if pid is None:
+            f.notes.append("the rank had already ended")
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.finish_driver(f, proc)
+        self.check_torn(f, "after the kill")
+
     # -- recovery and verdict --
 
     def recover(self, f: Fault) -> None:
@@ -721,7 +851,9 @@ class Campaign:
             f.resumes += 1
             # a run whose creation the fault stopped (e.g. a full disk) does not exist yet: run it again
             again = (
-                ("resume", str(f.run)) if (f.run / "run.json").is_file() else ("run", str(self.config), "--run-dir", str(f.run))
+                ("resume", str(f.run))
+                if (f.run / "run.json").is_file()
+                else ("run", str(self.refs[f.ref].config), "--run-dir", str(f.run))
             )
             rc = wait(_cli(*again, log=f.log), self.timeout)
             if rc is None:
@@ -741,7 +873,8 @@ class Campaign:
         f.problems["unrecovered"].append(f"not done after {self.args.retries} resumes: {last_output(f.log, 1)[:300]}")
 
     def verdict(self, f: Fault) -> None:
-        graph = stage_graph(self.reference)
+        ref = self.refs[f.ref]
+        graph = stage_graph(ref.path)
         may_rerun = set(f.exempt)
         for key in f.exempt:
             may_rerun |= downstream(graph, key.split("/")[0])
@@ -753,15 +886,20 @@ class Campaign:
                 f.problems["lost"].append(f"{key}: done before the fault, not done after")
             elif after[key] != marker:
                 f.problems["lost"].append(f"{key}: done before the fault, re-run after")
-        f.problems["torn"] += [f"at the end: {t}" for t in torn_files(f.run)]
+        damaged = [p for p in f.skip_torn if p.is_file() and f.remedy]
+        f.problems["torn"] += [f"at the end: {t}" for t in torn_files(f.run, frozenset(damaged))]
+        for p in damaged:  # still there, still damaged: nothing refused it
+            original = ref.path / p.relative_to(f.run)
+            if not original.is_file() or sha256_file(original) != sha256_file(p):
+                f.problems["undetected"].append(f"{p.relative_to(f.run)}: damaged, yet resume accepted the run")
         f.problems["leftovers"] += leftovers(f.run)
         if not f.problems["unrecovered"]:
-            f.problems["mismatches"] += [
-                explain(p, self.reference, f.run) for p in compare(self.ref_print, fingerprint(f.run, self.reference))
-            ]
+            f.problems["mismatches"] += [explain(p, ref.path, f.run) for p in compare(ref.print, fingerprint(f.run, ref.path))]
 
     def one(self, kind: str, index: int, rng: random.Random) -> Fault:
         f = self.fresh(kind, index)
+        if not self.refs[f.ref].print:
+            self.make_reference(f.ref)
         self.decoy = subprocess.Popen(["sleep", "100000"], start_new_session=True)
         try:
             getattr(self, kind)(f, rng)
@@ -800,7 +938,10 @@ KINDS = (
     "stale_pid_cancel",
     "concurrent_driver",
     "by_hand_unit",
+    "kill_weight_publish",
+    "kill_mpi_rank",
 )
+RL_KINDS = ("kill_weight_publish", "kill_mpi_rank")  # on configs/faults-rl.yaml (an RL stage: two MPI ranks)
 
 
 # --- report ------------------------------------------------------------------------------------------
@@ -852,6 +993,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--faults", type=int, default=200)
     p.add_argument("--seed", type=int, default=19)
     p.add_argument("--config", default=str(CONFIG))
+    p.add_argument("--rl-config", default=str(RL_CONFIG), help="the pipeline of the RL kinds (" + ", ".join(RL_KINDS) + ")")
     p.add_argument("--root", default="/tmp/snowcat-faults")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per command before it counts as a hang")
     p.add_argument("--retries", type=int, default=4, help="resumes per fault at most")
@@ -881,12 +1023,15 @@ def main(argv: list[str]) -> int:
         return 2
     root.mkdir(parents=True, exist_ok=True)
 
-    camp = Campaign(args, root, config)
-    camp.make_reference()
-    print(
-        f"reference run: {camp.ref_wall:.1f} s, {sum(map(len, camp.ref_print.values()))} output files in {camp.reference}",
-        flush=True,
-    )
+    rl_config = Path(args.rl_config).resolve()
+    if any(k in RL_KINDS for k in kinds) and not rl_config.is_file():
+        print(f"error: {rl_config}: no such config", file=sys.stderr)
+        return 2
+    camp = Campaign(args, root, config, rl_config if any(k in RL_KINDS for k in kinds) else None)
+    for name in camp.refs:
+        camp.make_reference(name)
+        ref = camp.refs[name]
+        print(f"reference run: {ref.wall:.1f} s, {sum(map(len, ref.print.values()))} output files in {ref.path}", flush=True)
     rng = random.Random(args.seed)
     plan = [kinds[i % len(kinds)] for i in range(args.faults)]
     rng.shuffle(plan)
@@ -912,6 +1057,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if REPO in path.parents else str(path)
+
+
 def write_result(args, argv, camp: Campaign, faults: list[Fault], wall: float, partial: bool) -> None:
     table = summarize(faults)
     atomic_write_json(
@@ -922,15 +1071,15 @@ def write_result(args, argv, camp: Campaign, faults: list[Fault], wall: float, p
             "partial": partial,
             "command": "snowcat bench faults " + " ".join(argv),
             "git_revision": git_revision(),
-            "config": str(Path(args.config).resolve().relative_to(REPO))
-            if REPO in Path(args.config).resolve().parents
-            else args.config,
-            "config_text": camp.config.read_text(),
+            "configs": {name: {"path": _shown(ref.config), "text": ref.config.read_text()} for name, ref in camp.refs.items()},
             "seed": args.seed,
             "timeout_s": args.timeout,
             "retries": args.retries,
             "machine": host_state(probe_gpu=False) | {"cpu_flags": None},
-            "reference": {"wall_s": round(camp.ref_wall, 1), "units": {k: len(v) for k, v in camp.ref_print.items()}},
+            "references": {
+                name: {"wall_s": round(ref.wall, 1), "files_per_unit": {k: len(v) for k, v in ref.print.items()}}
+                for name, ref in camp.refs.items()
+            },
             "excluded_from_comparison": EXCLUDED,
             "categories": list(CATEGORIES),
             "counts": table,

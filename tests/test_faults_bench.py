@@ -71,8 +71,7 @@ def test_torn_json_is_torn_and_a_leftover_is_a_leftover(runs, tmp_path):
 
 def _campaign(reference: Path) -> faults.Campaign:
     camp = faults.Campaign(argparse.Namespace(timeout=120.0, retries=2), reference.parent, Path("unused.yaml"))
-    camp.reference = reference
-    camp.ref_print = faults.fingerprint(reference)
+    camp.refs["main"] = faults.Reference(Path("unused.yaml"), reference, faults.fingerprint(reference))
     return camp
 
 
