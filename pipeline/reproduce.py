@@ -8,9 +8,10 @@
 2. Run: `snowcat run <RUN>/config.yaml --run-dir NEW` (the archived resolved config, no edits; NEW
    is a fresh run id next to the original unless given), with the recorded executor. A local run
    is waited for; a Slurm run is submitted, and the same command compares once it has finished.
-3. Compare, per stage and unit: metrics (timings excluded, see TIMING_METRICS) and every output
-   file of the manifests (sha256; JSON files that differ only in timings or run paths count as
-   equal, see `compare_files`). Exit 0 only if everything that should be deterministic matches.
+3. Compare, per stage and unit: metrics and every output file of the manifests by sha256; JSON
+   files also after removing volatile fields and run paths (`compare_files`). What is volatile is
+   a rule over names (pipeline.volatile: units of time and speed, timing namespaces), not a list,
+   and every field it removed is named in the report. Exit 0 only if everything else matches.
 """
 
 from __future__ import annotations
@@ -33,33 +34,10 @@ from .errors import UserError
 from .fsio import read_json, sha256_file
 from .provenance import code_state, source_root
 from .rundir import RunDir, new_run_id
+from .volatile import RULE, strip_volatile
 
-# Metrics and history fields that measure time or speed: excluded from comparisons (they are not
-# expected to repeat). Everything else a stage reports must match exactly.
-TIMING_METRICS = (
-    "duration_s",
-    "train_seconds",
-    "tokens_per_s",
-    "step_time_s",
-    "wall_s",
-    "elapsed_s",
-    "seconds",
-    "samples_per_s",
-    "updates_per_s",
-    "rollout_s",
-    "train_s",
-    "gen_s",
-    "wait_s",
-    # wall-clock stamps written by the runner or the retention ledger
-    "started",
-    "ended",
-    "finished",
-    "registered_at",
-    "time",
-    "captured_at",
-)
 # Output files that record the run's own identity, hosts or times, so they differ by design.
-RUN_SPECIFIC_FILES = ("card.md",)
+RUN_SPECIFIC_FILES = {"card.md": "states the run's own id, times and hosts"}
 
 
 # --- code state -----------------------------------------------------------------------------------
@@ -141,71 +119,47 @@ def import_path(root: Path) -> Path:
 # --- comparison -----------------------------------------------------------------------------------
 
 
-def _strip(obj: Any, paths: tuple[str, str]) -> Any:
-    """obj without timing fields, with the original run's path/id replaced by the reproduction's."""
+def _replace_paths(obj: Any, paths: tuple[str, str]) -> Any:
+    """obj with the run's own directory and id replaced by `<run>`."""
     if isinstance(obj, dict):
-        return {k: _strip(v, paths) for k, v in obj.items() if k not in TIMING_METRICS}
+        return {k: _replace_paths(v, paths) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_strip(v, paths) for v in obj]
+        return [_replace_paths(v, paths) for v in obj]
     if isinstance(obj, str):
         return obj.replace(paths[0], "<run>").replace(paths[1], "<run>")
     return obj
 
 
-def compare_metrics(a: dict, b: dict) -> list[str]:
-    keys = sorted((set(a) | set(b)) - set(TIMING_METRICS))
-    return [f"metric {k}: {a.get(k)!r} != {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+def compare_metrics(a: dict, b: dict) -> tuple[list[str], dict[str, str]]:
+    """(problems, {volatile metric left out: why}): every other metric must be equal."""
+    (a, gone_a), (b, gone_b) = strip_volatile(a), strip_volatile(b)
+    problems = [f"metric {k}: {a.get(k)!r} != {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return problems, gone_a | gone_b
 
 
-def _same_torch_rng(old: Path, new: Path) -> bool:
-    import torch  # noqa: PLC0415 (torch loads only when this runs: the CLI must start fast on a login node)
-
-    a, b = torch.load(old, weights_only=False), torch.load(new, weights_only=False)
-    same = lambda x, y: (
-        (x is None and y is None)
-        or (
-            x is not None
-            and y is not None
-            and all(
-                map(
-                    torch.equal,
-                    *(  # noqa: E731
-                        (v if isinstance(v, (list, tuple)) else [v]) for v in (x, y)
-                    ),
-                )
-            )
-        )
-    )
-    return same(a.get("torch"), b.get("torch")) and same(a.get("cuda"), b.get("cuda"))
+def _read_json(path: Path) -> Any:
+    text = path.read_text()
+    return [json.loads(x) for x in text.splitlines() if x.strip()] if path.suffix == ".jsonl" else json.loads(text)
 
 
-def compare_files(old: Path, new: Path, paths: tuple[str, ...]) -> str:
-    """'same' | 'same after ...' (an explained, narrower comparison) | 'differs' (files of one unit).
+def compare_files(old: Path, new: Path, paths: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """('same' | 'same after ...' | 'differs', {field left out: why}) for one output file of a unit.
 
-    Narrower comparisons: JSON/JSONL without TIMING_METRICS and with run paths/ids replaced; a
-    trainer's per-rank RNG snapshot (`rng_rank*.pt`) by its torch/CUDA generator states only: it
-    also holds Python's and NumPy's global generators, which training never seeds nor draws from."""
+    Byte equality; JSON/JSONL files also count as equal when they are once the volatile fields
+    (pipeline.volatile: timings, speeds, stamps) are removed and each run's own directory and id
+    replaced by `<run>`. The fields removed are returned, to be reported."""
     if sha256_file(old) == sha256_file(new):
-        return "same"
-    if old.name.startswith("rng_rank") and old.suffix == ".pt":
-        return "same after comparing torch/CUDA RNG states only" if _same_torch_rng(old, new) else "differs"
-    if old.suffix in (".json", ".jsonl"):
-        try:
-            la = (
-                [json.loads(x) for x in old.read_text().splitlines() if x.strip()]
-                if old.suffix == ".jsonl"
-                else json.loads(old.read_text())
-            )
-            lb = (
-                [json.loads(x) for x in new.read_text().splitlines() if x.strip()]
-                if new.suffix == ".jsonl"
-                else json.loads(new.read_text())
-            )
-        except ValueError:
-            return "differs"
-        if _strip(la, paths[:2]) == _strip(lb, paths[2:]):
-            return "same after removing timings/run paths"
-    return "differs"
+        return "same", {}
+    if old.suffix not in (".json", ".jsonl"):
+        return "differs", {}
+    try:
+        (a, gone_a), (b, gone_b) = strip_volatile(_read_json(old)), strip_volatile(_read_json(new))
+    except ValueError:
+        return "differs", {}
+    if _replace_paths(a, paths[:2]) != _replace_paths(b, paths[2:]):
+        return "differs", {}
+    gone = gone_a | gone_b
+    return ("same after removing volatile fields and run paths" if gone else "same after replacing run paths"), gone
 
 
 def compare_runs(orig: RunDir, new: RunDir) -> dict:
@@ -220,25 +174,28 @@ def compare_runs(orig: RunDir, new: RunDir) -> dict:
                     "problems": [f"not done in {'the original' if not orig.is_done(unit) else 'the reproduction'}"],
                 }
                 continue
-            problems = compare_metrics(orig.metrics(unit), new.metrics(unit))
+            problems, gone = compare_metrics(orig.metrics(unit), new.metrics(unit))
+            excluded = {"metrics.json": gone} if gone else {}
             fa = (read_json(orig.unit_dir(unit) / "manifest.json") or {}).get("files", {})
             fb = (read_json(new.unit_dir(unit) / "manifest.json") or {}).get("files", {})
             same = 0
             narrowed: dict[str, str] = {}
-            skipped = []
+            skipped = {}
             for rel in sorted(set(fa) | set(fb)):
-                if rel == "metrics.json":  # compared above, without timings
+                if rel == "metrics.json":  # compared above, without its volatile fields
                     continue
                 if Path(rel).name in RUN_SPECIFIC_FILES:
-                    skipped.append(rel)
+                    skipped[rel] = RUN_SPECIFIC_FILES[Path(rel).name]
                     continue
                 if rel not in fa or rel not in fb:
                     problems.append(f"{rel}: only in the {'reproduction' if rel not in fa else 'original'}")
                     continue
-                verdict = compare_files(orig.unit_dir(unit) / rel, new.unit_dir(unit) / rel, paths)
+                verdict, gone = compare_files(orig.unit_dir(unit) / rel, new.unit_dir(unit) / rel, paths)
                 same += verdict == "same"
                 if verdict.startswith("same after"):
                     narrowed[rel] = verdict
+                if gone:
+                    excluded[rel] = gone
                 if verdict == "differs":
                     problems.append(f"{rel}: sha256 {fa[rel]['sha256'][:12]} != {fb[rel]['sha256'][:12]}")
             stages[unit.key] = {
@@ -246,14 +203,21 @@ def compare_runs(orig: RunDir, new: RunDir) -> dict:
                 "files_identical": same,
                 "files_equal_narrowed": narrowed,
                 "files_not_compared": skipped,
+                "excluded_fields": excluded,
                 "problems": problems,
             }
     return {
         "original": str(orig.path),
         "reproduction": str(new.path),
         "ok": all(s["ok"] for s in stages.values()),
-        "excluded_metrics": list(TIMING_METRICS),
-        "run_specific_files": list(RUN_SPECIFIC_FILES),
+        "volatile_rule": RULE,
+        "excluded_fields": [
+            {"unit": key, "file": rel, "field": field, "why": why}
+            for key, s in stages.items()
+            for rel, fields in s.get("excluded_fields", {}).items()
+            for field, why in sorted(fields.items())
+        ],
+        "run_specific_files": RUN_SPECIFIC_FILES,
         "stages": stages,
     }
 
@@ -322,8 +286,18 @@ def cmd_reproduce(args) -> int:
                 escape(detail),
             )
         Console(highlight=False, width=200).print(table)
-        err.print(f"timing metrics not compared: {', '.join(TIMING_METRICS)}")
+        err.print(f"not compared, as volatile by schema: {RULE}")
+        for unit, fields in _excluded_by_unit(report).items():
+            err.print(f"  {escape(unit)}: {escape(', '.join(fields))}")
     return 0 if report["ok"] and proc.returncode == 0 else 1
+
+
+def _excluded_by_unit(report: dict) -> dict[str, list[str]]:
+    """unit -> ["file: field (why)", ...] of every field the comparison left out."""
+    out: dict[str, list[str]] = {}
+    for e in report["excluded_fields"]:
+        out.setdefault(e["unit"], []).append(f"{e['file']}: {e['field']} ({e['why']})")
+    return out
 
 
 def _units(run: RunDir):

@@ -4,7 +4,7 @@ By schema, not by a list of names: a metric or JSON field is volatile when its n
 time or speed, or lies in a timing namespace.
 
     unit      the last word of the name (after the last "/", words split at "_"):
-              `s`, `seconds`   a duration (`duration_s`, `wait_seconds`) or a rate (`tokens_per_s`)
+              `s`, `seconds`   a duration (`duration_s`, `wait_seconds`); `per_s` a rate (`tokens_per_s`)
               `at`, `time`     a wall-clock stamp (`registered_at`, `time`)
     namespace the first component of a path-like name: `time/…`, `throughput/…`
 
@@ -16,15 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 UNITS = {
-    "s": "a duration or rate per second",
-    "seconds": "a duration",
+    "s": "a duration in seconds",
+    "seconds": "a duration in seconds",
     "at": "a wall-clock stamp",
     "time": "a wall-clock stamp",
 }
 NAMESPACES = {"time": "a timing", "throughput": "a speed"}
 RULE = (
-    "fields whose last word (after '/', split at '_') is a unit of time: s, seconds (durations, rates "
-    "per second), at, time (wall-clock stamps); and fields under time/ or throughput/"
+    "fields whose last word (after '/', split at '_') is a unit of time: s, seconds (durations), "
+    "per_s (rates), at, time (wall-clock stamps); and fields under time/ or throughput/"
 )
 
 
@@ -33,9 +33,11 @@ def why_volatile(name: str) -> str | None:
     head, sep, _ = name.partition("/")
     if sep and head in NAMESPACES:
         return f"{NAMESPACES[head]} (under {head}/)"
-    word = name.rsplit("/", 1)[-1].rsplit("_", 1)[-1]
-    if word in UNITS:
-        return f"{UNITS[word]} (unit: {word})"
+    words = name.rsplit("/", 1)[-1].split("_")
+    if words[-2:] == ["per", "s"]:
+        return "a rate per second (unit: per_s)"
+    if words[-1] in UNITS:
+        return f"{UNITS[words[-1]]} (unit: {words[-1]})"
     return None
 
 

@@ -1,5 +1,6 @@
-"""Reproduce: a tiny CPU run rerun from its archive gives identical checkpoints and metrics (timings
-excluded); a run whose code cannot be restored is refused before anything runs."""
+"""Reproduce: a tiny CPU run (tasks, SFT, RL, export) rerun from its archive gives identical checkpoints
+and metrics, volatile fields (timings, speeds, stamps) excluded and named; every real difference is
+reported; a run whose code cannot be restored is refused before anything runs."""
 
 from __future__ import annotations
 
@@ -9,21 +10,59 @@ import shutil
 import pytest
 
 from snowcat.pipeline.fsio import read_json
-from snowcat.pipeline.reproduce import TIMING_METRICS, compare_runs
+from snowcat.pipeline.reproduce import compare_runs
 from snowcat.pipeline.rundir import RunDir
-from tests.conftest import SHARED_RUN_TIMEOUT_S, snowcat_in_repo
+from snowcat.pipeline.volatile import strip_volatile
+from tests.conftest import SHARED_RUN_TIMEOUT_S, TINY, make_run, snowcat_in_repo
 
-# every test reads the shared tiny run (built by the first test that needs it: minutes on 2 cores)
+# every test reads one shared tiny run (built by the first test that needs it: a minute or two on 2 cores)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)]
 
+# the tiny run, plus RL and an export of its best checkpoint: the stages whose timings and embedded
+# checkpoint hashes made a faithful reproduction of the demo read DIFFERS
+WITH_RL = (
+    TINY
+    + """\
+  rl:
+    kind: rl
+    needs: [tasks, sft]
+    updates: 4
+    tasks_per_update: 4
+    attempts: 4
+    max_tokens: 8
+    lag: 1
+    eval_every: 2
+    eval_tasks: 8
+    eval_attempts: 1
+    save_every: 2
+    threads: 1
+  export:
+    kind: export
+    needs: [rl]
+    probe_rows: 2
+    probe_len: 16
+    max_new_tokens: 8
+"""
+)
 
-def test_reproduction_matches_the_original(tiny_run, tmp_path):
-    original = tiny_run
+
+@pytest.fixture(scope="module")
+def rl_run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("reproduce"), WITH_RL)
+
+
+def excluded(report: dict, unit: str, file: str) -> set[str]:
+    return {e["field"] for e in report["excluded_fields"] if e["unit"] == unit and e["file"] == file}
+
+
+def test_reproduction_matches_the_original(rl_run, tmp_path):
+    original = rl_run
     new = tmp_path / "again"
     proc = snowcat_in_repo("reproduce", original, "--run-dir", new, "--json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
-    assert report["ok"] and set(report["stages"]) == {"tasks", "sft"}
+    assert report["ok"], {k: s["problems"] for k, s in report["stages"].items() if s["problems"]}
+    assert set(report["stages"]) == {"tasks", "sft", "rl", "export"}
     assert json.loads((new / "run.json").read_text())["run_id"] == "again"
     assert (new / "config.yaml").read_text() == (original / "config.yaml").read_text()
     for ckpt in ("initial", "final", "step_000010"):
@@ -33,14 +72,22 @@ def test_reproduction_matches_the_original(tiny_run, tmp_path):
             k: v["sha256"] for k, v in b.items() if k.endswith(".safetensors")
         }
     m1, m2 = (read_json(r / "stages" / "sft" / "metrics.json") for r in (original, new))
-    assert {k: v for k, v in m1.items() if k not in TIMING_METRICS} == {k: v for k, v in m2.items() if k not in TIMING_METRICS}
-    assert "duration_s" in report["excluded_metrics"] and "tokens_per_s" in report["excluded_metrics"]
+    assert strip_volatile(m1)[0] == strip_volatile(m2)[0]
+    # what was left out is named, with the reason: the rl timings no list knew, by their unit
+    assert {"duration_s", "tokens_per_s", "train_seconds"} <= excluded(report, "sft", "metrics.json")
+    assert {"wait_seconds", "sampled_tokens_per_s"} <= excluded(report, "rl", "metrics.json")
+    assert all(e["why"] for e in report["excluded_fields"])
+    # export.json embeds the source checkpoint's manifest hash: equal bytes, nothing left out
+    assert "export.json" not in report["stages"]["export"]["files_equal_narrowed"]
+    assert not excluded(report, "export", "export.json")
+    # only JSON files are compared narrowly (no RNG snapshot or optimizer state is let off)
+    assert all(rel.endswith((".json", ".jsonl")) for s in report["stages"].values() for rel in s["files_equal_narrowed"])
 
 
-def test_a_different_result_is_reported(tiny_run, tmp_path):
+def test_a_different_result_is_reported(rl_run, tmp_path):
     """The comparison can fail: a reproduction whose SFT final weights differ is named."""
 
-    original = tiny_run
+    original = rl_run
     copy = tmp_path / "copy"
     shutil.copytree(original, copy)
     weights = copy / "stages" / "sft" / "checkpoints" / "final" / "model.safetensors"
@@ -57,9 +104,43 @@ def test_a_different_result_is_reported(tiny_run, tmp_path):
     assert any(p.startswith("metric final_loss") for p in problems)
 
 
-def test_unrestorable_code_is_refused(tiny_run, tmp_path):
+def test_real_differences_in_rl_and_export_are_named(rl_run, tmp_path):
+    """Volatile fields are left out, nothing else: a changed result metric, a changed history value
+    next to a changed timing, a changed RNG snapshot byte and a changed exported weight are each named."""
+
     copy = tmp_path / "copy"
-    shutil.copytree(tiny_run, copy)
+    shutil.copytree(rl_run, copy)
+    rl = copy / "stages" / "rl"
+    metrics = read_json(rl / "metrics.json")
+    metrics["final_reward_mean"] = (metrics["final_reward_mean"] or 0) + 1
+    metrics["wait_seconds"] += 100  # a timing: left out
+    (rl / "metrics.json").write_text(json.dumps(metrics))
+    rows = [json.loads(line) for line in (rl / "metrics_history.jsonl").read_text().splitlines()]
+    rows[-1]["grad_norm"] += 1
+    rows[-1]["time/step_s"] += 100
+    (rl / "metrics_history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    step = read_json(rl / "checkpoints" / "retention.json")["checkpoints"]
+    rng = rl / "checkpoints" / f"step_{int(max(step, key=int)):06d}" / "trainer_state" / "rng_rank00000.pt"
+    weights = copy / "stages" / "export" / "model" / "model.safetensors"
+    for path in (rng, weights):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+
+    report = compare_runs(RunDir.open(rl_run), RunDir.open(copy))
+    assert not report["ok"] and report["stages"]["sft"]["ok"]
+    problems = report["stages"]["rl"]["problems"]
+    assert any(p.startswith("metric final_reward_mean") for p in problems)
+    assert any(p.startswith("metrics_history.jsonl: sha256") for p in problems)
+    assert any(p.startswith(f"{rng.relative_to(rl)}: sha256") for p in problems)
+    assert not any("wait_seconds" in p for p in problems)
+    assert "wait_seconds" in excluded(report, "rl", "metrics.json")
+    assert any(p.startswith("model/model.safetensors: sha256") for p in report["stages"]["export"]["problems"])
+
+
+def test_unrestorable_code_is_refused(rl_run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(rl_run, copy)
     for path in (copy / "provenance").glob("*.json"):
         record = json.loads(path.read_text())
         record["code"]["revision"] = "0" * 40

@@ -1,0 +1,50 @@
+"""Volatile values (timings, speeds, stamps) are recognised by their unit or namespace, not by a list
+of names: a new timing metric needs no registration, and no result metric is mistaken for one."""
+
+from __future__ import annotations
+
+from snowcat.pipeline.volatile import strip_volatile, why_volatile
+
+
+def test_timings_speeds_and_stamps_are_volatile_by_their_unit():
+    for name in (
+        "wait_seconds",  # rl metrics.json: not on any list before, named so by its unit
+        "sampled_tokens_per_s",
+        "throughput/sampled_tokens_per_s",
+        "time/wait_batch_s",
+        "duration_s",
+        "train_seconds",
+        "seconds",
+        "engine/reload_s",
+        "registered_at",
+        "time",
+    ):
+        assert why_volatile(name), name
+    assert "rate" in why_volatile("sampled_tokens_per_s") and "stamp" in why_volatile("registered_at")
+
+
+def test_results_are_not_volatile():
+    for name in (
+        "final_loss",
+        "final_reward_mean",
+        "val/pass@1",
+        "val_greedy_pass@1/arith",
+        "steps",
+        "updates",
+        "tokens",
+        "max_abs_dlogit",
+        "status/timeout",
+        "length/response_mean",
+        "policy_lag/mean",
+        "best_step",
+        "mismatch/k3_kl",
+        "status",
+    ):
+        assert why_volatile(name) is None, name
+
+
+def test_strip_removes_volatile_keys_at_any_depth_and_says_why():
+    record = {"step": 3, "loss": 0.5, "time/step_s": 0.2, "nested": [{"registered_at": 1.0, "value": 2}]}
+    kept, removed = strip_volatile(record)
+    assert kept == {"step": 3, "loss": 0.5, "nested": [{"value": 2}]}
+    assert set(removed) == {"time/step_s", "registered_at"}
