@@ -8,6 +8,7 @@ and provenance records. A fact that is not recorded is written as "not recorded"
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ import pyarrow.parquet as pq
 import yaml
 
 from .dag import build
-from .fsio import atomic_write_text, read_json, sha256_file
+from .errors import UserError
+from .fsio import atomic_write_text, checkpoint_dir, read_json, sha256_file
 from .provenance import record_path
 from .rundir import RunDir
 from .scrub import scrub_text
@@ -98,8 +100,16 @@ def _initializer(f: Facts) -> tuple[list[str], dict]:
     return lines, {"initializer_manifest_sha256": digest}
 
 
+def _domain_counts(path: Path) -> dict[str, int] | None:
+    try:
+        domains = pq.read_table(path, columns=["domain"]).column("domain").to_pylist()
+    except Exception:  # no such column, or not a readable parquet file: said as not recorded
+        return None
+    return {d: domains.count(d) for d in sorted(set(domains))}
+
+
 def _data(f: Facts) -> list[str]:
-    rows = ["| stage | file | rows | sha256 |", "|---|---|---|---|"]
+    rows = ["| stage | file | rows | per domain | sha256 |", "|---|---|---|---|---|"]
     for node in f.nodes("tasks"):
         for rel, meta in sorted(f.manifest(node.name).items()):
             if not rel.endswith(".parquet"):
@@ -108,8 +118,27 @@ def _data(f: Facts) -> list[str]:
                 n = pq.ParquetFile(f.stage_dir(node.name) / rel).metadata.num_rows
             except Exception:
                 n = None
-            rows.append(f"| {node.name} | `{rel}` | {_v(n)} | `{meta['sha256']}` |")
-    return rows if len(rows) > 2 else [f"Training data: {NR} (no tasks stage outputs)."]
+            counts = _domain_counts(f.stage_dir(node.name) / rel)
+            per = ", ".join(f"{d} {c}" for d, c in counts.items()) if counts else NR
+            rows.append(f"| {node.name} | `{rel}` | {_v(n)} | {per} | `{meta['sha256']}` |")
+    if len(rows) == 2:
+        return [f"Training data: {NR} (no tasks stage outputs)."]
+    rows.append("")
+    for node in f.nodes("select"):
+        m = f.run.metrics(node.units[0]) if f.done(node.name) else {}
+        per = ", ".join(f"{k.split('/')[0]} {v}" for k, v in sorted(m.items()) if k.endswith("/selected"))
+        rows.append(
+            f"- RL task band (`{node.name}`): {_v(m.get('selected'))} of {_v(m.get('probed'))} probed tasks"
+            + (f" ({per})" if per else "")
+        )
+    for node in f.nodes("rl"):
+        seed = ((f.provenance(node.name) or {}).get("extra") or {}).get("seed")
+        rows.append(
+            f"- `{node.name}` data order: batch k is slice k of a sequence of per-epoch permutations of its task pool "
+            f"seeded by the stage seed {_v(seed)} (`stages/rl.py: batch_tasks`), so the tasks behind any step can be "
+            f"recomputed; per-cohort exposure up to the exported step: {NR} (not tabulated by the run)"
+        )
+    return rows
 
 
 def _recipe(f: Facts) -> list[str]:
@@ -148,10 +177,31 @@ def _recipe(f: Facts) -> list[str]:
             if res.components
             else f"{res.nodes} node(s) × {res.tasks_per_node} task(s) × {res.gpus_per_node} GPU"
         )
-        name = getattr(c, "backend", None)  # RL has no choice of backend (torch)
+        meta = _checkpoint_meta(f, node.name)
+        name = meta.get("backend") or getattr(c, "backend", None)  # what the checkpoint says ran, else the config
         backend = (f"{name}" + (f" ZeRO-{c.zero_stage}" if name == "deepspeed" else "")) if name else NR
-        lines.append(f"  - parallelism: data parallel, world size {_v(world)}; backend {backend}; resources {comps}")
+        lines.append(f"  - layout: {_layout(node, world, meta)}; backend {backend}; resources {comps}")
     return lines or [f"Recipe: {NR} (no training stage)."]
+
+
+def _checkpoint_meta(f: Facts, stage: str) -> dict:
+    """What the trainer recorded in its checkpoints' meta.json: the latest step checkpoint's (it
+    holds backend and world size), overlaid by `final`'s."""
+    root = f.stage_dir(stage) / "checkpoints"
+    steps = sorted(root.glob("step_*/meta.json"))
+    meta = dict(read_json(steps[-1]) or {}) if steps else {}
+    return meta | (read_json(root / "final" / "meta.json") or {})
+
+
+def _layout(node, world: int | None, meta: dict) -> str:
+    """Ranks as recorded: the MPI/torch world rank 0 saw (provenance), the trainer's data-parallel
+    ranks (its checkpoint meta) and, for multi-role stages, the ranks per role the config declared."""
+    comps = node.config.resources.components
+    trainer = f"{_v(meta.get('world_size'))} data-parallel trainer rank(s) (checkpoint meta)"
+    if comps:
+        roles = ", ".join(f"{k} {v.nodes * v.tasks_per_node}" for k, v in comps.items())
+        return f"{trainer}; ranks per role {roles} (config); one world of {_v(world)} rank(s) (recorded by rank 0)"
+    return f"{trainer} in a world of {_v(world)} rank(s) (recorded by rank 0)"
 
 
 AGENT_ROWS = (  # results.json `behaviour` keys shown on the card (stages.agent.behaviour)
@@ -164,8 +214,23 @@ AGENT_ROWS = (  # results.json `behaviour` keys shown on the card (stages.agent.
 )
 
 
-def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[str], list[dict]]:
+def _resolve(f: Facts, ref: str) -> Path | None:
+    """The directory a checkpoint reference names now (`rl:best` is a file naming a step)."""
+    stage, _, name = ref.partition(":")
+    if stage not in f.dag.nodes:
+        return None
+    try:
+        return checkpoint_dir(f.stage_dir(stage), name).resolve()
+    except UserError:
+        return None
+
+
+def _evaluations(f: Facts, export: dict | None) -> tuple[list[str], list[str], list[dict]]:
+    """Tables per evaluate stage; limitations; the model-index entries (the exported weights only)."""
     lines, limits, index = [], [], []
+    source = (export or {}).get("source") or {}
+    exported_ref = source.get("ref")
+    exported_dir = (f.run.path / source["path"]).resolve() if source.get("path") else None
     for node in f.nodes("evaluate"):
         if not f.done(node.name):
             status = f.run.state()["stages"].get(node.name, {}).get("status", "not run")
@@ -180,7 +245,7 @@ def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[st
         refs = [r for r in getattr(node.config, "checkpoints", []) if r in results["checkpoints"]]
         refs += sorted(r for r in results["checkpoints"] if r not in refs)
         initial = refs[0]
-        exported = exported_ref if exported_ref in refs else None
+        exported = next((r for r in refs if exported_dir is not None and _resolve(f, r) == exported_dir), None)
         cols = [initial] + ([exported] if exported and exported != initial else [r for r in refs[1:]])
         # "initializer" only where it is one: a checkpoint named `initial`, or what the exported stage started from
         init_refs = {r for r in refs if r.endswith(":initial")}
@@ -208,16 +273,22 @@ def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[st
             ):
                 vals = [fmt(results["checkpoints"][r]["groups"].get(g) or {}) for r in cols]
                 lines.append(f"| {g} | {metric} | " + " | ".join(vals) + " |")
-                if metric == "pass@1":
-                    for r in cols:
-                        s = results["checkpoints"][r]["groups"].get(g) or {}
-                        index.append({"stage": node.name, "checkpoint": r, "group": g, "pass@1": s.get("pass@1")})
+                if metric == "pass@1" and exported is not None:
+                    s = results["checkpoints"][exported]["groups"].get(g) or {}
+                    index.append({"stage": node.name, "checkpoint": exported, "group": g, "pass@1": s.get("pass@1")})
         for key, label, fmt in AGENT_ROWS:  # multi-turn evaluations: what the agent did
             if any(key in results["checkpoints"][r].get("behaviour", {}) for r in cols):
                 vals = [fmt(results["checkpoints"][r].get("behaviour", {}).get(key)) for r in cols]
                 lines.append(f"| agent | {label} | " + " | ".join(vals) + " |")
         if exported_ref and exported is None:
             limits.append(f"Evaluation `{node.name}` did not evaluate the exported checkpoint `{exported_ref}`.")
+        selected_on = source.get("metric", "").partition("/")[0]
+        if exported is not None and selected_on and selected_on == results.get("split"):
+            limits.append(
+                f"SELECTION ON THE SCORING SPLIT: the exported checkpoint `{exported_ref}` was chosen by "
+                f"{source['metric']} = {_v(source.get('value'), '{:.4f}')}{_selection_se(f, source)} on the "
+                f"`{selected_on}` split, the split `{node.name}` scores it on: its score there is biased upward."
+            )
         for r in cols:
             infra = (results["checkpoints"][r]["groups"].get("all") or {}).get("infra_rate")
             if infra:
@@ -231,6 +302,16 @@ def _evaluations(f: Facts, exported_ref: str | None) -> tuple[list[str], list[st
     return lines, limits, index
 
 
+def _selection_se(f: Facts, source: dict) -> str:
+    """The selection value's standard error over tasks, from the stage's history row at that step."""
+    stage = source.get("ref", "").partition(":")[0]
+    history = f.stage_dir(stage) / "metrics_history.jsonl" if stage in f.dag.nodes else None
+    rows = [json.loads(line) for line in history.read_text().splitlines()] if history and history.is_file() else []
+    row = next((r for r in rows if r.get("step") == source.get("step")), {})
+    se, n = row.get(f"{source.get('metric')}_se"), row.get(f"{source.get('metric', '').partition('/')[0]}/tasks")
+    return f" ± {se:.4f} (SE over {n} tasks)" if isinstance(se, (int, float)) else " (SE not recorded)"
+
+
 def _export(f: Facts) -> tuple[list[str], dict | None]:
     nodes = f.nodes("export")
     if not nodes:
@@ -240,11 +321,14 @@ def _export(f: Facts) -> tuple[list[str], dict | None]:
     if record is None or not f.done(node.name):
         return [f"Export `{node.name}`: {NR} (the stage did not complete)."], None
     src, eq, fmt = record["source"], record.get("equivalence") or {}, record.get("format") or {}
+    files = (read_json(f.stage_dir(node.name) / "model" / "manifest.json") or {}).get("files", {})
+    shards = sum(rel.endswith(".safetensors") for rel in files) if files else None
     lines = [
         f"- Exported checkpoint: `{src.get('ref')}` (`{src.get('path')}`, manifest sha256 `{_v(src.get('manifest_sha256'))}`)",
         f"- Why this one: {src.get('reason')}",
-        f"- Format: {fmt.get('architecture')} safetensors, {fmt.get('dtype')}, {fmt.get('files')} files, "
-        f"{fmt.get('params')} parameters; model manifest sha256 `{record.get('model_manifest_sha256')}`",
+        f"- Format: {fmt.get('architecture')} safetensors, {fmt.get('dtype')}, {_v(shards)} weight shard(s) "
+        f"({len(files)} files with config and tokenizer, no optimizer state), {fmt.get('params')} parameters; "
+        f"model manifest sha256 `{record.get('model_manifest_sha256')}`",
         f"- Inference equivalence (transformers, offline, local files only): max |Δlogit| "
         f"{_v(eq.get('max_abs_dlogit'), '{:.3g}')} on {eq.get('probe', {}).get('rows')}×{eq.get('probe', {}).get('len')} "
         f"probe tokens (tolerance {_v(eq.get('tolerance'))}); greedy generations "
@@ -273,12 +357,11 @@ def _software(f: Facts) -> tuple[list[str], dict]:
         return [f"Software: {NR} (no provenance records)."], {}
     codes = {(r["code"].get("revision"), r["code"].get("patch_sha256"), r["code"].get("patch")) for r in records}
     images = {json.dumps(r.get("container"), sort_keys=True) for r in records}
-    last = records[-1]
     lines = []
     for rev, digest, patch in sorted(codes, key=str):
         lines.append(f"- Code: snowcat revision `{_v(rev)}` + patch `{_v(patch)}` (sha256 `{_v(digest)}`)")
-    pkgs = ", ".join(f"{k} {v}" for k, v in sorted(last.get("packages", {}).items()) if v)
-    lines.append(f"- Python {_v(last.get('python', {}).get('version'))}; packages: {pkgs or NR}")
+    pythons = sorted({_v(r.get("python", {}).get("version")) for r in records})
+    lines.append(f"- Python {', '.join(pythons)}; packages (over all {len(records)} unit records): {_packages(records) or NR}")
     for image in sorted(images):
         c = json.loads(image)
         lines.append(
@@ -300,12 +383,249 @@ def _software(f: Facts) -> tuple[list[str], dict]:
     return lines, {"code_revision": rev}
 
 
+def _packages(records: list[dict]) -> str:
+    """One entry per package: its version where every stage had the same, each version with the
+    stages that had it where they differ, "absent" where a stage recorded it as not installed."""
+    versions: dict[str, dict[str, list[str]]] = {}
+    for r in records:
+        for name, version in (r.get("packages") or {}).items():
+            versions.setdefault(name, {}).setdefault(version or "absent", []).append(r.get("stage", "?"))
+    out = []
+    for name, by_version in sorted(versions.items()):
+        if len(by_version) == 1:
+            out.append(f"{name} {next(iter(by_version))}")
+        else:
+            out.append(f"{name} " + " / ".join(f"{v} ({', '.join(sorted(set(st)))})" for v, st in sorted(by_version.items())))
+    return ", ".join(out)
+
+
+def _seconds(times: dict) -> float | None:
+    try:
+        return (dt.datetime.fromisoformat(times["ended"]) - dt.datetime.fromisoformat(times["started"])).total_seconds()
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _stages(f: Facts) -> tuple[list[str], dict]:
+    """One line per stage: final state, attempts, jobs, wall-clock and GPU use as recorded."""
+    state = f.run.state()["stages"]
+    lines, totals = [], {"gpu_hours": 0.0, "gpus_seen": False, "attempts": 0, "retried": []}
+    for node in f.dag:
+        status, _ = f.run.stage_status(f.dag, node.name, verify=False)
+        records = [state.get(u.key, {}) for u in node.units]
+        attempts = sum(r.get("attempts", 0) or 0 for r in records)
+        jobs = sorted({j for r in records for j in r.get("job_ids", [])})
+        provs = [p for u in node.units if (p := f.provenance(u.stage, u.index))]
+        secs = [x for p in provs if (x := _seconds(p.get("times") or {})) is not None]
+        gpus = [len((p.get("host") or {}).get("gpus") or []) for p in provs]
+        if any(gpus):  # rank 0's host GPUs × the stage's nodes (config): other hosts record nothing
+            res = node.config.resources
+            nodes = sum(c.nodes for c in res.components.values()) if res.components else res.nodes
+            totals["gpus_seen"] = True
+            totals["gpu_hours"] += sum(g * x for g, x in zip(gpus, secs)) * nodes / 3600
+        totals["attempts"] += attempts
+        if attempts > len(node.units):
+            totals["retried"].append(node.name)
+        wall = f"{sum(secs):.0f} s" if secs else NR
+        where = f"{len(jobs)} job(s)/process(es)" if jobs else "no job recorded"
+        gpu = f"{max(gpus)} GPU(s) per rank 0 host" if any(gpus) else ("no GPU" if provs else f"GPUs {NR}")
+        lines.append(f"- `{node.name}` ({node.kind}): {status}, {attempts} attempt(s), {where}, wall-clock {wall}, {gpu}")
+    return lines, totals
+
+
+def _tags(f: Facts, export: dict | None) -> list[str]:
+    """Tags from what was recorded: the exported architecture, experts, and a coding-agent
+    environment only where a training stage ran one."""
+    tags = ["snowcat"]
+    config = read_json(f.stage_dir(f.nodes("export")[0].name) / "model" / "config.json") if export else None
+    if config:
+        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        tags += (["mixture-of-experts"] if experts > 1 else []) + [config.get("model_type") or "unknown-architecture"]
+    if any(getattr(n.config, "env", None) == "repo" for n in f.nodes("sft", "probe", "rl")):
+        tags.append("coding-agent")
+    return tags
+
+
+# The fields of the Snowball RL model card (shared/seeds/snowball-smartie-rl-model-card.txt), in its
+# order; docs/provenance.md lists them. Each gets a row: the recorded value, or "not recorded".
+CHECKLIST = (
+    "model and run name",
+    "research-artifact disclaimer",
+    "exported checkpoint",
+    "why this checkpoint",
+    "historical best checkpoint and retention",
+    "initializer",
+    "initializer revision",
+    "initializer parents (merge lineage)",
+    "optimizer state at start",
+    "RL estimator and importance-sampling correction",
+    "learning rate",
+    "prompt groups per update and responses per group",
+    "updates completed",
+    "policy parallelism layout",
+    "rollout (inference) hardware",
+    "training hardware",
+    "GPU-hours",
+    "wall-clock per stage",
+    "training set size",
+    "training set per domain",
+    "data order rule",
+    "per-cohort exposure through the exported step",
+    "validation set size and per domain",
+    "pass@1 scoring rule",
+    "development vs independent evaluation",
+    "initializer vs exported score",
+    "sampling and token limits",
+    "external benchmarks",
+    "data file hashes",
+    "data screening for credentials",
+    "resolved config identity",
+    "source revisions and patch",
+    "launch command",
+    "reproduction recipe",
+    "credentials",
+    "metrics history archive",
+    "retained traces",
+    "final state of the run",
+    "resume and requeue history",
+    "export source",
+    "weight shards and optimizer state",
+    "converter manifest",
+    "architecture and tokenizer",
+    "inference-equivalence test",
+    "license",
+    "intended use",
+)
+
+
+def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[str], totals: dict) -> list[str]:
+    src = (export or {}).get("source") or {}
+    fmt = (export or {}).get("format") or {}
+    eq = (export or {}).get("equivalence") or {}
+    lineage = (
+        (read_json(f.stage_dir(f.nodes(*TRAINING_KINDS)[0].name) / "checkpoints" / "initial" / "meta.json") or {}).get("lineage")
+        if f.nodes(*TRAINING_KINDS)
+        else None
+    )
+    rl = f.nodes("rl")
+    trainers = f.nodes(*TRAINING_KINDS)
+    tasks = f.nodes("tasks")
+    evals = [n for n in f.nodes("evaluate") if f.done(n.name)]
+    results = [read_json(f.stage_dir(n.name) / "results.json") or {} for n in evals]
+
+    def per_stage(fn) -> str | None:
+        vals = [f"{n.name}: {v}" for n in trainers if (v := fn(n)) is not None]
+        return "; ".join(vals) or None
+
+    def rows(split: str) -> str | None:
+        for n in tasks:
+            path = f.stage_dir(n.name) / f"{split}.parquet"
+            counts = _domain_counts(path) if path.is_file() else None
+            if counts:
+                return f"{sum(counts.values())} ({', '.join(f'{d} {c}' for d, c in counts.items())})"
+        return None
+
+    scan = next((read_json(f.stage_dir(n.name) / "scan.json") for n in f.nodes("scan") if f.done(n.name)), None)
+    h5 = f.run.path / "history.h5"
+    traces = sorted(str(p.relative_to(f.run.path)) for p in (f.run.path / "stages").rglob("traces*.h5"))
+    exported_scores = [e for e in index if e["group"] == "all" and e["pass@1"] is not None]
+    state_counts: dict[str, int] = {}
+    for node in f.dag:
+        st = f.run.stage_status(f.dag, node.name, verify=False)[0]
+        state_counts[st] = state_counts.get(st, 0) + 1
+    values = {
+        "model and run name": f"{f.cfg.name}: {f.info.get('run_id')}",
+        "research-artifact disclaimer": "stated above",
+        "exported checkpoint": src.get("ref"),
+        "why this checkpoint": src.get("reason"),
+        "historical best checkpoint and retention": (
+            f"historical best step {src['historical_best_step']}; exported step {src.get('step')}"
+            + (" (the same)" if src["historical_best_step"] == src.get("step") else " (the best was deleted by retention)")
+        )
+        if src.get("historical_best_step") is not None
+        else None,
+        "initializer": (lineage or {}).get("source")
+        or (trainers and f"`{trainers[0].config.init_from or trainers[0].config.model}`"),
+        "initializer revision": (lineage or {}).get("revision"),
+        "initializer parents (merge lineage)": ", ".join(str(x) for x in (lineage or {}).get("parents", [])) or None,
+        "optimizer state at start": per_stage(lambda n: "fresh (a stage loads model weights only)"),
+        "RL estimator and importance-sampling correction": "; ".join(
+            f"{n.name}: {n.config.estimator}, TIS cap {n.config.tis_cap}" for n in rl
+        )
+        or None,
+        "learning rate": per_stage(lambda n: n.config.lr),
+        "prompt groups per update and responses per group": "; ".join(
+            f"{n.name}: {n.config.tasks_per_update} × {n.config.attempts}" for n in rl
+        )
+        or None,
+        "updates completed": per_stage(
+            lambda n: (m := f.run.metrics(n.units[0])).get("updates", m.get("steps")) if f.done(n.name) else None
+        ),
+        "policy parallelism layout": "see Recipe (layout)" if trainers else None,
+        "rollout (inference) hardware": "; ".join(
+            f"{n.name}: {_v(getattr(n.config.resources.components.get('rollout'), 'nodes', None))} node(s) "
+            f"× {_v(getattr(n.config.resources.components.get('rollout'), 'gpus_per_node', None))} GPU (config); "
+            f"observed hosts and GPUs {NR} (rollout ranks write no provenance record)"
+            for n in rl
+        )
+        or None,
+        "training hardware": "see Stages and Software (rank 0 hosts)" if trainers else None,
+        "GPU-hours": f"{totals['gpu_hours']:.2f} (rank 0 host GPUs × nodes × wall-clock)"
+        if totals["gpus_seen"]
+        else "none (no GPU recorded)",
+        "wall-clock per stage": "see Stages",
+        "training set size": rows("train") and rows("train").split(" ")[0],
+        "training set per domain": rows("train"),
+        "data order rule": "see Training data" if rl else None,
+        "per-cohort exposure through the exported step": None,
+        "validation set size and per domain": rows("val"),
+        "pass@1 scoring rule": "explicit verifier pass per attempt; infrastructure failures excluded from denominators"
+        if evals
+        else None,
+        "development vs independent evaluation": "; ".join(x for x in limits if "development set" in x or "SCORING SPLIT" in x)
+        or ("no selection on an evaluated split recorded" if evals else None),
+        "initializer vs exported score": ", ".join(f"{e['stage']} pass@1 {100 * e['pass@1']:.1f}%" for e in exported_scores)
+        or None,
+        "sampling and token limits": "; ".join(f"{n.name}: {json.dumps(r.get('sampling'))}" for n, r in zip(evals, results))
+        or None,
+        "external benchmarks": "none run (every evaluation uses this run's task splits)" if evals else None,
+        "data file hashes": "see Training data" if tasks else None,
+        "data screening for credentials": (
+            f"scan: {len(scan.get('findings', []))} finding(s) over {len(scan.get('stages_scanned', []))} stages"
+            if scan
+            else None
+        ),
+        "resolved config identity": f"sha256 {f.config_sha256}",
+        "source revisions and patch": "see Software",
+        "launch command": "see Reproduction",
+        "reproduction recipe": "see Reproduction",
+        "credentials": "none recorded (configs that hold credentials are refused; environment captures are scrubbed)",
+        "metrics history archive": f"history.h5 sha256 {sha256_file(h5)}" if h5.is_file() else None,
+        "retained traces": ", ".join(traces) or None,
+        "final state of the run": ", ".join(f"{n} {k}" for k, n in sorted(state_counts.items())),
+        "resume and requeue history": (
+            f"{totals['attempts']} attempt(s) over {len(f.dag.nodes)} stages"
+            + (f"; retried: {', '.join(totals['retried'])}" if totals["retried"] else "; no stage retried")
+        ),
+        "export source": src.get("path"),
+        "weight shards and optimizer state": "see Exported model" if export else None,
+        "converter manifest": (export or {}).get("model_manifest_sha256"),
+        "architecture and tokenizer": f"{fmt.get('architecture')}, tokenizer files in the export" if fmt else None,
+        "inference-equivalence test": (
+            f"max abs Δlogit {eq.get('max_abs_dlogit')}, greedy {'match' if eq.get('greedy_match') else 'DIFFER'}" if eq else None
+        ),
+        "license": f.cfg.get("license") or None,
+        "intended use": f.cfg.get("intended_use") or None,
+    }
+    return ["| field | value |", "|---|---|"] + [f"| {k} | {_v(values[k])} |" for k in CHECKLIST]
+
+
 def build_card(run: RunDir) -> str:
     f = Facts(run)
     init_lines, init_meta = _initializer(f)
     export_lines, export_record = _export(f)
     exported_ref = export_record["source"]["ref"] if export_record else None
-    eval_lines, eval_limits, eval_index = _evaluations(f, exported_ref)
+    eval_lines, eval_limits, eval_index = _evaluations(f, export_record)
     soft_lines, soft_meta = _software(f)
     origin = f.info.get("origin") or {}
 
@@ -333,12 +653,12 @@ def build_card(run: RunDir) -> str:
         **({"base_model": base_model} if base_model else {}),  # the Hugging Face model-card field for lineage
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
-        "tags": ["snowcat", "mixture-of-experts", "qwen3_moe", "coding-agent"],
+        "tags": _tags(f, export_record),
     }
-    if eval_index:
+    if eval_index:  # scores of the exported weights only: the model-index describes what is published
         meta["model-index"] = [
             {
-                "name": f.info.get("run_id"),
+                "name": f"{f.info.get('run_id')} ({exported_ref})",
                 "results": [
                     {
                         "task": {"type": "text-generation"},
@@ -359,6 +679,8 @@ def build_card(run: RunDir) -> str:
         "model_manifest_sha256": export_record.get("model_manifest_sha256") if export_record else None,
         **init_meta,
     }
+    stage_lines, totals = _stages(f)
+    checklist = _checklist(f, export_record, eval_index, limits, totals)
     overrides = " ".join(origin.get("overrides") or [])
     parts = [
         "---",
@@ -411,6 +733,16 @@ def build_card(run: RunDir) -> str:
         "## Software and containers",
         "",
         *soft_lines,
+        "",
+        "## Stages",
+        "",
+        *stage_lines,
+        "",
+        "## Record checklist",
+        "",
+        "Every field of a published post-training card, with the value this run recorded.",
+        "",
+        *checklist,
         "",
     ]
 

@@ -157,6 +157,8 @@ class RunConfig:
     seed: int = bounded(0, ge=0)  # numpy's generators take no negative seed
     run_root: str = "logs"
     description: str = ""
+    license: str = ""  # of the weights this run publishes (the card says "not recorded" when unset)
+    intended_use: str = ""
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     site: Any = None  # typed by slurm.site.SiteProfile when given
     stages: dict[str, Any] = field(default_factory=dict)

@@ -8,6 +8,10 @@ import shutil
 import pytest
 import yaml
 
+from snowcat.pipeline import card as card_mod
+from snowcat.pipeline import config as config_mod
+from snowcat.pipeline.card import CHECKLIST
+from snowcat.pipeline.dag import build
 from snowcat.pipeline.fsio import sha256_file
 from tests.conftest import SHARED_RUN_TIMEOUT_S, snowcat_in_repo
 
@@ -92,3 +96,124 @@ def test_agent_behaviour_of_a_multi_turn_evaluation_is_on_the_card(full_run, tmp
     rows = {line.split("|")[2].strip(): line for line in card.splitlines() if line.startswith("| agent |")}
     assert set(rows) == {"turns per episode", "edits per episode", "claim precision (passed / submitted)"}
     assert "4.50" in rows["turns per episode"] and "25.0" in rows["claim precision (passed / submitted)"]
+
+
+# --- the card tells the whole truth (issue 20) ------------------------------------------------------
+
+
+def _card_of(copy, tmp_path) -> str:
+    proc = snowcat_in_repo("card", copy, "-o", tmp_path / "card.md")
+    assert proc.returncode == 0, proc.stderr
+    return (tmp_path / "card.md").read_text()
+
+
+def _checklist(card: str) -> dict[str, str]:
+    table = card.split("## Record checklist")[1]
+    rows = [cells for line in table.splitlines() if len(cells := line.split("|")) == 4]
+    return {cells[1].strip(): cells[2].strip() for cells in rows[2:]}  # past the header and its rule
+
+
+def test_every_field_of_the_snowball_card_has_a_value_or_says_not_recorded(full_run):
+    card = (full_run / "stages" / "card" / "card.md").read_text()
+    rows = _checklist(card)
+    assert list(rows) == list(CHECKLIST)  # every field, in order
+    for field in CHECKLIST:
+        assert rows[field], field
+    assert rows["license"] == "not recorded" and rows["per-cohort exposure through the exported step"] == "not recorded"
+    assert rows["external benchmarks"].startswith("none run")
+    val = json.loads((full_run / "stages" / "eval" / "results.json").read_text())["checkpoints"]["sft:final"]["groups"]
+    assert rows["initializer vs exported score"] == f"eval pass@1 {100 * val['all']['pass@1']:.1f}%"
+    assert "## Stages" in card and "- `sft` (sft): done, 1 attempt(s)" in card
+
+
+def test_model_index_holds_only_the_exported_weights(full_run):
+    meta = _front_matter((full_run / "stages" / "card" / "card.md").read_text())
+    names = {m["name"] for r in meta["model-index"][0]["results"] for m in r["metrics"]}
+    assert names == {"pass@1 sft:final"}  # sft:initial was evaluated too, but is not what is published
+    assert meta["model-index"][0]["name"] == "run (sft:final)"
+
+
+def test_export_format_counts_weight_shards_and_tags_come_from_the_run(full_run):
+    card = (full_run / "stages" / "card" / "card.md").read_text()
+    files = json.loads((full_run / "stages" / "export" / "model" / "manifest.json").read_text())["files"]
+    shards = sum(rel.endswith(".safetensors") for rel in files)
+    assert shards > 1 and f"{shards} weight shard(s) ({len(files)} files with config and tokenizer" in card
+    config = json.loads((full_run / "stages" / "export" / "model" / "config.json").read_text())
+    tags = _front_matter(card)["tags"]
+    assert config["model_type"] in tags and "coding-agent" not in tags  # the full run trains on closure/arith only
+
+
+def test_a_reference_that_resolves_to_the_exported_weights_counts_as_evaluated(full_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    (copy / "stages" / "sft" / "checkpoints" / "best").write_text("final\n")  # `sft:best` names the exported dir
+    path = copy / "stages" / "eval" / "results.json"
+    results = json.loads(path.read_text())
+    results["checkpoints"]["sft:best"] = results["checkpoints"].pop("sft:final")
+    path.write_text(json.dumps(results))
+    card = _card_of(copy, tmp_path)
+    assert "sft:best (exported)" in card and "did not evaluate the exported checkpoint" not in card
+
+
+def test_packages_differing_across_stages_and_absent_ones_are_shown(full_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    record_file = copy / "provenance" / "export.json"
+    record = json.loads(record_file.read_text())
+    torch = record["packages"]["torch"]
+    record["packages"]["torch"] = "9.9.9"
+    record["packages"]["vllm"] = None
+    record_file.write_text(json.dumps(record))
+    card = _card_of(copy, tmp_path)
+    assert f"torch {torch} (" in card and " / 9.9.9 (export)" in card
+    assert "vllm absent" in card or "vllm absent (export)" in card
+
+
+@pytest.mark.parametrize("metric, flagged", [("val/pass@1", True), ("dev/pass@1", False)])
+def test_selection_on_the_scoring_split_is_flagged(full_run, tmp_path, metric, flagged):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    path = copy / "stages" / "export" / "export.json"
+    record = json.loads(path.read_text())
+    record["source"] |= {"metric": metric, "value": 0.5, "reason": f"best retained checkpoint by {metric} (max)"}
+    path.write_text(json.dumps(record))
+    card = _card_of(copy, tmp_path)
+    assert ("SELECTION ON THE SCORING SPLIT" in card) is flagged
+    if flagged:
+        assert "val/pass@1 = 0.5000 (SE not recorded) on the `val` split, the split `eval` scores it on" in card
+        record["source"]["step"] = 20  # the trainer's history row at the chosen step holds the SE
+        path.write_text(json.dumps(record))
+        history = copy / "stages" / "sft" / "metrics_history.jsonl"
+        rows = [json.loads(line) for line in history.read_text().splitlines()]
+        rows = [r | {"val/pass@1_se": 0.07, "val/tasks": 30} if r["step"] == 20 else r for r in rows]
+        history.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert "val/pass@1 = 0.5000 ± 0.0700 (SE over 30 tasks) on the `val` split" in _card_of(copy, tmp_path)
+
+
+def test_license_and_intended_use_come_from_the_config(full_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    config = copy / "config.yaml"
+    text = config.read_text()
+    assert "license: ''" in text and "intended_use: ''" in text  # frozen with every key
+    config.write_text(text.replace("license: ''", "license: apache-2.0").replace("intended_use: ''", "intended_use: research"))
+    info = json.loads((copy / "run.json").read_text())
+    (copy / "run.json").write_text(json.dumps(info | {"config_sha256": sha256_file(config)}))  # a run made so
+    rows = _checklist(_card_of(copy, tmp_path))
+    assert rows["license"] == "apache-2.0" and rows["intended use"] == "research"
+
+
+def test_rl_layout_and_backend_are_the_recorded_ones(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(
+        "name: x\nstages:\n  tasks: {kind: tasks}\n  sft: {kind: sft, needs: [tasks]}\n"
+        "  rl:\n    kind: rl\n    needs: [tasks, sft]\n    init_from: sft:final\n"
+        "    resources: {components: {trainer: {tasks_per_node: 2}, rollout: {tasks_per_node: 3}}}\n"
+    )
+    node = build(config_mod.load(cfg_file))["rl"]
+    layout = card_mod._layout(node, 5, {"world_size": 2, "backend": "torch"})
+    assert layout == (
+        "2 data-parallel trainer rank(s) (checkpoint meta); ranks per role trainer 2, rollout 3 (config); "
+        "one world of 5 rank(s) (recorded by rank 0)"
+    )
+    assert "not recorded data-parallel trainer rank(s)" in card_mod._layout(node, None, {})

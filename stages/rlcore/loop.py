@@ -15,6 +15,7 @@ from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.stages.agent import STATUSES
 from snowcat.stages.algorithms import PolicyLossConfig
+from snowcat.stages.evalstats import mean_se
 from snowcat.stages.model import load_model_dir, save_model_dir
 from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logprobs
 from snowcat.stages.rlcore.transport import TransportError
@@ -58,11 +59,19 @@ def batch_metrics(trajs) -> dict[str, float]:
 def quick_eval(model, tok, tasks, params, attempts: int, seed: int, verify, batch: int = 128) -> dict[str, float]:
     """Sampled pass rate on held-out tasks (same seeds every time: common random numbers)."""
     engine = TorchEngine(model, max_batch=batch)
-    rates = pass_rates(
-        sample_attempts(engine, tok, tasks, params, attempts=attempts, seed=seed, verifier=verify, batch_size=batch)
-    )
+    scored = sample_attempts(engine, tok, tasks, params, attempts=attempts, seed=seed, verifier=verify, batch_size=batch)
+    rates = pass_rates(scored)
+    per_task: dict[str, list[bool]] = defaultdict(list)
+    for a in scored:
+        if a.scored:
+            per_task[a.task.task_id].append(a.passed)
+    # checkpoints are selected by this value: its SE over tasks says how much that choice can be trusted
+    _, se = mean_se([float(np.mean(v)) for v in per_task.values()])
     model.train()
-    return {("val/pass@1" if d == "all" else f"val/pass@1/{d}"): v for d, v in rates.items()}
+    return {("val/pass@1" if d == "all" else f"val/pass@1/{d}"): v for d, v in rates.items()} | {
+        "val/pass@1_se": se,
+        "val/tasks": len(per_task),
+    }
 
 
 def engine_counters(out: Path) -> dict[str, float]:
