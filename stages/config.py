@@ -96,6 +96,7 @@ def _needs_problems(needs: list[str], *keys_and_stages: tuple[str, str]) -> Iter
 class DomainSpec:
     count: int = bounded(1000, ge=2)  # train + val tasks of this domain
     val_count: int = bounded(200, ge=1)
+    dev_count: int = bounded(0, ge=0)  # held out for checkpoint selection (dev.parquet); 0: select on val
     difficulties: list[int] = field(default_factory=lambda: [1])
 
 
@@ -134,6 +135,8 @@ class TasksConfig:
                 yield f"domains.{domain}", f"unknown domain (known: {', '.join([*DOMAINS, *REPO_DOMAINS])})"
             if not spec.val_count < spec.count:
                 yield f"domains.{domain}.val_count", f"must be less than count ({spec.count}), got {spec.val_count}"
+            elif not spec.val_count + spec.dev_count < spec.count:
+                yield f"domains.{domain}.dev_count", f"val_count + dev_count must be less than count ({spec.count})"
             if not spec.difficulties:
                 yield f"domains.{domain}.difficulties", "must not be empty"
         for i, imp in enumerate(self.imports):

@@ -35,13 +35,14 @@ from snowcat.stages.rlcore.loop import Trainer
 from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport, TransportError, rollout_owner
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import serve_checkpoint
-from snowcat.stages.taskgen import load_tasks
+from snowcat.stages.taskgen import load_tasks, selection_split
 
 # ---------------------------------------------------------------- data
 
 
 def load_pool(ctx, cfg: Config):
-    """Training tasks: the select stage's band when available, else the tasks stage's train split."""
+    """Training tasks (the select stage's band when available, else the tasks stage's train split) and the
+    held-out tasks checkpoints are selected on (the dev split when there is one, else val)."""
 
     if cfg.tasks_input not in ctx.inputs:
         raise UserError(f"rl: needs the tasks stage {cfg.tasks_input!r} (rl.tasks_input); inputs are {sorted(ctx.inputs)}")
@@ -60,7 +61,7 @@ def load_pool(ctx, cfg: Config):
             raise UserError(f"rl.domains={list(cfg.domains)}: no training task in these domains")
     if len(pool) < cfg.tasks_per_update:
         raise UserError(f"rl.tasks_per_update={cfg.tasks_per_update} exceeds the {len(pool)} training tasks")
-    val = load_tasks(tasks_dir, "val")
+    val = load_tasks(tasks_dir, selection_split(tasks_dir))
     domains = sorted({t.domain for t in pool})
     per = max(1, cfg.eval_tasks // max(1, len(domains)))
     held_out = [t for d in domains for t in [v for v in val if v.domain == d][:per]]

@@ -1,7 +1,8 @@
 """`tasks` stage: generate verifiable task sets, seeded, with a held-out validation split.
 
 Generated domains and imported repository tasks (`imports`: SWE-bench JSONL, Harbor directories).
-Outputs `train.parquet` and `val.parquet` (see `stages.taskgen` for the columns and verifiers);
+Outputs `train.parquet`, `val.parquet` and, when a domain sets `dev_count`, `dev.parquet` (held
+out for checkpoint selection, so the exported checkpoint is scored on tasks it was not chosen on; see `stages.taskgen` for the columns and verifiers);
 validation tasks never appear in training (checked by prompt; for repository tasks by prompt, code
 and gold patch).
 """
@@ -53,18 +54,24 @@ def _import(imp, key: str) -> list:
 
 def run(ctx: StageContext) -> dict:
     rng = np.random.default_rng(ctx.seed)
-    train, val = [], []
+    train, dev, val = [], [], []
     metrics: dict[str, float] = {}
     for domain, spec in ctx.config.generated().items():
         tasks = generate_domain(rng, domain, list(spec.difficulties), spec.count)
         d_train, d_val = split_tasks(tasks, spec.val_count, rng)
+        d_dev = []
+        if spec.dev_count:  # drawn only when asked, so runs without a dev split keep their splits
+            d_train, d_dev = split_tasks(d_train, spec.dev_count, rng)
+            metrics[f"{domain}/dev"] = len(d_dev)
         train += d_train
+        dev += d_dev
         val += d_val
         metrics[f"{domain}/train"] = len(d_train)
         metrics[f"{domain}/val"] = len(d_val)
-    leaked = {task_key(t) for t in train} & {task_key(t) for t in val}
+    keys = [{task_key(t) for t in split} for split in (train, dev, val)]
+    leaked = (keys[0] & keys[1]) | (keys[0] & keys[2]) | (keys[1] & keys[2])
     if leaked:
-        raise RuntimeError(f"{len(leaked)} validation tasks also occur in train")
+        raise RuntimeError(f"{len(leaked)} held-out tasks occur in two splits")
     for i, imp in enumerate(ctx.config.imports):
         tasks = _import(imp, f"stages.{ctx.name}.imports[{i}]")
         if imp.build_images:
@@ -76,5 +83,8 @@ def run(ctx: StageContext) -> dict:
         metrics[f"{imp.domain}/val"] = metrics.get(f"{imp.domain}/val", 0) + len(d_val)
     save_tasks(ctx.out_dir, "train", train)
     save_tasks(ctx.out_dir, "val", val)
+    if dev:
+        save_tasks(ctx.out_dir, "dev", dev)
+        metrics["dev"] = len(dev)
     metrics.update(train=len(train), val=len(val))
     return metrics

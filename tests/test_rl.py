@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import snowcat.stages.rl as rl
+import snowcat.stages.tasks as tasks_stage
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import checkpoint_dir, sha256_file
@@ -359,3 +360,36 @@ def test_bad_config_names_the_key(inputs, tmp_path):
         rl.run(make_ctx(inputs, tmp_path, tasks_per_update=999))
     with pytest.raises(UserError, match=r"^stages\.rl\.init_from: 'nope:final' names stage 'nope', which is not in needs"):
         rl.run(make_ctx(inputs, tmp_path, init_from="nope:final"))
+
+
+def test_a_dev_split_is_held_out_of_train_and_val_and_leaves_val_as_it_was(tmp_path):
+    domains = {"closure": {"count": 60, "val_count": 10, "difficulties": [1, 2]}}
+    plain = StageContext.standalone("tasks", {"domains": domains}, run_dir=tmp_path / "plain", seed=4)
+    tasks_stage.run(plain)
+    domains["closure"]["dev_count"] = 12
+    ctx = StageContext.standalone("tasks", {"domains": domains}, run_dir=tmp_path / "dev", seed=4)
+    metrics = tasks_stage.run(ctx)
+    train, dev, val = (load_tasks(ctx.out_dir, s) for s in ("train", "dev", "val"))
+    assert metrics["dev"] == len(dev) == 12 and len(train) == 38 and len(val) == 10
+    assert not {t.task_id for t in dev} & ({t.task_id for t in train} | {t.task_id for t in val})
+    assert val == load_tasks(plain.out_dir, "val")  # asking for dev never changes the held-out score's tasks
+    assert not (plain.out_dir / "dev.parquet").exists()
+    with pytest.raises(UserError, match=r"domains\.closure\.dev_count: val_count \+ dev_count must be less than count"):
+        StageContext.standalone(
+            "tasks", {"domains": {"closure": {"count": 20, "val_count": 10, "dev_count": 10}}}, run_dir=tmp_path
+        )
+
+
+def test_with_a_dev_split_rl_selects_checkpoints_on_it_not_on_val(inputs, tmp_path):
+    with_dev = tmp_path / "inputs"
+    shutil.copytree(inputs, with_dev)
+    val = load_tasks(with_dev / "tasks", "val")
+    save_tasks(with_dev / "tasks", "dev", val[::2])  # a split of its own, disjoint from what val keeps
+    save_tasks(with_dev / "tasks", "val", val[1::2])
+    ctx = make_ctx(with_dev, tmp_path / "run", updates=3, eval_every=3)
+    _, held_out = rl.load_pool(ctx, ctx.config)
+    assert {t.task_id for t in held_out} <= {t.task_id for t in val[::2]}
+    metrics = rl.run(ctx)
+    ledger = json.loads((tmp_path / "run" / "rl" / "checkpoints" / "retention.json").read_text())
+    assert ledger["policy"]["metric"] == "dev/pass@1"
+    assert "dev/pass@1" in metrics and "val/pass@1" not in metrics and metrics["dev/tasks"] == len(held_out)

@@ -21,6 +21,7 @@ from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logp
 from snowcat.stages.rlcore.transport import TransportError
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts
+from snowcat.stages.taskgen import selection_split
 from snowcat.stages.train import OptimConfig, StepStats, latest_checkpoint, make_backend
 from snowcat.stages.train.backend import local_device
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
@@ -56,8 +57,8 @@ def batch_metrics(trajs) -> dict[str, float]:
     return rec
 
 
-def quick_eval(model, tok, tasks, params, attempts: int, seed: int, verify, batch: int = 128) -> dict[str, float]:
-    """Sampled pass rate on held-out tasks (same seeds every time: common random numbers)."""
+def quick_eval(model, tok, tasks, params, attempts: int, seed: int, verify, split: str, batch: int = 128) -> dict[str, float]:
+    """Sampled pass rate on held-out tasks of `split` (same seeds every time: common random numbers)."""
     engine = TorchEngine(model, max_batch=batch)
     scored = sample_attempts(engine, tok, tasks, params, attempts=attempts, seed=seed, verifier=verify, batch_size=batch)
     rates = pass_rates(scored)
@@ -68,9 +69,9 @@ def quick_eval(model, tok, tasks, params, attempts: int, seed: int, verify, batc
     # checkpoints are selected by this value: its SE over tasks says how much that choice can be trusted
     _, se = mean_se([float(np.mean(v)) for v in per_task.values()])
     model.train()
-    return {("val/pass@1" if d == "all" else f"val/pass@1/{d}"): v for d, v in rates.items()} | {
-        "val/pass@1_se": se,
-        "val/tasks": len(per_task),
+    return {(f"{split}/pass@1" if d == "all" else f"{split}/pass@1/{d}"): v for d, v in rates.items()} | {
+        f"{split}/pass@1_se": se,
+        f"{split}/tasks": len(per_task),
     }
 
 
@@ -131,7 +132,8 @@ class Trainer(TrainLoop):
         if cfg.kl_coef:
             ref_model = load_model_dir(self.init_path, device=self.device)[0].eval().requires_grad_(False)
         self.loss_fn = make_loss_fn(self.params, loss_cfg, ref_model, replay=cfg.router_replay)
-        policy = RetentionPolicy(metric="val/pass@1", mode="max", keep_best=cfg.keep_best, keep_last=cfg.keep_last)
+        self.split = selection_split(Path(ctx.inputs[cfg.tasks_input]))  # what checkpoints are selected on
+        policy = RetentionPolicy(metric=f"{self.split}/pass@1", mode="max", keep_best=cfg.keep_best, keep_last=cfg.keep_last)
         checkpoints = Checkpoints(ckpts, backend, self.tok, policy, meta={"stage": ctx.name, "seed": ctx.seed}, seed=ctx.seed)
         client = checkpoints.restore()
         self.eval_cache: dict = client.get("last_eval", {}) if client else {}  # the retention metric of the next checkpoint
@@ -225,14 +227,21 @@ class Trainer(TrainLoop):
         if not self.held_out or not self.cfg.eval_tasks:
             return {}
         self.eval_cache = quick_eval(
-            self.model, self.tok, self.held_out, self.params, self.cfg.eval_attempts, seed=self.ctx.seed + 101, verify=self.verify
+            self.model,
+            self.tok,
+            self.held_out,
+            self.params,
+            self.cfg.eval_attempts,
+            seed=self.ctx.seed + 101,
+            verify=self.verify,
+            split=self.split,
         )
         return self.eval_cache
 
     def progress_numbers(self, rec: dict) -> dict:
         return {
             "reward": rec["reward/mean"],
-            **({"val pass@1": rec["val/pass@1"]} if "val/pass@1" in rec else {}),
+            **({f"{self.split} pass@1": rec[f"{self.split}/pass@1"]} if f"{self.split}/pass@1" in rec else {}),
             "tok/s": rec["throughput/sampled_tokens_per_s"],
         }
 
@@ -273,7 +282,7 @@ class Trainer(TrainLoop):
             "sampled_tokens_per_s": round(self.sampled_tokens / max(self.train_seconds, 1e-9), 1),
             "best_step": self.checkpoints.retention.best(),
             **self.eval_cache,
-            **{f"initial_{k}": v for k, v in (history[0] if history else {}).items() if k.startswith("val/")},
+            **{f"initial_{k}": v for k, v in (history[0] if history else {}).items() if k.startswith(f"{self.split}/")},
             "final_reward_mean": history[-1].get("reward/mean") if history else None,
             "mismatch_kl_alarm_updates": int(sum(r.get("alarm/mismatch_kl", 0.0) for r in history)),
             # roles: a trainer rank of its own never imports the rollout engine (world size 1 plays both)

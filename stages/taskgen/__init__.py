@@ -22,7 +22,7 @@ from snowcat.pipeline.fsio import atomic_write_bytes
 from . import arith, closure, repo, swe_mini
 from .verdict import Verdict, VerifierError
 
-SPLITS = ("train", "val")
+SPLITS = ("train", "dev", "val")  # dev: checkpoint selection; val: the held-out score
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,12 @@ def save_tasks(out_dir: Path, split: str, tasks: list[Task]) -> Path:
     path = Path(out_dir) / f"{split}.parquet"
     atomic_write_bytes(path, buf.getvalue())
     return path
+
+
+def selection_split(tasks_dir: Path) -> str:
+    """The split a trainer selects checkpoints on: `dev` when the tasks stage held one out, else
+    `val` (then the card warns that the exported checkpoint was chosen on the split that scores it)."""
+    return "dev" if (Path(tasks_dir) / "dev.parquet").is_file() else "val"
 
 
 def load_tasks(tasks_dir: Path, split: str) -> list[Task]:
