@@ -201,6 +201,34 @@ FULL = (
 """
 )
 
+# the tiny run, plus RL and an export of its best checkpoint: the stages whose timings and embedded
+# checkpoint hashes made a faithful reproduction of the demo read DIFFERS
+TINY_RL = (
+    TINY
+    + """\
+  rl:
+    kind: rl
+    needs: [tasks, sft]
+    updates: 4
+    tasks_per_update: 4
+    attempts: 4
+    max_tokens: 8
+    lag: 1
+    eval_every: 2
+    eval_tasks: 8
+    eval_attempts: 1
+    save_every: 2
+    threads: 1
+  export:
+    kind: export
+    needs: [rl]
+    probe_rows: 2
+    probe_len: 16
+    max_new_tokens: 8
+"""
+)
+
+
 SHARED_RUN_TIMEOUT_S = 1800  # the pytest timeout of a test that builds a shared run (pytestmark of its file)
 
 
@@ -226,8 +254,8 @@ def full_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
-    """tasks → tiny SFT only."""
-    return make_run(tmp_path_factory.mktemp("shared-tiny"), TINY)
+    """tasks → tiny SFT → tiny RL → export."""
+    return make_run(tmp_path_factory.mktemp("shared-tiny"), TINY_RL)
 
 
 # --- one stage outside a run -----------------------------------------------------------------

@@ -13,50 +13,18 @@ from snowcat.pipeline.fsio import read_json
 from snowcat.pipeline.reproduce import compare_runs
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.volatile import strip_volatile
-from tests.conftest import SHARED_RUN_TIMEOUT_S, TINY, make_run, snowcat_in_repo
+from tests.conftest import SHARED_RUN_TIMEOUT_S, snowcat_in_repo
 
-# every test reads one shared tiny run (built by the first test that needs it: a minute or two on 2 cores)
+# every test reads the shared tiny run, RL and export included (built by the first test that needs it)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)]
-
-# the tiny run, plus RL and an export of its best checkpoint: the stages whose timings and embedded
-# checkpoint hashes made a faithful reproduction of the demo read DIFFERS
-WITH_RL = (
-    TINY
-    + """\
-  rl:
-    kind: rl
-    needs: [tasks, sft]
-    updates: 4
-    tasks_per_update: 4
-    attempts: 4
-    max_tokens: 8
-    lag: 1
-    eval_every: 2
-    eval_tasks: 8
-    eval_attempts: 1
-    save_every: 2
-    threads: 1
-  export:
-    kind: export
-    needs: [rl]
-    probe_rows: 2
-    probe_len: 16
-    max_new_tokens: 8
-"""
-)
-
-
-@pytest.fixture(scope="module")
-def rl_run(tmp_path_factory):
-    return make_run(tmp_path_factory.mktemp("reproduce"), WITH_RL)
 
 
 def excluded(report: dict, unit: str, file: str) -> set[str]:
     return {e["field"] for e in report["excluded_fields"] if e["unit"] == unit and e["file"] == file}
 
 
-def test_reproduction_matches_the_original(rl_run, tmp_path):
-    original = rl_run
+def test_reproduction_matches_the_original(tiny_run, tmp_path):
+    original = tiny_run
     new = tmp_path / "again"
     proc = snowcat_in_repo("reproduce", original, "--run-dir", new, "--json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -84,10 +52,10 @@ def test_reproduction_matches_the_original(rl_run, tmp_path):
     assert all(rel.endswith((".json", ".jsonl")) for s in report["stages"].values() for rel in s["files_equal_narrowed"])
 
 
-def test_a_different_result_is_reported(rl_run, tmp_path):
+def test_a_different_result_is_reported(tiny_run, tmp_path):
     """The comparison can fail: a reproduction whose SFT final weights differ is named."""
 
-    original = rl_run
+    original = tiny_run
     copy = tmp_path / "copy"
     shutil.copytree(original, copy)
     weights = copy / "stages" / "sft" / "checkpoints" / "final" / "model.safetensors"
@@ -104,12 +72,12 @@ def test_a_different_result_is_reported(rl_run, tmp_path):
     assert any(p.startswith("metric final_loss") for p in problems)
 
 
-def test_real_differences_in_rl_and_export_are_named(rl_run, tmp_path):
+def test_real_differences_in_rl_and_export_are_named(tiny_run, tmp_path):
     """Volatile fields are left out, nothing else: a changed result metric, a changed history value
     next to a changed timing, a changed RNG snapshot byte and a changed exported weight are each named."""
 
     copy = tmp_path / "copy"
-    shutil.copytree(rl_run, copy)
+    shutil.copytree(tiny_run, copy)
     rl = copy / "stages" / "rl"
     metrics = read_json(rl / "metrics.json")
     metrics["final_reward_mean"] = (metrics["final_reward_mean"] or 0) + 1
@@ -127,7 +95,7 @@ def test_real_differences_in_rl_and_export_are_named(rl_run, tmp_path):
         data[-1] ^= 1
         path.write_bytes(bytes(data))
 
-    report = compare_runs(RunDir.open(rl_run), RunDir.open(copy))
+    report = compare_runs(RunDir.open(tiny_run), RunDir.open(copy))
     assert not report["ok"] and report["stages"]["sft"]["ok"]
     problems = report["stages"]["rl"]["problems"]
     assert any(p.startswith("metric final_reward_mean") for p in problems)
@@ -138,9 +106,9 @@ def test_real_differences_in_rl_and_export_are_named(rl_run, tmp_path):
     assert any(p.startswith("model/model.safetensors: sha256") for p in report["stages"]["export"]["problems"])
 
 
-def test_unrestorable_code_is_refused(rl_run, tmp_path):
+def test_unrestorable_code_is_refused(tiny_run, tmp_path):
     copy = tmp_path / "copy"
-    shutil.copytree(rl_run, copy)
+    shutil.copytree(tiny_run, copy)
     for path in (copy / "provenance").glob("*.json"):
         record = json.loads(path.read_text())
         record["code"]["revision"] = "0" * 40
