@@ -214,6 +214,14 @@ AGENT_ROWS = (  # results.json `behaviour` keys shown on the card (stages.agent.
 )
 
 
+def _diff(d: dict | None) -> str:
+    if not d or d.get("diff") is None:
+        return NR
+    lo, hi = d.get("ci95") or (None, None)
+    ci = f" [{100 * lo:+.1f}, {100 * hi:+.1f}]" if lo is not None and hi is not None and lo == lo and hi == hi else ""
+    return f"{100 * d['diff']:+.1f} ± {_v(d.get('se') and 100 * d['se'], '{:.1f}')}{ci}"
+
+
 def _resolve(f: Facts, ref: str) -> Path | None:
     """The directory a checkpoint reference names now (`rl:best` is a file naming a step)."""
     stage, _, name = ref.partition(":")
@@ -280,6 +288,14 @@ def _evaluations(f: Facts, export: dict | None) -> tuple[list[str], list[str], l
             if any(key in results["checkpoints"][r].get("behaviour", {}) for r in cols):
                 vals = [fmt(results["checkpoints"][r].get("behaviour", {}).get(key)) for r in cols]
                 lines.append(f"| agent | {label} | " + " | ".join(vals) + " |")
+        comparisons = results.get("comparisons") or {}
+        if comparisons:  # paired over the same tasks: the honest way to say one checkpoint beats another
+            lines += ["", "Paired differences (same tasks and attempt seeds), in points, ± SE, [95% bootstrap CI]:", ""]
+            lines += ["| comparison | group | tasks | Δ pass@1 | Δ mean reward |", "|---|---|---|---|---|"]
+            for pair, by_group in sorted(comparisons.items()):
+                for g in sorted((g for g in by_group if "/" not in g), key=lambda g: (g != "all", g)):
+                    c = by_group[g]
+                    lines.append(f"| {pair} | {g} | {_v(c.get('tasks'))} | {_diff(c.get('pass@1'))} | {_diff(c.get('reward'))} |")
         if exported_ref and exported is None:
             limits.append(f"Evaluation `{node.name}` did not evaluate the exported checkpoint `{exported_ref}`.")
         selected_on = source.get("metric", "").partition("/")[0]

@@ -217,3 +217,12 @@ def test_rl_layout_and_backend_are_the_recorded_ones(tmp_path):
         "one world of 5 rank(s) (recorded by rank 0)"
     )
     assert "not recorded data-parallel trainer rank(s)" in card_mod._layout(node, None, {})
+
+
+def test_paired_comparisons_of_the_evaluation_are_on_the_card(full_run):
+    card = (full_run / "stages" / "card" / "card.md").read_text()
+    comparisons = json.loads((full_run / "stages" / "eval" / "results.json").read_text())["comparisons"]
+    assert comparisons
+    for pair, by_group in comparisons.items():
+        c = by_group["all"]["pass@1"]
+        assert f"| {pair} | all | {by_group['all']['tasks']} | {100 * c['diff']:+.1f} ± {100 * c['se']:.1f}" in card
