@@ -180,7 +180,10 @@ class TorchBackend:
             canonical.save(state, dir / "optimizer.pt")  # a resumed run's equal state: equal bytes
 
     def load_state(self, dir) -> None:
-        sd = torch.load(dir / "optimizer.pt", map_location=self.device, weights_only=False)
+        # on the CPU: load_state_dict moves each state tensor to its parameter's device, but keeps
+        # AdamW's `step` where it was loaded, and a fresh run keeps it on the CPU (else a resumed
+        # GPU run pickles it as a CUDA tensor: other bytes for the same state)
+        sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False)
         self.optimizer.load_state_dict(sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
         self.step = int(sd["step"])
