@@ -449,6 +449,23 @@ def _stages(f: Facts) -> tuple[list[str], dict]:
     return lines, totals
 
 
+def _role_hardware(f: Facts, node, role: str) -> str:
+    """Hosts and GPUs the ranks of one role ran on, from their rank records (provenance/ranks/)."""
+    records = [
+        r
+        for u in node.units
+        for path in sorted(
+            (f.run.path / "provenance" / "ranks").glob(f"{u.stage if u.index is None else f'{u.stage}.{u.index}'}.rank*.json")
+        )
+        if (r := read_json(path)) and r.get("role") == role
+    ]
+    if not records:
+        return f"{node.name}: {role} ranks' hosts and GPUs {NR}"
+    hosts = sorted({(r.get("host") or {}).get("hostname") or NR for r in records})
+    gpus = sorted({g.get("name", "?") for r in records for g in (r.get("host") or {}).get("gpus") or []})
+    return f"{node.name}: {len(records)} {role} rank(s) on {', '.join(hosts)}; GPUs: {', '.join(gpus) or 'none'}"
+
+
 def _tags(f: Facts, export: dict | None) -> list[str]:
     """Tags from what was recorded: the exported architecture, experts, and a coding-agent
     environment only where a training stage ran one."""
@@ -578,13 +595,7 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
             lambda n: (m := f.run.metrics(n.units[0])).get("updates", m.get("steps")) if f.done(n.name) else None
         ),
         "policy parallelism layout": "see Recipe (layout)" if trainers else None,
-        "rollout (inference) hardware": "; ".join(
-            f"{n.name}: {_v(getattr(n.config.resources.components.get('rollout'), 'nodes', None))} node(s) "
-            f"× {_v(getattr(n.config.resources.components.get('rollout'), 'gpus_per_node', None))} GPU (config); "
-            f"observed hosts and GPUs {NR} (rollout ranks write no provenance record)"
-            for n in rl
-        )
-        or None,
+        "rollout (inference) hardware": "; ".join(_role_hardware(f, n, "rollout") for n in rl) or None,
         "training hardware": "see Stages and Software (rank 0 hosts)" if trainers else None,
         "GPU-hours": f"{totals['gpu_hours']:.2f} (rank 0 host GPUs × nodes × wall-clock)"
         if totals["gpus_seen"]

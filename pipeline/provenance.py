@@ -414,6 +414,31 @@ def record_unit(run: Any, unit: Any, ctx: Any) -> Path:
     return write(record, run.path)
 
 
+def rank_record_path(run_dir: str | os.PathLike, stage: str, item: int | None, rank: int) -> Path:
+    unit = stage if item is None else f"{stage}.{item}"
+    return Path(run_dir) / DIRNAME / "ranks" / f"{unit}.rank{rank}.json"
+
+
+def record_rank(run: Any, unit: Any, ctx: Any) -> Path:
+    """What a rank other than 0 ran on (its role, host, GPUs, Slurm step): the unit's record is rank
+    0's, so without these the hardware of rollout ranks in another hetjob component went unrecorded."""
+    record = {
+        "schema": SCHEMA,
+        "stage": unit.stage,
+        "item": unit.index,
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "role": ctx.role,
+        "captured_at": _now(),
+        "host": host_state(),
+        "slurm": slurm_state(),
+        "container": container_state(run.path),
+    }
+    path = rank_record_path(run.path, unit.stage, unit.index, ctx.rank)
+    atomic_write_json(path, json.loads(scrub_text(json.dumps(record, sort_keys=True, default=str))))
+    return path
+
+
 def _get(record: Mapping[str, Any], dotted: str) -> Any:
     node: Any = record
     for part in dotted.split("."):

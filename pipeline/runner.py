@@ -147,6 +147,8 @@ def _run_locked(run: RunDir, cfg, dag, node: StageNode, unit: Unit) -> int:
     lead = ctx.rank == 0
     if lead:
         run.update_stage(unit.key, status="running", started=now(), **_job_fields())
+    else:
+        provenance.record_rank(run, unit, ctx)
     print(f"[snowcat] {unit.key} ({node.kind}) rank {ctx.rank}/{ctx.world_size} role={ctx.role} starts", flush=True)
     t0 = time.monotonic()
     seed_global_generators(ctx.seed)

@@ -1,14 +1,16 @@
 """Provenance records: complete, reproducible (the patch re-applies), verifiable, and free of secrets."""
 
 import json
+import os
 import subprocess
 from types import SimpleNamespace
 
 import pytest
 
-from snowcat.pipeline import provenance
+from snowcat.pipeline import card, provenance
 from snowcat.pipeline.fsio import atomic_write_text, sha256_file, write_manifest
 from snowcat.pipeline.provenance import REQUIRED_FIELDS, capture, check_complete, code_state, container_state, record_unit, write
+from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.scrub import scan_tree
 
 HF = "hf_planted123AbCdEfGhIjKlMnOpQrStUvWx"
@@ -179,3 +181,22 @@ def test_record_unit_hook_writes_item_record(run_dir, secret_env):
     assert path.name == "probe.1.json" and rec["item"] == 1 and rec["extra"]["attempts"] == 2
     assert rec["times"]["started"] == "2026-11-29T01:00:00+00:00" and check_complete(rec, run_dir) == []
     assert rec["host"]["gpus"] == [] or all(g["name"] for g in rec["host"]["gpus"])  # torch probed lazily
+
+
+def test_every_rank_of_a_multi_role_stage_records_what_it_ran_on(snowcat, tmp_path):
+    cfg = tmp_path / "fabric.yaml"
+    cfg.write_text(
+        "name: fabric\nstages:\n  fabric:\n    kind: mpi_check\n    resources:\n      components:\n"
+        "        trainer: {nodes: 1, tasks_per_node: 1}\n        rollout: {nodes: 1, tasks_per_node: 2}\n"
+    )
+    snowcat("run", cfg, "--run-dir", tmp_path / "run", check=True)
+    ranks = sorted((tmp_path / "run" / "provenance" / "ranks").iterdir())
+    assert [p.name for p in ranks] == ["fabric.rank1.json", "fabric.rank2.json"]  # rank 0 writes the unit's record
+    records = [json.loads(p.read_text()) for p in ranks]
+    assert {(r["rank"], r["role"], r["world_size"]) for r in records} == {(1, "rollout", 3), (2, "rollout", 3)}
+    assert all(r["host"]["hostname"] == os.uname().nodename and r["host"]["gpus"] == [] for r in records)
+    facts = card.Facts(RunDir.open(tmp_path / "run"))
+    assert (
+        card._role_hardware(facts, facts.dag["fabric"], "rollout")
+        == f"fabric: 2 rollout rank(s) on {os.uname().nodename}; GPUs: none"
+    )
