@@ -19,7 +19,7 @@ compares the outcome with the reference. Per fault kind it counts:
   orphans       a stage process still alive after its driver was SIGKILLed
   leftovers     temp/staging/`.old` entries left in the stage directories after recovery
   two_writers   a second driver or a by-hand unit worked on a unit while another process ran it
-  undetected    a file the fault damaged on purpose, still damaged after resume reported success
+  undetected    a file the fault damaged on purpose, still holding the damaged bytes after resume reported success
 
 Faults that damage outputs expect a refusal (exit 2 naming the file) followed by the documented
 remedy, deleting the stage directory and resuming; a damaged config.yaml must be refused (exit 2
@@ -73,7 +73,7 @@ CATEGORIES = (
 # What the comparison with the reference leaves out, and why. Every other byte of every file in a
 # stage manifest must be equal.
 VOLATILE_KEYS = {  # JSON keys removed before comparing the named files (any depth)
-    "metrics.json": ("duration_s", "tokens_per_s", "train_seconds", "wait_seconds"),
+    "metrics.json": ("duration_s", "tokens_per_s", "train_seconds", "wait_seconds", "sampled_tokens_per_s"),
     "metrics_history.jsonl": (
         "step_time_s",
         "tokens_per_s",
@@ -88,7 +88,8 @@ VOLATILE_KEYS = {  # JSON keys removed before comparing the named files (any dep
 # output: compared are the checkpoints still retained.
 EXCLUDED = [
     {
-        "what": "metrics.json: duration_s, tokens_per_s, train_seconds, wait_seconds (RL: the trainer's wait for batches)",
+        "what": "metrics.json: duration_s, tokens_per_s, train_seconds, wait_seconds (RL: the trainer's wait for "
+        "batches), sampled_tokens_per_s (RL: rollout speed)",
         "why": "wall-clock durations and speeds",
     },
     {
@@ -413,6 +414,7 @@ class Fault:
     exempt: set[str] = field(default_factory=set)  # units the fault damaged: they (and downstream) may re-run
     remedy: bool = False  # a refusal naming a damaged output is expected, then the documented remedy
     skip_torn: frozenset[Path] = frozenset()  # what the fault itself damaged (not torn by the pipeline)
+    damaged: dict[Path, str] = field(default_factory=dict)  # file -> its sha256 right after the damage
     ref: str = "main"  # which reference run (and config) the fault starts from and is compared with
     config_backup: str | None = None
     expect_config_refusal: bool = False
@@ -596,6 +598,30 @@ class Campaign:
         self.after_kill(f)
         self.check_torn(f, "after the kill")
 
+    def kill_at_mark_done(self, f: Fault, rng: random.Random) -> None:
+        """SIGKILL of a stage process at its commit point: metrics.json written, DONE not yet."""
+        stage = rng.choice(sorted(stage_graph(self.reference)))
+        f.params["stage"] = stage
+        out = f.run / "stages" / stage
+        proc = self.start(f)
+
+        def committing():
+            if proc.poll() is not None:
+                return "ended"
+            return "hit" if (out / "metrics.json").is_file() and not (out / "DONE").is_file() else None
+
+        state = wait_for(committing, self.timeout, poll=0.001)
+        f.done_before = done_units(f.run)
+        if state != "hit":
+            f.notes.append("the commit point was not seen")
+        for pid, s in stage_pids(f.run) if state == "hit" else []:
+            if s == stage:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        f.params["killed_before_done"] = not (out / "DONE").is_file()
+        self.finish_driver(f, proc)
+        self.check_torn(f, "after the kill")
+
     def disk_full(self, f: Fault, rng: random.Random) -> None:
         """The run directory on a small tmpfs: writes fail with ENOSPC; recovery enlarges it."""
         mnt = f.dir / "mnt"
@@ -626,6 +652,7 @@ class Campaign:
         else:
             data = b"x"
         path.write_bytes(data)
+        f.damaged[path] = sha256_file(path)
         return mode
 
     def corrupt_output(self, f: Fault, rng: random.Random) -> None:
@@ -886,12 +913,10 @@ class Campaign:
                 f.problems["lost"].append(f"{key}: done before the fault, not done after")
             elif after[key] != marker:
                 f.problems["lost"].append(f"{key}: done before the fault, re-run after")
-        damaged = [p for p in f.skip_torn if p.is_file() and f.remedy]
-        f.problems["torn"] += [f"at the end: {t}" for t in torn_files(f.run, frozenset(damaged))]
-        for p in damaged:  # still there, still damaged: nothing refused it
-            original = ref.path / p.relative_to(f.run)
-            if not original.is_file() or sha256_file(original) != sha256_file(p):
-                f.problems["undetected"].append(f"{p.relative_to(f.run)}: damaged, yet resume accepted the run")
+        # a file still holding the bytes the fault left: nothing refused, replaced or removed it
+        still = [p for p, digest in f.damaged.items() if p.is_file() and sha256_file(p) == digest]
+        f.problems["torn"] += [f"at the end: {t}" for t in torn_files(f.run, frozenset(still))]
+        f.problems["undetected"] += [f"{p.relative_to(f.run)}: still damaged, yet resume reported success" for p in still]
         f.problems["leftovers"] += leftovers(f.run)
         if not f.problems["unrecovered"]:
             f.problems["mismatches"] += [explain(p, ref.path, f.run) for p in compare(ref.print, fingerprint(f.run, ref.path))]
@@ -925,6 +950,7 @@ KINDS = (
     "kill_driver",
     "kill_stage",
     "kill_ckpt_save",
+    "kill_at_mark_done",
     "sigterm_stage",
     "sigusr2_stage",
     "sigterm_driver",

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from snowcat.benchmarks import faults
+from snowcat.pipeline.fsio import sha256_file
 from tests.conftest import Snowcat, write_config
 
 SMALL = """
@@ -92,14 +93,29 @@ def test_a_rerun_stage_is_lost_unless_the_fault_damaged_it(runs, tmp_path):
     assert not any(handled.problems.values())
 
 
-def test_a_damaged_output_left_in_place_is_a_mismatch(runs, tmp_path):
+def test_a_damaged_output_left_in_place_is_undetected_and_a_mismatch(runs, tmp_path):
     a, _, _ = runs
     c = _copy(a, tmp_path)
-    (c / "stages" / "tasks" / "val.parquet").write_bytes(b"")
-    f = faults.Fault("corrupt_output", 0, tmp_path, c, done_before=faults.done_units(c), exempt={"tasks"})
+    target = c / "stages" / "tasks" / "val.parquet"
+    target.write_bytes(b"")
+    f = faults.Fault(
+        "corrupt_output",
+        0,
+        tmp_path,
+        c,
+        done_before=faults.done_units(c),
+        exempt={"tasks"},
+        remedy=True,
+        damaged={target: sha256_file(target)},
+    )
     _campaign(a).verdict(f)
     assert f.problems["mismatches"] == ["tasks/val.parquet: differs"]
-    assert any("val.parquet" in t for t in f.problems["torn"])
+    assert f.problems["undetected"] == ["stages/tasks/val.parquet: still damaged, yet resume reported success"]
+    assert f.problems["torn"] == []  # the fault's own damage is not counted as torn by the pipeline
+    # the same damage from no fault of the campaign's: a torn file
+    g = faults.Fault("kill_driver", 1, tmp_path, c, done_before=faults.done_units(c))
+    _campaign(a).verdict(g)
+    assert any("val.parquet" in t for t in g.problems["torn"]) and g.problems["undetected"] == []
 
 
 def test_bad_arguments_exit_2(capsys):
