@@ -136,13 +136,15 @@ class RunDir:
             yield
 
     @contextlib.contextmanager
-    def unit_lock(self, unit: Unit, rank: int = 0) -> Iterator[None]:
+    def unit_lock(self, unit: Unit, rank: int = 0, wait_s: float = 0) -> Iterator[None]:
         """Held by whoever runs a unit, rank by rank (the executor's process or a user by hand): two
-        runners of one unit would share its output and staging directories and delete each other's files."""
+        runners of one unit would share its output and staging directories and delete each other's files.
+        `wait_s`: how long to wait for a holder to exit (a resubmitted job may start while the
+        cancelled one's process is still being killed); 0 refuses at once."""
         locks = self.path / ".locks"
         locks.mkdir(exist_ok=True)
         name = unit.key if rank == 0 else f"{unit.key}.rank{rank}"
-        with self._exclusive(locks / name, f"{unit.key} is already being run ({{holder}}); wait for it, or stop it"):
+        with self._exclusive(locks / name, f"{unit.key} is already being run ({{holder}}); wait for it, or stop it", wait_s):
             yield
 
     def driver(self) -> dict | None:
@@ -150,17 +152,26 @@ class RunDir:
         return _holder(self.path / ".driver.pid")
 
     @contextlib.contextmanager
-    def _exclusive(self, base: Path, busy: str) -> Iterator[None]:
+    def _exclusive(self, base: Path, busy: str, wait_s: float = 0) -> Iterator[None]:
         """An exclusive lock `<base>.lock` (flock: released by the kernel when the holder dies), with
         the holder's identity in `<base>.pid` for the message a second process gets."""
         lock = FileLock(f"{base}.lock")
         holder_file = Path(f"{base}.pid")
+
+        def who() -> str:
+            holder = _holder(holder_file)
+            return f"pid {holder['pid']} on {holder['host']}" if holder else "pid ?"
+
         try:
             lock.acquire(timeout=0)
         except Timeout:
-            holder = _holder(holder_file)
-            who = f"pid {holder['pid']} on {holder['host']}" if holder else "pid ?"
-            raise UserError(f"{self.path}: {busy.format(holder=who)}") from None
+            if wait_s <= 0:
+                raise UserError(f"{self.path}: {busy.format(holder=who())}") from None
+            print(f"[snowcat] {base.name}: held by {who()}; waiting up to {wait_s:.0f}s for it to exit", flush=True)
+            try:
+                lock.acquire(timeout=wait_s)
+            except Timeout:
+                raise UserError(f"{self.path}: {busy.format(holder=who())} (waited {wait_s:.0f}s)") from None
         try:
             atomic_write_json(holder_file, procid.identify())
             yield

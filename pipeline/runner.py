@@ -107,7 +107,9 @@ def seed_global_generators(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
-def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
+def run_unit(run_dir: str | Path, stage: str, index: int | None = None, lock_wait_s: float = 0) -> int:
+    """Run one unit; `lock_wait_s` > 0 waits that long for another runner of the unit to exit (a
+    scheduler job whose predecessor is still being killed) instead of refusing at once (by hand)."""
     run = RunDir.open(run_dir)
     cfg = run.config()
     dag = build(cfg)
@@ -118,7 +120,7 @@ def run_unit(run_dir: str | Path, stage: str, index: int | None = None) -> int:
     if (index is None) != (node.items is None) or (index is not None and not 0 <= index < len(node.items)):
         raise UserError(f"stage {stage}: item {index} does not match its fan-out")
     rank, world, _ = rank_and_role(node)
-    with run.unit_lock(unit, rank):  # nothing of the unit is read or written before it is ours
+    with run.unit_lock(unit, rank, lock_wait_s):  # nothing of the unit is read or written before it is ours
         if world == 1:
             remove_leftovers(run.unit_dir(unit))  # multi-rank units: the driver does it (ranks start together)
         return _run_locked(run, cfg, dag, node, unit)

@@ -56,6 +56,9 @@ CANCELLED = {"CANCELLED"}
 # --- what runs inside the job ----------------------------------------------------------------
 
 
+LOCK_WAIT_S = 600.0  # > KillWait + UnkillableStepTimeout at any site in slurm/sites/
+
+
 @dataclass
 class StageJob(submitit.helpers.Checkpointable):
     """The callable submitit pickles: run one unit of a stage from the run directory.
@@ -72,7 +75,9 @@ class StageJob(submitit.helpers.Checkpointable):
 
     def __call__(self, index: int | None = None) -> dict:
         run = RunDir.open(self.run_dir)
-        code = run_unit(self.run_dir, self.stage, index)
+        # A job resubmitted after a scancel or a node failure may start before the old job's
+        # processes are killed (KillWait, UnkillableStepTimeout): wait for them rather than fail.
+        code = run_unit(self.run_dir, self.stage, index, lock_wait_s=LOCK_WAIT_S)
         unit = Unit(self.stage, index)
         if code == PREEMPTED_EXIT_CODE:
             self._continue(run, unit)

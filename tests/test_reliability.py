@@ -16,6 +16,7 @@ import pytest
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline import procid
 from snowcat.pipeline.dag import Unit, build
+from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, remove_leftovers
 from snowcat.pipeline.rundir import RunDir
 from tests.conftest import write_config
@@ -271,3 +272,28 @@ def test_resume_cleans_leftovers_in_units_and_done_units_still_verify(snowcat, d
 def test_a_config_error_never_echoes_a_credential(snowcat, small):
     proc = snowcat("config", small, "stages.more.nokey=https://ada:hunter2-but-longer@data.example.org/x")
     assert proc.returncode == 2 and "nokey" in proc.stderr and "hunter2-but-longer" not in proc.stderr
+
+
+def test_a_scheduler_job_waits_for_a_predecessor_still_being_killed(small, tmp_path):
+    """A job resubmitted after scancel may start while the old process lives on (KillWait): the
+    Slurm path waits for the lock (bounded) where a runner by hand refuses at once."""
+    run = RunDir.create(config_mod.load(small), tmp_path / "run")
+    finished = tmp_path / "predecessor-finished"
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from snowcat.pipeline.rundir import RunDir\n"
+        "from snowcat.pipeline.dag import Unit\n"
+        "with RunDir(sys.argv[1]).unit_lock(Unit('tasks')):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(1.5)\n"
+        "    Path(sys.argv[2]).touch()  # the last thing it does while holding the unit\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script, str(run.path), str(finished)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(UserError, match=r"tasks is already being run \(pid \d+ on .*\); wait for it, or stop it \(waited 0s\)"):
+        with run.unit_lock(Unit("tasks"), wait_s=0.2):
+            pass
+    with run.unit_lock(Unit("tasks"), wait_s=60):
+        assert finished.exists()  # acquired only after the predecessor's last step
+    assert holder.wait(timeout=30) == 0
