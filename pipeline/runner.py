@@ -134,12 +134,13 @@ def _run_locked(run: RunDir, cfg, dag, node: StageNode, unit: Unit) -> int:
         return 1
     if run.is_done(unit) and not run.verify_unit(unit):
         stale = run.stale_inputs(dag, unit)
-        if not stale:
-            print(f"[snowcat] {unit.key}: already done, outputs verified; nothing to do", flush=True)
-            return 0
-        print(
-            f"[snowcat] {unit.key}: input(s) {', '.join(stale)} changed; old outputs moved to {run.set_aside(unit)}", flush=True
-        )
+        if stale:  # set aside by `resume` (once, under the driver lock), not by every rank of a job
+            raise UserError(
+                f"{unit.key}: done, but input(s) {', '.join(stale)} changed since; "
+                f"`snowcat resume {run.path}` sets its old outputs aside and re-runs it"
+            )
+        print(f"[snowcat] {unit.key}: already done, outputs verified; nothing to do", flush=True)
+        return 0
     run.clear_done(unit)
     inputs = run.input_digests(dag, unit.stage)  # what this unit reads: its lineage in the DONE marker
 

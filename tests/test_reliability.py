@@ -297,3 +297,11 @@ def test_a_scheduler_job_waits_for_a_predecessor_still_being_killed(small, tmp_p
     with run.unit_lock(Unit("tasks"), wait_s=60):
         assert finished.exists()  # acquired only after the predecessor's last step
     assert holder.wait(timeout=30) == 0
+
+
+def test_a_stale_unit_run_by_hand_is_refused_with_the_remedy(done_run):
+    _rewrite_upstream(done_run)
+    proc = by_hand(done_run, "more")
+    assert proc.returncode == 2
+    assert f"more: done, but input(s) tasks changed since; `snowcat resume {done_run}`" in proc.stderr
+    assert (done_run / "stages" / "more" / "DONE").is_file()  # nothing was touched
