@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -535,13 +536,10 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
     src = (export or {}).get("source") or {}
     fmt = (export or {}).get("format") or {}
     eq = (export or {}).get("equivalence") or {}
-    lineage = (
-        (read_json(f.stage_dir(f.nodes(*TRAINING_KINDS)[0].name) / "checkpoints" / "initial" / "meta.json") or {}).get("lineage")
-        if f.nodes(*TRAINING_KINDS)
-        else None
-    )
     rl = f.nodes("rl")
     trainers = f.nodes(*TRAINING_KINDS)
+    initial = f.stage_dir(trainers[0].name) / "checkpoints" / "initial" / "meta.json" if trainers else None
+    lineage = (read_json(initial) or {}).get("lineage") if initial else None
     tasks = f.nodes("tasks")
     evals = [n for n in f.nodes("evaluate") if f.done(n.name)]
     results = [read_json(f.stage_dir(n.name) / "results.json") or {} for n in evals]
@@ -562,10 +560,8 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
     h5 = f.run.path / "history.h5"
     traces = sorted(str(p.relative_to(f.run.path)) for p in (f.run.path / "stages").rglob("traces*.h5"))
     exported_scores = [e for e in index if e["group"] == "all" and e["pass@1"] is not None]
-    state_counts: dict[str, int] = {}
-    for node in f.dag:
-        st = f.run.stage_status(f.dag, node.name, verify=False)[0]
-        state_counts[st] = state_counts.get(st, 0) + 1
+    state_counts = Counter(f.run.stage_status(f.dag, node.name, verify=False)[0] for node in f.dag)
+    train_rows = rows("train")
     values = {
         "model and run name": f"{f.cfg.name}: {f.info.get('run_id')}",
         "research-artifact disclaimer": "stated above",
@@ -601,8 +597,8 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
         if totals["gpus_seen"]
         else "none (no GPU recorded)",
         "wall-clock per stage": "see Stages",
-        "training set size": rows("train") and rows("train").split(" ")[0],
-        "training set per domain": rows("train"),
+        "training set size": train_rows and train_rows.split(" ")[0],
+        "training set per domain": train_rows,
         "data order rule": "see Training data" if rl else None,
         "per-cohort exposure through the exported step": None,
         "validation set size and per domain": rows("val"),
