@@ -137,7 +137,7 @@ def _data(f: Facts) -> list[str]:
         rows.append(
             f"- `{node.name}` data order: batch k is slice k of a sequence of per-epoch permutations of its task pool "
             f"seeded by the stage seed {_v(seed)} (`stages/rl.py: batch_tasks`), so the tasks behind any step can be "
-            f"recomputed; per-cohort exposure up to the exported step: {NR} (not tabulated by the run)"
+            "recomputed; the trajectories per domain that entered the loss are the history's `exposure/<domain>`"
         )
     return rows
 
@@ -532,6 +532,26 @@ CHECKLIST = (
 )
 
 
+def _exposure(f: Facts, source: dict) -> str | None:
+    """Trajectories per domain that entered the loss up to the exported step (RL's `exposure/<d>`)."""
+    stage, step = source.get("ref", "").partition(":")[0], source.get("step")
+    if step is None and source.get("path"):  # exported by name (e.g. rl:final): its meta says the step
+        step = (read_json(f.run.path / source["path"] / "meta.json") or {}).get("step")
+    history = f.stage_dir(stage) / "metrics_history.jsonl" if stage in f.dag.nodes else None
+    if history is None or not history.is_file() or step is None:
+        return None
+    totals: Counter = Counter()
+    for line in history.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("step", 0) <= step:
+            totals.update({k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("exposure/")})
+    return (
+        f"{', '.join(f'{d} {n}' for d, n in sorted(totals.items()))} trajectories in the loss through step {step}"
+        if totals
+        else None
+    )
+
+
 def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[str], totals: dict) -> list[str]:
     src = (export or {}).get("source") or {}
     fmt = (export or {}).get("format") or {}
@@ -600,7 +620,7 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
         "training set size": train_rows and train_rows.split(" ")[0],
         "training set per domain": train_rows,
         "data order rule": "see Training data" if rl else None,
-        "per-cohort exposure through the exported step": None,
+        "per-cohort exposure through the exported step": _exposure(f, src),
         "validation set size and per domain": rows("val"),
         "pass@1 scoring rule": "explicit verifier pass per attempt; infrastructure failures excluded from denominators"
         if evals

@@ -226,3 +226,19 @@ def test_paired_comparisons_of_the_evaluation_are_on_the_card(full_run):
     for pair, by_group in comparisons.items():
         c = by_group["all"]["pass@1"]
         assert f"| {pair} | all | {by_group['all']['tasks']} | {100 * c['diff']:+.1f} ± {100 * c['se']:.1f}" in card
+
+
+def test_per_cohort_exposure_sums_the_history_up_to_the_exported_step(full_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    history = copy / "stages" / "sft" / "metrics_history.jsonl"
+    rows = [json.loads(line) | {"exposure/arith": 2, "exposure/closure": 1} for line in history.read_text().splitlines()]
+    history.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = copy / "stages" / "export" / "export.json"
+    record = json.loads(path.read_text())
+    record["source"]["step"] = 10
+    path.write_text(json.dumps(record))
+    rows = _checklist(_card_of(copy, tmp_path))
+    assert (
+        rows["per-cohort exposure through the exported step"] == "arith 20, closure 10 trajectories in the loss through step 10"
+    )

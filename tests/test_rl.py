@@ -393,3 +393,14 @@ def test_with_a_dev_split_rl_selects_checkpoints_on_it_not_on_val(inputs, tmp_pa
     ledger = json.loads((tmp_path / "run" / "rl" / "checkpoints" / "retention.json").read_text())
     assert ledger["policy"]["metric"] == "dev/pass@1"
     assert "dev/pass@1" in metrics and "val/pass@1" not in metrics and metrics["dev/tasks"] == len(held_out)
+
+
+def test_each_update_records_how_many_trajectories_of_each_domain_entered_the_loss(baseline):
+    rows = [json.loads(line) for line in (baseline / "rl" / "metrics_history.jsonl").read_text().splitlines()]
+    per_update = SMALL["tasks_per_update"] * SMALL["attempts"]
+    updates = [r for r in rows if "reward/mean" in r]  # rows of an update (the step-0 row holds only an eval)
+    assert len(updates) == SMALL["updates"]
+    for row in updates:
+        exposure = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("exposure/")}
+        assert set(exposure) <= {"closure", "arith"} and 0 < sum(exposure.values()) <= per_update
+        assert all(f"reward/{d}" in row for d, n in exposure.items() if n)  # a domain in the loss has its reward

@@ -39,6 +39,7 @@ def batch_metrics(trajs) -> dict[str, float]:
     rec["pass_rate"] = float(np.mean([t.passed for t in ok])) if ok else float("nan")
     for d, ts in sorted(by_dom.items()):
         good = [t for t in ts if t.trainable]
+        rec[f"exposure/{d}"] = len(good)  # trajectories of the domain that entered this update's loss
         if good:
             rec[f"reward/{d}"] = float(np.mean([t.reward for t in good]))
     rec["length/response_mean"] = float(np.mean([int(t.loss_mask.sum()) for t in trajs]))
