@@ -444,7 +444,10 @@ def _stages(f: Facts) -> tuple[list[str], dict]:
         if attempts > len(node.units):
             totals["retried"].append(node.name)
         wall = f"{sum(secs):.0f} s" if secs else NR
-        where = f"{len(jobs)} job(s)/process(es)" if jobs else "no job recorded"
+        continued = sum(int(r.get("continuations_used") or 0) for r in records)  # requeues or chained jobs
+        where = (f"{len(jobs)} job(s)/process(es)" if jobs else "no job recorded") + (
+            f", continued {continued} time(s) after a walltime or preemption signal" if continued else ""
+        )
         gpu = f"{max(gpus)} GPU(s) per rank 0 host" if any(gpus) else ("no GPU" if provs else f"GPUs {NR}")
         lines.append(f"- `{node.name}` ({node.kind}): {status}, {attempts} attempt(s), {where}, wall-clock {wall}, {gpu}")
     return lines, totals

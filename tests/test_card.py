@@ -242,3 +242,14 @@ def test_per_cohort_exposure_sums_the_history_up_to_the_exported_step(full_run, 
     assert (
         rows["per-cohort exposure through the exported step"] == "arith 20, closure 10 trajectories in the loss through step 10"
     )
+
+
+def test_stage_lines_say_attempts_and_continuations_as_recorded(full_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    state = json.loads((copy / "state.json").read_text())
+    state["stages"]["sft"] |= {"attempts": 3, "continuations_used": 2, "job_ids": ["101", "102", "103"]}
+    (copy / "state.json").write_text(json.dumps(state))
+    card = _card_of(copy, tmp_path)
+    assert "- `sft` (sft): done, 3 attempt(s), 3 job(s)/process(es), continued 2 time(s) after a walltime" in card
+    assert _checklist(card)["resume and requeue history"].endswith("retried: sft")
