@@ -599,7 +599,12 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
         "initializer": (lineage or {}).get("source")
         or (trainers and f"`{trainers[0].config.init_from or trainers[0].config.model}`"),
         "initializer revision": (lineage or {}).get("revision"),
-        "initializer parents (merge lineage)": ", ".join(str(x) for x in (lineage or {}).get("parents", [])) or None,
+        "initializer parents (merge lineage)": (
+            f"{', '.join(lineage['parents'])} ({lineage.get('parents_relation') or 'relation not stated'}; "
+            "as its model card names them, not pinned by revision or hash)"
+        )
+        if (lineage or {}).get("parents")
+        else None,
         "optimizer state at start": per_stage(lambda n: "fresh (a stage loads model weights only)"),
         "RL estimator and importance-sampling correction": "; ".join(
             f"{n.name}: {n.config.estimator}, TIS cap {n.config.tis_cap}" for n in rl

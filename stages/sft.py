@@ -193,6 +193,8 @@ def lineage(ctx, cfg: Config) -> dict:
         "revision": entry.get("source", {}).get("revision") or hf.snapshot_revision(path),
         "staged_sha256": entry.get("sha256"),
         "license": hf.checkpoint_license(path),
+        "parents": hf.checkpoint_parents(path)[0],
+        "parents_relation": hf.checkpoint_parents(path)[1],
         "files": {name: e["sha256"] for name, e in build_manifest(path).items()},
     }
 

@@ -253,3 +253,16 @@ def test_stage_lines_say_attempts_and_continuations_as_recorded(full_run, tmp_pa
     card = _card_of(copy, tmp_path)
     assert "- `sft` (sft): done, 3 attempt(s), 3 job(s)/process(es), continued 2 time(s) after a walltime" in card
     assert _checklist(card)["resume and requeue history"].endswith("retried: sft")
+
+
+def test_initializer_parents_are_named_as_its_model_card_names_them(full_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    meta_file = copy / "stages" / "sft" / "checkpoints" / "initial" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["lineage"] = {"source": "hf:org/merged", "hub_id": "org/merged", "revision": "a" * 40, "license": "apache-2.0",
+                       "files": {}, "parents": ["org/base-a", "org/specialist-b"], "parents_relation": "merge"}  # fmt: skip
+    meta_file.write_text(json.dumps(meta))
+    rows = _checklist(_card_of(copy, tmp_path))
+    assert rows["initializer"] == "hf:org/merged" and rows["initializer revision"] == "a" * 40
+    assert rows["initializer parents (merge lineage)"].startswith("org/base-a, org/specialist-b (merge; as its model card")

@@ -156,7 +156,10 @@ def tiny_hf(tmp_path_factory):
     save_tasks(root / "tasks", "val", val)
     texts = [t.prompt for t in train] + [demonstration(t) for t in train]
     hf_model = tiny_checkpoint(root / "model", texts)
-    (root / "model" / "README.md").write_text("---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n# tiny\n")
+    (root / "model" / "README.md").write_text(
+        "---\nlicense: apache-2.0\nlibrary_name: transformers\nbase_model:\n- org/base-a\n- org/specialist-b\n"
+        "base_model_relation: merge\n---\n# tiny\n"
+    )
     return root, hf_model
 
 
@@ -178,6 +181,7 @@ def test_sft_starts_from_an_hf_checkpoint_with_its_tokenizer(tiny_hf, capsys):
     lineage = meta["lineage"]
     assert lineage["source"] == values["model"] and lineage["hub_id"] is None  # a local directory
     assert lineage["license"] == "apache-2.0"  # from the model card's front matter
+    assert lineage["parents"] == ["org/base-a", "org/specialist-b"] and lineage["parents_relation"] == "merge"
     assert lineage["files"]["model.safetensors"] == sha256_file(root / "model" / "model.safetensors")
     final, _, final_tok = load_model_dir(ckpts / "final")
     assert isinstance(final_tok, HFChatTokenizer)

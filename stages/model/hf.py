@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from snowcat.pipeline.errors import UserError
 
 from .config import ModelConfig, count_params
@@ -198,19 +200,33 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     )
 
 
+def model_card(path: str | Path) -> dict[str, Any]:
+    """The metadata of a checkpoint's model card (the YAML front matter of its README.md); {} if none."""
+    readme = Path(path) / "README.md"
+    text = readme.read_text(errors="replace") if readme.is_file() else ""
+    parts = text.split("---", 2) if text.startswith("---") else []
+    try:
+        meta = yaml.safe_load(parts[1]) if len(parts) == 3 else None
+    except yaml.YAMLError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def checkpoint_license(path: str | Path) -> str | None:
     """The license a checkpoint declares: its model card's front matter (`license:`), else config.json."""
-    readme = Path(path) / "README.md"
-    if readme.is_file():
-        lines = readme.read_text(errors="replace").splitlines()
-        if lines and lines[0].strip() == "---":
-            for line in lines[1:]:
-                if line.strip() == "---":
-                    break
-                key, _, value = line.partition(":")
-                if key.strip() == "license" and value.strip():
-                    return value.strip().strip("'\"")
+    declared = model_card(path).get("license")
+    if declared:
+        return str(declared)
     return (read_hf_config(path).get("license") or None) if (Path(path) / CONFIG).is_file() else None
+
+
+def checkpoint_parents(path: str | Path) -> tuple[list[str], str | None]:
+    """The checkpoints this one was made from, as its model card names them (`base_model`, one or a
+    list) and how (`base_model_relation`: finetune, merge, quantized, adapter); model cards name
+    parents by hub id, not by a pinned revision or hash."""
+    meta = model_card(path)
+    base = meta.get("base_model") or []
+    return ([str(b) for b in base] if isinstance(base, list) else [str(base)]), meta.get("base_model_relation")
 
 
 def snapshot_revision(path: str | Path) -> str | None:
