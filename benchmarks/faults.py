@@ -619,6 +619,8 @@ class Campaign:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         f.params["killed_before_done"] = not (out / "DONE").is_file()
+        if state == "hit" and (out / "DONE").is_file():
+            f.notes.append("the DONE marker was written before the kill landed")
         self.finish_driver(f, proc)
         self.check_torn(f, "after the kill")
 
@@ -916,7 +918,8 @@ class Campaign:
         # a file still holding the bytes the fault left: nothing refused, replaced or removed it
         still = [p for p, digest in f.damaged.items() if p.is_file() and sha256_file(p) == digest]
         f.problems["torn"] += [f"at the end: {t}" for t in torn_files(f.run, frozenset(still))]
-        f.problems["undetected"] += [f"{p.relative_to(f.run)}: still damaged, yet resume reported success" for p in still]
+        if not f.problems["unrecovered"]:  # a run that never recovered is counted there
+            f.problems["undetected"] += [f"{p.relative_to(f.run)}: still damaged, yet resume reported success" for p in still]
         f.problems["leftovers"] += leftovers(f.run)
         if not f.problems["unrecovered"]:
             f.problems["mismatches"] += [explain(p, ref.path, f.run) for p in compare(ref.print, fingerprint(f.run, ref.path))]
@@ -976,8 +979,9 @@ RL_KINDS = ("kill_weight_publish", "kill_mpi_rank")  # on configs/faults-rl.yaml
 def summarize(faults: list[Fault]) -> dict[str, dict]:
     table: dict[str, dict] = {}
     for f in faults:
-        row = table.setdefault(f.kind, {"runs": 0, **{c: 0 for c in CATEGORIES}, "handled": 0})
+        row = table.setdefault(f.kind, {"runs": 0, "missed": 0, **{c: 0 for c in CATEGORIES}, "handled": 0})
         row["runs"] += 1
+        row["missed"] += bool(f.notes)  # every note says the target had ended before the fault landed
         for c in CATEGORIES:
             row[c] += bool(f.problems[c])
         row["handled"] += not any(f.problems.values())
@@ -1006,7 +1010,7 @@ def git_revision() -> str | None:
 
 
 def print_table(table: dict[str, dict]) -> None:
-    cols = ["runs", *CATEGORIES, "handled"]
+    cols = ["runs", "missed", *CATEGORIES, "handled"]
     print(f"{'fault kind':28}" + "".join(f"{c:>12}" for c in cols))
     for kind, row in table.items():
         print(f"{kind:28}" + "".join(f"{row[c]:>12}" for c in cols))
@@ -1109,7 +1113,7 @@ def write_result(args, argv, camp: Campaign, faults: list[Fault], wall: float, p
             "excluded_from_comparison": EXCLUDED,
             "categories": list(CATEGORIES),
             "counts": table,
-            "totals": {c: sum(r[c] for r in table.values()) for c in ["runs", *CATEGORIES, "handled"]},
+            "totals": {c: sum(r[c] for r in table.values()) for c in ["runs", "missed", *CATEGORIES, "handled"]},
             "campaign_wall_s": round(wall, 1),
             "faults": [record(f) for f in faults],
         },
