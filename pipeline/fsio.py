@@ -201,7 +201,8 @@ def list_files(root: Path, exclude: tuple[str, ...] = ()) -> list[Path]:
     out = []
     for p in root.rglob("*"):
         rel = p.relative_to(root)
-        if p.is_file() and not _is_hidden(rel) and rel.parts[0] not in exclude and rel.name not in exclude:
+        # `exclude` names entries of root itself: a checkpoint's own manifest.json deeper down is content
+        if p.is_file() and not _is_hidden(rel) and rel.parts[0] not in exclude:
             out.append(rel)
     return sorted(out)
 
@@ -223,10 +224,13 @@ def write_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> di
 def verify_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> list[str]:
     """Problems found comparing `root` with its manifest (empty list: verified)."""
     root = Path(root)
-    manifest = read_json(root / MANIFEST)
-    if manifest is None:
+    try:
+        manifest = read_json(root / MANIFEST)
+        recorded = None if manifest is None else dict(manifest["files"])
+    except (ValueError, TypeError, KeyError):  # torn or damaged: unverified, never a crash
+        return [f"{root / MANIFEST}: damaged (not a manifest)"]
+    if recorded is None:
         return [f"{root / MANIFEST}: missing"]
-    recorded = manifest["files"]
     problems = []
     for rel, meta in sorted(recorded.items()):
         p = root / rel

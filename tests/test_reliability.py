@@ -17,7 +17,7 @@ from snowcat.pipeline import config as config_mod
 from snowcat.pipeline import procid
 from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, remove_leftovers
+from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, remove_leftovers, verify_manifest, write_manifest
 from snowcat.pipeline.rundir import RunDir
 from tests.conftest import write_config
 from tests.test_cli import SLOW, SMALL, _wait_for
@@ -305,3 +305,17 @@ def test_a_stale_unit_run_by_hand_is_refused_with_the_remedy(done_run):
     assert proc.returncode == 2
     assert f"more: done, but input(s) tasks changed since; `snowcat resume {done_run}`" in proc.stderr
     assert (done_run / "stages" / "more" / "DONE").is_file()  # nothing was touched
+
+
+def test_a_nested_manifest_is_part_of_the_unit_and_a_damaged_one_is_a_problem_not_a_crash(tmp_path):
+    unit = tmp_path / "unit"
+    (unit / "checkpoints" / "step_1").mkdir(parents=True)
+    (unit / "checkpoints" / "step_1" / "w.bin").write_bytes(b"weights")
+    write_manifest(unit / "checkpoints" / "step_1")
+    write_manifest(unit)
+    assert not verify_manifest(unit)
+    nested = unit / "checkpoints" / "step_1" / "manifest.json"
+    nested.write_text('{"files": {}}')  # a checkpoint's own manifest emptied: the unit's manifest sees it
+    assert verify_manifest(unit) == [f"{nested}: sha256 differs from manifest"]
+    nested.write_bytes(b"\xff{")  # not even JSON: the checkpoint is unverified, nothing raises
+    assert verify_manifest(nested.parent) == [f"{nested}: damaged (not a manifest)"]
