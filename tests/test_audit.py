@@ -31,7 +31,7 @@ def test_untouched_run_passes(full_run, tmp_path):
     report = json.loads(proc.stdout)
     assert report["ok"]
     kinds = {c["check"] for c in report["checks"]}
-    assert kinds == {"outputs", "provenance", "history", "export", "secrets"}
+    assert kinds == {"outputs", "provenance", "lineage", "history", "export", "secrets"}
     table = snowcat_in_repo("audit", copy)
     assert table.returncode == 0 and "audit passed" in table.stdout
 

@@ -77,7 +77,11 @@ def test_a_by_hand_unit_while_the_driver_runs_it_is_refused_and_the_run_stays_wh
 
 
 def _decoy() -> subprocess.Popen:
-    return subprocess.Popen(["sleep", "120"], start_new_session=True)  # its own process group, as a unit's
+    # its own process group and SIGINT honoured, as a unit's (the local executor resets SIGINT: a
+    # test run in the background has it ignored)
+    return subprocess.Popen(
+        ["sleep", "120"], start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
 
 
 def _pretend(run_dir: Path, stage: str, **fields) -> None:

@@ -37,6 +37,9 @@ def _die_with_parent() -> None:
     except OSError:
         pass
     os.setpgrp()  # own process group: cancel kills the stage and everything it started
+    # A driver started in the background (nohup, `&` in a script) inherits SIGINT ignored, and so
+    # would every stage: cancel's SIGINT must reach them.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @dataclass
