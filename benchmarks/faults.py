@@ -564,6 +564,20 @@ class Campaign:
         self.after_kill(f)
         self.check_torn(f, "after SIGTERM")
 
+    def wait_for_staging(self, proc, directory: Path, nth: int) -> tuple[str | None, set[str]]:
+        """Poll until the nth temp directory (a checkpoint save or weight publication under way) is
+        present in `directory`: "hit", "ended" (the process exited first) or None (time-out)."""
+        seen: set[str] = set()
+
+        def check():
+            if proc.poll() is not None:
+                return "ended"
+            names = {p.name for p in directory.iterdir() if STAGING.match(p.name)} if directory.is_dir() else set()
+            seen.update(names)
+            return "hit" if len(seen) >= nth and names else None
+
+        return wait_for(check, self.timeout, poll=0.002), seen
+
     def kill_ckpt_save(self, f: Fault, rng: random.Random) -> None:
         """SIGKILL (the SFT process or the driver) while a checkpoint is being built under a temp name."""
         nth = rng.randint(1, 7)
@@ -571,16 +585,7 @@ class Campaign:
         f.params |= {"save": nth, "who": who}
         ckpts = f.run / "stages" / "sft" / "checkpoints"
         proc = self.start(f)
-        seen: set[str] = set()
-
-        def staging_seen():
-            if proc.poll() is not None:
-                return "ended"
-            names = {p.name for p in ckpts.iterdir() if STAGING.match(p.name)} if ckpts.is_dir() else set()
-            seen.update(names)
-            return "hit" if len(seen) >= nth and names else None
-
-        state = wait_for(staging_seen, self.timeout, poll=0.002)
+        state, seen = self.wait_for_staging(proc, ckpts, nth)
         f.done_before = done_units(f.run)
         if state != "hit":
             f.notes.append(f"only {len(seen)} checkpoint saves seen")
@@ -824,16 +829,7 @@ class Campaign:
         f.params |= {"publish": nth, "who": who}
         weights = f.run / "stages" / "rl" / "weights"
         proc = self._start_rl(f)
-        seen: set[str] = set()
-
-        def publishing():
-            if proc.poll() is not None:
-                return "ended"
-            names = {p.name for p in weights.iterdir() if STAGING.match(p.name)} if weights.is_dir() else set()
-            seen.update(names)
-            return "hit" if len(seen) >= nth and names else None
-
-        state = wait_for(publishing, self.timeout, poll=0.002)
+        state, seen = self.wait_for_staging(proc, weights, nth)
         if state != "hit":
             f.notes.append(f"only {len(seen)} weight publications seen")
         else:
