@@ -319,12 +319,16 @@ def _evaluations(f: Facts, export: dict | None) -> tuple[list[str], list[str], l
     return lines, limits, index
 
 
+def _history(f: Facts, source: dict) -> list[dict]:
+    """The metrics history rows of the stage an export source (`<stage>:<name>`) came from."""
+    stage = source.get("ref", "").partition(":")[0]
+    path = f.stage_dir(stage) / "metrics_history.jsonl" if stage in f.dag.nodes else None
+    return [json.loads(line) for line in path.read_text().splitlines()] if path and path.is_file() else []
+
+
 def _selection_se(f: Facts, source: dict) -> str:
     """The selection value's standard error over tasks, from the stage's history row at that step."""
-    stage = source.get("ref", "").partition(":")[0]
-    history = f.stage_dir(stage) / "metrics_history.jsonl" if stage in f.dag.nodes else None
-    rows = [json.loads(line) for line in history.read_text().splitlines()] if history and history.is_file() else []
-    row = next((r for r in rows if r.get("step") == source.get("step")), {})
+    row = next((r for r in _history(f, source) if r.get("step") == source.get("step")), {})
     se, n = row.get(f"{source.get('metric')}_se"), row.get(f"{source.get('metric', '').partition('/')[0]}/tasks")
     return f" ± {se:.4f} (SE over {n} tasks)" if isinstance(se, (int, float)) else " (SE not recorded)"
 
@@ -537,15 +541,13 @@ CHECKLIST = (
 
 def _exposure(f: Facts, source: dict) -> str | None:
     """Trajectories per domain that entered the loss up to the exported step (RL's `exposure/<d>`)."""
-    stage, step = source.get("ref", "").partition(":")[0], source.get("step")
+    step = source.get("step")
     if step is None and source.get("path"):  # exported by name (e.g. rl:final): its meta says the step
         step = (read_json(f.run.path / source["path"] / "meta.json") or {}).get("step")
-    history = f.stage_dir(stage) / "metrics_history.jsonl" if stage in f.dag.nodes else None
-    if history is None or not history.is_file() or step is None:
+    if step is None:
         return None
     totals: Counter = Counter()
-    for line in history.read_text().splitlines():
-        row = json.loads(line)
+    for row in _history(f, source):
         if row.get("step", 0) <= step:
             totals.update({k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("exposure/")})
     return (

@@ -56,7 +56,7 @@ CANCELLED = {"CANCELLED"}
 # --- what runs inside the job ----------------------------------------------------------------
 
 
-LOCK_WAIT_S = 600.0  # > KillWait + UnkillableStepTimeout at any site in slurm/sites/
+LOCK_WAIT_S = 600.0  # well past Slurm's defaults for killing a job's processes (KillWait 30 s + UnkillableStepTimeout 60 s)
 
 
 @dataclass

@@ -187,14 +187,15 @@ def lineage(ctx, cfg: Config) -> dict:
         for stage in ctx.run_config.stages.values():
             if stage.kind == "prestage":
                 entry = load_index(stage.staging_dir).get(repo, entry)
+    parents, relation = hf.checkpoint_parents(path)
     return {
         "source": cfg.model,
         "hub_id": repo,
         "revision": entry.get("source", {}).get("revision") or hf.snapshot_revision(path),
         "staged_sha256": entry.get("sha256"),
         "license": hf.checkpoint_license(path),
-        "parents": hf.checkpoint_parents(path)[0],
-        "parents_relation": hf.checkpoint_parents(path)[1],
+        "parents": parents,
+        "parents_relation": relation,
         "files": {name: e["sha256"] for name, e in build_manifest(path).items()},
     }
 
