@@ -36,7 +36,7 @@ from snowcat.pipeline.schema import (
     range_problems,
 )
 from snowcat.slurm.site import SiteProfile
-from snowcat.stages.config import KINDS
+from snowcat.stages.config import GPU_KINDS, KINDS
 
 SITES_DIR = Path(__file__).resolve().parent.parent / "slurm" / "sites"
 
@@ -210,6 +210,7 @@ def compose(path: str | Path, overrides: list[str] = (), site: str | None = None
         except OmegaConfBaseException as e:
             raise UserError(f"{label}: {_key(e, raw=src)}: {_msg(e)}") from None
     _resolve_engines(typed)
+    _resolve_resources(typed)
     try:
         _check_values(typed, str(path), lambda key: _source_of(sources, key, str(path)))
     except OmegaConfBaseException as e:
@@ -224,6 +225,21 @@ def _resolve_engines(typed: DictConfig) -> None:
     for section in typed.stages.values():
         if section.get("engine") == "auto":
             section.engine = default
+
+
+def _resolve_resources(typed: DictConfig) -> None:
+    """Per-kind resource defaults, frozen resolved: a GPU kind's job gets every GPU of its partition
+    (the site's default partition), other kinds none, on the site's CPU partition where it has one,
+    so CPU-only stages do not take whole GPU nodes. Without a site: no GPUs, no partition."""
+    site = typed.get("site")
+    for section in typed.stages.values():
+        gpu_kind = section.kind in GPU_KINDS
+        for res in (section.resources, *section.resources.components.values()):
+            if site is not None and res.partition is None:
+                res.partition = site.cpu_partition if not gpu_kind and site.cpu_partition else site.default_partition
+            if res.gpus_per_node is None:
+                part = site.partitions.get(res.partition) if site is not None and res.partition else None
+                res.gpus_per_node = part.gpus_per_node if gpu_kind and part is not None else 0
 
 
 def _source_of(sources: list[tuple[str, DictConfig]], key: str, default: str) -> str:
@@ -285,6 +301,16 @@ def _hf_problems(name: str, stage: StageCommon, staged: set[str]) -> Iterator[Pr
             )
 
 
+def _placement_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Problem]:
+    """A login-node stage is one process that `run`/`resume` itself runs: it cannot fan out or span roles."""
+    if stage.where != "login":
+        return
+    if stage.fan_out:
+        yield f"stages.{name}.where", "a login-node stage cannot fan out (it runs in the submitting process)"
+    if stage.resources.components:
+        yield f"stages.{name}.where", "a login-node stage cannot have components (it is one process)"
+
+
 def _problems(cfg: RunConfig) -> Iterator[Problem]:
     yield from range_problems(cfg, "")
     if cfg.site is not None:
@@ -293,6 +319,7 @@ def _problems(cfg: RunConfig) -> Iterator[Problem]:
     for name, stage in cfg.stages.items():
         yield from _ref_problems(cfg, name, stage)
         yield from _hf_problems(name, stage, staged)
+        yield from _placement_problems(cfg, name, stage)
         for key, problem in stage.problems():
             yield _join(f"stages.{name}", key), problem
 

@@ -99,7 +99,10 @@ class Component:
     nodes: int = bounded(1, ge=1)
     tasks_per_node: int = bounded(1, ge=1)
     cpus_per_task: int = bounded(1, ge=1)
-    gpus_per_node: int = bounded(0, ge=0)
+    # None: the stage kind's default, fixed when the config is loaded with a site (GPU kinds get every
+    # GPU of their partition, other kinds none; partition: GPU kinds the site's default partition,
+    # other kinds its cpu_partition); without a site: 0 and no partition.
+    gpus_per_node: int | None = bounded(None, ge=0)
     partition: str | None = None
 
 
@@ -133,6 +136,9 @@ class StageCommon:
     max_parallel: int = bounded(0, ge=0)  # array throttle (%N); 0 = site default
     resume: ResumePolicy = field(default_factory=ResumePolicy)
     image: str | None = None  # container image to run the stage in (site runtime decides how)
+    # login: runs in the submitting process on the login node (prestage where compute nodes have no
+    # network), by `run`/`resume` once its inputs are done; the compute stages after it wait for it.
+    where: Literal["compute", "login"] = "compute"
     staged: list[str] = field(default_factory=list)  # artefacts that must be pre-staged (run offline)
 
     def checkpoint_names(self) -> tuple[str, ...] | None:

@@ -36,6 +36,7 @@ class Partition:
     max_time_min: int = bounded(60, ge=1)
     gpu_type: str | None = None
     cpu_arch: str = "x86_64"
+    max_submit_jobs: int | None = bounded(None, ge=1)  # QoS MaxSubmitPU: queued + running jobs, array tasks each count
 
 
 @dataclass(frozen=True)  # read-only: what the site allows is not changed by the code that reads it
@@ -46,10 +47,12 @@ class SiteProfile:
     unverified: list[str] = field(default_factory=list)  # keys whose values the docs did not confirm
     partitions: dict[str, Partition] = field(default_factory=dict)
     default_partition: str = "???"
+    cpu_partition: str | None = None  # where CPU-only stages (tasks, select, card, ...) go; None: default_partition
     exclusive_nodes: bool = True  # the site allocates whole nodes (no node sharing)
     arrays_allowed: bool = True
     max_array_size: int = bounded(1000, ge=0)  # largest array index + 1 (0 where arrays are not allowed)
     max_array_parallel: int = bounded(256, ge=1)  # array tasks running at once (%N) when a stage sets no max_parallel
+    max_submit_jobs: int | None = bounded(None, ge=1)  # per user over the site (jobs + array tasks); None: not known
     hetjobs_allowed: bool = True
     requeue_allowed: bool = True  # if False, long stages continue through chained jobs instead
     sbatch_on_compute: bool = True  # TACC: sbatch is refused on compute nodes; submit the whole DAG from login
@@ -79,6 +82,8 @@ class SiteProfile:
             yield "partitions", "at least one partition is needed"
         elif self.default_partition not in self.partitions:
             yield "default_partition", f"{self.default_partition!r} is not one of {list(self.partitions)}"
+        if self.cpu_partition is not None and self.cpu_partition not in self.partitions:
+            yield "cpu_partition", f"{self.cpu_partition!r} is not one of {list(self.partitions)}"
         for opt in self.rejected_options:
             if not opt.startswith("--"):
                 yield "rejected_options", f"{opt!r}: write long options with leading dashes, e.g. '--mem'"

@@ -434,3 +434,5 @@ KINDS: dict[str, type] = {
     "scan": ScanConfig,
     "mpi_check": MpiCheckConfig,
 }
+# Kinds that run a model and so want GPUs by default; the others are CPU work (resources.gpus_per_node).
+GPU_KINDS = frozenset({"sft", "probe", "rl", "evaluate", "export"})
