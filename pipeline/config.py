@@ -35,6 +35,7 @@ from snowcat.pipeline.schema import (
     parse_checkpoint_ref,
     range_problems,
 )
+from snowcat.slurm import site as site_mod
 from snowcat.slurm.site import SiteProfile
 from snowcat.stages.config import GPU_KINDS, KINDS
 
@@ -80,12 +81,35 @@ def stage_config(kind: str, values: dict | None = None, *, name: str | None = No
 # --- loading --------------------------------------------------------------------------------
 
 
-def site_path(name: str) -> Path:
-    path = SITES_DIR / f"{name}.yaml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in SITES_DIR.glob("*.yaml"))) or "none"
-        raise UserError(f"unknown site {name!r} (known: {known})")
-    return path
+def site_path(name: str, relative_to: Path | None = None) -> Path:
+    """The profile file of a site: a name in slurm/sites/, or a YAML file (a profile or an override
+    that names its `base`; relative paths are relative to `relative_to`, the config that names it)."""
+    return site_mod._profile_path(name, relative_to)
+
+
+SITE_LABEL = "site profile "
+
+
+def _site_source(name: str, relative_to: Path | None = None) -> tuple[str, DictConfig]:
+    """(label, {site: profile}) for a `--site` or a `defaults: - site:` entry; an override file is
+    merged over its base profile here (slurm.site.site_config)."""
+    path, profile = site_mod.site_config(name, relative_to)
+    return f"{SITE_LABEL}{path}", OmegaConf.create({"site": profile})
+
+
+def names_site(path: str | Path) -> bool:
+    """Whether a config (with its defaults) chooses a site itself: then $SNOWCAT_SITE does not apply."""
+    return any(src.get("site") is not None for _, src in _sources(Path(path)))
+
+
+def _site_run_root(sources: list[tuple[str, DictConfig]]) -> list[tuple[str, DictConfig]]:
+    """The run root of the last site profile composed, as a source beneath every other: a config
+    file or override that sets run_root wins over it (docs/users.md, "Where runs go")."""
+    profiles = [(label, src.site) for label, src in sources if label.startswith(SITE_LABEL)]
+    if not profiles or profiles[-1][1].get("run_root") is None:
+        return []
+    label, profile = profiles[-1]
+    return [(f"{label} (run_root)", OmegaConf.create({"run_root": profile.run_root}))]
 
 
 def _read_yaml(path: Path, what: str) -> DictConfig:
@@ -114,8 +138,7 @@ def _sources(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, DictCon
         if isinstance(entry, str):
             out += _sources((path.parent / entry), seen + (path,))
         elif isinstance(entry, DictConfig) and set(entry.keys()) == {"site"}:
-            site_file = site_path(str(entry.site))
-            out.append((str(site_file), OmegaConf.create({"site": _read_yaml(site_file, "site profile")})))
+            out.append(_site_source(str(entry.site), path.parent))
         else:
             raise UserError(f"{path}: defaults: entries are file paths or 'site: NAME', got {entry}")
     out.append((str(path), cfg))
@@ -184,8 +207,8 @@ def compose(path: str | Path, overrides: list[str] = (), site: str | None = None
     """Load, compose and validate; returns the typed config (interpolations not yet resolved)."""
     sources = _sources(Path(path))
     if site:
-        site_file = site_path(site)
-        sources.append((str(site_file), OmegaConf.create({"site": _read_yaml(site_file, "site profile")})))
+        sources.append(_site_source(site))
+    sources = _site_run_root(sources) + sources
     sources += [_override_source(o) for o in overrides]
 
     # Which source defines each stage (for error messages) and the stage kinds, from a raw merge.
@@ -230,7 +253,8 @@ def _resolve_engines(typed: DictConfig) -> None:
 def _resolve_resources(typed: DictConfig) -> None:
     """Per-kind resource defaults, frozen resolved: a GPU kind's job gets every GPU of its partition
     (the site's default partition), other kinds none, on the site's CPU partition where it has one,
-    so CPU-only stages do not take whole GPU nodes. Without a site: no GPUs, no partition."""
+    so CPU-only stages do not take whole GPU nodes; where nodes are not shared, the tasks of a node
+    split its cores. Without a site: no GPUs, no partition, one CPU per task."""
     site = typed.get("site")
     for section in typed.stages.values():
         gpu_kind = section.kind in GPU_KINDS
@@ -240,6 +264,10 @@ def _resolve_resources(typed: DictConfig) -> None:
             if res.gpus_per_node is None:
                 part = site.partitions.get(res.partition) if site is not None and res.partition else None
                 res.gpus_per_node = part.gpus_per_node if gpu_kind and part is not None else 0
+            if res.cpus_per_task is None:  # the node is the job's anyway where nodes are not shared
+                part = site.partitions.get(res.partition) if site is not None and res.partition else None
+                whole = site is not None and site.exclusive_nodes and part is not None
+                res.cpus_per_task = max(1, part.cpus_per_node // res.tasks_per_node) if whole else 1
 
 
 def _source_of(sources: list[tuple[str, DictConfig]], key: str, default: str) -> str:

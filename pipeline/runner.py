@@ -39,10 +39,16 @@ def _first_int(names: tuple[str, ...], default: int) -> int:
     return default
 
 
+def launcher_rank() -> int:
+    """This process's rank as the MPI launcher numbers it (srun, mpirun, ibrun): under TACC's `ibrun`
+    every rank sees SLURM_PROCID=0, so the MPI variables come first."""
+    return _first_int(_RANK_VARS, 0)
+
+
 def rank_and_role(node: StageNode) -> tuple[int, int, str | None]:
     """(rank, world size, role). Roles follow the order of `resources.components`: the first
     component's ranks come first, as in `srun --het-group=0,1` and in the local mpirun layout."""
-    rank = _first_int(_RANK_VARS, 0)
+    rank = launcher_rank()
     world = _first_int(_SIZE_VARS, 1)
     components = node.config.resources.components
     if not components:

@@ -9,15 +9,24 @@ Long stages continue past the walltime in one of two ways (`stages.X.resume.stra
 - `requeue`: `--signal=USR2@margin`; the stage checkpoints at its next step boundary and the job
   requeues itself through submitit's job environment (`scontrol requeue`), keeping its job id;
 - `chain`: continuation jobs pre-submitted with `--dependency=afterany:` on the previous one,
-  resuming from the last checkpoint; the one that completes the stage cancels the rest.
+  resuming from the last checkpoint. Each unit owns its jobs (its element of each array, or its own
+  jobs where the site has no arrays): a unit that ends cancels only its own continuations.
+
+A submission is checked whole before anything is queued (every script rendered, jobs and array
+tasks counted against the site's submit limits) and is all-or-nothing: a refused sbatch cancels
+what the call queued. A unit that fails cancels the jobs of every stage downstream and says why.
+Stages with `where: login` run in the submitting process, before the jobs that need them.
 """
 
 from __future__ import annotations
 
+import os
+import pwd
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import submitit
@@ -25,12 +34,12 @@ import submitit
 from snowcat.containers.wrap import site_mpi_plugin, srun_line, wrap_command
 from snowcat.pipeline.config import typed
 from snowcat.pipeline.context import PREEMPTED_EXIT_CODE
-from snowcat.pipeline.dag import StageNode, Unit
+from snowcat.pipeline.dag import StageNode, Unit, build
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.executors.base import Executor
-from snowcat.pipeline.fsio import atomic_write_text
+from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text, read_json
 from snowcat.pipeline.rundir import RunDir, now
-from snowcat.pipeline.runner import run_unit
+from snowcat.pipeline.runner import launcher_rank, run_unit
 from snowcat.slurm import site as site_mod
 from snowcat.slurm.site import SiteProfile, use_local_cluster
 
@@ -59,13 +68,26 @@ CANCELLED = {"CANCELLED"}
 LOCK_WAIT_S = 600.0  # well past Slurm's defaults for killing a job's processes (KillWait 30 s + UnkillableStepTimeout 60 s)
 
 
+def current_job_id() -> str:
+    """This job as the unit records it: `123_4` for an array task, `123` otherwise."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID", "")
+
+
+def scancel(ids: list[str]) -> None:
+    if ids:
+        subprocess.run(["scancel", *ids], check=False, capture_output=True, timeout=60)
+
+
 @dataclass
 class StageJob(submitit.helpers.Checkpointable):
     """The callable submitit pickles: run one unit of a stage from the run directory.
 
     The stage runner installs its own SIGUSR2 handler (the stage saves at a step boundary, not in
     the middle of an update, which is where submitit's handler would interrupt it); after the
-    stage checkpointed, rank 0 requeues the job through submitit's job environment.
+    stage checkpointed, rank 0 requeues the job or leaves the unit to its next chained job.
+    Rank 0 is the launcher's rank 0 (`runner.launcher_rank`): under `ibrun` every rank sees
+    SLURM_PROCID=0, so submitit's own idea of the rank is corrected before it writes results.
     """
 
     run_dir: str
@@ -74,21 +96,26 @@ class StageJob(submitit.helpers.Checkpointable):
     max_continuations: int = 3
 
     def __call__(self, index: int | None = None) -> dict:
+        rank = launcher_rank()
+        os.environ["SLURM_PROCID"] = str(rank)  # submitit: only rank 0 writes the result file
         run = RunDir.open(self.run_dir)
         # A job resubmitted after a scancel or a node failure may start before the old job's
         # processes are killed (KillWait, UnkillableStepTimeout): wait for them rather than fail.
         code = run_unit(self.run_dir, self.stage, index, lock_wait_s=LOCK_WAIT_S)
         unit = Unit(self.stage, index)
         if code == PREEMPTED_EXIT_CODE:
-            self._continue(run, unit)
+            self._continue(run, unit, rank)
+        if rank == 0:
+            # Done or failed, this unit's pre-submitted continuations have nothing left to do.
+            scancel(self._own_continuations(run, unit))
         if code != 0:
+            if rank == 0:
+                self._contain_failure(run, unit, code)
             raise RuntimeError(f"stage {unit.key} failed with exit code {code}; see its Slurm log")
-        self._cancel_continuations(run, unit)
         return run.metrics(unit)
 
-    def _continue(self, run: RunDir, unit: Unit) -> None:
-        env = submitit.JobEnvironment()
-        if env.global_rank != 0:
+    def _continue(self, run: RunDir, unit: Unit, rank: int) -> None:
+        if rank != 0:
             raise SystemExit(PREEMPTED_EXIT_CODE)
         record = run.state()["stages"].get(unit.key, {})
         used = int(record.get("continuations_used", 0))
@@ -99,25 +126,114 @@ class StageJob(submitit.helpers.Checkpointable):
                     status="failed",
                     error=f"walltime reached {used + 1} times; max_continuations={self.max_continuations}",
                 )
+                self._contain_failure(run, unit, PREEMPTED_EXIT_CODE)
                 raise RuntimeError(f"stage {unit.key}: out of continuations")
             run.update_stage(unit.key, status="submitted", continuations_used=used + 1, ended=now())
-            env._requeue(self.max_continuations - used - 1)
-        else:  # chain: the next pre-submitted continuation job takes over
+            submitit.JobEnvironment()._requeue(self.max_continuations - used - 1)
+        else:  # chain: the unit's next pre-submitted continuation job takes over
             run.update_stage(unit.key, status="submitted", continuations_used=used + 1, ended=now())
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
-    def _cancel_continuations(self, run: RunDir, unit: Unit) -> None:
-        env = submitit.JobEnvironment()
-        if env.global_rank != 0:
-            return
-        rest = [j for j in run.state()["stages"].get(unit.stage, {}).get("continuations", []) if j != env.job_id]
-        if rest:
-            subprocess.run(["scancel", *rest], check=False, capture_output=True)
+    @staticmethod
+    def _own_continuations(run: RunDir, unit: Unit) -> list[str]:
+        """The unit's own chained jobs after this one (`124_2` for element 2 of a continuation array):
+        never another element's, which may still need its own."""
+        ids = run.state()["stages"].get(unit.key, {}).get("own_job_ids", [])
+        me = current_job_id()
+        return ids[ids.index(me) + 1 :] if me in ids else []
+
+    def _contain_failure(self, run: RunDir, unit: Unit, code: int) -> None:
+        """A failed unit stops what can only fail after it: the jobs of every stage downstream (they
+        would start, find their input not done, and fail one by one, each after its own queue wait)."""
+        dag = build(run.config())
+        state = run.state()["stages"]
+        why = f"input {unit.key} failed (exit {code}, job {current_job_id()}); fix it, then `snowcat resume {run.path}`"
+        for name in sorted(dag.downstream(unit.stage)):
+            ids = [j for j in state.get(name, {}).get("job_ids", []) if not str(j).startswith("local:")]
+            if not ids or all(run.is_done(u) for u in dag[name].units):
+                continue
+            scancel(ids)
+            for u in dag[name].units:
+                if not run.is_done(u):
+                    run.update_stage(u.key, status="cancelled", ended=now(), error=f"not run: {why}")
+            if dag[name].items is not None:
+                run.update_stage(name, status="cancelled", ended=now(), error=f"not run: {why}")
 
     def checkpoint(self, *args, **kwargs):
         # Used only if submitit's own handler fires (e.g. a preemption signal the runner did not
         # take over): requeue the same unit; it resumes from its last atomic checkpoint.
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+# --- plans ---------------------------------------------------------------------------------------
+
+JOURNAL = "submitting.json"  # job ids queued by a submission still in progress
+
+
+@dataclass
+class Job:
+    """One sbatch call: a stage's job, array (over `items`) or element job, in its chain."""
+
+    label: str  # "more", "more.chunk1", "more[3]", "more.continuation2", ...
+    node: StageNode
+    items: list[int] | None
+    array: bool
+    dependency: str | None
+    job_id: str = ""
+
+    def counts(self) -> dict[str, int]:
+        """Jobs this call adds against submit limits, by partition (array tasks and hetjob components
+        count one each, as Slurm counts them)."""
+        res = self.node.config.resources
+        tasks = len(self.items) if self.array else 1
+        out: dict[str, int] = {}
+        for comp in res.components.values() or [res]:
+            out[str(comp.partition)] = out.get(str(comp.partition), 0) + tasks
+        return out
+
+
+@dataclass
+class StageRecord:
+    """The jobs one stage got: main jobs, continuation jobs, what dependents wait on, and each unit's own ids."""
+
+    main: list[str] = field(default_factory=list)
+    continuations: list[str] = field(default_factory=list)
+    wait_on: list[str] = field(default_factory=list)
+    own: dict[str, list[str]] = field(default_factory=dict)
+
+
+def queued_jobs_by_partition() -> dict[str, int]:
+    """This user's jobs now queued or running, by partition, array tasks expanded (what MaxSubmit counts)."""
+    user = os.environ.get("USER") or pwd.getpwuid(os.getuid()).pw_name
+    try:
+        proc = subprocess.run(["squeue", "-h", "-r", "-u", user, "-o", "%P"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    counts: dict[str, int] = {}
+    for line in proc.stdout.split() if proc.returncode == 0 else []:
+        counts[line] = counts.get(line, 0) + 1
+    return counts
+
+
+def submit_limit(site: SiteProfile, partition: str) -> tuple[int | None, str]:
+    """The profile's submit limit for `partition` (the tightest of partition and site)."""
+    part = site.partitions.get(partition)
+    if part is not None and part.max_submit_jobs:
+        return part.max_submit_jobs, f"site profile partitions.{partition}.max_submit_jobs"
+    return None, ""
+
+
+def _covers(task: str | None, index: int) -> bool:
+    """Whether sacct's array task field (`4`, or `[0-3,7%2]` for tasks not started) includes `index`."""
+    if task is None:
+        return False
+    if not task.startswith("["):
+        return task == str(index)
+    for part in task.strip("[]").split("%")[0].split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and int(lo) <= index <= int(hi or lo):
+            return True
+    return False
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -187,6 +303,13 @@ class SlurmExecutor(Executor):
             lines.append(f"export {key}={shlex.quote(str(value))}")
         lines.append(f"export SNOWCAT_RUN_DIR={shlex.quote(str(self.run.path))}")
         lines.append("export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}")
+        if self.world_size(node) > 1:
+            # torch.distributed rendezvous: the job's first node (hetjob: the first component's), on
+            # the site's interconnect name (JSC: hostname + "i"); a port per job, so jobs sharing a
+            # node do not collide.
+            suffix = self.site.master_addr_suffix
+            lines.append(f'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1){suffix}"')
+            lines.append("export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))")
         return lines
 
     def _python(self, node: StageNode) -> str:
@@ -202,10 +325,12 @@ class SlurmExecutor(Executor):
         return shlex.join(wrap_command(["python"], runtime=runtime, image=node.config.image, binds=binds, gpu=gpu))
 
     def _launch_args(self, node: StageNode) -> list[str]:
+        # Slurm 22.05-23.02 do not hand sbatch's --cpus-per-task down to srun: say it again.
+        args = [f"--cpus-per-task={int(node.config.resources.cpus_per_task)}"]
         if self.world_size(node) <= 1:
-            return []
+            return args
         plugin = site_mpi_plugin(self.site)
-        return ([f"--mpi={plugin}"] if plugin else []) + ["--kill-on-bad-exit=1"]
+        return args + ([f"--mpi={plugin}"] if plugin else []) + ["--kill-on-bad-exit=1"]
 
     def strategy(self, node: StageNode) -> str:
         """The continuation strategy: `requeue` falls back to `chain` where the site disallows requeue."""
@@ -235,8 +360,15 @@ class SlurmExecutor(Executor):
                 folder, comps, job, launcher, setup=self._setup(node), python=self._python(node), max_num_timeout=max_timeouts
             )
         python = self._python(node)
-        if self.site.launcher == "ibrun" and self.world_size(node) > 1:
-            python = f"ibrun {python}"  # TACC: ibrun starts the ranks where others use srun
+        in_batch_step = self.site.launcher != "srun"
+        if in_batch_step:
+            # TACC: python (or ibrun) runs in the batch step, which only `--signal=B:` reaches. A
+            # single rank is exec'd so it is the batch step's process; ibrun runs under stepwatch,
+            # which forwards the signal to it.
+            if self.world_size(node) > 1:
+                python = f"exec {shlex.quote(sys.executable)} -m snowcat.slurm.stepwatch -- {self.site.launcher} {python}"
+            else:
+                python = f"exec {python}"
         ex = submitit.SlurmExecutor(folder, max_num_timeout=max_timeouts, python=python)
         options = {**job, **self._resource_options(where, res, time_min)}
         params = {
@@ -245,11 +377,13 @@ class SlurmExecutor(Executor):
             "signal_delay_s": node.config.resume.signal_margin_s,
             "setup": self._setup(node),
             "srun_args": self._launch_args(node),
-            "use_srun": self.site.launcher == "srun",
+            "use_srun": not in_batch_step,
             "wckey": "snowcat",
             "array_parallelism": int(node.config.max_parallel or self.site.max_array_parallel),
         }
-        options.pop("signal", None)  # submitit renders --signal from signal_delay_s
+        signal_opt = options.pop("signal", None)
+        if in_batch_step:
+            options["signal"] = f"B:{signal_opt}"  # overrides submitit's own --signal (no B:)
         for key in ("partition", "nodes", "dependency", "account"):
             if key in options:
                 params[key] = options.pop(key)
@@ -263,117 +397,241 @@ class SlurmExecutor(Executor):
         ex.update_parameters(**params)
         return ex
 
-    def render(self, node: StageNode, dependency: str | None = None) -> str:
-        """The batch script this stage would be submitted with (nothing is submitted or written)."""
+    def render(self, node: StageNode, dependency: str | None = None, items: list[int] | None = None) -> str:
+        """The batch script of one job of this stage (nothing is submitted or written): `items` makes
+        it an array over those elements (all pending ones by default, for a fan-out stage)."""
         ex = self.executor_for(node, dependency)
-        if node.items is not None and self.site.arrays_allowed:
-            site_mod.validate_request(self.site, partition=self._partition(node.config.resources), array_size=len(node.items) - 1)
-            ex.parameters["map_count"] = len(node.items)
+        if items is None and node.items is not None and self.site.arrays_allowed:
+            items = [u.index for u in node.units][: self.site.max_array_size]
+        if items is not None:
+            ex.parameters["map_count"] = len(items)
         return ex._make_submission_file_text(ex._submitit_command_str, "render")
 
-    def dry_run(self, stages: list[str], out: Path) -> list[Path]:
-        """Write the batch script of every job `launch` would submit into `out`, after the same checks
-        (rendering runs them; on an error the caller discards `out`); job ids that only sbatch can
-        give appear as `<job of STAGE>` in dependencies."""
-        written: list[Path] = []
-        wait_on: dict[str, list[str]] = {}
-        for node in self.dag:
-            if node.name not in stages:
-                continue
-            terms = [t for n in node.needs if n in wait_on for t in wait_on[n]]
-            jobs = [(node.name, ",".join(terms) or None)]
-            if self.strategy(node) == "chain":
-                for i in range(1, node.config.resume.max_continuations + 1):
-                    jobs.append((f"{node.name}.continuation{i}", f"afterany:<job of {jobs[-1][0]}>"))
-                wait_on[node.name] = [f"afterany:<job of {jobs[-1][0]}>"]
-            else:
-                wait_on[node.name] = [f"afterok:<job of {node.name}>"]
-            for job_name, dependency in jobs:
-                written.append(out / f"{job_name}.sbatch")
-                atomic_write_text(written[-1], self.render(node, dependency))
-        return written
+    # planning ------------------------------------------------------------------------------------
 
-    # submission -------------------------------------------------------------------------------
+    def _groups(self, node: StageNode, pending: list[Unit]) -> list[tuple[list[int] | None, bool]]:
+        """(items, as an array) per job of one round: the whole stage, arrays of at most
+        max_array_size elements, or one job per element where the site has no arrays."""
+        if node.items is None:
+            return [(None, False)]
+        indices = [u.index for u in pending]
+        if not self.site.arrays_allowed:
+            return [([i], False) for i in indices]
+        size = self.site.max_array_size
+        return [(indices[k : k + size], True) for k in range(0, len(indices), size)]
 
-    def _alive_jobs(self) -> dict[str, dict]:
-        """sacct rows of this run's jobs that are still queued or running, by job id."""
-        return {jid: row for jid, row in self.sacct().items() if row["state"].split()[0] in ALIVE}
+    def _plan_stage(self, node: StageNode, dependency: str | None, submit: Callable[[Job], str]) -> StageRecord:
+        """Queue one stage through `submit` (real sbatch, or a dry run that only names the jobs).
 
-    def launch(self, stages: list[str]) -> int:
-        for name in stages:  # refuse impossible requests before anything is queued
-            self.render(self.dag[name])
+        Every unit owns its jobs: its element of each array (`124_2`) or its own jobs, in chain order,
+        so a unit that finishes cancels its own continuations and never another element's."""
+        chain = self.strategy(node) == "chain"
+        rounds = 1 + (node.config.resume.max_continuations if chain else 0)
+        record = StageRecord()
+        for g, (items, array) in enumerate(self._groups(node, self.pending_units(node))):
+            base = node.name + (f"[{items[0]}]" if items and not array else f".chunk{g}" if g else "")
+            previous = None
+            for r in range(rounds):
+                label = base + (f".continuation{r}" if r else "")
+                job = Job(label, node, items, array, dependency if r == 0 else f"afterany:{previous}")
+                job.job_id = previous = submit(job)
+                (record.continuations if r else record.main).append(job.job_id)
+                for t, index in enumerate(items or [None]):
+                    key = Unit(node.name, index).key
+                    record.own.setdefault(key, []).append(f"{job.job_id}_{t}" if array else job.job_id)
+            # Dependents wait for the chain's last job to end (the runner checks that inputs are done).
+            record.wait_on.append(f"afterany:{previous}" if chain else f"afterok:{previous}")
+        return record
+
+    def _plan(self, stages: list[str], submit: Callable[[Job], str]) -> dict[str, StageRecord]:
+        """Queue what `stages` need, in DAG order: a stage whose earlier jobs are still queued or running
+        is kept (their ids stand in for it), unless they wait on jobs that were replaced."""
         state = self.run.state()["stages"]
-        alive = self._alive_jobs()
-        deps: dict[str, list[str]] = {}  # stage -> dependency terms its dependents wait on
-        resubmitted: set[str] = set()
-        submitted = []
+        records: dict[str, StageRecord] = {}
+        waits: dict[str, list[str]] = {}
         for node in self.dag:
             if node.name not in stages:
                 continue
             record = state.get(node.name, {})
-            live = {k: row for k, row in alive.items() if parse_job_id(k)["job"] in record.get("job_ids", [])}
-            stale = any(n in resubmitted for n in node.needs) or any(
-                "DependencyNeverSatisfied" in row["reason"] for row in live.values()
+            live = self._live.get(node.name, {})
+            replaced = any(n in records for n in node.needs) or any(
+                "DependencyNeverSatisfied" in r["reason"] for r in live.values()
             )
-            if live and not stale:  # still queued or running from an earlier submission: keep it
-                deps[node.name] = record.get("wait_on") or [f"afterok:{j}" for j in record["job_ids"]]
+            if live and not replaced:
+                waits[node.name] = record.get("wait_on") or [f"afterok:{j}" for j in record["job_ids"]]
                 continue
-            if live:  # waits on jobs that were replaced or can never succeed: replace it too
-                subprocess.run(["scancel", *sorted({parse_job_id(k)["job"] for k in live})], check=False, capture_output=True)
-            need_terms = [t for n in node.needs if n in deps for t in deps[n]]
-            ids, wait_on = self._submit(node, ",".join(need_terms) or None)
-            deps[node.name] = wait_on
-            resubmitted.add(node.name)
-            submitted.append(f"{node.name}: {', '.join(ids)}")
-        for line in submitted:
-            print(f"submitted {line}", file=sys.stderr)
+            terms = [t for n in node.needs if n in waits for t in waits[n]]
+            records[node.name] = self._plan_stage(node, ",".join(terms) or None, submit)
+            waits[node.name] = records[node.name].wait_on
+        return records
+
+    def dry_run(self, stages: list[str], out: Path) -> list[Path]:
+        """Write the batch script of every job `launch` would submit into `out`, after the same checks
+        (rendering runs them; on an error the caller discards `out`); job ids that only sbatch can
+        give appear as `<job of LABEL>` in dependencies."""
+        self._live = {}
+        written: list[Path] = []
+
+        def write(job: Job) -> str:
+            written.append(out / f"{job.label}.sbatch")
+            atomic_write_text(written[-1], self.render(job.node, job.dependency, job.items if job.array else None))
+            return f"<job of {job.label}>"
+
+        self._plan([s for s in stages if self.dag[s].config.where != "login"], write)
+        return written
+
+    # submission ----------------------------------------------------------------------------------
+
+    def _alive_jobs(self) -> dict[str, dict[str, dict]]:
+        """sacct rows of this run's jobs that are still queued or running, by stage, then job id."""
+        rows = {jid: row for jid, row in self.sacct().items() if row["state"].split()[0] in ALIVE}
+        out: dict[str, dict[str, dict]] = {}
+        for name, record in self.run.state()["stages"].items():
+            ids = set(record.get("job_ids", []))
+            mine = {k: r for k, r in rows.items() if parse_job_id(k)["job"] in ids}
+            if mine:
+                out[name] = mine
+        return out
+
+    def launch(self, stages: list[str]) -> int:
+        self._cancel_unrecorded()
+        compute = self._run_login_stages(stages)
+        if compute is None:
+            return 1
+        self._live = self._alive_jobs()
+        planned: list[Job] = []
+
+        def count(job: Job) -> str:
+            job.text = self.render(job.node, job.dependency, job.items if job.array else None)  # every check
+            planned.append(job)
+            return f"<job of {job.label}>"
+
+        self._plan(compute, count)
+        self._check_budget(planned)
+        for name, live in self._live.items():  # waits on jobs about to be replaced: replace it too
+            if name in {j.node.name for j in planned}:
+                scancel(sorted({parse_job_id(k)["job"] for k in live}))
+        records = self._submit_all(compute)
+        for name, record in records.items():
+            self._record(self.dag[name], record)
+            print(f"submitted {name}: {', '.join(record.main + record.continuations)}", file=sys.stderr)
         print(f"the run continues on the cluster; follow it with: snowcat status {self.run.path}", file=sys.stderr)
         return 0
 
-    def _submit(self, node: StageNode, dependency: str | None) -> tuple[list[str], list[str]]:
-        """Submit one stage; returns (job ids, dependency terms its dependents wait on)."""
-        ex = self.executor_for(node, dependency)
-        job = StageJob(str(self.run.path), node.name, self.strategy(node), node.config.resume.max_continuations)
-        pending = self.pending_units(node)
+    def _submit_all(self, stages: list[str]) -> dict[str, StageRecord]:
+        """Submit every planned job, or none: a refused sbatch cancels what this call queued (the
+        journal names them, also for a `launch` killed half-way: the next one cancels them)."""
+        queued: list[str] = []
+        journal = self.run.path / "slurm" / JOURNAL
+
+        def submit(job: Job) -> str:
+            ex = self.executor_for(job.node, job.dependency)
+            call = StageJob(str(self.run.path), job.node.name, self.strategy(job.node), job.node.config.resume.max_continuations)
+            if job.array:
+                job_id = str(ex.map_array(call, job.items)[0].job_id).split("_")[0]
+            else:
+                job_id = str(ex.submit(call, *(job.items or ())).job_id)
+            queued.append(job_id)
+            atomic_write_json(journal, {"queued": queued})
+            return job_id
+
+        journal.parent.mkdir(parents=True, exist_ok=True)
         try:
-            if node.items is None:
-                jobs = [ex.submit(job)]
-            elif self.site.arrays_allowed and len(pending) == len(node.units):
-                jobs = ex.map_array(job, [u.index for u in pending])
-            else:  # no arrays on this site (Frontera), or only some elements left
-                jobs = [ex.submit(job, u.index) for u in pending]
-                for u, j in zip(pending, jobs):
-                    self.run.update_stage(u.key, own_job_ids=[str(j.job_id)])
-        except (submitit.core.utils.FailedSubmissionError, subprocess.CalledProcessError) as e:
-            raise UserError(f"stages.{node.name}: sbatch refused the job: {' '.join(str(e).split())[:300]}") from None
-        ids = sorted({str(j.job_id).split("_")[0] for j in jobs})
-        wait_on = [f"afterok:{i}" for i in ids]
-        continuations = []
-        if self.strategy(node) == "chain":
-            previous = ids
-            for _ in range(node.config.resume.max_continuations):
-                cont = self.executor_for(node, ":".join(["afterany", *previous]))
-                cjobs = [cont.submit(job)] if node.items is None else cont.map_array(job, [u.index for u in pending])
-                previous = sorted({str(j.job_id).split("_")[0] for j in cjobs})
-                continuations += previous
-            # Dependents start once the chain has ended; the runner checks that inputs are done.
-            wait_on = [f"afterany:{i}" for i in (continuations[-1:] or ids)]
-        record = self.run.state()["stages"].get(node.name, {})
+            records = self._plan(stages, submit)
+        except (
+            submitit.core.utils.FailedJobError,
+            submitit.core.utils.FailedSubmissionError,
+            subprocess.CalledProcessError,
+        ) as e:
+            scancel(queued)
+            journal.unlink(missing_ok=True)
+            reason = " ".join(str(e).split())[:300]
+            raise UserError(
+                f"sbatch refused a job ({reason}); the {len(queued)} job(s) this submission had queued were cancelled, "
+                "nothing was recorded"
+            ) from None
+        journal.unlink(missing_ok=True)
+        return records
+
+    def _cancel_unrecorded(self) -> None:
+        """Jobs an interrupted submission queued but never recorded: cancel them before submitting again."""
+        journal = self.run.path / "slurm" / JOURNAL
+        if journal.is_file():
+            ids = read_json(journal).get("queued", [])
+            scancel(ids)
+            print(f"cancelled {len(ids)} job(s) an interrupted submission left unrecorded: {', '.join(ids)}", file=sys.stderr)
+            journal.unlink()
+
+    def _record(self, node: StageNode, record: StageRecord) -> None:
+        previous = self.run.state()["stages"].get(node.name, {})
         self.run.update_stage(
             node.name,
             status="submitted",
             executor="slurm",
             submitted=now(),
-            job_ids=ids + continuations,
-            attempts=record.get("attempts", 0) + 1,
-            wait_on=wait_on,
-            continuations=continuations,
-            slurm_folder=str(ex.folder),
+            job_ids=record.main + record.continuations,
+            attempts=previous.get("attempts", 0) + 1,
+            wait_on=record.wait_on,
+            continuations=record.continuations,
+            slurm_folder=str(self.run.path / "slurm" / node.name),
+            error=None,
+            **({"own_job_ids": record.own[node.name]} if node.items is None else {}),
         )
-        for u in pending:
-            if u.index is not None:
-                self.run.update_stage(u.key, status="submitted", executor="slurm")
-        return ids + continuations, wait_on
+        if node.items is not None:
+            for key, ids in record.own.items():
+                self.run.update_stage(key, status="submitted", executor="slurm", own_job_ids=ids, error=None)
+
+    def _check_budget(self, planned: list[Job]) -> None:
+        """Refuse, before anything is queued, a submission that the site's submit limits (jobs queued or
+        running per user; each array task and each hetjob component counts) would refuse part-way."""
+        need: dict[str, int] = {}
+        for job in planned:
+            for partition, n in job.counts().items():
+                need[partition] = need.get(partition, 0) + n
+        total = sum(need.values())
+        queued = queued_jobs_by_partition()
+        limits = [(f"partition {p}", n, *submit_limit(self.site, p), queued.get(p, 0)) for p, n in sorted(need.items())]
+        if self.site.max_submit_jobs:
+            limits.append(
+                ("all partitions", total, self.site.max_submit_jobs, "site profile max_submit_jobs", sum(queued.values()))
+            )
+        for where, n, limit, source, already in limits:
+            if limit is not None and already + n > limit:
+                biggest = max(planned, key=lambda j: sum(j.counts().values()))
+                raise UserError(
+                    f"site {self.site.name}, {where}: this submission needs {n} jobs (array tasks and continuation jobs "
+                    f"count one each; {len(planned)} sbatch calls), {already} already queued, limit {limit} ({source}); "
+                    f"nothing was submitted. Lower stages.<stage>.resume.max_continuations, fan out less, or wait for "
+                    f"queued jobs (largest: {biggest.label}, {sum(biggest.counts().values())} jobs)"
+                )
+
+    def _run_login_stages(self, stages: list[str]) -> list[str] | None:
+        """Run the login-node stages whose inputs are done, here and now; returns the compute stages
+        to submit (those downstream of a login stage that cannot run yet wait for a later `resume`),
+        or None when a login stage failed."""
+        from snowcat.pipeline.executors.local import LocalExecutor  # noqa: PLC0415 (only for login stages)
+
+        login = [n for n in stages if self.dag[n].config.where == "login"]
+        waiting: set[str] = set()
+        for name in login:
+            if any(n in stages and n not in login for n in self.dag[name].needs) or any(
+                n in waiting for n in self.dag[name].needs
+            ):
+                waiting.add(name)
+                continue
+            print(f"running {name} on this login node (where: login)", file=sys.stderr)
+            if LocalExecutor(self.run, self.dag, self.cfg).launch([name]) != 0:
+                return None
+        held = set(waiting)
+        for name in waiting:
+            held |= self.dag.downstream(name)
+        if waiting:
+            print(
+                f"{', '.join(sorted(waiting))} run(s) on the login node once their inputs are done: run "
+                f"`snowcat resume {self.run.path}` then; not submitted now: {', '.join(sorted(held - waiting)) or 'nothing else'}",
+                file=sys.stderr,
+            )
+        return [n for n in stages if n not in login and n not in held]
 
     # reconciliation ----------------------------------------------------------------------------
 
@@ -449,16 +707,19 @@ class SlurmExecutor(Executor):
 
     @staticmethod
     def _unit_rows(unit: Unit, rows: dict[str, dict], own_ids: list[str] | None = None) -> list[dict]:
-        """The sacct rows of one unit: the whole job, its array element, or its own separate job."""
+        """The sacct rows of one unit's own jobs: its array elements (`124_2`, or a pending `124_[0-5]`
+        that covers it), its separate jobs, or (no own ids recorded) every row of the stage."""
         out = []
         for jid, row in rows.items():
             parts = parse_job_id(jid)
-            task = parts["task"]
-            if own_ids and unit.index is not None and task is None:
-                if parts["job"] in own_ids:
-                    out.append(row)
-            elif unit.index is None or task is None or task == str(unit.index) or task.startswith("["):
+            if not own_ids:
                 out.append(row)
+                continue
+            for own in own_ids:
+                mine = parse_job_id(own)
+                if mine["job"] == parts["job"] and (mine["task"] is None or _covers(parts["task"], int(mine["task"]))):
+                    out.append(row)
+                    break
         return out
 
     def cancel(self) -> list[str]:

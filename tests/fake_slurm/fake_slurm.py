@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""TEST DOUBLE of a Slurm controller's client commands, for tests that need a scheduler's *answers*
+(job ids, refusals, sacct rows) without a cluster: `sbatch`, `sacct`, `scancel`, `squeue` on PATH.
+
+Nothing runs: submitted jobs stay PENDING until a test sets their state (`set_state`). State lives in
+the JSON file $FAKE_SLURM_STATE. Like Slurm's QoS, sbatch refuses a job that would take this user
+past $FAKE_SLURM_MAX_SUBMIT queued jobs (array tasks and hetjob components count one each), and
+$FAKE_SLURM_REFUSE_AFTER=N refuses every sbatch call after the N-th (a limit hit mid-DAG).
+The real behaviour is tested against the local Slurm cluster (tests/test_slurm.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+REFUSED = "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)"
+
+
+def _path() -> Path:
+    return Path(os.environ["FAKE_SLURM_STATE"])
+
+
+def load() -> dict:
+    p = _path()
+    return json.loads(p.read_text()) if p.is_file() else {"next": 1000, "jobs": {}, "calls": []}
+
+
+def save(state: dict) -> None:
+    tmp = _path().with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(_path())
+
+
+def tasks(state: dict) -> dict[str, dict]:
+    """Every schedulable piece by its sacct id: `1000`, `1000_3`, `1000+1`."""
+    out = {}
+    for jid, job in state["jobs"].items():
+        for key, t in job["tasks"].items():
+            out[jid + key] = t
+    return out
+
+
+def set_state(job_id: str, new: str, exit_code: str = "0:0") -> None:
+    """Tests: move a job (`1000`, all its tasks) or one task (`1000_2`) to a state."""
+    state = load()
+    for key, t in tasks(state).items():
+        if key == job_id or key.split("_")[0].split("+")[0] == job_id:
+            t["state"], t["exit"] = new, exit_code
+    save(state)
+
+
+def _options(script: str) -> list[dict[str, str]]:
+    comps: list[dict[str, str]] = [{}]
+    for line in script.splitlines():
+        if line.strip() == "#SBATCH hetjob":
+            comps.append({})
+            continue
+        m = re.match(r"#SBATCH --([\w-]+)(?:=(.*))?$", line.strip())
+        if m:
+            comps[-1][m.group(1)] = (m.group(2) or "").strip("'\"")
+    return comps
+
+
+def _array(spec: str) -> list[int]:
+    out = []
+    for part in spec.split("%")[0].split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def sbatch(args: list[str]) -> int:
+    state = load()
+    script = Path([a for a in args if not a.startswith("-")][-1]).read_text()
+    comps = _options(script)
+    state["calls"].append(["sbatch", comps[0].get("job-name", "")])
+    refuse_after = os.environ.get("FAKE_SLURM_REFUSE_AFTER")
+    sbatch_calls = sum(1 for c in state["calls"] if c[0] == "sbatch")
+    array = _array(comps[0]["array"]) if "array" in comps[0] else None
+    keys = [f"_{i}" for i in array] if array is not None else ([f"+{i}" for i in range(len(comps))] if len(comps) > 1 else [""])
+    queued = sum(1 for t in tasks(state).values() if t["state"] not in TERMINAL)
+    limit = os.environ.get("FAKE_SLURM_MAX_SUBMIT")
+    if (refuse_after and sbatch_calls > int(refuse_after)) or (limit and queued + len(keys) > int(limit)):
+        save(state)
+        print(REFUSED, file=sys.stderr)
+        return 1
+    jid = str(state["next"])
+    state["next"] += 1
+    partition = [c.get("partition", "") for c in comps]
+    state["jobs"][jid] = {
+        "name": comps[0].get("job-name", ""),
+        "dependency": comps[0].get("dependency"),
+        "array": comps[0].get("array"),
+        "script": script,
+        "tasks": {
+            k: {"state": "PENDING", "exit": "0:0", "partition": partition[int(k[1:]) if k.startswith("+") else 0]} for k in keys
+        },
+    }
+    save(state)
+    print(f"Submitted batch job {jid}")
+    return 0
+
+
+def scancel(args: list[str]) -> int:
+    state = load()
+    ids = [a for a in args if not a.startswith("-")]
+    state["calls"].append(["scancel", *ids])
+    everything = tasks(state)
+    for target in ids:
+        for key, t in everything.items():
+            if (key == target or key.split("_")[0].split("+")[0] == target) and t["state"] not in TERMINAL:
+                t["state"] = "CANCELLED"
+    save(state)
+    return 0
+
+
+def sacct(args: list[str]) -> int:
+    state = load()
+    ids = args[args.index("-j") + 1].split(",") if "-j" in args else list(state["jobs"])
+    fields = args[args.index("-o") + 1].split(",")
+    for key, t in tasks(state).items():
+        if key.split("_")[0].split("+")[0] not in ids:
+            continue
+        row = {
+            "JobID": key,
+            "JobName": state["jobs"][key.split("_")[0].split("+")[0]]["name"],
+            "State": t["state"],
+            "ExitCode": t["exit"],
+            "Reason": "Dependency" if t["state"] == "PENDING" else "None",
+            "Partition": t["partition"],
+        }
+        print("|".join(row.get(f, "") for f in fields))
+    return 0
+
+
+def squeue(args: list[str]) -> int:
+    state = load()
+    if "%P" in args:
+        for t in tasks(state).values():
+            if t["state"] not in TERMINAL:
+                print(t["partition"])
+    return 0
+
+
+def main() -> int:
+    name, args = Path(sys.argv[0]).name, sys.argv[1:]
+    handlers = {"sbatch": sbatch, "scancel": scancel, "sacct": sacct, "squeue": squeue}
+    if name not in handlers:
+        print(f"fake_slurm: {name} is not faked", file=sys.stderr)
+        return 2
+    return handlers[name](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

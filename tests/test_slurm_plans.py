@@ -1,0 +1,218 @@
+"""What the Slurm executor submits at a real centre, against a TEST DOUBLE scheduler (tests/fake_slurm:
+`sbatch`/`sacct`/`scancel`/`squeue` answering from a JSON file; nothing runs): chained continuations
+owned per unit, submit limits checked before anything is queued, all-or-nothing submission, arrays
+split at MaxArraySize, separate jobs where arrays are not allowed, failure containment. The same
+paths on the live local cluster are in tests/test_slurm.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from snowcat.pipeline.dag import Unit
+from snowcat.pipeline.fsio import read_json
+from snowcat.pipeline.rundir import RunDir
+from snowcat.pipeline.runner import run_unit
+from snowcat.slurm.executor import StageJob
+from tests.conftest import write_config
+
+FAKE = Path(__file__).parent / "fake_slurm"
+_spec = importlib.util.spec_from_file_location("fake_slurm", FAKE / "fake_slurm.py")
+fake = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake)
+
+CONFIG = """
+name: plans
+seed: 3
+stages:
+  tasks:
+    kind: tasks
+    resources: {{time_min: 5}}
+    domains:
+      arith: {{count: 40, val_count: 5, difficulties: [2]}}
+  more:
+    kind: tasks
+    needs: [tasks]
+    resources: {{time_min: 5}}
+    fan_out: {{part: {parts}}}
+    domains:
+      arith: {{count: 30, val_count: 5, difficulties: [3]}}
+  last:
+    kind: tasks
+    needs: [more]
+    resources: {{time_min: 5}}
+    domains:
+      arith: {{count: 30, val_count: 5, difficulties: [1]}}
+"""
+
+
+@pytest.fixture
+def scheduler(tmp_path, monkeypatch) -> Path:
+    """The fake scheduler on PATH for this process and the CLI it starts; its state file."""
+    state = tmp_path / "fake-slurm.json"
+    monkeypatch.setenv("PATH", f"{FAKE / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_STATE", str(state))
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    for var in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    return state
+
+
+def _config(tmp_path: Path, parts: int = 3) -> Path:
+    return write_config(tmp_path / "c.yaml", CONFIG.format(parts=list(range(parts))))
+
+
+JSC = ("--executor", "slurm", "--site", "jsc-juwels-booster", "site.account=proj")  # chain: requeue not allowed there
+
+
+def _jobs(state_file: Path) -> dict[str, dict]:
+    return read_json(state_file)["jobs"]
+
+
+def _sbatch_calls(state_file: Path) -> list[str]:
+    return [c[1] for c in read_json(state_file, {"calls": []})["calls"] if c[0] == "sbatch"]
+
+
+def _task_states(state_file: Path) -> dict[str, str]:
+    return {k: t["state"] for k, t in fake.tasks(read_json(state_file)).items()}
+
+
+def test_chain_continuations_are_owned_per_element(snowcat, scheduler, tmp_path, monkeypatch):
+    """JSC (no requeue) chains 3 continuations; each element records its own element of every array,
+    and an element that finishes cancels only its own continuations (it used to cancel every
+    element's, so the downstream stage started while elements still ran)."""
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
+    state = RunDir.open(run_dir).state()["stages"]
+    more = state["more"]
+    assert len(more["job_ids"]) == 4 and more["continuations"] == more["job_ids"][1:]
+    for i in range(3):
+        assert state[f"more[{i}]"]["own_job_ids"] == [f"{j}_{i}" for j in more["job_ids"]]
+    # the downstream stage waits for the last continuation array to end, not for the first job
+    last_dep = _jobs(scheduler)[state["last"]["job_ids"][0]]["dependency"]
+    assert last_dep == f"afterany:{more['job_ids'][-1]}"
+
+    assert run_unit(run_dir, "tasks") == 0  # the input, run as its job would
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", more["job_ids"][0])
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    monkeypatch.setenv("SLURM_JOB_ID", str(int(more["job_ids"][0]) + 5))
+    StageJob(str(run_dir), "more", "chain", 3)(0)
+
+    states = _task_states(scheduler)
+    for cont in more["continuations"]:
+        assert states[f"{cont}_0"] == "CANCELLED"
+        assert states[f"{cont}_1"] == states[f"{cont}_2"] == "PENDING"
+    assert RunDir.open(run_dir).is_done(Unit("more", 0))
+
+
+def test_failed_unit_cancels_its_continuations_and_every_stage_downstream(snowcat, scheduler, tmp_path, monkeypatch):
+    """A unit that fails stops what could only fail after it, and status says why."""
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
+    state = RunDir.open(run_dir).state()["stages"]
+    # `more[1]` starts while its input is not done (e.g. released by afterany after tasks gave up).
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", state["more"]["job_ids"][0])
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    with pytest.raises(RuntimeError, match="more\\[1\\] failed"):
+        StageJob(str(run_dir), "more", "chain", 3)(1)
+
+    states = _task_states(scheduler)
+    for cont in state["more"]["continuations"]:
+        assert states[f"{cont}_1"] == "CANCELLED"  # its own continuations
+        assert states[f"{cont}_0"] == "PENDING"  # other elements keep theirs
+    assert {states[k] for k in states if k.split("_")[0] in state["last"]["job_ids"]} == {"CANCELLED"}
+    after = RunDir.open(run_dir).state()["stages"]
+    assert after["last"]["status"] == "cancelled"
+    assert "input more[1] failed" in after["last"]["error"] and "snowcat resume" in after["last"]["error"]
+    status = snowcat.status(run_dir)
+    assert status["stages"]["last"]["status"] == "cancelled"
+
+
+def test_submit_limit_refuses_before_anything_is_queued(snowcat, scheduler, tmp_path):
+    """A QoS's MaxSubmit (Vista's gh: 40 per user) that the demo DAG's chained continuations would pass
+    part-way: 6 GPU stages (RL's two hetjob components count apart: 7 jobs) with 3 continuations each
+    are 28 on gh; the CPU stages went to the gg partition. The refusal states the count and names the limit;
+    nothing is queued or recorded."""
+    demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
+    run_dir = tmp_path / "run"
+    vista = ("--executor", "slurm", "--site", "tacc-vista", "site.partitions.gh.max_submit_jobs=20")
+    proc = snowcat("run", demo, *vista, "--run-dir", run_dir)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "partition gh: this submission needs 28 jobs" in line and "limit 20" in line, line
+    assert "nothing was submitted" in line
+    assert not _sbatch_calls(scheduler)
+    assert not any(r.get("job_ids") for r in RunDir.open(run_dir).state()["stages"].values())
+
+    fewer = [f"stages.{s}.resume.max_continuations=0" for s in ("sft", "probe", "rl", "eval", "eval_greedy", "export")]
+    snowcat("run", demo, *fewer, *vista, "--run-dir", tmp_path / "r2", check=True)
+    assert len(_sbatch_calls(scheduler)) == 10 + 4 * 3  # 6 GPU stages alone, 4 CPU stages with their chains
+
+
+def test_refusal_mid_dag_cancels_what_was_queued_and_resume_submits_each_stage_once(snowcat, scheduler, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, env={"FAKE_SLURM_REFUSE_AFTER": "3"})
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "sbatch refused a job" in line and "the 3 job(s) this submission had queued were cancelled" in line, line
+    assert set(_task_states(scheduler).values()) == {"CANCELLED"}  # no orphans
+    assert not any(r.get("job_ids") for r in RunDir.open(run_dir).state()["stages"].values())
+    assert not (run_dir / "slurm" / "submitting.json").exists()
+
+    snowcat("resume", run_dir, check=True)
+    live = [j for j in _jobs(scheduler).values() if any(t["state"] == "PENDING" for t in j["tasks"].values())]
+    names = sorted(j["name"].rsplit("-", 1)[-1] for j in live)
+    # tasks, last: 1 + 3 continuations each; more: one array + 3 continuation arrays
+    assert names == sorted(["tasks"] * 4 + ["more"] * 4 + ["last"] * 4), names
+
+
+def test_an_interrupted_submission_is_cancelled_by_the_next(snowcat, scheduler, tmp_path):
+    """`launch` killed between two sbatch calls leaves a journal of what it queued; the next launch
+    cancels those jobs instead of leaving them unrecorded beside a second copy."""
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, env={"FAKE_SLURM_REFUSE_AFTER": "0"})
+    orphan = tmp_path / "orphan.sh"
+    orphan.write_text("#!/bin/bash\n#SBATCH --job-name=snowcat-x-tasks\n")
+    fake.sbatch([str(orphan)])
+    orphan_id = next(iter(_jobs(scheduler)))
+    (run_dir / "slurm").mkdir(exist_ok=True)
+    (run_dir / "slurm" / "submitting.json").write_text(json.dumps({"queued": [orphan_id]}))
+    proc = snowcat("resume", run_dir, check=True)
+    assert f"cancelled 1 job(s) an interrupted submission left unrecorded: {orphan_id}" in proc.stderr
+    assert _task_states(scheduler)[orphan_id] == "CANCELLED"
+
+
+def test_fan_out_beyond_max_array_size_is_split_into_arrays(snowcat, scheduler, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = _config(tmp_path, parts=25)
+    snowcat(
+        "run", cfg, *JSC, "site.max_array_size=10", "stages.more.resume.max_continuations=1", "--run-dir", run_dir, check=True
+    )
+    jobs = _jobs(scheduler)
+    arrays = sorted(j["array"].split("%")[0] for j in jobs.values() if j["array"])
+    assert arrays == sorted(["0-9", "0-9", "0-4"] * 2), arrays  # three arrays, each with one continuation array
+    state = RunDir.open(run_dir).state()["stages"]
+    owners = [state[f"more[{i}]"]["own_job_ids"][0] for i in range(25)]
+    assert len(set(owners)) == 25
+    assert all(int(o.split("_")[1]) < 10 for o in owners)
+    last_dep = jobs[state["last"]["job_ids"][0]]["dependency"]
+    assert last_dep.count("afterany:") == 3, last_dep  # waits for every array's chain
+
+
+def test_no_arrays_site_chains_separate_jobs_per_element(snowcat, scheduler, tmp_path):
+    """Frontera has no job arrays: every element gets its own job and its own continuation jobs."""
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), "--executor", "slurm", "--site", "tacc-frontera", "--run-dir", run_dir, check=True)
+    assert not any(j["array"] for j in _jobs(scheduler).values())
+    state = RunDir.open(run_dir).state()["stages"]
+    owned = [state[f"more[{i}]"]["own_job_ids"] for i in range(3)]
+    assert all(len(ids) == 4 for ids in owned)
+    assert len({j for ids in owned for j in ids}) == 12  # nobody shares a job
+    jobs = _jobs(scheduler)
+    for ids in owned:
+        for prev, cont in zip(ids, ids[1:]):
+            assert jobs[cont]["dependency"] == f"afterany:{prev}"
