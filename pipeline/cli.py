@@ -163,7 +163,7 @@ def status_record(run: RunDir) -> dict:
     state = run.state()["stages"]
     stages = {}
     for node in dag:
-        status, problems = run.stage_status(dag, node.name)
+        status, problems = run.stage_status(dag, node.name, verify="stat")  # sizes and mtimes; audit re-hashes
         record = dict(state.get(node.name, {}))
         units = {}
         for u in node.units:
