@@ -42,6 +42,7 @@ from snowcat.pipeline.rundir import RunDir, now
 from snowcat.pipeline.runner import launcher_rank, run_unit
 from snowcat.slurm import site as site_mod
 from snowcat.slurm.site import SiteProfile, use_local_cluster
+from snowcat.stages.config import RESUMABLE_KINDS
 
 from .hetjob import HetjobExecutor, parse_job_id
 
@@ -297,7 +298,7 @@ class SlurmExecutor(Executor):
 
     def _setup(self, node: StageNode) -> list[str]:
         lines = [f"module load {m}" for m in self.site.modules]
-        if node.config.image and self.site.container_module:
+        if node.config.image and self.site.container_module and self.site.container_module not in self.site.modules:
             lines.append(f"module load {self.site.container_module}")
         for key, value in self.site.env.items():
             lines.append(f"export {key}={shlex.quote(str(value))}")
@@ -332,6 +333,11 @@ class SlurmExecutor(Executor):
         plugin = site_mpi_plugin(self.site)
         return args + ([f"--mpi={plugin}"] if plugin else []) + ["--kill-on-bad-exit=1"]
 
+    @staticmethod
+    def continuations(node: StageNode) -> int:
+        """Walltime continuations of a stage: none for kinds that cannot continue from a checkpoint."""
+        return node.config.resume.max_continuations if node.kind in RESUMABLE_KINDS else 0
+
     def strategy(self, node: StageNode) -> str:
         """The continuation strategy: `requeue` falls back to `chain` where the site disallows requeue."""
         wanted = node.config.resume.strategy
@@ -347,6 +353,9 @@ class SlurmExecutor(Executor):
         job = self._job_options(node, time_min)
         if dependency:
             job["dependency"] = dependency
+            # A dependency that can never be met (afterok on a failed or cancelled job) ends the job
+            # instead of leaving it pending forever (DependencyNeverSatisfied).
+            job["kill-on-invalid-dep"] = "yes"
         max_timeouts = node.config.resume.max_continuations
         if res.components:
             if not self.site.hetjobs_allowed:
@@ -426,7 +435,7 @@ class SlurmExecutor(Executor):
         Every unit owns its jobs: its element of each array (`124_2`) or its own jobs, in chain order,
         so a unit that finishes cancels its own continuations and never another element's."""
         chain = self.strategy(node) == "chain"
-        rounds = 1 + (node.config.resume.max_continuations if chain else 0)
+        rounds = 1 + (self.continuations(node) if chain else 0)
         record = StageRecord()
         for g, (items, array) in enumerate(self._groups(node, self.pending_units(node))):
             base = node.name + (f"[{items[0]}]" if items and not array else f".chunk{g}" if g else "")

@@ -436,3 +436,6 @@ KINDS: dict[str, type] = {
 }
 # Kinds that run a model and so want GPUs by default; the others are CPU work (resources.gpus_per_node).
 GPU_KINDS = frozenset({"sft", "probe", "rl", "evaluate", "export"})
+# Kinds that checkpoint on the preemption notice and continue from there; a walltime continuation of any
+# other kind would start from scratch and end the same way, so they get none (stages.X.resume).
+RESUMABLE_KINDS = frozenset({"sft", "probe", "rl"})
