@@ -121,6 +121,8 @@ def scancel(args: list[str]) -> int:
 
 def sacct(args: list[str]) -> int:
     state = load()
+    state["calls"].append(["sacct"])
+    save(state)
     ids = args[args.index("-j") + 1].split(",") if "-j" in args else list(state["jobs"])
     fields = args[args.index("-o") + 1].split(",")
     for key, t in tasks(state).items():
@@ -140,6 +142,8 @@ def sacct(args: list[str]) -> int:
 
 def squeue(args: list[str]) -> int:
     state = load()
+    state["calls"].append(["squeue"])
+    save(state)
     if "%P" in args:
         for t in tasks(state).values():
             if t["state"] not in TERMINAL:
