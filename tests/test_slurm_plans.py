@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from snowcat.pipeline import config
 from snowcat.pipeline.dag import Unit
 from snowcat.pipeline.fsio import read_json
 from snowcat.pipeline.rundir import RunDir
@@ -217,3 +218,76 @@ def test_no_arrays_site_chains_separate_jobs_per_element(snowcat, scheduler, tmp
     for ids in owned:
         for prev, cont in zip(ids, ids[1:]):
             assert jobs[cont]["dependency"] == f"afterany:{prev}"
+
+
+LOGIN = """
+name: login
+seed: 4
+stages:
+  prep:
+    kind: tasks
+    where: login
+    domains:
+      arith: {count: 40, val_count: 5, difficulties: [1]}
+  tasks:
+    kind: tasks
+    needs: [prep]
+    domains:
+      arith: {count: 40, val_count: 5, difficulties: [2]}
+  report:
+    kind: tasks
+    where: login
+    needs: [tasks]
+    domains:
+      arith: {count: 40, val_count: 5, difficulties: [3]}
+  after:
+    kind: tasks
+    needs: [report]
+    domains:
+      arith: {count: 40, val_count: 5, difficulties: [3]}
+"""
+
+
+def test_login_stages_run_in_the_submitting_process_before_the_jobs_that_need_them(snowcat, scheduler, tmp_path):
+    """`where: login` (JSC's prestage: compute nodes have no internet): run by `run` itself when its
+    inputs are done; one that needs a compute stage waits for a later `resume`, with what follows it."""
+    run_dir = tmp_path / "run"
+    proc = snowcat("run", write_config(tmp_path / "c.yaml", LOGIN), *JSC, "--run-dir", run_dir, check=True)
+    run = RunDir.open(run_dir)
+    assert run.is_done(Unit("prep", None)) and "running prep on this login node" in proc.stderr
+    state = run.state()["stages"]
+    assert state["tasks"]["job_ids"] and not state.get("report", {}).get("job_ids")
+    assert not state.get("after", {}).get("job_ids")  # held behind the login stage that cannot run yet
+    assert "report run(s) on the login node once their inputs are done" in proc.stderr
+    assert _jobs(scheduler)[state["tasks"]["job_ids"][0]]["dependency"] is None  # prep is done already
+
+    assert run_unit(run_dir, "tasks") == 0  # the compute job, as Slurm would run it
+    proc = snowcat("resume", run_dir, check=True)
+    assert RunDir.open(run_dir).is_done(Unit("report", None))
+    assert RunDir.open(run_dir).state()["stages"]["after"]["job_ids"]
+
+
+def test_login_stage_cannot_fan_out(snowcat, tmp_path):
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        LOGIN.replace("    where: login\n    domains", "    where: login\n    fan_out: {x: [1, 2]}\n    domains", 1),
+    )
+    proc = snowcat("config", cfg)
+    assert proc.returncode == 2 and "stages.prep.where: a login-node stage cannot fan out" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("site", "stage", "partition", "gpus", "cpus"),
+    [
+        ("tacc-vista", "tasks", "gg", 0, 144),  # CPU kinds on the CPU partition, whole nodes
+        ("tacc-vista", "sft", "gh", 1, 72),
+        ("jsc-juwels-booster", "select", "booster", 0, 48),  # no CPU partition in the profile
+        ("jsc-juwels-booster", "rl", "booster", 4, 48),
+        ("local", "sft", "cpu", 0, 1),  # nodes shared: one CPU per task unless asked
+    ],
+)
+def test_resources_default_by_kind_and_site(site, stage, partition, gpus, cpus):
+    cfg = config.load(Path(__file__).parent.parent / "configs" / "demo.yaml", ["executor.kind=slurm"], site=site)
+    res = cfg.stages[stage].resources
+    comps = list(res.components.values()) or [res]
+    assert {(c.partition, c.gpus_per_node, c.cpus_per_task) for c in comps} == {(partition, gpus, cpus)}
