@@ -131,6 +131,51 @@ def srun_line(
     return out
 
 
+def role_images(stage: Any) -> dict[str, str | None]:
+    """{role: image} of a multi-role stage, in component (rank) order: a component's own `image`
+    where it names one (`resources.components.<role>.image`), else the stage's `image`. Roles run
+    different software (the trainer image carries DeepSpeed/Megatron, the rollout image vLLM), so a
+    hetjob stage names one image per role; both carry the same MPI (containers/mpi.sh)."""
+    default = getattr(stage, "image", None)
+    components = stage.resources.components
+    return {role: getattr(comp, "image", None) or default for role, comp in components.items()}
+
+
+def hetjob_step(
+    site: Any,
+    runtime: str,
+    images: Sequence[str | os.PathLike | None],
+    python_args: Sequence[str],
+    *,
+    binds: Sequence[str] = (),
+    gpus: Sequence[bool] = (),
+    extra: Sequence[str] = (),
+    host_python: str = "python",
+) -> list[str]:
+    """The srun line of one heterogeneous step whose components (groups 0..n-1, in rank order) run
+    `python PYTHON_ARGS` in their own image: `images[g]` (None: on the host, as `host_python`),
+    `--nv` where `gpus[g]`. One image (or none) for every group: the plain `--het-group=0,1,...`
+    form; different images: Slurm's MPMD form `--het-group=0 A : --het-group=1 B`, `extra` (srun
+    options such as --kill-on-bad-exit, --output) repeated for each group, since srun applies an
+    option to the component it precedes. Either way one MPI world over all groups."""
+    if not images:
+        raise UserError("hetjob_step: no components")
+    gpus = list(gpus) or [False] * len(images)
+    if len(gpus) != len(images):
+        raise UserError(f"hetjob_step: {len(images)} images but {len(gpus)} GPU flags")
+
+    def command(image, gpu) -> list[str]:
+        if runtime == "none" or not image:
+            return [host_python, *python_args]
+        return wrap_command(["python", *python_args], runtime, image=image, binds=binds, gpu=gpu)
+
+    groups = list(range(len(images)))
+    commands = [command(image, gpu) for image, gpu in zip(images, gpus, strict=True)]
+    if all(c == commands[0] for c in commands):
+        return srun_line(site, groups, commands[0], extra=extra)
+    return srun_line(site, groups, dict(enumerate(commands)), extra=extra)
+
+
 def image_provenance(image: str | os.PathLike) -> dict:
     """What the provenance card records about an image: its path, sha256 and build labels.
 

@@ -5,17 +5,20 @@ test double that validates the arguments like the real binary and runs the inner
 """
 
 import hashlib
+import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from snowcat.containers import images
-from snowcat.containers.wrap import image_provenance, srun_line, stage_command, wrap_command
+from snowcat.containers.wrap import hetjob_step, image_provenance, role_images, srun_line, stage_command, wrap_command
 from snowcat.pipeline.errors import UserError
 from snowcat.slurm.site import SiteProfile, load_site
 
@@ -278,3 +281,100 @@ def test_golden_launcher_lines(site_name, monkeypatch):
         if line.strip() and not line.startswith("#")
     ]
     assert render_golden(site_name) == expected
+
+
+# ----------------------------------------------------------------------- one MPI in every hetjob image
+
+HETJOB_IMAGES = ["trainer", "rollout", "rollout-aarch64"]  # images whose ranks share one MPI world
+MPI_SCRIPT = images.DEFINITIONS / "mpi.sh"
+
+
+def _section(path: Path, name: str) -> list[str]:
+    """The lines of one %section of a .def file."""
+    out, inside = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("%"):
+            inside = line.strip() == f"%{name}"
+        elif inside and line.strip():
+            out.append(line.strip())
+    return out
+
+
+def _script_vars(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines() if re.match(r"^[A-Z0-9_]+=", line))
+
+
+def test_hetjob_images_build_the_same_mpi_and_check_it():
+    """Trainer and rollout images both build Open MPI with containers/mpi.sh before anything else,
+    pip-install no mpi4py wheel (which brings no MPI library), put that MPI first with the same
+    transport settings, and fail the build unless mpi4py and snowcat import."""
+    env_mpi = {}
+    for name in HETJOB_IMAGES:
+        path = images.DEFINITIONS / f"{name}.def"
+        post = [line.strip() for line in "\n".join(_section(path, "post")).replace("\\\n", " ").splitlines()]
+        runs = [i for i, line in enumerate(post) if line == "sh /opt/snowcat/containers/mpi.sh"]
+        pips = [i for i, line in enumerate(post) if "pip install" in line]
+        assert runs and runs[0] < min(pips), f"{name}.def: mpi.sh must run before the pip installs"
+        assert not any("mpi4py" in post[i] for i in pips), f"{name}.def pip-installs mpi4py (a wheel brings no MPI)"
+        check = next(line for line in post if '-c "import' in line)
+        assert "from mpi4py import MPI" in check
+        imported = [m.strip() for m in check.split("import", 1)[1].split(";")[0].split(",")]
+        for module in imported:
+            if module.split(".")[0] not in ("torch", "deepspeed", "megatron", "vllm"):
+                assert module.startswith("snowcat.") and importlib.util.find_spec(module), f"{name}.def: no module {module}"
+        env_mpi[name] = [line for line in _section(path, "environment") if "snowcat-mpi" in line or "OMPI_MCA" in line]
+    assert env_mpi["trainer"] and all(lines == env_mpi["trainer"] for lines in env_mpi.values()), env_mpi
+    prefix = _script_vars(MPI_SCRIPT.read_text())["PREFIX"]
+    assert any(line.startswith(f"export LD_LIBRARY_PATH={prefix}/lib") for line in env_mpi["trainer"])
+    assert {"export OMPI_MCA_pml=ob1", "export OMPI_MCA_btl=self,vader,tcp"} <= set(env_mpi["trainer"])
+
+
+def test_mpi_script_is_pinned_verified_and_built_for_slurm():
+    text = MPI_SCRIPT.read_text()
+    assert subprocess.run(["sh", "-n", str(MPI_SCRIPT)], capture_output=True).returncode == 0  # parses
+    v = _script_vars(text)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", v["OMPI_VERSION"]) and re.fullmatch(r"[0-9a-f]{64}", v["OMPI_SHA256"])
+    assert "${OMPI_VERSION}" in v["OMPI_URL"] and "sha256sum -c" in text  # the tarball is checked before use
+    configure = " ".join(text.split("./configure", 1)[1].split("make", 1)[0].split())
+    # srun starts the ranks (PMIx client for --mpi=pmix / pspmix); nothing detected from the base image.
+    for flag in ("--with-slurm", "--with-pmix=internal", "--without-ucx", "--without-verbs", "--without-ofi", "--without-cuda"):
+        assert flag in configure, flag
+    install = next(line for line in text.splitlines() if "pip install" in line)
+    assert 'MPICC="$PREFIX/bin/mpicc"' in install and "--no-binary=mpi4py" in install and "mpi4py==${MPI4PY_VERSION}" in install
+    assert re.fullmatch(r"\d+\.\d+\.\d+", v["MPI4PY_VERSION"])
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    assert "MPI.Get_library_version()" in last and "Open MPI v${OMPI_VERSION}" in last  # mpi4py loads this MPI
+
+
+def test_role_images_and_hetjob_step_render_one_image_per_role(monkeypatch):
+    """A hetjob stage's roles in their own images: role_images reads each component's image (else the
+    stage's), hetjob_step renders the MPMD step of the golden files; one image gives the plain step."""
+    env, run_dir, image_dir, arch = GOLDEN_SITES["jsc-juwels-booster"]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    site = load_site("jsc-juwels-booster")
+    trainer, rollout = f"{image_dir}/trainer-{arch}.sif", f"{image_dir}/rollout-{arch}.sif"
+    comps = {"trainer": SimpleNamespace(image=None), "rollout": SimpleNamespace(image=rollout)}
+    stage = SimpleNamespace(image=trainer, resources=SimpleNamespace(components=comps))
+    assert role_images(stage) == {"trainer": trainer, "rollout": rollout}
+    no_field = SimpleNamespace(image=trainer, resources=SimpleNamespace(components={"trainer": object(), "rollout": object()}))
+    assert role_images(no_field) == {"trainer": trainer, "rollout": trainer}  # components without an image field
+
+    golden = [
+        line
+        for line in (GOLDEN / "launch_jsc-juwels-booster.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    binds = [run_dir, site.scratch, site.project]
+    args = ["-m", "snowcat.stages", run_dir, "rl"]
+    extra = ["--kill-on-bad-exit=1"]
+    per_role = hetjob_step(
+        site, "apptainer", list(role_images(stage).values()), args, binds=binds, gpus=[True, True], extra=extra
+    )
+    assert shlex.join(per_role) == golden[1]
+    one = hetjob_step(site, "apptainer", [trainer, trainer], args, binds=binds, gpus=[True, True], extra=extra)
+    assert shlex.join(one) == golden[0]
+    host = hetjob_step(site, "none", [trainer, rollout], args, extra=extra, host_python="/venv/bin/python")
+    assert host == ["srun", "--mpi=pspmix", "--het-group=0,1", *extra, "/venv/bin/python", *args]
+    with pytest.raises(UserError, match="2 images but 1 GPU flags"):
+        hetjob_step(site, "apptainer", [trainer, rollout], args, gpus=[True])
