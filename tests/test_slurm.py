@@ -98,7 +98,7 @@ def test_dag_is_submitted_at_once_with_afterok_chains(snowcat, slurm_env, tmp_pa
     run_dir = tmp_path / "run"
     proc = snowcat("run", cfg, *on_local_slurm(run_dir), env=slurm_env)
     assert proc.returncode == 0, proc.stderr
-    state = read_json(run_dir / "state.json")["stages"]
+    state = RunDir(run_dir).state()["stages"]
     tasks_id, more_id = state["tasks"]["job_ids"][0], state["more"]["job_ids"][0]
     # One job per stage, one array for the fan-out, the dependent waits on its input.
     more_script = next((run_dir / "slurm" / "more").glob("*_submission.sh")).read_text()
@@ -135,7 +135,7 @@ def test_fan_out_of_200_is_one_array_in_one_sbatch(snowcat, slurm_env, tmp_path)
         check=True,
     )
     try:
-        state = read_json(run_dir / "state.json")["stages"]
+        state = RunDir(run_dir).state()["stages"]
         assert len(state["more"]["job_ids"]) == 1
         scripts = list((run_dir / "slurm" / "more").glob("*_submission.sh"))
         assert len(scripts) == 1 and "#SBATCH --array=0-199%8" in scripts[0].read_text()
@@ -169,7 +169,7 @@ def test_hetjob_components_share_one_mpi_world(snowcat, slurm_env, tmp_path):
 def _running_job(run_dir: Path, stage: str, timeout: float = 120) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        record = read_json(run_dir / "state.json")["stages"].get(stage, {})
+        record = RunDir(run_dir).state()["stages"].get(stage, {})
         if record.get("status") == "running" and record.get("slurm_job_id"):
             return record["slurm_job_id"]
         time.sleep(0.5)
@@ -258,7 +258,7 @@ def test_killed_slurmd_fails_the_stage_promptly_and_resume_finishes(snowcat, slu
         check=True,
     )
     _running_job(run_dir, "tasks")
-    record = read_json(run_dir / "state.json")["stages"]["tasks"]
+    record = RunDir(run_dir).state()["stages"]["tasks"]
     pid = int((slurm_cluster.root / "run" / f"slurmd-{record['node']}.pid").read_text())
     try:
         # The node dies: its slurmd, the job's step daemons and the stage process, all at once.
@@ -333,16 +333,75 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
     for strategy, run_dir in runs.items():
         status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=1500)
         assert status["stages"]["sft"]["status"] == "done", (strategy, status)
-        record = read_json(run_dir / "state.json")["stages"]["sft"]
+        record = RunDir(run_dir).state()["stages"]["sft"]
         assert record.get("continuations_used", 0) >= 1, (strategy, record)  # the walltime was really hit
         assert _final_weights(run_dir) == reference, strategy
     # The chain's unused continuation jobs were cancelled once the stage completed.
-    chain = read_json(runs["chain"] / "state.json")["stages"]["sft"]
+    chain = RunDir(runs["chain"]).state()["stages"]["sft"]
     used = chain["continuations_used"]
     leftover = chain["continuations"][used:]
     if leftover:
         rows = sacct_rows(slurm_env, leftover)
         assert all(r[2].startswith("CANCELLED") for r in rows), rows
+
+
+FAN_OUT_SFT = (
+    SFT
+    + """\
+    fan_out: {{part: [a, b, c]}}
+  last:
+    kind: tasks
+    needs: [sft]
+    resources: {{time_min: 5}}
+    domains:
+      arith: {{count: 30, val_count: 5, difficulties: [1]}}
+"""
+)
+
+
+@pytest.mark.slow
+def test_chain_fan_out_with_one_element_preempted_completes_before_downstream_starts(snowcat, slurm_env, tmp_path):
+    """Three SFT elements under the chain strategy; element 1 gets the preemption notice mid-run. It
+    checkpoints, its own continuation finishes it, the others' continuations are cancelled by their
+    own elements only, and the downstream stage starts after every element ended."""
+    cfg = write_config(tmp_path / "c.yaml", FAN_OUT_SFT.format(name="chainfan"))
+    run_dir = tmp_path / "run"
+    snowcat(
+        "run",
+        cfg,
+        "stages.sft.steps=60",
+        "stages.sft.resources.time_min=20",
+        "stages.sft.resume.strategy=chain",
+        "stages.sft.resume.max_continuations=2",
+        *on_local_slurm(run_dir),
+        env=slurm_env,
+        check=True,
+    )
+    run = RunDir.open(run_dir)
+    history = run.unit_dir(dag.Unit("sft", 1)) / "metrics_history.jsonl"
+    deadline = time.monotonic() + 600
+    while not (history.is_file() and len(history.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, "element 1 never trained"
+        time.sleep(1)
+    own = run.state()["stages"]["sft[1]"]["own_job_ids"]
+    subprocess.run(["scancel", "--signal=USR2", own[0]], env=slurm_env, check=True)
+
+    status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=900)
+    assert {s["status"] for s in status["stages"].values()} == {"done"}, status
+    state = run.state()["stages"]
+    assert [state[f"sft[{i}]"].get("continuations_used", 0) for i in range(3)] == [0, 1, 0]
+    # An array task cancelled before it ever started has no accounting row of its own: absent = cancelled.
+    rows = {r[0]: r[2] for r in sacct_rows(slurm_env, state["sft"]["job_ids"])}
+    for i in range(3):
+        first, cont1, cont2 = state[f"sft[{i}]"]["own_job_ids"]
+        assert rows.get(cont2, "CANCELLED").startswith("CANCELLED"), (i, rows)
+        if i == 1:
+            assert rows[cont1].startswith("COMPLETED"), rows
+        else:
+            assert rows.get(cont1, "CANCELLED").startswith("CANCELLED"), (i, rows)
+    assert not any(r.startswith(("PENDING", "RUNNING")) for r in rows.values()), rows
+    ended = max(state[f"sft[{i}]"]["ended"] for i in range(3))
+    assert state["last"]["started"] >= ended, (state["last"]["started"], ended)
 
 
 DEMO_SMALL = [
@@ -384,7 +443,7 @@ def test_demo_pipeline_on_slurm_with_rl_as_a_hetjob(snowcat, slurm_env, tmp_path
     # Below pytest's 900 s limit, so that a stall fails with the run's status rather than a bare time-out.
     status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=780)
     assert {s["status"] for s in status["stages"].values()} == {"done"}, status
-    rl = read_json(run_dir / "state.json")["stages"]["rl"]
+    rl = RunDir(run_dir).state()["stages"]["rl"]
     assert rl["status"] == "done"
     assert snowcat("audit", run_dir, env=slurm_env).returncode == 0
 
@@ -401,7 +460,7 @@ def test_fan_out_without_arrays_is_separate_jobs_tracked_per_element(snowcat, sl
         env=slurm_env,
         check=True,
     )
-    state = read_json(run_dir / "state.json")["stages"]
+    state = RunDir(run_dir).state()["stages"]
     assert len(state["more"]["job_ids"]) == 3
     assert sorted(state[f"more[{i}]"]["own_job_ids"][0] for i in range(3)) == sorted(state["more"]["job_ids"])
     assert not any("--array" in p.read_text() for p in (run_dir / "slurm" / "more").glob("*_submission.sh"))
@@ -452,7 +511,7 @@ def test_dry_run_writes_exactly_the_scripts_a_submission_sends(snowcat, slurm_en
 
     snowcat("run", *args, env=slurm_env, check=True)
     try:
-        state = read_json(run_dir / "state.json")["stages"]
+        state = RunDir(run_dir).state()["stages"]
         more = state["more"]["job_ids"]  # the array, then its continuations in chain order
         ids = {
             "tasks": state["tasks"]["job_ids"][0],
