@@ -471,9 +471,14 @@ def test_fan_out_without_arrays_is_separate_jobs_tracked_per_element(snowcat, sl
 DRY = (
     TASKS
     + """\
+  train:
+    kind: sft
+    needs: [tasks]
+    fan_out: {{lr: [0.001, 0.002]}}
+    resources: {{time_min: 5}}
   fabric:
     kind: mpi_check
-    needs: [more]
+    needs: [more, train]
     resources:
       time_min: 5
       components:
@@ -497,8 +502,8 @@ def test_dry_run_writes_exactly_the_scripts_a_submission_sends(snowcat, slurm_en
     run_dir = tmp_path / "run"
     args = (
         cfg,
-        "stages.more.resume.strategy=chain",
-        "stages.more.resume.max_continuations=2",
+        "stages.train.resume.strategy=chain",
+        "stages.train.resume.max_continuations=2",
         *on_local_slurm(run_dir),
     )
     dry = snowcat("run", *args, "--dry-run", env=slurm_env)
@@ -507,17 +512,18 @@ def test_dry_run_writes_exactly_the_scripts_a_submission_sends(snowcat, slurm_en
     assert not run_dir.exists()
     written = {p.stem: p.read_text() for p in where.glob("*.sbatch")}
     shutil.rmtree(where)
-    assert set(written) == {"tasks", "more", "more.continuation1", "more.continuation2", "fabric"}
+    assert set(written) == {"tasks", "more", "train", "train.continuation1", "train.continuation2", "fabric"}
 
     snowcat("run", *args, env=slurm_env, check=True)
     try:
         state = RunDir(run_dir).state()["stages"]
-        more = state["more"]["job_ids"]  # the array, then its continuations in chain order
+        train = state["train"]["job_ids"]  # the array, then its continuation arrays in chain order
         ids = {
             "tasks": state["tasks"]["job_ids"][0],
-            "more": more[0],
-            "more.continuation1": more[1],
-            "more.continuation2": more[2],
+            "more": state["more"]["job_ids"][0],
+            "train": train[0],
+            "train.continuation1": train[1],
+            "train.continuation2": train[2],
             "fabric": state["fabric"]["job_ids"][0],
         }
         for name, job_id in ids.items():
