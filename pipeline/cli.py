@@ -5,18 +5,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, read_write
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from snowcat.slurm import cluster
+from snowcat.slurm import site as site_mod
 from snowcat.stages.model import hf
 
 from . import audit, card, doctor, offline, reproduce
@@ -101,11 +104,60 @@ def _remove_leftovers(run: RunDir, dag: Dag) -> None:
                 continue  # being run (by hand, or a job of this run): its temp files may be in use
 
 
+def site_choice(args) -> tuple[str | None, str | None]:
+    """(site, where the choice came from): `--site`, else $SNOWCAT_SITE unless the config names a
+    site itself (`defaults: - site: NAME`), else none."""
+    if args.site:
+        return args.site, "--site"
+    env = site_mod.default_site(None)
+    if env and not config_mod.names_site(args.config):
+        return env, f"${site_mod.SITE_ENV}"
+    return None, None
+
+
+def account_from_env(cfg) -> str | None:
+    """Where the profile and config give no account, the one the environment selects for sbatch
+    ($SBATCH_ACCOUNT, set at JSC by `jutil env activate -p <project>`) goes into the config, so the
+    frozen config records the account the jobs ran under. Returns it when it was taken."""
+    if cfg.get("site") is None or cfg.site.account:
+        return None
+    account = site_mod.env_account()
+    if account:
+        with read_write(cfg.site):  # the profile is read-only for the code that reads it, not for loading
+            cfg.site.account = account
+    return account
+
+
+_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+def run_root(cfg) -> Path:
+    """Where new runs go: the config's `run_root` (the site profile's when the config sets none),
+    shell variables ($PROJECT, $WORK, $USER) and ~ expanded here; an unset variable is a UserError
+    naming the key that holds it."""
+    value = str(cfg.run_root)
+    unset = [a or b for a, b in _VAR.findall(value) if not os.environ.get(a or b)]
+    if unset:
+        site = cfg.get("site")
+        key = f"site {site.name}: key run_root" if site is not None and str(site.run_root) == value else "config key run_root"
+        raise UserError(
+            f"{key} is {value!r}, but ${unset[0]} is not set on this machine; set it, "
+            "or choose the directory with --run-dir DIR or run_root=DIR"
+        )
+    return Path(os.path.expanduser(os.path.expandvars(value)))
+
+
 def cmd_run(args) -> int:
     overrides = list(args.overrides)
     if args.executor:
         overrides.append(f"executor.kind={args.executor}")
-    cfg = config_mod.load(args.config, overrides, site=args.site)
+    site, site_from = site_choice(args)
+    cfg = config_mod.load(args.config, overrides, site=site)
+    account = account_from_env(cfg)
+    if site_from and site_from != "--site":
+        err.print(Text(f"site {site} (from {site_from})"))
+    if account:
+        err.print(Text(f"account {account} (from ${site_mod.ACCOUNT_ENV}: the site profile and config name none)"))
     dag = build(cfg)
     run_dir = Path(args.run_dir) if args.run_dir else None
     existing = run_dir is not None and (run_dir / "config.yaml").is_file()
@@ -118,8 +170,12 @@ def cmd_run(args) -> int:
                 f"{run_dir}: holds a run with a different config; use another --run-dir or `snowcat resume {run_dir}`"
             )
     else:
-        origin = {"config": str(Path(args.config).resolve()), "overrides": overrides, "site": args.site}
-        run = RunDir.create(cfg, run_dir, origin=origin)
+        origin = {"config": str(Path(args.config).resolve()), "overrides": overrides, "site": site}
+        if site_from and site_from != "--site":
+            origin["site_from"] = site_from
+        if account:
+            origin["account_from"] = f"${site_mod.ACCOUNT_ENV}"
+        run = RunDir.create(cfg, run_dir or run_root(cfg) / new_run_id(cfg.name), origin=origin)
     return drive(run, dag, cfg)
 
 
@@ -129,7 +185,7 @@ def dry_run(cfg, dag: Dag, run: RunDir | None, run_dir: Path | None) -> int:
         out.print(_plan_table(dag, cfg, run))
         out.print(Text("dry run: nothing written"))
         return 0
-    target = run if run is not None else RunDir(run_dir or Path(cfg.run_root) / new_run_id(cfg.name))  # not created
+    target = run if run is not None else RunDir(run_dir or run_root(cfg) / new_run_id(cfg.name))  # not created
     todo = [n for n in dag.order if run is None or run.stage_status(dag, n)[0] != "done"]
     scripts = Path(tempfile.mkdtemp(prefix="snowcat-dry-run-"))
     try:
@@ -248,7 +304,9 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_config(args) -> int:
-    cfg = config_mod.load(args.config, list(args.overrides), site=args.site)
+    site, _ = site_choice(args)
+    cfg = config_mod.load(args.config, list(args.overrides), site=site)
+    account_from_env(cfg)
     print(OmegaConf.to_yaml(cfg, sort_keys=False), end="")
     for line in _model_sizes(config_mod.typed(cfg)):
         print(f"# {line}")  # comments: the output stays a valid config
@@ -308,9 +366,14 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="create a run from a config and run (local) or submit (slurm) its stages")
     r.add_argument("config")
     r.add_argument("overrides", nargs="*", help="key=value overrides (dot paths)")
-    r.add_argument("--run-dir", help="run directory (default: <run_root>/<run-id>)")
+    r.add_argument(
+        "--run-dir", help="run directory (default: <run_root>/<run-id>; run_root: the config's, else the site profile's)"
+    )
     r.add_argument("--executor", choices=["local", "slurm"])
-    r.add_argument("--site", help="site profile (slurm/sites/NAME.yaml)")
+    r.add_argument(
+        "--site",
+        help="site profile: NAME (slurm/sites/NAME.yaml) or a YAML file, e.g. an onboard override (default: $SNOWCAT_SITE)",
+    )
     r.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     r.set_defaults(func=cmd_run)
 
@@ -330,7 +393,7 @@ def parser() -> argparse.ArgumentParser:
     cf = sub.add_parser("config", help="print the resolved config (validates it)")
     cf.add_argument("config")
     cf.add_argument("overrides", nargs="*")
-    cf.add_argument("--site")
+    cf.add_argument("--site", help="as for run (default: $SNOWCAT_SITE)")
     cf.set_defaults(func=cmd_config)
 
     a = sub.add_parser("audit", help="re-hash every artefact, check provenance, history and credentials; verdict table")

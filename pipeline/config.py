@@ -84,7 +84,7 @@ def stage_config(kind: str, values: dict | None = None, *, name: str | None = No
 def site_path(name: str, relative_to: Path | None = None) -> Path:
     """The profile file of a site: a name in slurm/sites/, or a YAML file (a profile or an override
     that names its `base`; relative paths are relative to `relative_to`, the config that names it)."""
-    return site_mod._profile_path(name, relative_to)
+    return site_mod.profile_path(name, relative_to)
 
 
 SITE_LABEL = "site profile "

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from snowcat.pipeline.errors import UserError
@@ -93,9 +93,34 @@ def list_sites() -> list[str]:
     return sorted(p.stem for p in SITES_DIR.glob("*.yaml"))
 
 
-def _profile_path(name_or_path: str | Path) -> Path:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+SITE_ENV = "SNOWCAT_SITE"  # the default site (set by the centre's module file, docs/admins.md)
+ACCOUNT_ENV = "SBATCH_ACCOUNT"  # the account sbatch would use (JSC: set by `jutil env activate -p <project>`)
+
+
+def default_site(name: str | None, environ: dict | None = None) -> str | None:
+    """The site a command runs against: the one named, else $SNOWCAT_SITE (None: no site)."""
+    environ = os.environ if environ is None else environ
+    return name or environ.get(SITE_ENV) or None
+
+
+def env_account(environ: dict | None = None) -> str | None:
+    """The account the environment selects for sbatch ($SBATCH_ACCOUNT), if any."""
+    environ = os.environ if environ is None else environ
+    return environ.get(ACCOUNT_ENV) or None
+
+
+def _looks_like_path(name_or_path: str | Path) -> bool:
+    text = str(name_or_path)
+    return Path(text).suffix in (".yaml", ".yml") or os.sep in text or text.startswith((".", "~"))
+
+
+def _profile_path(name_or_path: str | Path, relative_to: Path | None = None) -> Path:
+    """The YAML file of a site: a known name (slurm/sites/NAME.yaml) or a file; a relative path is
+    taken relative to `relative_to` (the file that names it) when given."""
+    path = Path(name_or_path).expanduser()
+    if _looks_like_path(name_or_path) or path.exists():
+        if relative_to is not None and not path.is_absolute():
+            path = relative_to / path
         if not path.is_file():
             raise UserError(f"site profile {path}: no such file")
         return path
@@ -105,18 +130,60 @@ def _profile_path(name_or_path: str | Path) -> Path:
     return path
 
 
-def load_site(name_or_path: str | Path) -> SiteProfile:
-    """The validated profile of a known site name or a YAML file."""
-    path = _profile_path(name_or_path)
+def profile_path(name_or_path: str | Path, relative_to: Path | None = None) -> Path:
+    """The YAML file a site name or path stands for (UserError if there is none)."""
+    return _profile_path(name_or_path, relative_to)
+
+
+def _read_profile_yaml(path: Path) -> DictConfig:
     try:
-        site = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SiteProfile), OmegaConf.load(path)))
+        raw = OmegaConf.load(path)
+    except yaml.MarkedYAMLError as e:
+        where = f" at line {e.problem_mark.line + 1}" if e.problem_mark else ""
+        raise UserError(f"site profile {path}: invalid YAML{where}: {e.problem}") from None
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise UserError(f"site profile {path}: invalid YAML: {' '.join(str(e).split())}") from None
+    if raw is None:
+        raw = OmegaConf.create({})
+    if not isinstance(raw, DictConfig):
+        raise UserError(f"site profile {path}: expected a mapping at the top level")
+    return raw
+
+
+def site_config(name_or_path: str | Path, relative_to: Path | None = None) -> tuple[Path, DictConfig]:
+    """(file, untyped profile) of a site name or YAML file. A file with `base: NAME_OR_PATH` (what
+    `snowcat onboard` writes) is an override: merged over its base profile (a relative base path is
+    relative to the override), recursively; the result has no `base` key. Checked by `load_site`,
+    or by the config schema when a run config composes it."""
+    path = _profile_path(name_or_path, relative_to)
+    chain = [path.resolve()]
+    raw = _read_profile_yaml(path)
+    layers = [raw]
+    while "base" in raw:
+        base = raw.pop("base")
+        if not isinstance(base, str) or not base:
+            raise UserError(f"site profile {chain[-1]}: key base: expected a site name or a profile file, got {base!r}")
+        base_path = _profile_path(base, chain[-1].parent)
+        if base_path.resolve() in chain:
+            cycle = " -> ".join(map(str, [*chain, base_path.resolve()]))
+            raise UserError(f"site profile {path}: key base: the overrides include themselves ({cycle})")
+        chain.append(base_path.resolve())
+        raw = _read_profile_yaml(base_path)
+        layers.append(raw)
+    merged = OmegaConf.merge(*reversed(layers)) if len(layers) > 1 else layers[0]
+    return path, merged
+
+
+def load_site(name_or_path: str | Path, relative_to: Path | None = None) -> SiteProfile:
+    """The validated profile of a known site name or a YAML file (a profile, or an override naming
+    its `base`)."""
+    path, raw = site_config(name_or_path, relative_to)
+    try:
+        site = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SiteProfile), raw))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         msg = str(e).splitlines()[0]
         raise UserError(f"site profile {path}: key {key}: {msg}") from None
-    except yaml.MarkedYAMLError as e:
-        where = f" at line {e.problem_mark.line + 1}" if e.problem_mark else ""
-        raise UserError(f"site profile {path}: invalid YAML{where}: {e.problem}") from None
     problems = [*site_problems(site)]
     if problems:
         key, why = problems[0]

@@ -180,3 +180,75 @@ def test_run_files_honour_the_umask(snowcat, small, tmp_path, umask):
     assert len(files) > 10 and len(dirs) > 3
     assert {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o666 & ~umask)}
     assert {oct(p.stat().st_mode & 0o777) for p in dirs} == {oct(0o777 & ~umask)}
+
+
+# ----------------------------------------------------------------------- where runs go, site from the environment
+
+
+ONE_STAGE = """
+name: one
+stages:
+  tasks:
+    kind: tasks
+    domains:
+      arith: {count: 20, val_count: 4, difficulties: [2]}
+"""
+
+
+@pytest.fixture
+def one(tmp_path, monkeypatch) -> Path:
+    """A one-stage config, in an environment that selects no site, account or storage."""
+    for var in ("SNOWCAT_SITE", "SBATCH_ACCOUNT", "PROJECT", "WORK"):
+        monkeypatch.delenv(var, raising=False)
+    return write_config(tmp_path / "one.yaml", ONE_STAGE)
+
+
+def test_a_run_with_a_site_goes_under_the_profiles_run_root(snowcat, one, tmp_path):
+    """No --run-dir: the run lands under the site profile's run_root, its variables expanded here;
+    a run_root the config sets wins; an unset variable is one line naming the key and the variable."""
+    env = {"PROJECT": str(tmp_path / "project"), "USER": "alice"}
+    proc = snowcat("run", one, "--site", "jsc-juwels-booster", "--executor", "local", env=env)
+    assert proc.returncode == 0, proc.stderr
+    runs = list((tmp_path / "project" / "alice" / "snowcat" / "runs").iterdir())
+    assert len(runs) == 1 and (runs[0] / "config.yaml").is_file() and not (tmp_path / "logs").exists()
+    assert snowcat.status(runs[0])["stages"]["tasks"]["status"] == "done"
+
+    mine = tmp_path / "mine"
+    proc = snowcat("run", one, "run_root=" + str(mine), "--site", "jsc-juwels-booster", "--executor", "local", env=env)
+    assert proc.returncode == 0 and len(list(mine.iterdir())) == 1  # the config's run_root wins over the profile's
+
+    proc = snowcat("run", one, "--site", "jsc-juwels-booster", "--executor", "local", env={"USER": "alice"})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "site jsc-juwels-booster: key run_root" in proc.stderr and "$PROJECT is not set" in proc.stderr
+    assert "--run-dir" in proc.stderr and not (tmp_path / "$PROJECT").exists()
+    dry = snowcat("run", one, "--site", "jsc-juwels-booster", "--executor", "slurm", "--dry-run", env={"USER": "alice"})
+    assert dry.returncode == 2 and "$PROJECT is not set" in dry.stderr  # a dry run checks it too
+    given = snowcat("run", one, "--site", "jsc-juwels-booster", "--executor", "local", "--run-dir", tmp_path / "r")
+    assert given.returncode == 0, given.stderr  # --run-dir needs no run_root
+
+
+def test_site_and_account_from_the_environment(snowcat, one, tmp_path):
+    """$SNOWCAT_SITE is the site when --site is not given (and the config names none); $SBATCH_ACCOUNT
+    fills the account the profile and config leave empty; both are said, and recorded in run.json."""
+    env = {"SNOWCAT_SITE": "jsc-juwels-booster", "SBATCH_ACCOUNT": "cjsc", "PROJECT": str(tmp_path / "p"), "USER": "alice"}
+    dry = snowcat("run", one, "--executor", "slurm", "--dry-run", env=env)
+    # JUWELS Booster requires an account: the dry run passes only because $SBATCH_ACCOUNT gave one.
+    assert dry.returncode == 0, dry.stderr
+    assert "site jsc-juwels-booster (from $SNOWCAT_SITE)" in dry.stderr
+    assert "account cjsc (from $SBATCH_ACCOUNT" in dry.stderr
+    without = snowcat("run", one, "--executor", "slurm", "--dry-run", env={**env, "SBATCH_ACCOUNT": ""})
+    assert without.returncode == 2 and "account is required" in without.stderr
+
+    run_dir = tmp_path / "run"
+    snowcat("run", one, "--run-dir", run_dir, env=env, check=True)
+    origin = read_json(run_dir / "run.json")["origin"]
+    assert origin["site"] == "jsc-juwels-booster" and origin["site_from"] == "$SNOWCAT_SITE"
+    assert origin["account_from"] == "$SBATCH_ACCOUNT"
+    frozen = (run_dir / "config.yaml").read_text()
+    assert "account: cjsc" in frozen and "name: jsc-juwels-booster" in frozen
+
+    # --site wins over $SNOWCAT_SITE; a config that names its own site keeps it.
+    shown = snowcat("config", one, "--site", "local", env=env, check=True).stdout
+    assert "name: local" in shown and "account: snowcat" in shown  # local names its account: no env fill
+    own = write_config(tmp_path / "own.yaml", "defaults:\n  - one.yaml\n  - site: local\n")
+    assert "name: local" in snowcat("config", own, env=env, check=True).stdout

@@ -9,8 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from snowcat.pipeline import config
 from snowcat.pipeline.errors import UserError
-from snowcat.slurm.site import SITES_DIR, filter_sbatch_options, list_sites, load_site, validate_request
+from snowcat.slurm.site import (
+    SITES_DIR,
+    default_site,
+    env_account,
+    filter_sbatch_options,
+    list_sites,
+    load_site,
+    validate_request,
+)
+from tests.conftest import DEMO
 
 EXPECTED = {
     "jsc-juwels-booster",
@@ -172,3 +182,71 @@ def test_filtered_options_never_contain_a_rejected_option(site_name, options):
     gpu_keys = {"gres", "gpus", "gpus-per-node", "gpus-per-task"} & set(out)
     assert len(gpu_keys) <= 1 and (not gpu_keys or gpu_keys == {"gres" if site.gpu_request == "gres" else "gpus-per-node"})
     assert filter_sbatch_options(site, out) == out  # idempotent: rendering twice changes nothing
+
+
+# ----------------------------------------------------------------------- overrides, run root, environment
+
+
+def _override(tmp_path, text: str, name: str = "site.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_override_file_is_merged_over_its_base(tmp_path):
+    """What `snowcat onboard` writes (`base:` + what differs) loads with --site FILE: the base's values
+    stay, the override's win, nested partitions key by key; a base may itself be an override."""
+    first = _override(
+        tmp_path,
+        "base: jsc-juwels-booster\naccount: cjsc\nrun_root: /p/project/cjsc/alice/snowcat\n"
+        "partitions:\n  booster: {max_nodes: 16}\n",
+    )
+    site = load_site(first)
+    base = load_site("jsc-juwels-booster")
+    assert site.name == "jsc-juwels-booster" and site.account == "cjsc" and site.run_root == "/p/project/cjsc/alice/snowcat"
+    assert site.partitions["booster"].max_nodes == 16
+    assert site.partitions["booster"].gpus_per_node == base.partitions["booster"].gpus_per_node == 4
+    assert set(site.partitions) == set(base.partitions) and site.mpi_plugin == "pspmix"
+    sub = tmp_path / "mine"
+    sub.mkdir()
+    second = _override(sub, "base: ../site.yaml\npartitions:\n  develbooster: {max_time_min: 60}\n", "again.yml")
+    chained = load_site(second)  # a relative base is relative to the override that names it
+    assert chained.account == "cjsc" and chained.partitions["develbooster"].max_time_min == 60
+
+    loop = _override(tmp_path, f"base: {tmp_path / 'loop.yaml'}\naccount: x\n", "loop.yaml")
+    with pytest.raises(UserError, match="include themselves"):
+        load_site(loop)
+    bad = _override(tmp_path, "base: jsc-juwels-booster\npartitions:\n  booster: {gpus: 4}\n", "bad.yaml")
+    with pytest.raises(UserError) as err:
+        load_site(bad)
+    assert str(bad) in str(err.value) and "partitions.booster.gpus" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(UserError, match="unknown site 'atlantis'"):
+        load_site(_override(tmp_path, "base: atlantis\n", "nobase.yaml"))
+    with pytest.raises(UserError, match="no such file"):
+        load_site(tmp_path / "absent.yaml")
+
+
+def test_a_run_config_composes_the_override_and_the_sites_run_root(tmp_path):
+    """--site FILE and `defaults: - site: FILE` (relative to the config) both merge the override over its
+    base; the site's run_root is the default beneath the config: a config or override that sets
+    run_root wins."""
+    override = _override(tmp_path, "base: jsc-juwels-booster\naccount: cjsc\n")
+    cfg = config.load(DEMO, site=str(override))
+    assert cfg.site.account == "cjsc" and cfg.site.name == "jsc-juwels-booster"
+    assert cfg.run_root == "$PROJECT/$USER/snowcat/runs"  # the profile's, not expanded: the CLI expands it
+    assert config.load(DEMO, site="local").run_root == "logs"
+    assert config.load(DEMO, ["run_root=/elsewhere"], site="jsc-juwels-booster").run_root == "/elsewhere"
+
+    (tmp_path / "exp.yaml").write_text(f"defaults:\n  - {DEMO}\n  - site: ./site.yaml\nname: exp\n")
+    composed = config.load(tmp_path / "exp.yaml")
+    assert composed.site.account == "cjsc" and composed.run_root == "$PROJECT/$USER/snowcat/runs"
+    assert config.names_site(tmp_path / "exp.yaml") and not config.names_site(DEMO)
+    (tmp_path / "own.yaml").write_text(f"defaults:\n  - {DEMO}\n  - site: jsc-juwels-booster\nrun_root: /p/scratch/mine\n")
+    assert config.load(tmp_path / "own.yaml").run_root == "/p/scratch/mine"  # the config's own run_root wins
+
+
+def test_site_and_account_defaults_come_from_the_environment():
+    assert default_site("tacc-vista", {"SNOWCAT_SITE": "jsc-juwels-booster"}) == "tacc-vista"
+    assert default_site(None, {"SNOWCAT_SITE": "jsc-juwels-booster"}) == "jsc-juwels-booster"
+    assert default_site(None, {}) is None and default_site(None, {"SNOWCAT_SITE": ""}) is None
+    assert env_account({"SBATCH_ACCOUNT": "cjsc"}) == "cjsc" and env_account({}) is None
