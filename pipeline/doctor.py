@@ -1,15 +1,19 @@
 """`snowcat doctor`: check, live, that a cluster is what its site profile says; `snowcat onboard`.
 
 Every check asks the cluster itself (scontrol, sinfo, sacctmgr, sbatch --test-only, srun, a tiny
-test job, the filesystem) and reports pass / warn / fail with the fix. Site profiles collect facts
-from centre documentation, some unverified; doctor is where they meet reality.
-`onboard` turns the findings into a user's site override (account, run root, partitions).
+test job, the filesystem, the centre's budget tool) and reports pass / warn / fail with the fix, or
+skip where there is nothing to ask (no budget tool). The partition, array, requeue and submit limits
+come from `slurm.limits` (one typed read of scontrol and sacctmgr). Site profiles collect facts from
+centre documentation, some unverified; doctor is where they meet reality (`CHECKED_KEYS`: which
+check covers which profile key). `onboard` turns the findings into a user's site override: its
+`base` profile and what differs (account, run root, partitions, limits).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import getpass
 import json
 import os
@@ -26,7 +30,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from snowcat.containers.wrap import site_mpi_plugin
-from snowcat.slurm.site import SiteProfile, load_site, use_local_cluster
+from snowcat.slurm import limits as limits_mod
+from snowcat.slurm.limits import LiveLimits
+from snowcat.slurm.site import SITES_DIR, SiteProfile, default_site, env_account, load_site, profile_path, use_local_cluster
 
 from .errors import UserError
 from .fsio import atomic_write_text
@@ -34,13 +40,13 @@ from .offline import require_staged
 
 # Filesystems a compute node sees the same way as the login node (statfs type names, `stat -f -c %T`).
 SHARED_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.sshfs", "panfs", "wekafs")
-PASS, WARN, FAIL = "pass", "warn", "fail"
+PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 
 
 @dataclass
 class Check:
     name: str
-    status: str  # pass | warn | fail
+    status: str  # pass | warn | fail | skip (not checkable here: the detail says why)
     detail: str
     fix: str = ""
     found: dict = field(default_factory=dict)  # facts for `onboard` (accounts, partitions ...)
@@ -57,18 +63,7 @@ def _sh(cmd: list[str], timeout: float = 30, env: dict | None = None) -> tuple[i
     return p.returncode, (p.stdout + p.stderr).strip()
 
 
-def _minutes(limit: str) -> int | None:
-    """Slurm time limit in minutes (None: unlimited). Forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
-    limit = limit.strip()
-    if limit.lower() in ("infinite", "unlimited", "n/a", ""):
-        return None
-    days, _, rest = limit.rpartition("-")
-    f = [int(x) for x in rest.split(":")]
-    if days:
-        h, m, s = (f + [0, 0])[:3]
-    else:
-        h, m, s = {1: (0, f[0], 0), 2: (0, *f), 3: tuple(f)}[len(f)]
-    return (int(days) if days else 0) * 1440 + h * 60 + m + (1 if s else 0)
+_minutes = limits_mod.minutes  # Slurm time limit in minutes (None: unlimited)
 
 
 def profile_partitions(site: SiteProfile) -> dict[str, dict]:
@@ -88,6 +83,41 @@ def _profile_gpus(spec: dict) -> int | None:
         if spec.get(key) is not None:
             return int(spec[key])
     return None
+
+
+# Which check confirms each profile key (fnmatch patterns): what docs/sites/*.md may say doctor
+# confirms; a key that maps to nothing is one doctor does not check.
+CHECKED_KEYS = {
+    "partitions": "partitions",
+    "default_partition": "partitions",
+    "partitions.*.gpus_per_node": "partitions",
+    "partitions.*.max_nodes": "limits.max_nodes",
+    "partitions.*.max_time_min": "limits.max_time",
+    "partitions.*.mem_gb": "limits.memory",
+    "partitions.*.cpus_per_node": "limits.cores",
+    "partitions.*.max_submit_jobs": "limits.submit",
+    "max_submit_jobs": "limits.submit",
+    "max_array_size": "limits.array_size",
+    "requeue_allowed": "limits.requeue",
+    "arrays_allowed": "arrays",
+    "hetjobs_allowed": "hetjobs",
+    "account": "account",
+    "account_required": "account",
+    "mpi_plugin": "mpi",
+    "launcher": "mpi",
+    "container_runtime": "apptainer",
+    "internet_on_compute": "internet",
+    "run_root": "run_root.*",
+    "scratch_purge_days": "run_root.purge",
+}
+
+
+def checked_by(site: SiteProfile, key: str) -> str | None:
+    """The doctor check that confirms profile key `key` (e.g. `partitions.gh.mem_gb`), None if none does.
+    `container_module: null` (apptainer on PATH without a module) is what the apptainer check sees."""
+    if key == "container_module":
+        return "apptainer" if site.container_module is None else None
+    return next((check for pattern, check in CHECKED_KEYS.items() if fnmatch.fnmatchcase(key, pattern)), None)
 
 
 # --------------------------------------------------------------------------------------- checks
@@ -138,10 +168,6 @@ def check_partitions(site: SiteProfile) -> Check:
             problems.append(f"partition '{name}' does not exist")
             fixes.append(f"remove '{name}' from the profile's partitions or pick one of: {', '.join(sorted(live))}")
             continue
-        want_t, have_t = _profile_time(spec), live[name]["max_time_min"]
-        if want_t is not None and have_t is not None and want_t > have_t:
-            problems.append(f"'{name}' walltime is {have_t} min, the profile says {want_t}")
-            fixes.append(f"set partitions.{name}.max_time_min: {have_t}")
         want_g, have_g = _profile_gpus(spec), live[name]["gpus_per_node"]
         # More GPUs than the nodes have: jobs would never start. Fewer is a choice (0: CPU-only use).
         if want_g is not None and want_g > have_g:
@@ -359,6 +385,232 @@ def check_apptainer(site: SiteProfile) -> Check:
     )
 
 
+# ------------------------------------------------------------------------------ live limits
+
+
+def _unreadable(name: str, live: LiveLimits, what: str) -> Check:
+    errors = "; ".join(live.errors) or "no answer"
+    return Check(name, WARN, f"{what} not readable here ({errors})", "run doctor on a login node of the cluster")
+
+
+def _partition_limit(name: str, site: SiteProfile, live: LiveLimits, key: str, have_of, unit: str, consequence: str) -> Check:
+    """Compare one per-partition value of the profile (`key`) with what Slurm enforces (`have_of`
+    applied to the partition's live limits; None: unlimited or not known)."""
+    if not live.partitions:
+        return _unreadable(name, live, "partition limits (scontrol show partition)")
+    over, fine, unknown, override = [], [], [], {}
+    for part_name, part in site.partitions.items():
+        if part_name not in live.partitions:
+            continue  # the partitions check reports it
+        want, have = getattr(part, key), have_of(live.partitions[part_name])
+        if have is None:
+            unknown.append(part_name)
+        elif want > have:
+            over.append(f"'{part_name}' allows {have}{unit}, the profile says {want}")
+            override[part_name] = {key: have}
+        else:
+            fine.append(f"{part_name} {want}{unit} (live {have})")
+    if over:
+        return Check(
+            name,
+            FAIL,
+            "; ".join(over) + f": {consequence}",
+            "; ".join(f"set partitions.{p}.{key}: {v[key]}" for p, v in override.items()),
+            {"override": {"partitions": override}},
+        )
+    detail = "within the live limits: " + (", ".join(fine) or "no profile partition exists here")
+    if unknown:
+        detail += f"; unlimited or not reported for {', '.join(unknown)}"
+    return Check(name, PASS, detail)
+
+
+def check_node_limits(site: SiteProfile, live: LiveLimits) -> list[Check]:
+    """Per partition: nodes per job (MaxNodes, at most the partition's nodes), walltime (MaxTime),
+    memory per node (smallest RealMemory less MemSpecLimit, capped by MaxMemPerNode) and cores per
+    node, against the profile (`scontrol show partition`, `scontrol show node`)."""
+    return [
+        _partition_limit(
+            "limits.max_nodes",
+            site,
+            live,
+            "max_nodes",
+            lambda p: p.max_nodes,
+            " nodes per job",
+            "a stage asking for the profile's maximum is refused at submission (or never starts)",
+        ),
+        _partition_limit(
+            "limits.max_time",
+            site,
+            live,
+            "max_time_min",
+            lambda p: p.max_time_min,
+            " min",
+            "longer walltimes are refused; stages plan their continuations on the profile's walltime",
+        ),
+        _partition_limit(
+            "limits.memory",
+            site,
+            live,
+            "mem_gb",
+            lambda p: p.mem_gb,
+            " GiB per node",
+            "stages sized on the profile's memory are refused or run out of memory",
+        ),
+        _partition_limit(
+            "limits.cores",
+            site,
+            live,
+            "cpus_per_node",
+            lambda p: p.cores_per_node if p.cores_per_node is not None else p.cpus_per_node,
+            " cores per node",
+            "jobs that take a whole node's cores (cpus-per-task x tasks) are refused",
+        ),
+    ]
+
+
+def check_array_size(site: SiteProfile, live: LiveLimits) -> Check:
+    """MaxArraySize (`scontrol show config`) against the profile's max_array_size."""
+    name = "limits.array_size"
+    if not site.arrays_allowed:
+        return Check(name, PASS, "the profile submits no arrays (arrays_allowed: false)")
+    have = live.max_array_size
+    if have is None:
+        return _unreadable(name, live, "MaxArraySize (scontrol show config)")
+    if site.max_array_size > have:
+        return Check(
+            name,
+            FAIL,
+            f"MaxArraySize={have} (array indices 0..{have - 1}), the profile says max_array_size {site.max_array_size}: "
+            "larger fan-outs are refused by sbatch",
+            f"set max_array_size: {have}",
+            {"override": {"max_array_size": have}},
+        )
+    note = f"; the profile could say up to {have}" if site.max_array_size < have else ""
+    return Check(name, PASS, f"MaxArraySize={have}: the profile's max_array_size {site.max_array_size} fits{note}")
+
+
+def check_requeue(site: SiteProfile, live: LiveLimits) -> Check:
+    """JobRequeue (`scontrol show config`) against the profile's requeue_allowed."""
+    name = "limits.requeue"
+    if live.requeue is None:
+        return _unreadable(name, live, "JobRequeue (scontrol show config)")
+    if site.requeue_allowed and not live.requeue:
+        return Check(
+            name,
+            WARN,
+            "JobRequeue=0: batch jobs are not requeued unless they ask (snowcat passes --requeue); the profile relies on requeue",
+            "if a walltime continuation does not come back, set requeue_allowed: false (chained continuation jobs)",
+        )
+    if site.requeue_allowed:
+        return Check(name, PASS, "JobRequeue=1: jobs may be requeued, as the profile relies on")
+    state = "allows requeue (JobRequeue=1)" if live.requeue else "does not requeue by default (JobRequeue=0)"
+    return Check(name, PASS, f"the profile continues long stages with chained jobs; the scheduler {state}")
+
+
+def check_submit_limits(site: SiteProfile, live: LiveLimits) -> Check:
+    """Per-user submit limits (QoS MaxSubmitPU of each partition's QoS and of the association's job
+    QoS, the association's MaxSubmitJobs; `sacctmgr`) against the profile's max_submit_jobs."""
+    name = "limits.submit"
+    if not live.accounting:
+        known = ", ".join(f"{v} ({s})" for p in site.partitions for v, s in limits_mod.profile_submit_limits(site, p))
+        return Check(
+            name,
+            WARN,
+            f"QoS and association limits not readable ({'; '.join(live.errors) or 'sacctmgr gave nothing'}); "
+            f"submissions are budgeted on the profile alone: {known or 'no limit'}",
+            "run doctor where sacctmgr answers (a login node), or set max_submit_jobs in the profile by hand",
+        )
+    problems, notes, fixes, override = [], [], [], {}
+    for part_name in site.partitions:
+        if part_name not in live.partitions:
+            continue
+        live_found = limits_mod.live_submit_limits(live, part_name)
+        profile_found = limits_mod.profile_submit_limits(site, part_name)
+        have = min(live_found) if live_found else None
+        want = min(profile_found) if profile_found else None
+        if have is None:
+            if want is not None:
+                notes.append(f"'{part_name}': no live submit limit, the profile says {want[0]}")
+            continue
+        part = live.partitions[part_name]
+        running = f", MaxJobsPU {part.max_jobs}" if part.max_jobs is not None else ""
+        if want is None:
+            problems.append(f"'{part_name}': {have[1]} is {have[0]}{running}; the profile names no submit limit")
+        elif want[0] > have[0]:
+            problems.append(f"'{part_name}': {have[1]} is {have[0]}{running}, the profile says {want[0]}")
+        else:
+            notes.append(f"'{part_name}' {want[0]} (live {have[0]})")
+            continue
+        fixes.append(f"set partitions.{part_name}.max_submit_jobs: {have[0]}")
+        override[part_name] = {"max_submit_jobs": have[0]}
+    user = f"{live.user}/{live.account}: " + (
+        f"{live.max_submit_per_user} jobs ({live.max_submit_source})"
+        if live.max_submit_per_user is not None
+        else "no per-user MaxSubmit"
+    )
+    if live.max_jobs_per_user is not None:
+        user += f", {live.max_jobs_per_user} running"
+    if problems:
+        return Check(
+            name,
+            WARN,
+            "; ".join(problems) + f"; {user}",
+            "; ".join(fixes),
+            {"override": {"partitions": override}},
+        )
+    return Check(name, PASS, f"profile submit limits within the live ones: {', '.join(notes) or 'none set, none live'}; {user}")
+
+
+# Compute-budget tools: JSC (`jutil`, older `sbudget`) and TACC (`taccinfo`).
+TACCINFO = "/usr/local/etc/taccinfo"
+
+
+def _budget_tools() -> list[tuple[str, list[str]]]:
+    tools = []
+    if shutil.which("jutil"):
+        tools.append(("jutil", ["jutil", "user", "projects", "-o", "columns"]))
+    if shutil.which("sbudget"):
+        tools.append(("sbudget", ["sbudget"]))
+    if os.access(TACCINFO, os.X_OK):
+        tools.append(("taccinfo", [TACCINFO]))
+    return tools
+
+
+def check_budget(site: SiteProfile) -> Check:
+    """The compute budget as the centre's own tool reports it (shown, not judged: their formats are
+    the centres'); skipped where no such tool exists."""
+    name = "budget"
+    tools = _budget_tools()
+    if not tools:
+        return Check(
+            name,
+            SKIP,
+            f"no budget tool here (JSC: jutil or sbudget on PATH; TACC: {TACCINFO}); compute budget not checked",
+        )
+    shown = []
+    for tool, cmd in tools:
+        code, out = _sh(cmd)
+        if code != 0:
+            return Check(
+                name,
+                WARN,
+                f"`{' '.join(cmd)}` failed: {out.splitlines()[-1] if out else code}",
+                "check your project membership with the centre (JSC: JuDoor; TACC: the allocation's PI)",
+            )
+        lines = [line.strip() for line in out.splitlines() if line.strip()]
+        if site.account and not any(site.account in line for line in lines):
+            return Check(
+                name,
+                WARN,
+                f"account '{site.account}' does not appear in `{' '.join(cmd)}`: " + " | ".join(lines[-6:]),
+                "check that the account is a compute project (budget) you belong to",
+                {"budget": lines},
+            )
+        ours = [line for line in lines if site.account and site.account in line]
+        shown.append(f"{tool}: " + " | ".join(ours or lines[-6:]))
+    return Check(name, PASS, "; ".join(shown), found={"budget": shown})
+
+
 def _single_host_cluster() -> bool:
     """True when every Slurm node is this machine (the local test cluster): local disks are shared."""
     code, out = _sh(["sinfo", "-h", "-N", "-o", "%o"])
@@ -566,8 +818,16 @@ def run_doctor(
     checks = [check_slurm()]
     if checks[0].status != FAIL:
         checks += [check_partitions(site_profile), check_account(site_profile, user)]
+        live = limits_mod.live_limits(user=user, account=site_profile.account)
+        checks += check_node_limits(site_profile, live)
+        checks += [
+            check_array_size(site_profile, live),
+            check_requeue(site_profile, live),
+            check_submit_limits(site_profile, live),
+        ]
         args = job_args(site_profile, checks)
         checks += [check_hetjobs(site_profile, args), check_arrays(site_profile, args), check_mpi(site_profile)]
+    checks.append(check_budget(site_profile))
     checks.append(check_apptainer(site_profile))
     checks += check_run_root(site_profile, run_root, home)
     if jobs and checks[0].status != FAIL:
@@ -579,15 +839,17 @@ def run_doctor(
 def format_checks(checks: list[Check], as_json: bool = False) -> str:
     if as_json:
         return json.dumps([{k: v for k, v in asdict(c).items() if k != "found"} for c in checks], indent=2)
-    mark = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL"}
+    mark = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL", SKIP: "SKIP"}
     lines = []
     for c in checks:
         lines.append(f"{mark[c.status]}  {c.name:<18} {c.detail}")
-        if c.fix and c.status != PASS:
+        if c.fix and c.status in (WARN, FAIL):
             lines.append(f"      {'':<18} fix: {c.fix}")
     failed = sum(c.status == FAIL for c in checks)
+    skipped = sum(c.status == SKIP for c in checks)
     lines.append(
         f"{failed} failed, {sum(c.status == WARN for c in checks)} warnings, {sum(c.status == PASS for c in checks)} passed"
+        + (f", {skipped} skipped" if skipped else "")
     )
     return "\n".join(lines)
 
@@ -596,17 +858,30 @@ def exit_code(checks: list[Check]) -> int:
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 
+def _merge(into: dict, more: dict) -> dict:
+    """`more` merged into `into`, nested mappings key by key."""
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
 def onboard(
     site_profile: SiteProfile,
     run_root: str | os.PathLike | None = None,
     checks: list[Check] | None = None,
     user: str | None = None,
     env: dict | None = None,
+    base: str | None = None,
 ) -> dict:
-    """A user's site override from doctor's findings, without questions: account, run root, partitions.
+    """A user's site override from doctor's findings, without questions: account, run root,
+    partitions, and every limit a check found the profile to overstate.
 
     Only what differs from (or is missing in) the profile is written; paths prefer the centre's
-    project/work storage over scratch (purged) and never $HOME.
+    project/work storage over scratch (purged) and never $HOME. With `base` (the profile's name or
+    file) the override names it first, so `--site OVERRIDE.yaml` merges it over that profile.
     """
     env = dict(os.environ if env is None else env)
     user = user or getpass.getuser()
@@ -618,12 +893,14 @@ def onboard(
     if checks is None:
         checks = run_doctor(site_profile, run_root or ".", user=user, jobs=False)
     by_name = {c.name: c for c in checks}
-    override: dict[str, Any] = {}
+    override: dict[str, Any] = {"base": base} if base else {}
     accounts = by_name.get("account", Check("", PASS, "")).found.get("accounts", [])
     want = site_profile.account
     if accounts and want not in accounts:
-        # Prefer a project account over a personal/default one named after the user or root.
-        override["account"] = _preferred_account(accounts, user)
+        # The account the environment selects ($SBATCH_ACCOUNT, JSC's `jutil env activate`) when it is
+        # one of the user's; else a project account over a personal/default one named after the user or root.
+        chosen = env_account(env)
+        override["account"] = chosen if chosen in accounts else _preferred_account(accounts, user)
     live = by_name.get("partitions", Check("", PASS, "")).found.get("partitions", {})
     if live:
         wanted = profile_partitions(site_profile)
@@ -633,15 +910,16 @@ def onboard(
                 fixed = {}
                 if _profile_gpus(spec) is not None and _profile_gpus(spec) > live[name]["gpus_per_node"]:
                     fixed["gpus_per_node"] = live[name]["gpus_per_node"]
-                have_t, want_t = live[name]["max_time_min"], _profile_time(spec)
-                if have_t is not None and want_t is not None and want_t > have_t:
-                    fixed["max_time_min"] = have_t
                 if fixed:
                     parts[name] = fixed
         if not any(n in live for n in wanted):  # none of the profile's partitions exist: offer the live ones
             parts = {n: {"gpus_per_node": s["gpus_per_node"], "max_time_min": s["max_time_min"]} for n, s in live.items()}
+            override["default_partition"] = max(live, key=lambda n: live[n]["gpus_per_node"])
         if parts:
             override["partitions"] = parts
+    for check in checks:  # what a limits check found the profile to overstate
+        if check.status in (FAIL, WARN) and check.found.get("override"):
+            _merge(override, json.loads(json.dumps(check.found["override"])))
     if run_root is not None:
         override["run_root"] = str(run_root)
     internet = by_name.get("internet")
@@ -655,21 +933,42 @@ def onboard(
 
 
 def write_override(override: dict, path: str | os.PathLike) -> Path:
-    """Write the override as YAML (atomic); `snowcat run --site NAME` merges it over the profile."""
+    """Write the override as YAML (atomic). With its `base`, `snowcat run --site FILE` (or a config's
+    `defaults: - site: FILE`) merges it over that profile."""
 
     path = Path(path)
-    atomic_write_text(
-        path, "# written by `snowcat onboard` from `snowcat doctor` findings\n" + OmegaConf.to_yaml(OmegaConf.create(override))
-    )
+    header = "# written by `snowcat onboard` from `snowcat doctor` findings\n"
+    if override.get("base"):
+        header += f"# use it as the site: snowcat run CONFIG --executor slurm --site {path} (merged over {override['base']})\n"
+    atomic_write_text(path, header + OmegaConf.to_yaml(OmegaConf.create(override)))
     return path
+
+
+def override_base(name: str) -> tuple[str, dict]:
+    """(what a new override names as its base, values of an old override to keep) for an override
+    written from `--site name`: a known site by name, a profile file by absolute path; an override
+    file is flattened (its own base, its values kept), so rewriting an override in place never makes
+    it its own base."""
+    path = profile_path(name)
+    if path.parent.resolve() == SITES_DIR.resolve():
+        return path.stem, {}
+    raw = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    if not isinstance(raw, dict) or "base" not in raw:
+        return str(path.resolve()), {}
+    base = str(raw.pop("base"))
+    if Path(base).suffix in (".yaml", ".yml") and not Path(base).expanduser().is_absolute():
+        base = str((path.parent / base).resolve())
+    return base, raw
 
 
 # --------------------------------------------------------------------------------------- CLI
 
 
-def load_profile(name: str | None) -> SiteProfile:
-    """The site profile by name (slurm.site.load_site); without one, a generic profile that claims
-    nothing a check could contradict (the generic checks only)."""
+def load_profile(name: str | None, account_from_env: bool = True) -> SiteProfile:
+    """The site profile by name or file (slurm.site.load_site; default $SNOWCAT_SITE), its account
+    taken from $SBATCH_ACCOUNT where it names none (as `snowcat run` does); without any, a generic
+    profile that claims nothing a check could contradict (the generic checks only)."""
+    name = default_site(name)
     if not name:
         return SiteProfile(
             name="generic",
@@ -680,11 +979,18 @@ def load_profile(name: str | None) -> SiteProfile:
         )
     site = load_site(name)
     use_local_cluster(site)
+    if account_from_env and site.account is None and env_account():
+        site = dataclasses.replace(site, account=env_account())
+        print(f"account {site.account} (from $SBATCH_ACCOUNT: the site profile names none)", file=sys.stderr)
     return site
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--site", default=None, help="site profile to check against (slurm/sites/NAME.yaml)")
+    p.add_argument(
+        "--site",
+        default=None,
+        help="site profile to check against: NAME (slurm/sites/NAME.yaml) or a YAML file (default: $SNOWCAT_SITE)",
+    )
     p.add_argument("--run-root", default=None, help="where runs go (default: the profile's run_root, else ./logs)")
     p.add_argument("--staging-dir", default=None, help="staging dir whose artefacts must be present")
     p.add_argument("--staged", nargs="*", default=[], help="artefact names that must be staged")
@@ -701,14 +1007,20 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_onboard(args) -> int:
-    """Write the user's site override (default ./site-override.yaml) from doctor's findings."""
-    site = load_profile(args.site)
+    """Write the user's site override (default ./site-override.yaml) from doctor's findings: it
+    names its base profile, so `--site FILE` uses it."""
+    name = default_site(args.site)
+    if not name:
+        raise UserError("onboard needs a site to write an override for: --site NAME (or set $SNOWCAT_SITE)")
+    base, kept = override_base(name)
+    site = load_profile(name)
     run_root = args.run_root or None
     checks = run_doctor(site, run_root or site.run_root, jobs=not args.no_jobs)
-    override = onboard(site, run_root, checks)
+    found = onboard(load_profile(name, account_from_env=False), run_root, checks)
+    override = {"base": base, **_merge(kept, found)}
     path = write_override(override, getattr(args, "output", None) or "site-override.yaml")
     print(format_checks(checks, as_json=False) if not args.json else json.dumps(override, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {path}: use it with --site {path}")
     return 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from snowcat.pipeline.doctor import write_override
 from snowcat.pipeline.fsio import read_json, sha256_file
 from tests.conftest import write_config
 
@@ -252,3 +253,22 @@ def test_site_and_account_from_the_environment(snowcat, one, tmp_path):
     assert "name: local" in shown and "account: snowcat" in shown  # local names its account: no env fill
     own = write_config(tmp_path / "own.yaml", "defaults:\n  - one.yaml\n  - site: local\n")
     assert "name: local" in snowcat("config", own, env=env, check=True).stdout
+
+
+def test_onboard_override_is_a_usable_site(snowcat, one, tmp_path):
+    """The file `snowcat onboard` writes (its base first) is accepted by --site FILE, by run and config."""
+    path = write_override(
+        {
+            "base": "jsc-juwels-booster",
+            "account": "cjsc",
+            "run_root": str(tmp_path / "runs"),
+            "partitions": {"booster": {"max_nodes": 8}},
+        },
+        tmp_path / "site.yaml",
+    )
+    assert "--site " + str(path) in path.read_text()  # the file says how to use it
+    shown = snowcat("config", one, "--site", path, check=True).stdout
+    assert "account: cjsc" in shown and "max_nodes: 8" in shown and "mpi_plugin: pspmix" in shown
+    dry = snowcat("run", one, "--site", path, "--executor", "slurm", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert str(tmp_path / "runs") in " ".join(dry.stdout.split())  # the run root the override set
