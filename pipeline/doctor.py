@@ -520,6 +520,8 @@ def check_submit_limits(site: SiteProfile, live: LiveLimits) -> Check:
             f"submissions are budgeted on the profile alone: {known or 'no limit'}",
             "run doctor where sacctmgr answers (a login node), or set max_submit_jobs in the profile by hand",
         )
+    if not live.partitions:
+        return _unreadable(name, live, "the partitions' QoS (scontrol show partition)")
     problems, notes, fixes, override = [], [], [], {}
     for part_name in site.partitions:
         if part_name not in live.partitions:

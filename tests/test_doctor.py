@@ -305,6 +305,8 @@ def test_limit_checks_fail_with_fixes_and_onboard_writes_a_profile_that_passes(t
     for check in (*doctor.check_node_limits(site, deaf), doctor.check_array_size(site, deaf), doctor.check_requeue(site, deaf)):
         assert check.status == WARN and "Unable to contact" in check.detail, check
     assert doctor.check_submit_limits(site, deaf).status == WARN
+    half = limits.LiveLimits(qos=QOS, errors=("scontrol show partition: timed out",))  # sacctmgr answered, scontrol not
+    assert doctor.check_submit_limits(site, half).status == WARN and "timed out" in doctor.check_submit_limits(site, half).detail
 
 
 def _tool(bindir: Path, name: str, script: str) -> None:
