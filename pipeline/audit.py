@@ -1,7 +1,9 @@
 """`snowcat audit RUN [--json]`: is this run exactly what its records say it is?
 
 Checks, each naming the file at fault:
-  outputs     every unit is done and every file hashes as its manifest says (`RunDir.verify_unit`)
+  outputs     every unit is done and every file hashes as its manifest says (`RunDir.verify_unit`,
+              full: `status` compares only sizes and mtimes, so a file changed in place with its
+              size kept and mtime set back is found here, not there)
   provenance  every unit's provenance record is complete and still matches the files (`check_complete`)
   lineage     the inputs each unit recorded in provenance are the inputs' current outputs (not stale)
   history     the metrics history has no torn rows or gaps and reaches the recorded step count
@@ -81,7 +83,7 @@ def audit(run: RunDir, known_secrets=None) -> list[Check]:
                 out.problems.append(f"{run.unit_dir(unit)}: stage not done ({status}); nothing to vouch for")
                 checks.append(out)
                 continue
-            out.problems += run.verify_unit(unit)
+            out.problems += run.verify_unit(unit, full=True)
             checks.append(out)
 
             prov = Check("provenance", unit.key)

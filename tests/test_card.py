@@ -13,6 +13,7 @@ from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.card import CHECKLIST
 from snowcat.pipeline.dag import build
 from snowcat.pipeline.fsio import sha256_file
+from snowcat.pipeline.rundir import RunDir
 from tests.conftest import SHARED_RUN_TIMEOUT_S, snowcat_in_repo
 
 # every test reads the shared full run (built by the first test that needs it: minutes on 2 cores)
@@ -247,11 +248,11 @@ def test_per_cohort_exposure_sums_the_history_up_to_the_exported_step(full_run, 
 def test_stage_lines_say_attempts_and_continuations_as_recorded(full_run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(full_run, copy)
-    state = json.loads((copy / "state.json").read_text())
-    state["stages"]["sft"] |= {"attempts": 3, "continuations_used": 2, "job_ids": ["101", "102", "103"]}
-    (copy / "state.json").write_text(json.dumps(state))
+    run = RunDir(copy)
+    run.update_stage("sft", attempts=3, continuations_used=2, job_ids=["101", "102", "103"])  # added to its own
+    jobs = len(run.record("sft")["job_ids"])
     card = _card_of(copy, tmp_path)
-    assert "- `sft` (sft): done, 3 attempt(s), 3 job(s)/process(es), continued 2 time(s) after a walltime" in card
+    assert f"- `sft` (sft): done, 3 attempt(s), {jobs} job(s)/process(es), continued 2 time(s) after a walltime" in card
     assert _checklist(card)["resume and requeue history"].endswith("retried: sft")
 
 

@@ -1,6 +1,5 @@
 """The CLI end to end on the local executor: run, status, idempotent re-runs, errors, kill + resume."""
 
-import json
 import os
 import signal
 import time
@@ -10,6 +9,7 @@ import pytest
 
 from snowcat.pipeline.doctor import write_override
 from snowcat.pipeline.fsio import read_json, sha256_file
+from snowcat.pipeline.rundir import RunDir
 from tests.conftest import write_config
 
 SMALL = """
@@ -120,10 +120,9 @@ def _wait_for(predicate, timeout=120.0):
 def test_sigkill_mid_stage_then_resume_matches_uninterrupted(snowcat, small, tmp_path):
     killed = tmp_path / "killed"
     proc = snowcat.popen("run", small, *SLOW, "--run-dir", killed)
-    state = killed / "state.json"
 
     def tasks_record() -> dict:
-        return (read_json(state, {}) or {}).get("stages", {}).get("tasks", {})
+        return RunDir(killed).record("tasks")
 
     # Inside the stage: its own process records `started` once it has loaded the run and is about to
     # run the stage body (the executor's "running" record, made when it spawns the process, has none).
@@ -149,16 +148,14 @@ def test_concurrent_driver_is_refused(snowcat, small, tmp_path):
     second = snowcat("resume", run_dir)
     assert second.returncode == 2 and "another snowcat process" in second.stderr
     assert first.wait(timeout=300) == 0
-    assert json.loads((run_dir / "state.json").read_text())["stages"]["tasks"]["status"] == "done"
+    assert RunDir(run_dir).state()["stages"]["tasks"]["status"] == "done"
 
 
 @pytest.mark.slow
 def test_cancel_stops_a_local_run(snowcat, small, tmp_path):
     run_dir = tmp_path / "run"
     first = snowcat.popen("run", small, *SLOW, "--run-dir", run_dir)
-    assert _wait_for(
-        lambda: (read_json(run_dir / "state.json", {}) or {}).get("stages", {}).get("tasks", {}).get("status") == "running"
-    )
+    assert _wait_for(lambda: RunDir(run_dir).record("tasks").get("status") == "running")
     assert snowcat("cancel", run_dir).returncode == 0
     assert first.wait(timeout=60) != 0
     assert snowcat.status(run_dir)["stages"]["tasks"]["status"] == "cancelled"

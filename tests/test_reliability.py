@@ -47,12 +47,11 @@ def by_hand(run_dir: Path, stage: str) -> subprocess.CompletedProcess:
 
 def test_a_unit_held_by_another_runner_is_refused_before_anything_is_written(small, tmp_path):
     run = RunDir.create(config_mod.load(small), tmp_path / "run")
-    state_before = (run.path / "state.json").read_bytes()
     with run.unit_lock(Unit("tasks")):
         refused = by_hand(run.path, "tasks")
     assert refused.returncode == 2
     assert f"tasks is already being run (pid {os.getpid()} on {os.uname().nodename})" in refused.stderr
-    assert (run.path / "state.json").read_bytes() == state_before  # no record written by the refused one
+    assert run.state() == {"stages": {}} and not (run.path / "state").exists()  # no record written by the refused one
     assert not run.stage_dir("tasks").exists()
 
     assert by_hand(run.path, "tasks").returncode == 0  # the lock went with its holder
@@ -62,7 +61,7 @@ def test_a_unit_held_by_another_runner_is_refused_before_anything_is_written(sma
 def test_a_by_hand_unit_while_the_driver_runs_it_is_refused_and_the_run_stays_whole(snowcat, small, tmp_path):
     run_dir = tmp_path / "run"
     driver = snowcat.popen("run", small, *SLOW, "--run-dir", run_dir)
-    record = lambda: (read_json(run_dir / "state.json", {}) or {}).get("stages", {}).get("tasks", {})  # noqa: E731
+    record = lambda: RunDir(run_dir).record("tasks")  # noqa: E731
     assert _wait_for(lambda: "started" in record())  # the stage process holds the unit now
     second = by_hand(run_dir, "tasks")
     assert second.returncode == 2 and "tasks is already being run" in second.stderr, second.stderr
@@ -85,9 +84,8 @@ def _decoy() -> subprocess.Popen:
 
 
 def _pretend(run_dir: Path, stage: str, **fields) -> None:
-    state = read_json(run_dir / "state.json")
-    state["stages"][stage].update(fields)
-    atomic_write_json(run_dir / "state.json", state)
+    assert RunDir(run_dir).record(stage)  # a record the run made
+    RunDir(run_dir).update_stage(stage, **fields)
 
 
 def test_cancel_leaves_alone_a_recycled_pid_and_a_finished_stage(snowcat, done_run):
@@ -216,7 +214,7 @@ def test_a_config_resolving_to_a_secret_variable_is_refused(snowcat, tmp_path):
 def test_error_text_recorded_in_state_is_scrubbed(done_run):
     run = RunDir.open(done_run)
     run.update_stage("more", error="OSError: cannot open https://ada:s3cr3t-passw0rd@data.example.org/x")
-    text = (done_run / "state.json").read_text()
+    text = "".join(p.read_text() for p in (done_run / "state").rglob("*.json"))
     assert "s3cr3t-passw0rd" not in text and "<redacted>" in text
 
 

@@ -4,7 +4,6 @@ stage is visible, Ctrl-C and `snowcat cancel` stop a run."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -173,7 +172,7 @@ def test_cancel_on_a_terminal_stops_a_run_on_another(tmp_path, snowcat):
     driver.join(timeout=120)
     assert not driver.is_alive()
     assert result["code"] != 0, result["screen"]
-    state = json.loads((run_dir / "state.json").read_text())["stages"]
+    state = RunDir(run_dir).state()["stages"]
     assert state["sft"]["status"] == "cancelled"
     code, screen = snowcat.terminal("status", run_dir)
     assert code == 0 and "cancelled" in screen
