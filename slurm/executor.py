@@ -20,12 +20,14 @@ Stages with `where: login` run in the submitting process, before the jobs that n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
+import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +46,7 @@ from snowcat.slurm import site as site_mod
 from snowcat.slurm.site import SiteProfile, use_local_cluster
 from snowcat.stages.config import RESUMABLE_KINDS
 
-from .hetjob import HetjobExecutor, parse_job_id
+from .hetjob import HetjobExecutor, parse_job_id, sbatch_flag
 
 ALIVE = {
     "PENDING",
@@ -75,6 +77,18 @@ def current_job_id() -> str:
     return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID", "")
 
 
+@contextlib.contextmanager
+def _outside_this_job() -> Iterator[None]:
+    """sbatch from inside a job hands the new job this job's environment: an inherited
+    SLURM_ARRAY_TASK_ID would make a plain successor believe it is this array element. Submit
+    without this job's SLURM_* variables (the cluster's SLURM_CONF stays)."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SLURM_") and k != "SLURM_CONF"}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def scancel(ids: list[str]) -> None:
     if ids:
         subprocess.run(["scancel", *ids], check=False, capture_output=True, timeout=60)
@@ -95,6 +109,7 @@ class StageJob(submitit.helpers.Checkpointable):
     stage: str
     strategy: str = "requeue"
     max_continuations: int = 3
+    self_continue: bool = False  # chain by submitting its own successor (see SlurmExecutor.self_continuing)
 
     def __call__(self, index: int | None = None) -> dict:
         rank = launcher_rank()
@@ -109,6 +124,8 @@ class StageJob(submitit.helpers.Checkpointable):
         if rank == 0:
             # Done or failed, this unit's pre-submitted continuations have nothing left to do.
             scancel(self._own_continuations(run, unit))
+            if code == 0:
+                self._release_gate(run, unit)
         if code != 0:
             if rank == 0:
                 self._contain_failure(run, unit, code)
@@ -131,9 +148,42 @@ class StageJob(submitit.helpers.Checkpointable):
                 raise RuntimeError(f"stage {unit.key}: out of continuations")
             run.update_stage(unit.key, status="submitted", continuations_used=used + 1, ended=now())
             submitit.JobEnvironment()._requeue(self.max_continuations - used - 1)
+        elif self.self_continue:  # chain: this job queues the unit's next one itself
+            if used >= self.max_continuations:
+                run.update_stage(
+                    unit.key, status="failed", error=f"preempted {used + 1} times; max_continuations={self.max_continuations}"
+                )
+                self._contain_failure(run, unit, PREEMPTED_EXIT_CODE)
+                raise RuntimeError(f"stage {unit.key}: out of continuations")
+            successor = self._submit_successor(run, unit)
+            own = [*run.state()["stages"].get(unit.key, {}).get("own_job_ids", []), successor]
+            run.update_stage(unit.key, status="submitted", continuations_used=used + 1, ended=now(), own_job_ids=own)
         else:  # chain: the unit's next pre-submitted continuation job takes over
             run.update_stage(unit.key, status="submitted", continuations_used=used + 1, ended=now())
         raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def _submit_successor(self, run: RunDir, unit: Unit) -> str:
+        """Queue this unit's next job (afterany this one), from the compute node: the site allows it."""
+        cfg = run.config()
+        graph = build(cfg)
+        ex = SlurmExecutor(run, graph, cfg).executor_for(graph[unit.stage], f"afterany:{current_job_id()}")
+        try:
+            with _outside_this_job():
+                job = ex.submit(self, *(() if unit.index is None else (unit.index,)))
+        except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as e:
+            why = " ".join(str(e).split())[:300]
+            run.update_stage(unit.key, status="failed", error=f"could not queue its continuation: {why}")
+            self._contain_failure(run, unit, PREEMPTED_EXIT_CODE)
+            raise RuntimeError(f"stage {unit.key}: could not queue its continuation: {why}") from None
+        return str(job.job_id)
+
+    @staticmethod
+    def _release_gate(run: RunDir, unit: Unit) -> None:
+        """The last unit of a stage to finish lets its dependents start (each unit writes its DONE
+        marker before looking, so the last one always sees every marker; a second release is harmless)."""
+        gate = run.state()["stages"].get(unit.stage, {}).get("gate")
+        if gate and all(run.is_done(u) for u in build(run.config())[unit.stage].units):
+            subprocess.run(["scontrol", "release", gate], check=False, capture_output=True, timeout=60)
 
     @staticmethod
     def _own_continuations(run: RunDir, unit: Unit) -> list[str]:
@@ -149,6 +199,7 @@ class StageJob(submitit.helpers.Checkpointable):
         dag = build(run.config())
         state = run.state()["stages"]
         why = f"input {unit.key} failed (exit {code}, job {current_job_id()}); fix it, then `snowcat resume {run.path}`"
+        scancel([g for g in [state.get(unit.stage, {}).get("gate")] if g])  # the stage cannot complete now
         for name in sorted(dag.downstream(unit.stage)):
             ids = [j for j in state.get(name, {}).get("job_ids", []) if not str(j).startswith("local:")]
             if not ids or all(run.is_done(u) for u in dag[name].units):
@@ -181,10 +232,13 @@ class Job:
     array: bool
     dependency: str | None
     job_id: str = ""
+    gate: str | None = None  # the partition of a stage's gate job (see SlurmExecutor.self_continuing)
 
     def counts(self) -> dict[str, int]:
         """Jobs this call adds against submit limits, by partition (array tasks and hetjob components
         count one each, as Slurm counts them)."""
+        if self.gate:
+            return {self.gate: 1}
         res = self.node.config.resources
         tasks = len(self.items) if self.array else 1
         out: dict[str, int] = {}
@@ -201,6 +255,7 @@ class StageRecord:
     continuations: list[str] = field(default_factory=list)
     wait_on: list[str] = field(default_factory=list)
     own: dict[str, list[str]] = field(default_factory=dict)
+    gate: str | None = None
 
 
 def queued_jobs_by_partition() -> dict[str, int]:
@@ -338,6 +393,13 @@ class SlurmExecutor(Executor):
         """Walltime continuations of a stage: none for kinds that cannot continue from a checkpoint."""
         return node.config.resume.max_continuations if node.kind in RESUMABLE_KINDS else 0
 
+    def self_continuing(self, node: StageNode) -> bool:
+        """Chain without pre-submitted continuations: where compute nodes may call sbatch
+        (`sbatch_on_compute`), a preempted unit queues its own next job, and dependents wait on the
+        stage's gate, a held job that the last unit to finish releases. Only the jobs that are needed
+        are ever queued (a chain of 3 costs 1 + 1 jobs instead of 4)."""
+        return self.strategy(node) == "chain" and self.site.sbatch_on_compute and self.continuations(node) > 0
+
     def strategy(self, node: StageNode) -> str:
         """The continuation strategy: `requeue` falls back to `chain` where the site disallows requeue."""
         wanted = node.config.resume.strategy
@@ -416,6 +478,42 @@ class SlurmExecutor(Executor):
             ex.parameters["map_count"] = len(items)
         return ex._make_submission_file_text(ex._submitit_command_str, "render")
 
+    def gate_partition(self, node: StageNode) -> str:
+        return self.site.cpu_partition or self._partition(node.config.resources)
+
+    def render_gate(self, node: StageNode) -> str:
+        """The batch script of a stage's gate: held until its last unit finishes, then it runs `true`."""
+        folder = self.run.path / "slurm" / node.name
+        options = {
+            "job-name": f"snowcat-{self.run.run_id}-{node.name}-gate"[:120],
+            "partition": self.gate_partition(node),
+            "nodes": 1,
+            "ntasks-per-node": 1,
+            "cpus-per-task": 1,
+            "time": 1,
+            "hold": True,
+            "no-requeue": True,
+            "output": str(folder / "gate_%j.out"),
+            "account": self.site.account,
+            "wckey": "snowcat",
+        }
+        lines = [
+            "#!/bin/bash",
+            "",
+            f"# Gate of stage {node.name} (slurm/executor.py): held until every unit of the stage is done; the",
+            "# last unit to finish releases it, and the stages that need this one wait for it to complete.",
+            *(sbatch_flag(k, v) for k, v in sorted(site_mod.filter_sbatch_options(self.site, options).items())),
+            "",
+            "true",
+            "",
+        ]
+        return "\n".join(lines)
+
+    def _render_job(self, job: Job) -> str:
+        if job.gate:
+            return self.render_gate(job.node)
+        return self.render(job.node, job.dependency, job.items if job.array else None)
+
     # planning ------------------------------------------------------------------------------------
 
     def _groups(self, node: StageNode, pending: list[Unit]) -> list[tuple[list[int] | None, bool]]:
@@ -429,15 +527,18 @@ class SlurmExecutor(Executor):
         size = self.site.max_array_size
         return [(indices[k : k + size], True) for k in range(0, len(indices), size)]
 
-    def _plan_stage(self, node: StageNode, dependency: str | None, submit: Callable[[Job], str]) -> StageRecord:
-        """Queue one stage through `submit` (real sbatch, or a dry run that only names the jobs).
+    def _plan_stage(
+        self, node: StageNode, dependency: str | None, submit: Callable[[Job], str], units: list[Unit]
+    ) -> StageRecord:
+        """Queue `units` of one stage through `submit` (real sbatch, or a dry run that only names the jobs).
 
         Every unit owns its jobs: its element of each array (`124_2`) or its own jobs, in chain order,
         so a unit that finishes cancels its own continuations and never another element's."""
         chain = self.strategy(node) == "chain"
-        rounds = 1 + (self.continuations(node) if chain else 0)
+        gated = self.self_continuing(node)
+        rounds = 1 + (self.continuations(node) if chain and not gated else 0)
         record = StageRecord()
-        for g, (items, array) in enumerate(self._groups(node, self.pending_units(node))):
+        for g, (items, array) in enumerate(self._groups(node, units)):
             base = node.name + (f"[{items[0]}]" if items and not array else f".chunk{g}" if g else "")
             previous = None
             for r in range(rounds):
@@ -450,29 +551,60 @@ class SlurmExecutor(Executor):
                     record.own.setdefault(key, []).append(f"{job.job_id}_{t}" if array else job.job_id)
             # Dependents wait for the chain's last job to end (the runner checks that inputs are done).
             record.wait_on.append(f"afterany:{previous}" if chain else f"afterok:{previous}")
+        if gated:
+            record.gate = submit(Job(f"{node.name}.gate", node, None, False, None, gate=self.gate_partition(node)))
+            record.wait_on = [f"afterok:{record.gate}"]
         return record
 
     def _plan(self, stages: list[str], submit: Callable[[Job], str]) -> dict[str, StageRecord]:
-        """Queue what `stages` need, in DAG order: a stage whose earlier jobs are still queued or running
-        is kept (their ids stand in for it), unless they wait on jobs that were replaced."""
+        """Queue what `stages` need, in DAG order. A unit whose own jobs are still queued or running
+        keeps them; the others are queued again. A stage whose inputs were queued again is queued
+        again whole (its jobs wait on replaced ones). Jobs to replace go to `self._replace`."""
         state = self.run.state()["stages"]
         records: dict[str, StageRecord] = {}
         waits: dict[str, list[str]] = {}
+        self._replace: list[str] = []
+        alive_jobs = {parse_job_id(k)["job"] for k in self._live}
         for node in self.dag:
             if node.name not in stages:
                 continue
             record = state.get(node.name, {})
-            live = self._live.get(node.name, {})
+            live = {k: r for k, r in self._live.items() if parse_job_id(k)["job"] in self._stage_ids(node, state)}
+            pending = self.pending_units(node)
+            running = [u for u in pending if self._unit_rows(u, live, self._own_ids(u, state))] if live else []
+            gate = record.get("gate")
             replaced = any(n in records for n in node.needs) or any(
                 "DependencyNeverSatisfied" in r["reason"] for r in live.values()
             )
-            if live and not replaced:
+            if replaced:
+                self._replace += sorted({parse_job_id(k)["job"] for k in live})
+                running = []
+            elif running and len(running) == len(pending) and (not gate or gate in alive_jobs):
                 waits[node.name] = record.get("wait_on") or [f"afterok:{j}" for j in record["job_ids"]]
                 continue
+            if gate and not replaced:
+                self._replace.append(gate)  # a new gate stands for every unit, old and new
             terms = [t for n in node.needs if n in waits for t in waits[n]]
-            records[node.name] = self._plan_stage(node, ",".join(terms) or None, submit)
-            waits[node.name] = records[node.name].wait_on
+            todo = [u for u in pending if u not in running]
+            records[node.name] = new = self._plan_stage(node, ",".join(terms) or None, submit, todo)
+            kept = [t for t in record.get("wait_on", []) if running and t.split(":")[-1] in alive_jobs and not new.gate]
+            new.wait_on = kept + new.wait_on
+            waits[node.name] = new.wait_on
         return records
+
+    @staticmethod
+    def _own_ids(unit: Unit, state: dict) -> list[str]:
+        return state.get(unit.key, {}).get("own_job_ids", [])
+
+    def _stage_ids(self, node: StageNode, state: dict) -> set[str]:
+        """Every job id of a stage: its submissions, its gate, continuations its units queued themselves."""
+        record = state.get(node.name, {})
+        ids = set(record.get("job_ids", []))
+        if record.get("gate"):
+            ids.add(record["gate"])
+        for unit in node.units:
+            ids |= {parse_job_id(j)["job"] for j in self._own_ids(unit, state)}
+        return ids
 
     def dry_run(self, stages: list[str], out: Path) -> list[Path]:
         """Write the batch script of every job `launch` would submit into `out`, after the same checks
@@ -483,7 +615,7 @@ class SlurmExecutor(Executor):
 
         def write(job: Job) -> str:
             written.append(out / f"{job.label}.sbatch")
-            atomic_write_text(written[-1], self.render(job.node, job.dependency, job.items if job.array else None))
+            atomic_write_text(written[-1], self._render_job(job))
             return f"<job of {job.label}>"
 
         self._plan([s for s in stages if self.dag[s].config.where != "login"], write)
@@ -491,16 +623,9 @@ class SlurmExecutor(Executor):
 
     # submission ----------------------------------------------------------------------------------
 
-    def _alive_jobs(self) -> dict[str, dict[str, dict]]:
-        """sacct rows of this run's jobs that are still queued or running, by stage, then job id."""
-        rows = {jid: row for jid, row in self.sacct().items() if row["state"].split()[0] in ALIVE}
-        out: dict[str, dict[str, dict]] = {}
-        for name, record in self.run.state()["stages"].items():
-            ids = set(record.get("job_ids", []))
-            mine = {k: r for k, r in rows.items() if parse_job_id(k)["job"] in ids}
-            if mine:
-                out[name] = mine
-        return out
+    def _alive_jobs(self) -> dict[str, dict]:
+        """sacct rows of this run's jobs that are still queued or running, by job id."""
+        return {jid: row for jid, row in self.sacct().items() if row["state"].split()[0] in ALIVE}
 
     def launch(self, stages: list[str]) -> int:
         self._cancel_unrecorded()
@@ -511,19 +636,18 @@ class SlurmExecutor(Executor):
         planned: list[Job] = []
 
         def count(job: Job) -> str:
-            job.text = self.render(job.node, job.dependency, job.items if job.array else None)  # every check
+            self._render_job(job)  # every check, before anything is queued
             planned.append(job)
             return f"<job of {job.label}>"
 
         self._plan(compute, count)
         self._check_budget(planned)
-        for name, live in self._live.items():  # waits on jobs about to be replaced: replace it too
-            if name in {j.node.name for j in planned}:
-                scancel(sorted({parse_job_id(k)["job"] for k in live}))
+        scancel(self._replace)  # waits on replaced jobs, or a gate a new one stands in for
         records = self._submit_all(compute)
         for name, record in records.items():
             self._record(self.dag[name], record)
-            print(f"submitted {name}: {', '.join(record.main + record.continuations)}", file=sys.stderr)
+            gate = f" (gate {record.gate})" if record.gate else ""
+            print(f"submitted {name}: {', '.join(record.main + record.continuations)}{gate}", file=sys.stderr)
         print(f"the run continues on the cluster; follow it with: snowcat status {self.run.path}", file=sys.stderr)
         return 0
 
@@ -534,8 +658,20 @@ class SlurmExecutor(Executor):
         journal = self.run.path / "slurm" / JOURNAL
 
         def submit(job: Job) -> str:
+            if job.gate:
+                job_id = self._submit_gate(job.node)
+                queued.append(job_id)
+                atomic_write_json(journal, {"queued": queued})
+                return job_id
             ex = self.executor_for(job.node, job.dependency)
-            call = StageJob(str(self.run.path), job.node.name, self.strategy(job.node), job.node.config.resume.max_continuations)
+            node = job.node
+            call = StageJob(
+                str(self.run.path),
+                node.name,
+                self.strategy(node),
+                node.config.resume.max_continuations,
+                self.self_continuing(node),
+            )
             if job.array:
                 job_id = str(ex.map_array(call, job.items)[0].job_id).split("_")[0]
             else:
@@ -554,13 +690,22 @@ class SlurmExecutor(Executor):
         ) as e:
             scancel(queued)
             journal.unlink(missing_ok=True)
-            reason = " ".join(str(e).split())[:300]
+            reason = " ".join(str(getattr(e, "stderr", None) or e).split())[:300]
             raise UserError(
                 f"sbatch refused a job ({reason}); the {len(queued)} job(s) this submission had queued were cancelled, "
                 "nothing was recorded"
             ) from None
         journal.unlink(missing_ok=True)
         return records
+
+    def _submit_gate(self, node: StageNode) -> str:
+        script = self.run.path / "slurm" / node.name / "gate.sbatch"
+        script.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(script, self.render_gate(node))
+        proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, "sbatch", proc.stdout, proc.stderr.strip() or proc.stdout)
+        return re.search(r"(\d+)", proc.stdout).group(1)
 
     def _cancel_unrecorded(self) -> None:
         """Jobs an interrupted submission queued but never recorded: cancel them before submitting again."""
@@ -578,7 +723,8 @@ class SlurmExecutor(Executor):
             status="submitted",
             executor="slurm",
             submitted=now(),
-            job_ids=record.main + record.continuations,
+            job_ids=record.main + record.continuations,  # added to the earlier submissions' ids
+            gate=record.gate,
             attempts=previous.get("attempts", 0) + 1,
             wait_on=record.wait_on,
             continuations=record.continuations,
@@ -645,9 +791,8 @@ class SlurmExecutor(Executor):
     # reconciliation ----------------------------------------------------------------------------
 
     def job_ids(self) -> list[str]:
-        return [
-            j for rec in self.run.state()["stages"].values() for j in rec.get("job_ids", []) if not str(j).startswith("local:")
-        ]
+        state = self.run.state()["stages"]
+        return sorted({j for node in self.dag for j in self._stage_ids(node, state) if not str(j).startswith("local:")})
 
     def sacct(self) -> dict[str, dict]:
         """One sacct call for every job of the run: {job id: row}. Array and hetjob rows keep
@@ -680,8 +825,7 @@ class SlurmExecutor(Executor):
             return
         state = self.run.state()["stages"]
         for node in self.dag:
-            record = state.get(node.name, {})
-            ids = record.get("job_ids", [])
+            ids = self._stage_ids(node, state)
             if not ids:
                 continue
             mine = {k: v for k, v in rows.items() if parse_job_id(k)["job"] in ids}

@@ -360,10 +360,15 @@ FAN_OUT_SFT = (
 
 
 @pytest.mark.slow
-def test_chain_fan_out_with_one_element_preempted_completes_before_downstream_starts(snowcat, slurm_env, tmp_path):
+@pytest.mark.parametrize("queued_up_front", [False, True], ids=["job-queues-successor", "continuations-up-front"])
+def test_chain_fan_out_with_one_element_preempted_completes_before_downstream_starts(
+    snowcat, slurm_env, tmp_path, queued_up_front
+):
     """Three SFT elements under the chain strategy; element 1 gets the preemption notice mid-run. It
-    checkpoints, its own continuation finishes it, the others' continuations are cancelled by their
-    own elements only, and the downstream stage starts after every element ended."""
+    checkpoints and continues in a job of its own: one it queues itself (where jobs may call sbatch;
+    the next stage waits on the stage's gate, released by the last element), or the continuation
+    queued up front (as at TACC), the others' continuations then cancelled by their own elements.
+    The downstream stage starts after every element ended."""
     cfg = write_config(tmp_path / "c.yaml", FAN_OUT_SFT.format(name="chainfan"))
     run_dir = tmp_path / "run"
     snowcat(
@@ -373,6 +378,7 @@ def test_chain_fan_out_with_one_element_preempted_completes_before_downstream_st
         "stages.sft.resources.time_min=20",
         "stages.sft.resume.strategy=chain",
         "stages.sft.resume.max_continuations=2",
+        f"site.sbatch_on_compute={not queued_up_front}",
         *on_local_slurm(run_dir),
         env=slurm_env,
         check=True,
@@ -390,15 +396,18 @@ def test_chain_fan_out_with_one_element_preempted_completes_before_downstream_st
     assert {s["status"] for s in status["stages"].values()} == {"done"}, status
     state = run.state()["stages"]
     assert [state[f"sft[{i}]"].get("continuations_used", 0) for i in range(3)] == [0, 1, 0]
+    owned = [state[f"sft[{i}]"]["own_job_ids"] for i in range(3)]
     # An array task cancelled before it ever started has no accounting row of its own: absent = cancelled.
-    rows = {r[0]: r[2] for r in sacct_rows(slurm_env, state["sft"]["job_ids"])}
-    for i in range(3):
-        first, cont1, cont2 = state[f"sft[{i}]"]["own_job_ids"]
-        assert rows.get(cont2, "CANCELLED").startswith("CANCELLED"), (i, rows)
-        if i == 1:
-            assert rows[cont1].startswith("COMPLETED"), rows
-        else:
-            assert rows.get(cont1, "CANCELLED").startswith("CANCELLED"), (i, rows)
+    rows = {r[0]: r[2] for r in sacct_rows(slurm_env, sorted({j.split("_")[0] for ids in owned for j in ids}))}
+    if queued_up_front:
+        for i, (_, cont1, cont2) in enumerate(owned):
+            assert rows.get(cont2, "CANCELLED").startswith("CANCELLED"), (i, rows)
+            assert rows.get(cont1, "CANCELLED").startswith("COMPLETED" if i == 1 else "CANCELLED"), (i, rows)
+    else:
+        assert [len(ids) for ids in owned] == [1, 2, 1]  # only element 1 ever had a second job
+        assert rows[owned[1][1]].startswith("COMPLETED"), rows
+        gate = sacct_rows(slurm_env, [state["sft"]["gate"]])
+        assert gate and gate[0][2].startswith("COMPLETED"), gate  # released by the last element
     assert not any(r.startswith(("PENDING", "RUNNING")) for r in rows.values()), rows
     ended = max(state[f"sft[{i}]"]["ended"] for i in range(3))
     assert state["last"]["started"] >= ended, (state["last"]["started"], ended)

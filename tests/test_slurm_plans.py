@@ -69,6 +69,7 @@ def _config(tmp_path: Path, parts: int = 3) -> Path:
 
 
 JSC = ("--executor", "slurm", "--site", "jsc-juwels-booster", "site.account=proj")  # chain: requeue not allowed there
+PRESUBMITTED = (*JSC, "site.sbatch_on_compute=false")  # as at TACC: continuation jobs queued up front
 
 
 def _jobs(state_file: Path) -> dict[str, dict]:
@@ -84,11 +85,11 @@ def _task_states(state_file: Path) -> dict[str, str]:
 
 
 def test_chain_continuations_are_owned_per_element(snowcat, scheduler, tmp_path, monkeypatch):
-    """JSC (no requeue) chains 3 continuations; each element records its own element of every array,
+    """A chain of 3 continuations queued up front: each element records its own element of every array,
     and an element that finishes cancels only its own continuations (it used to cancel every
     element's, so the downstream stage started while elements still ran)."""
     run_dir = tmp_path / "run"
-    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
+    snowcat("run", _config(tmp_path), *PRESUBMITTED, "--run-dir", run_dir, check=True)
     state = RunDir.open(run_dir).state()["stages"]
     more = state["more"]
     assert len(more["job_ids"]) == 4 and more["continuations"] == more["job_ids"][1:]
@@ -114,7 +115,7 @@ def test_chain_continuations_are_owned_per_element(snowcat, scheduler, tmp_path,
 def test_failed_unit_cancels_its_continuations_and_every_stage_downstream(snowcat, scheduler, tmp_path, monkeypatch):
     """A unit that fails stops what could only fail after it, and status says why."""
     run_dir = tmp_path / "run"
-    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
+    snowcat("run", _config(tmp_path), *PRESUBMITTED, "--run-dir", run_dir, check=True)
     state = RunDir.open(run_dir).state()["stages"]
     # `more[1]` starts while its input is not done (e.g. released by afterany after tasks gave up).
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", state["more"]["job_ids"][0])
@@ -157,7 +158,7 @@ def test_submit_limit_refuses_before_anything_is_queued(snowcat, scheduler, tmp_
 
 def test_refusal_mid_dag_cancels_what_was_queued_and_resume_submits_each_stage_once(snowcat, scheduler, tmp_path):
     run_dir = tmp_path / "run"
-    proc = snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, env={"FAKE_SLURM_REFUSE_AFTER": "3"})
+    proc = snowcat("run", _config(tmp_path), *PRESUBMITTED, "--run-dir", run_dir, env={"FAKE_SLURM_REFUSE_AFTER": "3"})
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
     assert "sbatch refused a job" in line and "the 3 job(s) this submission had queued were cancelled" in line, line
@@ -192,7 +193,14 @@ def test_fan_out_beyond_max_array_size_is_split_into_arrays(snowcat, scheduler, 
     run_dir = tmp_path / "run"
     cfg = _config(tmp_path, parts=25)
     snowcat(
-        "run", cfg, *JSC, "site.max_array_size=10", "stages.more.resume.max_continuations=1", "--run-dir", run_dir, check=True
+        "run",
+        cfg,
+        *PRESUBMITTED,
+        "site.max_array_size=10",
+        "stages.more.resume.max_continuations=1",
+        "--run-dir",
+        run_dir,
+        check=True,
     )
     jobs = _jobs(scheduler)
     arrays = sorted(j["array"].split("%")[0] for j in jobs.values() if j["array"])
@@ -291,3 +299,63 @@ def test_resources_default_by_kind_and_site(site, stage, partition, gpus, cpus):
     res = cfg.stages[stage].resources
     comps = list(res.components.values()) or [res]
     assert {(c.partition, c.gpus_per_node, c.cpus_per_task) for c in comps} == {(partition, gpus, cpus)}
+
+
+def test_where_jobs_may_queue_their_successor_no_continuation_is_queued_up_front(snowcat, scheduler, tmp_path, monkeypatch):
+    """JSC lets a job call sbatch: the fan-out is one array and a held gate; a preempted element queues
+    its own next job, and the last element to finish releases the gate the next stage waits on."""
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
+    run = RunDir.open(run_dir)
+    state = run.state()["stages"]
+    array, gate = state["more"]["job_ids"], state["more"]["gate"]
+    assert len(array) == 1 and not state["more"]["continuations"]
+    jobs = _jobs(scheduler)
+    assert jobs[gate]["held"] and jobs[state["last"]["job_ids"][0]]["dependency"] == f"afterok:{gate}"
+    assert [state[f"more[{i}]"]["own_job_ids"] for i in range(3)] == [[f"{array[0]}_{i}"] for i in range(3)]
+
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", array[0])
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    job = StageJob(str(run_dir), "more", "chain", 3, self_continue=True)
+    with pytest.raises(SystemExit) as stopped:
+        job._continue(run, Unit("more", 0), 0)  # what the job does once element 0 has checkpointed
+    assert stopped.value.code == 75
+    own = run.state()["stages"]["more[0]"]["own_job_ids"]
+    successor = _jobs(scheduler)[own[-1]]
+    assert len(own) == 2 and successor["dependency"] == f"afterany:{array[0]}_0" and not successor["array"]
+    assert run.state()["stages"]["more[0]"]["continuations_used"] == 1
+
+    assert run_unit(run_dir, "tasks") == 0
+    for i, job_id in ((0, own[-1]), (1, f"{array[0]}_1"), (2, f"{array[0]}_2")):
+        monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+        monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+        if "_" in job_id:
+            monkeypatch.setenv("SLURM_ARRAY_JOB_ID", job_id.split("_")[0])
+            monkeypatch.setenv("SLURM_ARRAY_TASK_ID", job_id.split("_")[1])
+        monkeypatch.setenv("SLURM_JOB_ID", job_id.split("_")[0])
+        assert _jobs(scheduler)[gate]["held"], f"released before element {i} finished"
+        job(i)
+    assert not _jobs(scheduler)[gate]["held"]  # released by the last element
+
+
+def test_a_failed_element_cancels_the_gate_and_the_stages_after_it(snowcat, scheduler, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
+    state = RunDir.open(run_dir).state()["stages"]
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", state["more"]["job_ids"][0])
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    with pytest.raises(RuntimeError):
+        StageJob(str(run_dir), "more", "chain", 3, self_continue=True)(1)  # its input is not done
+    states = _task_states(scheduler)
+    assert states[state["more"]["gate"]] == "CANCELLED" and states[state["last"]["job_ids"][0]] == "CANCELLED"
+    assert states[f"{state['more']['job_ids'][0]}_0"] == "PENDING"  # the other elements go on
+
+    # resume: the failed element is queued again with a new gate; the running elements keep their jobs
+    fake.set_state(f"{state['more']['job_ids'][0]}_1", "FAILED", "1:0")  # as Slurm records the job it ran in
+    snowcat("resume", run_dir, check=True)
+    after = RunDir.open(run_dir).state()["stages"]
+    assert after["more"]["gate"] != state["more"]["gate"]
+    assert after["more[0]"]["own_job_ids"] == state["more[0]"]["own_job_ids"]
+    assert after["more[1]"]["own_job_ids"] != state["more[1]"]["own_job_ids"]
+    new_last = _jobs(scheduler)[after["last"]["job_ids"][-1]]  # job_ids lists every submission, oldest first
+    assert new_last["dependency"] == f"afterok:{after['more']['gate']}"

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """TEST DOUBLE of a Slurm controller's client commands, for tests that need a scheduler's *answers*
-(job ids, refusals, sacct rows) without a cluster: `sbatch`, `sacct`, `scancel`, `squeue` on PATH.
+(job ids, refusals, sacct rows) without a cluster: `sbatch`, `sacct`, `scancel`, `squeue`, `scontrol
+release` on PATH.
 
 Nothing runs: submitted jobs stay PENDING until a test sets their state (`set_state`). State lives in
 the JSON file $FAKE_SLURM_STATE. Like Slurm's QoS, sbatch refuses a job that would take this user
@@ -96,6 +97,7 @@ def sbatch(args: list[str]) -> int:
         "name": comps[0].get("job-name", ""),
         "dependency": comps[0].get("dependency"),
         "array": comps[0].get("array"),
+        "held": "hold" in comps[0],
         "script": script,
         "tasks": {
             k: {"state": "PENDING", "exit": "0:0", "partition": partition[int(k[1:]) if k.startswith("+") else 0]} for k in keys
@@ -115,6 +117,16 @@ def scancel(args: list[str]) -> int:
         for key, t in everything.items():
             if (key == target or key.split("_")[0].split("+")[0] == target) and t["state"] not in TERMINAL:
                 t["state"] = "CANCELLED"
+    save(state)
+    return 0
+
+
+def scontrol(args: list[str]) -> int:
+    """Only `scontrol release JOB`: a held job may start."""
+    state = load()
+    state["calls"].append(["scontrol", *args])
+    if args[:1] == ["release"] and args[1] in state["jobs"]:
+        state["jobs"][args[1]]["held"] = False
     save(state)
     return 0
 
@@ -153,7 +165,7 @@ def squeue(args: list[str]) -> int:
 
 def main() -> int:
     name, args = Path(sys.argv[0]).name, sys.argv[1:]
-    handlers = {"sbatch": sbatch, "scancel": scancel, "sacct": sacct, "squeue": squeue}
+    handlers = {"sbatch": sbatch, "scancel": scancel, "sacct": sacct, "squeue": squeue, "scontrol": scontrol}
     if name not in handlers:
         print(f"fake_slurm: {name} is not faked", file=sys.stderr)
         return 2
