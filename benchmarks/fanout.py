@@ -30,7 +30,8 @@ from pathlib import Path
 from snowcat.pipeline import config, dag
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.pipeline.rundir import RunDir
-from snowcat.slurm.executor import Job, SlurmExecutor, submit_limit
+from snowcat.slurm.executor import Job, SlurmExecutor
+from snowcat.slurm.limits import submit_limit
 
 FAKE = Path(__file__).resolve().parent.parent / "tests" / "fake_slurm"
 SITES = ("jsc-juwels-booster", "tacc-vista", "tacc-frontera")

@@ -43,6 +43,7 @@ from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text, read_jso
 from snowcat.pipeline.rundir import RunDir, now
 from snowcat.pipeline.runner import launcher_rank, run_unit
 from snowcat.slurm import site as site_mod
+from snowcat.slurm.limits import cached_live_limits, submit_limit
 from snowcat.slurm.site import SiteProfile, use_local_cluster
 from snowcat.stages.config import RESUMABLE_KINDS
 
@@ -269,14 +270,6 @@ def queued_jobs_by_partition() -> dict[str, int]:
     for line in proc.stdout.split() if proc.returncode == 0 else []:
         counts[line] = counts.get(line, 0) + 1
     return counts
-
-
-def submit_limit(site: SiteProfile, partition: str) -> tuple[int | None, str]:
-    """The profile's submit limit for `partition` (the tightest of partition and site)."""
-    part = site.partitions.get(partition)
-    if part is not None and part.max_submit_jobs:
-        return part.max_submit_jobs, f"site profile partitions.{partition}.max_submit_jobs"
-    return None, ""
 
 
 def _covers(task: str | None, index: int) -> bool:
@@ -746,10 +739,13 @@ class SlurmExecutor(Executor):
         total = sum(need.values())
         queued = queued_jobs_by_partition()
         limits = [(f"partition {p}", n, *submit_limit(self.site, p), queued.get(p, 0)) for p, n in sorted(need.items())]
-        if self.site.max_submit_jobs:
-            limits.append(
-                ("all partitions", total, self.site.max_submit_jobs, "site profile max_submit_jobs", sum(queued.values()))
-            )
+        live = cached_live_limits(account=self.site.account)  # association/QoS limits span every partition
+        for limit, source in [
+            (self.site.max_submit_jobs, f"site profile {self.site.name}: max_submit_jobs"),
+            (live.max_submit_per_user, live.max_submit_source),
+        ]:
+            if limit is not None:
+                limits.append(("all partitions", total, limit, source, sum(queued.values())))
         for where, n, limit, source, already in limits:
             if limit is not None and already + n > limit:
                 biggest = max(planned, key=lambda j: sum(j.counts().values()))

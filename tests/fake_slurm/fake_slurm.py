@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """TEST DOUBLE of a Slurm controller's client commands, for tests that need a scheduler's *answers*
 (job ids, refusals, sacct rows) without a cluster: `sbatch`, `sacct`, `scancel`, `squeue`, `scontrol
-release` on PATH.
+release` and an empty `sacctmgr` on PATH.
 
 Nothing runs: submitted jobs stay PENDING until a test sets their state (`set_state`). State lives in
 the JSON file $FAKE_SLURM_STATE. Like Slurm's QoS, sbatch refuses a job that would take this user
@@ -121,8 +121,13 @@ def scancel(args: list[str]) -> int:
     return 0
 
 
+def sacctmgr(args: list[str]) -> int:
+    """No accounting database: nothing to show (the executor then knows only the profile's limits)."""
+    return 0
+
+
 def scontrol(args: list[str]) -> int:
-    """Only `scontrol release JOB`: a held job may start."""
+    """`scontrol release JOB` (a held job may start); `show` answers nothing."""
     state = load()
     state["calls"].append(["scontrol", *args])
     if args[:1] == ["release"] and args[1] in state["jobs"]:
@@ -165,7 +170,14 @@ def squeue(args: list[str]) -> int:
 
 def main() -> int:
     name, args = Path(sys.argv[0]).name, sys.argv[1:]
-    handlers = {"sbatch": sbatch, "scancel": scancel, "sacct": sacct, "squeue": squeue, "scontrol": scontrol}
+    handlers = {
+        "sbatch": sbatch,
+        "scancel": scancel,
+        "sacct": sacct,
+        "squeue": squeue,
+        "scontrol": scontrol,
+        "sacctmgr": sacctmgr,
+    }
     if name not in handlers:
         print(f"fake_slurm: {name} is not faked", file=sys.stderr)
         return 2
