@@ -331,6 +331,11 @@ def _hf_problems(name: str, stage: StageCommon, staged: set[str]) -> Iterator[Pr
 
 def _placement_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Problem]:
     """A login-node stage is one process that `run`/`resume` itself runs: it cannot fan out or span roles."""
+    if stage.resources.image:
+        yield (
+            f"stages.{name}.resources.image",
+            "a stage's image is stages.<name>.image; a component's is its components.<role>.image",
+        )
     if stage.where != "login":
         return
     if stage.fan_out:

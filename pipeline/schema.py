@@ -106,6 +106,7 @@ class Component:
     # other kinds its cpu_partition); without a site: 0 and no partition.
     gpus_per_node: int | None = bounded(None, ge=0)
     partition: str | None = None
+    image: str | None = None  # a component's own container image (trainer vs rollout); else the stage's `image`
 
 
 @dataclass

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import submitit
 
-from snowcat.containers.wrap import site_mpi_plugin, srun_line, wrap_command
+from snowcat.containers.wrap import hetjob_step, role_images, site_mpi_plugin, wrap_command
 from snowcat.pipeline.config import typed
 from snowcat.pipeline.context import PREEMPTED_EXIT_CODE
 from snowcat.pipeline.dag import StageNode, Unit, build
@@ -346,7 +346,10 @@ class SlurmExecutor(Executor):
 
     def _setup(self, node: StageNode) -> list[str]:
         lines = [f"module load {m}" for m in self.site.modules]
-        if node.config.image and self.site.container_module and self.site.container_module not in self.site.modules:
+        images = (
+            [node.config.image, *role_images(node.config).values()] if node.config.resources.components else [node.config.image]
+        )
+        if any(images) and self.site.container_module and self.site.container_module not in self.site.modules:
             lines.append(f"module load {self.site.container_module}")
         for key, value in self.site.env.items():
             lines.append(f"export {key}={shlex.quote(str(value))}")
@@ -367,11 +370,12 @@ class SlurmExecutor(Executor):
         if not node.config.image or runtime == "none":
             return shlex.quote(sys.executable)
 
-        binds = [str(self.run.path)] + [str(p) for p in (self.site.scratch, self.site.project) if p]
-        gpu = node.config.resources.gpus_per_node > 0 or any(
-            c.gpus_per_node > 0 for c in node.config.resources.components.values()
-        )
-        return shlex.join(wrap_command(["python"], runtime=runtime, image=node.config.image, binds=binds, gpu=gpu))
+        gpu = node.config.resources.gpus_per_node > 0
+        return shlex.join(wrap_command(["python"], runtime=runtime, image=node.config.image, binds=self._binds(), gpu=gpu))
+
+    def _binds(self) -> list[str]:
+        """What a container sees of the host: the run directory, scratch and project storage."""
+        return [str(self.run.path)] + [str(p) for p in (self.site.scratch, self.site.project) if p]
 
     def _launch_args(self, node: StageNode) -> list[str]:
         # Slurm 22.05-23.02 do not hand sbatch's --cpus-per-task down to srun: say it again.
@@ -419,10 +423,22 @@ class SlurmExecutor(Executor):
             comps = [
                 self._resource_options(f"{where}.components.{name}", comp, time_min) for name, comp in res.components.items()
             ]
-            launcher = srun_line(self.site, list(range(len(comps))), [], extra=["--kill-on-bad-exit=1"])
-            return HetjobExecutor(
-                folder, comps, job, launcher, setup=self._setup(node), python=self._python(node), max_num_timeout=max_timeouts
-            )
+            images = list(role_images(node.config).values())
+            gpus = [c.gpus_per_node > 0 for c in res.components.values()]
+
+            def step(python_args: list[str], io: list[str]) -> list[str]:
+                return hetjob_step(
+                    self.site,
+                    self.site.container_runtime,
+                    images,
+                    python_args,
+                    binds=self._binds(),
+                    gpus=gpus,
+                    extra=["--kill-on-bad-exit=1", *io],
+                    host_python=sys.executable,
+                )
+
+            return HetjobExecutor(folder, comps, job, step, setup=self._setup(node), max_num_timeout=max_timeouts)
         python = self._python(node)
         in_batch_step = self.site.launcher != "srun"
         if in_batch_step:

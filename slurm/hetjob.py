@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,9 @@ class HetjobExecutor(submitit.SlurmExecutor):
     `components`: ordered list of per-component sbatch options (already filtered for the site),
     e.g. `[{"partition": "gpu", "nodes": 2, "ntasks-per-node": 4, "gpus-per-node": 4}, ...]`.
     `job_options`: options for the whole job (name, output, signal, dependency, account, ...).
-    `launcher`: the srun line prefix (e.g. from `containers.wrap.srun_line`), ending before the
-    python command that submitit appends.
+    `step(python_args, extra)`: the srun line of the one step over every component, which runs
+    `python PYTHON_ARGS` in each (e.g. `containers.wrap.hetjob_step`: per-role images, MPMD form
+    when they differ); `extra` are srun options for every component (per-rank log files).
     """
 
     def __init__(
@@ -57,7 +59,7 @@ class HetjobExecutor(submitit.SlurmExecutor):
         folder: str | Path,
         components: list[dict],
         job_options: dict,
-        launcher: list[str],
+        step: Callable[[list[str], list[str]], list[str]],
         setup: list[str] = (),
         python: str | None = None,
         max_num_timeout: int = 3,
@@ -67,7 +69,7 @@ class HetjobExecutor(submitit.SlurmExecutor):
             raise ValueError("a heterogeneous job needs at least two components")
         self.components = components
         self.job_options = job_options
-        self.launcher = launcher
+        self.step = step
         self.setup = list(setup)
         # submitit reads the time limit for its timeout bookkeeping from its own parameters.
         self.parameters["time"] = int(job_options.get("time", 5))
@@ -93,13 +95,15 @@ class HetjobExecutor(submitit.SlurmExecutor):
         if self.setup:
             lines += ["", "# setup", *self.setup]
         per_task = str(paths.stdout)  # %j_%t: one log per rank, as submitit does for plain jobs
-        srun = [*self.launcher, "--unbuffered", "--output", per_task, "--error", per_task]
+        srun = self.step(
+            ["-u", "-m", "submitit.core._submit", str(self.folder)], ["--unbuffered", "--output", per_task, "--error", per_task]
+        )
         watch = [sys.executable, "-m", "snowcat.slurm.stepwatch", "--"]  # host python: the launcher runs outside any container
         lines += [
             "",
             "# one step over every component: one MPI world",
             "export SUBMITIT_EXECUTOR=slurm",
-            f"{shlex.join(watch + srun)} {command}",
+            shlex.join(watch + srun),  # submitit's `command` is the step's python, one per component
             "",
         ]
         return "\n".join(lines)

@@ -301,7 +301,9 @@ class RlConfig:
         if self.attempts < 2:  # GRPO included: one attempt is its own group mean, every advantage 0
             yield "attempts", f"{self.estimator} needs at least 2 attempts per task (one attempt has no baseline)"
         yield from _verifier_problems(self.verifier)
-        yield from _engine_problems(self.engine, self.image)
+        roles = getattr(self, "resources", None)
+        role_image = next((c.image for c in roles.components.values() if c.image), None) if roles else None
+        yield from _engine_problems(self.engine, self.image or role_image)  # the rollout role's image carries vLLM
 
 
 # ---------------------------------------------------------------- evaluate and export

@@ -22,7 +22,8 @@ from tests.conftest import write_config
 GOLDEN = Path(__file__).parent / "golden" / "sbatch"
 RUN_DIR = Path("/runs/golden")  # never created: the dry run only renders
 
-# One of each kind of job: a CPU stage, a GPU stage with continuations, a fan-out and a hetjob.
+# One of each kind of job: a CPU stage, a GPU stage in a container with continuations, a fan-out, and
+# a hetjob whose roles run in their own images (Slurm's MPMD step).
 PIPELINE = """
 name: golden
 seed: 1
@@ -49,8 +50,8 @@ stages:
     resources:
       time_min: 60
       components:
-        trainer: {nodes: 1, tasks_per_node: 1}
-        rollout: {nodes: 1, tasks_per_node: 1}
+        trainer: {nodes: 1, tasks_per_node: 1, image: /images/trainer.sif}
+        rollout: {nodes: 1, tasks_per_node: 1, image: /images/rollout.sif}
     resume: {max_continuations: 1}
 """
 

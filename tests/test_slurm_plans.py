@@ -359,3 +359,12 @@ def test_a_failed_element_cancels_the_gate_and_the_stages_after_it(snowcat, sche
     assert after["more[1]"]["own_job_ids"] != state["more[1]"]["own_job_ids"]
     new_last = _jobs(scheduler)[after["last"]["job_ids"][-1]]  # job_ids lists every submission, oldest first
     assert new_last["dependency"] == f"afterok:{after['more']['gate']}"
+
+
+def test_an_image_under_resources_is_refused_naming_where_images_go(snowcat, tmp_path):
+    cfg = write_config(
+        tmp_path / "c.yaml", LOGIN.replace("    where: login\n    domains", "    resources: {image: /x.sif}\n    domains", 1)
+    )
+    proc = snowcat("config", cfg)
+    assert proc.returncode == 2, proc.stderr
+    assert "stages.prep.resources.image: a stage's image is stages.<name>.image" in proc.stderr
