@@ -370,8 +370,16 @@ class SlurmExecutor(Executor):
         if not node.config.image or runtime == "none":
             return shlex.quote(sys.executable)
 
-        gpu = node.config.resources.gpus_per_node > 0
-        return shlex.join(wrap_command(["python"], runtime=runtime, image=node.config.image, binds=self._binds(), gpu=gpu))
+        res = node.config.resources
+        image = self._image(node.config.image, res)
+        return shlex.join(wrap_command(["python"], runtime=runtime, image=image, binds=self._binds(), gpu=res.gpus_per_node > 0))
+
+    def _image(self, image: str | None, res) -> str | None:
+        """An image path for the nodes it runs on: `{cpu_arch}` becomes the partition's CPU
+        architecture, so one config serves aarch64 (Vista, JUPITER) and x86_64 (JUWELS, Frontera)."""
+        if image is None or "{cpu_arch}" not in image:
+            return image
+        return image.replace("{cpu_arch}", self.site.partitions[self._partition(res)].cpu_arch)
 
     def _binds(self) -> list[str]:
         """What a container sees of the host: the run directory, scratch and project storage."""
@@ -423,7 +431,7 @@ class SlurmExecutor(Executor):
             comps = [
                 self._resource_options(f"{where}.components.{name}", comp, time_min) for name, comp in res.components.items()
             ]
-            images = list(role_images(node.config).values())
+            images = [self._image(image, comp) for image, comp in zip(role_images(node.config).values(), res.components.values())]
             gpus = [c.gpus_per_node > 0 for c in res.components.values()]
 
             def step(python_args: list[str], io: list[str]) -> list[str]:

@@ -34,7 +34,7 @@ stages:
   sft:
     kind: sft
     needs: [tasks]
-    image: /images/trainer.sif
+    image: /images/trainer-{cpu_arch}.sif
     resources: {nodes: 2, tasks_per_node: 1, time_min: 60}
     resume: {max_continuations: 1}
   more:
