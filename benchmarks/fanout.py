@@ -7,6 +7,7 @@ For a pipeline `tasks -> sft (fan-out N, resumable, chained continuations) -> la
 1. the submission each site profile would send: sbatch calls, jobs (each array task and each
    continuation counts, as MaxSubmit counts them) per partition against the profile's submit limit,
    and whether snowcat refuses it before queueing anything;
+   (JSC as it is, where a job queues its own successor, and as if it could not);
 2. on JSC's profile, a real submission to a TEST DOUBLE scheduler (tests/fake_slurm: nothing runs;
    it answers sbatch/sacct/scancel/squeue from a JSON file, so this measures snowcat's side only):
    sbatch calls, then `snowcat status` K times: its wall time, scheduler calls and run-directory
@@ -31,10 +32,17 @@ from snowcat.pipeline import config, dag
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.pipeline.rundir import RunDir
 from snowcat.slurm.executor import Job, SlurmExecutor
-from snowcat.slurm.limits import submit_limit
+from snowcat.slurm.limits import LiveLimits, submit_limit
 
 FAKE = Path(__file__).resolve().parent.parent / "tests" / "fake_slurm"
-SITES = ("jsc-juwels-booster", "tacc-vista", "tacc-frontera")
+# (profile, overrides): JSC as it is (a job queues its successor) and as if its compute nodes could not
+# call sbatch (continuations queued up front, as at TACC), Vista and Frontera (no arrays).
+SITES = (
+    ("jsc-juwels-booster", ()),
+    ("jsc-juwels-booster", ("site.sbatch_on_compute=false",)),
+    ("tacc-vista", ()),
+    ("tacc-frontera", ()),
+)
 
 PIPELINE = """
 name: fanout
@@ -52,15 +60,16 @@ stages:
 """
 
 
-def _config(root: Path, n: int, site: str):
+def _config(root: Path, n: int, site: str, overrides: tuple[str, ...]):
     path = root / f"fanout-{n}.yaml"
     path.write_text(PIPELINE.format(parts=list(range(n))))
-    return config.load(path, ["executor.kind=slurm", "site.account=proj"], site=site)
+    return config.load(path, ["executor.kind=slurm", "site.account=proj", *overrides], site=site)
 
 
-def plan(root: Path, n: int, site: str) -> dict:
-    """The submission a site would get, counted without submitting (the executor's own planning)."""
-    cfg = _config(root, n, site)
+def plan(root: Path, n: int, site: str, overrides: tuple[str, ...] = ()) -> dict:
+    """The submission a site would get, counted without submitting (the executor's own planning),
+    against the profile's submit limits only (no cluster is asked)."""
+    cfg = _config(root, n, site, overrides)
     graph = dag.build(cfg)
     ex = SlurmExecutor(RunDir(root / f"plan-{site}-{n}"), graph, cfg)
     ex._live = {}
@@ -75,13 +84,14 @@ def plan(root: Path, n: int, site: str) -> dict:
     for job in jobs:
         for part, k in job.counts().items():
             per_partition[part] = per_partition.get(part, 0) + k
-    limits = {p: submit_limit(ex.site, p)[0] for p in per_partition}
+    limits = {p: submit_limit(ex.site, p, live=LiveLimits())[0] for p in per_partition}
     site_limit = ex.site.max_submit_jobs
     refused = any(lim is not None and per_partition[p] > lim for p, lim in limits.items()) or (
         site_limit is not None and sum(per_partition.values()) > site_limit
     )
     return {
-        "site": site,
+        "site": site + "".join(f" {o}" for o in overrides),
+        "chain": "continuations queued up front" if not ex.self_continuing(graph["sft"]) else "job queues its successor",
         "fan_out": n,
         "sbatch_calls": len(jobs),
         "jobs": sum(per_partition.values()),
@@ -146,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="snowcat-fanout-") as tmp:
         root = Path(tmp)
-        plans = [plan(root, n, site) for site in SITES for n in sizes]
-        print(f"{'site':<20} {'fan-out':>7} {'sbatch':>6} {'jobs':>6}  per partition (limit)  verdict")
+        plans = [plan(root, n, site, overrides) for site, overrides in SITES for n in sizes]
+        print(f"{'site':<52} {'fan-out':>7} {'sbatch':>6} {'jobs':>6}  per partition (limit)  verdict")
         for p in plans:
             parts = ", ".join(f"{k} {v} ({p['limit_per_partition'][k] or '-'})" for k, v in p["jobs_per_partition"].items())
             verdict = "refused before submitting" if p["refused_before_submitting"] else "fits"
-            print(f"{p['site']:<20} {p['fan_out']:>7} {p['sbatch_calls']:>6} {p['jobs']:>6}  {parts}  {verdict}")
+            print(f"{p['site']:<52} {p['fan_out']:>7} {p['sbatch_calls']:>6} {p['jobs']:>6}  {parts}  {verdict}")
         runs = [submit_and_status(root, n, args.statuses) for n in sizes]
     print(f"\n{'fan-out':>7} {'sbatch':>6} {'submit s':>9} {'status s':>9} {'sched calls':>11} {'files rewritten':>15}")
     for r in runs:
