@@ -15,10 +15,13 @@ Outputs in ctx.out_dir:
 Resume: the newest verified checkpoint holds policy, optimizer, RNG and the policy version; data
 order and sampling seeds are functions of (seed, batch index), so pending batches are simply
 regenerated, bit-identically (docs/rl.md).
+Preemption (SIGUSR2/SIGTERM reaching any subset of the ranks): the trainer finishes its step and
+its checkpoint while rollout ranks wait; they leave after it (`stages.rlcore.preempt`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from snowcat.stages.config import RlConfig as Config
 from snowcat.stages.rlcore.episodes import generate_batch
 from snowcat.stages.rlcore.handoff import HandoffError, WeightHandoff, version_for_batch
 from snowcat.stages.rlcore.loop import Trainer
+from snowcat.stages.rlcore.preempt import BYE, FAILED, RolloutControl, TrainerControl, TrainerSignal, log
 from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport, TransportError, rollout_owner
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import serve_checkpoint
@@ -91,8 +95,9 @@ class Rollout:
     """Produces batch k with weights of step max(0, k - lag) loaded through the handoff, on the
     engine `rl.engine` names."""
 
-    def __init__(self, ctx, cfg: Config, pool, handoff, transport):
+    def __init__(self, ctx, cfg: Config, pool, handoff, transport, should_stop=None):
         self.ctx, self.cfg, self.pool = ctx, cfg, pool
+        self.should_stop = should_stop or ctx.checkpoint_due
         self.engine, self.tok, _ = serve_checkpoint(ctx, cfg.init_from, "init_from", cfg.rollout_batch)
         self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (self.tok.end_of_turn_id,))
         self.handoff, self.transport = handoff, transport
@@ -101,7 +106,7 @@ class Rollout:
         self.earlier = read_json(self.stats_path) or {}  # counters of this rank before a restart
 
     def load(self, v: int) -> None:
-        wait = {"timeout_s": self.cfg.timeout_s, "should_stop": self.ctx.checkpoint_due}
+        wait = {"timeout_s": self.cfg.timeout_s, "should_stop": self.should_stop}
         if isinstance(self.engine, TorchEngine):
             self.handoff.load_into(self.engine.model, v, **wait)  # copies the very bytes it verified
         else:
@@ -147,37 +152,66 @@ def run(ctx) -> dict:
         from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
 
         comm = MPI.COMM_WORLD
+    # Preemption in a multi-rank run (stages/rlcore/preempt.py): the trainer's notice is its own
+    # or a rollout rank's; a rollout rank stops when it sees one or the trainer says so.
+    control = None
+    if role == "trainer":
+        control = TrainerControl(comm)
+        ctx = dataclasses.replace(ctx, signal=TrainerSignal(ctx.signal, control))
+        should_stop = ctx.checkpoint_due
+    elif role == "rollout":
+        control = RolloutControl(comm, ctx, cfg.timeout_s)
+        should_stop = control.stop_requested
+    else:
+        should_stop = ctx.checkpoint_due
     if mode == "mpi":
         if comm is None:
             raise UserError("rl.transport=mpi needs a world of at least 2 ranks (1 trainer + rollout ranks)")
-        transport = MPITransport(comm, timeout_s=cfg.timeout_s, should_stop=ctx.checkpoint_due)
+        transport = MPITransport(comm, timeout_s=cfg.timeout_s, should_stop=should_stop)
     else:
-        transport = FileQueueTransport(out / "queue", timeout_s=cfg.timeout_s, should_stop=ctx.checkpoint_due)
+        transport = FileQueueTransport(out / "queue", timeout_s=cfg.timeout_s, should_stop=should_stop)
 
     if role == "rollout":
-        return _run_rollout(ctx, cfg, comm, pool, handoff, transport)
+        return _run_rollout(ctx, cfg, comm, control, pool, handoff, transport)
 
     trainer = Trainer(ctx, cfg, held_out, handoff, transport, comm)
+    trainer.control = control
     if role == "both":
         trainer.local_rollout = Rollout(ctx, cfg, pool, handoff, transport)
     return trainer.run()
 
 
-def _run_rollout(ctx, cfg: Config, comm, pool, handoff, transport) -> dict:
+def _run_rollout(ctx, cfg: Config, comm, control: RolloutControl, pool, handoff, transport) -> dict:
+    """Produce this rank's batches, then wait for the trainer's last word: END (done), BYE (the
+    trainer's checkpoint is saved and it has left: leave too, Preempted) or FAILED."""
     start = comm.bcast(None, root=0)  # the trainer's resumed step: the first batch still needed
-    worker = Rollout(ctx, cfg, pool, handoff, transport)
-    t0, made = time.perf_counter(), 0
+    worker = Rollout(ctx, cfg, pool, handoff, transport, should_stop=control.stop_requested)
+    t0, made, stopped_at = time.perf_counter(), 0, None
     for k in range(start, cfg.updates):
         if rollout_owner(k, first_rollout=1, n_rollout=ctx.world_size - 1) != ctx.rank:  # the file transport has no owner()
             continue
+        if control.stop_requested():
+            stopped_at = k
+            break
         try:
-            if ctx.checkpoint_due():
-                raise HandoffError("preemption notice")
             worker.produce(k)
         except (HandoffError, TransportError):
-            if ctx.checkpoint_due():  # nothing to save: the trainer's checkpoint regenerates this batch
-                raise ctx.Preempted(f"rl rollout rank {ctx.rank}: stopped at batch {k}") from None
-            raise
+            if not control.stop_requested():
+                raise
+            stopped_at = k  # nothing to save: the trainer's checkpoint regenerates this batch
+            break
         made += 1
+    if stopped_at is not None:
+        log(ctx.rank, "rollout", f"stopped at batch {stopped_at}; waiting for the trainer's checkpoint")
+    word = control.wait_for_trainer()
+    if word is not None and word.word == FAILED:
+        raise RuntimeError(f"rl rollout rank {ctx.rank}: the trainer (rank 0) failed; see its traceback")
+    if word is not None and word.word == BYE:
+        log(ctx.rank, "rollout", f"preemption: leaving after the trainer's checkpoint of step {word.step}")
+        raise ctx.Preempted(f"rl rollout rank {ctx.rank}: the trainer checkpointed step {word.step}")
+    if word is None and control.stop:
+        log(ctx.rank, "rollout", f"preemption: no word from the trainer within {cfg.timeout_s:.0f}s (rl.timeout_s); leaving")
+        raise ctx.Preempted(f"rl rollout rank {ctx.rank}: stopped at batch {stopped_at}")
+    # END, or no word after the last batch: this rank is done (exit 0 never gets the trainer killed)
     engine = getattr(worker.engine, "stats", {})
     return {"role": "rollout", "engine": cfg.engine, "batches": made, "seconds": round(time.perf_counter() - t0, 2), **engine}

@@ -4,5 +4,6 @@ handoff.py    trainer publishes weights/step_N (manifest + STABLE); rollout load
 transport.py  send_batch / recv_batch: MPITransport (typed buffers) and FileQueueTransport
 trainer.py    advantages, padded batches, the TIS policy loss under the sampling distribution
 loop.py       the trainer role: resume, update, publish, log, evaluate, checkpoint
+preempt.py    preemption across ranks: the trainer saves while rollout ranks wait, then all leave
 episodes.py   batch k's episodes through stages.agent.run_episodes
 """

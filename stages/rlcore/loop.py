@@ -97,6 +97,7 @@ class Trainer(TrainLoop):
         self.cfg, self.held_out = cfg, held_out
         self.handoff, self.transport, self.comm = handoff, transport, comm
         self.local_rollout = None  # a `Rollout` producing batches in this process (world size 1)
+        self.control = None  # a multi-rank run's `preempt.TrainerControl`: the rollout ranks' way out
         self.out = Path(ctx.out_dir)
         ckpts = self.out / "checkpoints"
         self.init_path = ctx.checkpoint(cfg.init_from, "init_from")
@@ -272,8 +273,22 @@ class Trainer(TrainLoop):
         self.handoff.publish(self.step, self.model)
         if self.comm is not None:
             self.comm.bcast(self.step, root=0)
-        self.train()
+        if self.control is None:
+            return self._train_and_finish()
+        # a multi-rank run: the rollout ranks wait for this rank's last word (stages/rlcore/preempt.py)
+        try:
+            metrics = self._train_and_finish()
+        except self.ctx.Preempted:
+            self.control.preempted(self.step)  # saved: rollout ranks leave after this rank exits
+            raise
+        except BaseException:
+            self.control.failed()
+            raise
+        self.control.finished()
+        return metrics
 
+    def _train_and_finish(self) -> dict:
+        self.train()
         self.checkpoints.finish(meta={"stage": self.ctx.name, "seed": self.ctx.seed})
         history = self.log.records
         metrics = {
