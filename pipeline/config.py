@@ -329,8 +329,15 @@ def _hf_problems(name: str, stage: StageCommon, staged: set[str]) -> Iterator[Pr
             )
 
 
-def _placement_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Problem]:
-    """A login-node stage is one process that `run`/`resume` itself runs: it cannot fan out or span roles."""
+def _slurm_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Problem]:
+    """Where a stage runs and when it hears of the end: the preemption notice must come before the end of
+    the walltime, images are named per stage or role, and a login-node stage is one process that
+    `run`/`resume` itself runs (no fan-out, no roles)."""
+    if stage.resume.signal_margin_s >= stage.resources.time_min * 60:
+        yield (
+            f"stages.{name}.resume.signal_margin_s",
+            f"{stage.resume.signal_margin_s} s is not less than the walltime ({stage.resources.time_min} min): the notice would come at the start",
+        )
     if stage.resources.image:
         yield (
             f"stages.{name}.resources.image",
@@ -352,7 +359,7 @@ def _problems(cfg: RunConfig) -> Iterator[Problem]:
     for name, stage in cfg.stages.items():
         yield from _ref_problems(cfg, name, stage)
         yield from _hf_problems(name, stage, staged)
-        yield from _placement_problems(cfg, name, stage)
+        yield from _slurm_problems(cfg, name, stage)
         for key, problem in stage.problems():
             yield _join(f"stages.{name}", key), problem
 

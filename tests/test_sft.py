@@ -156,3 +156,12 @@ def test_config_validation_names_the_key():
     ]:
         with pytest.raises(UserError, match=f"^{error}"):
             stage_config("sft", change)
+
+
+def test_a_checkpoint_slower_than_half_the_preemption_notice_is_reported_once(tmp_path, tasks_dir, capsys):
+    """A save that outlasts half of resume.signal_margin_s would be cut off at the end of a real job."""
+    sft.run(make_ctx(tmp_path / "a", tasks_dir, eval_tasks=0, resume={"signal_margin_s": 0}))
+    err = capsys.readouterr().err
+    assert err.count("resume.signal_margin_s=0 s before the end of a job: raise it to at least") == 1, err
+    sft.run(make_ctx(tmp_path / "b", tasks_dir, eval_tasks=0))  # 120 s: a test model saves in far less
+    assert "signal_margin_s" not in capsys.readouterr().err

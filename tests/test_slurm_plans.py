@@ -368,3 +368,10 @@ def test_an_image_under_resources_is_refused_naming_where_images_go(snowcat, tmp
     proc = snowcat("config", cfg)
     assert proc.returncode == 2, proc.stderr
     assert "stages.prep.resources.image: a stage's image is stages.<name>.image" in proc.stderr
+
+
+def test_a_preemption_notice_longer_than_the_walltime_is_refused(snowcat, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", LOGIN)
+    proc = snowcat("config", cfg, "stages.tasks.resources.time_min=1", "stages.tasks.resume.signal_margin_s=60")
+    assert proc.returncode == 2, proc.stderr
+    assert "stages.tasks.resume.signal_margin_s: 60 s is not less than the walltime (1 min)" in proc.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -117,6 +118,7 @@ class TrainLoop:
         self.steps, self.save_every, self.eval_every = steps, save_every, eval_every
         self.train_seconds = 0.0  # of this process's run of the loop (a resumed run counts from its restart)
         self.tokens_processed = 0.0  # input tokens stepped over in that time
+        self.margin_warned = False  # said once that a checkpoint outlasts half the preemption notice
 
     # ---------------------------------------------------------------- what a stage provides
 
@@ -151,7 +153,23 @@ class TrainLoop:
         return self.backend.step
 
     def save(self, rec: dict | None = None) -> bool:
-        return self.checkpoints.save(self.client_state(), rec)
+        t0 = time.perf_counter()
+        saved = self.checkpoints.save(self.client_state(), rec)
+        self._check_margin(time.perf_counter() - t0)
+        return saved
+
+    def _check_margin(self, seconds: float) -> None:
+        """Say so when a checkpoint takes more than half the time the preemption notice leaves (the
+        step in progress must finish too): at the end of a job it would be killed half-written."""
+        margin = self.ctx.config.resume.signal_margin_s
+        if seconds > margin / 2 and not self.margin_warned and self.ctx.rank == 0:
+            self.margin_warned = True
+            print(
+                f"[snowcat] {self.ctx.name}: a checkpoint took {seconds:.1f} s, but the preemption notice comes only "
+                f"resume.signal_margin_s={margin} s before the end of a job: raise it to at least {int(2 * seconds) + 1}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _eval_due(self) -> bool:
         return bool(self.eval_every) and (self.step % self.eval_every == 0 or self.step == self.steps)
