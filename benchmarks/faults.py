@@ -50,8 +50,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import yaml
 
+from snowcat.pipeline import procid
 from snowcat.pipeline.fsio import atomic_write_json, sha256_file, verify_manifest
 from snowcat.pipeline.provenance import host_state
+from snowcat.pipeline.rundir import RunDir
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "faults.yaml"
@@ -113,7 +115,7 @@ EXCLUDED = [
     },
     {"what": "DONE markers", "why": "they hold the finishing time and the manifest's hash (above)"},
     {
-        "what": "outside stages/: state.json, run.json, logs/, provenance/, history.h5, locks",
+        "what": "outside stages/: state/, run.json, logs/, provenance/, history.h5, locks",
         "why": "the executor's records (pids, attempts, times, hosts), not stage outputs; run.json and "
         "config.yaml are checked by the faults that damage them",
     },
@@ -748,10 +750,10 @@ class Campaign:
         if where in ("driver", "both"):
             (f.run / ".driver.pid").write_text(str(decoy.pid))
         if where in ("stages", "both"):
-            state = json.loads((f.run / "state.json").read_text())
-            for record in state["stages"].values():
-                record["pid"] = decoy.pid
-            atomic_write_json(f.run / "state.json", state)
+            run = RunDir.open(f.run)
+            recycled = {**procid.identify(), "pid": decoy.pid}  # the decoy's pid, another process's start time
+            for key in run.state()["stages"]:
+                run.update_stage(key, group=recycled, process=recycled)
         rc = wait(_cli("cancel", str(f.run), log=f.log), self.timeout)
         f.params["cancel_rc"] = rc
         time.sleep(0.2)

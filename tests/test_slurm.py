@@ -513,6 +513,7 @@ def test_dry_run_writes_exactly_the_scripts_a_submission_sends(snowcat, slurm_en
         cfg,
         "stages.train.resume.strategy=chain",
         "stages.train.resume.max_continuations=2",
+        "site.sbatch_on_compute=false",  # continuation jobs queued up front, as at TACC
         *on_local_slurm(run_dir),
     )
     dry = snowcat("run", *args, "--dry-run", env=slurm_env)

@@ -64,6 +64,17 @@ def scheduler(tmp_path, monkeypatch) -> Path:
     return state
 
 
+def _in_job(monkeypatch, job_id: str) -> None:
+    """This process as Slurm starts job `job_id` (`123_4`: element 4 of array 123)."""
+    job, _, task = job_id.partition("_")
+    for var in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(var, raising=False)
+    if task:
+        monkeypatch.setenv("SLURM_ARRAY_JOB_ID", job)
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+
+
 def _config(tmp_path: Path, parts: int = 3) -> Path:
     return write_config(tmp_path / "c.yaml", CONFIG.format(parts=list(range(parts))))
 
@@ -100,9 +111,7 @@ def test_chain_continuations_are_owned_per_element(snowcat, scheduler, tmp_path,
     assert last_dep == f"afterany:{more['job_ids'][-1]}"
 
     assert run_unit(run_dir, "tasks") == 0  # the input, run as its job would
-    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", more["job_ids"][0])
-    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
-    monkeypatch.setenv("SLURM_JOB_ID", str(int(more["job_ids"][0]) + 5))
+    _in_job(monkeypatch, f"{more['job_ids'][0]}_0")
     StageJob(str(run_dir), "more", "chain", 3)(0)
 
     states = _task_states(scheduler)
@@ -118,8 +127,7 @@ def test_failed_unit_cancels_its_continuations_and_every_stage_downstream(snowca
     snowcat("run", _config(tmp_path), *PRESUBMITTED, "--run-dir", run_dir, check=True)
     state = RunDir.open(run_dir).state()["stages"]
     # `more[1]` starts while its input is not done (e.g. released by afterany after tasks gave up).
-    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", state["more"]["job_ids"][0])
-    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    _in_job(monkeypatch, f"{state['more']['job_ids'][0]}_1")
     with pytest.raises(RuntimeError, match="more\\[1\\] failed"):
         StageJob(str(run_dir), "more", "chain", 3)(1)
 
@@ -314,8 +322,7 @@ def test_where_jobs_may_queue_their_successor_no_continuation_is_queued_up_front
     assert jobs[gate]["held"] and jobs[state["last"]["job_ids"][0]]["dependency"] == f"afterok:{gate}"
     assert [state[f"more[{i}]"]["own_job_ids"] for i in range(3)] == [[f"{array[0]}_{i}"] for i in range(3)]
 
-    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", array[0])
-    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    _in_job(monkeypatch, f"{array[0]}_0")
     job = StageJob(str(run_dir), "more", "chain", 3, self_continue=True)
     with pytest.raises(SystemExit) as stopped:
         job._continue(run, Unit("more", 0), 0)  # what the job does once element 0 has checkpointed
@@ -327,12 +334,7 @@ def test_where_jobs_may_queue_their_successor_no_continuation_is_queued_up_front
 
     assert run_unit(run_dir, "tasks") == 0
     for i, job_id in ((0, own[-1]), (1, f"{array[0]}_1"), (2, f"{array[0]}_2")):
-        monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
-        monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
-        if "_" in job_id:
-            monkeypatch.setenv("SLURM_ARRAY_JOB_ID", job_id.split("_")[0])
-            monkeypatch.setenv("SLURM_ARRAY_TASK_ID", job_id.split("_")[1])
-        monkeypatch.setenv("SLURM_JOB_ID", job_id.split("_")[0])
+        _in_job(monkeypatch, job_id)
         assert _jobs(scheduler)[gate]["held"], f"released before element {i} finished"
         job(i)
     assert not _jobs(scheduler)[gate]["held"]  # released by the last element
@@ -342,8 +344,7 @@ def test_a_failed_element_cancels_the_gate_and_the_stages_after_it(snowcat, sche
     run_dir = tmp_path / "run"
     snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
     state = RunDir.open(run_dir).state()["stages"]
-    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", state["more"]["job_ids"][0])
-    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    _in_job(monkeypatch, f"{state['more']['job_ids'][0]}_1")
     with pytest.raises(RuntimeError):
         StageJob(str(run_dir), "more", "chain", 3, self_continue=True)(1)  # its input is not done
     states = _task_states(scheduler)
