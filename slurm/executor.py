@@ -136,7 +136,7 @@ class StageJob(submitit.helpers.Checkpointable):
     def _continue(self, run: RunDir, unit: Unit, rank: int) -> None:
         if rank != 0:
             raise SystemExit(PREEMPTED_EXIT_CODE)
-        record = run.state()["stages"].get(unit.key, {})
+        record = run.record(unit.key)
         used = int(record.get("continuations_used", 0))
         if self.strategy == "requeue":
             if used >= self.max_continuations:
@@ -157,7 +157,7 @@ class StageJob(submitit.helpers.Checkpointable):
                 self._contain_failure(run, unit, PREEMPTED_EXIT_CODE)
                 raise RuntimeError(f"stage {unit.key}: out of continuations")
             successor = self._submit_successor(run, unit)
-            own = [*run.state()["stages"].get(unit.key, {}).get("own_job_ids", []), successor]
+            own = [*run.record(unit.key).get("own_job_ids", []), successor]
             run.update_stage(unit.key, status="submitted", continuations_used=used + 1, ended=now(), own_job_ids=own)
         else:  # chain: the unit's next pre-submitted continuation job takes over
             run.update_stage(unit.key, status="submitted", continuations_used=used + 1, ended=now())
@@ -182,7 +182,7 @@ class StageJob(submitit.helpers.Checkpointable):
     def _release_gate(run: RunDir, unit: Unit) -> None:
         """The last unit of a stage to finish lets its dependents start (each unit writes its DONE
         marker before looking, so the last one always sees every marker; a second release is harmless)."""
-        gate = run.state()["stages"].get(unit.stage, {}).get("gate")
+        gate = run.record(unit.stage).get("gate")
         if gate and all(run.is_done(u) for u in build(run.config())[unit.stage].units):
             subprocess.run(["scontrol", "release", gate], check=False, capture_output=True, timeout=60)
 
@@ -190,7 +190,7 @@ class StageJob(submitit.helpers.Checkpointable):
     def _own_continuations(run: RunDir, unit: Unit) -> list[str]:
         """The unit's own chained jobs after this one (`124_2` for element 2 of a continuation array):
         never another element's, which may still need its own."""
-        ids = run.state()["stages"].get(unit.key, {}).get("own_job_ids", [])
+        ids = run.record(unit.key).get("own_job_ids", [])
         me = current_job_id()
         return ids[ids.index(me) + 1 :] if me in ids else []
 
@@ -270,6 +270,31 @@ def queued_jobs_by_partition() -> dict[str, int]:
     for line in proc.stdout.split() if proc.returncode == 0 else []:
         counts[line] = counts.get(line, 0) + 1
     return counts
+
+
+class RowIndex:
+    """sacct rows by job id, so that a unit's rows are found by its own job ids in one lookup each
+    (a 1000-element run's status would otherwise compare every unit with every row)."""
+
+    def __init__(self, rows: dict[str, dict]):
+        self.by_task: dict[tuple[str, str | None], list[dict]] = {}
+        self.pending: dict[str, list[tuple[str, dict]]] = {}  # job -> [(`[0-5%2]`, row)]: tasks not started
+        for jid, row in rows.items():
+            parts = parse_job_id(jid)
+            if parts["task"] is not None and parts["task"].startswith("["):
+                self.pending.setdefault(parts["job"], []).append((parts["task"], row))
+            else:
+                self.by_task.setdefault((parts["job"], parts["task"]), []).append(row)
+
+    def of(self, own_ids: list[str]) -> list[dict]:
+        """The rows of these jobs (`124` whole, `124_2` one element), in the order of `own_ids`."""
+        out = []
+        for own in own_ids:
+            mine = parse_job_id(own)
+            out += self.by_task.get((mine["job"], mine["task"]), [])
+            if mine["task"] is not None:
+                out += [row for spec, row in self.pending.get(mine["job"], []) if _covers(spec, int(mine["task"]))]
+        return out
 
 
 def _covers(task: str | None, index: int) -> bool:
@@ -582,13 +607,14 @@ class SlurmExecutor(Executor):
         waits: dict[str, list[str]] = {}
         self._replace: list[str] = []
         alive_jobs = {parse_job_id(k)["job"] for k in self._live}
+        alive = RowIndex(self._live)
         for node in self.dag:
             if node.name not in stages:
                 continue
             record = state.get(node.name, {})
             live = {k: r for k, r in self._live.items() if parse_job_id(k)["job"] in self._stage_ids(node, state)}
             pending = self.pending_units(node)
-            running = [u for u in pending if self._unit_rows(u, live, self._own_ids(u, state))] if live else []
+            running = [u for u in pending if alive.of(self._own_ids(u, state))] if live else []
             gate = record.get("gate")
             replaced = any(n in records for n in node.needs) or any(
                 "DependencyNeverSatisfied" in r["reason"] for r in live.values()
@@ -734,7 +760,7 @@ class SlurmExecutor(Executor):
             journal.unlink()
 
     def _record(self, node: StageNode, record: StageRecord) -> None:
-        previous = self.run.state()["stages"].get(node.name, {})
+        previous = self.run.record(node.name)
         self.run.update_stage(
             node.name,
             status="submitted",
@@ -844,15 +870,17 @@ class SlurmExecutor(Executor):
         if not rows:
             return
         state = self.run.state()["stages"]
+        index = RowIndex(rows)
         for node in self.dag:
             ids = self._stage_ids(node, state)
             if not ids:
                 continue
-            mine = {k: v for k, v in rows.items() if parse_job_id(k)["job"] in ids}
             for unit in node.units:
                 if self.run.is_done(unit):
                     continue
-                unit_rows = self._unit_rows(unit, mine, state.get(unit.key, {}).get("own_job_ids"))
+                own = self._own_ids(unit, state)
+                # a record without own ids (written before they existed): every row of its stage
+                unit_rows = index.of(own) if own else [r for k, r in rows.items() if parse_job_id(k)["job"] in ids]
                 if not unit_rows:
                     continue
                 states = [r["state"].split()[0] for r in unit_rows]
@@ -877,23 +905,6 @@ class SlurmExecutor(Executor):
                 self.run.update_stage(unit.key, status=status, slurm=info)
                 if unit.index is not None:
                     self.run.update_stage(node.name, status=status, slurm=info)
-
-    @staticmethod
-    def _unit_rows(unit: Unit, rows: dict[str, dict], own_ids: list[str] | None = None) -> list[dict]:
-        """The sacct rows of one unit's own jobs: its array elements (`124_2`, or a pending `124_[0-5]`
-        that covers it), its separate jobs, or (no own ids recorded) every row of the stage."""
-        out = []
-        for jid, row in rows.items():
-            parts = parse_job_id(jid)
-            if not own_ids:
-                out.append(row)
-                continue
-            for own in own_ids:
-                mine = parse_job_id(own)
-                if mine["job"] == parts["job"] and (mine["task"] is None or _covers(parts["task"], int(mine["task"]))):
-                    out.append(row)
-                    break
-        return out
 
     def cancel(self) -> list[str]:
         ids = self.job_ids()
