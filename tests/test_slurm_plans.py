@@ -376,3 +376,20 @@ def test_a_preemption_notice_longer_than_the_walltime_is_refused(snowcat, tmp_pa
     proc = snowcat("config", cfg, "stages.tasks.resources.time_min=1", "stages.tasks.resume.signal_margin_s=60")
     assert proc.returncode == 2, proc.stderr
     assert "stages.tasks.resume.signal_margin_s: 60 s is not less than the walltime (1 min)" in proc.stderr
+
+
+def test_a_preempted_hetjob_queues_its_successor_as_a_hetjob(snowcat, scheduler, tmp_path, monkeypatch):
+    """RL (trainer + rollout components) in the chain form where jobs may call sbatch: the job's own
+    successor is the same heterogeneous job, waiting on it."""
+    demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
+    run_dir = tmp_path / "run"
+    snowcat("run", demo, *JSC, "--run-dir", run_dir, check=True)
+    run = RunDir.open(run_dir)
+    main = run.record("rl")["job_ids"][0]
+    assert run.record("rl")["gate"] and len(_jobs(scheduler)[main]["script"].split("#SBATCH hetjob")) == 2
+    _in_job(monkeypatch, main)
+    with pytest.raises(SystemExit):
+        StageJob(str(run_dir), "rl", "chain", 3, self_continue=True)._continue(run, Unit("rl", None), 0)
+    successor = _jobs(scheduler)[run.record("rl")["own_job_ids"][-1]]
+    assert successor["dependency"] == f"afterany:{main}" and len(successor["tasks"]) == 2  # components +0, +1
+    assert "--het-group=0,1" in successor["script"]
