@@ -90,6 +90,17 @@ def _outside_this_job() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def stage_job_ids(node: StageNode, state: dict) -> set[str]:
+    """Every Slurm job id of a stage: its submissions, its gate, continuations its units queued themselves."""
+    record = state.get(node.name, {})
+    ids = {j for j in record.get("job_ids", []) if not str(j).startswith("local:")}
+    if record.get("gate"):
+        ids.add(record["gate"])
+    for unit in node.units:
+        ids |= {parse_job_id(j)["job"] for j in state.get(unit.key, {}).get("own_job_ids", [])}
+    return ids
+
+
 def scancel(ids: list[str]) -> None:
     if ids:
         subprocess.run(["scancel", *ids], check=False, capture_output=True, timeout=60)
@@ -136,26 +147,17 @@ class StageJob(submitit.helpers.Checkpointable):
     def _continue(self, run: RunDir, unit: Unit, rank: int) -> None:
         if rank != 0:
             raise SystemExit(PREEMPTED_EXIT_CODE)
-        record = run.record(unit.key)
-        used = int(record.get("continuations_used", 0))
+        used = int(run.record(unit.key).get("continuations_used", 0))
+        # (continuations queued up front run out by themselves: the chain has no job left)
+        if (self.strategy == "requeue" or self.self_continue) and used >= self.max_continuations:
+            error = f"stopped before its end {used + 1} times; max_continuations={self.max_continuations}"
+            run.update_stage(unit.key, status="failed", error=error)
+            self._contain_failure(run, unit, PREEMPTED_EXIT_CODE)
+            raise RuntimeError(f"stage {unit.key}: out of continuations")
         if self.strategy == "requeue":
-            if used >= self.max_continuations:
-                run.update_stage(
-                    unit.key,
-                    status="failed",
-                    error=f"walltime reached {used + 1} times; max_continuations={self.max_continuations}",
-                )
-                self._contain_failure(run, unit, PREEMPTED_EXIT_CODE)
-                raise RuntimeError(f"stage {unit.key}: out of continuations")
             run.update_stage(unit.key, status="submitted", continuations_used=used + 1, ended=now())
             submitit.JobEnvironment()._requeue(self.max_continuations - used - 1)
         elif self.self_continue:  # chain: this job queues the unit's next one itself
-            if used >= self.max_continuations:
-                run.update_stage(
-                    unit.key, status="failed", error=f"preempted {used + 1} times; max_continuations={self.max_continuations}"
-                )
-                self._contain_failure(run, unit, PREEMPTED_EXIT_CODE)
-                raise RuntimeError(f"stage {unit.key}: out of continuations")
             successor = self._submit_successor(run, unit)
             own = [*run.record(unit.key).get("own_job_ids", []), successor]
             run.update_stage(unit.key, status="submitted", continuations_used=used + 1, ended=now(), own_job_ids=own)
@@ -202,7 +204,7 @@ class StageJob(submitit.helpers.Checkpointable):
         why = f"input {unit.key} failed (exit {code}, job {current_job_id()}); fix it, then `snowcat resume {run.path}`"
         scancel([g for g in [state.get(unit.stage, {}).get("gate")] if g])  # the stage cannot complete now
         for name in sorted(dag.downstream(unit.stage)):
-            ids = [j for j in state.get(name, {}).get("job_ids", []) if not str(j).startswith("local:")]
+            ids = sorted(stage_job_ids(dag[name], state))
             if not ids or all(run.is_done(u) for u in dag[name].units):
                 continue
             scancel(ids)
@@ -612,7 +614,7 @@ class SlurmExecutor(Executor):
             if node.name not in stages:
                 continue
             record = state.get(node.name, {})
-            live = {k: r for k, r in self._live.items() if parse_job_id(k)["job"] in self._stage_ids(node, state)}
+            live = {k: r for k, r in self._live.items() if parse_job_id(k)["job"] in stage_job_ids(node, state)}
             pending = self.pending_units(node)
             running = [u for u in pending if alive.of(self._own_ids(u, state))] if live else []
             gate = record.get("gate")
@@ -638,16 +640,6 @@ class SlurmExecutor(Executor):
     @staticmethod
     def _own_ids(unit: Unit, state: dict) -> list[str]:
         return state.get(unit.key, {}).get("own_job_ids", [])
-
-    def _stage_ids(self, node: StageNode, state: dict) -> set[str]:
-        """Every job id of a stage: its submissions, its gate, continuations its units queued themselves."""
-        record = state.get(node.name, {})
-        ids = set(record.get("job_ids", []))
-        if record.get("gate"):
-            ids.add(record["gate"])
-        for unit in node.units:
-            ids |= {parse_job_id(j)["job"] for j in self._own_ids(unit, state)}
-        return ids
 
     def dry_run(self, stages: list[str], out: Path) -> list[Path]:
         """Write the batch script of every job `launch` would submit into `out`, after the same checks
@@ -838,7 +830,7 @@ class SlurmExecutor(Executor):
 
     def job_ids(self) -> list[str]:
         state = self.run.state()["stages"]
-        return sorted({j for node in self.dag for j in self._stage_ids(node, state) if not str(j).startswith("local:")})
+        return sorted({j for node in self.dag for j in stage_job_ids(node, state)})
 
     def sacct(self) -> dict[str, dict]:
         """One sacct call for every job of the run: {job id: row}. Array and hetjob rows keep
@@ -872,7 +864,7 @@ class SlurmExecutor(Executor):
         state = self.run.state()["stages"]
         index = RowIndex(rows)
         for node in self.dag:
-            ids = self._stage_ids(node, state)
+            ids = stage_job_ids(node, state)
             if not ids:
                 continue
             for unit in node.units:

@@ -393,3 +393,19 @@ def test_a_preempted_hetjob_queues_its_successor_as_a_hetjob(snowcat, scheduler,
     successor = _jobs(scheduler)[run.record("rl")["own_job_ids"][-1]]
     assert successor["dependency"] == f"afterany:{main}" and len(successor["tasks"]) == 2  # components +0, +1
     assert "--het-group=0,1" in successor["script"]
+
+
+def test_a_unit_out_of_continuations_fails_and_stops_what_follows(snowcat, scheduler, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), *JSC, "stages.more.resume.max_continuations=1", "--run-dir", run_dir, check=True)
+    run = RunDir.open(run_dir)
+    array, gate = run.record("more")["job_ids"][0], run.record("more")["gate"]
+    run.update_stage("more[2]", continuations_used=1)  # it was preempted once already
+    _in_job(monkeypatch, f"{array}_2")
+    with pytest.raises(RuntimeError, match="out of continuations"):
+        StageJob(str(run_dir), "more", "chain", 1, self_continue=True)._continue(run, Unit("more", 2), 0)
+    assert run.record("more[2]")["status"] == "failed"
+    assert "stopped before its end 2 times; max_continuations=1" in run.record("more[2]")["error"]
+    states = _task_states(scheduler)
+    assert states[gate] == "CANCELLED" and states[run.record("last")["job_ids"][0]] == "CANCELLED"
+    assert len(_jobs(scheduler)) == 4  # tasks, the array, its gate, last: no successor was queued
