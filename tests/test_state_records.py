@@ -11,32 +11,17 @@ import time
 
 import pytest
 
+from snowcat.benchmarks.fanout_state import CONFIG as FAN_OUT  # the benchmark's pipeline: a fan-out of tasks
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.fsio import IO, atomic_write_json
 from snowcat.pipeline.rundir import RunDir
 from tests.conftest import write_config
 
-FAN = """
-name: fan
-seed: 3
-stages:
-  tasks:
-    kind: tasks
-    domains:
-      arith: {{count: 10, val_count: 2, difficulties: [1]}}
-  fan:
-    kind: tasks
-    needs: [tasks]
-    fan_out: {{i: [{items}]}}
-    domains:
-      arith: {{count: 10, val_count: 2, difficulties: [1]}}
-"""
-
 
 @pytest.fixture
 def fan_run(tmp_path) -> RunDir:
-    cfg = config_mod.load(write_config(tmp_path / "fan.yaml", FAN.format(items=", ".join(map(str, range(50))))))
+    cfg = config_mod.load(write_config(tmp_path / "fan.yaml", FAN_OUT.format(items=", ".join(map(str, range(50))))))
     return RunDir.create(cfg, tmp_path / "run")
 
 
