@@ -39,9 +39,6 @@ from snowcat.slurm import site as site_mod
 from snowcat.slurm.site import SiteProfile
 from snowcat.stages.config import GPU_KINDS, KINDS
 
-SITES_DIR = Path(__file__).resolve().parent.parent / "slurm" / "sites"
-
-
 # --- stage kinds ---------------------------------------------------------------------------
 
 
@@ -261,11 +258,10 @@ def _resolve_resources(typed: DictConfig) -> None:
         for res in (section.resources, *section.resources.components.values()):
             if site is not None and res.partition is None:
                 res.partition = site.cpu_partition if not gpu_kind and site.cpu_partition else site.default_partition
+            part = site.partitions.get(res.partition) if site is not None and res.partition else None
             if res.gpus_per_node is None:
-                part = site.partitions.get(res.partition) if site is not None and res.partition else None
                 res.gpus_per_node = part.gpus_per_node if gpu_kind and part is not None else 0
             if res.cpus_per_task is None:  # the node is the job's anyway where nodes are not shared
-                part = site.partitions.get(res.partition) if site is not None and res.partition else None
                 whole = site is not None and site.exclusive_nodes and part is not None
                 res.cpus_per_task = max(1, part.cpus_per_node // res.tasks_per_node) if whole else 1
 

@@ -98,9 +98,8 @@ class Component:
 
     nodes: int = bounded(1, ge=1)
     tasks_per_node: int = bounded(1, ge=1)
-    cpus_per_task: int | None = bounded(
-        None, ge=1
-    )  # None: 1, or a whole node's cores split over its tasks where the site allocates whole nodes
+    # None: 1, or a whole node's cores split over its tasks where the site allocates whole nodes.
+    cpus_per_task: int | None = bounded(None, ge=1)
     # None: the stage kind's default, fixed when the config is loaded with a site (GPU kinds get every
     # GPU of their partition, other kinds none; partition: GPU kinds the site's default partition,
     # other kinds its cpu_partition); without a site: 0 and no partition.

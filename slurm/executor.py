@@ -614,7 +614,8 @@ class SlurmExecutor(Executor):
             if node.name not in stages:
                 continue
             record = state.get(node.name, {})
-            live = {k: r for k, r in self._live.items() if parse_job_id(k)["job"] in stage_job_ids(node, state)}
+            ids = stage_job_ids(node, state)
+            live = {k: r for k, r in self._live.items() if parse_job_id(k)["job"] in ids}
             pending = self.pending_units(node)
             running = [u for u in pending if alive.of(self._own_ids(u, state))] if live else []
             gate = record.get("gate")
