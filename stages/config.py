@@ -148,11 +148,29 @@ class TasksConfig:
                 yield f"imports[{i}].test_command", "must contain '{tests}'"
 
 
+# ---------------------------------------------------------------- trainers
+
+
+@dataclass
+class Parallelism:
+    """How a trainer (SFT, RL) spreads the model over its ranks; the data-parallel degree is the rest
+    of the ranks (docs/training.md)."""
+
+    backend: Literal["torch", "deepspeed"] = "torch"  # torch: DDP (or one process); deepspeed: ZeRO
+    zero_stage: Literal[0, 1, 2, 3] = 1  # deepspeed only: 3 shards the parameters too
+    expert_parallel: int = bounded(1, ge=1)  # MoE: each layer's experts sharded over this many ranks
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward
+
+    def parallelism_problems(self) -> Iterator[Problem]:
+        if self.backend == "torch" and self.zero_stage == 3:
+            yield "zero_stage", "ZeRO-3 needs backend: deepspeed"
+
+
 # ---------------------------------------------------------------- sft
 
 
 @dataclass
-class SftConfig:
+class SftConfig(Parallelism):
     model: str = "demo-tiny"  # a stages.model PRESETS name (fresh init), or "hf:<dir or org/name>" (pretrained)
     init_from: str = checkpoint_refs("")  # "<stage>:<checkpoint>" or "hf:..." to continue from instead of `model`
     tokenizer_vocab_size: int = bounded(512, ge=256)  # when training the tokenizer (fresh init only; bytes first)
@@ -171,8 +189,6 @@ class SftConfig:
     # a domain's demonstrations repeated per epoch (data mixing; absent domains: 1). In the demo,
     # arith x3 gave greedy pass@1 arith 0.76 / closure 0.68; x1 gave 0.53 / 0.84.
     domain_repeats: dict[str, int] = field(default_factory=dict)
-    backend: Literal["torch", "deepspeed"] = "torch"
-    zero_stage: Literal[0, 1, 2] = 1  # ZeRO-3 is not supported yet
     save_every: int = bounded(200, ge=0)  # resumable checkpoint period in steps (0 = only at the end / on preemption)
     # resumable checkpoints kept, the newest among them (deletions on checkpoints/retention.json)
     keep_last: int = bounded(2, ge=1)
@@ -189,6 +205,7 @@ class SftConfig:
     def problems(self) -> Iterator[Problem]:
         if not self.init_from and self.model not in PRESETS and not self.model.startswith(HF_PREFIX):
             yield "model", f"{self.model!r} is not a preset ({', '.join(PRESETS)}) or an hf: checkpoint"
+        yield from self.parallelism_problems()
         if self.batch_rows % self.micro_batches:
             yield "batch_rows", f"{self.batch_rows} must be a multiple of micro_batches={self.micro_batches}"
         for domain, n in self.domain_repeats.items():
@@ -249,7 +266,7 @@ class SelectConfig:
 
 
 @dataclass
-class RlConfig:
+class RlConfig(Parallelism):
     init_from: str = checkpoint_refs("sft:final")  # "<needed stage>:<checkpoint>"
     tasks_input: str = "tasks"  # the tasks stage (train split fallback, val split for the quick eval)
     band_input: str = "select"  # the select stage's band.parquet, when that stage is needed
@@ -298,6 +315,7 @@ class RlConfig:
         return ("initial", "final", "best", "step_*")
 
     def problems(self) -> Iterator[Problem]:
+        yield from self.parallelism_problems()
         if self.attempts < 2:  # GRPO included: one attempt is its own group mean, every advantage 0
             yield "attempts", f"{self.estimator} needs at least 2 attempts per task (one attempt has no baseline)"
         yield from _verifier_problems(self.verifier)
