@@ -91,28 +91,29 @@ def _grads_match(ref, model, ep) -> bool:
     return ok
 
 
-def _ep_forward_backward(ep, rank) -> dict:
-    """EP=2 against the unsharded model on each rank's own tokens: outputs and gradients."""
-    out = {}
-    ref, model = _model(), shard_experts(_model(), ep)
-    batch = _batch(seed=rank)
-    loss_ref, o_ref = _loss(ref, batch)
-    loss, o = _loss(model, batch)
-    loss_ref.backward(), loss.backward()
-    out["logprob_diff"] = _max_diff(o.logprobs, o_ref.logprobs)
-    out["hidden_close"] = _close(o.hidden, o_ref.hidden)
-    out["grads_close"] = _grads_match(ref, model, ep)
-    out["shard_shape"] = tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape)
-
-    # every copy routed to rank 0's experts: rank 1 receives nothing, yet backward completes
+def _compare(ref, model, ep, batch, routes=None) -> tuple[float, bool, bool]:
+    """(max logprob difference, hidden states close, gradients close) of one forward/backward."""
     ref.zero_grad(), model.zero_grad()
-    k, layers = MICRO.experts_per_token, MICRO.num_layers
-    routes = torch.tensor([0, 1] * layers).expand(ROWS, T, layers * k)
     loss_ref, o_ref = _loss(ref, batch, routes)
     loss, o = _loss(model, batch, routes)
     loss_ref.backward(), loss.backward()
-    out["starved_logprob_close"] = _close(o.logprobs, o_ref.logprobs)
-    out["starved_grads_close"] = _grads_match(ref, model, ep)
+    return _max_diff(o.logprobs, o_ref.logprobs), _close(o.hidden, o_ref.hidden), _grads_match(ref, model, ep)
+
+
+def _ep_forward_backward(ep, rank) -> dict:
+    """EP=2 against the unsharded model on each rank's own tokens: outputs and gradients."""
+    ref, model = _model(), shard_experts(_model(), ep)
+    batch = _batch(seed=rank)
+    # every copy routed to rank 0's experts: rank 1 receives nothing, yet joins every all-to-all
+    k, layers = MICRO.experts_per_token, MICRO.num_layers
+    starved = torch.tensor([0, 1] * layers).expand(ROWS, T, layers * k)
+    out = {"shard_shape": tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape)}
+    out["routed"] = _compare(ref, model, ep, batch)
+    out["starved"] = _compare(ref, model, ep, batch, starved)
+    # recomputed in backward: the all-to-alls run again there, in the same order on every rank
+    model.set_activation_checkpointing(True)
+    out["checkpointed"] = _compare(ref, model, ep, batch)
+    out["checkpointed_starved"] = _compare(ref, model, ep, batch, starved)
     return out
 
 
@@ -238,10 +239,10 @@ def two_ranks(tmp_path_factory):
 def test_ep2_equals_unsharded_in_outputs_and_gradients(two_ranks):
     for r in two_ranks:
         f = r["forward"]
-        assert f["shard_shape"] == (2, 2 * MICRO.moe_intermediate_size, MICRO.hidden_size)  # 2 of 4 experts
-        assert f["logprob_diff"] <= 1e-5
-        assert f["hidden_close"] and f["grads_close"]
-        assert f["starved_logprob_close"] and f["starved_grads_close"]
+        assert f.pop("shard_shape") == (2, 2 * MICRO.moe_intermediate_size, MICRO.hidden_size)  # 2 of 4 experts
+        for case, (logprob_diff, hidden_close, grads_close) in f.items():
+            assert logprob_diff <= 1e-5, case
+            assert hidden_close and grads_close, case
 
 
 def test_full_layout_round_trip_is_exact(two_ranks):
