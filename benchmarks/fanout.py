@@ -53,7 +53,7 @@ stages:
   sft:
     kind: sft
     needs: [tasks]
-    fan_out: {{part: {parts}}}
+    fan_out: {{replica: {parts}}}
   last:
     kind: tasks
     needs: [sft]

@@ -45,7 +45,7 @@ stages:
   fan:
     kind: tasks
     needs: [tasks]
-    fan_out: {{i: [{items}]}}
+    fan_out: {{replica: [{items}]}}
     domains:
       arith: {{count: 10, val_count: 2, difficulties: [1]}}
 """

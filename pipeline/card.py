@@ -23,6 +23,7 @@ from .fsio import atomic_write_text, checkpoint_dir, read_json, sha256_file
 from .provenance import record_path
 from .rundir import RunDir
 from .scrub import scrub_text
+from .sweep import ref_unit, unit_path
 
 NR = "not recorded"
 TRAINING_KINDS = ("sft", "rl")
@@ -225,12 +226,10 @@ def _diff(d: dict | None) -> str:
 
 def _resolve(f: Facts, ref: str) -> Path | None:
     """The directory a checkpoint reference names now (`rl:best` is a file naming a step)."""
-    stage, _, name = ref.partition(":")
-    if stage not in f.dag.nodes:
-        return None
     try:
-        return checkpoint_dir(f.stage_dir(stage), name).resolve()
-    except UserError:
+        stage, index, name = ref_unit(ref, {n: node.config for n, node in f.dag.nodes.items()})
+        return checkpoint_dir(unit_path(f.stage_dir(stage), index), name).resolve()
+    except (ValueError, UserError):
         return None
 
 

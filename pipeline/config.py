@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from snowcat.pipeline import scrub
+from snowcat.pipeline import scrub, sweep
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.schema import (
     HF_PREFIX,
@@ -291,12 +291,14 @@ def _ref_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Pro
         value = getattr(stage, field_name)
         refs += [(f"stages.{name}.{field_name}", ref) for ref in ([value] if isinstance(value, str) else value)]
     if fields:
-        refs += [(f"stages.{name}.fan_out.checkpoint", ref) for ref in stage.fan_out.get("checkpoint", [])]
+        for swept in [*fields, "checkpoint"]:
+            refs += [(f"stages.{name}.fan_out.{swept}", ref) for ref in stage.fan_out.get(swept, [])]
     for key, ref in refs:
         if ref == "" or ref.startswith(HF_PREFIX):
             continue  # "": the stage's documented default choice; hf: sources are checked apart
         try:
-            needed, ckpt = parse_checkpoint_ref(ref)
+            stage_part, ckpt = parse_checkpoint_ref(ref)
+            needed, selector = sweep.parse_unit_selector(stage_part)
         except ValueError as e:
             yield key, str(e)
             continue
@@ -306,6 +308,13 @@ def _ref_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Pro
         if needed not in cfg.stages:
             continue  # the unknown stage in needs is reported by the DAG
         producer = cfg.stages[needed]
+        try:
+            sweep.select_unit(needed, sweep.fan_out_items(producer.fan_out, f"stages.{needed}"), selector)
+        except ValueError as e:
+            yield key, str(e)
+            continue
+        except UserError:
+            continue  # a malformed fan-out is reported by the DAG
         names = producer.checkpoint_names()
         if names is None:
             yield key, f"{ref!r}: stage {needed!r} (kind {producer.kind}) writes no checkpoints"
@@ -368,12 +377,41 @@ def _check_values(cfg: DictConfig, label: str, source_of) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UserError(f"{label}: {missing[0]}: missing required value")
-    problems = list(_problems(typed(cfg)))
+    run = typed(cfg)
+    problems = list(_fan_out_problems(cfg, run)) or list(_problems(run))
     if problems:
         key, problem = problems[0]
         key = key.lstrip(".")
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         raise UserError(f"{source_of(key)}: {key}: {problem}{more}")
+
+
+def _fan_out_problems(cfg: DictConfig, run: RunConfig) -> Iterator[Problem]:
+    """Fan-out keys nothing reads; then a sweep's variants, each checked like a stage section on its own
+    (`attempts: [1, 8]` is refused for its first variant, not discovered when that unit runs). First,
+    as the references to a stage's units depend on them."""
+    keys = [(f"stages.{name}.fan_out.{k}", sweep.fan_out_problem(s, k)) for name, s in run.stages.items() for k in s.fan_out]
+    if any(problem for _, problem in keys):
+        yield from ((key, problem) for key, problem in keys if problem)
+        return
+    for name, stage in run.stages.items():
+        keys = sweep.sweep_keys(stage)
+        if not keys:
+            continue
+        for item in sweep.fan_out_items(stage.fan_out, f"stages.{name}"):
+            values = {k: item[k] for k in keys}
+            variant = OmegaConf.to_object(sweep.unit_section(cfg, name, item))
+            label = ", ".join(f"{k}={v}" for k, v in values.items())
+            for key, problem in [*range_problems(variant, ""), *variant.problems(), *_ref_problems(run, name, variant)]:
+                yield (
+                    f"stages.{name}.fan_out",
+                    f"the unit with {label}: {key.lstrip('.').removeprefix(f'stages.{name}.')}: {problem}",
+                )
+
+
+def unit_config(cfg: DictConfig, name: str, item: dict | None):
+    """The typed config one unit of a stage runs with: the stage's section with its sweep values."""
+    return OmegaConf.to_object(sweep.unit_section(cfg, name, item))
 
 
 def resolve(cfg: DictConfig, label: str = "config") -> DictConfig:

@@ -17,7 +17,8 @@ from typing import Any
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import checkpoint_dir
-from snowcat.pipeline.schema import HF_PREFIX, RunConfig, parse_checkpoint_ref, resolve_hf
+from snowcat.pipeline.schema import HF_PREFIX, RunConfig, resolve_hf
+from snowcat.pipeline.sweep import ref_unit, unit_path
 
 from .unitprogress import PROGRESS_FILE, ProgressReporter
 
@@ -122,13 +123,13 @@ class StageContext:
                 )
             return path
         try:
-            stage, name = parse_checkpoint_ref(ref)
+            stage, index, name = ref_unit(ref, self.run_config.stages if self.run_config else None)
         except ValueError as e:
             raise UserError(f"{where}: {e}") from None
         if stage not in self.inputs:
             raise UserError(f"{where}: {ref!r} names stage {stage!r}, which is not in needs ({', '.join(self.inputs) or 'none'})")
         try:
-            return checkpoint_dir(self.inputs[stage], name)
+            return checkpoint_dir(unit_path(self.inputs[stage], index), name)
         except UserError as e:
             raise UserError(f"{where}: {ref!r}: {e}") from None
 

@@ -6,7 +6,6 @@ stage's fan-out (the cartesian product of its `fan_out` lists, in key order).
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ from snowcat.pipeline.schema import RunConfig, StageCommon
 
 from .config import typed
 from .errors import UserError
+from .sweep import fan_out_items
 
 
 @dataclass(frozen=True)
@@ -72,19 +72,6 @@ class Dag:
                     out.add(node.name)
                     frontier.append(node.name)
         return out
-
-
-def fan_out_items(fan_out: dict[str, list], where: str) -> list[dict[str, Any]] | None:
-    if not fan_out:
-        return None
-    keys = list(fan_out.keys())
-    values = []
-    for k in keys:
-        v = fan_out[k]
-        if not isinstance(v, list) or not v:
-            raise UserError(f"{where}.fan_out.{k}: expected a non-empty list")
-        values.append(v)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
 
 
 def build(cfg: DictConfig | RunConfig) -> Dag:

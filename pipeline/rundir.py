@@ -50,6 +50,7 @@ from .fsio import (
     write_manifest,
 )
 from .scrub import scrub_text
+from .sweep import unit_path
 
 DONE = "DONE"
 STATUSES = ("pending", "submitted", "running", "done", "failed", "cancelled", "modified", "stale")
@@ -333,8 +334,7 @@ class RunDir:
         return self.path / "stages" / stage
 
     def unit_dir(self, unit: Unit) -> Path:
-        base = self.stage_dir(unit.stage)
-        return base if unit.index is None else base / f"{unit.index:04d}"
+        return unit_path(self.stage_dir(unit.stage), unit.index)
 
     def log_path(self, unit: Unit) -> Path:
         return self.path / "logs" / f"{unit.key}.log"

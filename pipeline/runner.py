@@ -19,7 +19,7 @@ import numpy as np
 from submitit.slurm.slurm import _parse_node_list
 
 from . import config as config_mod
-from . import procid, provenance
+from . import procid, provenance, sweep
 from .context import PREEMPTED_EXIT_CODE, Preempted, StageContext
 from .dag import StageNode, Unit, build
 from .errors import UserError
@@ -80,16 +80,18 @@ def _check_het_group(stage: str, group: int, role: str) -> None:
 def make_context(run: RunDir, node: StageNode, unit: Unit, cfg) -> StageContext:
     rank, world, role = rank_and_role(node)
     run_config = config_mod.typed(cfg)
+    item = None if unit.index is None else node.items[unit.index]
     return StageContext(
         name=node.name,
         kind=node.kind,
-        config=run_config.stages[node.name],
+        config=run_config.stages[node.name] if item is None else config_mod.unit_config(cfg, node.name, item),
         run_config=run_config,
         run_dir=run.path,
         out_dir=run.unit_dir(unit),
         inputs={need: run.stage_dir(need) for need in node.needs},
-        seed=config_mod.stage_seed(cfg.seed, node.name, unit.index),
-        item=None if unit.index is None else node.items[unit.index],
+        # a sweep's variants share the seed (common random numbers); replicas differ by theirs
+        seed=config_mod.stage_seed(cfg.seed, node.name, sweep.replica_index(node.config.fan_out, item)),
+        item=item,
         item_index=unit.index,
         rank=rank,
         world_size=world,

@@ -516,7 +516,7 @@ class SlurmExecutor(Executor):
         """The batch script of one job of this stage (nothing is submitted or written): `items` makes
         it an array over those elements (all pending ones by default, for a fan-out stage)."""
         ex = self.executor_for(node, dependency)
-        if items is None and node.items is not None and self.site.arrays_allowed:
+        if items is None and node.items is not None and self.arrays(node):
             items = [u.index for u in node.units][: self.site.max_array_size]
         if items is not None:
             ex.parameters["map_count"] = len(items)
@@ -560,13 +560,18 @@ class SlurmExecutor(Executor):
 
     # planning ------------------------------------------------------------------------------------
 
+    def arrays(self, node: StageNode) -> bool:
+        """Whether a fan-out stage goes as job arrays: not where the site has none, nor for a hetjob
+        (Slurm has no arrays of heterogeneous jobs): one job per element then."""
+        return self.site.arrays_allowed and not node.config.resources.components
+
     def _groups(self, node: StageNode, pending: list[Unit]) -> list[tuple[list[int] | None, bool]]:
         """(items, as an array) per job of one round: the whole stage, arrays of at most
         max_array_size elements, or one job per element where the site has no arrays."""
         if node.items is None:
             return [(None, False)]
         indices = [u.index for u in pending]
-        if not self.site.arrays_allowed:
+        if not self.arrays(node):
             return [([i], False) for i in indices]
         size = self.site.max_array_size
         return [(indices[k : k + size], True) for k in range(0, len(indices), size)]

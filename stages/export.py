@@ -36,7 +36,6 @@ from safetensors.torch import load_file, save_file
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, checkpoint_dir, read_json, sha256_file, write_manifest
-from snowcat.pipeline.schema import HF_PREFIX, parse_checkpoint_ref
 from snowcat.stages.model import hf_state_dict, load_model_dir
 from snowcat.stages.model.hf import hf_config_dict
 from snowcat.stages.model.io import _write_tensors
@@ -63,14 +62,10 @@ def _step_dir(ckpts: Path, step: int) -> Path | None:
     return None
 
 
-def choose_checkpoint(inputs: dict[str, Path], ref: str = "") -> tuple[Path, dict]:
-    """(checkpoint dir, record of the choice: ref, reason, and the ledger facts it rests on)."""
+def choose_checkpoint(inputs: dict[str, Path]) -> tuple[Path, dict]:
+    """The checkpoint to export when the config names none: (its dir, record of the choice: ref,
+    reason, and the ledger facts it rests on)."""
 
-    if ref:
-        stage, name = parse_checkpoint_ref(ref)
-        if stage not in inputs:
-            raise UserError(f"export.checkpoint: {ref!r} names stage {stage!r}, which is not in needs ({sorted(inputs)})")
-        return checkpoint_dir(inputs[stage], name), {"ref": ref, "reason": "named in the export stage's config"}
     trained = sorted(s for s, p in inputs.items() if (Path(p) / "checkpoints").is_dir())
     if len(trained) != 1:
         raise UserError(
@@ -338,13 +333,13 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
 def run(ctx) -> dict:
     cfg = ctx.config
     torch.set_num_threads(ctx.threads)
-    if cfg.checkpoint.startswith(HF_PREFIX):  # a pretrained checkpoint as it is: the round trip
+    if cfg.checkpoint:  # named (a pretrained hf: one is exported as it is: the round trip)
         src, choice = (
             ctx.checkpoint(cfg.checkpoint, "checkpoint"),
             {"ref": cfg.checkpoint, "reason": "named in the export stage's config"},
         )
     else:
-        src, choice = choose_checkpoint(dict(ctx.inputs), cfg.checkpoint)
+        src, choice = choose_checkpoint(dict(ctx.inputs))
     out = Path(ctx.out_dir)
     conversion = convert(src, out / "model", cfg.dtype, cfg.max_shard_mb << 20, cfg.debug_corrupt)
     architecture = read_json(out / "model" / "config.json")["architectures"][0]

@@ -21,11 +21,11 @@ def test_topological_order_follows_needs():
 
 
 def test_fan_out_is_a_cartesian_product():
-    d = dag.build(config.load(DEMO, ["stages.tasks.fan_out.ckpt=[a,b]", "stages.tasks.fan_out.bench=[x,y,z]"]))
-    node = d["tasks"]
+    d = dag.build(config.load(DEMO, ["stages.probe.fan_out.temperature=[0.5,1.0]", "stages.probe.fan_out.replica=[x,y,z]"]))
+    node = d["probe"]
     assert len(node.units) == 6
-    assert node.items[0] == {"ckpt": "a", "bench": "x"} and node.items[5] == {"ckpt": "b", "bench": "z"}
-    assert [u.key for u in node.units][:2] == ["tasks[0]", "tasks[1]"]
+    assert node.items[0] == {"temperature": 0.5, "replica": "x"} and node.items[5] == {"temperature": 1.0, "replica": "z"}
+    assert [u.key for u in node.units][:2] == ["probe[0]", "probe[1]"]
 
 
 def test_cycle_is_reported_with_its_path():

@@ -40,7 +40,7 @@ stages:
   more:
     kind: tasks
     needs: [tasks]
-    fan_out: {part: [a, b, c]}
+    fan_out: {replica: [a, b, c]}
     resources: {time_min: 30}
     resume: {strategy: none}
   rl:

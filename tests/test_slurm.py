@@ -40,7 +40,7 @@ stages:
     kind: tasks
     needs: [tasks]
     resources: {{time_min: 5}}
-    fan_out: {{part: [a, b, c]}}
+    fan_out: {{replica: [a, b, c]}}
     domains:
       arith: {{count: 50, val_count: 5, difficulties: [3]}}
 """
@@ -128,7 +128,7 @@ def test_fan_out_of_200_is_one_array_in_one_sbatch(snowcat, slurm_env, tmp_path)
         "run",
         cfg,
         *SLOW_TASKS,
-        "stages.more.fan_out.part=[" + ",".join(map(str, range(200))) + "]",
+        "stages.more.fan_out.replica=[" + ",".join(map(str, range(200))) + "]",
         "stages.more.max_parallel=8",
         *on_local_slurm(run_dir),
         env=slurm_env,
@@ -224,7 +224,7 @@ def _render(site: str, overrides: list[str], stage: str = "tasks") -> str:
 @pytest.mark.parametrize("site", list_sites())
 def test_rendering_never_emits_a_rejected_option(site):
     profile = load_site(site)
-    text = _render(site, ["stages.tasks.fan_out.x=[1,2]", "stages.tasks.resources.nodes=1"])
+    text = _render(site, ["stages.tasks.fan_out.replica=[1,2]", "stages.tasks.resources.nodes=1"])
     flags = re.findall(r"^#SBATCH --([a-z-]+)", text, flags=re.M)
     rejected = {o.lstrip("-") for o in profile.rejected_options}
     assert flags and not rejected & set(flags), (site, rejected & set(flags))
@@ -348,7 +348,7 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
 FAN_OUT_SFT = (
     SFT
     + """\
-    fan_out: {{part: [a, b, c]}}
+    fan_out: {{replica: [a, b, c]}}
   last:
     kind: tasks
     needs: [sft]

@@ -42,7 +42,7 @@ stages:
     eval_tasks: 0
     threads: 1
     resources: {{time_min: 5}}
-    fan_out: {{part: {parts}}}
+    fan_out: {{replica: {parts}}}
   last:
     kind: tasks
     needs: [more]
@@ -286,7 +286,7 @@ def test_login_stages_run_in_the_submitting_process_before_the_jobs_that_need_th
 def test_login_stage_cannot_fan_out(snowcat, tmp_path):
     cfg = write_config(
         tmp_path / "c.yaml",
-        LOGIN.replace("    where: login\n    domains", "    where: login\n    fan_out: {x: [1, 2]}\n    domains", 1),
+        LOGIN.replace("    where: login\n    domains", "    where: login\n    fan_out: {replica: [1, 2]}\n    domains", 1),
     )
     proc = snowcat("config", cfg)
     assert proc.returncode == 2 and "stages.prep.where: a login-node stage cannot fan out" in proc.stderr, proc.stderr
@@ -409,3 +409,25 @@ def test_a_unit_out_of_continuations_fails_and_stops_what_follows(snowcat, sched
     states = _task_states(scheduler)
     assert states[gate] == "CANCELLED" and states[run.record("last")["job_ids"][0]] == "CANCELLED"
     assert len(_jobs(scheduler)) == 4  # tasks, the array, its gate, last: no successor was queued
+
+
+def test_a_swept_hetjob_stage_is_one_hetjob_per_variant(snowcat, scheduler, tmp_path):
+    """Slurm has no arrays of heterogeneous jobs: a sweep of the demo's RL (trainer + rollout
+    components) is one hetjob per variant, each its unit's own, and the stages after it wait for all."""
+    demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
+    run_dir = tmp_path / "run"
+    sweep = [
+        "stages.rl.fan_out={estimator: [grpo, rloo_n]}",
+        "stages.eval.checkpoints=['rl[estimator=grpo]:final', 'rl[estimator=rloo_n]:final']",
+        "stages.eval_greedy.checkpoints=['rl[0]:final']",
+        "stages.export.checkpoint='rl[1]:best'",
+    ]
+    snowcat("run", demo, *sweep, *JSC, "--run-dir", run_dir, check=True)
+    run = RunDir.open(run_dir)
+    jobs = _jobs(scheduler)
+    owned = [run.record(f"rl[{i}]")["own_job_ids"] for i in range(2)]
+    assert all(len(ids) == 1 for ids in owned) and owned[0] != owned[1]
+    for (job_id,) in owned:
+        assert not jobs[job_id]["array"] and len(jobs[job_id]["script"].split("#SBATCH hetjob")) == 2
+    gate = run.record("rl")["gate"]
+    assert f"afterok:{gate}" in jobs[run.record("eval")["job_ids"][0]]["dependency"].split(",")

@@ -1,0 +1,131 @@
+"""Sweeps vary what they say: a fan-out over a stage's own keys gives each unit that variant's config
+and nothing else (not even another seed); keys nothing reads are refused at load; later stages name
+one unit as `<stage>[key=value]:<checkpoint>`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from snowcat.pipeline import config as config_mod
+from snowcat.pipeline.dag import Unit, build
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import read_json
+from snowcat.pipeline.rundir import RunDir
+from snowcat.pipeline.runner import make_context
+from tests.conftest import TINY, write_config
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "configs" / "demo.yaml"
+RL_SWEEP = ["stages.rl.fan_out={estimator: [grpo, rloo_n], tis_cap: [1.0, 2.0]}"]
+# the demo's later stages name rl's checkpoints: with rl fanned out each must name one unit
+NAME_ONE = [
+    "stages.eval.checkpoints=['sft:final', 'rl[estimator=grpo,tis_cap=1.0]:final', 'rl[3]:final']",
+    "stages.eval_greedy.checkpoints=['rl[estimator=rloo_n,tis_cap=2.0]:final']",
+    "stages.export.checkpoint='rl[estimator=rloo_n,tis_cap=2.0]:best'",
+]
+
+
+def _fields(section) -> dict:
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name != "fan_out"}
+
+
+def test_each_unit_of_a_sweep_runs_its_variant_and_only_that_differs(tmp_path):
+    cfg = config_mod.load(DEMO, RL_SWEEP + NAME_ONE)
+    node = build(cfg)["rl"]
+    assert len(node.units) == 4
+    run = RunDir.create(cfg, tmp_path / "run")
+    base = _fields(config_mod.typed(cfg).stages["rl"])
+    contexts = [make_context(run, node, unit, cfg) for unit in node.units]
+    for ctx, item in zip(contexts, node.items, strict=True):
+        assert ctx.item == item
+        variant = _fields(ctx.config)
+        assert (variant["estimator"], variant["tis_cap"]) == (item["estimator"], item["tis_cap"])
+        assert {k for k in base if base[k] != variant[k]} <= {"estimator", "tis_cap"}
+    # the variants differ by nothing else, not even the seed (common random numbers)
+    assert len({ctx.seed for ctx in contexts}) == 1
+    assert {(c.config.estimator, c.config.tis_cap) for c in contexts} == {(e, c) for e in ("grpo", "rloo_n") for c in (1.0, 2.0)}
+
+
+def test_replicas_differ_by_their_seed_only(tmp_path):
+    cfg = config_mod.load(DEMO, ["stages.probe.fan_out={temperature: [0.5, 1.0], replica: [0, 1]}"])
+    node = build(cfg)["probe"]
+    run = RunDir.create(cfg, tmp_path / "run")
+    seeds = {(u.index, make_context(run, node, u, cfg).seed) for u in node.units}
+    by_replica = {}
+    for index, seed in seeds:
+        by_replica.setdefault(node.items[index]["replica"], set()).add(seed)
+    assert all(len(s) == 1 for s in by_replica.values())  # a replica's variants share the seed
+    assert by_replica[0] != by_replica[1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "says"),
+    [
+        (["stages.rl.fan_out.part=[a,b]"], "stages.rl.fan_out.part", "not a key of a rl stage"),
+        (["stages.rl.fan_out={resources.nodes: [1, 2]}"], "stages.rl.fan_out.resources.nodes", "shared by the whole fan-out"),
+        (["stages.rl.fan_out.lr=[abc]"], "stages.rl.fan_out.lr", "abc"),
+        (["stages.rl.fan_out.attempts=[1, 4]"], "stages.rl.fan_out", "the unit with attempts=1: attempts"),
+        (RL_SWEEP, "stages.eval.checkpoints", "fans out into 4 units: name one, e.g. rl[estimator=grpo,tis_cap=1.0]"),
+        (RL_SWEEP + ["stages.eval.checkpoints=['rl[estimator=grpo]:final']"], "stages.eval.checkpoints", "matches 2 units"),
+        (RL_SWEEP + ["stages.eval.checkpoints=['rl[7]:final']"], "stages.eval.checkpoints", "units 0..3, not 7"),
+        (["stages.eval.checkpoints=['sft[0]:final']"], "stages.eval.checkpoints", "does not fan out"),
+    ],
+)
+def test_bad_sweeps_and_unit_names_are_refused_at_load(overrides, key, says):
+    with pytest.raises(UserError) as e:
+        config_mod.load(DEMO, overrides)
+    message = str(e.value)
+    assert "\n" not in message
+    assert key in message and says in message, message
+
+
+def test_the_cli_refuses_a_key_nothing_reads_with_exit_2(snowcat):
+    proc = snowcat("config", DEMO, "stages.rl.fan_out.part=[a,b]")
+    assert proc.returncode == 2
+    assert "stages.rl.fan_out.part" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+SWEEP_RUN = (
+    TINY.replace("steps: 20", "steps: 6").replace("save_every: 10", "save_every: 0")
+    + """\
+    fan_out: {lr: [0.005, 0.001]}
+  eval:
+    kind: evaluate
+    needs: [tasks, sft]
+    checkpoints: ["sft[lr=0.005]:final", "sft[1]:final"]
+    limit: 6
+    attempts: 2
+    pass_k: [1]
+    max_tokens: 8
+    bootstrap_samples: 50
+"""
+)
+
+
+@pytest.mark.slow
+def test_a_swept_stage_runs_each_variant_and_evaluate_compares_them(snowcat, tmp_path):
+    cfg = write_config(tmp_path / "sweep.yaml", SWEEP_RUN)
+    run_dir = tmp_path / "run"
+    snowcat("run", cfg, "--run-dir", run_dir, check=True)
+    sft = run_dir / "stages" / "sft"
+    peak = {}
+    for index in (0, 1):
+        rows = [json.loads(line) for line in (sft / f"{index:04d}" / "metrics_history.jsonl").read_text().splitlines()]
+        peak[index] = max(r["lr"] for r in rows)
+    assert peak[0] == pytest.approx(5 * peak[1])  # each unit trained with its own lr, same schedule
+    results = read_json(run_dir / "stages" / "eval" / "results.json")
+    scored = results["checkpoints"]
+    assert Path(scored["sft[lr=0.005]:final"]["path"]).resolve() == (sft / "0000" / "checkpoints" / "final").resolve()
+    assert Path(scored["sft[1]:final"]["path"]).resolve() == (sft / "0001" / "checkpoints" / "final").resolve()
+    assert "sft[1]:final - sft[lr=0.005]:final" in results["comparisons"]  # paired, on the same tasks
+
+
+def test_an_unswept_stage_keeps_its_own_config_object(tmp_path):
+    cfg = config_mod.load(DEMO)
+    run = RunDir.create(cfg, tmp_path / "run")
+    ctx = make_context(run, build(cfg)["rl"], Unit("rl"), cfg)
+    assert ctx.config == ctx.run_config.stages["rl"]
