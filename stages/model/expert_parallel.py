@@ -152,11 +152,8 @@ def sharded_layers(model: nn.Module) -> list[ShardedExperts]:
 
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The sharded (rank-specific) parameters by their names in `model.named_parameters()`."""
-    return {name: p for name, p in model.named_parameters() if name.rpartition(".")[0] in _sharded_names(model)}
-
-
-def _sharded_names(model: nn.Module) -> set[str]:
-    return {name for name, m in model.named_modules() if isinstance(m, ShardedExperts)}
+    sharded = {name for name, m in model.named_modules() if isinstance(m, ShardedExperts)}
+    return {name: p for name, p in model.named_parameters() if name.rpartition(".")[0] in sharded}
 
 
 def exclude_experts_from_ddp(model: nn.Module) -> None:
