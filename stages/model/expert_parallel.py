@@ -257,7 +257,8 @@ def shard_optimizer_state(state: dict, optimizer: torch.optim.Optimizer, model: 
         m = owner.get(id(p))
         if m is not None and i in out["state"]:
             full_shape = (m.total, *p.shape[1:])
-            out["state"][i] = {k: v[m.rows] if _like(v, full_shape) else v for k, v in out["state"][i].items()}
+            # cloned: a view would keep the whole full tensor alive in the optimizer
+            out["state"][i] = {k: v[m.rows].clone() if _like(v, full_shape) else v for k, v in out["state"][i].items()}
     return out
 
 
