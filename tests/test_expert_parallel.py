@@ -124,6 +124,8 @@ def _round_trip(ep, rank, tmp) -> dict:
         full = hf_state_dict(model)
         if rank == 0:
             save_model_dir(os.path.join(tmp, "ep"), model)
+        with pytest.raises(RuntimeError, match="cannot run inside full_experts"):
+            model(_batch(seed=rank)["input_ids"])
     out = {
         "gathered_exact": full.keys() == hf_state_dict(ref).keys()
         and all(torch.equal(full[k], v) for k, v in hf_state_dict(ref).items())

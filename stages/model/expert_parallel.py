@@ -117,6 +117,8 @@ class ShardedExperts(Experts):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         P, local, group = self.ep.size, self.num_experts, self.ep.group
+        if self.gate_up_proj.shape[0] != local:  # would silently run the wrong experts
+            raise RuntimeError("a sharded MoE layer cannot run inside full_experts(): evaluate a model loaded unsharded")
         # send[d, j]: copies for rank d's j-th expert; recv[s, j]: copies rank s sends for my j-th
         send = counts.view(P, local).contiguous()
         recv = torch.empty_like(send)
