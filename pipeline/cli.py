@@ -22,7 +22,7 @@ from snowcat.slurm import cluster
 from snowcat.slurm import site as site_mod
 from snowcat.stages.model import hf
 
-from . import audit, card, doctor, offline, reproduce
+from . import audit, card, compare, doctor, offline, reproduce
 from . import config as config_mod
 from .dag import Dag, build
 from .errors import UserError
@@ -350,7 +350,7 @@ def cmd_tiny_hf(args) -> int:
 
 def cmd_bench(args) -> int:
     try:
-        module = importlib.import_module(f"snowcat.benchmarks.{args.name}")
+        module = importlib.import_module(f"snowcat.benchmarks.{args.name.replace('-', '_')}")  # trainer-memory
     except ModuleNotFoundError:
         raise UserError(f"unknown benchmark {args.name!r} (see benchmarks/)") from None
     return module.main(list(args.args))
@@ -399,6 +399,10 @@ def parser() -> argparse.ArgumentParser:
     a = sub.add_parser("audit", help="re-hash every artefact, check provenance, history and credentials; verdict table")
     audit.add_audit_arguments(a)
     a.set_defaults(func=audit.cmd_audit)
+
+    cp = sub.add_parser("compare", help="paired statistics over the checkpoints evaluate stages scored (Markdown + plots)")
+    compare.add_compare_arguments(cp)
+    cp.set_defaults(func=compare.cmd_compare)
 
     ca = sub.add_parser("card", help="the provenance card (Markdown with model-card metadata) from recorded facts")
     card.add_card_arguments(ca)

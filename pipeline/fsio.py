@@ -12,6 +12,7 @@ import errno
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -91,6 +92,17 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def nan_to_null(obj: Any) -> Any:
+    """NaN (e.g. the SE of a single task) -> None, in nested dicts and lists, so the JSON is strict."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: nan_to_null(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [nan_to_null(v) for v in obj]
+    return obj
 
 
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:

@@ -68,3 +68,50 @@ def mean_outcome_reward(task_rewards: Sequence[float | None]) -> float:
     if len(task_rewards) == 0:
         return float("nan")
     return float(sum(0.0 if r is None else float(r) for r in task_rewards) / len(task_rewards))
+
+
+def paired_p_value(a: Sequence[float], b: Sequence[float]) -> float:
+    """Two-sided p of the paired t test that mean(b - a) = 0 over tasks; NaN below 2 tasks or when
+    every task differs by the same amount (no spread to test against)."""
+    from scipy import stats  # noqa: PLC0415 (only the comparison report needs scipy)
+
+    d = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
+    if d.size < 2 or np.allclose(d, d[0]):
+        return float("nan")
+    return float(stats.ttest_rel(b, a).pvalue)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment for a family of tests (controls the family-wise error rate).
+    The i-th smallest of the m defined p-values becomes max over j <= i of min(1, (m - j + 1) p_(j));
+    NaN (undefined) stays NaN and does not count in m."""
+    p = np.asarray(p_values, dtype=float)
+    out = np.full(p.shape, np.nan)
+    defined = np.flatnonzero(~np.isnan(p))
+    order = defined[np.argsort(p[defined], kind="stable")]
+    m, running = len(order), 0.0
+    for j, i in enumerate(order):
+        running = max(running, min(1.0, (m - j) * p[i]))
+        out[i] = running
+    return out.tolist()
+
+
+def permutation_homogeneity(scores: np.ndarray, *, seed: int, n_perm: int = 10000) -> tuple[float, float]:
+    """(statistic, p) of "the variants are exchangeable": `scores` [tasks, variants] per-task values;
+    the statistic is the variance of the variants' means, and its null distribution comes from
+    permuting the variants' values within each task (the tasks stay paired). p = (1 + #{null >=
+    observed}) / (1 + n_perm). NaN below 2 tasks or 2 variants."""
+    x = np.asarray(scores, dtype=float)
+    if x.ndim != 2 or x.shape[0] < 2 or x.shape[1] < 2:
+        return float("nan"), float("nan")
+    observed = float(x.mean(axis=0).var())
+    rng = np.random.default_rng(seed)
+    null = np.array([rng.permuted(x, axis=1).mean(axis=0).var() for _ in range(n_perm)])
+    return observed, float((1 + np.sum(null >= observed - 1e-12)) / (1 + n_perm))
+
+
+def gain_over_base(base: Sequence[float], others: np.ndarray) -> tuple[float, float]:
+    """Mean gain of several variants over a shared base, with an SE that accounts for sharing: per task,
+    the variants' mean minus the base, then mean and SE over tasks (the tasks and the base are common
+    to every variant, so their gains are not independent). `others` [tasks, variants]."""
+    return mean_se(np.asarray(others, dtype=float).mean(axis=1) - np.asarray(base, dtype=float))

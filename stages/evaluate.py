@@ -26,7 +26,7 @@ import numpy as np
 
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
+from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json, nan_to_null
 from snowcat.stages import evalstats
 from snowcat.stages.agent import Budget, behaviour, make_env
 from snowcat.stages.config import env_options
@@ -232,7 +232,7 @@ def run(ctx: StageContext) -> dict:
     write_traces(ctx.out_dir / "traces.h5", records)
     atomic_write_json(
         ctx.out_dir / "results.json",
-        _finite(
+        nan_to_null(
             {
                 "split": cfg.split,
                 "tasks": len(tasks),
@@ -252,18 +252,7 @@ def run(ctx: StageContext) -> dict:
         ),
     )
     plot_pass_at_k(ctx.out_dir / "pass_at_k.png", results, pass_k)
-    return _finite(headline(results, comparisons, pass_k))
-
-
-def _finite(obj):
-    """NaN (e.g. the SE of a single task) -> None, so the JSON is strict."""
-    if isinstance(obj, float) and math.isnan(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
+    return nan_to_null(headline(results, comparisons, pass_k))
 
 
 def headline(results: dict, comparisons: dict, pass_k: list[int]) -> dict[str, float]:

@@ -1,0 +1,284 @@
+"""`snowcat compare RUN [RUN ...]`: the checkpoints that evaluate stages scored, compared with paired
+statistics, as a Markdown report with plots.
+
+Everything is recomputed from the kept attempts (each evaluate unit's `traces.h5`: one row per
+attempt, `passed` 1/0/-1 = not scored), never from summaries, so the report can be audited against
+them. Per task first, then over tasks (stages/evalstats.py):
+  - each variant's pass@1 ± SE over the tasks it scored;
+  - "are these distinguishable at all?": a permutation test over the tasks every variant scored;
+  - every pair's paired difference on the tasks both scored, its paired-t p-value and the
+    Holm-adjusted one (many pairs: the family-wise error rate is what is controlled);
+  - the mean gain over a base (the first variant unless `--base`), with an SE over shared tasks;
+  - infrastructure failures: equal rates across variants (chi-square), and whether failing tasks
+    differ in outcome from the others (excluding them assumes they do not; Mann-Whitney U).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from snowcat.stages import evalstats
+
+from .dag import build
+from .errors import UserError
+from .fsio import atomic_write_figure, atomic_write_json, atomic_write_text, nan_to_null
+from .rundir import RunDir
+
+ALPHA = 0.05
+
+
+@dataclass
+class Variant:
+    """One scored checkpoint: per task, scored attempts, passes and infrastructure failures."""
+
+    label: str
+    source: str  # run dir / stage unit / checkpoint reference
+    scored: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    passed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    infra: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, task: str, outcome: int) -> None:
+        if outcome < 0:
+            self.infra[task] += 1
+            self.scored.setdefault(task, 0)
+        else:
+            self.scored[task] += 1
+            self.passed[task] += outcome
+
+    def pass1(self, task: str) -> float:
+        return self.passed[task] / self.scored[task]
+
+    @property
+    def tasks(self) -> list[str]:
+        return sorted(t for t, n in self.scored.items() if n)
+
+
+def load_variants(run_dirs: list[Path], stage: str | None = None) -> list[Variant]:
+    """Every checkpoint that a done evaluate unit of these runs scored (`stage`: only that stage)."""
+    found: list[tuple[str, str, Path]] = []  # (run name, stage/unit, traces.h5)
+    for run_dir in run_dirs:
+        run = RunDir.open(run_dir)
+        for node in build(run.config()):
+            if node.kind != "evaluate" or (stage is not None and node.name != stage):
+                continue
+            for unit in node.units:
+                if run.is_done(unit) and (run.unit_dir(unit) / "traces.h5").is_file():
+                    found.append((run.path.name, unit.key, run.unit_dir(unit) / "traces.h5"))
+    if not found:
+        raise UserError(f"{', '.join(map(str, run_dirs))}: no done evaluate stage{f' {stage!r}' if stage else ''} with traces.h5")
+    variants: dict[tuple, Variant] = {}
+    for run_name, unit_key, path in found:
+        with h5py.File(path, "r") as f:
+            refs = [s.decode() for s in f["checkpoint"][:]]
+            tasks = [s.decode() for s in f["task_id"][:]]
+            outcomes = f["passed"][:].astype(int)
+        for ref, task, outcome in zip(refs, tasks, outcomes, strict=True):
+            key = (run_name, unit_key, ref)
+            if key not in variants:
+                variants[key] = Variant(label="", source=f"{run_name}/{unit_key}/{ref}")
+            variants[key].add(task, int(outcome))
+    keys = list(variants)
+    for key in keys:  # the shortest label that still tells variants apart
+        for width in (1, 2, 3):
+            short = [k[-width:] for k in keys]
+            if len(set(short)) == len(short):
+                variants[key].label = " / ".join(key[-width:])
+                break
+    return [variants[k] for k in keys]
+
+
+def compare(variants: list[Variant], *, base: str | None = None, seed: int = 0, n_perm: int = 10000) -> dict:
+    """The report's numbers (see the module docstring)."""
+    if len(variants) < 2:
+        raise UserError(f"compare needs at least 2 scored checkpoints, found {len(variants)}")
+    by_label = {v.label: v for v in variants}
+    if base is not None and base not in by_label:
+        raise UserError(f"--base {base!r}: not one of the variants ({', '.join(by_label)})")
+    base_v = by_label[base] if base else variants[0]
+    out: dict = {"variants": [], "pairs": [], "base": base_v.label}
+    for v in variants:
+        mean, se = evalstats.mean_se([v.pass1(t) for t in v.tasks])
+        attempts = sum(v.scored.values()) + sum(v.infra.values())
+        out["variants"].append(
+            {
+                "label": v.label,
+                "source": v.source,
+                "tasks": len(v.tasks),
+                "pass@1": mean,
+                "pass@1_se": se,
+                "attempts": attempts,
+                "infra_failures": sum(v.infra.values()),
+                "infra_rate": sum(v.infra.values()) / attempts if attempts else math.nan,
+            }
+        )
+    common = sorted(set.intersection(*(set(v.tasks) for v in variants)))
+    scores = np.array([[v.pass1(t) for v in variants] for t in common]).reshape(len(common), len(variants))
+    stat, p = evalstats.permutation_homogeneity(scores, seed=seed, n_perm=n_perm)
+    out["homogeneity"] = {"tasks": len(common), "statistic": stat, "p": p, "permutations": n_perm}
+
+    for a, b in itertools.combinations(variants, 2):
+        shared = sorted(set(a.tasks) & set(b.tasks))
+        x, y = [a.pass1(t) for t in shared], [b.pass1(t) for t in shared]
+        diff, se = evalstats.paired_difference(x, y)
+        out["pairs"].append(
+            {"a": a.label, "b": b.label, "tasks": len(shared), "diff": diff, "se": se, "p": evalstats.paired_p_value(x, y)}
+        )
+    for pair, adjusted in zip(out["pairs"], evalstats.holm([p["p"] for p in out["pairs"]]), strict=True):
+        pair["p_holm"] = adjusted
+        pair["significant"] = bool(adjusted < ALPHA)  # NaN compares False
+
+    others = [v for v in variants if v is not base_v]
+    shared = sorted(set(base_v.tasks).intersection(*(set(v.tasks) for v in others)))
+    gain, gain_se = evalstats.gain_over_base(
+        [base_v.pass1(t) for t in shared], np.array([[v.pass1(t) for v in others] for t in shared]).reshape(len(shared), -1)
+    )
+    out["gain_over_base"] = {"tasks": len(shared), "gain": gain, "se": gain_se, "variants": [v.label for v in others]}
+    out["infra"] = infra_checks(variants)
+    return out
+
+
+def infra_checks(variants: list[Variant]) -> dict:
+    """Equal infrastructure-failure rates across variants, and per variant whether tasks that had a
+    failure score differently on their other attempts (if so, dropping failures biases the score)."""
+    from scipy import stats  # noqa: PLC0415 (loaded by the report only)
+
+    table = np.array([[sum(v.infra.values()), sum(v.scored.values())] for v in variants])
+    equal_rates = math.nan
+    if table[:, 0].sum() and table[:, 1].sum():
+        equal_rates = float(stats.chi2_contingency(table)[1])
+    outcome = []
+    for v in variants:
+        hit = [v.pass1(t) for t in v.tasks if v.infra.get(t)]
+        clean = [v.pass1(t) for t in v.tasks if not v.infra.get(t)]
+        p = float(stats.mannwhitneyu(hit, clean).pvalue) if len(hit) >= 2 and len(clean) >= 2 else math.nan
+        outcome.append(
+            {
+                "label": v.label,
+                "tasks_with_failures": len(hit),
+                "pass@1_with_failures": float(np.mean(hit)) if hit else math.nan,
+                "pass@1_without": float(np.mean(clean)) if clean else math.nan,
+                "p": p,
+                "related": bool(p < ALPHA),
+            }
+        )
+    return {"equal_rates_p": equal_rates, "outcome_vs_failure": outcome}
+
+
+# ---------------------------------------------------------------- the report
+
+
+def _f(x: float, spec: str = "{:.3f}") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
+
+
+def render(result: dict, sources: list[str]) -> str:
+    lines = ["# Comparison", "", "Runs: " + ", ".join(f"`{s}`" for s in sources), ""]
+    lines += ["| variant | tasks | pass@1 ± SE | infra rate | source |", "|---|---|---|---|---|"]
+    for v in result["variants"]:
+        lines.append(
+            f"| {v['label']} | {v['tasks']} | {_f(v['pass@1'])} ± {_f(v['pass@1_se'])} | {_f(v['infra_rate'])} | `{v['source']}` |"
+        )
+    h = result["homogeneity"]
+    verdict = (
+        "cannot be tested (fewer than 2 shared tasks)"
+        if math.isnan(h["p"])
+        else (f"{'distinguishable' if h['p'] < ALPHA else 'not distinguishable'} at {ALPHA}")
+    )
+    lines += [
+        "",
+        "## Are these distinguishable at all?",
+        "",
+        f"Permutation test over the {h['tasks']} tasks every variant scored (variants' values permuted within "
+        f"each task, {h['permutations']} permutations): p = {_f(h['p'], '{:.4f}')} — {verdict}.",
+        "",
+        "## Paired differences (b − a, pass@1, tasks both scored)",
+        "",
+        f"p from a paired t test over tasks; Holm-adjusted over the {len(result['pairs'])} pairs.",
+        "",
+        "| a | b | tasks | b − a ± SE | p | p (Holm) | |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in result["pairs"]:
+        mark = "significant" if p["significant"] else ""
+        lines.append(
+            f"| {p['a']} | {p['b']} | {p['tasks']} | {_f(p['diff'], '{:+.3f}')} ± {_f(p['se'])} | "
+            f"{_f(p['p'], '{:.4f}')} | {_f(p['p_holm'], '{:.4f}')} | {mark} |"
+        )
+    g = result["gain_over_base"]
+    lines += [
+        "",
+        f"## Gain over the base ({result['base']})",
+        "",
+        f"Mean over {', '.join(g['variants'])} of (variant − base) on the {g['tasks']} tasks all scored: "
+        f"{_f(g['gain'], '{:+.3f}')} ± {_f(g['se'])} (SE over tasks of the per-task mean gain: the base and the tasks "
+        "are shared, so the variants' gains are not independent).",
+        "",
+        "## Infrastructure failures",
+        "",
+        f"Equal failure rates across variants (chi-square): p = {_f(result['infra']['equal_rates_p'], '{:.4f}')}.",
+        "Failed attempts are left out of every score above; that is fair only if failures are unrelated to outcome:",
+        "",
+        "| variant | tasks with failures | pass@1 there | elsewhere | p (Mann-Whitney) | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for o in result["infra"]["outcome_vs_failure"]:
+        mark = "RELATED: scores are biased by excluding failures" if o["related"] else ""
+        lines.append(
+            f"| {o['label']} | {o['tasks_with_failures']} | {_f(o['pass@1_with_failures'])} | {_f(o['pass@1_without'])} | "
+            f"{_f(o['p'], '{:.4f}')} | {mark} |"
+        )
+    lines += ["", "![pass@1 and paired differences](compare.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(path: Path, result: dict) -> None:
+    import matplotlib  # noqa: PLC0415 (loaded by the report only)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    labels = [v["label"] for v in result["variants"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    means = [v["pass@1"] for v in result["variants"]]
+    errors = [1.96 * (v["pass@1_se"] if v["pass@1_se"] == v["pass@1_se"] else 0) for v in result["variants"]]
+    left.bar(range(len(labels)), means, yerr=errors, capsize=4)
+    left.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize="small")
+    left.set_ylabel("pass@1 (95% CI over tasks)")
+    grid = np.full((len(labels), len(labels)), np.nan)
+    for p in result["pairs"]:
+        i, j = labels.index(p["a"]), labels.index(p["b"])
+        grid[i, j], grid[j, i] = p["diff"], -p["diff"]
+    image = right.imshow(grid, cmap="RdBu", vmin=-1, vmax=1)
+    right.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize="small")
+    right.set_yticks(range(len(labels)), labels, fontsize="small")
+    right.set_title("column − row, pass@1")
+    fig.colorbar(image, ax=right)
+    atomic_write_figure(path, fig)
+
+
+def add_compare_arguments(parser) -> None:
+    parser.add_argument("runs", nargs="+", help="run directories")
+    parser.add_argument("--stage", help="only this evaluate stage (default: all of them)")
+    parser.add_argument("--base", help="the variant gains are measured against (default: the first)")
+    parser.add_argument("-o", "--output", default="compare", help="directory for compare.md/.json/.png (default: ./compare)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the permutation test")
+
+
+def cmd_compare(args) -> int:
+    runs = [Path(r) for r in args.runs]
+    result = compare(load_variants(runs, args.stage), base=args.base, seed=args.seed)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "compare.json", nan_to_null(result))
+    plot(out / "compare.png", result)
+    text = render(result, [str(r) for r in runs])
+    atomic_write_text(out / "compare.md", text)
+    print(text)
+    return 0
