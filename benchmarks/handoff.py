@@ -1,0 +1,203 @@
+"""Publishing and loading a weight version through the handoff against a raw copy of the same bytes.
+
+    snowcat bench handoff [--hidden 512 --layers 8 --experts 16] [--repeats 3] [--dir DIR ...] [--json FILE]
+
+In one process, per directory (default: the system temp directory; name several to compare
+filesystems, e.g. a disk and /dev/shm), `--repeats` times each, in alternating order:
+  - `handoff`: `WeightHandoff.publish` (HF-named tensors, safetensors, write, fsync, sha256
+    manifest, rename into place, `STABLE`) then `load_into` a second model (read, verify every byte
+    against the manifest, parse, copy into the parameters);
+  - `raw`: the very files the handoff wrote, held in memory, written to the same filesystem
+    (write + fsync each, fsync the directory) and read back.
+Reports the median of each and `raw / handoff` (1.0: the handoff costs nothing beyond moving the
+bytes). Reads come from the page cache in both rows (nothing drops caches). One extra, profiled
+publish + load says where the handoff's time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import platform
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from snowcat.pipeline.fsio import atomic_write_json
+from snowcat.stages.model import ModelConfig, MoEForCausalLM
+from snowcat.stages.rlcore.handoff import WeightHandoff
+
+# (label, file suffix, function name) of the profiled phases; cumulative seconds, so nested phases
+# (the hashing inside the manifest) are parts of the ones around them.
+PHASES = (
+    ("publish: HF-named tensors", "stages/model/io.py", "hf_state_dict"),
+    ("publish: serialise + write safetensors", "stages/model/io.py", "_write_tensors"),
+    ("publish: fsync the tree", "pipeline/fsio.py", "_fsync_tree"),
+    ("publish: sha256 manifest (re-reads the files)", "pipeline/fsio.py", "write_manifest"),
+    ("load: read + verify", "stages/rlcore/handoff.py", "read_verified"),
+    ("load: sha256 of the read bytes", "pipeline/fsio.py", "sha256_bytes"),
+    ("load: parse safetensors", "safetensors/torch.py", "load"),
+    ("load: copy into the model", "stages/model/io.py", "load_hf_state_dict"),
+)
+
+
+def model_config(hidden: int, layers: int, experts: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=32768,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=hidden // 8,
+        num_experts=experts,
+        experts_per_token=2,
+        moe_intermediate_size=hidden,
+    )
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding `path` (longest mount point above it in /proc/mounts)."""
+    best, kind = "", "unknown"
+    real = str(path.resolve())
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _dev, mount, fstype = line.split()[:3]
+        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+            best, kind = mount, fstype
+    return kind
+
+
+def handoff_once(root: Path, step: int, model, target) -> tuple[float, float]:
+    handoff = WeightHandoff(root)
+    t0 = time.perf_counter()
+    handoff.publish(step, model)
+    t1 = time.perf_counter()
+    handoff.load_into(target, step, timeout_s=60)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def raw_once(root: Path, files: dict[str, bytes]) -> tuple[float, float]:
+    """Write + fsync each file and the directory, then read every file back."""
+    root.mkdir(parents=True)
+    t0 = time.perf_counter()
+    for name, data in files.items():
+        with open(root / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    t1 = time.perf_counter()
+    back = {name: (root / name).read_bytes() for name in files}
+    t2 = time.perf_counter()
+    assert back == files
+    return t1 - t0, t2 - t1
+
+
+def profile_phases(root: Path, model, target) -> dict[str, float]:
+    prof = cProfile.Profile()
+    prof.enable()
+    handoff_once(root, 0, model, target)
+    prof.disable()
+    found = {}
+    for (file, _line, func), (_cc, _nc, _tt, cumulative, _callers) in pstats.Stats(prof).stats.items():
+        for label, suffix, name in PHASES:
+            if func == name and file.replace(os.sep, "/").endswith(suffix):
+                found[label] = found.get(label, 0.0) + cumulative
+    return {label: round(found.get(label, 0.0), 3) for label, _s, _n in PHASES}
+
+
+def measure(base: Path, model, target, repeats: int) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="snowcat-handoff-", dir=base))
+    try:
+        first = WeightHandoff(work / "weights").publish(0, model)
+        files = {p.name: p.read_bytes() for p in sorted(first.iterdir()) if p.is_file()}
+        shutil.rmtree(work / "weights")
+        rows = {"handoff": [], "raw": []}
+        for r in range(repeats):
+            order = ("raw", "handoff") if r % 2 else ("handoff", "raw")
+            for kind in order:
+                where = work / f"{kind}-{r}"
+                write_s, read_s = handoff_once(where, r, model, target) if kind == "handoff" else raw_once(where, files)
+                rows[kind].append(
+                    {"write_s": round(write_s, 4), "read_s": round(read_s, 4), "total_s": round(write_s + read_s, 4)}
+                )
+                shutil.rmtree(where)
+        phases = profile_phases(work / "profiled", model, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
+    median = {kind: statistics.median(x["total_s"] for x in runs) for kind, runs in rows.items()}
+    return {
+        "dir": str(base),
+        "filesystem": filesystem(base),
+        "bytes": sum(len(d) for d in files.values()),
+        "files": {name: len(d) for name, d in files.items()},
+        "runs": rows,
+        "median_s": {kind: round(v, 4) for kind, v in median.items()},
+        "median_write_s": {kind: round(statistics.median(x["write_s"] for x in runs), 4) for kind, runs in rows.items()},
+        "median_read_s": {kind: round(statistics.median(x["read_s"] for x in runs), 4) for kind, runs in rows.items()},
+        "ratio_raw_over_handoff": round(median["raw"] / median["handoff"], 3),
+        "loaded_weights_equal": same,
+        "profiled_handoff_s": phases,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="snowcat bench handoff", description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3, help="measurements of each row per directory (median reported)")
+    ap.add_argument("--dir", action="append", type=Path, help="where to write (repeatable; default: the temp directory)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    cfg = model_config(args.hidden, args.layers, args.experts)
+    torch.manual_seed(0)
+    model, target = MoEForCausalLM(cfg), MoEForCausalLM(cfg)
+    load_before = os.getloadavg()
+    results = [measure(d, model, target, args.repeats) for d in args.dir or [Path(tempfile.gettempdir())]]
+    load_after = os.getloadavg()
+    print(
+        f"model: {model.num_params() / 1e6:.0f} M parameters (fp32), {args.layers} layers, {args.experts} experts, hidden {args.hidden}"
+    )
+    for r in results:
+        print(
+            f"\n{r['dir']} ({r['filesystem']}): {r['bytes'] / 2**20:.0f} MiB in {len(r['files'])} files, median of {args.repeats}"
+        )
+        for kind in ("handoff", "raw"):
+            print(
+                f"  {kind:8s} write {r['median_write_s'][kind]:7.3f} s  read {r['median_read_s'][kind]:7.3f} s"
+                f"  total {r['median_s'][kind]:7.3f} s"
+            )
+        print(f"  raw / handoff: {r['ratio_raw_over_handoff']:.2f}x   (loaded weights equal: {r['loaded_weights_equal']})")
+        print("  where one profiled handoff spends its time (cumulative s):")
+        for label, s in r["profiled_handoff_s"].items():
+            print(f"    {label:<48s} {s:7.3f}")
+    print(f"\nload average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} cpus)")
+    if args.json:
+        atomic_write_json(
+            args.json,
+            {
+                "benchmark": "handoff",
+                "what": __doc__.splitlines()[0],
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+                "load_average_1min": {"before": load_before[0], "after": load_after[0]},
+                "model": cfg.to_dict() | {"params": model.num_params()},
+                "repeats": args.repeats,
+                "results": results,
+                "command": " ".join(["snowcat", "bench", "handoff", *(argv if argv is not None else sys.argv[1:])]),
+            },
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Trajectory transfer over MPI typed buffers against a raw mpi4py buffer of the same size.
+
+    snowcat bench transport [--batches 8,64,256] [--repeats 20] [--json FILE]
+
+Starts itself as two ranks under `mpirun -n 2` with the environment the local executor gives an
+RL stage (Open MPI's TCP transport, `OMPI_MCA_btl=self,tcp`). Rank 1 is the rollout rank, rank 0
+the trainer. For each batch size (trajectories per batch), `--repeats` times each, alternating:
+  - `typed`: `MPITransport.send_batch` on rank 1 (`stages.agent.pack`, a header, one buffer per
+    field) and `recv_batch` on rank 0 (allocate, receive, `unpack` into Trajectory objects);
+  - `raw`: one `comm.Send` of a uint8 buffer of the same byte count into a preallocated `Recv`.
+Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
+extra message in both rows), and reports the median and `raw / typed` (1.0: packing, the per-field
+messages and unpacking cost nothing beyond moving the bytes). `pack` and `unpack` of the same
+batch are also timed alone, to say how much of the typed row they are.
+
+The trajectories are shaped like agent episodes of the demo model: 256-2048 tokens, a prompt and
+three model turns, rollout logprobs, the router replay of 4 MoE layers x top-2 (int16), sampled
+from the full distribution (no support ids), a task id, domain and detail string.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_json
+from snowcat.stages.agent import Trajectory
+
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
+ROUTE_WIDTH = 4 * 2  # demo-tiny: 4 MoE layers x top-2 experts
+
+
+def make_batch(n: int, seed: int, min_tokens: int = 256, max_tokens: int = 2048) -> list[Trajectory]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(min_tokens, max_tokens + 1))
+        prompt = length // 4
+        cuts = sorted(rng.choice(np.arange(prompt + 1, length), size=5, replace=False).tolist())
+        turns = [(prompt, cuts[0]), (cuts[1], cuts[2]), (cuts[3], cuts[4])]  # model turns; tool output between
+        mask = np.zeros(length, np.uint8)
+        for s, e in turns:
+            mask[s:e] = 1
+        out.append(
+            Trajectory(
+                task_id=f"repo-task-{seed}-{i:05d}",
+                group_id=i // 8,
+                attempt=i % 8,
+                policy_version=seed,
+                token_ids=rng.integers(0, 32768, length),
+                loss_mask=mask,
+                rollout_logprobs=np.where(mask > 0, -rng.exponential(1.0, length), 0.0),
+                reward=float(rng.random() < 0.4),
+                status="ok",
+                turn_boundaries=turns,
+                domain="repo",
+                prompt_len=prompt,
+                detail="tests passed" if i % 2 else "2 of 5 tests failed",
+                routes=rng.integers(0, 8, (length, ROUTE_WIDTH)),
+            )
+        )
+    return out
+
+
+CHILD = r"""
+import json, statistics, sys, time
+import numpy as np
+from mpi4py import MPI
+from snowcat.benchmarks.transport import make_batch
+from snowcat.stages.agent import pack, unpack
+from snowcat.stages.rlcore.transport import MPITransport
+
+sizes, repeats = [int(s) for s in sys.argv[1].split(",")], int(sys.argv[2])
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+transport = MPITransport(comm, timeout_s=300)
+ack = np.zeros(1, np.uint8)
+index = 0  # batch index: every typed transfer is the next batch, as in RL
+rows = []
+for n in sizes:
+    trajs = make_batch(n, seed=n)
+    nbytes = 8 * (1 + len(pack(trajs))) + sum(b.nbytes for b in pack(trajs).values())  # header + every buffer
+    raw = np.random.default_rng(n).integers(0, 256, nbytes, dtype=np.uint8) if rank == 1 else np.empty(nbytes, np.uint8)
+    times = {"typed": [], "raw": [], "pack": [], "unpack": []}
+    for r in range(repeats + 1):  # the first round warms both paths up and is not counted
+        for kind in (("raw", "typed") if r % 2 else ("typed", "raw")):
+            comm.Barrier()
+            if rank == 1:
+                t0 = time.perf_counter()
+                if kind == "typed":
+                    transport.send_batch(index, trajs)
+                else:
+                    comm.Send(raw, dest=0, tag=3)
+                comm.Recv(ack, source=0, tag=4)
+                if r:
+                    times[kind].append(time.perf_counter() - t0)
+            else:
+                if kind == "typed":
+                    got = transport.recv_batch(index)
+                else:
+                    comm.Recv(raw, source=1, tag=3)
+                comm.Send(ack, dest=1, tag=4)
+            index += kind == "typed"
+    # where the typed row's time goes: packing (rank 1's work) and unpacking (rank 0's), timed alone
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        bufs = pack(trajs)
+        t1 = time.perf_counter()
+        unpack(bufs)
+        times["pack"].append(t1 - t0)
+        times["unpack"].append(time.perf_counter() - t1)
+    if rank == 0:
+        intact = got == trajs
+        comm.send(intact, dest=1)
+    else:
+        intact = comm.recv(source=0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({
+            "trajectories": n,
+            "tokens": int(sum(len(t) for t in trajs)),
+            "bytes": nbytes,
+            "median_s": {k: round(v, 6) for k, v in med.items()},
+            "times_s": {k: [round(x, 6) for x in times[k]] for k in ("typed", "raw")},
+            "typed_gb_per_s": round(nbytes / med["typed"] / 1e9, 3),
+            "raw_gb_per_s": round(nbytes / med["raw"] / 1e9, 3),
+            "ratio_raw_over_typed": round(med["raw"] / med["typed"], 3),
+            "received_equal": bool(intact),
+        })
+if rank == 1:
+    print(json.dumps(rows), flush=True)
+"""
+
+
+def run_ranks(sizes: list[int], repeats: int) -> list[dict]:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise UserError("snowcat bench transport: needs Open MPI's mpirun on PATH")
+    cmd = [mpirun, "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-c", CHILD]
+    env = {**os.environ, **MPI_ENV, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.run([*cmd, ",".join(map(str, sizes)), str(repeats)], capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"mpirun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="snowcat bench transport", description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="8,64,256", help="trajectories per batch, comma-separated")
+    ap.add_argument("--repeats", type=int, default=20, help="timed transfers of each row per batch size (median reported)")
+    ap.add_argument("--json", help="write the result here")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.batches.split(",")]
+    load_before = os.getloadavg()
+    rows = run_ranks(sizes, args.repeats)
+    load_after = os.getloadavg()
+    print(f"2 ranks under mpirun, {MPI_ENV['OMPI_MCA_btl']} transport, median of {args.repeats}")
+    print(
+        f"{'trajs':>6} {'tokens':>8} {'MiB':>7} {'typed ms':>9} {'raw ms':>8} {'typed GB/s':>10} {'raw GB/s':>9} "
+        f"{'raw/typed':>9}  {'of typed: pack ms':>17} {'unpack ms':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['trajectories']:>6} {r['tokens']:>8} {r['bytes'] / 2**20:>7.2f} {r['median_s']['typed'] * 1e3:>9.2f} "
+            f"{r['median_s']['raw'] * 1e3:>8.2f} {r['typed_gb_per_s']:>10.2f} {r['raw_gb_per_s']:>9.2f} {r['ratio_raw_over_typed']:>9.2f}"
+            f"  {r['median_s']['pack'] * 1e3:>17.2f} {r['median_s']['unpack'] * 1e3:>9.2f}"
+            + ("" if r["received_equal"] else "  RECEIVED BATCH DIFFERS")
+        )
+    print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} cpus)")
+    if args.json:
+        atomic_write_json(
+            args.json,
+            {
+                "benchmark": "transport",
+                "what": __doc__.splitlines()[0],
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                "mpi": {"launcher": "mpirun -n 2 --oversubscribe --bind-to none", **MPI_ENV},
+                "load_average_1min": {"before": load_before[0], "after": load_after[0]},
+                "repeats": args.repeats,
+                "rows": rows,
+                "command": " ".join(["snowcat", "bench", "transport", *(argv if argv is not None else sys.argv[1:])]),
+            },
+        )
+    return 0 if all(r["received_equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
