@@ -1,8 +1,10 @@
 """RL stage: asynchronous trainer + rollout ranks, GRPO/RLOO-N with truncated importance sampling.
 
 Roles (one MPI world; hetjob components `trainer` then `rollout`, or ranks under `mpirun`):
-    rank 0 (trainer)   receives batch k, updates the policy (step k+1), publishes weights step k+1
-    ranks 1.. (rollout) produce batch k with the weights of step max(0, k - lag), exactly
+    ranks 0..T-1 (trainer)  data parallel in their own torch process group: rank 0 receives batch k
+                            and broadcasts it to the others, each trains on its slice of the rows,
+                            rank 0 publishes weights step k+1 (and logs, evaluates, keeps the ledger)
+    ranks T.. (rollout)     produce batch k with the weights of step max(0, k - lag), exactly
 With world size 1 one process alternates both roles through the same interfaces (file queue).
 Trajectories move through `stages.rlcore.transport`, weights through `stages.rlcore.handoff`.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +43,7 @@ from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport, Tr
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import serve_checkpoint
 from snowcat.stages.taskgen import load_tasks, selection_split
+from snowcat.stages.train.rendezvous import init_process_group, rendezvous
 
 # ---------------------------------------------------------------- data
 
@@ -134,15 +138,50 @@ def _role(ctx) -> str:
     return "trainer" if ctx.rank == 0 else "rollout"
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Trainer ranks 0..trainers-1, rollout ranks trainers..world-1 (hetjob component order)."""
+
+    trainers: int
+    world: int
+
+    @property
+    def rollouts(self) -> int:
+        return self.world - self.trainers
+
+
+def layout(comm, role: str) -> Layout:
+    """Every rank's role, gathered (collective over the world): trainer ranks must come first."""
+    roles = comm.allgather(role)
+    trainers = roles.count("trainer")
+    if roles != ["trainer"] * trainers + ["rollout"] * (len(roles) - trainers) or not 0 < trainers < len(roles):
+        raise UserError(
+            f"rl: ranks must be trainer ranks first, then at least one rollout rank (resources.components: "
+            f"trainer, then rollout); got {roles}"
+        )
+    return Layout(trainers, len(roles))
+
+
+def _trainer_group(ctx, cfg: Config, comm, lay: Layout):
+    """The trainer ranks' MPI sub-communicator (None for one trainer rank) and, where a backend needs
+    one, their torch process group (stages.train.rendezvous: Slurm's or mpirun's environment)."""
+    group = comm.Split(0 if ctx.rank < lay.trainers else 1, ctx.rank) if comm is not None else None
+    if ctx.rank >= lay.trainers:
+        return None, ctx
+    if lay.trainers > 1 or cfg.backend == "deepspeed":
+        suffix = getattr(getattr(ctx.run_config, "site", None), "master_addr_suffix", "") or ""
+        # one process alone (world size 1) forms a group of itself
+        where = rendezvous(group, addr_suffix=suffix) if group is not None else rendezvous(env={})
+        init_process_group(where)
+        ctx = dataclasses.replace(ctx, local_rank=where.local_rank)
+    return (group if lay.trainers > 1 else None), ctx
+
+
 def run(ctx) -> dict:
     cfg: Config = ctx.config
     torch.set_num_threads(cfg.threads or ctx.threads)
     out = Path(ctx.out_dir)
     role = _role(ctx)
-    if role == "trainer" and ctx.rank != 0:
-        raise UserError(
-            f"rl: one trainer rank (rank 0) is supported, got trainer rank {ctx.rank}; give the trainer component 1 task"
-        )
     pool, held_out = load_pool(ctx, cfg)
     handoff = WeightHandoff(out / "weights")
 
@@ -152,13 +191,29 @@ def run(ctx) -> dict:
         from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
 
         comm = MPI.COMM_WORLD
-    # Preemption in a multi-rank run (stages/rlcore/preempt.py): the trainer's notice is its own
-    # or a rollout rank's; a rollout rank stops when it sees one or the trainer says so.
-    control = None
-    if role == "trainer":
-        control = TrainerControl(comm)
-        ctx = dataclasses.replace(ctx, signal=TrainerSignal(ctx.signal, control))
-        should_stop = ctx.checkpoint_due
+        lay = layout(comm, role)
+    else:
+        lay = Layout(1, 1)
+    if lay.trainers > cfg.tasks_per_update * cfg.attempts:
+        raise UserError(
+            f"rl.tasks_per_update: {cfg.tasks_per_update} tasks x {cfg.attempts} attempts is fewer trajectories "
+            f"per batch than the {lay.trainers} trainer ranks"
+        )
+    group, ctx = _trainer_group(ctx, cfg, comm, lay)
+    # Preemption in a multi-rank run (stages/rlcore/preempt.py): trainer rank 0's notice is its own
+    # or another rank's; the other ranks stop when they see one or rank 0 says so; trainer ranks
+    # agree on it at every step.
+    control = peer = None
+    if role == "trainer" and ctx.rank == 0:
+        control = TrainerControl(comm, lay.trainers)
+        own = ctx.signal
+        local = lambda: control.due(own.is_set())  # noqa: E731 (rank 0's view, no collective)
+        ctx = dataclasses.replace(ctx, signal=TrainerSignal(own, local, group, on_agreed=lambda: control.due(True)))
+        should_stop = local
+    elif role == "trainer":
+        peer = RolloutControl(comm, ctx, cfg.timeout_s, role="trainer")
+        ctx = dataclasses.replace(ctx, signal=TrainerSignal(ctx.signal, peer.stop_requested, group))
+        should_stop = peer.stop_requested
     elif role == "rollout":
         control = RolloutControl(comm, ctx, cfg.timeout_s)
         should_stop = control.stop_requested
@@ -167,28 +222,30 @@ def run(ctx) -> dict:
     if mode == "mpi":
         if comm is None:
             raise UserError("rl.transport=mpi needs a world of at least 2 ranks (1 trainer + rollout ranks)")
-        transport = MPITransport(comm, timeout_s=cfg.timeout_s, should_stop=should_stop)
+        transport = MPITransport(
+            comm, first_rollout=lay.trainers, n_rollout=lay.rollouts, timeout_s=cfg.timeout_s, should_stop=should_stop
+        )
     else:
         transport = FileQueueTransport(out / "queue", timeout_s=cfg.timeout_s, should_stop=should_stop)
 
     if role == "rollout":
-        return _run_rollout(ctx, cfg, comm, control, pool, handoff, transport)
+        return _run_rollout(ctx, cfg, comm, lay, control, pool, handoff, transport)
 
-    trainer = Trainer(ctx, cfg, held_out, handoff, transport, comm)
-    trainer.control = control
+    trainer = Trainer(ctx, cfg, held_out, handoff, transport, comm, group=group)
+    trainer.control, trainer.peer = control, peer
     if role == "both":
         trainer.local_rollout = Rollout(ctx, cfg, pool, handoff, transport)
     return trainer.run()
 
 
-def _run_rollout(ctx, cfg: Config, comm, control: RolloutControl, pool, handoff, transport) -> dict:
+def _run_rollout(ctx, cfg: Config, comm, lay: Layout, control: RolloutControl, pool, handoff, transport) -> dict:
     """Produce this rank's batches, then wait for the trainer's last word: END (done), BYE (the
     trainer's checkpoint is saved and it has left: leave too, Preempted) or FAILED."""
     start = comm.bcast(None, root=0)  # the trainer's resumed step: the first batch still needed
     worker = Rollout(ctx, cfg, pool, handoff, transport, should_stop=control.stop_requested)
     t0, made, stopped_at = time.perf_counter(), 0, None
     for k in range(start, cfg.updates):
-        if rollout_owner(k, first_rollout=1, n_rollout=ctx.world_size - 1) != ctx.rank:  # the file transport has no owner()
+        if rollout_owner(k, first_rollout=lay.trainers, n_rollout=lay.rollouts) != ctx.rank:  # the file transport has no owner()
             continue
         if control.stop_requested():
             stopped_at = k

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -433,6 +434,7 @@ DEMO_SMALL = [
     "stages.rl.eval_tasks=8",
     "stages.rl.eval_attempts=1",
     "stages.rl.save_every=1",
+    "stages.rl.resources.components.trainer.tasks_per_node=2",  # 2 data-parallel trainer ranks + 1 rollout rank
     "stages.eval.limit=16",
     "stages.eval.attempts=2",
     "stages.eval.pass_k=[1,2]",
@@ -454,7 +456,45 @@ def test_demo_pipeline_on_slurm_with_rl_as_a_hetjob(snowcat, slurm_env, tmp_path
     assert {s["status"] for s in status["stages"].values()} == {"done"}, status
     rl = RunDir(run_dir).state()["stages"]["rl"]
     assert rl["status"] == "done"
+    state = run_dir / "stages" / "rl" / "checkpoints" / "step_000002" / "trainer_state"
+    assert sorted(p.name for p in state.glob("rng_rank*.pt")) == ["rng_rank00000.pt", "rng_rank00001.pt"]
     assert snowcat("audit", run_dir, env=slurm_env).returncode == 0
+
+
+_PROCESS_GROUP = """
+import json, os, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from snowcat.stages.train.rendezvous import init_process_group, rendezvous
+r = rendezvous()
+init_process_group(r)
+t = torch.tensor([float(r.rank + 1)])
+dist.all_reduce(t)
+out = {"rank": r.rank, "world": r.world_size, "addr": r.addr, "port": r.port, "node": os.environ["SLURMD_NODENAME"], "sum": t.item()}
+(Path(sys.argv[1]) / f"rank{r.rank}.json").write_text(json.dumps(out))
+"""
+
+
+def test_two_node_job_forms_a_torch_process_group_from_the_slurm_environment_alone(sbatch, tmp_path):
+    """A plain `sbatch -N 2` + `srun` exports no MASTER_ADDR: rank, world, address (the first node;
+    here a virtual node, reached at its NodeAddr) and port come from Slurm's variables."""
+    script = tmp_path / "group.py"
+    script.write_text(_PROCESS_GROUP)
+    job = sbatch(
+        "-N",
+        "2",
+        "--ntasks-per-node=1",
+        "-t",
+        "3",
+        f"--output={tmp_path}/%j.out",
+        "--wrap",
+        f"unset MASTER_ADDR MASTER_PORT; srun {sys.executable} {script} {tmp_path}",
+        wait=True,
+    )
+    ranks = [read_json(tmp_path / f"rank{r}.json") for r in range(2)]
+    assert None not in ranks, (tmp_path / f"{job}.out").read_text()
+    assert [(r["rank"], r["world"], r["sum"]) for r in ranks] == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert [r["node"] for r in ranks] == ["n1", "n2"] and ranks[0]["port"] == 20000 + int(job) % 20000
 
 
 def test_fan_out_without_arrays_is_separate_jobs_tracked_per_element(snowcat, slurm_env, tmp_path):

@@ -1,7 +1,15 @@
-"""The trainer role: resume, receive batch k, update, publish weights k+1, log, checkpoint, evaluate."""
+"""The trainer role: resume, receive batch k, update, publish weights k+1, log, checkpoint, evaluate.
+
+With T trainer ranks (data parallel, one torch process group): rank 0 receives batch k and
+broadcasts it (`transport.broadcast_batch`); every rank computes the advantages on the whole batch
+and trains on its contiguous slice of rows, its loss weighted by its share of the batch's
+normaliser, so that DDP's mean over ranks is the loss of the whole batch. Rank 0 alone publishes
+weights, writes metrics, history, progress and the retention ledger, and runs the quick eval;
+checkpoints are collective (`stages.train.checkpoint`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections import Counter, defaultdict
@@ -17,8 +25,9 @@ from snowcat.stages.agent import STATUSES
 from snowcat.stages.algorithms import PolicyLossConfig
 from snowcat.stages.evalstats import mean_se
 from snowcat.stages.model import load_model_dir, save_model_dir
+from snowcat.stages.rlcore.preempt import FAILED, log
 from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logprobs
-from snowcat.stages.rlcore.transport import TransportError
+from snowcat.stages.rlcore.transport import TransportError, broadcast_batch
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import selection_split
@@ -93,21 +102,24 @@ class Trainer(TrainLoop):
 
     unit = "updates"
 
-    def __init__(self, ctx, cfg, held_out, handoff, transport, comm=None):
+    def __init__(self, ctx, cfg, held_out, handoff, transport, comm=None, group=None):
         self.cfg, self.held_out = cfg, held_out
         self.handoff, self.transport, self.comm = handoff, transport, comm
+        self.group = group  # the trainer ranks' MPI communicator (None: one trainer rank)
         self.local_rollout = None  # a `Rollout` producing batches in this process (world size 1)
-        self.control = None  # a multi-rank run's `preempt.TrainerControl`: the rollout ranks' way out
+        self.control = None  # trainer rank 0 of a multi-rank run: `preempt.TrainerControl`, the other ranks' way out
+        self.peer = None  # trainer ranks 1..T-1: `preempt.RolloutControl` (role trainer), rank 0's words
         self.out = Path(ctx.out_dir)
         ckpts = self.out / "checkpoints"
         self.init_path = ctx.checkpoint(cfg.init_from, "init_from")
 
         self.device = local_device(ctx.local_rank)
+        self.lead = ctx.rank == 0  # trainer rank 0 is world rank 0
         resume = latest_checkpoint(ckpts)
         self.model, _, self.tok = load_model_dir(resume or self.init_path, device=self.device)
         if self.tok is None:
             raise UserError(f"{self.init_path}: checkpoint has no tokenizer.json")
-        if resume is None and not (ckpts / "initial").is_dir():
+        if self.lead and resume is None and not (ckpts / "initial").is_dir():
             save_model_dir(ckpts / "initial", self.model, self.tok, meta={"stage": ctx.name, "step": 0})
         self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (self.tok.end_of_turn_id,))
         optim = OptimConfig(
@@ -119,7 +131,7 @@ class Trainer(TrainLoop):
             weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
         )
-        backend = make_backend("torch", self.model, optim)
+        backend = make_backend(cfg.backend, self.model, optim, zero_stage=cfg.zero_stage)
         loss_cfg = PolicyLossConfig(
             aggregation=cfg.aggregation,
             clip_low=cfg.ppo_clip,
@@ -133,7 +145,9 @@ class Trainer(TrainLoop):
         ref_model = None
         if cfg.kl_coef:
             ref_model = load_model_dir(self.init_path, device=self.device)[0].eval().requires_grad_(False)
-        self.loss_fn = make_loss_fn(self.params, loss_cfg, ref_model, replay=cfg.router_replay)
+        loss_fn = make_loss_fn(self.params, loss_cfg, ref_model, replay=cfg.router_replay)
+        self.share = 1.0  # this rank's part of the batch's loss normaliser, times the number of trainer ranks
+        self.loss_fn = loss_fn if group is None else lambda *a: self._weighted(loss_fn(*a))
         self.split = selection_split(Path(ctx.inputs[cfg.tasks_input]))  # what checkpoints are selected on
         policy = RetentionPolicy(metric=f"{self.split}/pass@1", mode="max", keep_best=cfg.keep_best, keep_last=cfg.keep_last)
         checkpoints = Checkpoints(ckpts, backend, self.tok, policy, meta={"stage": ctx.name, "seed": ctx.seed}, seed=ctx.seed)
@@ -144,6 +158,7 @@ class Trainer(TrainLoop):
             restored_step=backend.step if client else None,
             stage=ctx.name,
             run_dir=ctx.run_dir,
+            writer=self.lead,
         )
         super().__init__(ctx, backend, checkpoints, log, steps=cfg.updates, save_every=cfg.save_every, eval_every=cfg.eval_every)
         self.wait_seconds = self.sampled_tokens = 0.0
@@ -164,7 +179,7 @@ class Trainer(TrainLoop):
 
     def save(self, rec: dict | None = None) -> bool:
         saved = super().save(rec)
-        if saved:  # nothing before the checkpoint can be needed again, even by a resumed run
+        if saved and self.lead:  # nothing before the checkpoint can be needed again, even by a resumed run
             self.handoff.prune(below=max(0, self.step - self.cfg.lag))
             if hasattr(self.transport, "discard_below"):
                 self.transport.discard_below(self.step)
@@ -175,23 +190,62 @@ class Trainer(TrainLoop):
         if self.local_rollout is not None and not self.transport.has(k):
             self.local_rollout.produce(k)
         t1 = time.perf_counter()
-        try:
-            self.trajs = self.transport.recv_batch(k)
-        except TransportError:
-            if not self.ctx.checkpoint_due():
-                raise
-            self.save()  # the wait was cut short by a preemption notice
-            raise self.ctx.Preempted(f"rl: checkpointed at step {self.step} while waiting for batch {k}") from None
+        self.trajs = self._receive(k)
+        if self.trajs is None:  # the wait was cut short by a preemption notice (on every trainer rank)
+            self.save()
+            raise self.ctx.Preempted(f"rl: checkpointed at step {self.step} while waiting for batch {k}")
         self._wait = time.perf_counter() - t1
-        batch = make_batch(self.trajs, self.tok.pad_id, self.cfg.estimator)
+        batch = self._own_rows(make_batch(self.trajs, self.tok.pad_id, self.cfg.estimator))
         self._add_behaviour_logprobs(batch, {t.policy_version for t in self.trajs})
         return [batch]
 
+    def _receive(self, k: int):
+        """Batch k on every trainer rank; None when rank 0's wait was interrupted by a notice."""
+        trajs = None
+        if self.lead:
+            try:
+                trajs = self.transport.recv_batch(k)
+            except TransportError:
+                # a notice (rank 0's view, no collective: the others wait in the broadcast below)
+                if not self.transport.should_stop():
+                    raise
+        if self.group is None:
+            return trajs
+        abort = self.peer.trainer_failed if self.peer is not None else None
+        # the other ranks wait as long as rank 0 may wait for the batch, and then some
+        return broadcast_batch(self.group, trajs, timeout_s=2 * self.cfg.timeout_s, abort=abort)
+
+    def _own_rows(self, batch: dict) -> dict:
+        """This trainer rank's contiguous slice of the batch's rows (advantages were computed on all of
+        them), and its share of the loss normaliser: DDP averages the ranks' gradients, so a rank's
+        loss, a mean over its rows, is weighted by T x (its part of the normaliser) / (the batch's)."""
+        if self.group is None:
+            return batch
+        rank, n = self.group.Get_rank(), self.group.Get_size()
+        rows = batch["input_ids"].shape[0]
+        lo, hi = rank * rows // n, (rank + 1) * rows // n
+        mask = batch["mask"]
+        if self.cfg.aggregation == "token_mean":
+            part, whole = mask[lo:hi].sum(), mask.sum()
+        elif self.cfg.aggregation == "seq_mean_token_mean":
+            part, whole = (mask[lo:hi].sum(dim=-1) > 0).sum(), (mask.sum(dim=-1) > 0).sum()
+        else:  # seq_sum_over_const: a constant times the number of rows
+            part, whole = hi - lo, rows
+        self.share = n * float(part) / max(float(whole), 1.0)
+        return {key: value[lo:hi] for key, value in batch.items()}
+
+    def _weighted(self, result):
+        loss, stats = result
+        return loss * self.share, stats
+
     def after_step(self) -> None:
-        self.handoff.publish(self.step, self.model)
+        with self.backend.full_params():  # ZeRO-3: whole on every rank while rank 0 writes them
+            if self.lead:
+                self.handoff.publish(self.step, self.model)
 
     def record(self, stats: StepStats, batch: list[dict]) -> dict:
         k, trajs = self.step - 1, self.trajs
+        stats = self._over_trainer_ranks(stats)
         step_time = time.perf_counter() - self._t0
         sampled = float(sum(int(t.loss_mask.sum()) for t in trajs))
         self.wait_seconds += self._wait
@@ -208,6 +262,26 @@ class Trainer(TrainLoop):
         rec["alarm/mismatch_kl"] = float(self._mismatch_alarm(rec.get("mismatch/k3_kl", float("nan"))))
         return rec | engine_counters(self.out)
 
+    def _over_trainer_ranks(self, stats: StepStats) -> StepStats:
+        """The step's numbers for the whole batch: token counts summed over the trainer ranks, the
+        loss's means and the engine-vs-trainer mismatch weighted by each rank's trained tokens
+        (quantiles too: an approximation), maxima the largest (collective)."""
+        if self.group is None:
+            return stats
+        from mpi4py import MPI  # noqa: PLC0415
+
+        names = sorted(stats.sums)
+        w = stats.tokens
+        sums = np.array([w, stats.input_tokens, w * stats.entropy, *(w * float(stats.sums[n]) for n in names)])
+        maxima = np.array([float(stats.sums[n]) for n in names])
+        self.group.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        self.group.Allreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)
+        tokens = max(float(sums[0]), 1.0)
+        merged = {n: torch.tensor(maxima[i] if "max" in n else sums[3 + i] / tokens) for i, n in enumerate(names)}
+        return dataclasses.replace(
+            stats, tokens=float(sums[0]), input_tokens=float(sums[1]), entropy=float(sums[2]) / tokens, sums=merged
+        )
+
     def _mismatch_alarm(self, kl: float) -> bool:
         """On while the engine-vs-trainer k3 KL, averaged over the last `mismatch_kl_window` updates,
         is above `mismatch_kl_alarm`: the rollouts no longer come from the policy being trained."""
@@ -215,7 +289,7 @@ class Trainer(TrainLoop):
         recent = [r.get("mismatch/k3_kl", float("nan")) for r in self.log.records[-(window - 1) :]] if window > 1 else []
         values = [v for v in [*recent, kl] if v == v]  # NaN: a batch without trained tokens
         on = len(values) >= window and float(np.mean(values)) > self.cfg.mismatch_kl_alarm
-        if on and not self.alarm_said:
+        if on and not self.alarm_said and self.lead:
             self.alarm_said = True
             print(
                 f"rl: ALARM engine-vs-trainer mismatch: k3 KL {np.mean(values):.4f} over the last {window} updates "
@@ -228,6 +302,12 @@ class Trainer(TrainLoop):
     def evaluate(self) -> dict:
         if not self.held_out or not self.cfg.eval_tasks:
             return {}
+        with self.backend.full_params():
+            if self.lead:  # the others wait at the checkpoint an eval is followed by
+                self._quick_eval()
+        return self.eval_cache
+
+    def _quick_eval(self) -> None:
         self.eval_cache = quick_eval(
             self.model,
             self.tok,
@@ -238,7 +318,6 @@ class Trainer(TrainLoop):
             verify=self.verify,
             split=self.split,
         )
-        return self.eval_cache
 
     def progress_numbers(self, rec: dict) -> dict:
         return {
@@ -269,10 +348,14 @@ class Trainer(TrainLoop):
     def run(self) -> dict:
         # Repair the handoff: drop torn/unstable versions and any "future" beyond the resumed step,
         # then (re)publish the current version so rollout ranks can start.
-        self.handoff.clean(keep_upto=self.step)
-        self.handoff.publish(self.step, self.model)
+        with self.backend.full_params():
+            if self.lead:
+                self.handoff.clean(keep_upto=self.step)
+                self.handoff.publish(self.step, self.model)
         if self.comm is not None:
             self.comm.bcast(self.step, root=0)
+        if self.peer is not None:
+            return self._run_peer()
         if self.control is None:
             return self._train_and_finish()
         # a multi-rank run: the rollout ranks wait for this rank's last word (stages/rlcore/preempt.py)
@@ -287,9 +370,27 @@ class Trainer(TrainLoop):
         self.control.finished()
         return metrics
 
+    def _run_peer(self) -> dict:
+        """Trainer ranks 1..T-1: train, then leave only on rank 0's last word (in a Slurm step the
+        first rank to exit non-zero gets the others killed, rank 0 in its checkpoint included)."""
+        try:
+            self.train()
+        except self.ctx.Preempted:
+            word = self.peer.wait_for_trainer()
+            step = word.step if word is not None else self.step
+            log(self.ctx.rank, "trainer", f"preemption: leaving after trainer rank 0's checkpoint of step {step}")
+            raise
+        with self.backend.full_params():
+            pass  # rank 0 writes final/ meanwhile (ZeRO-3: with the parameters whole)
+        word = self.peer.wait_for_trainer()
+        if word is not None and word.word == FAILED:
+            raise RuntimeError(f"rl trainer rank {self.ctx.rank}: trainer rank 0 failed; see its traceback")
+        return {"role": "trainer", "updates": self.step, "train_seconds": round(self.train_seconds, 2)}
+
     def _train_and_finish(self) -> dict:
         self.train()
-        self.checkpoints.finish(meta={"stage": self.ctx.name, "seed": self.ctx.seed})
+        with self.backend.full_params():
+            self.checkpoints.finish(meta={"stage": self.ctx.name, "seed": self.ctx.seed})
         history = self.log.records
         metrics = {
             "updates": self.step,

@@ -21,6 +21,11 @@ rollout rank leaves with Preempted (if it was told to stop or saw the notice) or
 last batch: exiting 0 never gets the trainer killed). The messages are tiny (eager) sends on tags of
 their own, in the MPI world whatever the trajectory transport is; a single process (world size 1)
 has no ranks to coordinate and saves and raises Preempted as before.
+
+With several trainer ranks (data parallel), rank 0 speaks for them: ranks 1..T-1 forward their notice
+to it and hear its words as rollout ranks do (`RolloutControl` with role "trainer"), and all trainer
+ranks agree on the notice at the top of every step (`TrainerSignal` over their communicator: one
+all-reduce of a flag), so they save the same step together and none leaves before rank 0's BYE.
 """
 
 from __future__ import annotations
@@ -54,14 +59,24 @@ def _complete(requests: list, timeout_s: float) -> bool:
 
 
 class TrainerSignal:
-    """`ctx.signal` for the trainer of a multi-rank run: set by its own notice or by a rollout
-    rank's NOTICE; the first time it reads set, every rollout rank is told to stop."""
+    """`ctx.signal` for a trainer rank of a multi-rank run. `local()`: this rank's view (rank 0: its
+    own notice or another rank's NOTICE, and the first time it reads set every other rank is told to
+    stop; ranks 1..T-1: their own notice or rank 0's STOP). With several trainer ranks (`group`, their
+    communicator) each read is collective: the flag all-reduced, so every trainer rank stops at the
+    same step; `on_agreed()` then runs (rank 0: tell the others to stop, if a peer saw it first)."""
 
-    def __init__(self, own, control: TrainerControl):
-        self.own, self.control = own, control
+    def __init__(self, own, local, group=None, on_agreed=None):
+        self.own, self.local, self.group, self.on_agreed = own, local, group, on_agreed
 
     def is_set(self) -> bool:
-        return self.control.due(self.own.is_set())
+        if self.group is None:
+            return self.local()
+        from mpi4py import MPI  # noqa: PLC0415
+
+        agreed = bool(self.group.allreduce(int(self.local()), op=MPI.MAX))
+        if agreed and self.on_agreed is not None:
+            self.on_agreed()
+        return agreed
 
     def set(self) -> None:
         self.own.set()
@@ -71,13 +86,14 @@ class TrainerSignal:
 
 
 class TrainerControl:
-    """Rank 0's side: hears rollout ranks' notices, tells them to stop, to leave, or that it ended."""
+    """Rank 0's side: hears the other ranks' notices, tells them to stop, to leave, or that it ended.
+    Ranks 1..trainers-1 are the other trainer ranks, the rest rollout ranks."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, trainers: int = 1):
         from mpi4py import MPI  # noqa: PLC0415
 
-        self.comm = comm
-        self.rollouts = list(range(1, comm.Get_size()))
+        self.comm, self.trainers = comm, trainers
+        self.others = list(range(1, comm.Get_size()))
         self.stopping = False
         self._notice = np.zeros(1, np.int64)
         self._notice_req = comm.Irecv(self._notice, source=MPI.ANY_SOURCE, tag=NOTICE_TAG)
@@ -91,18 +107,22 @@ class TrainerControl:
         if own:
             who = "its own notice"
         elif self._notice_req.Test():
-            who = f"rollout rank {int(self._notice[0])}'s notice"
+            rank = int(self._notice[0])
+            who = f"{'trainer' if rank < self.trainers else 'rollout'} rank {rank}'s notice"
         else:
             return False
         self.stopping = True
         self._tell(STOP)
-        log(0, "trainer", f"preemption ({who}): rollout ranks told to stop; checkpoint after the step in progress")
+        log(0, "trainer", f"preemption ({who}): {self._whom()} told to stop; checkpoint after the step in progress")
         return True
 
     def _tell(self, word: int, step: int = -1) -> None:
         buf = np.array([word, step], np.int64)
         self._bufs.append(buf)
-        self._sends += [self.comm.Isend(buf, dest=r, tag=CONTROL_TAG) for r in self.rollouts]
+        self._sends += [self.comm.Isend(buf, dest=r, tag=CONTROL_TAG) for r in self.others]
+
+    def _whom(self) -> str:
+        return "rollout ranks" if self.trainers == 1 else "the other trainer ranks and rollout ranks"
 
     def _last_word(self, word: int, step: int = -1) -> None:
         if self._said_last:
@@ -110,7 +130,7 @@ class TrainerControl:
         self._said_last = True
         self._tell(word, step)
         if not _complete(self._sends, SEND_WAIT_S):
-            log(0, "trainer", f"rollout ranks did not take '{WORDS[word]}' within {SEND_WAIT_S:.0f}s")
+            log(0, "trainer", f"{self._whom()} did not take '{WORDS[word]}' within {SEND_WAIT_S:.0f}s")
         if self._notice_req:  # still posted: no rollout rank saw a notice (one that comes now is too late)
             self._notice_req.Cancel()
             self._notice_req.Wait()
@@ -125,12 +145,12 @@ class TrainerControl:
         """The checkpoint of `step` is complete: rollout ranks leave once this process exits, after
         what its runner still does (records the unit; on Slurm requeues the job), so that no rank
         exits before rank 0 and gets it killed (`srun --kill-on-bad-exit`)."""
-        log(0, "trainer", f"preemption: checkpoint of step {step} saved; rollout ranks leave when this rank exits")
+        log(0, "trainer", f"preemption: checkpoint of step {step} saved; {self._whom()} leave when this rank exits")
         atexit.register(self._bye, step)
 
     def _bye(self, step: int) -> None:
         self._last_word(BYE, step)
-        log(0, "trainer", f"preemption: told rollout ranks to leave (checkpoint of step {step})")
+        log(0, "trainer", f"preemption: told {self._whom()} to leave (checkpoint of step {step})")
 
 
 @dataclass
@@ -140,10 +160,11 @@ class TrainerWord:
 
 
 class RolloutControl:
-    """A rollout rank's side: forwards its own notice to the trainer, hears the trainer's words."""
+    """A rollout rank's side (and that of trainer ranks 1..T-1, `role="trainer"`): forwards its own
+    notice to the trainer (rank 0), hears rank 0's words."""
 
-    def __init__(self, comm, ctx, timeout_s: float):
-        self.comm, self.ctx, self.timeout_s = comm, ctx, timeout_s
+    def __init__(self, comm, ctx, timeout_s: float, role: str = "rollout"):
+        self.comm, self.ctx, self.timeout_s, self.role = comm, ctx, timeout_s, role
         self.rank = ctx.rank
         self.told_trainer = False
         self.stop = False  # own notice or the trainer's STOP: produce nothing more
@@ -164,10 +185,10 @@ class RolloutControl:
         if self.ctx.checkpoint_due() and not self.told_trainer:
             self.told_trainer = True
             if self.last is None and self.stop:
-                log(self.rank, "rollout", "preemption notice (the trainer has already said stop)")
+                log(self.rank, self.role, "preemption notice (the trainer has already said stop)")
             elif self.last is None:
                 self._sends.append(self.comm.Isend(self._rank_buf, dest=0, tag=NOTICE_TAG))
-                log(self.rank, "rollout", "preemption notice: told the trainer; producing nothing more")
+                log(self.rank, self.role, "preemption notice: told the trainer; producing nothing more")
             self.stop = True
 
     def stop_requested(self) -> bool:
@@ -175,6 +196,10 @@ class RolloutControl:
         of every wait of a rollout rank."""
         self._poll()
         return self.stop or self.last is not None
+
+    def trainer_failed(self) -> bool:
+        self._poll()
+        return self.last is not None and self.last.word == FAILED
 
     def wait_for_trainer(self) -> TrainerWord | None:
         """The trainer's last word (BYE, END or FAILED), or None after `timeout_s` without it."""

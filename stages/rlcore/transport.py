@@ -6,6 +6,11 @@ by rollout rank `first_rollout + k % n_rollout` and received by the trainer (ran
 which MPI's non-overtaking rule guarantees per sender. Both sides poll non-blocking requests so a
 preemption notice is honoured even while a peer is slow.
 
+With several trainer ranks, trainer rank 0 receives each batch and `broadcast_batch` hands the same
+typed buffers to the others over the trainer ranks' own communicator: the rollout side stays one
+send per batch whatever the number of trainer ranks, and every trainer rank needs the whole batch
+anyway (group baselines span rows that different ranks train on).
+
 `FileQueueTransport`: the fallback without MPI (and the single-process mode): atomic
 `<dir>/batch_000123.npz` files; the receiver polls until the file appears. Files stay until the
 trainer has checkpointed past them (`discard_below`), so a resumed trainer can re-read them.
@@ -103,6 +108,28 @@ class MPITransport:
             f"receive batch {batch_index} from rank {src}",
         )
         return unpack(bufs)
+
+
+def broadcast_batch(
+    group, trajs: list[Trajectory] | None, *, timeout_s: float, abort: Callable[[], bool] | None = None
+) -> list[Trajectory] | None:
+    """Rank 0 of `group` (the trainer ranks' communicator) gives its batch to every rank of it:
+    a header [has a batch, leading length of each buffer], then one Bcast per buffer. None on
+    every rank when rank 0 has none (its wait was cut short by a preemption notice). `abort()`
+    true ends a rank's wait with TransportError (rank 0 failed)."""
+    root = group.Get_rank() == 0
+    head = np.zeros(1 + len(FIELDS), np.int64)
+    if root and trajs is not None:
+        bufs = pack(trajs)
+        head[0], head[1:] = 1, header(bufs)
+    _wait([group.Ibcast(head, root=0)], timeout_s, abort, "batch from trainer rank 0")
+    if not head[0]:
+        return None
+    if not root:
+        bufs = allocate(head[1:])
+    for name in FIELDS:
+        group.Bcast(bufs[name], root=0)
+    return trajs if root else unpack(bufs)
 
 
 class FileQueueTransport:
