@@ -3,9 +3,10 @@
     backend = make_backend("torch" | "deepspeed", model, optim_cfg, zero_stage=...)
     stats = backend.train_step(micro_batches, loss_fn)   # -> StepStats; loss_fn(model, batch, n_tokens, n_micro)
     backend.save_state(dir) / backend.load_state(dir)     # optimizer + schedule + step (collective)
+    with backend.full_params(): ...                       # whole weights (ZeRO-3 gathers; collective)
 
 `torch`: single process, or DDP when a process group is initialised (gloo on CPU, NCCL on GPU).
-`deepspeed`: ZeRO stage 1-2 over the same process group (gloo on CPU works with deepspeed 0.19).
+`deepspeed`: ZeRO stage 0-3 over the same process group (gloo on CPU works with deepspeed 0.19).
 Both normalise the loss by the step's total target-token count across micro-batches and ranks, so
 the update does not depend on how a step is split into micro-batches or ranks.
 Mixed precision: bf16 autocast on GPU, plain fp32 on CPU (deterministic there).
@@ -184,21 +185,29 @@ class TorchBackend:
         # AdamW's `step` where it was loaded, and a fresh run keeps it on the CPU (else a resumed
         # GPU run pickles it as a CUDA tensor: other bytes for the same state)
         sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False)
+        if "optimizer" not in sd:
+            raise UserError(f"{dir}: not a torch backend's trainer state (written by backend: deepspeed?)")
         self.optimizer.load_state_dict(sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
         self.step = int(sd["step"])
 
-    def full_params(self):
-        """Context in which `self.model`'s parameters are whole on every rank (ZeRO-3 gathers)."""
+    def full_params(self, modify: bool = False):
+        """Context in which `self.model`'s parameters are whole on every rank (ZeRO-3 gathers);
+        collective. `modify`: writes to them inside are kept."""
         return contextlib.nullcontext()
 
 
 class DeepSpeedBackend(TorchBackend):
-    """ZeRO 1-2 via deepspeed.initialize with our AdamW + LambdaLR as client optimizer/scheduler."""
+    """ZeRO 0-3 via deepspeed.initialize with our AdamW + LambdaLR as client optimizer/scheduler.
+
+    Stage 3 partitions the parameters too: each module's are gathered around its forward and
+    backward (the LM head inside `MoEForCausalLM.forward`, which reads it for the fused logprob).
+    `persistence_threshold`: stage-3 parameters with fewer elements stay whole on every rank
+    (DeepSpeed's default; 0 shards every parameter)."""
 
     name = "deepspeed"
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 1):
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 1, persistence_threshold: int = 100_000):
         import deepspeed  # noqa: PLC0415 (optional extra)
 
         self.cfg = cfg
@@ -206,11 +215,14 @@ class DeepSpeedBackend(TorchBackend):
         self.rank, self.world_size = world()
         self.device = next(model.parameters()).device
         optimizer, scheduler = build_optimizer(model, cfg)
+        zero: dict = {"stage": zero_stage}
+        if zero_stage == 3:
+            zero["stage3_param_persistence_threshold"] = persistence_threshold
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,  # nominal: we feed our own micro-batches
             "gradient_accumulation_steps": 1,
             "gradient_clipping": cfg.grad_clip,
-            "zero_optimization": {"stage": zero_stage},
+            "zero_optimization": zero,
             "bf16": {"enabled": self.device.type == "cuda"},
             "steps_per_print": 1 << 30,
             "zero_allow_untested_optimizer": True,
@@ -223,6 +235,7 @@ class DeepSpeedBackend(TorchBackend):
             lr_scheduler=scheduler,
             config=ds_config,
         )
+        self.zero_stage = zero_stage
         self.wrapped = self.engine
         self.step = 0
 
@@ -233,7 +246,23 @@ class DeepSpeedBackend(TorchBackend):
         return contextlib.nullcontext()  # the engine casts (bf16 config) itself
 
     def _backward(self, loss):
-        self.engine.backward(loss, scale_wrt_gas=False)
+        with self._read_outside_their_module():
+            self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _read_outside_their_module(self):
+        """Stage 3: a parameter that a forward read without calling its module (the LM head, for the
+        fused logprob in `MoEForCausalLM.forward`) is gathered there by DeepSpeed, which registers it
+        as an external parameter of the module being run, but not for backward: DeepSpeed gathers
+        those when gradients reach the module's outputs, and it cannot see into `ModelOutput` (a
+        dataclass). Gathered here for the whole backward instead (collective, as gathering is)."""
+        if self.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed  # noqa: PLC0415 (optional extra)
+
+        external = {
+            id(p): p for m in self.model.modules() if hasattr(m, "ds_external_parameters") for _, p in m.ds_external_parameters()
+        }
+        return deepspeed.zero.GatheredParameters(list(external.values()), modifier_rank=None)
 
     def _clip(self) -> torch.Tensor:
         return torch.tensor(0.0)  # clipped inside engine.step(); norm read after it
@@ -245,31 +274,110 @@ class DeepSpeedBackend(TorchBackend):
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    # ---------------------------------------------------------------- topology-independent state
+    #
+    # ZeRO keeps each rank's slice of the fp32 master weights and AdamW moments. They are saved
+    # whole, per parameter name (DeepSpeed's safe_get/safe_set_full_* gather and scatter them), so a
+    # checkpoint does not depend on the number of ranks or the ZeRO stage that wrote it.
+
+    MOMENTS = ("exp_avg", "exp_avg_sq")
+
+    def _trained(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _base_optimizer(self) -> torch.optim.Optimizer:
+        """The torch AdamW that steps this rank's fp32 partitions (stage 0: the client optimizer)."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def _stepped(self) -> list[torch.Tensor]:
+        """What the torch AdamW steps on this rank: ZeRO's flat fp32 partitions (one per group;
+        stage 3 hands them to the optimizer only during its step) or, stage 0, the parameters."""
+        for flat in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):  # ZeRO-3, ZeRO-1/2
+            if hasattr(self.optimizer, flat):
+                return list(getattr(self.optimizer, flat))
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _adam_state(self, step: int) -> None:
+        """AdamW creates its state at the first step; a save before it or a load needs it now
+        (the values torch would create, with `step` steps taken)."""
+        base = self._base_optimizer()
+        for p in self._stepped():
+            state = base.state[p]
+            if not state:
+                state.update({key: torch.zeros_like(p, memory_format=torch.preserve_format) for key in self.MOMENTS})
+            state["step"] = torch.tensor(float(step), dtype=torch.get_default_dtype())
+
+    def _link_moments(self) -> None:
+        """ZeRO-1/2 map each parameter to its slice of the moments once, after the first step of the
+        first param group, when the other groups' moments do not exist yet (deepspeed 0.19): the
+        safe_*_full_optimizer_state calls would then miss them. Map every group again."""
+        from deepspeed.utils import lazy_init_hp_params_optimizer_state  # noqa: PLC0415
+
+        if hasattr(self.optimizer, "single_partition_of_fp32_groups"):
+            for params, flat in zip(self.optimizer.bit16_groups, self.optimizer.single_partition_of_fp32_groups):
+                lazy_init_hp_params_optimizer_state(params, flat, self._base_optimizer().state)
+
+    def _get_full(self, p, key: str | None) -> torch.Tensor:
+        """Collective: the whole fp32 master weight (key None) or moment of parameter `p`."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: PLC0415
+
+        full = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
+        if full is None:  # stage 0: the client optimizer steps the model's own parameters
+            full = p.detach() if key is None else self._base_optimizer().state[p][key]
+        return full.detach().float().cpu().reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+
+    def _set_full(self, p, value: torch.Tensor, key: str | None) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state  # noqa: PLC0415
+
+        value = value.to(self.device)
+        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+            if key is None:
+                safe_set_full_fp32_param(p, value)
+            else:
+                safe_set_full_optimizer_state(p, value, key)
+        elif key is not None:  # stage 0 (the weights themselves are loaded with the model)
+            self._base_optimizer().state[p][key].copy_(value)
+
     def save_state(self, dir) -> None:
-        # ZeRO partitions optimizer state across ranks; deepspeed's own collective checkpoint
-        # writes every rank's partition (our model weights are saved separately, in HF layout).
-        self.engine.save_checkpoint(str(dir), tag="zero", client_state={"step": self.step}, save_latest=False)
+        """Collective: every rank takes part in gathering; rank 0 writes `optimizer.pt`."""
+        if not any(self._base_optimizer().state.get(p) for p in self._stepped()):
+            self._adam_state(self.step)
+        self._link_moments()
+        params = {name: {key or "fp32": self._get_full(p, key) for key in (None, *self.MOMENTS)} for name, p in self._trained()}
+        if self.rank == 0:
+            dir.mkdir(parents=True, exist_ok=True)
+            state = {"params": params, "scheduler": self.scheduler.state_dict(), "step": self.step}
+            canonical.save(state, dir / "optimizer.pt")
 
     def load_state(self, dir) -> None:
-        _, client = self.engine.load_checkpoint(str(dir), tag="zero", load_module_strict=True)
-        self.step = int(client["step"])
+        sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False)
+        if "params" not in sd:
+            raise UserError(f"{dir}: not a deepspeed backend's trainer state (written by backend: torch?)")
+        self.step = int(sd["step"])
+        self._adam_state(self.step)
+        self._link_moments()
+        for name, p in self._trained():
+            for key, value in sd["params"][name].items():
+                self._set_full(p, value, None if key == "fp32" else key)
+        self.scheduler.load_state_dict(sd["scheduler"])
+        # the schedule sets the groups' lr when it steps; a loaded one has not stepped yet
+        for group, lr in zip(self._base_optimizer().param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
 
-    def full_params(self):
-        if self.engine.zero_optimization_stage() == 3:
+    def full_params(self, modify: bool = False):
+        """Every rank must enter it (stage 3 gathers). `modify`: rank 0's writes to the parameters
+        are kept (scattered back to every rank's partition on exit)."""
+        if self.zero_stage == 3:
             import deepspeed  # noqa: PLC0415 (optional extra)
 
-            return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+            return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=0 if modify else None)
         return contextlib.nullcontext()
 
 
-def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1):
+def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, **options):
+    """`options`: backend-specific keywords (DeepSpeedBackend's persistence_threshold)."""
     if name == "torch":
         return TorchBackend(model, cfg)
     if name == "deepspeed":
-        if zero_stage not in (0, 1, 2):
-            # ZeRO-3 partitions the LM head, which the fused logprob kernel reads outside
-            # lm_head.forward; gathering it there is not done yet (a trial run deadlocked).
-            raise UserError(f"deepspeed zero_stage={zero_stage}: only stages 0-2 are supported")
-        return DeepSpeedBackend(model, cfg, zero_stage=zero_stage)
-
+        return DeepSpeedBackend(model, cfg, zero_stage=zero_stage, **options)
     raise UserError(f"train backend {name!r} is not one of: torch, deepspeed")

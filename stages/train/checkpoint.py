@@ -2,11 +2,18 @@
 
     checkpoints/step_000123/
         model.safetensors (+ shards/index) model_config.json tokenizer.json meta.json
-        trainer_state/optimizer.pt            torch backend (replicated state, rank 0 writes)
-        trainer_state/zero/...                deepspeed backend (every rank's ZeRO partition)
-        trainer_state/client.pt               step, data-loader state, user state
+        trainer_state/optimizer.pt            optimizer + schedule + step, rank 0 writes it:
+                                              torch backend: the (replicated) torch state dict;
+                                              deepspeed: per parameter name, the whole fp32 master
+                                              weight and AdamW moments (gathered from ZeRO's slices)
+        trainer_state/client.pt               step, data-loader state (a global position), user state
         trainer_state/rng_rank00000.pt ...    torch / numpy / python RNG of every rank
         manifest.json                         sha256 of every file, written last
+
+Nothing in it depends on the number of ranks that wrote it: weights are whole (ZeRO-3 gathers them),
+so are optimizer moments, and the loader's position counts global batches. A run resumes on another
+number of ranks with the same weights, optimizer state and data; a rank without an RNG snapshot of
+its own (more ranks than before) keeps its seeded generators (training draws nothing from them).
 
 Ranks first write their parts into `.step_000123.staging/`; rank 0 then builds the directory with
 `pipeline.fsio.atomic_dir` (temp name, fsync, rename), so a kill at any instant leaves the previous
@@ -104,7 +111,7 @@ def load_checkpoint(path, backend) -> dict:
     """Restore weights, optimizer/schedule, this rank's RNG; returns the client state (step, loader...)."""
 
     path = Path(path)
-    with backend.full_params():
+    with backend.full_params(modify=True):
         with torch.no_grad():
             load_hf_state_dict(backend.model, {k: v.to(backend.device) for k, v in read_tensors(path).items()})
     backend.load_state(path / STATE)
