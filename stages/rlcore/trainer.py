@@ -11,12 +11,12 @@ not report are rebuilt, and `mismatch/support_rebuilt_frac` counts them.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import numpy as np
 import torch
 
-from snowcat.kernels import linear_logprob_entropy
 from snowcat.stages.agent import Trajectory
 from snowcat.stages.algorithms import PolicyLossConfig, compute_advantages, mismatch_stats, policy_loss
 from snowcat.stages.rollout import SamplingParams, support_ids
@@ -119,28 +119,28 @@ def _unwrap(model):
 def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 4096, replay: bool = False):
     """(logprob [B, T], entropy [B, T], model output) of the target tokens under `params`' sampling
     distribution; 0 where there is no target. `replay`: route every token to the experts the engine
-    recorded for it (router replay), where the batch carries them."""
+    recorded for it (router replay), where the batch carries them.
 
-    out = model(batch["input_ids"], routes=batch.get("routes") if replay else None)
-    B, T, H = out.hidden.shape
+    The LM head is read only inside the model's forward (the fused kernel and the rebuild of missing
+    supports both run there), where ZeRO-3 has gathered it."""
     sel = batch["targets"] >= 0
-    h = out.hidden[sel]
-    head = _unwrap(model).lm_head.weight
-    targets = batch["targets"][sel]
     support = None
     if not params.is_full_distribution:
-        with torch.no_grad():  # the kept set is a constant of the loss, as it is for the engine
-            support = kept_support(batch, sel, h, head, params, chunk)
-    temperature = params.temperature if params.temperature > 0 else 1.0
-    logp_sel, ent_sel = linear_logprob_entropy(h, head.to(h.dtype), targets, temperature=temperature, support=support)
-    logp = torch.zeros(B, T, dtype=logp_sel.dtype, device=h.device).masked_scatter(sel, logp_sel)
-    ent = torch.zeros(B, T, dtype=ent_sel.dtype, device=h.device).masked_scatter(sel, ent_sel)
-    return logp, ent, out
+        support = functools.partial(kept_support, batch, sel, params=params, chunk=chunk)
+    out = model(
+        batch["input_ids"],
+        targets=batch["targets"],
+        temperature=params.temperature if params.temperature > 0 else 1.0,
+        routes=batch.get("routes") if replay else None,
+        kept_support=support,
+    )
+    return out.logprobs, out.entropy, out
 
 
-def kept_support(batch: dict, sel: torch.Tensor, h: torch.Tensor, head: torch.Tensor, params: SamplingParams, chunk: int):
-    """int64 [N, K] kept ids of the N target tokens: the engine's where it recorded them, rebuilt from
-    the trainer's own logits (fp32, `chunk` rows at a time) where it did not."""
+def kept_support(batch: dict, sel: torch.Tensor, h: torch.Tensor, head: torch.Tensor, *, params: SamplingParams, chunk: int):
+    """int64 [N, K] kept ids of the N target tokens (`sel`, hidden states `h`): the engine's where it
+    recorded them, rebuilt from the trainer's own logits (fp32, `chunk` rows at a time) where it did
+    not. Called by the model's forward, which holds the LM head `head`."""
     targets = batch["targets"][sel]
     recorded = batch.get("support")
     if recorded is not None and recorded.shape[-1]:
