@@ -28,6 +28,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, build_manifest
@@ -44,7 +45,7 @@ from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import demonstration, load_tasks, verify
 from snowcat.stages.tokenizer import message_text, train_tokenizer
 from snowcat.stages.train import Example, OptimConfig, PackedLoader, StepStats, latest_checkpoint, make_backend
-from snowcat.stages.train.backend import init_distributed, local_device
+from snowcat.stages.train.backend import init_distributed, local_device, world
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
 from snowcat.stages.train.loss import sft_loss
 
@@ -200,6 +201,14 @@ def lineage(ctx, cfg: Config) -> dict:
     }
 
 
+def _summed_over_ranks(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Each tensor summed over the data-parallel ranks (one all-reduce; float64)."""
+    flat = torch.cat([p.detach().double().reshape(-1).to(device) for p in parts])
+    if world()[1] > 1:
+        dist.all_reduce(flat)
+    return list(flat.cpu().split([p.numel() for p in parts]))
+
+
 # ---------------------------------------------------------------- the stage
 
 
@@ -220,9 +229,14 @@ class SftLoop(TrainLoop):
         return {"loader": self.loader.state_dict()}
 
     def record(self, stats: StepStats, batch: list[dict]) -> dict:
-        rec = {"loss": float(stats.sums["nll_sum"]) / max(stats.tokens, 1), **stats.record(), "epoch": self.loader.epoch}
+        # the step's loss over every rank's rows, not rank 0's share of them
+        parts = [stats.sums["nll_sum"], torch.tensor(stats.tokens)]
         if "domain_nll" in stats.sums:
-            nll, tokens = stats.sums["domain_nll"], stats.sums["domain_tokens"]
+            parts += [stats.sums["domain_nll"], stats.sums["domain_tokens"]]
+        nll, tokens, *domain = _summed_over_ranks(parts, self.backend.device)
+        rec = {"loss": float(nll) / max(float(tokens), 1), **stats.record(), "epoch": self.loader.epoch}
+        if domain:
+            nll, tokens = domain
             rec.update({f"loss/{d}": float(nll[i]) / float(tokens[i]) for i, d in enumerate(self.domains) if float(tokens[i])})
         return rec
 
@@ -294,6 +308,7 @@ def run(ctx) -> dict:
         weight_decay=cfg.weight_decay,
         grad_clip=cfg.grad_clip,
     )
+    num_params = model.num_params()  # counted while whole (ZeRO-3 leaves each rank a slice)
     backend = make_backend(cfg.backend, model, optim, zero_stage=cfg.zero_stage)
     # no metric during SFT: retention keeps the last `keep_last` (and records what it deletes)
     policy = RetentionPolicy(metric="val/pass@1", keep_best=1, keep_last=cfg.keep_last)
@@ -320,14 +335,18 @@ def run(ctx) -> dict:
         "tokens_per_s": round(loop.tokens_processed / max(loop.train_seconds, 1e-9), 1),
         "final_loss": history[-1]["loss"] if history else None,
         "num_examples": len(examples),
-        "num_params": model.num_params(),
+        "num_params": num_params,
     }
+    with backend.full_params():  # final/ holds whole weights (ZeRO-3 gathers them: every rank enters)
+        if rank == 0:
+            checkpoints.finish(meta={"stage": ctx.name, "seed": ctx.seed})
     if rank == 0:
-        checkpoints.finish(meta={"stage": ctx.name, "seed": ctx.seed})
         if history:
             _plot(history, out / "loss_curve.png")
         if cfg.eval_tasks:
             val = [t for d in domains for t in [v for v in load_tasks(tasks_dir, "val") if v.domain == d][: cfg.eval_tasks]]
-            metrics.update(greedy_pass_rate(model, tok, val, cfg.eval_max_new_tokens))
+            # the model final/ holds (under ZeRO-3 this rank's own copy has a slice of each weight)
+            final, _, _ = load_model_dir(ckpts / "final")
+            metrics.update(greedy_pass_rate(final.to(device), tok, val, cfg.eval_max_new_tokens))
         atomic_write_json(out / "metrics.json", metrics)
     return metrics
