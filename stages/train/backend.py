@@ -343,7 +343,11 @@ class DeepSpeedBackend(TorchBackend):
         if not any(self._base_optimizer().state.get(p) for p in self._stepped()):
             self._adam_state(self.step)
         self._link_moments()
-        params = {name: {key or "fp32": self._get_full(p, key) for key in (None, *self.MOMENTS)} for name, p in self._trained()}
+        params = {}
+        for name, p in self._trained():
+            whole = {key or "fp32": self._get_full(p, key) for key in (None, *self.MOMENTS)}  # every rank gathers
+            if self.rank == 0:  # ... and only the writer keeps them
+                params[name] = whole
         if self.rank == 0:
             dir.mkdir(parents=True, exist_ok=True)
             state = {"params": params, "scheduler": self.scheduler.state_dict(), "step": self.step}
