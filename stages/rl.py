@@ -233,9 +233,15 @@ def run(ctx) -> dict:
 
     trainer = Trainer(ctx, cfg, held_out, handoff, transport, comm, group=group)
     trainer.control, trainer.peer = control, peer
+    trainer.tasks = {t.task_id: t for t in pool}
     if role == "both":
         trainer.local_rollout = Rollout(ctx, cfg, pool, handoff, transport)
-    return trainer.run()
+    try:
+        return trainer.run()
+    finally:
+        # left up, gloo's threads may release tensors while the interpreter exits: abort (seen, exit 134)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def _run_rollout(ctx, cfg: Config, comm, lay: Layout, control: RolloutControl, pool, handoff, transport) -> dict:

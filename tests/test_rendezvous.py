@@ -90,6 +90,7 @@ _WORLD = textwrap.dedent("""
     init_process_group(r)
     t = torch.tensor([float(r.rank + 1)])
     dist.all_reduce(t)
+    dist.destroy_process_group()  # (left up, gloo's threads may outlive the interpreter: abort at exit)
     out = {"rank": r.rank, "world": r.world_size, "local": r.local_rank, "addr": r.addr, "sum": t.item()}
     (Path(sys.argv[1]) / f"rank{r.rank}.json").write_text(json.dumps(out))  # (mpirun interleaves stdout)
 """)

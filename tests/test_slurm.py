@@ -470,6 +470,7 @@ r = rendezvous()
 init_process_group(r)
 t = torch.tensor([float(r.rank + 1)])
 dist.all_reduce(t)
+dist.destroy_process_group()
 out = {"rank": r.rank, "world": r.world_size, "addr": r.addr, "port": r.port, "node": os.environ["SLURMD_NODENAME"], "sum": t.item()}
 (Path(sys.argv[1]) / f"rank{r.rank}.json").write_text(json.dumps(out))
 """
