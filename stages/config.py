@@ -83,6 +83,29 @@ def _engine_problems(engine: str, image: str | None) -> Iterator[Problem]:
         )
 
 
+# Kept trajectories (stages/agent/dataset.py): all | none | sample:<n> (n episodes per shard, seeded)
+KEEP_TRAJECTORIES_HELP = "all, none or sample:<n> with n >= 1"
+
+
+def keep_trajectories(spec: str) -> int | None:
+    """Episodes kept per shard: None = all, 0 = none, n = a seeded sample of n."""
+    if spec == "all":
+        return None
+    if spec == "none":
+        return 0
+    m = re.fullmatch(r"sample:(\d+)", spec)
+    if m is None or int(m.group(1)) < 1:
+        raise ValueError(f"{spec!r} is not {KEEP_TRAJECTORIES_HELP}")
+    return int(m.group(1))
+
+
+def _keep_problems(spec: str) -> Iterator[Problem]:
+    try:
+        keep_trajectories(spec)
+    except ValueError as e:
+        yield "keep_trajectories", str(e)
+
+
 def _needs_problems(needs: list[str], *keys_and_stages: tuple[str, str]) -> Iterator[Problem]:
     for key, stage in keys_and_stages:
         if stage not in needs:
@@ -239,10 +262,12 @@ class ProbeConfig:
     engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    keep_trajectories: str = "all"  # episodes kept in trajectories/: all | none | sample:<n>
 
     def problems(self) -> Iterator[Problem]:
         yield from _needs_problems(self.needs, ("tasks", self.tasks))
         yield from _engine_problems(self.engine, self.image)
+        yield from _keep_problems(self.keep_trajectories)
         if not self.band_min_pass <= self.band_max_pass <= self.attempts:
             yield "band_max_pass", f"need band_min_pass <= band_max_pass <= attempts ({self.attempts})"
         yield from _verifier_problems(self.verifier)
@@ -310,6 +335,7 @@ class RlConfig(Parallelism):
     router_replay: bool = False  # MoE: route each token to the experts the rollout engine recorded (torch engine)
     mismatch_kl_alarm: float = bounded(0.015, ge=0)  # alarm when the engine-vs-trainer k3 KL stays above this...
     mismatch_kl_window: int = bounded(20, ge=1)  # ...averaged over this many updates (0.015 over 20: prime-rl's gate)
+    keep_trajectories: str = "all"  # each update's batch kept in trajectories/: all | none | sample:<n> per update
 
     def checkpoint_names(self) -> tuple[str, ...]:
         return ("initial", "final", "best", "step_*")
@@ -319,6 +345,7 @@ class RlConfig(Parallelism):
         if self.attempts < 2:  # GRPO included: one attempt is its own group mean, every advantage 0
             yield "attempts", f"{self.estimator} needs at least 2 attempts per task (one attempt has no baseline)"
         yield from _verifier_problems(self.verifier)
+        yield from _keep_problems(self.keep_trajectories)
         roles = getattr(self, "resources", None)
         role_image = next((c.image for c in roles.components.values() if c.image), None) if roles else None
         yield from _engine_problems(self.engine, self.image or role_image)  # the rollout role's image carries vLLM
@@ -353,8 +380,10 @@ class EvaluateConfig:
     bootstrap_samples: int = bounded(2000, ge=1)
     engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    keep_trajectories: str = "all"  # episodes kept in trajectories/: all | none | sample:<n> per checkpoint
 
     def problems(self) -> Iterator[Problem]:
+        yield from _keep_problems(self.keep_trajectories)
         if not self.checkpoints and "checkpoint" not in self.fan_out:
             yield "checkpoints", "name at least one checkpoint, e.g. 'sft:final'"
         bad = [k for k in self.pass_k if not 1 <= k <= self.attempts]

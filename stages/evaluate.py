@@ -8,7 +8,9 @@ Infrastructure failures -- verifier crash or time-out (verifiers run in a worker
 time limit), engine error -- are recorded with their cause, retried up to `infra_retries`, then
 excluded from every denominator: never counted as model failures. See docs/evaluation.md.
 
-Outputs in the stage dir: `traces.h5` (one row per attempt), `results.json`, `pass_at_k.png`.
+Outputs in the stage dir: `traces.h5` (one row per attempt), `results.json`, `pass_at_k.png`, and
+the episodes kept as a dataset in `trajectories/`, a shard per checkpoint (`keep_trajectories`;
+stages/agent/dataset.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +31,26 @@ from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json, nan_to_null
 from snowcat.stages import evalstats
-from snowcat.stages.agent import Budget, behaviour, make_env
-from snowcat.stages.config import env_options
+from snowcat.stages.agent import Budget, Trajectory, behaviour, make_env
+from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
+from snowcat.stages.config import env_options, keep_trajectories
 from snowcat.stages.rollout import SamplingParams
-from snowcat.stages.scoring import Attempt, play_attempts, sample_attempts, serve_checkpoint
+from snowcat.stages.scoring import Attempt, play_attempts, sample_attempts, serve_checkpoint, task_prompt
 from snowcat.stages.taskgen import load_tasks
 from snowcat.stages.verifiers import TimedVerifier
 
 # ---------------------------------------------------------------- sampling + verification
 
 
-def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier) -> tuple[list[Attempt], dict | None]:
+def sample_and_verify(
+    cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier, writer: TrajectoryWriter
+) -> tuple[list[Attempt], dict | None]:
     """`cfg.attempts` verified answers per task from checkpoint `ref`, and (multi-turn envs) what the
-    agent did (`stages.agent.behaviour`)."""
+    agent did (`stages.agent.behaviour`); the episodes go to `writer` as shard `ref`."""
 
     engine, tok, _ = serve_checkpoint(ctx, ref, "checkpoints", cfg.batch_size)
+    t0 = time.perf_counter()
+    keep = functools.partial(writer.write, ref, checkpoint=ref, tasks={t.task_id: t for t in tasks})
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (tok.end_of_turn_id,))
     common = dict(
         attempts=cfg.attempts,
@@ -53,11 +61,39 @@ def sample_and_verify(cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVe
         progress=functools.partial(ctx.progress, unit="episodes", phase=ref),
     )
     if cfg.env == "single":
-        return sample_attempts(engine, tok, tasks, params, **common), None
+        records = sample_attempts(engine, tok, tasks, params, **common)
+        keep(
+            [single_turn_trajectory(r, task_prompt(tok, r.task), i // cfg.attempts) for i, r in enumerate(records)],
+            tok,
+            passed=[r.passed for r in records],
+            seconds=time.perf_counter() - t0,
+        )
+        return records, None
     env = make_env(cfg.env, tok, **env_options(cfg.env, cfg))
     budget = Budget(cfg.max_context, cfg.max_tokens, cfg.max_turns)
     records, trajectories = play_attempts(engine, tok, tasks, env, params, budget, **common)
+    keep([t for t in trajectories if t is not None], tok, seconds=time.perf_counter() - t0)
     return records, behaviour([t for t in trajectories if t is not None and t.status != "infra_error"], tok)
+
+
+def single_turn_trajectory(r: Attempt, prompt: list[int], group_id: int) -> Trajectory:
+    """A single-turn attempt as the trajectory record the agent loop would have made of it."""
+    n = len(r.token_ids)
+    return Trajectory(
+        task_id=r.task.task_id,
+        group_id=group_id,
+        attempt=r.attempt,
+        policy_version=0,
+        token_ids=[*prompt, *r.token_ids],
+        loss_mask=[0] * len(prompt) + [1] * n,
+        rollout_logprobs=[0.0] * len(prompt) + list(r.logprobs),
+        reward=r.reward,
+        status=r.status,
+        turn_boundaries=[(len(prompt), len(prompt) + n)] if n else [],
+        domain=r.task.domain,
+        prompt_len=len(prompt),
+        detail="; ".join(r.infra_causes),
+    )
 
 
 # ---------------------------------------------------------------- statistics
@@ -209,8 +245,10 @@ def run(ctx: StageContext) -> dict:
     tasks = tasks[: cfg.limit] if cfg.limit > 0 else tasks
 
     verifier = TimedVerifier(cfg.verifier, cfg.verifier_timeout_s)
+    keep = keep_trajectories(cfg.keep_trajectories)
+    writer = TrajectoryWriter(ctx.out_dir / DIRNAME, stage=ctx.name, env=cfg.env, keep=keep, seed=ctx.seed)
     try:
-        played = {ref: sample_and_verify(cfg, ctx, ref, tasks, verifier) for ref in refs}
+        played = {ref: sample_and_verify(cfg, ctx, ref, tasks, verifier, writer) for ref in refs}
     finally:
         verifier.close()
     records = {ref: recs for ref, (recs, _) in played.items()}

@@ -6,7 +6,8 @@ will use) and records per task: n (scored attempts), passes (full-credit rewards
 
 Outputs in the stage dir: `probe.parquet` (task_id, domain, difficulty, n, passes, infra_failures,
 mean_reward), `probe.json` (pass-count histograms, fraction of tasks in the useful band),
-`probe_histogram.png`, `traces.h5` (one row per episode, token ids exactly as sampled).
+`probe_histogram.png`, `traces.h5` (one row per episode, token ids exactly as sampled), and the
+episodes kept as a dataset in `trajectories/` (`keep_trajectories`; stages/agent/dataset.py).
 Preemption-safe: finished batches are kept under `partial/` until the stage completes.
 """
 
@@ -29,7 +30,8 @@ from snowcat.pipeline.context import Preempted
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
 from snowcat.stages.agent import FIELDS, Budget, EpisodeJob, make_env, pack, run_episodes, unpack
-from snowcat.stages.config import env_options
+from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
+from snowcat.stages.config import env_options, keep_trajectories
 from snowcat.stages.model.io import load_model_config
 from snowcat.stages.rollout import SamplingParams
 from snowcat.stages.scoring import serve_checkpoint
@@ -250,6 +252,10 @@ def run(ctx) -> dict:
     out = Path(ctx.out_dir)
     write_table(out / "probe.parquet", rows)
     write_traces(out / "traces.h5", trajs)
+    writer = TrajectoryWriter(
+        out / DIRNAME, stage=ctx.name, env=cfg.env, keep=keep_trajectories(cfg.keep_trajectories), seed=ctx.seed
+    )
+    writer.write(cfg.checkpoint, trajs, tok, checkpoint=cfg.checkpoint, tasks={t.task_id: t for t in tasks})
     atomic_write_json(out / "probe.json", {"checkpoint": cfg.checkpoint, "env": cfg.env, **summary})
     plot_histogram(out / "probe_histogram.png", summary)
     shutil.rmtree(partial)  # everything it held is in traces.h5 now

@@ -22,7 +22,9 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.stages.agent import STATUSES
+from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
 from snowcat.stages.algorithms import PolicyLossConfig
+from snowcat.stages.config import keep_trajectories
 from snowcat.stages.evalstats import mean_se
 from snowcat.stages.model import load_model_dir, save_model_dir
 from snowcat.stages.rlcore.preempt import FAILED, log
@@ -163,6 +165,10 @@ class Trainer(TrainLoop):
         super().__init__(ctx, backend, checkpoints, log, steps=cfg.updates, save_every=cfg.save_every, eval_every=cfg.eval_every)
         self.wait_seconds = self.sampled_tokens = 0.0
         self.alarm_said = False  # the mismatch alarm is printed once per process
+        # rank 0 keeps each received batch as shard step_<k> (docs/analysis.md); a replayed step rewrites it
+        keep = keep_trajectories(cfg.keep_trajectories) if self.lead else 0
+        self.kept = TrajectoryWriter(self.out / DIRNAME, stage=ctx.name, env=cfg.env, keep=keep, seed=ctx.seed)
+        self.tasks: dict = {}  # task id -> Task (rl.run sets it): the kept rows' answer keys and test paths
 
     # ---------------------------------------------------------------- TrainLoop parts
 
@@ -195,6 +201,7 @@ class Trainer(TrainLoop):
             self.save()
             raise self.ctx.Preempted(f"rl: checkpointed at step {self.step} while waiting for batch {k}")
         self._wait = time.perf_counter() - t1
+        self.kept.write(f"step_{k:06d}", self.trajs, self.tok, step=k, tasks=self.tasks)
         batch = self._own_rows(make_batch(self.trajs, self.tok.pad_id, self.cfg.estimator))
         self._add_behaviour_logprobs(batch, {t.policy_version for t in self.trajs})
         return [batch]

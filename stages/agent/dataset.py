@@ -1,0 +1,273 @@
+"""Kept trajectories: the episodes of probe, evaluate and RL as columnar Parquet shards with a manifest.
+
+Layout of `<unit dir>/trajectories/` (docs/analysis.md):
+    <shard>.parquet   one row per episode, the columns of `SCHEMA` (probe: one shard; evaluate: one
+                      per checkpoint; RL: one per update, `step_NNNNNN`)
+    manifest.json     written after each shard, atomically: every shard with its rows, the episodes it
+                      was sampled from, checkpoint, step and seconds
+Every shard has the same schema, so the directory is one dataset:
+    datasets.load_dataset("parquet", data_files=f"{dir}/*.parquet", split="train")     # Hugging Face
+    pyarrow.dataset.dataset(sorted(Path(dir).glob("*.parquet")), format="parquet")     # pyarrow
+
+Rows hold the exact token ids, mask and rollout logprobs, and their readings: each model turn's
+text, the tool call it made (parsed as its environment parses it) and the tool result that
+followed, so trace analytics (`pipeline/traces.py`) need no tokenizer. A shard rewritten under the
+same name (an RL update replayed after a resume) replaces the old one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_json, read_json
+from snowcat.stages.agent.envs import CalcError, _strip_stop, calculate
+from snowcat.stages.agent.repo_env import ToolCallError, parse_tool_call
+from snowcat.stages.agent.trajectory import Trajectory
+from snowcat.stages.taskgen.repo import RepoSpec, patched_paths
+
+DIRNAME = "trajectories"
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+_strings = pa.list_(pa.string())
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),  # "<shard>/<index in the sampled batch>": how reports cite an episode
+        ("stage", pa.string()),
+        ("checkpoint", pa.string()),  # the checkpoint reference that sampled it ("" in RL: see step)
+        ("step", pa.int64()),  # RL update whose batch it was; -1 elsewhere
+        ("env", pa.string()),
+        ("task_id", pa.string()),
+        ("domain", pa.string()),
+        ("group_id", pa.int64()),
+        ("attempt", pa.int64()),
+        ("policy_version", pa.int64()),
+        ("reward", pa.float64()),
+        ("status", pa.string()),
+        ("passed", pa.int8()),  # 1 passed, 0 not, -1 not scored (infra_error): the scorer's verdict
+        ("detail", pa.string()),
+        ("prompt_len", pa.int64()),
+        ("response_tokens", pa.int64()),  # tokens the model sampled (loss mask 1)
+        ("token_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("rollout_logprobs", pa.list_(pa.float32())),
+        ("turn_starts", pa.list_(pa.int64())),
+        ("turn_ends", pa.list_(pa.int64())),
+        ("prompt", pa.string()),
+        ("turns", _strings),  # each model turn's text (stop id stripped)
+        ("tool_names", _strings),  # per turn: the tool called ("" none)
+        ("tool_args", _strings),  # per turn: its arguments as JSON ("" none)
+        ("tool_errors", _strings),  # per turn: why the call is invalid ("" valid or no call)
+        ("tool_results", _strings),  # per turn: the context appended after it (tool result, note)
+        ("answer_key", pa.string()),  # the task's expected answer (null where unknown)
+        ("test_paths", _strings),  # repository tasks: the files the verifier restores (tests)
+    ]
+)
+COLUMNS = tuple(SCHEMA.names)
+
+
+def tool_call(env: str, text: str) -> tuple[str, str, str]:
+    """(tool name, arguments as JSON, error) of one model turn, read as environment `env` reads it."""
+    if env == "repo":
+        try:
+            name, args = parse_tool_call(text)
+        except ToolCallError as e:
+            return "", "", str(e)
+        return name, json.dumps(args, sort_keys=True), ""
+    if env == "calculator" and "<tool_call>" in text:
+        m = re.search(r"<tool_call>(.*?)</tool_call>", text, re.S)
+        if m is None:
+            return "calculator", "", "no </tool_call>"
+        expr = m.group(1)
+        try:
+            calculate(expr)
+        except CalcError as e:
+            return "calculator", json.dumps({"expression": expr}), str(e)
+        return "calculator", json.dumps({"expression": expr}), ""
+    return "", "", ""
+
+
+def _task_fields(task) -> dict:
+    if task is None:
+        return {"answer_key": None, "test_paths": []}
+    paths = []
+    if task.verifier == "repo":  # the files the verifier puts back before testing
+        spec = RepoSpec.from_task(task)
+        paths = sorted(set(spec.test_paths) | set(patched_paths(spec.test_patch)))
+    return {"answer_key": task.answer, "test_paths": paths}
+
+
+def episode_row(
+    t: Trajectory,
+    tok,
+    *,
+    env: str,
+    stage: str,
+    shard: str,
+    index: int,
+    checkpoint: str,
+    step: int,
+    task=None,
+    passed: int | None = None,
+) -> dict:
+    """One episode as a row of `SCHEMA`; `passed` defaults to full credit (`Trajectory.passed`)."""
+    ids = [int(i) for i in t.token_ids]
+    bounds = t.turn_boundaries
+    turns, names, args, errors, results = [], [], [], [], []
+    for j, (start, end) in enumerate(bounds):
+        text = tok.decode(_strip_stop(tok, ids[start:end]))
+        name, arg, error = tool_call(env, text)
+        after = bounds[j + 1][0] if j + 1 < len(bounds) else len(ids)
+        turns.append(text)
+        names.append(name)
+        args.append(arg)
+        errors.append(error)
+        results.append(tok.decode(ids[end:after], skip_special_tokens=True).strip())
+    return {
+        "id": f"{shard}/{index}",
+        "stage": stage,
+        "checkpoint": checkpoint,
+        "step": step,
+        "env": env,
+        "task_id": t.task_id,
+        "domain": t.domain,
+        "group_id": t.group_id,
+        "attempt": t.attempt,
+        "policy_version": t.policy_version,
+        "reward": float(t.reward),
+        "status": t.status,
+        "passed": -1 if t.status == "infra_error" else int(t.passed if passed is None else passed),
+        "detail": t.detail,
+        "prompt_len": t.prompt_len,
+        "response_tokens": int(t.loss_mask.sum()),
+        "token_ids": t.token_ids,
+        "loss_mask": t.loss_mask,
+        "rollout_logprobs": t.rollout_logprobs,
+        "turn_starts": [s for s, _ in bounds],
+        "turn_ends": [e for _, e in bounds],
+        "prompt": tok.decode(ids[: t.prompt_len]),
+        "turns": turns,
+        "tool_names": names,
+        "tool_args": args,
+        "tool_errors": errors,
+        "tool_results": results,
+        **_task_fields(task),
+    }
+
+
+def shard_name(label: str) -> str:
+    """A file-name-safe shard name for a checkpoint reference or step ("sft:final" -> "sft_final")."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "shard"
+
+
+def sample_indices(n: int, keep: int | None, seed: int, shard: str) -> list[int]:
+    """Which of a shard's `n` episodes are kept: all (keep None), or `keep` drawn with a generator
+    seeded by (seed, shard), so a rerun keeps the same ones."""
+    if keep is None or keep >= n:
+        return list(range(n))
+    rng = np.random.default_rng([seed, zlib.crc32(shard.encode())])
+    return sorted(int(i) for i in rng.choice(n, size=keep, replace=False))
+
+
+class TrajectoryWriter:
+    """Appends shards to `<root>` (a unit's `trajectories/`); `keep` from `stages.config.keep_trajectories`
+    (None all, 0 none: nothing is written, n a seeded sample per shard)."""
+
+    def __init__(self, root: str | Path, *, stage: str, env: str, keep: int | None, seed: int):
+        self.root, self.stage, self.env, self.keep, self.seed = Path(root), stage, env, keep, seed
+
+    def write(
+        self,
+        label: str,
+        trajs: list[Trajectory],
+        tok,
+        *,
+        checkpoint: str = "",
+        step: int = -1,
+        tasks: dict | None = None,
+        passed: list[int] | None = None,
+        seconds: float | None = None,
+    ) -> Path | None:
+        """Shard `label` (a checkpoint or `step_N`) of these episodes, then the manifest; the shard's path.
+        `passed`: the verifier's verdict per episode where the scorer has one (evaluate's single turn:
+        partial credit can reach reward 1 without a pass)."""
+        if self.keep == 0:
+            return None
+        shard = shard_name(label)
+        kept = sample_indices(len(trajs), self.keep, self.seed, shard)
+        rows = [
+            episode_row(
+                trajs[i],
+                tok,
+                env=self.env,
+                stage=self.stage,
+                shard=shard,
+                index=i,
+                checkpoint=checkpoint,
+                step=step,
+                task=(tasks or {}).get(trajs[i].task_id),
+                passed=None if passed is None else passed[i],
+            )
+            for i in kept
+        ]
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), buf, compression="zstd")
+        path = self.root / f"{shard}.parquet"
+        atomic_write_bytes(path, buf.getvalue())
+        manifest = read_json(self.root / MANIFEST) or {"format": FORMAT, "stage": self.stage, "env": self.env, "shards": {}}
+        manifest["shards"][shard] = {
+            "file": path.name,
+            "rows": len(rows),
+            "episodes": len(trajs),
+            "checkpoint": checkpoint,
+            "step": step,
+            "seconds": seconds,
+        }
+        manifest["keep"] = "all" if self.keep is None else f"sample:{self.keep}"
+        atomic_write_json(self.root / MANIFEST, manifest)
+        return path
+
+
+def read_manifest(root: str | Path) -> dict | None:
+    return read_json(Path(root) / MANIFEST)
+
+
+def read_rows(root: str | Path, columns: list[str] | None = None) -> list[dict]:
+    """Every row of the shards the manifest lists (a shard it does not list is an unfinished write)."""
+    manifest = read_manifest(root)
+    if manifest is None:
+        return []
+    out = []
+    for entry in manifest["shards"].values():
+        out += pq.read_table(Path(root) / entry["file"], columns=columns).to_pylist()
+    return out
+
+
+def trajectories(rows: list[dict]) -> list[Trajectory]:
+    """The `Trajectory` records back from rows (kept fields; supports and routes are not kept)."""
+    return [
+        Trajectory(
+            task_id=r["task_id"],
+            group_id=r["group_id"],
+            attempt=r["attempt"],
+            policy_version=r["policy_version"],
+            token_ids=np.asarray(r["token_ids"], np.int32),
+            loss_mask=np.asarray(r["loss_mask"], np.uint8),
+            rollout_logprobs=np.asarray(r["rollout_logprobs"], np.float32),
+            reward=r["reward"],
+            status=r["status"],
+            turn_boundaries=list(zip(r["turn_starts"], r["turn_ends"])),
+            domain=r["domain"],
+            prompt_len=r["prompt_len"],
+            detail=r["detail"],
+        )
+        for r in rows
+    ]
