@@ -22,7 +22,7 @@ from snowcat.slurm import cluster
 from snowcat.slurm import site as site_mod
 from snowcat.stages.model import hf
 
-from . import audit, card, compare, doctor, offline, reproduce
+from . import audit, card, compare, doctor, offline, reproduce, traces
 from . import config as config_mod
 from .dag import Dag, build
 from .errors import UserError
@@ -241,6 +241,7 @@ def status_record(run: RunDir) -> dict:
             "metrics": metrics,
             "problems": problems,
             "progress": progress_lines(run, dag, node.name) if status != "done" else [],
+            "alarms": traces.stage_alarms(run, node),  # RL: entropy collapse, reward hacking
         } | ({"units": units} if units else {})
     return {"run_id": run.run_id, "run_dir": str(run.path), "executor": cfg.executor.kind, "stages": stages}
 
@@ -282,6 +283,8 @@ def cmd_status(args) -> int:
         summary = Text(_headline(s["metrics"]) or "; ".join(s["progress"]))
         if note:
             summary.append(f" {note}" if summary else note, style="dim")
+        for alarm in s["alarms"]:
+            summary.append(f"\nALARM {alarm}", style="bold red")
         table.add_row(
             Text(name),
             Text(s["kind"]),
@@ -403,6 +406,10 @@ def parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("compare", help="paired statistics over the checkpoints evaluate stages scored (Markdown + plots)")
     compare.add_compare_arguments(cp)
     cp.set_defaults(func=compare.cmd_compare)
+
+    tr = sub.add_parser("traces", help="what agents did: behaviour, reward-hack detectors with examples, weight drift")
+    traces.add_traces_arguments(tr)
+    tr.set_defaults(func=traces.cmd_traces)
 
     ca = sub.add_parser("card", help="the provenance card (Markdown with model-card metadata) from recorded facts")
     card.add_card_arguments(ca)
