@@ -41,6 +41,7 @@ _HACK_COLUMNS = [
     "task_id",
     "domain",
     "passed",
+    "reward",
     "turns",
     "tool_names",
     "tool_args",

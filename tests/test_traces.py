@@ -25,7 +25,7 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.rundir import RunDir
 from snowcat.stages.agent import Trajectory
 from snowcat.stages.agent.dataset import SCHEMA, TrajectoryWriter, read_manifest, read_rows, sample_indices, trajectories
-from snowcat.stages.agent.detectors import analyse, arith_work_result
+from snowcat.stages.agent.detectors import DETECTORS, analyse, arith_work_result
 from snowcat.stages.agent.repo_env import tool_call_text, user_message
 from snowcat.stages.config import keep_trajectories
 from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
@@ -385,4 +385,7 @@ def test_rl_keeps_every_update_batch(snowcat, tiny_run):
     ]
     drift = report["drift"]["rl"]
     assert drift["checkpoint"] == "rl:final" and drift["initial"] == "rl:initial" and 0 <= drift["unchanged"] < 1
-    assert snowcat.status(tiny_run)["stages"]["rl"]["alarms"] == []
+    # 4 updates: too short for the history alarms; a detector alarm exactly where its rate is above HACK_RATE
+    rates = {name: sum(detect(r) is not None for r in rows) / len(rows) for name, (detect, _) in DETECTORS.items()}
+    alarms = snowcat.status(tiny_run)["stages"]["rl"]["alarms"]
+    assert [a.split()[2] for a in alarms] == [name for name, rate in rates.items() if rate > traces.HACK_RATE]
