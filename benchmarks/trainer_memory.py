@@ -1,6 +1,6 @@
 """Peak memory per rank of one training step: DDP against ZeRO and expert parallelism, side by side.
 
-    snowcat bench trainer-memory [--hidden 384 --layers 6 --experts 16 --vocab 16384] [--modes ddp,zero2,ddp+ep2]
+    snowcat bench trainer-memory [--hidden 384 --layers 6 --experts 16 --vocab 16384] [--modes ddp,zero2,zero3,ddp+ep2]
                                  [--rows 2 --seq 256] [--json FILE]
 
 Every mode runs as 2 gloo ranks on the CPU, each rank a fresh process (so no two measurements
@@ -8,13 +8,17 @@ share a high-water mark), one mode after the other. A rank builds the model from
 wraps it in the mode's train-step backend (`stages.train.make_backend`) and takes one optimizer
 step (AdamW) of `--rows` x `--seq` random tokens through the SFT loss. Memory is the resident
 high-water mark (VmHWM) above `start` (torch, deepspeed and snowcat imported, process group
-joined): `setup` while building the model and backend; `step` during the step (the mark is reset
-before it, so it counts what training holds and allocates, not a transient of the setup). The
-ratios compare each mode's largest rank with DDP's (< 1: less memory), for the step and for the
-whole run (`peak`, the larger of the two).
+joined): `setup` while building the model and backend; `held` resident just before the step;
+`step` during the step (the mark is reset before it, so it counts what training holds and
+allocates, not a transient of the setup). The ratios compare each mode's largest rank with DDP's
+(< 1: less memory), for the step and for the whole run (`peak`, the larger of the two). Every
+mode is measured twice: with glibc's allocator as a run has it, and with its mmap threshold
+fixed, so that RSS follows the live tensors rather than what the allocator kept of freed ones
+(see ALLOCATORS).
 
 Modes: `ddp` (torch backend: DistributedDataParallel), `zero2` (DeepSpeed ZeRO-2: optimizer state
-and gradients partitioned), `ddp+ep2` (DDP with each MoE layer's experts sharded over both ranks,
+and gradients partitioned), `zero3` (ZeRO-3: the parameters too; the backend's DeepSpeed
+settings), `ddp+ep2` (DDP with each MoE layer's experts sharded over both ranks,
 `stages.model.expert_parallel`, wired as docs/training.md describes: the backends do not take
 `expert_parallel` yet). fp32 on CPU: parameters, gradients and the two Adam moments are 4 bytes per
 parameter each.
@@ -40,15 +44,27 @@ WORLD = 2
 MODES: dict[str, dict] = {
     "ddp": {"backend": "torch", "zero_stage": 0, "expert_parallel": 1},
     "zero2": {"backend": "deepspeed", "zero_stage": 2, "expert_parallel": 1},
+    "zero3": {"backend": "deepspeed", "zero_stage": 3, "expert_parallel": 1},
     "ddp+ep2": {"backend": "torch", "zero_stage": 0, "expert_parallel": 2},
 }
+
+# RSS counts freed memory that the allocator keeps: glibc raises its mmap threshold as large blocks
+# are freed (up to 32 MiB), so later tensors come from a heap it rarely gives back, and a rank's RSS
+# then depends on what it allocated and freed before (e.g. the whole model ZeRO-3 partitions).
+# Each mode is measured as a run would see it and with the threshold fixed (tensors above it are
+# returned to the system when freed): RSS then follows the live tensors.
+ALLOCATORS = {"glibc default": {}, "fixed mmap threshold 128 KiB": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 
 CHILD = r"""
 import json, os, sys
 
 
+def status_kib(key):
+    return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key + ":")))
+
+
 def hwm_kib():  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork and exec
-    return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM:")))
+    return status_kib("VmHWM")
 
 
 import deepspeed, torch  # every mode imports the same: one baseline
@@ -93,10 +109,11 @@ batch = {
 }
 with open("/proc/self/clear_refs", "w") as f:  # "5": the high-water mark restarts from the current RSS
     f.write("5")
+held = status_kib("VmRSS")
 stats = backend.train_step([batch], sft_loss)
 step = hwm_kib()
 loss = float(stats.sums["nll_sum"]) / stats.tokens
-print(json.dumps({"rank": rank, "start_kib": start, "setup_kib": setup, "step_kib": step, "local_nll": loss}), flush=True)
+print(json.dumps({"rank": rank, "start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "local_nll": loss}), flush=True)
 """
 
 
@@ -106,7 +123,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_mode(spec: dict) -> list[dict]:
+def run_mode(spec: dict, allocator_env: dict) -> list[dict]:
     """One training step on WORLD fresh rank processes; each rank's report."""
     port = _free_port()
     procs = []
@@ -120,6 +137,7 @@ def run_mode(spec: dict) -> list[dict]:
             "LOCAL_RANK": str(rank),
             "LOCAL_SIZE": str(WORLD),
             "OMP_WAIT_POLICY": "PASSIVE",
+            **allocator_env,
         }
         procs.append(
             subprocess.Popen(
@@ -143,6 +161,29 @@ def run_mode(spec: dict) -> list[dict]:
         if p.returncode != 0:
             raise SystemExit(f"trainer-memory {spec['mode']}: a rank failed ({p.returncode}):\n{err[-3000:]}")
     return [json.loads(out.strip().splitlines()[-1]) for out, _err in outs]
+
+
+def measure(modes: list[str], allocator_env: dict, model: ModelConfig, params: int, rows: int, seq: int) -> dict:
+    results = {}
+    for mode in modes:
+        ranks = run_mode({"mode": mode, **MODES[mode], "model": model.to_dict(), "rows": rows, "seq": seq}, allocator_env)
+        for r in ranks:
+            r["setup_mib"] = round((r["setup_kib"] - r["start_kib"]) / 1024, 1)
+            r["held_mib"] = round((r["held_kib"] - r["start_kib"]) / 1024, 1)
+            r["step_mib"] = round((r["step_kib"] - r["start_kib"]) / 1024, 1)
+            r["peak_mib"] = max(r["setup_mib"], r["step_mib"])
+            r["step_bytes_per_param"] = round(r["step_mib"] * 2**20 / params, 2)
+        results[mode] = {
+            **MODES[mode],
+            "ranks": ranks,
+            "max_rank_step_mib": max(r["step_mib"] for r in ranks),
+            "max_rank_peak_mib": max(r["peak_mib"] for r in ranks),
+        }
+    ddp = results["ddp"]
+    for res in results.values():
+        res["step_ratio_to_ddp"] = round(res["max_rank_step_mib"] / ddp["max_rank_step_mib"], 3)
+        res["peak_ratio_to_ddp"] = round(res["max_rank_peak_mib"] / ddp["max_rank_peak_mib"], 3)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,40 +215,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     params = count_params(model)[0]
     load_before = os.getloadavg()
-    results = {}
-    for mode in modes:
-        ranks = run_mode({"mode": mode, **MODES[mode], "model": model.to_dict(), "rows": args.rows, "seq": args.seq})
-        for r in ranks:
-            r["setup_mib"] = round((r["setup_kib"] - r["start_kib"]) / 1024, 1)
-            r["step_mib"] = round((r["step_kib"] - r["start_kib"]) / 1024, 1)
-            r["peak_mib"] = max(r["setup_mib"], r["step_mib"])
-            r["step_bytes_per_param"] = round(r["step_mib"] * 2**20 / params, 2)
-        results[mode] = {
-            **MODES[mode],
-            "ranks": ranks,
-            "max_rank_step_mib": max(r["step_mib"] for r in ranks),
-            "max_rank_peak_mib": max(r["peak_mib"] for r in ranks),
-        }
+    results = {name: measure(modes, env, model, params, args.rows, args.seq) for name, env in ALLOCATORS.items()}
     load_after = os.getloadavg()
-    ddp = results["ddp"]
-    for res in results.values():
-        res["step_ratio_to_ddp"] = round(res["max_rank_step_mib"] / ddp["max_rank_step_mib"], 3)
-        res["peak_ratio_to_ddp"] = round(res["max_rank_peak_mib"] / ddp["max_rank_peak_mib"], 3)
     print(
-        f"model: {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB fp32), {WORLD} gloo ranks, one step of {args.rows}x{args.seq} tokens per rank"
+        f"model: {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB fp32), {WORLD} gloo ranks,"
+        f" one step of {args.rows}x{args.seq} tokens per rank"
     )
-    print(f"{'mode':<8} {'rank':>4} {'start MiB':>10} {'setup +MiB':>11} {'step +MiB':>10} {'B/param':>8}")
-    for mode, res in results.items():
-        for r in res["ranks"]:
-            print(
-                f"{mode:<8} {r['rank']:>4} {r['start_kib'] / 1024:>10.0f} {r['setup_mib']:>11.0f} {r['step_mib']:>10.0f}"
-                f" {r['step_bytes_per_param']:>8.2f}"
-            )
-    print(
-        "largest rank against ddp's:  "
-        + "  ".join(f"{m} step {r['step_ratio_to_ddp']:.2f}x, peak {r['peak_ratio_to_ddp']:.2f}x" for m, r in results.items())
-    )
-    print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} cpus)")
+    for allocator, by_mode in results.items():
+        print(f"\n{allocator}")
+        print(f"{'mode':<8} {'rank':>4} {'start MiB':>10} {'setup +MiB':>11} {'held +MiB':>10} {'step +MiB':>10} {'B/param':>8}")
+        for mode, res in by_mode.items():
+            for r in res["ranks"]:
+                print(
+                    f"{mode:<8} {r['rank']:>4} {r['start_kib'] / 1024:>10.0f} {r['setup_mib']:>11.0f} {r['held_mib']:>10.0f}"
+                    f" {r['step_mib']:>10.0f} {r['step_bytes_per_param']:>8.2f}"
+                )
+        print(
+            "largest rank against ddp's:  "
+            + "  ".join(f"{m} step {r['step_ratio_to_ddp']:.2f}x, peak {r['peak_ratio_to_ddp']:.2f}x" for m, r in by_mode.items())
+        )
+    print(f"\nload average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} cpus)")
     if args.json:
         atomic_write_json(
             args.json,
@@ -219,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                 "model": model.to_dict() | {"params": params},
                 "step": {"ranks": WORLD, "rows_per_rank": args.rows, "seq": args.seq, "optimizer": "AdamW", "dtype": "fp32"},
                 "peak_unit": "MiB of VmHWM above the rank's start (after imports and joining the process group)",
-                "modes": results,
+                "allocators": {name: env or "glibc's defaults" for name, env in ALLOCATORS.items()},
+                "results": results,
                 "command": " ".join(["snowcat", "bench", "trainer-memory", *(argv if argv is not None else sys.argv[1:])]),
             },
         )

@@ -59,11 +59,13 @@ def test_trainer_memory_bench_reports_each_rank(tmp_path):
     tiny = ["--hidden", "32", "--layers", "1", "--experts", "2", "--vocab", "256", "--seq", "16"]
     assert trainer_memory.main([*tiny, "--modes", "ddp", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    ddp = result["modes"]["ddp"]
-    assert [r["rank"] for r in ddp["ranks"]] == [0, 1]
-    for r in ddp["ranks"]:
-        assert r["start_kib"] <= r["setup_kib"] and _positive(r["step_mib"]) and r["peak_mib"] >= r["step_mib"]
-    assert ddp["step_ratio_to_ddp"] == ddp["peak_ratio_to_ddp"] == 1.0 and result["model"]["params"] > 0
+    assert set(result["results"]) == set(trainer_memory.ALLOCATORS) and result["model"]["params"] > 0
+    for by_mode in result["results"].values():
+        ddp = by_mode["ddp"]
+        assert [r["rank"] for r in ddp["ranks"]] == [0, 1]
+        for r in ddp["ranks"]:
+            assert r["start_kib"] <= r["setup_kib"] and _positive(r["step_mib"]) and r["peak_mib"] >= r["step_mib"]
+        assert ddp["step_ratio_to_ddp"] == ddp["peak_ratio_to_ddp"] == 1.0
 
 
 def test_trainer_memory_bench_refuses_unknown_modes(capsys):
