@@ -13,6 +13,7 @@ Outputs in ctx.out_dir:
     checkpoints/final/    checkpoints/best (file naming the best step dir)   -> `rl:best`, `rl:final`
     weights/step_N/       the handoff versions still needed;  queue/  pending batches (file transport)
     metrics_history.jsonl, metrics.json; rows in the run's history.h5
+    trajectories/         each batch trained on, step_<k>.parquet (rank 0; stages/agent/dataset.py)
     engine_rank<r>.json   a vLLM rollout rank's reload/check/rebuild counters (engine/* in the history)
 Resume: the newest verified checkpoint holds policy, optimizer, RNG and the policy version; data
 order and sampling seeds are functions of (seed, batch index), so pending batches are simply

@@ -338,6 +338,10 @@ def test_status_shows_an_rl_stage_alarm_and_none_when_healthy(tmp_path, snowcat)
     assert code == 0 and "ALARM entropy collapse" in screen
     log.write_text("".join(json.dumps(r) + "\n" for r in history([1.0] * steps, [0.3] * steps, {})))
     assert snowcat.status(run.path)["stages"]["rl"]["alarms"] == []
+    # nothing to analyse yet, and a stage the run does not have: one line each, exit 2
+    empty, unknown = snowcat("traces", run.path), snowcat("traces", run.path, "--stage", "rl2")
+    assert empty.returncode == unknown.returncode == 2
+    assert "no kept trajectories" in empty.stderr and "--stage 'rl2': no such stage" in unknown.stderr
 
 
 @pytest.mark.slow
