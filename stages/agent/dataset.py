@@ -71,7 +71,6 @@ SCHEMA = pa.schema(
         ("test_paths", _strings),  # repository tasks: the files the verifier restores (tests)
     ]
 )
-COLUMNS = tuple(SCHEMA.names)
 
 
 def tool_call(env: str, text: str) -> tuple[str, str, str]:
@@ -240,14 +239,14 @@ def read_manifest(root: str | Path) -> dict | None:
     return read_json(Path(root) / MANIFEST)
 
 
-def read_rows(root: str | Path, columns: list[str] | None = None) -> list[dict]:
+def read_rows(root: str | Path) -> list[dict]:
     """Every row of the shards the manifest lists (a shard it does not list is an unfinished write)."""
     manifest = read_manifest(root)
     if manifest is None:
         return []
     out = []
     for entry in manifest["shards"].values():
-        out += pq.read_table(Path(root) / entry["file"], columns=columns).to_pylist()
+        out += pq.read_table(Path(root) / entry["file"]).to_pylist()
     return out
 
 
