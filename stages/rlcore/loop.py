@@ -144,6 +144,7 @@ class Trainer(TrainLoop):
         )
         self.verify = load_verifier(cfg.verifier, "rl.verifier")
         self.behaviour = None  # the weights that generated the current batch, when lag > 0
+        self.eval_copy = None  # ZeRO-3: rank 0's plain model for the quick eval
         ref_model = None
         if cfg.kl_coef:
             ref_model = load_model_dir(self.init_path, device=self.device)[0].eval().requires_grad_(False)
@@ -310,21 +311,31 @@ class Trainer(TrainLoop):
         if not self.held_out or not self.cfg.eval_tasks:
             return {}
         with self.backend.full_params():
-            if self.lead:  # the others wait at the checkpoint an eval is followed by
-                self._quick_eval()
+            model = self._eval_model() if self.lead else None
+        if self.lead:  # the others wait at the checkpoint an eval is followed by
+            self.eval_cache = quick_eval(
+                model,
+                self.tok,
+                self.held_out,
+                self.params,
+                self.cfg.eval_attempts,
+                seed=self.ctx.seed + 101,
+                verify=self.verify,
+                split=self.split,
+            )
         return self.eval_cache
 
-    def _quick_eval(self) -> None:
-        self.eval_cache = quick_eval(
-            self.model,
-            self.tok,
-            self.held_out,
-            self.params,
-            self.cfg.eval_attempts,
-            seed=self.ctx.seed + 101,
-            verify=self.verify,
-            split=self.split,
-        )
+    def _eval_model(self):
+        """What rank 0 samples the quick eval with: the trained model, or under ZeRO-3 (whose forward
+        gathers parameters together with every rank: rank 0 alone hung) a plain copy of its weights,
+        taken while they are gathered."""
+        if getattr(self.backend, "zero_stage", 0) != 3:
+            return self.model
+        if self.eval_copy is None:
+            self.eval_copy = load_model_dir(self.init_path, device=self.device)[0].requires_grad_(False)
+        with torch.no_grad():
+            self.eval_copy.load_state_dict(self.model.state_dict())
+        return self.eval_copy
 
     def progress_numbers(self, rec: dict) -> dict:
         return {
