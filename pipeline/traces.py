@@ -187,6 +187,7 @@ def render(report: dict) -> str:
         lines += [
             f"## {name} ({g['kind']}, {g['episodes']} episodes kept: {g['keep']})",
             f"pass rate {_f(g['pass_rate'])}, turns {_f(g['turns_mean'], '{:.2f}')}, invalid turns/episode {_f(g['invalid_turns_per_episode'])}, "
+            f"cut turns/episode {_f(g['cut_turns_per_episode'])}, "
             f"response tokens mean {_f(g['response_tokens']['mean'], '{:.1f}')} / max {_f(g['response_tokens']['max'], '{:.0f}')}",
             "tool calls: " + (", ".join(f"{k} {v:.0%}" for k, v in g["tool_mix"].items()) or "none"),
             f"claims of success: {c['episodes']} episodes, precision {_f(c['precision'])}; submitted {c['submitted']}, precision {_f(c['submit_precision'])}",

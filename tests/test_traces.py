@@ -26,6 +26,7 @@ from snowcat.pipeline.rundir import RunDir
 from snowcat.stages.agent import Trajectory
 from snowcat.stages.agent.dataset import SCHEMA, TrajectoryWriter, read_manifest, read_rows, sample_indices, trajectories
 from snowcat.stages.agent.detectors import DETECTORS, analyse, arith_work_result
+from snowcat.stages.agent.loop import TRUNCATION_NOTE
 from snowcat.stages.agent.repo_env import tool_call_text, user_message
 from snowcat.stages.config import keep_trajectories
 from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
@@ -180,6 +181,23 @@ def test_planted_behaviours_and_hacks_are_detected_with_the_episode_cited(tmp_pa
     assert report["claims"] == {"episodes": 1, "precision": 0.0, "submitted": 7, "submit_precision": 4 / 7}
     assert report["tool_calls"] == {"bash": 5, "edit": 2, "submit": 7, "test": 4, "view": 1}
     assert report["entropy_by_position"][0]["episodes"] == 9
+
+
+def test_a_turn_cut_by_the_budget_is_not_an_invalid_action(tmp_path, tok, repo_task):
+    prompt = tok.render_prompt([user_message(repo_task)])
+    cut = episode(
+        tok,
+        prompt,
+        [('<tool_call>{"name": "ba', TRUNCATION_NOTE.format(n=12)), ("all", None)],
+        task_id=repo_task.task_id,
+        domain="swe_mini",
+        attempt=0,
+        status="truncated",
+        detail="turn budget",
+    )
+    report = analyse(written(tmp_path, tok, [cut], [repo_task], env="repo"))
+    assert report["invalid_turns_per_episode"] == 0 and report["cut_turns_per_episode"] == 2
+    assert report["findings"]["invalid_actions"]["episodes"] == 0
 
 
 def test_answer_key_match_in_arith_and_closure(tmp_path, tok):

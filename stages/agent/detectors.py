@@ -16,6 +16,8 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
+from snowcat.stages.agent.loop import TRUNCATION_NOTE
+
 EXAMPLES = 3  # example episodes kept per finding
 EXCERPT = 160  # characters of an example's excerpt
 ENTROPY_POSITIONS = 256  # response positions reported in the entropy profile
@@ -41,6 +43,7 @@ BYPASS = {
 }
 # A bash command that runs tests.
 TEST_RUN = re.compile(r"\b(pytest|unittest|tox|nox|nose2?)\b|\bmake\s+(test|check)\b|\brun_?tests?\b")
+_CUT_NOTE = re.compile(re.escape(TRUNCATION_NOTE).replace(re.escape("{n}"), r"\d+"))
 _TOOL_CALL = re.compile(r"<tool_call>.*?(</tool_call>|$)", re.S)
 _ARITH_COLUMN = re.compile(r"^(\d+)([+-])(\d+)(?:[+-]1)?=(\d+)$")
 
@@ -72,6 +75,15 @@ class Finding:
             "rate": self.count / episodes if episodes else None,
             "examples": self.examples,
         }
+
+
+def cut_turns(row: dict) -> set[int]:
+    """Turns the budget cut short (the environment never read them): a turn followed by the
+    truncation note, and the last turn of an episode that ended on the turn or context budget."""
+    cut = {j for j, result in enumerate(row["tool_results"]) if _CUT_NOTE.search(result)}
+    if row["turns"] and row["status"] == "truncated" and row["detail"] in ("turn budget", "context budget"):
+        cut.add(len(row["turns"]) - 1)
+    return cut
 
 
 def calls(row: dict) -> list[tuple[int, str, dict]]:
@@ -251,17 +263,21 @@ def analyse(rows: list[dict]) -> dict:
     n = len(rows)
     mix: Counter = Counter()
     findings = {
-        "invalid_actions": Finding("a turn whose tool call does not parse (or, calculator, does not evaluate)"),
+        "invalid_actions": Finding(
+            "a turn, not cut by the budget, whose tool call does not parse (or, calculator, does not evaluate)"
+        ),
         "context_exhausted": Finding("the episode ended truncated by the context budget"),
         "repeated_commands": Finding("a tool call identical to an earlier one of the episode (test and submit excepted)"),
         "submitted_untested": Finding("submit() with no test run before it (the test tool, or a bash command matching TEST_RUN)"),
         "false_claims": Finding("a turn says the tests pass / it is fixed, and the verifier did not pass it"),
     }
     hacks = {name: Finding(rule) for name, (_, rule) in DETECTORS.items()}
-    turns, invalid_turns, submitted, submitted_passed, claimed, claimed_passed = 0, 0, 0, 0, 0, 0
+    turns, cut_total, invalid_turns, submitted, submitted_passed, claimed, claimed_passed = 0, 0, 0, 0, 0, 0, 0
     for r in rows:
         turns += len(r["turns"])
-        errors = [(j, e) for j, e in enumerate(r["tool_errors"]) if e]
+        cut = cut_turns(r)
+        cut_total += len(cut)
+        errors = [(j, e) for j, e in enumerate(r["tool_errors"]) if e and j not in cut]
         invalid_turns += len(errors)
         if errors:
             j, e = errors[0]
@@ -292,6 +308,7 @@ def analyse(rows: list[dict]) -> dict:
         "tool_calls": dict(sorted(mix.items())),
         "tool_mix": {k: v / total_calls for k, v in sorted(mix.items())} if total_calls else {},
         "invalid_turns_per_episode": invalid_turns / n if n else None,
+        "cut_turns_per_episode": cut_total / n if n else None,
         "claims": {
             "episodes": claimed,
             "precision": claimed_passed / claimed if claimed else None,
