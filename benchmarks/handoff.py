@@ -2,7 +2,7 @@
 
     snowcat bench handoff [--hidden 512 --layers 8 --experts 16] [--repeats 3] [--dir DIR ...] [--json FILE]
 
-In one process, per directory (default: the system temp directory; name several to compare
+In a fresh process, per directory (default: the system temp directory; name several to compare
 filesystems, e.g. a disk and /dev/shm), `--repeats` times each, in alternating order:
   - `handoff`: `WeightHandoff.publish` (HF-named tensors, safetensors, write, fsync, sha256
     manifest, rename into place, `STABLE`) then `load_into` a second model (read, verify every byte
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import platform
 import pstats
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from snowcat.benchmarks import run_python
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.stages.model import ModelConfig, MoEForCausalLM
 from snowcat.stages.rlcore.handoff import WeightHandoff
@@ -150,6 +152,25 @@ def measure(base: Path, model, target, repeats: int) -> dict:
     }
 
 
+def run(shape: dict, dirs: list[str], repeats: int) -> dict:
+    """The measurements, in the child process (see CHILD)."""
+    cfg = model_config(shape["hidden"], shape["layers"], shape["experts"])
+    torch.manual_seed(0)
+    model, target = MoEForCausalLM(cfg), MoEForCausalLM(cfg)
+    results = [measure(Path(d), model, target, repeats) for d in dirs]
+    return {"model": cfg.to_dict() | {"params": model.num_params()}, "torch": torch.__version__, "results": results}
+
+
+# Measured in a fresh process with OpenMP threads that sleep when idle, as every stage runs
+# (pipeline/executors/local.py, the Slurm batch scripts): spinning threads make torch's many small
+# copies while loading several times slower when another process holds the other core.
+CHILD = r"""
+import json, sys
+from snowcat.benchmarks.handoff import run
+print(json.dumps(run(**json.loads(sys.argv[1]))))
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="snowcat bench handoff", description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -159,14 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", action="append", type=Path, help="where to write (repeatable; default: the temp directory)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    cfg = model_config(args.hidden, args.layers, args.experts)
-    torch.manual_seed(0)
-    model, target = MoEForCausalLM(cfg), MoEForCausalLM(cfg)
+    shape = {"hidden": args.hidden, "layers": args.layers, "experts": args.experts}
+    dirs = [str(d) for d in args.dir or [Path(tempfile.gettempdir())]]
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     load_before = os.getloadavg()
-    results = [measure(d, model, target, args.repeats) for d in args.dir or [Path(tempfile.gettempdir())]]
+    measured = run_python(CHILD, json.dumps({"shape": shape, "dirs": dirs, "repeats": args.repeats}))
     load_after = os.getloadavg()
+    results = measured["results"]
     print(
-        f"model: {model.num_params() / 1e6:.0f} M parameters (fp32), {args.layers} layers, {args.experts} experts, hidden {args.hidden}"
+        f"model: {measured['model']['params'] / 1e6:.0f} M parameters (fp32), {args.layers} layers, {args.experts} experts,"
+        f" hidden {args.hidden}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"
     )
     for r in results:
         print(
@@ -188,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "benchmark": "handoff",
                 "what": __doc__.splitlines()[0],
-                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": measured["torch"]},
+                "environment": {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]},
                 "load_average_1min": {"before": load_before[0], "after": load_after[0]},
-                "model": cfg.to_dict() | {"params": model.num_params()},
+                "model": measured["model"],
                 "repeats": args.repeats,
                 "results": results,
                 "command": " ".join(["snowcat", "bench", "handoff", *(argv if argv is not None else sys.argv[1:])]),
