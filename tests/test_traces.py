@@ -258,6 +258,7 @@ def test_trajectory_directory_round_trips_and_loads_as_a_parquet_dataset(tmp_pat
     assert table.column("tool_names").to_pylist()[1] == ["bash", "bash", "submit"]
     assert table.column("tool_results").to_pylist()[1][0] == "gable tests"
     assert table.column("test_paths").to_pylist()[0] == ["tests/test_stats.py"]
+    assert table.column("text").to_pylist()[0] == tok.decode(planted[0].token_ids)
 
 
 def test_retention_keeps_a_seeded_sample_or_nothing(tmp_path, tok, repo_task):

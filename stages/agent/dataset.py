@@ -61,6 +61,7 @@ SCHEMA = pa.schema(
         ("rollout_logprobs", pa.list_(pa.float32())),
         ("turn_starts", pa.list_(pa.int64())),
         ("turn_ends", pa.list_(pa.int64())),
+        ("text", pa.string()),  # the whole episode rendered (special tokens shown)
         ("prompt", pa.string()),
         ("turns", _strings),  # each model turn's text (stop id stripped)
         ("tool_names", _strings),  # per turn: the tool called ("" none)
@@ -152,6 +153,7 @@ def episode_row(
         "rollout_logprobs": t.rollout_logprobs,
         "turn_starts": [s for s, _ in bounds],
         "turn_ends": [e for _, e in bounds],
+        "text": tok.decode(ids),
         "prompt": tok.decode(ids[: t.prompt_len]),
         "turns": turns,
         "tool_names": names,
