@@ -13,14 +13,17 @@ hub checkpoints (`mlp.experts.{e}.{gate,up,down}_proj.weight`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from snowcat.kernels import linear_logprob_entropy
 
+from .attention import Documents, document_attention
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -70,24 +73,32 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.num_heads * D if self.full_qk_norm else D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.num_kv_heads * D if self.full_qk_norm else D, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache: tuple | None = None):
+    def forward(self, x, cos, sin, mask, cache: tuple | None = None, docs: Documents | None = None):
         B, T, _ = x.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        # [B, T, heads, D] until the attention call: the packed path wants tokens first, SDPA heads first
         if self.full_qk_norm:
-            q = self.q_norm(self.q_proj(x)).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-            k = self.k_norm(self.k_proj(x)).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = self.q_norm(self.q_proj(x)).view(B, T, Hq, D)
+            k = self.k_norm(self.k_proj(x)).view(B, T, Hkv, D)
         else:
-            q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
-            k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q = self.q_norm(self.q_proj(x).view(B, T, Hq, D))
+            k = self.k_norm(self.k_proj(x).view(B, T, Hkv, D))
+        v = self.v_proj(x).view(B, T, Hkv, D)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if docs is not None:  # packed rows: causal attention within each document
+            out = document_attention(q.reshape(B * T, Hq, D), k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D), docs)
+            return self.o_proj(out.view(B, T, -1))
+        q = q.transpose(1, 2)
         if cache is not None:  # write this step's keys/values at each row's slots, attend over the prefix
             k_buf, v_buf, slots, span = cache
             rows = torch.arange(B, device=x.device)[:, None]
-            k_buf[rows, :, slots] = k.transpose(1, 2).to(k_buf.dtype)
-            v_buf[rows, :, slots] = v.transpose(1, 2).to(v_buf.dtype)
+            k_buf[rows, :, slots] = k.to(k_buf.dtype)
+            v_buf[rows, :, slots] = v.to(v_buf.dtype)
             k, v = k_buf[:, :, :span].to(q.dtype), v_buf[:, :, :span].to(q.dtype)
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
         is_causal = mask is None and cache is None
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
@@ -109,9 +120,11 @@ class MLP(nn.Module):
 class Experts(nn.Module):
     """E SwiGLU experts as two 3-D tensors (transformers 5 layout)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, num_experts: int | None = None):
+        # `num_experts`: fewer than the config's when this module holds a shard (expert_parallel.py)
         super().__init__()
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        E = cfg.num_experts if num_experts is None else num_experts
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.intermediate = E, I
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
@@ -195,8 +208,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache=None, forced=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def forward(self, x, cos, sin, mask, cache=None, forced=None, docs=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, docs)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             out, *moe = self.mlp(h, forced)
@@ -228,6 +241,7 @@ class MoEForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = MoEModel(cfg)
+        self._checkpoint_layers = False
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.reset_parameters()
         if cfg.tie_word_embeddings:
@@ -247,6 +261,11 @@ class MoEForCausalLM(nn.Module):
             else:
                 p.normal_(0.0, std)
 
+    def set_activation_checkpointing(self, on: bool) -> None:
+        """Recompute each decoder layer in backward instead of keeping its activations (only the
+        layer inputs stay alive). Applies to forwards under autograd; results are unchanged."""
+        self._checkpoint_layers = on
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -259,15 +278,19 @@ class MoEForCausalLM(nn.Module):
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
         routes: torch.Tensor | None = None,
+        kept_support: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> ModelOutput:
         """With `targets` [B, T] (next-token ids, -1 = none) the output also carries the per-token
         logprob/entropy from `kernels.linear_logprob_entropy` (no [B*T, V] logits kept). It runs
         inside forward so that wrappers which gather parameters around forward (ZeRO-3) see the
-        LM head used. `routes` [B, T, moe layers * k] replays recorded expert choices (-1: the
-        token routes itself)."""
+        LM head used; only tokens with a target go through it (logprob and entropy 0 elsewhere).
+        `kept_support(hidden [N, H], lm_head weight [V, H]) -> int64 [N, K]` gives the N target
+        tokens' kept ids (top-k/top-p sampling; -1 pads): the distribution is renormalised over them,
+        and the callable runs here for the same reason. `routes` [B, T, moe layers * k] replays
+        recorded expert choices (-1: the token routes itself)."""
         B, T = input_ids.shape
         device = input_ids.device
-        mask, cache_slots, span = None, None, None
+        mask, docs, cache_slots, span = None, None, None, None
         if kv_cache is not None:
             if segment_ids is not None:
                 raise ValueError("segment_ids (packing) and kv_cache (generation) cannot be combined")
@@ -282,8 +305,7 @@ class MoEForCausalLM(nn.Module):
         elif segment_ids is not None:
             if position_ids is None:
                 position_ids = positions_from_segments(segment_ids)
-            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-            mask = ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal).unsqueeze(1)
+            docs = Documents.from_segments(segment_ids)  # no [T, T] mask: see stages/model/attention.py
         if position_ids is None:
             position_ids = torch.arange(T, device=device).expand(B, T)
 
@@ -296,11 +318,14 @@ class MoEForCausalLM(nn.Module):
         aux, z, loads, dropped, chosen = [], [], [], [], []
         k = self.config.experts_per_token
         forced = routes.reshape(B, T, -1, k) if routes is not None else None
+        recompute = self._checkpoint_layers and torch.is_grad_enabled()
         for i, layer in enumerate(m.layers):
             cache = None
             if kv_cache is not None:
                 cache = (kv_cache.k[i], kv_cache.v[i], cache_slots, span)
-            x, moe = layer(x, cos, sin, mask, cache, forced[:, :, len(chosen)] if forced is not None and layer.is_moe else None)
+            args = (x, cos, sin, mask, cache, forced[:, :, len(chosen)] if forced is not None and layer.is_moe else None, docs)
+            # the router's outputs (losses, loads, routes) come out of the checkpointed call as usual
+            x, moe = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
             if moe is not None:
                 aux.append(moe[0]), z.append(moe[1]), loads.append(moe[2]), dropped.append(moe[3]), chosen.append(moe[4])
         if kv_cache is not None:
@@ -324,11 +349,15 @@ class MoEForCausalLM(nn.Module):
         if chosen:
             out.routes = torch.stack([c.view(B, T, k) for c in chosen], dim=2)
         if targets is not None:
-            H = hidden.shape[-1]
-            logp, ent = linear_logprob_entropy(
-                hidden.reshape(B * T, H), self.lm_head.weight.to(hidden.dtype), targets.reshape(-1), temperature=temperature
-            )
-            out.logprobs, out.entropy = logp.view(B, T), ent.view(B, T)
+            sel = targets >= 0
+            h, head = hidden[sel], self.lm_head.weight.to(hidden.dtype)
+            support = None
+            if kept_support is not None:
+                with torch.no_grad():  # the kept set is a constant of the loss, as it is for the engine
+                    support = kept_support(h, head)
+            logp, ent = linear_logprob_entropy(h, head, targets[sel], temperature=temperature, support=support)
+            out.logprobs = logp.new_zeros(B, T).masked_scatter(sel, logp)
+            out.entropy = ent.new_zeros(B, T).masked_scatter(sel, ent)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
