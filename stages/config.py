@@ -187,6 +187,8 @@ class Parallelism:
     def parallelism_problems(self) -> Iterator[Problem]:
         if self.backend == "torch" and self.zero_stage == 3:
             yield "zero_stage", "ZeRO-3 needs backend: deepspeed"
+        if self.backend == "deepspeed" and self.expert_parallel > 1:
+            yield "expert_parallel", "needs backend: torch (ZeRO would treat the expert shards as replicated)"
 
 
 # ---------------------------------------------------------------- sft

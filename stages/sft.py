@@ -309,7 +309,8 @@ def run(ctx) -> dict:
         grad_clip=cfg.grad_clip,
     )
     num_params = model.num_params()  # counted while whole (ZeRO-3 leaves each rank a slice)
-    backend = make_backend(cfg.backend, model, optim, zero_stage=cfg.zero_stage)
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    backend = make_backend(cfg.backend, model, optim, zero_stage=cfg.zero_stage, expert_parallel=cfg.expert_parallel)
     # no metric during SFT: retention keeps the last `keep_last` (and records what it deletes)
     policy = RetentionPolicy(metric="val/pass@1", keep_best=1, keep_last=cfg.keep_last)
     checkpoints = Checkpoints(

@@ -168,9 +168,13 @@ def _work(rank, world, port, tmp, tasks, one_saved, two_saved) -> dict:
         one_saved.wait()
         out["resumed"] = _resume(tmp / "one" / "step_2", world, rank, tmp / "one_on_two")
         out["rl"] = _rl_grads(rank, world)
-        ctx = sft_ctx(tmp / "sft_zero3", tasks, eval_tasks=2, backend="deepspeed", zero_stage=3)
-        ctx.rank, ctx.world_size, ctx.local_rank = rank, world, rank
-        sft.run(ctx)
+        for run, keys in (
+            ("sft_zero3", {"backend": "deepspeed", "zero_stage": 3}),
+            ("sft_ep", {"expert_parallel": 2, "activation_checkpointing": True}),  # torch backend
+        ):
+            ctx = sft_ctx(tmp / run, tasks, eval_tasks=2, **keys)
+            ctx.rank, ctx.world_size, ctx.local_rank = rank, world, rank
+            sft.run(ctx)
     return out
 
 
@@ -251,16 +255,20 @@ def test_zero3_matches_ddp_resumes_across_rank_counts_and_trains_rl_and_sft(tmp_
     # the SFT stage with backend: deepspeed, zero_stage: 3 on 2 ranks: one process's loss curve
     # (router losses on: the ranks' micro-batches group rows differently), whole weights in final/
     sft.run(sft_ctx(tmp_path / "sft_torch", tasks_dir, eval_tasks=2))
+    # ... and so does the SFT stage with its experts sharded over the 2 ranks (expert_parallel: 2,
+    # activation checkpointing on), its checkpoints in the whole, unsharded layout
     curves = [
         [r["loss"] for r in map(json.loads, (tmp_path / run / "sft" / "metrics_history.jsonl").read_text().splitlines())]
-        for run in ("sft_zero3", "sft_torch")
+        for run in ("sft_zero3", "sft_ep", "sft_torch")
     ]
-    assert len(curves[0]) == 6 and curves[0] == pytest.approx(curves[1], rel=1e-3)
-    ckpts = tmp_path / "sft_zero3" / "sft" / "checkpoints"
-    final, last = load_checkpoint_tensors(ckpts / "final"), load_checkpoint_tensors(ckpts / "step_000006")
-    assert all(torch.equal(final[n], last[n]) for n in last)
-    metrics = json.loads((tmp_path / "sft_zero3" / "sft" / "metrics.json").read_text())
-    assert metrics["num_params"] == sum(t.numel() for t in final.values()) and "val_greedy_pass@1/arith" in metrics
+    assert len(curves[0]) == 6 and curves[0] == pytest.approx(curves[2], rel=1e-3)
+    assert curves[1] == pytest.approx(curves[2], rel=1e-3)
+    for run in ("sft_zero3", "sft_ep"):
+        ckpts = tmp_path / run / "sft" / "checkpoints"
+        final, last = load_checkpoint_tensors(ckpts / "final"), load_checkpoint_tensors(ckpts / "step_000006")
+        assert all(torch.equal(final[n], last[n]) for n in last)
+        metrics = json.loads((tmp_path / run / "sft" / "metrics.json").read_text())
+        assert metrics["num_params"] == sum(t.numel() for t in final.values()) and "val_greedy_pass@1/arith" in metrics
 
 
 def load_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -133,7 +133,8 @@ class Trainer(TrainLoop):
             weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
         )
-        backend = make_backend(cfg.backend, self.model, optim, zero_stage=cfg.zero_stage)
+        self.model.set_activation_checkpointing(cfg.activation_checkpointing)
+        backend = make_backend(cfg.backend, self.model, optim, zero_stage=cfg.zero_stage, expert_parallel=cfg.expert_parallel)
         loss_cfg = PolicyLossConfig(
             aggregation=cfg.aggregation,
             clip_low=cfg.ppo_clip,
@@ -327,9 +328,9 @@ class Trainer(TrainLoop):
 
     def _eval_model(self):
         """What rank 0 samples the quick eval with: the trained model, or under ZeRO-3 (whose forward
-        gathers parameters together with every rank: rank 0 alone hung) a plain copy of its weights,
-        taken while they are gathered."""
-        if getattr(self.backend, "zero_stage", 0) != 3:
+        gathers parameters together with every rank: rank 0 alone hung) or sharded experts (all-to-alls
+        with the other ranks) a plain copy of its weights, taken while they are gathered."""
+        if getattr(self.backend, "zero_stage", 0) != 3 and self.backend.ep is None:
             return self.model
         if self.eval_copy is None:
             self.eval_copy = load_model_dir(self.init_path, device=self.device)[0].requires_grad_(False)

@@ -23,6 +23,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from snowcat.pipeline.errors import UserError
+from snowcat.stages.model.expert_parallel import (
+    check_expert_parallel,
+    clip_grad_norm_,
+    exclude_experts_from_ddp,
+    expert_parallel_groups,
+    full_experts,
+    full_optimizer_state,
+    reduce_expert_grads,
+    shard_experts,
+    shard_optimizer_state,
+)
 
 from . import canonical
 from .optim import OptimConfig, build_optimizer, lr_factor
@@ -103,13 +114,19 @@ def _merge_stats(acc: dict, s: dict) -> None:
 
 class TorchBackend:
     name = "torch"
+    ep = None  # this rank's expert-parallel groups when the experts are sharded
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig):
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1):
         self.cfg = cfg
         self.model = model
         self.rank, self.world_size = world()
         self.device = next(model.parameters()).device
         self.wrapped = model
+        if expert_parallel > 1:  # shard from the full weights, and keep the shards out of DDP
+            check_expert_parallel(model.config, expert_parallel, self.world_size)
+            self.ep = expert_parallel_groups(expert_parallel)
+            shard_experts(model, self.ep)
+            exclude_experts_from_ddp(model)
         if self.world_size > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped = DistributedDataParallel(model, device_ids=ids)
@@ -127,8 +144,11 @@ class TorchBackend:
         return contextlib.nullcontext()
 
     def _clip(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        if self.ep is not None:  # shards' grads summed over the ranks holding them; each counted once
+            reduce_expert_grads(self.model, self.ep)
+            return clip_grad_norm_(self.model, max_norm, self.ep)
+        params = [p for p in self.model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def _backward(self, loss):
@@ -174,10 +194,12 @@ class TorchBackend:
         return float(clipped)
 
     def save_state(self, dir) -> None:
-        """Optimizer + schedule + step into `dir` (collective; replicated state: rank 0 writes)."""
+        """Optimizer + schedule + step into `dir` (collective; replicated state: rank 0 writes; expert
+        shards' state gathered whole, so any layout can resume it)."""
+        optimizer = self.optimizer.state_dict() if self.ep is None else full_optimizer_state(self.optimizer, self.model)
         if self.rank == 0:
             dir.mkdir(parents=True, exist_ok=True)
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step}
+            state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "step": self.step}
             canonical.save(state, dir / "optimizer.pt")  # a resumed run's equal state: equal bytes
 
     def load_state(self, dir) -> None:
@@ -187,14 +209,15 @@ class TorchBackend:
         sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False)
         if "optimizer" not in sd:
             raise UserError(f"{dir}: not a torch backend's trainer state (written by backend: deepspeed?)")
-        self.optimizer.load_state_dict(sd["optimizer"])
+        optimizer = sd["optimizer"] if self.ep is None else shard_optimizer_state(sd["optimizer"], self.optimizer, self.model)
+        self.optimizer.load_state_dict(optimizer)
         self.scheduler.load_state_dict(sd["scheduler"])
         self.step = int(sd["step"])
 
     def full_params(self, modify: bool = False):
-        """Context in which `self.model`'s parameters are whole on every rank (ZeRO-3 gathers);
-        collective. `modify`: writes to them inside are kept."""
-        return contextlib.nullcontext()
+        """Context in which `self.model`'s parameters are whole on every rank (ZeRO-3 gathers, expert
+        shards gathered); collective. `modify`: writes to them inside are kept."""
+        return contextlib.nullcontext() if self.ep is None else full_experts(self.model)
 
 
 class DeepSpeedBackend(TorchBackend):
@@ -378,10 +401,12 @@ class DeepSpeedBackend(TorchBackend):
         return contextlib.nullcontext()
 
 
-def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, **options):
+def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert_parallel: int = 1, **options):
     """`options`: backend-specific keywords (DeepSpeedBackend's persistence_threshold)."""
     if name == "torch":
-        return TorchBackend(model, cfg)
+        return TorchBackend(model, cfg, expert_parallel=expert_parallel)
     if name == "deepspeed":
+        if expert_parallel > 1:  # ZeRO would treat the shards as replicated parameters
+            raise UserError(f"expert_parallel={expert_parallel} needs backend: torch (deepspeed shards differently)")
         return DeepSpeedBackend(model, cfg, zero_stage=zero_stage, **options)
     raise UserError(f"train backend {name!r} is not one of: torch, deepspeed")
