@@ -15,4 +15,6 @@ ruff check .
 ruff format --check .
 lint-imports
 # The whole suite (pyproject's default selection is the developer's quick loop); GPU tests skip here.
-python -m pytest -ra --durations=25 -m "not gpu" "$@"
+# Two workers: the Slurm cluster's tests (one after another, tests/conftest.py groups them) wait on the
+# scheduler much of the time, so the CPU-bound tests run beside them.
+python -m pytest -ra --durations=25 -m "not gpu" -n 2 --dist loadgroup "$@"
