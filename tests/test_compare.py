@@ -8,6 +8,7 @@ from collections import defaultdict
 import h5py
 import numpy as np
 import pytest
+from scipy import stats
 
 from snowcat.pipeline.compare import Variant, compare, render
 from snowcat.pipeline.fsio import read_json
@@ -49,8 +50,6 @@ def test_pairs_are_paired_on_shared_tasks_and_holm_corrected():
     assert p["diff"] == pytest.approx(d.mean())
     assert p["se"] == pytest.approx(d.std(ddof=1) / math.sqrt(30))
     # the paired t statistic by hand, its p from the t distribution with n - 1 degrees of freedom
-    from scipy import stats
-
     t_stat = d.mean() / (d.std(ddof=1) / math.sqrt(30))
     assert p["p"] == pytest.approx(2 * stats.t.sf(abs(t_stat), 29))
     # identical per-task scores: no spread to test, p undefined and left out of Holm's m
