@@ -3,7 +3,6 @@ episodes and imported traces, probe and evaluate playing RepoEnv episodes in rea
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -12,6 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from test_importers import harbor, swebench  # noqa: F401 - fixtures
+from test_repo_env import private_tempdir
 
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
@@ -159,10 +159,10 @@ def test_harbor_tasks_get_their_own_image_built_from_the_dockerfile(tmp_path, ha
         env.finish(state)
 
 
-def test_rl_trains_on_repo_episodes(trained, tmp_path):
+def test_rl_trains_on_repo_episodes(trained, tmp_path, monkeypatch):
     """RL with env repo in one process: episodes in sandboxes, rewards from the tests, updates applied."""
     root, tctx, sctx, _ = trained
-    before = set(glob.glob("/tmp/snowcat-sandbox-*"))
+    sandboxes = private_tempdir(tmp_path, monkeypatch)
     values = {
         "env": "repo",
         "sandbox": SANDBOX,
@@ -185,4 +185,4 @@ def test_rl_trains_on_repo_episodes(trained, tmp_path):
     assert [r["step"] for r in updates] == [1, 2]
     assert all(r["turns/mean"] >= 1 and "reward/mean" in r for r in updates)
     assert (ctx.out_dir / "checkpoints" / "final").exists()
-    assert set(glob.glob("/tmp/snowcat-sandbox-*")) <= before  # every episode's sandbox is gone
+    assert not list(sandboxes.glob("snowcat-sandbox-*"))  # every episode's sandbox is gone

@@ -4,9 +4,9 @@ demonstrations, verification on submit, and the agent loop driving many episodes
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -115,13 +115,13 @@ def test_tools_refuse_escapes_and_keep_the_episode_going(world, tmp_path):
     assert "sandbox" not in state and not sb.workdir.exists()
 
 
-def test_agent_loop_runs_repo_episodes_in_parallel_and_cleans_up(world):
+def test_agent_loop_runs_repo_episodes_in_parallel_and_cleans_up(world, tmp_path, monkeypatch):
     tasks, demos, tok = world
     torch.manual_seed(0)
     model = MoEForCausalLM(dataclasses.replace(PRESETS["test-micro"], vocab_size=tok.vocab_size)).eval()
     broken = Task("swe-broken", "swe_mini", 1, "fix", "", "repo", {"repo": {"source": {}}})
     jobs = [EpisodeJob(t, g, a) for g, t in enumerate(tasks[:3]) for a in range(2)] + [EpisodeJob(broken, 9, 0)]
-    before = set(glob.glob("/tmp/snowcat-sandbox-*"))
+    sandboxes = private_tempdir(tmp_path, monkeypatch)
     params = SamplingParams(1.0, 0, 1.0, 16, (tok.end_of_turn_id,))
     trajs = run_episodes(
         TorchEngine(model, max_batch=8), tok, jobs, RepoEnv(tok), params, Budget(1024, 16, 3), seed=1, policy_version=0
@@ -132,7 +132,7 @@ def test_agent_loop_runs_repo_episodes_in_parallel_and_cleans_up(world):
     assert all(t.status == "truncated" for t in trajs[:-1]), [(t.status, t.detail) for t in trajs]
     stats = behaviour(trajs[:-1], tok)
     assert stats["episodes"] == 6 and stats["no_submission_frac"] == 1.0 and stats["invalid_actions_per_episode"] > 0
-    assert set(glob.glob("/tmp/snowcat-sandbox-*")) <= before  # every episode's sandbox is gone
+    assert not list(sandboxes.glob("snowcat-sandbox-*"))  # every episode's sandbox is gone
 
 
 def test_behaviour_reads_the_teacher_protocol(world):
@@ -217,3 +217,12 @@ def test_repo_env_in_a_sandbox_image_through_the_apptainer_test_double(world, tm
             env.run_tool(state, "test", {})
     finally:
         env.finish(state)
+
+
+def private_tempdir(tmp_path, monkeypatch):
+    """Sandboxes made under a directory of this test's own (other tests make theirs in parallel)."""
+    where = tmp_path / "tempdir"
+    where.mkdir()
+    monkeypatch.setenv("TMPDIR", str(where))
+    monkeypatch.setattr(tempfile, "tempdir", str(where))
+    return where
