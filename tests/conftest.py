@@ -293,10 +293,14 @@ def pytest_collection_modifyitems(config, items):
     if missing:
         raise pytest.UsageError("tests without the marker their fixtures need:\n  " + "\n  ".join(missing))
     # Under `pytest -n 2 --dist loadgroup` (CI): the Slurm cluster's tests run one after another on one
-    # worker (they share the cluster; test_cluster restarts it), and the tests of a shared run on one
-    # worker, which builds it once. The CPU-bound rest runs beside them.
+    # worker (they share the cluster; test_cluster restarts it), and the tests of a shared run (session
+    # fixtures; test_rl_vllm's module run) on one worker, which builds it once. The CPU-bound rest runs
+    # beside them.
     for item in items:
         names = getattr(item, "fixturenames", ())
-        group = "slurm" if item.get_closest_marker("cluster") else next((f for f in ("full_run", "tiny_run") if f in names), None)
+        shared = (
+            "vllm_run" if item.path.name == "test_rl_vllm.py" else next((f for f in ("full_run", "tiny_run") if f in names), None)
+        )
+        group = "slurm" if item.get_closest_marker("cluster") else shared
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
