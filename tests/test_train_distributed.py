@@ -45,7 +45,8 @@ def _losses(backend, loader, steps, ckpt_at=None, ckpt_dir=None):
     return out
 
 
-def _worker(rank, world, port, tmp, queue):
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """A spawned worker joins the gloo group of `world` ranks on localhost, as DeepSpeed expects (env:// variables)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -59,6 +60,10 @@ def _worker(rank, world, port, tmp, queue):
     import deepspeed  # noqa: PLC0415 (in the worker process only)
 
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def _worker(rank, world, port, tmp, queue):
+    join_gloo(rank, world, port)
     optim = OptimConfig(lr=1e-2, warmup_steps=2, total_steps=STEPS)
 
     def fresh(name):

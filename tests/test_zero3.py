@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import os
 import re
-import sys
 import traceback
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch.multiprocessing as mp
 from test_sft import make_ctx as sft_ctx
 from test_sft import tasks_dir  # noqa: F401 (fixture)
 from test_train import MICRO, toy_examples
-from test_train_distributed import _free_port
+from test_train_distributed import _free_port, join_gloo
 
 import snowcat.stages.sft as sft
 from snowcat.stages.algorithms import PolicyLossConfig
@@ -134,19 +132,7 @@ def _worker(rank, world, port, tmp, tasks, queue, one_saved, two_saved):
 
 
 def _work(rank, world, port, tmp, tasks, one_saved, two_saved) -> dict:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(REPO / "tests"))
-    import deepspeed  # noqa: PLC0415 (in the worker process only)
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    join_gloo(rank, world, port)
     out: dict = {}
     if world == 1:
         backend, loader = _fresh("deepspeed", rank, world)
