@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+from . import compare
 from .dag import build
 from .errors import UserError
 from .fsio import atomic_write_text, checkpoint_dir, read_json, sha256_file
@@ -296,6 +297,7 @@ def _evaluations(f: Facts, export: dict | None) -> tuple[list[str], list[str], l
                 for g in sorted((g for g in by_group if "/" not in g), key=lambda g: (g != "all", g)):
                     c = by_group[g]
                     lines.append(f"| {pair} | {g} | {_v(c.get('tasks'))} | {_diff(c.get('pass@1'))} | {_diff(c.get('reward'))} |")
+        lines += compare.card_section(f.run, node.name)
         if exported_ref and exported is None:
             limits.append(f"Evaluation `{node.name}` did not evaluate the exported checkpoint `{exported_ref}`.")
         selected_on = source.get("metric", "").partition("/")[0]

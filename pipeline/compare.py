@@ -200,17 +200,8 @@ def render(result: dict, sources: list[str]) -> str:
         "",
         "## Paired differences (b − a, pass@1, tasks both scored)",
         "",
-        f"p from a paired t test over tasks; Holm-adjusted over the {len(result['pairs'])} pairs.",
-        "",
-        "| a | b | tasks | b − a ± SE | p | p (Holm) | |",
-        "|---|---|---|---|---|---|---|",
+        *pairs_table(result),
     ]
-    for p in result["pairs"]:
-        mark = "significant" if p["significant"] else ""
-        lines.append(
-            f"| {p['a']} | {p['b']} | {p['tasks']} | {_f(p['diff'], '{:+.3f}')} ± {_f(p['se'])} | "
-            f"{_f(p['p'], '{:.4f}')} | {_f(p['p_holm'], '{:.4f}')} | {mark} |"
-        )
     g = result["gain_over_base"]
     lines += [
         "",
@@ -236,6 +227,45 @@ def render(result: dict, sources: list[str]) -> str:
         )
     lines += ["", "![pass@1 and paired differences](compare.png)", ""]
     return "\n".join(lines)
+
+
+def pairs_table(result: dict) -> list[str]:
+    lines = [
+        f"p from a paired t test over tasks (n/a: the difference is the same on every task); Holm-adjusted over "
+        f"the {sum(p['p'] == p['p'] for p in result['pairs'])} pairs with a p.",
+        "",
+        "| a | b | tasks | b − a ± SE | p | p (Holm) | |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in result["pairs"]:
+        mark = "significant" if p["significant"] else ""
+        lines.append(
+            f"| {p['a']} | {p['b']} | {p['tasks']} | {_f(p['diff'], '{:+.3f}')} ± {_f(p['se'])} | "
+            f"{_f(p['p'], '{:.4f}')} | {_f(p['p_holm'], '{:.4f}')} | {mark} |"
+        )
+    return lines
+
+
+def card_section(run: RunDir, stage: str) -> list[str]:
+    """The card's all-pairs table for one evaluate stage that scored 3 or more checkpoints (with two,
+    its paired-differences table already holds the only pair); [] otherwise. Seeded: the card
+    regenerates byte for byte."""
+    try:
+        variants = load_variants([run.path], stage)
+    except UserError:  # nothing kept to compare (no traces.h5): the card says what it has
+        return []
+    if len(variants) < 3:
+        return []
+    result = compare(variants)
+    h = result["homogeneity"]
+    return [
+        "",
+        f"All pairs of `{stage}`'s checkpoints (pass@1 over tasks both scored; as `snowcat compare` reports them). "
+        f"Distinguishable at all? Permutation test over the {h['tasks']} tasks every checkpoint scored: "
+        f"p = {_f(h['p'], '{:.4f}')}.",
+        "",
+        *pairs_table(result),
+    ]
 
 
 def plot(path: Path, result: dict) -> None:

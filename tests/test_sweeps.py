@@ -8,12 +8,15 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
+from scipy import stats
 
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import read_json
+from snowcat.pipeline.fsio import read_json, sha256_file
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.runner import make_context
 from tests.conftest import TINY, write_config
@@ -23,7 +26,7 @@ DEMO = REPO / "configs" / "demo.yaml"
 RL_SWEEP = ["stages.rl.fan_out={estimator: [grpo, rloo_n], tis_cap: [1.0, 2.0]}"]
 # the demo's later stages name rl's checkpoints: with rl fanned out each must name one unit
 NAME_ONE = [
-    "stages.eval.checkpoints=['sft:final', 'rl[estimator=grpo,tis_cap=1.0]:final', 'rl[3]:final']",
+    "stages.eval.checkpoints=['sft:final', 'rl[estimator=grpo,lr=0.001]:final', 'rl[3]:final']",
     "stages.eval_greedy.checkpoints=['rl[estimator=rloo_n,tis_cap=2.0]:final']",
     "stages.export.checkpoint='rl[estimator=rloo_n,tis_cap=2.0]:best'",
 ]
@@ -129,3 +132,101 @@ def test_an_unswept_stage_keeps_its_own_config_object(tmp_path):
     run = RunDir.create(cfg, tmp_path / "run")
     ctx = make_context(run, build(cfg)["rl"], Unit("rl"), cfg)
     assert ctx.config == ctx.run_config.stages["rl"]
+
+
+RL_SWEEP_RUN = (
+    TINY.replace("steps: 20", "steps: 80")  # enough to pass some closure tasks: rewards that differ
+    .replace("save_every: 10", "save_every: 0")
+    .replace("      arith: {count: 60, val_count: 12, difficulties: [2]}\n", "")
+    + """\
+  rl:
+    kind: rl
+    needs: [tasks, sft]
+    updates: 3
+    tasks_per_update: 4
+    attempts: 4
+    max_tokens: 8
+    eval_every: 0
+    save_every: 0
+    threads: 1
+    # lr decides here (Adam all but cancels the estimators' scale; the cap never binds without a mismatch)
+    fan_out: {estimator: [rloo_n, grpo], lr: [0.001, 0.01]}
+  eval:
+    kind: evaluate
+    needs: [tasks, sft, rl]
+    checkpoints: ["sft:final", "rl[0]:final", "rl[1]:final", "rl[estimator=grpo,lr=0.001]:final", "rl[3]:final"]
+    limit: 12
+    attempts: 2
+    pass_k: [1]
+    max_tokens: 8
+    bootstrap_samples: 50
+  card:
+    kind: card
+    needs: [tasks, sft, rl, eval]
+"""
+)
+
+
+def _holm_by_hand(p: list[float]) -> list[float]:
+    """Holm's step-down adjustment written out: the i-th smallest p times (m - i), made monotone."""
+    order = sorted((x, i) for i, x in enumerate(p) if not np.isnan(x))
+    out, running = [float("nan")] * len(p), 0.0
+    for rank, (x, i) in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * x))
+        out[i] = running
+    return out
+
+
+@pytest.mark.slow
+def test_a_four_variant_rl_sweep_is_evaluated_and_compared_from_its_kept_trajectories(snowcat, tmp_path):
+    """The issue's must-show in small: 4 RL variants (estimator × lr), evaluated against the SFT
+    model; `snowcat compare`'s numbers are recomputed here from the evaluation's kept trajectories
+    (Parquet, not the traces.h5 compare reads), and the card carries the all-pairs table."""
+    cfg = write_config(tmp_path / "sweep.yaml", RL_SWEEP_RUN)
+    run_dir = tmp_path / "run"
+    snowcat("run", cfg, "--run-dir", run_dir, check=True)
+    # four units, each with its own stage config (their recorded hashes differ) and its own weights
+    records = [read_json(run_dir / "provenance" / f"rl.{index}.json") for index in range(4)]
+    assert len({r["config"]["stage_sha256"] for r in records}) == 4
+    scored = read_json(run_dir / "stages" / "eval" / "results.json")["checkpoints"]
+    rl = run_dir / "stages" / "rl"
+    assert (
+        Path(scored["rl[estimator=grpo,lr=0.001]:final"]["path"]).resolve() == (rl / "0002" / "checkpoints" / "final").resolve()
+    )
+    assert len({sha256_file(rl / f"{i:04d}" / "checkpoints" / "final" / "model.safetensors") for i in range(4)}) == 4
+
+    snowcat("compare", run_dir, "-o", tmp_path / "cmp", check=True)
+    report = read_json(tmp_path / "cmp" / "compare.json")
+    refs = ["sft:final", "rl[0]:final", "rl[1]:final", "rl[estimator=grpo,lr=0.001]:final", "rl[3]:final"]
+    assert [v["label"] for v in report["variants"]] == refs
+
+    # per checkpoint and task: passes over scored attempts, from the kept episodes
+    table = pq.read_table(sorted((run_dir / "stages" / "eval" / "trajectories").glob("*.parquet"))).to_pylist()
+    per_task: dict[str, dict[str, list[int]]] = {r: {} for r in refs}
+    for row in table:
+        if row["passed"] >= 0:
+            per_task[row["checkpoint"]].setdefault(row["task_id"], []).append(row["passed"])
+    pass1 = {r: {t: float(np.mean(v)) for t, v in per_task[r].items()} for r in refs}
+    for v in report["variants"]:
+        values = list(pass1[v["label"]].values())
+        assert v["tasks"] == len(values)
+        assert v["pass@1"] == pytest.approx(np.mean(values), abs=1e-12)
+        assert v["pass@1_se"] == pytest.approx(np.std(values, ddof=1) / np.sqrt(len(values)), abs=1e-12)
+    raw = []
+    for pair in report["pairs"]:
+        a, b = pass1[pair["a"]], pass1[pair["b"]]
+        d = np.array([b[t] - a[t] for t in sorted(set(a) & set(b))])
+        assert pair["tasks"] == len(d) and pair["diff"] == pytest.approx(d.mean(), abs=1e-12)
+        t = d.mean() / (d.std(ddof=1) / np.sqrt(len(d))) if d.std() > 0 else float("nan")
+        raw.append(float(2 * stats.t.sf(abs(t), len(d) - 1)) if t == t else float("nan"))
+    assert len(raw) == 10  # every pair of 5
+    np.testing.assert_allclose([p["p"] if p["p"] is not None else np.nan for p in report["pairs"]], raw, rtol=1e-9)
+    np.testing.assert_allclose(
+        [p["p_holm"] if p["p_holm"] is not None else np.nan for p in report["pairs"]], _holm_by_hand(raw), rtol=1e-9
+    )
+
+    card = (run_dir / "stages" / "card" / "card.md").read_text()
+    assert "All pairs of `eval`'s checkpoints" in card
+    for pair in report["pairs"]:
+        holm = "n/a" if pair["p_holm"] is None else f"{pair['p_holm']:.4f}"
+        assert f"| {pair['a']} | {pair['b']} | {pair['tasks']} |" in card and f"| {holm} |" in card
