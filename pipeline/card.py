@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from . import compare
+from . import config as config_mod
 from .dag import build
 from .errors import UserError
 from .fsio import atomic_write_text, checkpoint_dir, read_json, sha256_file
@@ -58,6 +59,20 @@ class Facts:
 
     def stage_dir(self, name: str) -> Path:
         return self.run.stage_dir(name)
+
+    def units(self, node) -> list[tuple[str, Any, Any]]:
+        """(label, the config it ran with, unit) per unit: a sweep unit's own values set, its label
+        naming them as a reference does (`rl[estimator=grpo,lr=0.001]`)."""
+        if node.items is None:
+            return [(node.name, node.config, node.units[0])]
+        return [
+            (
+                f"{node.name}[{','.join(f'{k}={v}' for k, v in item.items())}]",
+                config_mod.unit_config(self.cfg, node.name, item),
+                unit,
+            )
+            for unit, item in zip(node.units, node.items, strict=True)
+        ]
 
     def provenance(self, name: str, index: int | None = None) -> dict | None:
         return read_json(record_path(self.run.path, name, index))
@@ -147,50 +162,54 @@ def _data(f: Facts) -> list[str]:
 def _recipe(f: Facts) -> list[str]:
     lines = []
     for node in f.nodes(*TRAINING_KINDS):
-        c, res = node.config, node.config.resources
-        metrics = f.run.metrics(node.units[0]) if f.done(node.name) else {}
-        prov = f.provenance(node.name) or {}
-        world = (prov.get("extra") or {}).get("world_size")
-        lines.append(f"- `{node.name}` ({node.kind}):")
-        if node.kind == "sft":
-            lines.append(
-                f"  - objective: supervised fine-tuning on task demonstrations (assistant tokens only), "
-                f"Relay fraction {_v(c.relay_fraction)}"
-            )
-            lines.append(
-                f"  - batch: {_v(c.batch_rows)} packed rows × {_v(c.seq_len)} tokens, {_v(c.micro_batches)} micro-batch(es)"
-            )
-            lines.append(
-                f"  - lr {_v(c.lr)} ({_v(c.schedule)}, warmup {_v(c.warmup_steps)}, "
-                f"min ratio {_v(c.min_lr_ratio)}), weight decay {_v(c.weight_decay)}, grad clip {_v(c.grad_clip)}"
-            )
-            lines.append(f"  - updates: {_v(metrics.get('steps'))} completed of {_v(c.steps)} configured")
-        else:
-            lines.append(
-                f"  - estimator: {_v(c.estimator)}, aggregation {_v(c.aggregation)}, "
-                f"truncated importance sampling cap {_v(c.tis_cap)}, staleness lag {_v(c.lag)}"
-            )
-            lines.append(f"  - batch: {_v(c.tasks_per_update)} tasks × {_v(c.attempts)} attempts per update")
-            lines.append(f"  - lr {_v(c.lr)}, KL coef {_v(c.kl_coef)}")
-            lines.append(
-                f"  - updates: {_v(metrics.get('updates', metrics.get('steps')))} completed of {_v(c.updates)} configured"
-            )
-        comps = (
-            ", ".join(f"{k}: {v.nodes}×{v.gpus_per_node} GPU" for k, v in res.components.items())
-            if res.components
-            else f"{res.nodes} node(s) × {res.tasks_per_node} task(s) × {res.gpus_per_node} GPU"
-        )
-        meta = _checkpoint_meta(f, node.name)
-        name = meta.get("backend") or getattr(c, "backend", None)  # what the checkpoint says ran, else the config
-        backend = (f"{name}" + (f" ZeRO-{c.zero_stage}" if name == "deepspeed" else "")) if name else NR
-        lines.append(f"  - layout: {_layout(node, world, meta)}; backend {backend}; resources {comps}")
+        for label, config, unit in f.units(node):
+            lines += _unit_recipe(f, node, label, config, unit)
     return lines or [f"Recipe: {NR} (no training stage)."]
 
 
-def _checkpoint_meta(f: Facts, stage: str) -> dict:
+def _unit_recipe(f: Facts, node, label: str, c, unit) -> list[str]:
+    """One training unit's recipe: the config it ran with, its metrics and records."""
+    res = c.resources
+    metrics = f.run.metrics(unit) if f.run.is_done(unit) else {}
+    prov = f.provenance(unit.stage, unit.index) or {}
+    world = (prov.get("extra") or {}).get("world_size")
+    of = "" if unit.index is None else f", unit {unit.index} of {len(node.units)}"
+    lines = [f"- `{label}` ({node.kind}{of}):"]
+    if node.kind == "sft":
+        lines.append(
+            f"  - objective: supervised fine-tuning on task demonstrations (assistant tokens only), "
+            f"Relay fraction {_v(c.relay_fraction)}"
+        )
+        lines.append(f"  - batch: {_v(c.batch_rows)} packed rows × {_v(c.seq_len)} tokens, {_v(c.micro_batches)} micro-batch(es)")
+        lines.append(
+            f"  - lr {_v(c.lr)} ({_v(c.schedule)}, warmup {_v(c.warmup_steps)}, "
+            f"min ratio {_v(c.min_lr_ratio)}), weight decay {_v(c.weight_decay)}, grad clip {_v(c.grad_clip)}"
+        )
+        lines.append(f"  - updates: {_v(metrics.get('steps'))} completed of {_v(c.steps)} configured")
+    else:
+        lines.append(
+            f"  - estimator: {_v(c.estimator)}, aggregation {_v(c.aggregation)}, "
+            f"truncated importance sampling cap {_v(c.tis_cap)}, staleness lag {_v(c.lag)}"
+        )
+        lines.append(f"  - batch: {_v(c.tasks_per_update)} tasks × {_v(c.attempts)} attempts per update")
+        lines.append(f"  - lr {_v(c.lr)}, KL coef {_v(c.kl_coef)}")
+        lines.append(f"  - updates: {_v(metrics.get('updates', metrics.get('steps')))} completed of {_v(c.updates)} configured")
+    comps = (
+        ", ".join(f"{k}: {v.nodes}×{v.gpus_per_node} GPU" for k, v in res.components.items())
+        if res.components
+        else f"{res.nodes} node(s) × {res.tasks_per_node} task(s) × {res.gpus_per_node} GPU"
+    )
+    meta = _checkpoint_meta(f.run.unit_dir(unit))
+    name = meta.get("backend") or getattr(c, "backend", None)  # what the checkpoint says ran, else the config
+    backend = (f"{name}" + (f" ZeRO-{c.zero_stage}" if name == "deepspeed" else "")) if name else NR
+    lines.append(f"  - layout: {_layout(node, world, meta)}; backend {backend}; resources {comps}")
+    return lines
+
+
+def _checkpoint_meta(unit_dir: Path) -> dict:
     """What the trainer recorded in its checkpoints' meta.json: the latest step checkpoint's (it
     holds backend and world size), overlaid by `final`'s."""
-    root = f.stage_dir(stage) / "checkpoints"
+    root = unit_dir / "checkpoints"
     steps = sorted(root.glob("step_*/meta.json"))
     meta = dict(read_json(steps[-1]) or {}) if steps else {}
     return meta | (read_json(root / "final" / "meta.json") or {})
@@ -570,8 +589,9 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
     evals = [n for n in f.nodes("evaluate") if f.done(n.name)]
     results = [read_json(f.stage_dir(n.name) / "results.json") or {} for n in evals]
 
-    def per_stage(fn) -> str | None:
-        vals = [f"{n.name}: {v}" for n in trainers if (v := fn(n)) is not None]
+    def per_stage(fn, kinds=TRAINING_KINDS) -> str | None:
+        """fn(config, unit) per training unit, labelled (a sweep's units each with their own config)."""
+        vals = [f"{label}: {v}" for n in trainers if n.kind in kinds for label, c, u in f.units(n) if (v := fn(c, u)) is not None]
         return "; ".join(vals) or None
 
     def rows(split: str) -> str | None:
@@ -608,18 +628,16 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
         )
         if (lineage or {}).get("parents")
         else None,
-        "optimizer state at start": per_stage(lambda n: "fresh (a stage loads model weights only)"),
-        "RL estimator and importance-sampling correction": "; ".join(
-            f"{n.name}: {n.config.estimator}, TIS cap {n.config.tis_cap}" for n in rl
-        )
-        or None,
-        "learning rate": per_stage(lambda n: n.config.lr),
-        "prompt groups per update and responses per group": "; ".join(
-            f"{n.name}: {n.config.tasks_per_update} × {n.config.attempts}" for n in rl
-        )
-        or None,
+        "optimizer state at start": per_stage(lambda c, u: "fresh (a stage loads model weights only)"),
+        "RL estimator and importance-sampling correction": per_stage(
+            lambda c, u: f"{c.estimator}, TIS cap {c.tis_cap}", kinds=("rl",)
+        ),
+        "learning rate": per_stage(lambda c, u: c.lr),
+        "prompt groups per update and responses per group": per_stage(
+            lambda c, u: f"{c.tasks_per_update} × {c.attempts}", kinds=("rl",)
+        ),
         "updates completed": per_stage(
-            lambda n: (m := f.run.metrics(n.units[0])).get("updates", m.get("steps")) if f.done(n.name) else None
+            lambda c, u: (m := f.run.metrics(u)).get("updates", m.get("steps")) if f.run.is_done(u) else None
         ),
         "policy parallelism layout": "see Recipe (layout)" if trainers else None,
         "rollout (inference) hardware": "; ".join(_role_hardware(f, n, "rollout") for n in rl) or None,

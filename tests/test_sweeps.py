@@ -26,7 +26,7 @@ DEMO = REPO / "configs" / "demo.yaml"
 RL_SWEEP = ["stages.rl.fan_out={estimator: [grpo, rloo_n], tis_cap: [1.0, 2.0]}"]
 # the demo's later stages name rl's checkpoints: with rl fanned out each must name one unit
 NAME_ONE = [
-    "stages.eval.checkpoints=['sft:final', 'rl[estimator=grpo,lr=0.001]:final', 'rl[3]:final']",
+    "stages.eval.checkpoints=['sft:final', 'rl[estimator=grpo,tis_cap=1.0]:final', 'rl[3]:final']",
     "stages.eval_greedy.checkpoints=['rl[estimator=rloo_n,tis_cap=2.0]:final']",
     "stages.export.checkpoint='rl[estimator=rloo_n,tis_cap=2.0]:best'",
 ]
@@ -227,6 +227,11 @@ def test_a_four_variant_rl_sweep_is_evaluated_and_compared_from_its_kept_traject
 
     card = (run_dir / "stages" / "card" / "card.md").read_text()
     assert "All pairs of `eval`'s checkpoints" in card
+    # the recipe is each unit's own, not the stage section's defaults
+    recipe = card[card.index("## Recipe") : card.index("## Evaluation")]
+    for index, (estimator, lr) in enumerate((e, lr) for e in ("rloo_n", "grpo") for lr in (0.001, 0.01)):
+        block = recipe[recipe.index(f"- `rl[estimator={estimator},lr={lr}]` (rl, unit {index} of 4):") :]
+        assert f"estimator: {estimator}," in block.split("layout:")[0] and f"lr {lr}, KL" in block.split("layout:")[0]
     for pair in report["pairs"]:
         holm = "n/a" if pair["p_holm"] is None else f"{pair['p_holm']:.4f}"
         assert f"| {pair['a']} | {pair['b']} | {pair['tasks']} |" in card and f"| {holm} |" in card
