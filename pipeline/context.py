@@ -22,6 +22,22 @@ from snowcat.pipeline.sweep import ref_unit, unit_path
 
 from .unitprogress import PROGRESS_FILE, ProgressReporter
 
+NOTICE_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+_EARLY_NOTICE = threading.Event()  # a notice that came before any stage context listened
+
+
+def catch_notice_early() -> None:
+    """Keep the scheduler's end-of-job notice from the first moment a job's process runs.
+
+    Slurm sends `--signal` up to a minute before the time it is asked for (its timeout check runs
+    periodically), so a short job can be warned while it is still starting. Before the stage's
+    own handler is installed, SIGUSR2 would kill the process (its default action), or reach
+    submitit's handler, which requeues — refused where `--no-requeue` is set, and the unit's job
+    is lost. Caught here, the notice is handed to the stage's CheckpointSignal when it installs.
+    """
+    for sig in NOTICE_SIGNALS:
+        signal.signal(sig, lambda *_: _EARLY_NOTICE.set())
+
 
 class CheckpointSignal:
     """Set when the scheduler warns that the job will end soon (SIGUSR2 from `--signal`, SIGTERM).
@@ -34,9 +50,11 @@ class CheckpointSignal:
     def __init__(self) -> None:
         self._event = threading.Event()
 
-    def install(self, signals: tuple[int, ...] = (signal.SIGUSR2, signal.SIGTERM)) -> None:
+    def install(self, signals: tuple[int, ...] = NOTICE_SIGNALS) -> None:
         for sig in signals:
             signal.signal(sig, lambda *_: self._event.set())
+        if _EARLY_NOTICE.is_set():  # checked after installing: a notice in between sets ours directly
+            self._event.set()
 
     def set(self) -> None:
         self._event.set()

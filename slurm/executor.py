@@ -35,7 +35,7 @@ import submitit
 
 from snowcat.containers.wrap import hetjob_step, role_images, site_mpi_plugin, wrap_command
 from snowcat.pipeline.config import typed
-from snowcat.pipeline.context import PREEMPTED_EXIT_CODE
+from snowcat.pipeline.context import PREEMPTED_EXIT_CODE, catch_notice_early
 from snowcat.pipeline.dag import StageNode, Unit, build
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.executors.base import Executor
@@ -124,6 +124,7 @@ class StageJob(submitit.helpers.Checkpointable):
     self_continue: bool = False  # chain by submitting its own successor (see SlurmExecutor.self_continuing)
 
     def __call__(self, index: int | None = None) -> dict:
+        catch_notice_early()  # submitit's handler would requeue (refused under --no-requeue)
         rank = launcher_rank()
         os.environ["SLURM_PROCID"] = str(rank)  # submitit: only rank 0 writes the result file
         run = RunDir.open(self.run_dir)

@@ -1,6 +1,7 @@
 """What a second process, a stale pid or a damaged file must not be able to corrupt (issue 19):
 unit locks, safe cancel, the verified frozen config, lineage, secrets at the door, atomic dirs."""
 
+import inspect
 import json
 import os
 import shutil
@@ -19,7 +20,8 @@ from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, remove_leftovers, verify_manifest, write_manifest
 from snowcat.pipeline.rundir import RunDir
-from tests.conftest import write_config
+from snowcat.slurm.executor import StageJob
+from tests.conftest import TINY, write_config
 from tests.test_cli import SLOW, SMALL, _wait_for
 
 
@@ -321,3 +323,47 @@ def test_a_nested_manifest_is_part_of_the_unit_and_a_damaged_one_is_a_problem_no
     assert verify_manifest(unit) == [f"{nested}: sha256 differs from manifest"]
     nested.write_bytes(b"\xff{")  # not even JSON: the checkpoint is unverified, nothing raises
     assert verify_manifest(nested.parent) == [f"{nested}: damaged (not a manifest)"]
+
+
+# --- a notice before the stage is ready ------------------------------------------------------------
+
+EARLY_NOTICE = """\
+import os, signal, sys
+from snowcat.pipeline.context import catch_notice_early
+catch_notice_early()  # what `python -m snowcat.stages` and a Slurm job's StageJob do first
+os.kill(os.getpid(), signal.SIGUSR2)  # Slurm's --signal, sent early: the stage has not started yet
+from snowcat.pipeline.runner import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_notice_that_comes_before_the_stage_starts_is_kept_not_fatal(tmp_path):
+    """Slurm may send `--signal` up to a minute early: a job warned while it is still starting
+    checkpoints at its first step boundary and asks to be continued (exit 75), where SIGUSR2's default
+    action used to kill it; the continued unit ends with the uninterrupted run's weights."""
+    cfg = write_config(tmp_path / "tiny.yaml", TINY.replace("steps: 20", "steps: 4").replace("save_every: 10", "save_every: 0"))
+    runs = {}
+    for name in ("straight", "warned"):
+        runs[name] = RunDir.create(config_mod.load(cfg), tmp_path / name).path
+        assert by_hand(runs[name], "tasks").returncode == 0
+    assert by_hand(runs["straight"], "sft").returncode == 0
+
+    warned = subprocess.run(
+        [sys.executable, "-c", EARLY_NOTICE, str(runs["warned"]), "sft"], capture_output=True, text=True, timeout=300
+    )
+    assert warned.returncode == 75, warned.stderr[-2000:]
+    ckpts = runs["warned"] / "stages" / "sft" / "checkpoints"
+    assert (ckpts / "step_000000").is_dir() and not (ckpts / "final").exists()
+    assert RunDir.open(runs["warned"]).record("sft")["status"] == "preempted"
+
+    assert by_hand(runs["warned"], "sft").returncode == 0  # the continuation
+    final = {r: (runs[r] / "stages" / "sft" / "checkpoints" / "final" / "model.safetensors").read_bytes() for r in runs}
+    assert final["warned"] == final["straight"]
+
+
+def test_the_stage_entry_points_catch_the_notice_before_anything_else():
+    """The two ways a stage process starts: the notice handler is the first thing each installs."""
+    main = (Path(__file__).resolve().parent.parent / "stages" / "__main__.py").read_text()
+    assert main.index("catch_notice_early()") < main.index("from snowcat.pipeline.runner")
+    first = next(line.strip() for line in inspect.getsource(StageJob.__call__).splitlines()[1:] if line.strip())
+    assert first.startswith("catch_notice_early()")

@@ -296,6 +296,14 @@ stages:
 """
 
 
+def _why(run_dir: Path, stage: str) -> str:
+    """What a failed stage left to read: its recorded error and the end of each of its job logs."""
+    lines = [f"error: {RunDir(run_dir).state()['stages'].get(stage, {}).get('error')}"]
+    for log in sorted((run_dir / "slurm" / stage).glob("*_log.*")):
+        lines += [f"--- {log.name}", *log.read_text(errors="replace").splitlines()[-8:]]
+    return "\n".join(lines)
+
+
 def _final_weights(run_dir: Path) -> dict[str, str]:
     final = run_dir / "stages" / "sft" / "checkpoints" / "final"
     return {p.name: sha256_file(p) for p in sorted(final.glob("*.safetensors"))}
@@ -335,7 +343,7 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
 
     for strategy, run_dir in runs.items():
         status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=1500)
-        assert status["stages"]["sft"]["status"] == "done", (strategy, status)
+        assert status["stages"]["sft"]["status"] == "done", f"{strategy}: {status['stages']['sft']}\n{_why(run_dir, 'sft')}"
         record = RunDir(run_dir).state()["stages"]["sft"]
         assert record.get("continuations_used", 0) >= 1, (strategy, record)  # the walltime was really hit
         assert _final_weights(run_dir) == reference, strategy
