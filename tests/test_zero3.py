@@ -42,6 +42,10 @@ OPTIM = OptimConfig(lr=1e-2, warmup_steps=2, total_steps=STEPS)
 CFG = dataclasses.replace(MICRO, router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
 PARAMS = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_tokens=8)
 LOSS_CFG = PolicyLossConfig(tis_cap=2.0)
+# Weights after STEPS AdamW updates where only the summation order differs: Adam divides each update
+# by the gradient's running RMS, so where a gradient is tiny a rounding-level difference in it
+# becomes a visible one in the step (seen: 2.6e-6 on one of 8192 expert weights, at lr 1e-2)
+WEIGHT_ATOL = 1e-5
 
 pytest.importorskip("deepspeed")
 
@@ -210,7 +214,7 @@ def test_zero3_matches_ddp_resumes_across_rank_counts_and_trains_rl_and_sft(tmp_
     assert two["losses"] == pytest.approx(two["ddp"], rel=1e-5)
     assert results[(2, 1)]["losses"] == two["losses"]
     for n, w in two["ddp_final"].items():
-        torch.testing.assert_close(two["final"][n], w, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(two["final"][n], w, rtol=1e-4, atol=WEIGHT_ATOL)
     assert two["head_elements"] == 0  # outside forward, this rank holds no part of the LM head (1 rank: all)
     # ... and 1 rank's (the same global batches; summation order differs)
     assert one["losses"] == pytest.approx(two["losses"], rel=1e-5)
@@ -229,7 +233,7 @@ def test_zero3_matches_ddp_resumes_across_rank_counts_and_trains_rl_and_sft(tmp_
         # the continued loss is the uninterrupted run's; so are the weights after it
         assert resumer["losses"] == pytest.approx(writer["losses"][2:], rel=1e-5)
         for n, w in writer["final"].items():
-            torch.testing.assert_close(resumer["final"][n], w, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(resumer["final"][n], w, rtol=1e-4, atol=WEIGHT_ATOL)
 
     # the RL loss with top-k/top-p under ZeRO-3 = one process with the same micro-batches
     single, zero3 = _single_process_rl(), two["rl"]
