@@ -447,23 +447,55 @@ def _seconds(times: dict) -> float | None:
         return None
 
 
+def _rank_records(f: Facts, unit) -> list[dict]:
+    """The records ranks other than 0 wrote for a unit (provenance/ranks/): role, host, GPUs."""
+    name = unit.stage if unit.index is None else f"{unit.stage}.{unit.index}"
+    return [r for p in sorted((f.run.path / "provenance" / "ranks").glob(f"{name}.rank*.json")) if (r := read_json(p))]
+
+
+def _unit_gpus(f: Facts, unit, prov: dict) -> dict[str, set[str]] | None:
+    """The GPUs a unit's ranks recorded, per host: rank 0's (the unit's provenance) and every other
+    rank's. A GPU is counted once: by its uuid where recorded, else as the i-th of its host (so
+    ranks on one host that each saw the host's GPUs count them once). None: a rank recorded no
+    GPU probe, so the unit's GPUs are not known."""
+    hosts = [prov.get("host")] + [r.get("host") for r in _rank_records(f, unit)]
+    if any(not isinstance(h, dict) or h.get("gpus") is None for h in hosts):
+        return None
+    seen: dict[str, set[str]] = {}
+    for h in hosts:
+        ids = seen.setdefault(h.get("hostname") or "?", set())
+        ids.update(f"{g.get('name', '?')}|{g.get('uuid') or f'#{i}'}" for i, g in enumerate(h["gpus"]))
+    return seen
+
+
+def _gpu_text(per_host: dict[str, set[str]]) -> str:
+    names = Counter(g.split("|")[0] for ids in per_host.values() for g in ids)
+    n = sum(names.values())
+    return f"{n} GPU(s) ({', '.join(f'{c}× {k}' for k, c in sorted(names.items()))} on {len(per_host)} host(s))"
+
+
 def _stages(f: Facts) -> tuple[list[str], dict]:
-    """One line per stage: final state, attempts, jobs, wall-clock and GPU use as recorded."""
+    """One line per stage: final state, attempts, jobs, wall-clock and GPU use as recorded. GPU-hours
+    of a unit: the GPUs its ranks recorded × its recorded wall-clock (the completed attempt's)."""
     state = f.run.state()["stages"]
-    lines, totals = [], {"gpu_hours": 0.0, "gpus_seen": False, "attempts": 0, "retried": []}
+    totals = {"gpu_hours": {}, "gpu_unknown": [], "cpu_only": 0, "earlier_attempts": [], "attempts": 0, "retried": []}
+    lines = []
     for node in f.dag:
         status, _ = f.run.stage_status(f.dag, node.name, verify=False)
         records = [state.get(u.key, {}) for u in node.units]
         attempts = sum(r.get("attempts", 0) or 0 for r in records)
         jobs = sorted({j for r in records for j in r.get("job_ids", [])})
-        provs = [p for u in node.units if (p := f.provenance(u.stage, u.index))]
-        secs = [x for p in provs if (x := _seconds(p.get("times") or {})) is not None]
-        gpus = [len((p.get("host") or {}).get("gpus") or []) for p in provs]
-        if any(gpus):  # rank 0's host GPUs × the stage's nodes (config): other hosts record nothing
-            res = node.config.resources
-            nodes = sum(c.nodes for c in res.components.values()) if res.components else res.nodes
-            totals["gpus_seen"] = True
-            totals["gpu_hours"] += sum(g * x for g, x in zip(gpus, secs)) * nodes / 3600
+        provs = {u: p for u in node.units if (p := f.provenance(u.stage, u.index))}
+        secs = [x for p in provs.values() if (x := _seconds(p.get("times") or {})) is not None]
+        gpus = {u: _unit_gpus(f, u, p) for u, p in provs.items()}
+        done = [u for u in node.units if f.run.is_done(u)]
+        hours, known = 0.0, bool(done)
+        for u in done:
+            x = _seconds((provs.get(u) or {}).get("times") or {})
+            if gpus.get(u) is None or x is None:
+                known = False
+            else:
+                hours += sum(map(len, gpus[u].values())) * x / 3600
         totals["attempts"] += attempts
         if attempts > len(node.units):
             totals["retried"].append(node.name)
@@ -472,26 +504,102 @@ def _stages(f: Facts) -> tuple[list[str], dict]:
         where = (f"{len(jobs)} job(s)/process(es)" if jobs else "no job recorded") + (
             f", continued {continued} time(s) after a walltime or preemption signal" if continued else ""
         )
-        gpu = f"{max(gpus)} GPU(s) per rank 0 host" if any(gpus) else ("no GPU" if provs else f"GPUs {NR}")
+        used = {h: ids for g in gpus.values() if g for h, ids in g.items() if ids}
+        if not done:
+            gpu = f"GPUs {NR}" if not provs else (_gpu_text(used) if used else "no GPU recorded")
+        elif not known:
+            gpu = f"GPUs or wall-clock {NR} for some unit: GPU-hours {NR}"
+            totals["gpu_unknown"].append(node.name)
+        elif used:
+            gpu = f"{_gpu_text(used)}, {hours:.2f} GPU-hours"
+            totals["gpu_hours"][node.name] = hours
+            if attempts > len(node.units) or continued:
+                gpu += " (the completed attempt's; earlier attempts' run time not recorded)"
+                totals["earlier_attempts"].append(node.name)
+        else:
+            gpu = "0 GPUs (CPU only)"
+            totals["cpu_only"] += 1
         lines.append(f"- `{node.name}` ({node.kind}): {status}, {attempts} attempt(s), {where}, wall-clock {wall}, {gpu}")
     return lines, totals
 
 
+def _gpu_hours(totals: dict) -> str | None:
+    """The checklist's GPU-hours: per stage and in total, from the stages' lines (`_stages`)."""
+    per, unknown = totals["gpu_hours"], totals["gpu_unknown"]
+    if per:
+        text = f"{sum(per.values()):.2f} in total ({', '.join(f'{k} {v:.2f}' for k, v in per.items())}; GPUs each rank recorded × the unit's wall-clock)"
+        if totals["earlier_attempts"]:
+            text += f"; at least: earlier attempts of {', '.join(totals['earlier_attempts'])} not recorded"
+    elif totals["cpu_only"] and not unknown:
+        return f"0 (CPU only: no rank of the {totals['cpu_only']} completed stage(s) recorded a GPU)"
+    elif not unknown:
+        return None
+    else:
+        text = "0 where recorded"
+    return text + (f"; {NR} for {', '.join(unknown)}" if unknown else "")
+
+
 def _role_hardware(f: Facts, node, role: str) -> str:
     """Hosts and GPUs the ranks of one role ran on, from their rank records (provenance/ranks/)."""
-    records = [
-        r
-        for u in node.units
-        for path in sorted(
-            (f.run.path / "provenance" / "ranks").glob(f"{u.stage if u.index is None else f'{u.stage}.{u.index}'}.rank*.json")
-        )
-        if (r := read_json(path)) and r.get("role") == role
-    ]
+    records = [r for u in node.units for r in _rank_records(f, u) if r.get("role") == role]
     if not records:
         return f"{node.name}: {role} ranks' hosts and GPUs {NR}"
     hosts = sorted({(r.get("host") or {}).get("hostname") or NR for r in records})
     gpus = sorted({g.get("name", "?") for r in records for g in (r.get("host") or {}).get("gpus") or []})
     return f"{node.name}: {len(records)} {role} rank(s) on {', '.join(hosts)}; GPUs: {', '.join(gpus) or 'none'}"
+
+
+def _findings(report: dict) -> str:
+    found = report.get("findings") or []
+    where = f"in {report['files']} file(s)" if report.get("files") is not None else f"(files searched: {NR})"
+    if not found:
+        return f"clean: no credential found {where}"
+    shown = "; ".join(f"`{r['file']}`:{r['line']} {r['kind']}" for r in found[:10])
+    return f"{len(found)} CREDENTIAL FINDING(S) {where}: {shown}" + (
+        f"; {len(found) - 10} more in scan.json" if len(found) > 10 else ""
+    )
+
+
+def _credential_scan(f: Facts) -> tuple[list[str], str, list[str]]:
+    """What the scans recorded: the card stage's own (every artefact the card describes: all but its
+    own outputs and the stages after it) and the scan stage's (the finished run, the card included),
+    as lines, the checklist's value, and limitations. Nothing is scanned here: a card written
+    outside the card stage states only what was recorded."""
+    lines, summary, limits = [], [], []
+    for node in f.nodes("card"):
+        rel = f"stages/{node.name}/scan.json"
+        report = read_json(f.run.path / rel)
+        if report is None:
+            lines.append(f"- Before the card (`{node.name}` stage): {NR} (no `{rel}`)")
+            summary.append(f"{node.name}: {NR}")
+            continue
+        after = report.get("stages_after") or []
+        left_out = ", ".join(f"`{d}/`" for d in report.get("excluded") or []) or "nothing"
+        verdict = _findings(report)
+        lines.append(
+            f"- Before the card (`{node.name}` stage, `{rel}`): {verdict} of the run directory, every artefact this "
+            f"card describes; left out: {left_out} (the card's own outputs"
+            + (f" and the stages after it, not yet run: {', '.join(after)})" if after else ")")
+        )
+        summary.append(f"{node.name} stage, before the card: {verdict}")
+        if report.get("findings"):
+            limits.append(f"CREDENTIALS IN THE RUN DIRECTORY: the `{node.name}` stage's scan found {verdict}.")
+    for node in f.nodes("scan"):
+        rel = f"stages/{node.name}/scan.json"
+        report = read_json(f.run.path / rel)
+        status = f.run.stage_status(f.dag, node.name, verify=False)[0]
+        if report is None:
+            lines.append(f"- After the card (`{node.name}` stage, which scans the card too): {NR} (stage {status})")
+            summary.append(f"{node.name} stage, after the card: {NR} ({status})")
+            continue
+        verdict = _findings(report)
+        lines.append(f"- After the card (`{node.name}` stage, `{rel}`, the whole run directory, the card included): {verdict}")
+        summary.append(f"{node.name} stage, after the card: {verdict}")
+        if report.get("findings"):
+            limits.append(f"CREDENTIALS IN THE RUN DIRECTORY: the `{node.name}` stage's scan found {verdict}.")
+    if not lines:
+        lines = [f"- Credential scan: {NR} (the run has no card or scan stage)"]
+    return lines, "; ".join(summary) or NR, limits
 
 
 def _tags(f: Facts, export: dict | None) -> list[str]:
@@ -577,7 +685,37 @@ def _exposure(f: Facts, source: dict) -> str | None:
     )
 
 
-def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[str], totals: dict) -> list[str]:
+def _external_benchmarks(f: Facts) -> str:
+    """Which external benchmarks the run's evaluations scored: the tasks an evaluate stage scored
+    that its tasks stage imported from files (SWE-bench / Harbor format), else "none run"."""
+    evals = f.nodes("evaluate")
+    if not evals:
+        return "none run (the run has no evaluate stage)"
+    out, generated = [], []
+    for node in evals:
+        results = read_json(f.stage_dir(node.name) / "results.json") if f.done(node.name) else None
+        if results is None:
+            out.append(f"{node.name}: {NR} (the stage did not complete)")
+            continue
+        first = next(iter(results.get("checkpoints", {}).values()), {})
+        scored = sorted(g for g in first.get("groups", {}) if "/" not in g and g != "all")
+        tasks = f.dag.nodes.get(node.config.tasks)
+        imports = list(getattr(tasks.config, "imports", [])) if tasks else []
+        external = [i for i in imports if i.domain in scored]
+        if external:
+            named = ", ".join(f"`{i.format}` tasks from `{i.path}` (domain {i.domain})" for i in external)
+            out.append(
+                f"{node.name}: imported {named} on this run's `{results.get('split')}` split, scored by the stage's "
+                f"verifier `{node.config.verifier}`, not by the benchmark's own harness"
+            )
+        else:
+            generated.append(f"{node.name} ({', '.join(scored) or 'no domain'} of the `{results.get('split')}` split)")
+    if generated:
+        out.insert(0, f"none run: {', '.join(generated)} scored tasks this run generated")
+    return "; ".join(out)
+
+
+def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[str], totals: dict, scan: str) -> list[str]:
     src = (export or {}).get("source") or {}
     fmt = (export or {}).get("format") or {}
     eq = (export or {}).get("equivalence") or {}
@@ -602,7 +740,6 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
                 return f"{sum(counts.values())} ({', '.join(f'{d} {c}' for d, c in counts.items())})"
         return None
 
-    scan = next((read_json(f.stage_dir(n.name) / "scan.json") for n in f.nodes("scan") if f.done(n.name)), None)
     h5 = f.run.path / "history.h5"
     traces = sorted(str(p.relative_to(f.run.path)) for p in (f.run.path / "stages").rglob("traces*.h5"))
     exported_scores = [e for e in index if e["group"] == "all" and e["pass@1"] is not None]
@@ -642,9 +779,7 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
         "policy parallelism layout": "see Recipe (layout)" if trainers else None,
         "rollout (inference) hardware": "; ".join(_role_hardware(f, n, "rollout") for n in rl) or None,
         "training hardware": "see Stages and Software (rank 0 hosts)" if trainers else None,
-        "GPU-hours": f"{totals['gpu_hours']:.2f} (rank 0 host GPUs × nodes × wall-clock)"
-        if totals["gpus_seen"]
-        else "none (no GPU recorded)",
+        "GPU-hours": _gpu_hours(totals),
         "wall-clock per stage": "see Stages",
         "training set size": train_rows and train_rows.split(" ")[0],
         "training set per domain": train_rows,
@@ -660,13 +795,9 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
         or None,
         "sampling and token limits": "; ".join(f"{n.name}: {json.dumps(r.get('sampling'))}" for n, r in zip(evals, results))
         or None,
-        "external benchmarks": "none run (every evaluation uses this run's task splits)" if evals else None,
+        "external benchmarks": _external_benchmarks(f),
         "data file hashes": "see Training data" if tasks else None,
-        "data screening for credentials": (
-            f"scan: {len(scan.get('findings', []))} finding(s) over {len(scan.get('stages_scanned', []))} stages"
-            if scan
-            else None
-        ),
+        "data screening for credentials": scan,
         "resolved config identity": f"sha256 {f.config_sha256}",
         "source revisions and patch": "see Software",
         "launch command": "see Reproduction",
@@ -752,7 +883,9 @@ def build_card(run: RunDir) -> str:
         **init_meta,
     }
     stage_lines, totals = _stages(f)
-    checklist = _checklist(f, export_record, eval_index, limits, totals)
+    scan_lines, scan_summary, scan_limits = _credential_scan(f)
+    limits += scan_limits
+    checklist = _checklist(f, export_record, eval_index, limits, totals, scan_summary)
     overrides = " ".join(origin.get("overrides") or [])
     parts = [
         "---",
@@ -809,6 +942,10 @@ def build_card(run: RunDir) -> str:
         "## Stages",
         "",
         *stage_lines,
+        "",
+        "## Credential scan",
+        "",
+        *scan_lines,
         "",
         "## Record checklist",
         "",

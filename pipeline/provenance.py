@@ -283,8 +283,14 @@ def host_state(probe_gpu: bool = True) -> dict[str, Any]:
             rec["cuda_version"] = torch.version.cuda
             rec["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # the kernels torch dispatches to
             if torch.cuda.is_available():
+                # uuid: the card counts each GPU once over the ranks that saw it (ranks of one host may see the same ones)
                 rec["gpus"] = [
-                    {"name": p.name, "memory_bytes": p.total_memory, "capability": f"{p.major}.{p.minor}"}
+                    {
+                        "name": p.name,
+                        "memory_bytes": p.total_memory,
+                        "capability": f"{p.major}.{p.minor}",
+                        "uuid": str(p.uuid) if getattr(p, "uuid", None) else None,
+                    }
                     for p in map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))
                 ]
             else:

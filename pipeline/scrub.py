@@ -236,16 +236,27 @@ def _scan_hdf5(path: Path, needles: list[Needle]) -> list[Finding]:
     return found
 
 
-def scan_tree(
-    root: str | os.PathLike, known_secrets: Mapping[str, str] | Iterable[str] | None = None, high_entropy: bool = False
+def tree_files(root: str | os.PathLike, exclude: Iterable[str | os.PathLike] = ()) -> list[Path]:
+    """Every regular file under root (hidden and binary ones too; symlinks not followed), in a
+    fixed order, without the directories in `exclude` (paths relative to root)."""
+    root = Path(root)
+    skip = {root / p for p in exclude}
+    out: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if Path(dirpath) / d not in skip)
+        out += [p for name in sorted(filenames) if not (p := Path(dirpath) / name).is_symlink() and p.is_file()]
+    return out
+
+
+def scan_files(
+    paths: Iterable[Path], known_secrets: Mapping[str, str] | Iterable[str] | None = None, high_entropy: bool = False
 ) -> list[Finding]:
-    """Every file under root (hidden and binary ones too; symlinks not followed) searched for the
-    known secret values (default: this environment's) and credential-shaped strings.
+    """The given files searched for the known secret values (default: this environment's) and
+    credential-shaped strings; strings inside HDF5 files too.
 
     `high_entropy` also flags long random-looking tokens; off by default because run directories
     legitimately hold base64 blobs, so a scan stage that fails the run would fail on noise.
     """
-    root = Path(root)
     known = env_secrets() if known_secrets is None else known_secrets
     named = known.items() if isinstance(known, Mapping) else ((f"#{i}", v) for i, v in enumerate(_known_values(known)))
     needles: list[Needle] = [
@@ -254,21 +265,45 @@ def scan_tree(
     needles += _BYTE_SHAPES
     overlap = max([_MAX_MATCH] + [len(rx.pattern) for _, rx, _ in needles])
     findings: list[Finding] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            if path.is_symlink() or not path.is_file():
-                continue
+    for path in paths:
+        try:
             hits = set(_scan_bytes(_read_chunks(path), needles, overlap))
-            if high_entropy:
-                hits |= _entropy_hits(path)
-            findings.extend(Finding(path, line, kind) for line, kind in sorted(hits))
-            with open(path, "rb") as f:
-                is_hdf5 = f.read(8) == _HDF5_MAGIC
-            if is_hdf5:
-                findings.extend(_scan_hdf5(path, needles))
+        except FileNotFoundError:  # removed since it was listed (a temp file renamed into place): nothing left to leak
+            continue
+        if high_entropy:
+            hits |= _entropy_hits(path)
+        findings.extend(Finding(path, line, kind) for line, kind in sorted(hits))
+        with open(path, "rb") as f:
+            is_hdf5 = f.read(8) == _HDF5_MAGIC
+        if is_hdf5:
+            findings.extend(_scan_hdf5(path, needles))
     return findings
+
+
+def scan_tree(
+    root: str | os.PathLike, known_secrets: Mapping[str, str] | Iterable[str] | None = None, high_entropy: bool = False
+) -> list[Finding]:
+    """Every file under root (`tree_files`) searched as `scan_files` does."""
+    return scan_files(tree_files(root), known_secrets, high_entropy)
+
+
+def scan_report(run_dir: str | os.PathLike, exclude: Iterable[str] = (), high_entropy: bool = False) -> dict:
+    """What the scan stage and the card stage record (`scan.json`): the directories left out (paths
+    relative to run_dir), how many files were searched, and every finding (file, line, kind; never
+    the value). No byte count: logs and records hold the run's id and times, so it would differ
+    between a run and its reproduction. Which secrets were searched is left out: it depends on the
+    environment, not on the run."""
+    run_dir = Path(run_dir)
+    paths = tree_files(run_dir, exclude)
+    findings = scan_files(paths, env_secrets(), high_entropy=high_entropy)
+    return {
+        "excluded": sorted(str(p) for p in exclude),
+        "files": len(paths),
+        "high_entropy": bool(high_entropy),
+        "findings": [
+            {"file": str(f.path.relative_to(run_dir)), "line": f.line, "kind": f.kind, "where": f.where} for f in findings
+        ],
+    }
 
 
 def _entropy_hits(path: Path) -> set[tuple[int, str]]:

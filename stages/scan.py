@@ -2,9 +2,12 @@
 
 Every file under the run directory (logs, provenance, outputs, hidden and binary files, strings inside
 HDF5) is searched for this environment's secret values and for credential-shaped strings
-(`pipeline.scrub.scan_tree`). The stage must come after every other stage: it `needs` all stages
+(`pipeline.scrub.scan_report`). The stage must come after every other stage: it `needs` all stages
 that do not need it, else it refuses to run (a scan before a stage finishes vouches for nothing).
 Findings name the file, line and kind, never the secret; they go to `scan.json` and fail the stage.
+
+The card stage runs the same scan before it, over everything but its own outputs, so the card states a
+recorded verdict on every artefact it describes; this stage then scans the card too (docs/audit.md).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 from snowcat.pipeline.dag import build
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json
-from snowcat.pipeline.scrub import env_secrets, scan_tree
+from snowcat.pipeline.scrub import scan_report
 
 
 def _upstream(dag, name: str) -> set[str]:
@@ -34,20 +37,10 @@ def run(ctx) -> dict:
     missing = [n for n in dag.order if n not in covered]
     if missing:
         raise UserError(f"stages.{ctx.name}.needs: add {', '.join(missing)} — the scan must run after every other stage")
-    known = env_secrets()
-    findings = scan_tree(ctx.run_dir, known, high_entropy=ctx.config.high_entropy)
-    run_dir = Path(ctx.run_dir)
-    report = [{"file": str(f.path.relative_to(run_dir)), "line": f.line, "kind": f.kind, "where": f.where} for f in findings]
-    atomic_write_json(
-        Path(ctx.out_dir) / "scan.json",
-        {
-            "stages_scanned": sorted(covered - {ctx.name} - dag.downstream(ctx.name)),
-            "high_entropy": bool(ctx.config.high_entropy),
-            "findings": report,
-        },
-    )
-    if findings:
-        shown = "; ".join(f"{r['file']}:{r['line']} {r['kind']}" for r in report[:10])
-        raise RuntimeError(f"scan: {len(findings)} credential finding(s) in the run directory: {shown}")
-    # (which secrets were searched is left out: it depends on the environment, not on the run)
+    report = scan_report(ctx.run_dir, high_entropy=ctx.config.high_entropy)
+    report["stages_scanned"] = sorted(covered - {ctx.name} - dag.downstream(ctx.name))
+    atomic_write_json(Path(ctx.out_dir) / "scan.json", report)
+    if report["findings"]:
+        shown = "; ".join(f"{r['file']}:{r['line']} {r['kind']}" for r in report["findings"][:10])
+        raise RuntimeError(f"scan: {len(report['findings'])} credential finding(s) in the run directory: {shown}")
     return {"findings": 0}
