@@ -11,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import datasets
 import h5py
 import numpy as np
 import pyarrow.dataset as pads
@@ -252,13 +253,34 @@ def test_trajectory_directory_round_trips_and_loads_as_a_parquet_dataset(tmp_pat
         "step": -1,
         "seconds": None,
     }
-    # what `datasets.load_dataset("parquet", data_files=f"{root}/*.parquet")` reads: the shards, one schema
     table = pads.dataset(sorted(root.glob("*.parquet")), format="parquet").to_table()
     assert table.schema == SCHEMA and table.num_rows == 9
     assert table.column("tool_names").to_pylist()[1] == ["bash", "bash", "submit"]
     assert table.column("tool_results").to_pylist()[1][0] == "gable tests"
     assert table.column("test_paths").to_pylist()[0] == ["tests/test_stats.py"]
     assert table.column("text").to_pylist()[0] == tok.decode(planted[0].token_ids)
+
+
+def test_a_kept_directory_loads_with_hugging_face_datasets_both_ways(tmp_path, tok, repo_task):
+    """`load_dataset(dir)` (the card's configs) and `load_dataset("parquet", data_dir=dir)` (every file
+    but the card) read the same rows as snowcat, from a directory of two shards (as RL writes them)."""
+    planted = list(planted_repo_episodes(tok, repo_task).values())
+    writer = TrajectoryWriter(tmp_path / "trajectories", stage="rl", env="repo", keep=None, seed=5)
+    writer.write("step_0", planted[:4], tok, step=0, tasks={repo_task.task_id: repo_task})
+    writer.write("step_1", planted[4:], tok, step=1, tasks={repo_task.task_id: repo_task})
+    root = tmp_path / "trajectories"
+    assert sorted(p.name for p in root.iterdir()) == ["README.md", "step_0.parquet", "step_1.parquet"]
+    ours = sorted(read_rows(root), key=lambda r: r["id"])
+    assert [r["id"] for r in ours] == [f"step_0/{i}" for i in range(4)] + [f"step_1/{i}" for i in range(5)]
+    for args, kwargs in [((str(root),), {}), (("parquet",), {"data_dir": str(root)})]:
+        loaded = datasets.load_dataset(*args, split="train", cache_dir=str(tmp_path / "hf-cache"), **kwargs)
+        assert sorted(loaded.column_names) == sorted(SCHEMA.names)
+        theirs = sorted(loaded.to_list(), key=lambda r: r["id"])
+        assert [r["id"] for r in theirs] == [r["id"] for r in ours]
+        assert [r["token_ids"] for r in theirs] == [r["token_ids"] for r in ours]
+        assert [r["tool_names"] for r in theirs] == [r["tool_names"] for r in ours]
+    card = (root / "README.md").read_text()
+    assert "| step_1.parquet | 5 | 5 | - | 1 |" in card  # the card says what the directory holds
 
 
 def test_retention_keeps_a_seeded_sample_or_nothing(tmp_path, tok, repo_task):

@@ -3,11 +3,15 @@
 Layout of `<unit dir>/trajectories/` (docs/analysis.md):
     <shard>.parquet   one row per episode, the columns of `SCHEMA` (probe: one shard; evaluate: one
                       per checkpoint; RL: one per update, `step_NNNNNN`)
-    manifest.json     written after each shard, atomically: every shard with its rows, the episodes it
-                      was sampled from, checkpoint, step and seconds
+    README.md         the dataset card, rewritten atomically after each shard: its YAML header holds
+                      the `configs` that Hugging Face `datasets` reads and the manifest (`snowcat:`
+                      every shard with its rows, the episodes it was sampled from, checkpoint, step
+                      and seconds); the manifest is there and not in a JSON file beside the shards
+                      because `datasets` takes every other file of the directory for data
 Every shard has the same schema, so the directory is one dataset:
-    datasets.load_dataset("parquet", data_files=f"{dir}/*.parquet", split="train")     # Hugging Face
-    pyarrow.dataset.dataset(sorted(Path(dir).glob("*.parquet")), format="parquet")     # pyarrow
+    datasets.load_dataset(dir, split="train")                              # the card's configs
+    datasets.load_dataset("parquet", data_dir=dir, split="train")          # the card is skipped
+    pyarrow.dataset.dataset(sorted(Path(dir).glob("*.parquet")), format="parquet")
 
 Rows hold the exact token ids, mask and rollout logprobs, and their readings: each model turn's
 text, the tool call it made (parsed as its environment parses it) and the tool result that
@@ -26,16 +30,17 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 
-from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_json, read_json
+from snowcat.pipeline.fsio import atomic_write_bytes
 from snowcat.stages.agent.envs import CalcError, _strip_stop, calculate
 from snowcat.stages.agent.repo_env import ToolCallError, parse_tool_call
 from snowcat.stages.agent.trajectory import Trajectory
 from snowcat.stages.taskgen.repo import RepoSpec, patched_paths
 
 DIRNAME = "trajectories"
-MANIFEST = "manifest.json"
-FORMAT = 1
+CARD = "README.md"
+FORMAT = 2  # 1: manifest.json beside the shards (which `load_dataset("parquet", data_dir=...)` read as data)
 
 _strings = pa.list_(pa.string())
 SCHEMA = pa.schema(
@@ -223,7 +228,7 @@ class TrajectoryWriter:
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), buf, compression="zstd")
         path = self.root / f"{shard}.parquet"
         atomic_write_bytes(path, buf.getvalue())
-        manifest = read_json(self.root / MANIFEST) or {"format": FORMAT, "stage": self.stage, "env": self.env, "shards": {}}
+        manifest = read_manifest(self.root) or {"format": FORMAT, "stage": self.stage, "env": self.env, "shards": {}}
         manifest["shards"][shard] = {
             "file": path.name,
             "rows": len(rows),
@@ -233,12 +238,38 @@ class TrajectoryWriter:
             "seconds": seconds,
         }
         manifest["keep"] = "all" if self.keep is None else f"sample:{self.keep}"
-        atomic_write_json(self.root / MANIFEST, manifest)
+        atomic_write_bytes(self.root / CARD, dataset_card(manifest).encode())
         return path
 
 
+def dataset_card(manifest: dict) -> str:
+    """The directory's README.md: `datasets` configs and the manifest in its YAML header, a summary below."""
+    header = {
+        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": "*.parquet"}]}],
+        "snowcat": manifest,
+    }
+    shards = manifest["shards"].values()
+    lines = [
+        f"# Trajectories kept by stage `{manifest['stage']}` (env `{manifest['env']}`)",
+        "",
+        f"{sum(s['rows'] for s in shards)} episodes in {len(manifest['shards'])} Parquet shard(s), one row per "
+        f"episode, kept: {manifest['keep']}. Written by snowcat (stages/agent/dataset.py; columns in docs/analysis.md).",
+        "",
+        "| shard | rows | episodes sampled | checkpoint | step |",
+        "|---|---|---|---|---|",
+        *(f"| {s['file']} | {s['rows']} | {s['episodes']} | {s['checkpoint'] or '-'} | {s['step']} |" for s in shards),
+    ]
+    return f"---\n{yaml.safe_dump(header, sort_keys=False)}---\n\n" + "\n".join(lines) + "\n"
+
+
 def read_manifest(root: str | Path) -> dict | None:
-    return read_json(Path(root) / MANIFEST)
+    """The manifest in the directory's dataset card (None: no card, nothing kept yet)."""
+    try:
+        text = (Path(root) / CARD).read_text()
+    except FileNotFoundError:
+        return None
+    _, header, _ = text.split("---\n", 2)
+    return yaml.safe_load(header)["snowcat"]
 
 
 def read_rows(root: str | Path) -> list[dict]:
