@@ -322,6 +322,47 @@ def _ref_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[Pro
             yield key, f"{ref!r}: stage {needed!r} (kind {producer.kind}) writes only {', '.join(names)}"
 
 
+def _input_problems(cfg: RunConfig, name: str, stage: StageCommon, swept: tuple[str, ...] = ()) -> Iterator[Problem]:
+    """(key, problem) for a stage input (a key naming a needed stage whose files the stage reads) that
+    names a fanned-out stage without naming one of its units: the stage would read the stage's root,
+    where only the units' directories are. So would export's own choice of checkpoint. `swept`: keys
+    the stage's fan-out sets (each variant's value is checked apart)."""
+    for f in dataclasses.fields(stage):
+        if not f.metadata.get("stage_input") or f.name in swept:
+            continue
+        value = getattr(stage, f.name)
+        needed = value.partition("[")[0]
+        if needed not in stage.needs or needed not in cfg.stages:
+            continue  # a missing need is the stage's own problem; an unknown stage the DAG's
+        producer = cfg.stages[needed]
+        if f.metadata.get("pools_replicas") and value == needed and sweep.replicas_only(producer):
+            continue
+        try:
+            _, indices = sweep.input_units(value, cfg.stages)
+        except ValueError as e:
+            yield f"stages.{name}.{f.name}", str(e)
+            continue
+        except UserError:
+            continue  # a malformed fan-out is reported by the DAG
+        if len(indices) > 1:
+            items = sweep.fan_out_items(producer.fan_out, f"stages.{needed}")
+            example = ",".join(f"{k}={v}" for k, v in items[0].items())
+            pooled = f" (only a fan-out over {sweep.REPLICA!r} alone is pooled here)" if f.metadata.get("pools_replicas") else ""
+            yield (
+                f"stages.{name}.{f.name}",
+                f"stage {needed!r} fans out into {len(indices)} units and a {stage.kind} stage reads one unit's files{pooled}: "
+                f"name one, e.g. {needed}[{example}] or {needed}[0]",
+            )
+    if stage.kind == "export" and stage.checkpoint == "":
+        fanned = [n for n in stage.needs if n in cfg.stages and cfg.stages[n].fan_out and cfg.stages[n].checkpoint_names()]
+        if fanned:
+            yield (
+                f"stages.{name}.checkpoint",
+                f"'' picks the needed training stage's best checkpoint, but stage {fanned[0]!r} fans out: "
+                f"name one unit's, e.g. {fanned[0]}[0]:final",
+            )
+
+
 def _hf_problems(name: str, stage: StageCommon, staged: set[str]) -> Iterator[Problem]:
     """A hub model must be staged by a prestage stage (`staged`: what they list): compute nodes cannot fetch it."""
     for key, source in hf_sources(stage):
@@ -363,6 +404,7 @@ def _problems(cfg: RunConfig) -> Iterator[Problem]:
     staged = {a.name for s in cfg.stages.values() if s.kind == "prestage" for a in s.artefacts}
     for name, stage in cfg.stages.items():
         yield from _ref_problems(cfg, name, stage)
+        yield from _input_problems(cfg, name, stage, tuple(sweep.sweep_keys(stage)))
         yield from _hf_problems(name, stage, staged)
         yield from _slurm_problems(cfg, name, stage)
         for key, problem in stage.problems():
@@ -402,7 +444,8 @@ def _fan_out_problems(cfg: DictConfig, run: RunConfig) -> Iterator[Problem]:
             values = {k: item[k] for k in keys}
             variant = OmegaConf.to_object(sweep.unit_section(cfg, name, item))
             label = ", ".join(f"{k}={v}" for k, v in values.items())
-            for key, problem in [*range_problems(variant, ""), *variant.problems(), *_ref_problems(run, name, variant)]:
+            checks = [*range_problems(variant, ""), *variant.problems(), *_ref_problems(run, name, variant)]
+            for key, problem in checks + list(_input_problems(run, name, variant)):
                 yield (
                     f"stages.{name}.fan_out",
                     f"the unit with {label}: {key.lstrip('.').removeprefix(f'stages.{name}.')}: {problem}",

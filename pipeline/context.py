@@ -18,7 +18,7 @@ from typing import Any
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import checkpoint_dir
 from snowcat.pipeline.schema import HF_PREFIX, RunConfig, resolve_hf
-from snowcat.pipeline.sweep import ref_unit, unit_path
+from snowcat.pipeline.sweep import input_units, ref_unit, unit_path
 
 from .unitprogress import PROGRESS_FILE, ProgressReporter
 
@@ -71,6 +71,42 @@ class Preempted(Exception):
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL
 
 
+class Inputs(dict):
+    """Needed stage name -> its output directory (a fanned-out stage: the stage's root).
+
+    A stage-input key may name one unit of a fanned-out stage (`select.probe: probe[temperature=0.5]`,
+    pipeline/sweep.py): looking that name up gives the unit's directory, so a stage reads
+    `ctx.inputs[cfg.probe]` either way. Iterating lists the needed stages only (what provenance
+    records). Names a run's config could not resolve were refused when it loaded."""
+
+    def __init__(self, dirs: dict[str, Path], stages: dict[str, Any] | None):
+        super().__init__(dirs)
+        self._stages = stages
+
+    def unit_dirs(self, value: str) -> list[Path]:
+        """The directories `value` names: one, or every unit of a fanned-out stage named alone."""
+        stage, indices = input_units(value, self._stages)
+        return [unit_path(dict.__getitem__(self, stage), i) for i in indices]
+
+    def __missing__(self, key: str) -> Path:
+        try:
+            dirs = self.unit_dirs(key)
+        except (ValueError, KeyError):
+            raise KeyError(key) from None
+        if len(dirs) != 1:
+            raise KeyError(key)
+        return dirs[0]
+
+    def __contains__(self, key: object) -> bool:
+        if dict.__contains__(self, key):
+            return True
+        try:
+            self[key]
+        except KeyError:
+            return False
+        return True
+
+
 @dataclass
 class StageContext:
     name: str  # stage name in the config, e.g. "eval_sft"
@@ -79,7 +115,7 @@ class StageContext:
     run_config: RunConfig | None  # the whole resolved run config, as objects (None: a standalone stage)
     run_dir: Path
     out_dir: Path  # where this stage (or this fan-out item) writes its outputs
-    inputs: dict[str, Path]  # needed stage name -> its output dir (fan-out: the stage root)
+    inputs: dict[str, Path]  # needed stage name (or one unit's name) -> its output dir: an `Inputs`
     seed: int  # derived from the run seed, the stage name and the fan-out item
     item: dict[str, Any] | None = None  # this fan-out element's values, e.g. {"checkpoint": "sft"}
     item_index: int | None = None
@@ -92,6 +128,9 @@ class StageContext:
     _reporter: Any = field(default=None, repr=False)
 
     Preempted = Preempted
+
+    def __post_init__(self) -> None:
+        self.inputs = Inputs(dict(self.inputs), self.run_config.stages if self.run_config else None)
 
     @classmethod
     def standalone(

@@ -10,7 +10,10 @@ array element on Slurm). A key is one of:
 Anything else is refused at load: a key nothing reads would plan units that all do the same thing.
 
 A later stage names a unit's output as `<stage>[<index>]:<name>` or `<stage>[key=value,...]:<name>`,
-e.g. `rl[estimator=rloo_n,tis_cap=2.0]:final`; a fanned-out stage must be named this way.
+e.g. `rl[estimator=rloo_n,tis_cap=2.0]:final`; a fanned-out stage must be named this way. A key that
+names a stage whose files a stage reads (`select.probe`, `evaluate.tasks`, ...: a stage input) names
+one unit the same way, `probe[temperature=0.5]`; only `select.probe` may name a stage fanned out
+over `replica` alone, whose units' attempts it pools (`input_units`).
 """
 
 from __future__ import annotations
@@ -160,3 +163,23 @@ def ref_unit(ref: str, stages: Mapping[str, Any] | None) -> tuple[str, int | Non
         raise ValueError(f"{ref!r} names no stage of this run")
     items = fan_out_items(stages[stage].fan_out, f"stages.{stage}") if stages is not None else None
     return stage, select_unit(stage, items, selector), name
+
+
+def input_units(value: str, stages: Mapping[str, Any] | None) -> tuple[str, list[int | None]]:
+    """(stage, unit indices) that a stage-input key's value names: `probe` is every unit of a
+    fanned-out probe ([None] without fan-out); `probe[1]` or `probe[temperature=0.5]` one unit.
+    `stages`: the run's typed sections (None: a stage run on its own). ValueError says what is wrong."""
+    stage, selector = parse_unit_selector(value)
+    if stages is None or stage not in stages:
+        if selector is not None:
+            raise ValueError(f"{value!r}: stage {stage!r} is not a stage of this run")
+        return stage, [None]
+    items = fan_out_items(stages[stage].fan_out, f"stages.{stage}")
+    if items is not None and selector is None:
+        return stage, list(range(len(items)))
+    return stage, [select_unit(stage, items, selector)]
+
+
+def replicas_only(section) -> bool:
+    """True when a stage fans out over `replica` alone: its units repeat one config with other seeds."""
+    return bool(section.fan_out) and set(section.fan_out) == {REPLICA}

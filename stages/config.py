@@ -106,8 +106,16 @@ def _keep_problems(spec: str) -> Iterator[Problem]:
         yield "keep_trajectories", str(e)
 
 
+def stage_input(default: str, *, pools_replicas: bool = False):
+    """A key naming a needed stage whose files the stage reads; one unit of a fanned-out stage is named
+    as in checkpoint references (`probe[temperature=0.5]`, `tasks[0]`; pipeline/sweep.py).
+    `pools_replicas`: a stage fanned out over `replica` alone may be named whole (its units pooled)."""
+    return field(default=default, metadata={"stage_input": True, "pools_replicas": pools_replicas})
+
+
 def _needs_problems(needs: list[str], *keys_and_stages: tuple[str, str]) -> Iterator[Problem]:
-    for key, stage in keys_and_stages:
+    for key, value in keys_and_stages:
+        stage = value.partition("[")[0]  # `probe[1]` names a unit of stage probe
         if stage not in needs:
             yield "needs", f"add {stage!r} (named in {key})"
 
@@ -199,7 +207,7 @@ class SftConfig(Parallelism):
     model: str = "demo-tiny"  # a stages.model PRESETS name (fresh init), or "hf:<dir or org/name>" (pretrained)
     init_from: str = checkpoint_refs("")  # "<stage>:<checkpoint>" or "hf:..." to continue from instead of `model`
     tokenizer_vocab_size: int = bounded(512, ge=256)  # when training the tokenizer (fresh init only; bytes first)
-    tasks_input: str = "tasks"  # name of the needed tasks stage
+    tasks_input: str = stage_input("tasks")  # name of the needed tasks stage
     seq_len: int = bounded(256, ge=8)
     batch_rows: int = bounded(16, ge=1)  # packed rows per optimizer step (all ranks together)
     micro_batches: int = bounded(1, ge=1)  # gradient accumulation
@@ -244,7 +252,7 @@ class SftConfig(Parallelism):
 @dataclass
 class ProbeConfig:
     checkpoint: str = checkpoint_refs("sft:final")  # "<stage>:<name>"
-    tasks: str = "tasks"  # name of the tasks stage; only its train split is probed
+    tasks: str = stage_input("tasks")  # name of the tasks stage; only its train split is probed
     limit: int = bounded(0, ge=0)  # probe N train tasks, taken from the domains in turn (0 = all)
     attempts: int = bounded(8, ge=1)
     env: Env = "single"
@@ -277,8 +285,9 @@ class ProbeConfig:
 
 @dataclass
 class SelectConfig:
-    probe: str = "probe"  # name of the needed probe stage
-    tasks: str = "tasks"  # name of the needed tasks stage (the probe's)
+    # name of the needed probe stage; fanned out over `replica` alone, its units' attempts are pooled
+    probe: str = stage_input("probe", pools_replicas=True)
+    tasks: str = stage_input("tasks")  # name of the needed tasks stage (the probe's)
     min_pass: int = bounded(1, ge=0)
     max_pass: int = bounded(6, ge=0)
     min_scored: int = bounded(0, ge=0)  # drop tasks with fewer scored attempts (infra failures); 0 = all of the probe's attempts
@@ -295,8 +304,8 @@ class SelectConfig:
 @dataclass
 class RlConfig(Parallelism):
     init_from: str = checkpoint_refs("sft:final")  # "<needed stage>:<checkpoint>"
-    tasks_input: str = "tasks"  # the tasks stage (train split fallback, val split for the quick eval)
-    band_input: str = "select"  # the select stage's band.parquet, when that stage is needed
+    tasks_input: str = stage_input("tasks")  # the tasks stage (train split fallback, val split for the quick eval)
+    band_input: str = stage_input("select")  # the select stage's band.parquet, when that stage is needed
     domains: list[str] = field(default_factory=list)  # restrict training tasks to these domains (empty = all)
     env: Env = "single"
     verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
@@ -359,7 +368,7 @@ class RlConfig(Parallelism):
 @dataclass
 class EvaluateConfig:
     checkpoints: list[str] = checkpoint_refs(["sft:initial", "sft:final"])  # "<stage>:<name>"
-    tasks: str = "tasks"  # name of the tasks stage
+    tasks: str = stage_input("tasks")  # name of the tasks stage
     split: Literal["train", "val"] = "val"
     limit: int = bounded(0, ge=0)  # evaluate only the first N tasks of the split (0 = all)
     attempts: int = bounded(4, ge=1)  # n attempts per task

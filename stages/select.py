@@ -5,6 +5,11 @@ learning signal for group-relative RL; always- and never-solved ones give every 
 reward and no gradient. Only train tasks are ever selected: a held-out id here is a bug, and
 stops the stage.
 
+A probe fanned out over `replica` alone (the same probe repeated with other seeds) is pooled: a
+task's passes and scored attempts are summed over the units, and the band is out of all their
+attempts (`probe: probe` names them all). Of another fan-out, `probe` names one unit
+(`probe[temperature=0.5]`); naming it whole is refused when the config loads.
+
 Outputs in the stage dir: `band.parquet` (the selected tasks, same columns as the tasks tables)
 and `select.json` (counts per domain). Read the band back with `load_band(stage_dir)`.
 """
@@ -40,6 +45,25 @@ def select(rows: list[dict], train, val, min_pass: int, max_pass: int, min_score
     return band
 
 
+def pooled_probe(dirs: list[Path]) -> tuple[list[dict], int]:
+    """The probe rows of one or more probe units (replicas of one probe) and their attempts: a task's
+    counts summed over the units, in the first unit's row order."""
+    if len(dirs) == 1:
+        return pq.read_table(dirs[0] / "probe.parquet").to_pylist(), json.loads((dirs[0] / "probe.json").read_text())["attempts"]
+    rows: dict[str, dict] = {}
+    attempts = 0
+    for d in dirs:
+        attempts += json.loads((d / "probe.json").read_text())["attempts"]
+        for r in pq.read_table(d / "probe.parquet").to_pylist():
+            pooled = rows.setdefault(r["task_id"], {**r, "n": 0, "passes": 0, "infra_failures": 0, "reward_sum": 0.0})
+            for k in ("n", "passes", "infra_failures"):
+                pooled[k] += r[k]
+            pooled["reward_sum"] += r["mean_reward"] * r["n"] if r["n"] else 0.0
+    for r in rows.values():
+        r["mean_reward"] = r.pop("reward_sum") / r["n"] if r["n"] else float("nan")
+    return list(rows.values()), attempts
+
+
 def load_band(stage_dir) -> list:
     rows = pq.read_table(Path(stage_dir) / BAND).to_pylist()
     return [Task(**(r | {"meta": json.loads(r["meta"])})) for r in rows]
@@ -51,9 +75,8 @@ def run(ctx) -> dict:
     for need in (cfg.probe, cfg.tasks):
         if need not in ctx.inputs:
             raise UserError(f"{key}: stage {need!r} is not in needs")
-    probe_dir = Path(ctx.inputs[cfg.probe])
-    rows = pq.read_table(probe_dir / "probe.parquet").to_pylist()
-    attempts = json.loads((probe_dir / "probe.json").read_text())["attempts"]
+    probes = ctx.inputs.unit_dirs(cfg.probe)
+    rows, attempts = pooled_probe(probes)
     if cfg.max_pass > attempts:
         raise UserError(f"{key}.max_pass: {cfg.max_pass} exceeds the probe's attempts ({attempts})")
     train = load_tasks(ctx.inputs[cfg.tasks], "train")
@@ -69,6 +92,7 @@ def run(ctx) -> dict:
         {
             "band": [cfg.min_pass, cfg.max_pass],
             "attempts": attempts,
+            "probe_units": len(probes),
             "probed": len(rows),
             "selected": len(band),
             "domains": counts,

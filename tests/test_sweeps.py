@@ -54,7 +54,9 @@ def test_each_unit_of_a_sweep_runs_its_variant_and_only_that_differs(tmp_path):
 
 
 def test_replicas_differ_by_their_seed_only(tmp_path):
-    cfg = config_mod.load(DEMO, ["stages.probe.fan_out={temperature: [0.5, 1.0], replica: [0, 1]}"])
+    cfg = config_mod.load(
+        DEMO, ["stages.probe.fan_out={temperature: [0.5, 1.0], replica: [0, 1]}", "stages.select.probe='probe[0]'"]
+    )
     node = build(cfg)["probe"]
     run = RunDir.create(cfg, tmp_path / "run")
     seeds = {(u.index, make_context(run, node, u, cfg).seed) for u in node.units}
@@ -76,6 +78,25 @@ def test_replicas_differ_by_their_seed_only(tmp_path):
         (RL_SWEEP + ["stages.eval.checkpoints=['rl[estimator=grpo]:final']"], "stages.eval.checkpoints", "matches 2 units"),
         (RL_SWEEP + ["stages.eval.checkpoints=['rl[7]:final']"], "stages.eval.checkpoints", "units 0..3, not 7"),
         (["stages.eval.checkpoints=['sft[0]:final']"], "stages.eval.checkpoints", "does not fan out"),
+        # stage inputs (keys naming a stage whose files are read) name one unit of a fanned-out stage
+        (
+            ["stages.probe.fan_out={temperature: [0.5, 1.0]}"],
+            "stages.select.probe",
+            "fans out into 2 units and a select stage reads one unit's files (only a fan-out over 'replica' alone "
+            "is pooled here): name one, e.g. probe[temperature=0.5] or probe[0]",
+        ),
+        (["stages.tasks.fan_out={replica: [0, 1]}"], "stages.sft.tasks_input", "name one, e.g. tasks[replica=0]"),
+        (["stages.select.probe='probe[1]'"], "stages.select.probe", "stage 'probe' does not fan out"),
+        (
+            ["stages.probe.fan_out={temperature: [0.5, 1.0]}", "stages.select.fan_out={probe: ['probe[0]', probe]}"],
+            "stages.select.fan_out",
+            "the unit with probe=probe: probe: stage 'probe' fans out into 2 units",
+        ),
+        (
+            RL_SWEEP + NAME_ONE[:2] + ["stages.export.checkpoint=''"],
+            "stages.export.checkpoint",
+            "stage 'rl' fans out: name one unit's, e.g. rl[0]:final",
+        ),
     ],
 )
 def test_bad_sweeps_and_unit_names_are_refused_at_load(overrides, key, says):
@@ -235,3 +256,51 @@ def test_a_four_variant_rl_sweep_is_evaluated_and_compared_from_its_kept_traject
     for pair in report["pairs"]:
         holm = "n/a" if pair["p_holm"] is None else f"{pair['p_holm']:.4f}"
         assert f"| {pair['a']} | {pair['b']} | {pair['tasks']} |" in card and f"| {holm} |" in card
+
+
+def test_a_stage_input_names_one_unit_of_a_fanned_out_stage(tmp_path):
+    cfg = config_mod.load(
+        DEMO, ["stages.probe.fan_out={temperature: [0.5, 1.0]}", "stages.select.probe='probe[temperature=1.0]'"]
+    )
+    run = RunDir.create(cfg, tmp_path / "run")
+    ctx = make_context(run, build(cfg)["select"], Unit("select"), cfg)
+    assert ctx.config.probe in ctx.inputs and ctx.inputs[ctx.config.probe] == run.stage_dir("probe") / "0001"
+    assert ctx.inputs.unit_dirs("probe") == [run.stage_dir("probe") / "0000", run.stage_dir("probe") / "0001"]
+    assert dict(ctx.inputs) == {"tasks": run.stage_dir("tasks"), "probe": run.stage_dir("probe")}  # what provenance records
+
+
+PROBE_REPLICAS_RUN = (
+    TINY.replace("steps: 20", "steps: 40").replace("save_every: 10", "save_every: 0")
+    + """\
+  probe:
+    kind: probe
+    needs: [tasks, sft]
+    limit: 12
+    attempts: 2
+    band_max_pass: 2
+    max_turn_tokens: 8
+    fan_out: {replica: [0, 1]}
+  select:
+    kind: select
+    needs: [tasks, probe]
+    min_pass: 1
+    max_pass: 3
+"""
+)
+
+
+@pytest.mark.slow
+def test_select_pools_the_attempts_of_a_replicated_probe(snowcat, tmp_path):
+    """A probe fanned out over `replica` alone is the same probe twice with other seeds: select reads
+    both units and selects out of all 4 attempts per task, as summing the units' counts by hand gives."""
+    run_dir = tmp_path / "run"
+    snowcat("run", write_config(tmp_path / "probe.yaml", PROBE_REPLICAS_RUN), "--run-dir", run_dir, check=True)
+    units = [pq.read_table(run_dir / "stages" / "probe" / f"{i:04d}" / "probe.parquet").to_pylist() for i in (0, 1)]
+    assert [r["task_id"] for r in units[0]] == [r["task_id"] for r in units[1]]  # the same tasks, other draws
+    pooled = {r["task_id"]: (r["n"] + s["n"], r["passes"] + s["passes"]) for r, s in zip(*units, strict=True)}
+    expected = [t for t, (n, passes) in pooled.items() if n >= 4 and 1 <= passes <= 3]
+    band = pq.read_table(run_dir / "stages" / "select" / "band.parquet").column("task_id").to_pylist()
+    assert band and sorted(band) == sorted(expected)
+    assert [r["passes"] for r in units[0]] != [r["passes"] for r in units[1]]  # the replicas drew differently
+    summary = read_json(run_dir / "stages" / "select" / "select.json")
+    assert summary["attempts"] == 4 and summary["probe_units"] == 2 and summary["probed"] == 12
