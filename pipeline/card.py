@@ -353,6 +353,20 @@ def _selection_se(f: Facts, source: dict) -> str:
     return f" ± {se:.4f} (SE over {n} tasks)" if isinstance(se, (int, float)) else " (SE not recorded)"
 
 
+def _selection(f: Facts, source: dict, results: list[dict]) -> list[str]:
+    """The exported checkpoint's selection when it was made on a split no evaluation scores (the
+    opposite case is a limitation, from `_evaluations`)."""
+    split = source.get("metric", "").partition("/")[0]
+    scored = sorted({r.get("split") for r in results if r.get("split")})
+    if not split or not scored or split in scored:
+        return []
+    return [
+        f"the exported checkpoint was chosen by {source['metric']} = {_v(source.get('value'), '{:.4f}')}"
+        f"{_selection_se(f, source)} on the `{split}` split, which no evaluation scores (they score "
+        f"{', '.join(f'`{s}`' for s in scored)})"
+    ]
+
+
 def _export(f: Facts) -> tuple[list[str], dict | None]:
     nodes = f.nodes("export")
     if not nodes:
@@ -571,7 +585,7 @@ def _credential_scan(f: Facts) -> tuple[list[str], str, list[str]]:
         report = read_json(f.run.path / rel)
         if report is None:
             lines.append(f"- Before the card (`{node.name}` stage): {NR} (no `{rel}`)")
-            summary.append(f"{node.name}: {NR}")
+            summary.append(f"{node.name} stage, before the card: {NR}")
             continue
         after = report.get("stages_after") or []
         left_out = ", ".join(f"`{d}/`" for d in report.get("excluded") or []) or "nothing"
@@ -789,7 +803,9 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
         "pass@1 scoring rule": "explicit verifier pass per attempt; infrastructure failures excluded from denominators"
         if evals
         else None,
-        "development vs independent evaluation": "; ".join(x for x in limits if "development set" in x or "SCORING SPLIT" in x)
+        "development vs independent evaluation": "; ".join(
+            [x.rstrip(".") for x in limits if "development set" in x or "SCORING SPLIT" in x] + _selection(f, src, results)
+        )
         or ("no selection on an evaluated split recorded" if evals else None),
         "initializer vs exported score": ", ".join(f"{e['stage']} pass@1 {100 * e['pass@1']:.1f}%" for e in exported_scores)
         or None,

@@ -14,7 +14,7 @@ from snowcat.pipeline.card import CHECKLIST
 from snowcat.pipeline.dag import build
 from snowcat.pipeline.fsio import sha256_file
 from snowcat.pipeline.rundir import RunDir
-from tests.conftest import SHARED_RUN_TIMEOUT_S, snowcat_in_repo
+from tests.conftest import DEMO, SHARED_RUN_TIMEOUT_S, Snowcat, runner_context, snowcat_in_repo
 
 # every test reads the shared full run (built by the first test that needs it: minutes on 2 cores)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)]
@@ -267,3 +267,167 @@ def test_initializer_parents_are_named_as_its_model_card_names_them(full_run, tm
     rows = _checklist(_card_of(copy, tmp_path))
     assert rows["initializer"] == "hf:org/merged" and rows["initializer revision"] == "a" * 40
     assert rows["initializer parents (merge lineage)"].startswith("org/base-a, org/specialist-b (merge; as its model card")
+
+
+# --- the scan verdict, external benchmarks, GPU-hours, selection on dev (issue 20, second part) -------
+
+TOKEN = "ghp_" + "planted" + "Q7xZ" * 8  # credential-shaped (a GitHub token), put together here so no file holds one
+
+
+def test_a_clean_run_card_states_the_card_stages_scan(full_run):
+    report = json.loads((full_run / "stages" / "card" / "scan.json").read_text())
+    assert report["excluded"] == ["stages/card", "stages/scan"] and report["findings"] == [] and report["files"] > 50
+    card = (full_run / "stages" / "card" / "card.md").read_text()
+    assert (
+        f"- Before the card (`card` stage, `stages/card/scan.json`): clean: no credential found in {report['files']} file(s)"
+        in card
+    )
+    assert "- After the card (`scan` stage, which scans the card too): not recorded (stage pending)" in card
+    rows = _checklist(card)
+    assert rows["data screening for credentials"].startswith(
+        f"card stage, before the card: clean: no credential found in {report['files']}"
+    )
+
+
+def test_a_credential_in_an_artefact_makes_the_card_say_so(full_run, tmp_path):
+    from snowcat.stages import card as card_stage  # noqa: PLC0415 (the stage itself, as the runner calls it)
+    from snowcat.stages import scan as scan_stage  # noqa: PLC0415
+
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    with open(copy / "logs" / "sft.log", "a") as log:
+        log.write(f"debug: token={TOKEN}\n")
+    lines = (copy / "logs" / "sft.log").read_text().count("\n")
+    (copy / "stages" / "card" / "notes.txt").write_text(TOKEN)  # in the card's own outputs: not its scan's business
+    card_stage.run(runner_context(copy, "card"))
+    report = json.loads((copy / "stages" / "card" / "scan.json").read_text())
+    assert [(r["file"], r["line"], r["kind"]) for r in report["findings"]] == [("logs/sft.log", lines, "github_token")]
+    card = (copy / "stages" / "card" / "card.md").read_text()
+    assert TOKEN not in card
+    assert f"1 CREDENTIAL FINDING(S) in {report['files']} file(s): `logs/sft.log`:{lines} github_token" in card
+    assert "- CREDENTIALS IN THE RUN DIRECTORY: the `card` stage's scan found 1 CREDENTIAL FINDING(S)" in card
+    # the scan stage, after the card, searches the card's directory too
+    with pytest.raises(RuntimeError, match="2 credential finding"):
+        scan_stage.run(runner_context(copy, "scan"))
+    rows = _checklist(_card_of(copy, tmp_path))
+    assert "scan stage, after the card: 2 CREDENTIAL FINDING(S)" in rows["data screening for credentials"]
+    assert "`stages/card/notes.txt`:1 github_token" in rows["data screening for credentials"]
+
+
+def test_a_card_without_a_recorded_scan_says_not_recorded(full_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    (copy / "stages" / "card" / "scan.json").unlink()
+    rows = _checklist(_card_of(copy, tmp_path))
+    assert rows["data screening for credentials"].startswith(
+        "card stage, before the card: not recorded; scan stage, after the card: clean"
+    )
+
+
+def test_external_benchmarks_none_run_or_the_imported_tasks_scored(full_run, tmp_path):
+    results = json.loads((full_run / "stages" / "eval" / "results.json").read_text())
+    domains = sorted(g for g in results["checkpoints"]["sft:final"]["groups"] if "/" not in g and g != "all")
+    rows = _checklist((full_run / "stages" / "card" / "card.md").read_text())
+    assert (
+        rows["external benchmarks"] == f"none run: eval ({', '.join(domains)} of the `val` split) scored tasks this run generated"
+    )
+    # a tasks stage that imported the scored domain from files: the evaluation is named as scoring it
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    config = copy / "config.yaml"
+    cfg = yaml.safe_load(config.read_text())
+    cfg["stages"]["tasks"]["imports"] = [{"format": "harbor", "path": "/data/harbor-tasks", "domain": domains[0], "val_count": 4}]
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    info = json.loads((copy / "run.json").read_text())
+    (copy / "run.json").write_text(json.dumps(info | {"config_sha256": sha256_file(config)}))
+    rows = _checklist(_card_of(copy, tmp_path))
+    assert rows["external benchmarks"].startswith(
+        f"eval: imported `harbor` tasks from `/data/harbor-tasks` (domain {domains[0]}) on this run's `val` split"
+    )
+    assert "not by the benchmark's own harness" in rows["external benchmarks"]
+
+
+def _plant_gpus(copy, unit: str, host: str, gpus: list[dict] | None, seconds: float | None = None) -> None:
+    path = copy / "provenance" / f"{unit}.json"
+    record = json.loads(path.read_text())
+    record["host"] |= {"hostname": host, "gpus": gpus}
+    if seconds is not None:
+        record["times"] = {"started": "2026-01-01T00:00:00+00:00", "ended": f"2026-01-01T00:{int(seconds // 60):02d}:00+00:00"}
+    path.write_text(json.dumps(record))
+
+
+def _plant_rank(copy, unit: str, rank: int, host: str, gpus: list[dict] | None) -> None:
+    ranks = copy / "provenance" / "ranks"
+    ranks.mkdir(exist_ok=True)
+    record = {"stage": unit, "item": None, "rank": rank, "role": None, "host": {"hostname": host, "gpus": gpus}}
+    (ranks / f"{unit}.rank{rank}.json").write_text(json.dumps(record))
+
+
+def test_gpu_hours_from_what_each_rank_recorded(full_run, tmp_path):
+    rows = _checklist((full_run / "stages" / "card" / "card.md").read_text())
+    assert rows["GPU-hours"] == "0 (CPU only: no rank of the 4 completed stage(s) recorded a GPU)"
+    assert "- `sft` (sft): done, 1 attempt(s), 1 job(s)/process(es)" in (full_run / "stages" / "card" / "card.md").read_text()
+
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    h100 = "NVIDIA H100"
+    # sft, 30 minutes: rank 0 on n1 with GPUs a, b; rank 1 on n1 sees the same two; rank 2 on n2 sees c, d -> 4 GPUs
+    _plant_gpus(copy, "sft", "n1", [{"name": h100, "uuid": "GPU-a"}, {"name": h100, "uuid": "GPU-b"}], seconds=1800)
+    _plant_rank(copy, "sft", 1, "n1", [{"name": h100, "uuid": "GPU-a"}, {"name": h100, "uuid": "GPU-b"}])
+    _plant_rank(copy, "sft", 2, "n2", [{"name": h100, "uuid": "GPU-c"}, {"name": h100, "uuid": "GPU-d"}])
+    # eval, 15 minutes: two ranks on one host that recorded no uuid, each seeing 2 GPUs -> counted once: 2
+    _plant_gpus(copy, "eval", "n3", [{"name": "GH200"}, {"name": "GH200"}], seconds=900)
+    _plant_rank(copy, "eval", 1, "n3", [{"name": "GH200"}, {"name": "GH200"}])
+    card = _card_of(copy, tmp_path)
+    assert "- `sft` (sft): done" in card and "4 GPU(s) (4× NVIDIA H100 on 2 host(s)), 2.00 GPU-hours" in card
+    assert "2 GPU(s) (2× GH200 on 1 host(s)), 0.50 GPU-hours" in card
+    assert "- `tasks` (tasks): done" in card and "0 GPUs (CPU only)" in card
+    assert _checklist(card)["GPU-hours"].startswith("2.50 in total (sft 2.00, eval 0.50; GPUs each rank recorded")
+
+    _plant_gpus(copy, "export", "n1", None)  # a unit whose GPU probe recorded nothing: not zero, not guessed
+    rows = _checklist(_card_of(copy, tmp_path))
+    assert rows["GPU-hours"].startswith("2.50 in total") and rows["GPU-hours"].endswith("; not recorded for export")
+
+
+DEMO_LIKE = [  # configs/demo.yaml as it is (dev splits, export of the best retained, eval of rl:best), made small
+    "stages.tasks.domains.closure={count: 60, val_count: 12, dev_count: 8, difficulties: [1, 2]}",
+    "stages.tasks.domains.arith={count: 60, val_count: 12, dev_count: 8, difficulties: [2]}",
+    *(
+        f"stages.{kv}"
+        for kv in (
+            "sft.steps=20 sft.tokenizer_vocab_size=320 sft.seq_len=64 sft.batch_rows=4 sft.warmup_steps=2 sft.save_every=10 "
+            "sft.threads=1 sft.eval_tasks=4 sft.eval_max_new_tokens=8 probe.limit=16 probe.attempts=2 probe.band_max_pass=2 "
+            "select.min_pass=0 select.max_pass=2 rl.updates=4 rl.tasks_per_update=4 rl.attempts=4 rl.max_tokens=8 "
+            "rl.eval_every=2 rl.eval_tasks=8 rl.eval_attempts=1 rl.save_every=2 rl.warmup_steps=1 eval.limit=8 "
+            "eval.attempts=2 eval.pass_k=[1,2] eval.max_tokens=8 eval.bootstrap_samples=100 eval_greedy.limit=8 "
+            "eval_greedy.max_tokens=8 eval_greedy.bootstrap_samples=100 export.probe_rows=2 export.probe_len=16 "
+            "export.max_new_tokens=8"
+        ).split()
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def demo_like_run(tmp_path_factory):
+    """configs/demo.yaml with every stage made small: RL selects on the dev split, export takes the best retained."""
+    root = tmp_path_factory.mktemp("demo-like")
+    Snowcat(root)("run", DEMO, *DEMO_LIKE, "--run-dir", root / "run", timeout=SHARED_RUN_TIMEOUT_S, check=True)
+    return root / "run"
+
+
+def test_the_demo_selects_on_dev_and_the_card_names_the_exported_score_without_a_warning(demo_like_run):
+    run_dir = demo_like_run
+    source = json.loads((run_dir / "stages" / "export" / "export.json").read_text())["source"]
+    assert source["metric"] == "dev/pass@1"  # chosen by RL's retention metric on dev.parquet
+    best = (run_dir / "stages" / "rl" / "checkpoints" / "best").read_text().strip()
+    assert source["ref"] == f"rl:{best}"
+    card = (run_dir / "stages" / "card" / "card.md").read_text()
+    assert "SELECTION ON THE SCORING SPLIT" not in card
+    assert "rl:best (exported)" in card
+    val = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())["checkpoints"]["rl:best"]["groups"]["all"]
+    rows = _checklist(card)
+    assert rows["initializer vs exported score"].startswith(f"eval pass@1 {100 * val['pass@1']:.1f}%")
+    assert "chosen by dev/pass@1 = " in rows["development vs independent evaluation"]
+    assert "on the `dev` split, which no evaluation scores (they score `val`)" in rows["development vs independent evaluation"]
+    dev = json.loads((run_dir / "stages" / "tasks" / "metrics.json").read_text())["dev"]
+    assert f"| tasks | `dev.parquet` | {dev} |" in card
