@@ -518,7 +518,11 @@ def _stages(f: Facts) -> tuple[list[str], dict]:
         where = (f"{len(jobs)} job(s)/process(es)" if jobs else "no job recorded") + (
             f", continued {continued} time(s) after a walltime or preemption signal" if continued else ""
         )
-        used = {h: ids for g in gpus.values() if g for h, ids in g.items() if ids}
+        used: dict[str, set[str]] = {}  # over the stage's units: a GPU two units used counts once
+        for per_host in filter(None, gpus.values()):
+            for host, ids in per_host.items():
+                if ids:
+                    used.setdefault(host, set()).update(ids)
         if not done:
             gpu = f"GPUs {NR}" if not provs else (_gpu_text(used) if used else "no GPU recorded")
         elif not known:
@@ -532,7 +536,7 @@ def _stages(f: Facts) -> tuple[list[str], dict]:
                 totals["earlier_attempts"].append(node.name)
         else:
             gpu = "0 GPUs (CPU only)"
-            totals["cpu_only"] += 1
+            totals["cpu_only"] += len(done)
         lines.append(f"- `{node.name}` ({node.kind}): {status}, {attempts} attempt(s), {where}, wall-clock {wall}, {gpu}")
     return lines, totals
 
@@ -545,7 +549,7 @@ def _gpu_hours(totals: dict) -> str | None:
         if totals["earlier_attempts"]:
             text += f"; at least: earlier attempts of {', '.join(totals['earlier_attempts'])} not recorded"
     elif totals["cpu_only"] and not unknown:
-        return f"0 (CPU only: no rank of the {totals['cpu_only']} completed stage(s) recorded a GPU)"
+        return f"0 (CPU only: no rank of the {totals['cpu_only']} completed unit(s) recorded a GPU)"
     elif not unknown:
         return None
     else:

@@ -365,7 +365,7 @@ def _plant_rank(copy, unit: str, rank: int, host: str, gpus: list[dict] | None) 
 
 def test_gpu_hours_from_what_each_rank_recorded(full_run, tmp_path):
     rows = _checklist((full_run / "stages" / "card" / "card.md").read_text())
-    assert rows["GPU-hours"] == "0 (CPU only: no rank of the 4 completed stage(s) recorded a GPU)"
+    assert rows["GPU-hours"] == "0 (CPU only: no rank of the 4 completed unit(s) recorded a GPU)"
     assert "- `sft` (sft): done, 1 attempt(s), 1 job(s)/process(es)" in (full_run / "stages" / "card" / "card.md").read_text()
 
     copy = tmp_path / "run"
