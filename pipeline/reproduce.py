@@ -37,7 +37,11 @@ from .rundir import RunDir, new_run_id
 from .volatile import RULE, strip_volatile
 
 # Output files that record the run's own identity, hosts or times, so they differ by design.
-RUN_SPECIFIC_FILES = {"card.md": "states the run's own id, times and hosts"}
+RUN_SPECIFIC_FILES = {
+    "card.md": "states the run's own id, times and hosts",
+    # the card's and the scan stage's: a tree edited during a run leaves more provenance patches
+    "scan.json": "counts the files of the run directory itself (logs, provenance patches), not outputs of the stage",
+}
 
 
 # --- code state -----------------------------------------------------------------------------------
