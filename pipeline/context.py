@@ -86,6 +86,8 @@ class Inputs(dict):
     def unit_dirs(self, value: str) -> list[Path]:
         """The directories `value` names: one, or every unit of a fanned-out stage named alone."""
         stage, indices = input_units(value, self._stages)
+        if not dict.__contains__(self, stage):  # dict.__getitem__ would call __missing__ again, endlessly
+            raise KeyError(stage)
         return [unit_path(dict.__getitem__(self, stage), i) for i in indices]
 
     def __missing__(self, key: str) -> Path:
