@@ -5,6 +5,11 @@ and every deletion (step, metric, reason, time). A deletion is written to the le
 directory is removed, so a crash in between leaves a record, and the next `Retention` finishes it.
 Invariants, whatever the policy: the best checkpoint by the metric among all registered ones, the
 latest one (needed to resume) and pinned ones are never deleted. One writer (the trainer's rank 0).
+
+A *preemption* checkpoint (saved on the scheduler's notice at a step the training schedule does not
+save) is kept only while it is the latest: the next checkpoint supersedes it, and it never counts
+among the last `keep_last` nor competes for best. So a preempted and resumed run keeps the same
+checkpoints as an uninterrupted one; its ledger records the preemption checkpoint and its deletion.
 """
 
 from __future__ import annotations
@@ -71,11 +76,15 @@ class Retention:
     def live(self) -> list[int]:
         return sorted(int(s) for s, c in self.ledger["checkpoints"].items() if not c.get("deleted"))
 
+    def preemption(self) -> set[int]:
+        """Steps registered as preemption checkpoints (see the module's doc)."""
+        return {int(s) for s, c in self.ledger["checkpoints"].items() if c.get("preemption")}
+
     def _rank(self, steps) -> list[int]:
-        """Steps with a metric value, best first; ties go to the earlier step."""
+        """Scheduled steps with a metric value, best first; ties go to the earlier step."""
         sign = -1 if self.policy.mode == "max" else 1
-        reg = self.registered()
-        return sorted((s for s in steps if reg[s] is not None), key=lambda s: (sign * reg[s], s))
+        reg, off = self.registered(), self.preemption()
+        return sorted((s for s in steps if reg[s] is not None and s not in off), key=lambda s: (sign * reg[s], s))
 
     def best(self) -> int | None:
         """Best live checkpoint (None while no checkpoint has a metric value)."""
@@ -90,8 +99,9 @@ class Retention:
     def keep_set(self) -> set[int]:
         """Steps the policy retains among all registered ones."""
         steps = sorted(self.registered())
+        scheduled = [s for s in steps if s not in self.preemption()]
         p = self.policy
-        keep = set(self._rank(steps)[: p.keep_best]) | set(steps[-p.keep_last :] if p.keep_last else [])
+        keep = set(self._rank(steps)[: p.keep_best]) | set(scheduled[-p.keep_last :] if p.keep_last else [])
         keep |= {s for s in p.pinned if s in self.registered()}
         if steps:
             keep.add(steps[-1])
@@ -99,8 +109,9 @@ class Retention:
 
     # -- updates --------------------------------------------------------------------------------
 
-    def register(self, step: int, metrics: Mapping[str, Any]) -> list[int]:
+    def register(self, step: int, metrics: Mapping[str, Any], *, preemption: bool = False) -> list[int]:
         """Record checkpoint `step` (its directory must exist) and delete what the policy drops.
+        `preemption`: saved on a notice, off the schedule (kept only until the next checkpoint).
 
         Re-registering a step (a resumed run replaying) updates its metrics. Returns deleted steps.
         """
@@ -108,7 +119,8 @@ class Retention:
         if not self.path(step).is_dir():
             raise UserError(f"{self.path(step)}: checkpoint directory missing; save it before registering step {step}")
         value = _value(metrics, self.policy.metric)
-        self.ledger["checkpoints"][str(step)] = {"value": value, "registered_at": time.time()}
+        entry = {"value": value, "registered_at": time.time()}
+        self.ledger["checkpoints"][str(step)] = entry | ({"preemption": True} if preemption else {})
         keep = self.keep_set()
         doomed = [s for s in self.live() if s not in keep]
         best = self.historical_best()
@@ -120,7 +132,7 @@ class Retention:
                     "step": s,
                     "metric": self.policy.metric,
                     "value": c["value"],
-                    "reason": self._reason(s, best),
+                    "reason": self._reason(s, best, step),
                     "time": time.time(),
                 }
             )
@@ -129,8 +141,10 @@ class Retention:
         self._finish_deletions()
         return doomed
 
-    def _reason(self, step: int, best: int | None) -> str:
+    def _reason(self, step: int, best: int | None, newest: int) -> str:
         p = self.policy
+        if step in self.preemption():
+            return f"preemption checkpoint, superseded by step {newest}"
         value = self.registered()[step]
         what = (
             "no metric value"

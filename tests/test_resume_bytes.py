@@ -77,10 +77,19 @@ def test_resumed_sft_checkpoints_equal_an_uninterrupted_runs_byte_for_byte(tmp_p
     sft.run(sft_ctx(tmp_path / "b", tasks_dir, eval_tasks=0))
 
     a, b = checkpoint_files(straight.out_dir), checkpoint_files(interrupted.out_dir)
-    # the preempted run kept step 4 where the uninterrupted one kept step 3; everything else is shared
-    assert {"step_000006/trainer_state/optimizer.pt", "step_000006/trainer_state/rng_rank00000.pt"} <= set(a) & set(b)
-    assert {k for k in set(a) ^ set(b)} == {k for k in set(a) | set(b) if k.startswith(("step_000003/", "step_000004/"))}
-    assert_same_files(a, b, common_only=True)
+    # the preemption checkpoint (step 4) was kept only until step 6 superseded it: the same files remain
+    assert {"step_000003/model.safetensors", "step_000006/trainer_state/rng_rank00000.pt"} <= set(a)
+    assert_same_files(a, b)
+    # the same ledger but for the preemption checkpoint's entry and its deletion
+    la, lb = ledger(straight.out_dir), ledger(interrupted.out_dir)
+    assert lb["checkpoints"].pop("4") == {"value": None, "deleted": True, "preemption": True}
+    assert lb["deleted"].pop() == {
+        "step": 4,
+        "metric": "val/pass@1",
+        "value": None,
+        "reason": "preemption checkpoint, superseded by step 6",
+    }
+    assert la == lb
 
 
 def test_an_sft_retry_from_initial_equals_a_fresh_start_byte_for_byte(tmp_path, tasks_dir):  # noqa: F811

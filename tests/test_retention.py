@@ -83,6 +83,34 @@ def test_reregistering_a_step_after_resume_updates_it(tmp_path):
     assert r.registered() == {1: 0.7} and on_disk(tmp_path) == {1}
 
 
+def test_a_preemption_checkpoint_is_kept_only_until_the_next_one(tmp_path):
+    """Saved on notice between save points, it is the latest for a while (resume needs it), then
+    the next checkpoint supersedes it: the kept set equals an uninterrupted run's, and the ledger
+    records it and why it went."""
+    policy = RetentionPolicy(metric="acc", keep_best=1, keep_last=2)
+    straight, preempted = tmp_path / "a", tmp_path / "b"
+    for ckpt, steps in [
+        (straight, [(4, {}), (8, {}), (12, {"acc": 0.5})]),
+        (preempted, [(4, {}), (8, {}), (10, None), (12, {"acc": 0.5})]),
+    ]:
+        r = Retention(ckpt, policy)
+        for step, m in steps:
+            save(ckpt, step)
+            r.register(step, m or {}, preemption=m is None)
+            if m is None:
+                assert on_disk(ckpt) == {4, 8, 10} and r.live() == [4, 8, 10]  # latest: kept, and not counted in keep_last
+                r = Retention(ckpt, policy)  # the job ends; the resumed one reads the ledger back
+    assert on_disk(straight) == on_disk(preempted) == {8, 12}
+    a, b = (json.loads((d / LEDGER).read_text()) for d in (straight, preempted))
+    assert [(d["step"], d["reason"]) for d in a["deleted"]] == [(4, "no metric value; not among the last 2; not pinned")]
+    assert [(d["step"], d["reason"]) for d in b["deleted"]] == [
+        (4, "no metric value; not among the last 2; not pinned"),
+        (10, "preemption checkpoint, superseded by step 12"),
+    ]
+    assert b["checkpoints"]["10"]["preemption"] is True and "preemption" not in b["checkpoints"]["8"]
+    assert Retention(preempted, policy).best() == 12
+
+
 metric = st.one_of(st.none(), st.floats(-10, 10, allow_nan=False), st.sampled_from([0.0, 1.0]))
 
 
@@ -94,24 +122,28 @@ metric = st.one_of(st.none(), st.floats(-10, 10, allow_nan=False), st.sampled_fr
     keep_last=st.integers(0, 3),
     pinned=st.lists(st.integers(0, 11), max_size=3),
     reopen_every=st.integers(1, 4),
+    preempted=st.lists(st.booleans(), max_size=12),
 )
-def test_property_policy_invariants(values, mode, keep_best, keep_last, pinned, reopen_every):
+def test_property_policy_invariants(values, mode, keep_best, keep_last, pinned, reopen_every, preempted):
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp)
         policy = RetentionPolicy(metric="m", mode=mode, keep_best=keep_best, keep_last=keep_last, pinned=pinned)
         r = Retention(ckpt, policy)
+        off = {s for s, p in enumerate(preempted) if p}
         for step, v in enumerate(values):
             if step % reopen_every == 0:
                 r = Retention(ckpt, policy)  # a resumed trainer reads the ledger back
             save(ckpt, step)
-            r.register(step, {"m": v} if v is not None else {})
+            r.register(step, {"m": v} if v is not None else {}, preemption=step in off)
 
             seen = {s: values[s] for s in range(step + 1)}
-            scored = [s for s in seen if seen[s] is not None]
-            # the reference policy, written independently of the implementation
+            scheduled = [s for s in seen if s not in off]
+            scored = [s for s in scheduled if seen[s] is not None]
+            # the reference policy, written independently of the implementation: preemption
+            # checkpoints are kept only while latest (or pinned)
             sign = -1 if mode == "max" else 1
             ranked = sorted(scored, key=lambda s: (sign * seen[s], s))
-            expected = set(ranked[:keep_best]) | set(range(max(0, step + 1 - keep_last), step + 1)) | {step}
+            expected = set(ranked[:keep_best]) | set(scheduled[-keep_last:] if keep_last else []) | {step}
             expected |= {p for p in pinned if p <= step}
             assert on_disk(ckpt) == expected
             if ranked:

@@ -49,14 +49,15 @@ class Checkpoints:
         self.last_saved = self.backend.step
         return client
 
-    def save(self, client_state: dict, metrics: dict | None = None) -> bool:
-        """Collective. Save the current step (once) and register it with retention; False if already saved."""
+    def save(self, client_state: dict, metrics: dict | None = None, *, preemption: bool = False) -> bool:
+        """Collective. Save the current step (once) and register it with retention; False if already saved.
+        `preemption`: a step the schedule does not save (retention keeps it only until the next one)."""
         step = self.backend.step
         if self.last_saved == step and self.path(step).is_dir():
             return False
         save_checkpoint(self.path(step), self.backend, self.tokenizer, client_state, meta=self.meta)
         if self.retention is not None:
-            self.retention.register(step, metrics or {})
+            self.retention.register(step, metrics or {}, preemption=preemption)
         self.last_saved = step
         return True
 
@@ -152,9 +153,14 @@ class TrainLoop:
     def step(self) -> int:
         return self.backend.step
 
+    def scheduled(self, step: int) -> bool:
+        """Whether an uninterrupted run saves `step` (`train` below); any other save is a preemption's."""
+        due = self.steps == step or (self.save_every and step % self.save_every == 0)
+        return step > 0 and bool(due or (self.eval_every and step % self.eval_every == 0))
+
     def save(self, rec: dict | None = None) -> bool:
         t0 = time.perf_counter()
-        saved = self.checkpoints.save(self.client_state(), rec)
+        saved = self.checkpoints.save(self.client_state(), rec, preemption=not self.scheduled(self.step))
         self._check_margin(time.perf_counter() - t0)
         return saved
 
