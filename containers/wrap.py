@@ -149,20 +149,25 @@ def hetjob_step(
     *,
     binds: Sequence[str] = (),
     gpus: Sequence[bool] = (),
+    cpus_per_task: Sequence[int] = (),
     extra: Sequence[str] = (),
     host_python: str = "python",
 ) -> list[str]:
     """The srun line of one heterogeneous step whose components (groups 0..n-1, in rank order) run
     `python PYTHON_ARGS` in their own image: `images[g]` (None: on the host, as `host_python`),
-    `--nv` where `gpus[g]`. One image (or none) for every group: the plain `--het-group=0,1,...`
-    form; different images: Slurm's MPMD form `--het-group=0 A : --het-group=1 B`, `extra` (srun
-    options such as --kill-on-bad-exit, --output) repeated for each group, since srun applies an
-    option to the component it precedes. Either way one MPI world over all groups."""
+    `--nv` where `gpus[g]`, `--cpus-per-task=cpus_per_task[g]` (Slurm 22.05-23.02 do not hand the
+    allocation's down to srun). One command and CPU count for every group: the plain
+    `--het-group=0,1,...` form; otherwise Slurm's MPMD form `--het-group=0 A : --het-group=1 B`,
+    `extra` (srun options such as --kill-on-bad-exit, --output) repeated for each group, since srun
+    applies an option to the component it precedes. Either way one MPI world over all groups."""
     if not images:
         raise UserError("hetjob_step: no components")
     gpus = list(gpus) or [False] * len(images)
     if len(gpus) != len(images):
         raise UserError(f"hetjob_step: {len(images)} images but {len(gpus)} GPU flags")
+    cpus = list(cpus_per_task)
+    if cpus and len(cpus) != len(images):
+        raise UserError(f"hetjob_step: {len(images)} images but {len(cpus)} CPU counts")
 
     def command(image, gpu) -> list[str]:
         if runtime == "none" or not image:
@@ -171,9 +176,10 @@ def hetjob_step(
 
     groups = list(range(len(images)))
     commands = [command(image, gpu) for image, gpu in zip(images, gpus, strict=True)]
-    if all(c == commands[0] for c in commands):
-        return srun_line(site, groups, commands[0], extra=extra)
-    return srun_line(site, groups, dict(enumerate(commands)), extra=extra)
+    options = [[f"--cpus-per-task={int(c)}"] for c in cpus] or [[] for _ in groups]
+    if all(c == commands[0] for c in commands) and all(o == options[0] for o in options):
+        return srun_line(site, groups, commands[0], extra=[*options[0], *extra])
+    return srun_line(site, groups, {g: [*options[g], *extra, *commands[g]] for g in groups})
 
 
 def image_provenance(image: str | os.PathLike) -> dict:

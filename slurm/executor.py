@@ -470,6 +470,7 @@ class SlurmExecutor(Executor):
                     python_args,
                     binds=self._binds(),
                     gpus=gpus,
+                    cpus_per_task=[int(c.cpus_per_task) for c in res.components.values()],
                     extra=["--kill-on-bad-exit=1", *io],
                     host_python=sys.executable,
                 )

@@ -378,3 +378,14 @@ def test_role_images_and_hetjob_step_render_one_image_per_role(monkeypatch):
     assert host == ["srun", "--mpi=pspmix", "--het-group=0,1", *extra, "/venv/bin/python", *args]
     with pytest.raises(UserError, match="2 images but 1 GPU flags"):
         hetjob_step(site, "apptainer", [trainer, rollout], args, gpus=[True])
+    # srun is told each component's CPUs per task (Slurm 22.05-23.02 do not pass sbatch's down):
+    # one count for both keeps the plain form, two counts make each group say its own
+    same = hetjob_step(site, "none", [None, None], args, cpus_per_task=[8, 8], extra=extra, host_python="py")
+    assert same == ["srun", "--mpi=pspmix", "--het-group=0,1", "--cpus-per-task=8", *extra, "py", *args]
+    mixed = hetjob_step(site, "none", [None, None], args, cpus_per_task=[48, 4], extra=extra, host_python="py")
+    assert shlex.join(mixed) == shlex.join(
+        ["srun", "--mpi=pspmix", "--het-group=0", "--cpus-per-task=48", *extra, "py", *args]
+        + [":", "--het-group=1", "--cpus-per-task=4", *extra, "py", *args]
+    )
+    with pytest.raises(UserError, match="2 images but 1 CPU counts"):
+        hetjob_step(site, "none", [None, None], args, cpus_per_task=[4])

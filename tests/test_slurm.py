@@ -55,7 +55,7 @@ stages:
     resources:
       time_min: 5
       components:
-        trainer: {nodes: 1, tasks_per_node: 1}
+        trainer: {nodes: 1, tasks_per_node: 1, cpus_per_task: 2}
         rollout: {nodes: 1, tasks_per_node: 2}
 """
 
@@ -158,11 +158,13 @@ def test_hetjob_components_share_one_mpi_world(snowcat, slurm_env, tmp_path):
     run_dir = tmp_path / "run"
     snowcat("run", cfg, *on_local_slurm(run_dir), env=slurm_env, check=True)
     script = next((run_dir / "slurm" / "fabric").glob("*_submission.sh")).read_text()
-    assert "#SBATCH hetjob" in script and "srun --mpi=pmix --het-group=0,1 --kill-on-bad-exit=1" in script
+    # the components' CPUs per task differ: Slurm's MPMD form, each group saying its own
+    assert "#SBATCH hetjob" in script and "srun --mpi=pmix --het-group=0 --cpus-per-task=2 --kill-on-bad-exit=1" in script
+    assert " : --het-group=1 --cpus-per-task=1 --kill-on-bad-exit=1" in script
     status = wait_status(snowcat, run_dir, {"done", "failed"})
     assert status["stages"]["fabric"]["status"] == "done", status
     world = read_json(run_dir / "stages" / "fabric" / "world.json")
-    assert [r["role"] for r in world["ranks"]] == ["trainer", "rollout", "rollout"]
+    assert [r["role"] for r in world["ranks"]] == ["trainer", "rollout", "rollout"]  # still one MPI world
     assert set(world["role_hosts"]["trainer"]).isdisjoint(world["role_hosts"]["rollout"])
     assert status["stages"]["fabric"]["metrics"]["bytes_exchanged"] > 0
 
@@ -225,7 +227,10 @@ def _render(site: str, overrides: list[str], stage: str = "tasks") -> str:
 @pytest.mark.parametrize("site", list_sites())
 def test_rendering_never_emits_a_rejected_option(site):
     profile = load_site(site)
-    text = _render(site, ["stages.tasks.fan_out.replica=[1,2]", "stages.tasks.resources.nodes=1"])
+    # replicas of tasks are other task sets: the stages reading them name one (pipeline/sweep.py)
+    readers = ["sft.tasks_input", "probe.tasks", "select.tasks", "rl.tasks_input", "eval.tasks", "eval_greedy.tasks"]
+    one = [f"stages.{key}='tasks[0]'" for key in readers]
+    text = _render(site, ["stages.tasks.fan_out.replica=[1,2]", "stages.tasks.resources.nodes=1", *one])
     flags = re.findall(r"^#SBATCH --([a-z-]+)", text, flags=re.M)
     rejected = {o.lstrip("-") for o in profile.rejected_options}
     assert flags and not rejected & set(flags), (site, rejected & set(flags))
