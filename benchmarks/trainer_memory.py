@@ -76,7 +76,7 @@ from snowcat.stages.train.loss import sft_loss
 spec = json.loads(sys.argv[1])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)  # two ranks on the same cores
-init_distributed(rank, world)
+init_distributed(world)
 start = hwm_kib()
 cfg = ModelConfig(**spec["model"])
 torch.manual_seed(0)

@@ -247,7 +247,8 @@ class SftLoop(TrainLoop):
 def run(ctx) -> dict:
     cfg: Config = ctx.config
     torch.set_num_threads(cfg.threads or ctx.threads)
-    rank, world_size = init_distributed(ctx.rank, ctx.world_size)
+    suffix = getattr(getattr(ctx.run_config, "site", None), "master_addr_suffix", "") or ""
+    rank, world_size = init_distributed(ctx.world_size, addr_suffix=suffix)
     out = Path(ctx.out_dir)
     ckpts = out / "checkpoints"
     tasks_dir = _tasks_dir(ctx, cfg)

@@ -1,5 +1,5 @@
 """Where a torch process group meets, from the environment alone: srun (plain job, with and without the
-executor's MASTER_ADDR/PORT), a hetjob component (Slurm's HET_GROUP names and the older PACK_GROUP
+executor's MASTER_ADDR/PORT), torchrun's variables, a hetjob component (Slurm's HET_GROUP names and the older PACK_GROUP
 ones), mpirun and ibrun-like launchers. The Slurm variables are those the local cluster gave a
 2-node job and a 2 + 1 hetjob step (Slurm 22.05). Then a real mpirun world forms a gloo group
 (its address agreed over MPI) and all-reduces."""
@@ -50,6 +50,14 @@ def test_srun_job_meets_on_its_first_node_with_the_site_suffix_and_a_port_per_jo
     assert from_env(SRUN, addr_suffix="i") == (1, 2, 0, "n1i", 21453)  # JSC: the InfiniBand name
     exported = {**SRUN, "MASTER_ADDR": "jwb0001i", "MASTER_PORT": "29500"}  # the executor's batch script
     assert from_env(exported, addr_suffix="i") == (1, 2, 0, "jwb0001i", 29500)
+
+
+def test_torchrun_variables_name_the_rank_first():
+    """torchrun (or a spawned worker, or a process that joined a group here) sets RANK, WORLD_SIZE,
+    LOCAL_RANK: they say who is who, also under srun, where SLURM_PROCID numbers the launchers."""
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+    assert from_env(torchrun) == (3, 4, 1, "n1", 29500)
+    assert from_env({**SRUN, **torchrun}) == (3, 4, 1, "n1", 29500)
 
 
 def test_a_hetjob_component_is_a_group_of_its_own():

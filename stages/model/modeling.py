@@ -31,8 +31,10 @@ from .kv_cache import KVCache
 @dataclass
 class ModelOutput:
     hidden: torch.Tensor  # [B, T, H], after the final norm: the LM head's input
-    aux_loss: torch.Tensor  # load-balancing loss, mean over MoE layers (unscaled by its coefficient)
-    z_loss: torch.Tensor  # router z loss, mean over MoE layers (unscaled)
+    # router losses, means over MoE layers (unscaled by their coefficients); under
+    # balance_router_over, this rank's token-weighted share of the data-parallel batch's losses
+    aux_loss: torch.Tensor  # load balancing
+    z_loss: torch.Tensor
     router_stats: dict = field(default_factory=dict)
     logprobs: torch.Tensor | None = None  # [B, T] fp32, when forward got `targets`
     entropy: torch.Tensor | None = None  # [B, T] fp32, when forward got `targets`
@@ -157,7 +159,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, forced: torch.Tensor | None = None):
         """`forced` [..., k] expert ids per token (router replay; a row with any -1 routes itself).
-        Returns (output, aux loss, z loss, load, dropped share, the router's own top-k ids [N, k])."""
+        Returns (output, copies routed per expert [E], mean router probability per expert [E],
+        z loss, dropped share, the router's own top-k ids [N, k])."""
         cfg = self.cfg
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
@@ -191,12 +194,12 @@ class SparseMoeBlock(nn.Module):
         if cfg.shared_expert_intermediate_size:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
-        # Switch load-balancing loss E * sum_e f_e * P_e (f: routed fraction, P: mean probability);
-        # z loss penalises large router logits (ST-MoE).
-        load = torch.bincount(flat_e, minlength=E).float() / (N * k)
-        aux = E * (load * probs.mean(dim=0)).sum()
+        # The router losses' parts (MoEForCausalLM.forward combines them, over every data-parallel
+        # rank where it is asked to): copies routed to each expert (before any capacity drop), the
+        # mean router probability per expert, and the z loss (ST-MoE: it penalises large logits).
+        routed = torch.bincount(flat_e, minlength=E).float()
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
-        return out.view(shape), aux, z, load.detach(), dropped.detach(), own
+        return out.view(shape), routed, probs.mean(dim=0), z, dropped.detach(), own
 
 
 class DecoderLayer(nn.Module):
@@ -242,6 +245,7 @@ class MoEForCausalLM(nn.Module):
         self.config = cfg
         self.model = MoEModel(cfg)
         self._checkpoint_layers = False
+        self._router_group = None  # see balance_router_over
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.reset_parameters()
         if cfg.tie_word_embeddings:
@@ -265,6 +269,31 @@ class MoEForCausalLM(nn.Module):
         """Recompute each decoder layer in backward instead of keeping its activations (only the
         layer inputs stay alive). Applies to forwards under autograd; results are unchanged."""
         self._checkpoint_layers = on
+
+    def balance_router_over(self, group) -> None:
+        """Global-batch load balancing (as Qwen3 is trained): in each forward under autograd, the
+        load-balancing loss uses the fraction of tokens routed to each expert over every rank of
+        `group` (the data-parallel ranks), not over this rank's rows alone, and each rank's share of
+        both router losses is weighted by its share of the batch's tokens. W ranks of R/W rows then
+        train as one rank of R rows. One all-reduce of [MoE layers, experts] counts per forward;
+        forwards without autograd (evaluation, sampling: maybe on one rank only) never communicate."""
+        self._router_group = group
+
+    def _router_losses(self, routed: list, mean_probs: list, z: list):
+        """(aux loss, z loss, routed fraction [layers, E]), means over the MoE layers: the Switch
+        loss E * sum_e f_e * P_e (f: routed fraction, P: mean router probability) and the z loss."""
+        counts, share = torch.stack(routed), 1.0
+        group = self._router_group
+        if group is not None and torch.is_grad_enabled() and torch.distributed.get_world_size(group) > 1:
+            total = counts.clone()
+            torch.distributed.all_reduce(total, group=group)
+            # DDP averages the ranks' gradients: weighting by W * (own tokens / all tokens) makes
+            # that average the whole batch's token mean, also where ranks hold unequal rows
+            share = torch.distributed.get_world_size(group) * counts[0].sum() / total[0].sum()
+            counts = total
+        load = counts / counts.sum(dim=1, keepdim=True)
+        aux = (self.config.num_experts * (load * torch.stack(mean_probs)).sum(dim=1)).mean()
+        return aux * share, torch.stack(z).mean() * share, load, aux.detach()
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -315,7 +344,7 @@ class MoEForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
-        aux, z, loads, dropped, chosen = [], [], [], [], []
+        routed, mean_probs, z, dropped, chosen = [], [], [], [], []
         k = self.config.experts_per_token
         forced = routes.reshape(B, T, -1, k) if routes is not None else None
         recompute = self._checkpoint_layers and torch.is_grad_enabled()
@@ -327,23 +356,22 @@ class MoEForCausalLM(nn.Module):
             # the router's outputs (losses, loads, routes) come out of the checkpointed call as usual
             x, moe = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
             if moe is not None:
-                aux.append(moe[0]), z.append(moe[1]), loads.append(moe[2]), dropped.append(moe[3]), chosen.append(moe[4])
+                for parts, part in zip((routed, mean_probs, z, dropped, chosen), moe, strict=True):
+                    parts.append(part)
         if kv_cache is not None:
             kv_cache.lengths += T
         hidden = m.norm(x)
 
         zero = hidden.new_zeros((), dtype=torch.float32)
-        aux_loss = torch.stack(aux).mean() if aux else zero
-        z_loss = torch.stack(z).mean() if z else zero
-        stats = {}
-        if loads:
-            load = torch.stack(loads)  # [moe_layers, E], fraction of routed copies per expert
+        aux_loss, z_loss, stats = zero, zero, {}
+        if routed:
+            aux_loss, z_loss, load, aux_value = self._router_losses(routed, mean_probs, z)
             stats = {
-                "expert_load": load,
+                "expert_load": load,  # [moe_layers, E], fraction of routed copies per expert
                 "load_max_over_mean": (load.max(dim=1).values * load.shape[1]).mean(),
                 "dropped_fraction": torch.stack(dropped).mean(),
-                "aux_loss": aux_loss.detach(),
-                "z_loss": z_loss.detach(),
+                "aux_loss": aux_value,
+                "z_loss": torch.stack(z).mean().detach(),
             }
         out = ModelOutput(hidden=hidden, aux_loss=aux_loss, z_loss=z_loss, router_stats=stats)
         if chosen:

@@ -149,9 +149,7 @@ class Trainer(TrainLoop):
         ref_model = None
         if cfg.kl_coef:
             ref_model = load_model_dir(self.init_path, device=self.device)[0].eval().requires_grad_(False)
-        loss_fn = make_loss_fn(self.params, loss_cfg, ref_model, replay=cfg.router_replay)
-        self.share = 1.0  # this rank's part of the batch's loss normaliser, times the number of trainer ranks
-        self.loss_fn = loss_fn if group is None else lambda *a: self._weighted(loss_fn(*a))
+        self.loss_fn = make_loss_fn(self.params, loss_cfg, ref_model, replay=cfg.router_replay)
         self.split = selection_split(Path(ctx.inputs[cfg.tasks_input]))  # what checkpoints are selected on
         policy = RetentionPolicy(metric=f"{self.split}/pass@1", mode="max", keep_best=cfg.keep_best, keep_last=cfg.keep_last)
         checkpoints = Checkpoints(ckpts, backend, self.tok, policy, meta={"stage": ctx.name, "seed": ctx.seed}, seed=ctx.seed)
@@ -226,8 +224,10 @@ class Trainer(TrainLoop):
 
     def _own_rows(self, batch: dict) -> dict:
         """This trainer rank's contiguous slice of the batch's rows (advantages were computed on all of
-        them), and its share of the loss normaliser: DDP averages the ranks' gradients, so a rank's
-        loss, a mean over its rows, is weighted by T x (its part of the normaliser) / (the batch's)."""
+        them), and its share of the loss normaliser (`policy_share`): DDP averages the ranks'
+        gradients, so a rank's policy loss, a mean over its rows, is weighted by T x (its part of the
+        normaliser) / (the batch's). (The router losses weigh their own share: the model's
+        balance_router_over.)"""
         if self.group is None:
             return batch
         rank, n = self.group.Get_rank(), self.group.Get_size()
@@ -240,12 +240,8 @@ class Trainer(TrainLoop):
             part, whole = (mask[lo:hi].sum(dim=-1) > 0).sum(), (mask.sum(dim=-1) > 0).sum()
         else:  # seq_sum_over_const: a constant times the number of rows
             part, whole = hi - lo, rows
-        self.share = n * float(part) / max(float(whole), 1.0)
-        return {key: value[lo:hi] for key, value in batch.items()}
-
-    def _weighted(self, result):
-        loss, stats = result
-        return loss * self.share, stats
+        share = n * float(part) / max(float(whole), 1.0)
+        return {key: value[lo:hi] for key, value in batch.items()} | {"policy_share": torch.tensor(share)}
 
     def after_step(self) -> None:
         with self.backend.full_params():  # ZeRO-3: whole on every rank while rank 0 writes them

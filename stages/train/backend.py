@@ -37,6 +37,7 @@ from snowcat.stages.model.expert_parallel import (
 
 from . import canonical
 from .optim import OptimConfig, build_optimizer, lr_factor
+from .rendezvous import init_process_group, rendezvous
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,12 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def init_distributed(rank: int, world_size: int) -> tuple[int, int]:
-    """Join the data-parallel process group (env:// rendezvous: MASTER_ADDR/MASTER_PORT set by the
-    launcher) when running as one of several ranks; gloo on CPU, NCCL on GPU."""
+def init_distributed(world_size: int, addr_suffix: str = "") -> tuple[int, int]:
+    """(rank, world size) of this process in its data-parallel group, joined when it is one of
+    several ranks where the launcher's environment says the group meets (stages.train.rendezvous:
+    MASTER_ADDR/PORT, else the Slurm job, else the MPI world); gloo on CPU, NCCL on GPU."""
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        init_process_group(rendezvous(addr_suffix=addr_suffix))
     return world()
 
 
@@ -402,11 +403,16 @@ class DeepSpeedBackend(TorchBackend):
 
 
 def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert_parallel: int = 1, **options):
-    """`options`: backend-specific keywords (DeepSpeedBackend's persistence_threshold)."""
+    """`options`: backend-specific keywords (DeepSpeedBackend's persistence_threshold). On several
+    ranks the MoE's router losses balance the whole data-parallel batch (balance_router_over)."""
     if name == "torch":
-        return TorchBackend(model, cfg, expert_parallel=expert_parallel)
-    if name == "deepspeed":
+        backend = TorchBackend(model, cfg, expert_parallel=expert_parallel)
+    elif name == "deepspeed":
         if expert_parallel > 1:  # ZeRO would treat the shards as replicated parameters
             raise UserError(f"expert_parallel={expert_parallel} needs backend: torch (deepspeed shards differently)")
-        return DeepSpeedBackend(model, cfg, zero_stage=zero_stage, **options)
-    raise UserError(f"train backend {name!r} is not one of: torch, deepspeed")
+        backend = DeepSpeedBackend(model, cfg, zero_stage=zero_stage, **options)
+    else:
+        raise UserError(f"train backend {name!r} is not one of: torch, deepspeed")
+    if backend.world_size > 1 and hasattr(model, "balance_router_over"):
+        model.balance_router_over(dist.group.WORLD)
+    return backend

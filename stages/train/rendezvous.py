@@ -6,9 +6,9 @@ the launcher's environment alone (srun, a hetjob component, mpirun, ibrun) or ov
     r = rendezvous(comm=trainer_comm)             # the ranks of an MPI sub-communicator
     init_process_group(r)                         # gloo on CPU, NCCL on GPU; env:// like torchrun
 
-Rank, world and local rank come from the MPI launcher's variables first (TACC's `ibrun` gives every
-rank SLURM_PROCID=0), then Slurm's; with `comm`, from the communicator (local rank: its ranks on
-this node). The address and port, in this order:
+Rank, world and local rank come from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) where a
+launcher set them, then the MPI launcher's (TACC's `ibrun` gives every rank SLURM_PROCID=0), then
+Slurm's; with `comm`, from the communicator (local rank: its ranks on this node). The address and port, in this order:
   1. MASTER_ADDR + MASTER_PORT when both are set (the Slurm executor exports them in batch scripts:
      the job's first node with the site's `master_addr_suffix`, port 20000 + job id % 20000) —
      not for a hetjob component, whose group lives on its own nodes;
@@ -32,9 +32,17 @@ from dataclasses import dataclass
 
 from submitit.slurm.slurm import _parse_node_list
 
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
-SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
-LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK", "SLURM_LOCALID")
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+RANK_VARS = ("RANK", *MPI_RANK_VARS, "SLURM_PROCID")
+SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
+LOCAL_VARS = (
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+    "PMI_LOCAL_RANK",
+    "SLURM_LOCALID",
+)
 HET_PREFIXES = ("HET_GROUP", "PACK_GROUP")  # Slurm >= 20.02 names, then the older ones
 
 
@@ -151,7 +159,7 @@ def rendezvous(
     """Where this rank's process group meets (see the module docstring); collective over `comm`, or
     over the MPI world when the environment names no address and an MPI launcher started this one."""
     rank, world, local, addr, port = from_env(env, component=component, addr_suffix=addr_suffix)
-    if comm is None and addr is None and world > 1 and env is None and any(v in os.environ for v in RANK_VARS[:4]):
+    if comm is None and addr is None and world > 1 and env is None and any(v in os.environ for v in MPI_RANK_VARS):
         from mpi4py import MPI  # noqa: PLC0415 (an MPI launcher started this world: ask it)
 
         comm = MPI.COMM_WORLD
