@@ -11,6 +11,7 @@ them. Per task first, then over tasks (stages/evalstats.py):
   - the mean gain over a base (the first variant unless `--base`), with an SE over shared tasks;
   - infrastructure failures: equal rates across variants (chi-square), and whether failing tasks
     differ in outcome from the others (excluding them assumes they do not; Mann-Whitney U).
+compare.json ends with `per_task`: per variant and task, [scored attempts, passes, infra failures].
 """
 
 from __future__ import annotations
@@ -141,6 +142,10 @@ def compare(variants: list[Variant], *, base: str | None = None, seed: int = 0, 
     )
     out["gain_over_base"] = {"tasks": len(shared), "gain": gain, "se": gain_se, "variants": [v.label for v in others]}
     out["infra"] = infra_checks(variants)
+    # what every number above is computed from, so the report can be checked on its own
+    out["per_task"] = {
+        v.label: {t: [v.scored[t], v.passed.get(t, 0), v.infra.get(t, 0)] for t in sorted(v.scored)} for v in variants
+    }
     return out
 
 

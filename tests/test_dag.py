@@ -21,7 +21,8 @@ def test_topological_order_follows_needs():
 
 
 def test_fan_out_is_a_cartesian_product():
-    d = dag.build(config.load(DEMO, ["stages.probe.fan_out.temperature=[0.5,1.0]", "stages.probe.fan_out.replica=[x,y,z]"]))
+    fan_out = ["stages.probe.fan_out.temperature=[0.5,1.0]", "stages.probe.fan_out.replica=[x,y,z]"]
+    d = dag.build(config.load(DEMO, [*fan_out, "stages.select.probe='probe[0]'"]))  # select reads one unit
     node = d["probe"]
     assert len(node.units) == 6
     assert node.items[0] == {"temperature": 0.5, "replica": "x"} and node.items[5] == {"temperature": 1.0, "replica": "z"}

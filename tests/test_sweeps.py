@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats
 
+from snowcat.pipeline import compare as compare_mod
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.errors import UserError
@@ -267,6 +268,10 @@ def test_a_stage_input_names_one_unit_of_a_fanned_out_stage(tmp_path):
     assert ctx.config.probe in ctx.inputs and ctx.inputs[ctx.config.probe] == run.stage_dir("probe") / "0001"
     assert ctx.inputs.unit_dirs("probe") == [run.stage_dir("probe") / "0000", run.stage_dir("probe") / "0001"]
     assert dict(ctx.inputs) == {"tasks": run.stage_dir("tasks"), "probe": run.stage_dir("probe")}  # what provenance records
+    for absent in ("rl", "probe[7]", "tasks[0]"):  # not needed; no such unit; not fanned out
+        assert absent not in ctx.inputs
+        with pytest.raises(KeyError):
+            ctx.inputs[absent]
 
 
 PROBE_REPLICAS_RUN = (
@@ -304,3 +309,75 @@ def test_select_pools_the_attempts_of_a_replicated_probe(snowcat, tmp_path):
     assert [r["passes"] for r in units[0]] != [r["passes"] for r in units[1]]  # the replicas drew differently
     summary = read_json(run_dir / "stages" / "select" / "select.json")
     assert summary["attempts"] == 4 and summary["probe_units"] == 2 and summary["probed"] == 12
+
+
+RESULTS = REPO / "benchmarks" / "results"
+DEMO_SWEEP = REPO / "configs" / "demo-sweep.yaml"
+
+
+@pytest.mark.parametrize("name", ["demo-sweep-local", "demo-sweep-slurm"])
+def test_a_committed_sweep_comparison_follows_from_its_own_per_task_rows(name):
+    """The committed `snowcat compare` reports of configs/demo-sweep.yaml (benchmarks/results/README.md):
+    every number recomputed here from the per-task counts the report carries, by hand (t tests with
+    scipy, Holm written out); the Markdown shows the same pairs."""
+    report = read_json(RESULTS / name / "compare.json")
+    labels = config_mod.load(DEMO_SWEEP).stages.eval.checkpoints
+    assert [v["label"] for v in report["variants"]] == list(labels) and set(report["per_task"]) == set(labels)
+    rows = report["per_task"]
+    pass1 = {c: {t: p / n for t, (n, p, _) in rows[c].items() if n} for c in labels}
+    for v in report["variants"]:
+        values = list(pass1[v["label"]].values())
+        assert v["tasks"] == len(values) and len(rows[v["label"]]) == 440  # the demo's val split
+        assert v["pass@1"] == pytest.approx(np.mean(values), abs=1e-12)
+        assert v["pass@1_se"] == pytest.approx(np.std(values, ddof=1) / np.sqrt(len(values)), abs=1e-12)
+        assert v["infra_failures"] == sum(i for _, _, i in rows[v["label"]].values())
+        assert v["attempts"] == sum(n + i for n, _, i in rows[v["label"]].values())
+    raw = []
+    for pair in report["pairs"]:
+        a, b = pass1[pair["a"]], pass1[pair["b"]]
+        d = np.array([b[t] - a[t] for t in sorted(set(a) & set(b))])
+        assert pair["tasks"] == len(d) and pair["diff"] == pytest.approx(d.mean(), abs=1e-12)
+        assert pair["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)), abs=1e-12)
+        t = d.mean() / (d.std(ddof=1) / np.sqrt(len(d))) if d.std() > 0 else float("nan")
+        raw.append(float(2 * stats.t.sf(abs(t), len(d) - 1)) if t == t else float("nan"))
+    assert len(raw) == 10  # every pair of 5
+    got = [p["p"] if p["p"] is not None else np.nan for p in report["pairs"]]
+    np.testing.assert_allclose(got, raw, rtol=1e-9)
+    holm = [p["p_holm"] if p["p_holm"] is not None else np.nan for p in report["pairs"]]
+    np.testing.assert_allclose(holm, _holm_by_hand(raw), rtol=1e-9)
+    assert [p["significant"] for p in report["pairs"]] == [bool(h < 0.05) for h in holm]
+    # the gain over sft:final: per task, the 4 variants' mean minus the base; mean and SE over tasks
+    base, others = labels[0], labels[1:]
+    shared = sorted(set(pass1[base]).intersection(*(set(pass1[o]) for o in others)))
+    gains = np.array([np.mean([pass1[o][t] for o in others]) - pass1[base][t] for t in shared])
+    g = report["gain_over_base"]
+    assert g["variants"] == list(others) and g["tasks"] == len(shared)
+    assert g["gain"] == pytest.approx(gains.mean(), abs=1e-12)
+    assert g["se"] == pytest.approx(gains.std(ddof=1) / np.sqrt(len(gains)), abs=1e-12)
+    # homogeneity: the statistic is the variance of the variants' means over the common tasks
+    h = report["homogeneity"]
+    common = sorted(set.intersection(*(set(pass1[c]) for c in labels)))
+    assert h["tasks"] == len(common)
+    assert h["statistic"] == pytest.approx(np.var([np.mean([pass1[c][t] for t in common]) for c in labels]), abs=1e-12)
+    assert 1 / (1 + h["permutations"]) <= h["p"] <= 1
+    md = (RESULTS / name / "compare.md").read_text()
+    for line in compare_mod.pairs_table(report)[2:]:
+        assert line in md
+
+
+def test_the_committed_local_and_slurm_sweeps_agree():
+    """The same config run locally and on the local Slurm cluster (RL as 4 hetjobs at once): the
+    same report, and every weight, task table, probe result and kept trajectory sha256-equal; what
+    differs is timings, timestamps and paths."""
+    local, slurm = (read_json(RESULTS / f"demo-sweep-{where}" / "compare.json") for where in ("local", "slurm"))
+    for report in (local, slurm):
+        for v in report["variants"]:
+            v.pop("source")  # names the run directory
+    assert local == slurm
+    units = read_json(RESULTS / "demo-sweep-slurm" / "equal-to-local.json")["units"]
+    assert set(units) == {"tasks", "sft", "probe", "select", "eval", "card"} | {f"rl/{i:04d}" for i in range(4)}
+    timing = ("duration_s", "seconds", "_at", "time", "tokens_per_s", "wait_", "step_s", "path", "files")
+    for unit, found in units.items():
+        for name, keys in found["different"].items():
+            assert not name.endswith((".safetensors", ".parquet", ".h5", ".pt")), (unit, name)
+            assert keys is None or all(any(t in k for t in timing) for k in keys), (unit, name, keys)
