@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing as mp
+import signal
 
 from snowcat.pipeline.errors import UserError
 from snowcat.stages.taskgen import Verdict, VerifierError
@@ -46,7 +47,14 @@ class TimedVerifier:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_verifier_worker, args=(self.spec, child), daemon=True)
-        self.proc.start()
+        # Slurm sends the end-of-job notice (SIGUSR2) to every process of the job step; it is the
+        # stage's, and its default action would kill the worker. Blocked while the worker is
+        # spawned, it stays blocked there (the mask survives exec); here it is only held back.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+        try:
+            self.proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         child.close()
         try:
             ready = self.conn.poll(self.startup_timeout_s) and self.conn.recv() == "ready"
@@ -61,7 +69,11 @@ class TimedVerifier:
         self._start()
 
     def __call__(self, task, text: str):
-        self.conn.send((task, text))
+        try:
+            self.conn.send((task, text))
+        except OSError:  # the worker died since the last call (killed, out of memory): not this task's doing
+            self._restart()
+            self.conn.send((task, text))
         if not self.conn.poll(self.timeout_s):
             self._restart()
             raise VerifierError(f"verifier timed out after {self.timeout_s:g}s")

@@ -186,6 +186,29 @@ def test_transient_timeouts_are_retried(workdir, clean, tmp_path, monkeypatch):
     )
 
 
+def test_the_verifier_worker_outlives_the_schedulers_notice_and_a_dead_one_is_replaced():
+    """Slurm's end-of-job notice (SIGUSR2) reaches every process of the job: the worker must not
+    die of it (every later verdict was an infrastructure failure: a broken pipe); and a worker that
+    died anyway (SIGKILL here) is replaced for the next call instead of failing it."""
+    import signal  # noqa: PLC0415
+
+    from snowcat.stages.verifiers import TimedVerifier  # noqa: PLC0415
+
+    task = generate_domain(np.random.default_rng(0), "closure", [1], 1)[0]
+    verifier = TimedVerifier(f"{__name__}:task_oracle_verifier_test_double", timeout_s=30.0)
+    try:
+        expected = verifier(task, "x").passed
+        assert expected == oracle_passes(task.task_id)
+        os.kill(verifier.proc.pid, signal.SIGUSR2)
+        time.sleep(0.5)
+        assert verifier.proc.is_alive() and verifier(task, "x").passed == expected
+        os.kill(verifier.proc.pid, signal.SIGKILL)
+        verifier.proc.join()
+        assert verifier(task, "x").passed == expected and verifier.proc.is_alive()
+    finally:
+        verifier.close()
+
+
 def test_engine_errors_are_infra_failures(workdir):
     metrics, results, traces = run_stage(workdir, "engine_error", checkpoints=["sft:short"], infra_retries=1, limit=2)
     assert len(traces) == 6 and all(r["status"] == "infra_error" for r in traces)
