@@ -35,7 +35,9 @@ def offline_env(staging_dir: str | os.PathLike | None = None) -> dict[str, str]:
 
 
 def load_index(staging_dir_or_index: str | os.PathLike) -> dict[str, dict]:
-    """The staged-artefacts index {name: {kind, path, sha256, ...}} ({} if nothing was staged)."""
+    """The staged-artefacts index {name: {kind, path, sha256, files, bytes, source, [hub]}} ({} if
+    nothing was staged). `source` is the configured one; a hub download adds `hub`: {endpoint,
+    repo_type, requested_revision (None: the default branch), revision (the commit staged)}."""
     path = Path(staging_dir_or_index)
     if path.is_dir():
         path = path / INDEX
@@ -45,6 +47,12 @@ def load_index(staging_dir_or_index: str | os.PathLike) -> dict[str, dict]:
     if not isinstance(index, dict) or not isinstance(index.get("artefacts"), dict):
         raise UserError(f"{path}: not a staged-artefacts index (run the prestage stage again)")
     return {name: dict(entry, _root=str(path.parent)) for name, entry in index["artefacts"].items()}
+
+
+def staged_revision(entry: dict) -> str | None:
+    """The revision of a staged artefact: the commit its hub download resolved to, else the revision
+    its source named (entries staged before the commit was recorded), else None."""
+    return (entry.get("hub") or {}).get("revision") or (entry.get("source") or {}).get("revision")
 
 
 def tree_digest(files: dict[str, dict]) -> str:

@@ -8,6 +8,10 @@ already staged with the same source and an intact hash is not fetched again.
 Sources: `path` (a local file or directory), `url` (file:// or http(s)://), or `name` alone:
 a Hugging Face repo id for model/tokenizer/dataset (needs huggingface_hub), a pip requirement for
 wheel (`pip download`, from `find_links` when given, e.g. a local wheel directory).
+
+A hub download resolves its revision (`revision`, else the default branch) to a commit first and
+downloads that commit, so a push in between cannot mix two versions; the entry records the hub,
+the requested revision and the commit (`hub`). The hub is huggingface_hub's (HF_ENDPOINT).
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ def _source(art) -> dict:
     return {k: str(getattr(art, k)) for k in fields if getattr(art, k)}
 
 
-def _fetch(art, dest: Path) -> None:
-    """Put the artefact's content into the (empty, temporary) directory `dest`."""
+def _fetch(art, dest: Path) -> dict | None:
+    """Put the artefact's content into the (empty, temporary) directory `dest`; a hub download
+    returns what it resolved (see _hub_download)."""
     if art.path:
         src = Path(art.path).expanduser()
         if src.is_dir():
@@ -75,18 +80,39 @@ def _fetch(art, dest: Path) -> None:
             last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
             raise UserError(f"artefact '{art.name}': pip download failed: {last}")
     elif art.kind in ("model", "tokenizer", "dataset"):
-        try:
-            from huggingface_hub import snapshot_download  # noqa: PLC0415 (only for name-only hub downloads)
-        except ImportError as e:
-            raise UserError(
-                f"artefact '{art.name}': fetching by Hugging Face id needs huggingface_hub (or give a path/url)"
-            ) from e
-        snapshot_download(
-            repo_id=art.name, revision=art.revision, local_dir=dest, repo_type="dataset" if art.kind == "dataset" else "model"
-        )
-        shutil.rmtree(dest / ".cache", ignore_errors=True)  # hub bookkeeping, not content
+        return _hub_download(art, dest)
     else:
         raise UserError(f"artefact '{art.name}': give a path or url for a {art.kind}")
+    return None
+
+
+def _hub_download(art, dest: Path) -> dict:
+    """The hub repo `art.name` at the commit its revision names now, into `dest`; returns
+    {endpoint, repo_type, requested_revision (None: the default branch), revision (the commit)}."""
+    try:
+        # only name-only hub downloads need it (login nodes)
+        from huggingface_hub import HfApi, snapshot_download  # noqa: PLC0415
+        from huggingface_hub.errors import HFValidationError, HTTPError, RepositoryNotFoundError, RevisionNotFoundError  # noqa: PLC0415
+    except ImportError as e:
+        raise UserError(f"artefact '{art.name}': fetching by Hugging Face id needs huggingface_hub (or give a path/url)") from e
+    repo_type = "dataset" if art.kind == "dataset" else "model"
+    api = HfApi()
+    asked = f"revision '{art.revision}'" if art.revision else "the default branch"
+    try:
+        commit = api.repo_info(art.name, repo_type=repo_type, revision=art.revision).sha
+        # by its commit: a branch moved since repo_info cannot mix two versions into one copy
+        snapshot_download(repo_id=art.name, repo_type=repo_type, revision=commit, local_dir=dest)
+    except RevisionNotFoundError as e:
+        raise UserError(f"artefact '{art.name}': {asked} is not in the {repo_type} repo on {api.endpoint}") from e
+    except RepositoryNotFoundError as e:  # gated and private repos answer so too without a token
+        raise UserError(
+            f"artefact '{art.name}': no {repo_type} repo of that name on {api.endpoint} (or it is private or gated: set HF_TOKEN)"
+        ) from e
+    except (HFValidationError, HTTPError, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"artefact '{art.name}': cannot download {asked} from {api.endpoint}: {first}") from e
+    shutil.rmtree(dest / ".cache", ignore_errors=True)  # hub bookkeeping, not content
+    return {"endpoint": api.endpoint, "repo_type": repo_type, "requested_revision": art.revision, "revision": commit}
 
 
 def _digest(path: Path) -> tuple[str, int, int]:
@@ -112,13 +138,14 @@ def stage_artefact(art, staging_dir: Path, index: dict) -> tuple[dict, bool]:
             if actual == old["sha256"] and (art.sha256 in (None, old["sha256"])):
                 return old, False
     with atomic_dir(staging_dir / rel_dir) as tmp:
-        _fetch(art, tmp)
+        hub = _fetch(art, tmp)
         digest, nfiles, size = _digest(tmp)
         if art.sha256 and art.sha256 != digest:
             raise UserError(f"artefact '{art.name}': sha256 {digest} does not match the configured {art.sha256}")
         only = next(iter(build_manifest(tmp))) if nfiles == 1 else None
     rel = rel_dir / only if only else rel_dir
-    return {"kind": art.kind, "path": str(rel), "sha256": digest, "files": nfiles, "bytes": size, "source": source}, True
+    entry = {"kind": art.kind, "path": str(rel), "sha256": digest, "files": nfiles, "bytes": size, "source": source}
+    return entry | ({"hub": hub} if hub else {}), True
 
 
 def prestage(staging_dir: str | os.PathLike, artefacts) -> dict:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, build_manifest
-from snowcat.pipeline.offline import load_index
+from snowcat.pipeline.offline import load_index, staged_revision
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.pipeline.schema import HF_PREFIX, hub_id
 from snowcat.stages.agent import teacher_messages
@@ -192,7 +192,8 @@ def lineage(ctx, cfg: Config) -> dict:
     return {
         "source": cfg.model,
         "hub_id": repo,
-        "revision": entry.get("source", {}).get("revision") or hf.snapshot_revision(path),
+        "revision": staged_revision(entry) or hf.snapshot_revision(path),
+        "requested_revision": (entry.get("hub") or {}).get("requested_revision"),
         "staged_sha256": entry.get("sha256"),
         "license": hf.checkpoint_license(path),
         "parents": parents,

@@ -1,7 +1,9 @@
-"""prestage stage and offline checks, with local files and a local wheel directory (no network)."""
+"""prestage stage and offline checks, with local files, a local wheel directory and FakeHub (a test
+double of the Hugging Face Hub's HTTP API; there is no network here)."""
 
 import dataclasses
 import hashlib
+import json
 import os
 import zipfile
 from pathlib import Path
@@ -13,9 +15,12 @@ from snowcat.pipeline import offline
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.rundir import RunDir
-from snowcat.stages import prestage
+from snowcat.stages import prestage, sft
 from snowcat.stages.config import Artefact
+from snowcat.stages.model import load_model_dir
+from snowcat.stages.model.tiny_hf import tiny_checkpoint
 from tests.conftest import runner_context
+from tests.fake_hub import FakeHub
 
 
 def make_wheel(directory: Path, name="demo_pkg", version="1.0") -> Path:
@@ -194,3 +199,123 @@ def test_an_hf_hub_source_resolves_to_the_staged_copy_offline_and_is_refused_uns
     path = ctx.checkpoint("hf:org/tiny-model", "model")
     assert path == ctx.staged["org/tiny-model"] and path.is_relative_to(staging)
     assert ctx.checkpoint(f"hf:{sources['model']}", "model") == sources["model"]  # a local directory as it is
+
+
+# ---------------------------------------------------------------- hub downloads, against FakeHub (no hub here)
+
+
+@pytest.fixture(scope="module")
+def tiny_repo(tmp_path_factory) -> Path:
+    """A small random Qwen3-MoE checkpoint with its tokenizer, as a hub repo holds one."""
+    path = tmp_path_factory.mktemp("tiny-repo")
+    tiny_checkpoint(path, ["What is 12+30?", "42", "That is not right. Try again."])
+    (path / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
+    return path
+
+
+@pytest.fixture
+def hub(monkeypatch, tiny_repo, tmp_path):
+    """FakeHub serving org/tiny with two commits on main (the first pinned by tests), this process's
+    huggingface_hub pointed at it and online."""
+    with FakeHub() as fake:
+        fake.first = fake.push("org/tiny", tiny_repo)
+        fake.push("org/tiny", {**_files(tiny_repo), "README.md": b"---\nlicense: apache-2.0\n---\n# tiny, retrained\n"})
+        for key in [*offline.OFFLINE_ENV, "HF_HOME"]:
+            monkeypatch.setenv(key, "")
+            monkeypatch.delenv(key)
+        fake.use_endpoint(monkeypatch, tmp_path / "hf-home")
+        yield fake
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("revision", [None, "main", "first"], ids=["no revision", "main", "a pinned commit"])
+def test_a_hub_download_records_the_commit_it_resolved_to_and_stages_exactly_it(tmp_path, hub, revision):
+    pinned = hub.first if revision == "first" else revision
+    head = hub.repos[("model", "org/tiny")]["branches"]["main"]
+    expected = hub.first if revision == "first" else head
+    # a push between resolving and downloading: the copy must still be one commit, the resolved one
+    hub.after_repo_info.append(lambda: hub.push("org/tiny", {"config.json": b"{}"}))
+    art = {"kind": "model", "name": "org/tiny"} | ({"revision": pinned} if pinned else {})
+    prestage.run(make_ctx(tmp_path, tmp_path / "staging", [art]))
+
+    entry = offline.load_index(tmp_path / "staging")["org/tiny"]
+    assert entry["hub"] == {"endpoint": hub.url, "repo_type": "model", "requested_revision": pinned, "revision": expected}
+    assert entry["source"] == ({"revision": pinned} if pinned else {})  # the configured source, as before
+    assert offline.staged_revision(entry) == expected
+    staged = offline.require_staged(tmp_path / "staging", ["org/tiny"], deep=True)["org/tiny"]
+    assert _files(staged) == hub.repos[("model", "org/tiny")]["commits"][expected]  # that commit's files, nothing else
+    assert hub.fetched_revisions() == {expected}  # every file fetched by the commit, never by the branch name
+    run_copy = json.loads((tmp_path / "run" / "stages" / "prestage" / "staged.json").read_text())
+    assert run_copy["artefacts"]["org/tiny"]["hub"] == entry["hub"]
+
+
+@pytest.mark.parametrize(
+    "art,error",
+    [
+        ({"name": "org/absent"}, r"^artefact 'org/absent': no model repo of that name on http://127\.0\.0\.1:\d+ \(or it is"),
+        ({"name": "org/tiny", "revision": "v9"}, r"^artefact 'org/tiny': revision 'v9' is not in the model repo on http://"),
+        ({"name": "org/tiny", "revision": "f" * 40}, r"^artefact 'org/tiny': revision 'f{40}' is not in the model repo"),
+    ],
+    ids=["unknown repo", "unknown branch", "unknown commit"],
+)
+def test_an_unknown_hub_repo_or_revision_is_a_one_line_error_naming_the_artefact(tmp_path, hub, art, error):
+    with pytest.raises(UserError, match=error) as err:
+        prestage.run(make_ctx(tmp_path, tmp_path / "staging", [{"kind": "model", **art}]))
+    assert "\n" not in str(err.value)
+    assert art["name"] not in offline.load_index(tmp_path / "staging")
+    assert not any((tmp_path / "staging" / "model").iterdir())  # nothing half-staged
+
+
+def test_a_staged_hub_model_resolves_offline_with_its_commit_in_the_lineage(tmp_path, hub, monkeypatch, tiny_repo):
+    staging = tmp_path / "staging"
+    (tmp_path / "run.yaml").write_text(f"""\
+stages:
+  stage_in:
+    kind: prestage
+    staging_dir: {staging}
+    artefacts: [{{kind: model, name: org/tiny, revision: main}}]
+  sft: {{kind: sft, needs: [stage_in], model: 'hf:org/tiny'}}
+""")
+    run = RunDir.create(config_mod.load(tmp_path / "run.yaml"), tmp_path / "run")
+    ctx = runner_context(run.path, "sft")
+    prestage.prestage(staging, ctx.run_config.stages["stage_in"].artefacts)
+    commit = hub.repos[("model", "org/tiny")]["branches"]["main"]
+    hub.stop()  # no hub from here on: the compute node's view
+    ctx.staged = offline.prepare(ctx)
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    path = ctx.checkpoint("hf:org/tiny", "model")
+    assert path == ctx.staged["org/tiny"] and path.is_relative_to(staging)
+    model, _, tok = load_model_dir(path)  # weights and tokenizer load from the staged copy alone
+    assert tok is not None and (path / "model.safetensors").read_bytes() == (tiny_repo / "model.safetensors").read_bytes()
+    lineage = sft.lineage(ctx, ctx.config)  # what SFT writes into checkpoints/initial/meta.json, the card's source
+    assert lineage["hub_id"] == "org/tiny" and lineage["revision"] == commit and lineage["requested_revision"] == "main"
+    assert lineage["license"] == "apache-2.0"
+
+
+def test_prestage_through_the_cli_reaches_the_hub_named_by_hf_endpoint(tmp_path, hub, snowcat):
+    """The real path: `snowcat run` in fresh processes that read HF_ENDPOINT at import. The first
+    artefact stages with its commit; the second, unknown, fails the stage naming it, on one line,
+    and the index keeps the first."""
+    staging = tmp_path / "staging"
+    cfg = tmp_path / "hub.yaml"
+    cfg.write_text(f"""\
+name: hub
+executor: {{kind: local, max_parallel: 1}}
+stages:
+  prestage:
+    kind: prestage
+    staging_dir: {staging}
+    artefacts: [{{kind: model, name: org/tiny}}, {{kind: model, name: org/absent}}]
+""")
+    proc = snowcat("run", cfg, "--run-dir", tmp_path / "run", env={"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home")})
+    assert proc.returncode == 1  # a failed stage stops the run (as any stage's error does)
+    status = snowcat.status(tmp_path / "run")
+    error = status["stages"]["prestage"]["error"]
+    assert error.startswith("UserError: artefact 'org/absent': no model repo of that name on " + hub.url) and "\n" not in error
+    entry = offline.load_index(staging)["org/tiny"]
+    assert entry["hub"]["revision"] == hub.repos[("model", "org/tiny")]["branches"][
+        "main"
+    ] and "org/absent" not in offline.load_index(staging)
