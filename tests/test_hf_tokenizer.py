@@ -11,6 +11,7 @@ from snowcat.pipeline.errors import UserError
 from snowcat.stages.hf_tokenizer import HFChatTokenizer
 from snowcat.stages.model.tiny_hf import CHAT_TEMPLATE, hf_chat_tokenizer, hf_tokenizer_files
 from snowcat.stages.tokenizer import load_tokenizer
+from tests.qwen3_template import EMPTY_THINK, qwen3_tokenizer
 
 TEXTS = ["What is 12+30?", "42", "call the calculator", "<tool_call>12+30</tool_call>", "That is not right. Try again."]
 CALL = {"type": "function", "function": {"name": "calculator", "arguments": {"expr": "12+30"}}}
@@ -78,10 +79,133 @@ def test_a_tokenizer_without_chat_template_is_refused(tmp_path):
         HFChatTokenizer.load(tmp_path)
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "rewrite,error",
+    [
+        (
+            "{{ m.content if loop.last else 'earlier' }}",
+            "'s rendering up to assistant message 1 does not begin with its generation prompt",
+        ),
+        (
+            "{{ m.content if loop.last or m.role != 'assistant' else 'earlier' }}",
+            " drops or rewrites assistant message 1's text once message 2 is added",
+        ),
+    ],
+    ids=["every earlier message", "earlier assistant content"],
+)
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, rewrite, error):
     hf_tokenizer_files(TEXTS, tmp_path)
     fast = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
-    # like templates that drop earlier reasoning: the last assistant turn is rendered differently
-    fast.chat_template = CHAT_TEMPLATE.replace("{{ m.content }}", "{{ m.content if loop.last else 'earlier' }}")
-    with pytest.raises(UserError, match="rewrites earlier turns when message 1 is added"):
-        HFChatTokenizer(fast, where="t").encode_chat(CONVERSATION)
+    # like templates that drop earlier reasoning: an earlier message is rendered differently once it is not last
+    fast.chat_template = CHAT_TEMPLATE.replace("{{ m.content }}", rewrite)
+    msgs = [CONVERSATION[0], {"role": "assistant", "content": "41"}, {"role": "user", "content": "Try again."}]
+    with pytest.raises(UserError, match=f"^t: the chat template{error}"):
+        HFChatTokenizer(fast, where="t").encode_chat(msgs)
+
+
+# ---------------------------------------------------------------- the real Qwen3 chat template
+
+SECOND = {"type": "function", "function": {"name": "calculator", "arguments": {"expr": "42*2"}}}
+TOOL_TURNS = [
+    {"role": "system", "content": "You are a careful calculator."},
+    {"role": "user", "content": "What is 12+30, doubled?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "content": "42"},
+    {"role": "assistant", "content": "Now double it.", "tool_calls": [SECOND]},
+    {"role": "tool", "content": "84"},
+    {"role": "assistant", "content": "84"},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return qwen3_tokenizer(TEXTS + ["Now double it.", "You are a careful calculator."], tmp_path_factory.mktemp("qwen3"))
+
+
+def render(tok, messages, generation=False) -> str:
+    return tok._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+
+
+def test_qwen3_multi_turn_tool_conversation_is_what_the_agent_loop_holds(qwen3):
+    """Each assistant turn as Qwen3's template renders it last (after its generation prompt, through
+    <|im_end|>), the tool results as the agent loop appends them: the conversation's ids equal
+    prompt + turns + observation_ids, and differ from the template's rendering of the whole
+    conversation only by the empty think block Qwen3 drops from earlier turns."""
+    ids, mask = qwen3.encode_chat(TOOL_TURNS)
+    loop = qwen3.render_prompt(TOOL_TURNS[:2])
+    turns = [i for i, m in enumerate(TOOL_TURNS) if m["role"] == "assistant"]
+    for i in turns:
+        assert loop == qwen3.render_prompt(TOOL_TURNS[:i]) == ids[: len(loop)]  # the loop's prompt, exactly
+        head, full = render(qwen3, TOOL_TURNS[:i], generation=True), render(qwen3, TOOL_TURNS[: i + 1])
+        turn = full[len(head) : full.rindex("<|im_end|>") + len("<|im_end|>")]  # the template's own turn, as last
+        sampled = ids[len(loop) : len(loop) + len(qwen3.encode(turn))]
+        assert (
+            qwen3.decode(sampled) == turn
+            and sampled[-1] == qwen3.end_of_turn_id
+            and all(mask[len(loop) : len(loop) + len(sampled)])
+        )
+        loop = loop + sampled
+        if i + 1 < len(TOOL_TURNS):
+            loop += qwen3.observation_ids("tool", TOOL_TURNS[i + 1]["content"])
+    assert ids == loop + qwen3.encode("\n") and mask[len(loop) :] == [0]
+    text, whole = qwen3.decode(ids), render(qwen3, TOOL_TURNS)
+    assert text.count(EMPTY_THINK) == len(turns) and whole.count(EMPTY_THINK) == 1
+    assert text.replace(EMPTY_THINK, "") == whole.replace(EMPTY_THINK, "")
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expr": "42*2"}}\n</tool_call>' in text
+    assert qwen3.decode(qwen3.observation_ids("tool", "42")) == (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert qwen3.tool_call_start_id == qwen3._tok.convert_tokens_to_ids("<tool_call>")
+    trained = qwen3.decode([i for i, m in zip(ids, mask) if m])
+    assert trained == (
+        f'{EMPTY_THINK}<tool_call>\n{{"name": "calculator", "arguments": {{"expr": "12+30"}}}}\n</tool_call><|im_end|>'
+        f'{EMPTY_THINK}Now double it.\n<tool_call>\n{{"name": "calculator", "arguments": {{"expr": "42*2"}}}}\n</tool_call><|im_end|>'
+        f"{EMPTY_THINK}84<|im_end|>"
+    )
+
+
+def test_qwen3_keeps_reasoning_within_a_tool_chain_and_it_encodes_as_rendered(qwen3):
+    # after the last user query Qwen3 keeps each turn's reasoning: the ids are the template's rendering
+    msgs = [
+        TOOL_TURNS[1],
+        {"role": "assistant", "content": "<think>\nadd first\n</think>\n\n", "tool_calls": [CALL]},
+        TOOL_TURNS[3],
+    ]
+    msgs += [{"role": "assistant", "content": "<think>\ndone\n</think>\n\n42"}]
+    ids, mask = qwen3.encode_chat(msgs)
+    assert qwen3.decode(ids) == render(qwen3, msgs)
+    assert qwen3.decode([i for i, m in zip(ids, mask) if m]).startswith("<think>\nadd first\n</think>\n\n<tool_call>")
+
+
+def test_qwen3_drops_earlier_reasoning_after_a_new_user_query_and_that_is_refused(qwen3):
+    msgs = [
+        {"role": "user", "content": "What is 12+30?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n41"},
+        {"role": "user", "content": "That is not right. Try again."},
+        {"role": "assistant", "content": "42"},
+    ]
+    assert "add them" not in render(qwen3, msgs)  # the template's own behaviour
+    with pytest.raises(UserError) as err:
+        qwen3.encode_chat(msgs)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(
+        f"{qwen3.where}: the chat template drops or rewrites assistant message 1's text once message 2 is added"
+    )
+    assert "remove that text from earlier turns or split the conversation" in message
+    # without the reasoning the same conversation encodes
+    msgs[1] = {"role": "assistant", "content": "41"}
+    ids, _ = qwen3.encode_chat(msgs)
+    assert qwen3.decode(ids).replace(EMPTY_THINK, "") == render(qwen3, msgs).replace(EMPTY_THINK, "")
+
+
+def test_qwen3_student_prefix_and_untrained_turns(qwen3):
+    msgs = [
+        {"role": "user", "content": "What is 12+30?"},
+        {"role": "assistant", "content": "41", "train": False},
+        {"role": "user", "content": "That is not right. Try again."},
+        {"role": "assistant", "student_prefix": "4", "content": "2"},
+    ]
+    ids, mask = qwen3.encode_chat(msgs)
+    # the template's empty think block belongs to the turn (the model emits it); the teacher's prefix is context
+    assert qwen3.decode([i for i, m in zip(ids, mask) if m]) == f"{EMPTY_THINK}2<|im_end|>"
+    assert qwen3.decode(ids).endswith(f"<|im_start|>assistant\n{EMPTY_THINK}42<|im_end|>\n")

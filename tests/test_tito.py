@@ -1,7 +1,8 @@
 """Token-in-token-out: the training sequence holds exactly the sampled ids, though re-tokenising
 the sampled text would change them (this repo's BPE merges 'h'+'e' -> 'he' and so on). Every test
-runs with snowcat's local tokenizer and with a checkpoint-style HF tokenizer and chat template on the
-torch engine, and with that HF checkpoint served by vLLM (CPU)."""
+runs with snowcat's local tokenizer, with a checkpoint-style HF tokenizer and chat template and with
+the real Qwen3 chat template (tests/fixtures) on the torch engine, and with that HF checkpoint served
+by vLLM (CPU)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from snowcat.stages.config import VllmConfig
 from snowcat.stages.model import load_model_dir
 from snowcat.stages.model.tiny_hf import hf_chat_tokenizer, tiny_checkpoint
 from snowcat.stages.rollout import SamplingParams, TorchEngine, serve_model_dir
+from tests.qwen3_template import qwen3_tokenizer
 
 SEED = 5
 BUDGET = Budget(max_context=160, max_turn_tokens=6, max_turns=4, recover_long_turns=True)
 PARAMS = SamplingParams(temperature=1.0)
 
 
-@pytest.fixture(scope="module", params=["local", "hf", "hf-vllm"])
+@pytest.fixture(scope="module", params=["local", "hf", "hf-qwen3", "hf-vllm"])
 def rollout(request, tmp_path_factory):
     arith, closure = tiny_tasks()
     texts = [t.prompt for t in arith + closure] + [t.answer for t in arith + closure] + ["turn cut at tokens; answer briefly"]
@@ -34,8 +36,9 @@ def rollout(request, tmp_path_factory):
         tok = tiny_tokenizer(arith + closure)
         model = tiny_model(tok, seed=1)
         engine = TorchEngine(model, max_batch=16)
-    elif request.param == "hf":
-        tok = hf_chat_tokenizer(texts, tmp_path_factory.mktemp("tokenizer"), vocab_size=300)
+    elif request.param in ("hf", "hf-qwen3"):
+        make = hf_chat_tokenizer if request.param == "hf" else qwen3_tokenizer
+        tok = make(texts, tmp_path_factory.mktemp("tokenizer"), vocab_size=300)
         model = tiny_model(tok, seed=1)
         engine = TorchEngine(model, max_batch=16)
     else:
