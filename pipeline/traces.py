@@ -25,6 +25,8 @@ import pyarrow.parquet as pq
 
 from snowcat.stages.agent import dataset, detectors
 
+from . import config as config_mod
+from . import sweep
 from .dag import build
 from .drift import weight_drift
 from .errors import UserError
@@ -57,6 +59,24 @@ def _units(run: RunDir, stage: str | None, kinds: tuple[str, ...]):
     return [(node, unit) for node in nodes for unit in node.units]
 
 
+def _drift_unit(run: RunDir, checkpoint: str | None) -> tuple[str, int | None, str] | None:
+    """(stage, unit index or None for every unit, checkpoint name) that `--checkpoint` names for the
+    drift: `rl:final`, `rl[1]:final`, `rl[estimator=grpo,tis_cap=1.0]:final`; None for a bare name
+    (`final`: every training unit's) or none."""
+    if checkpoint is None or ":" not in checkpoint:
+        return None
+    stage_part, _, name = checkpoint.rpartition(":")
+    stages = config_mod.typed(run.config()).stages
+    try:
+        stage, selector = sweep.parse_unit_selector(stage_part)
+        if stage not in stages:
+            return stage, None, name  # no such training stage: no drift, the groups may still match
+        items = sweep.fan_out_items(stages[stage].fan_out, f"stages.{stage}")
+        return stage, None if selector is None else sweep.select_unit(stage, items, selector), name
+    except ValueError as e:
+        raise UserError(f"--checkpoint {checkpoint!r}: {e}") from None
+
+
 def analyse_run(run_dir: str | Path, stage: str | None = None, checkpoint: str | None = None) -> dict:
     """The report's numbers: per group of kept episodes `detectors.analyse`, per training unit the drift."""
     run = RunDir.open(run_dir)
@@ -81,18 +101,18 @@ def analyse_run(run_dir: str | Path, stage: str | None = None, checkpoint: str |
                 **({"by_step": by_step(rs)} if node.kind == "rl" else {}),
             }
     drift = {}
-    ref_stage, _, ref_name = (checkpoint or "").rpartition(":")  # "rl:final", or a bare name for every stage
+    wanted = _drift_unit(run, checkpoint)  # None: every training unit
     for node, unit in _units(run, stage, ("sft", "rl")):
-        if ref_stage and ref_stage != node.name:
+        if wanted is not None and wanted[:2] not in ((node.name, None), (node.name, unit.index)):
             continue
-        name = ref_name or "final"
+        name = wanted[2] if wanted else (checkpoint or "final")
         udir = run.unit_dir(unit)
         try:
             after = checkpoint_dir(udir, name)
             initial = checkpoint_dir(udir, "initial")
         except UserError:
             continue  # not trained yet, or initialised from another stage's checkpoint
-        drift[unit.key] = {"checkpoint": f"{node.name}:{name}", "initial": f"{node.name}:initial", **weight_drift(after, initial)}
+        drift[unit.key] = {"checkpoint": f"{unit.key}:{name}", "initial": f"{unit.key}:initial", **weight_drift(after, initial)}
     if not groups and not drift:
         raise UserError(f"{run.path}: no kept trajectories (trajectories/) and no trained checkpoint to analyse")
     return {"run": str(run.path), "groups": groups, "drift": drift}

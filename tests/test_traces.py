@@ -34,7 +34,7 @@ from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
 from snowcat.stages.taskgen import generate_domain
 from snowcat.stages.taskgen.arith import worked_solution
 from snowcat.stages.tokenizer import train_tokenizer
-from tests.conftest import SHARED_RUN_TIMEOUT_S
+from tests.conftest import SHARED_RUN_TIMEOUT_S, TINY, write_config
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +323,34 @@ def test_weight_drift_is_per_layer_and_one_for_an_untouched_layer(tmp_path):
     assert drift["layers"]["layers.0"] < 0.5 and drift["layers"]["embed_tokens"] < 1.0
     assert 0 < drift["unchanged"] < 1
     assert weight_drift(tmp_path / "initial", tmp_path / "initial")["unchanged"] == 1.0
+
+
+def test_drift_of_a_swept_stage_is_per_unit_and_named_as_references_name_it(tmp_path):
+    """Each unit of a fanned-out SFT is compared with its own initial weights, labelled `sft[i]:final`;
+    `--checkpoint sft[lr=0.01]:final` picks that unit."""
+    cfg = config_mod.load(write_config(tmp_path / "sweep.yaml", TINY + "    fan_out: {lr: [0.001, 0.01]}\n"))
+    run = RunDir.create(cfg, tmp_path / "run")
+    micro = PRESETS["test-micro"]
+    tok = train_tokenizer(["12+34=46"] * 8, vocab_size=micro.vocab_size)
+    for index, touched in ((0, 0), (1, 1)):
+        torch.manual_seed(0)
+        model = MoEForCausalLM(micro)
+        ckpts = run.unit_dir(Unit("sft", index)) / "checkpoints"
+        save_model_dir(ckpts / "initial", model, tok)
+        with torch.no_grad():  # unit 1 changes one more tensor than unit 0
+            for p in list(model.parameters())[: 1 + touched]:
+                p.add_(1.0)
+        save_model_dir(ckpts / "final", model, tok)
+    report = traces.analyse_run(run.path)
+    assert {k: (d["checkpoint"], d["initial"]) for k, d in report["drift"].items()} == {
+        "sft[0]": ("sft[0]:final", "sft[0]:initial"),
+        "sft[1]": ("sft[1]:final", "sft[1]:initial"),
+    }
+    assert report["drift"]["sft[1]"]["unchanged"] < report["drift"]["sft[0]"]["unchanged"] < 1
+    assert list(traces.analyse_run(run.path, checkpoint="sft[lr=0.01]:final")["drift"]) == ["sft[1]"]
+    assert len(traces.analyse_run(run.path, checkpoint="sft:final")["drift"]) == 2
+    with pytest.raises(UserError, match=r"--checkpoint 'sft\[5\]:final': stage 'sft' has units 0..1, not 5"):
+        traces.analyse_run(run.path, checkpoint="sft[5]:final")
 
 
 def history(entropy: list[float], reward: list[float], held_out: dict[int, float]) -> list[dict]:
