@@ -92,6 +92,38 @@ def test_resumed_sft_checkpoints_equal_an_uninterrupted_runs_byte_for_byte(tmp_p
     assert la == lb
 
 
+def test_a_checkpoint_saved_but_never_registered_is_registered_on_resume(tmp_path, tasks_dir, monkeypatch):  # noqa: F811
+    """Killed between a checkpoint's save and its registration with retention (found by the Slurm
+    fault campaign): the resumed run restores it, registers it, and keeps the uninterrupted run's
+    checkpoints and ledger; before, it lay outside the ledger for good."""
+    from snowcat.pipeline.retention import Retention  # noqa: PLC0415
+
+    straight = sft_ctx(tmp_path / "a", tasks_dir, eval_tasks=0, steps=9, keep_last=1)
+    sft.run(straight)
+
+    class Killed(Exception):
+        pass
+
+    register = Retention.register
+
+    def killed_at_step_6(self, step, *args, **kwargs):
+        if step == 6:
+            raise Killed
+        return register(self, step, *args, **kwargs)
+
+    dying = sft_ctx(tmp_path / "b", tasks_dir, eval_tasks=0, steps=9, keep_last=1)
+    monkeypatch.setattr(Retention, "register", killed_at_step_6)
+    with pytest.raises(Killed):
+        sft.run(dying)
+    assert (dying.out_dir / "checkpoints" / "step_000006").is_dir() and "6" not in ledger(dying.out_dir)["checkpoints"]
+    monkeypatch.setattr(Retention, "register", register)
+    sft.run(sft_ctx(tmp_path / "b", tasks_dir, eval_tasks=0, steps=9, keep_last=1))
+
+    assert_same_files(checkpoint_files(straight.out_dir), checkpoint_files(dying.out_dir))
+    assert ledger(straight.out_dir) == ledger(dying.out_dir)
+    assert [d["step"] for d in ledger(dying.out_dir)["deleted"]] == [3, 6]
+
+
 def test_an_sft_retry_from_initial_equals_a_fresh_start_byte_for_byte(tmp_path, tasks_dir):  # noqa: F811
     """A run that dies after writing `checkpoints/initial` but before its first step checkpoint is
     retried from `initial`: its RNG snapshots (and everything else) equal a fresh start's."""

@@ -180,8 +180,20 @@ class TrainLoop:
     def _eval_due(self) -> bool:
         return bool(self.eval_every) and (self.step % self.eval_every == 0 or self.step == self.steps)
 
+    def _register_restored(self) -> None:
+        """The restored checkpoint, when a process killed between its save and its registration left it
+        off the retention ledger: registered as the save would have (its log line's metrics when that
+        step was evaluated), or retention never deletes it and the ledger differs from an uninterrupted run's."""
+        retention, step = self.checkpoints.retention, self.checkpoints.last_saved
+        if retention is None or step is None or step in retention.registered():
+            return
+        evaluated = bool(self.eval_every) and (step % self.eval_every == 0 or step == self.steps)
+        rec = next((r for r in self.log.records if r.get("step") == step), {}) if evaluated else {}
+        retention.register(step, rec, preemption=not self.scheduled(step))
+
     def train(self) -> None:
         ctx, t_start = self.ctx, time.perf_counter()
+        self._register_restored()
         try:
             if self.step == 0 and self.eval_every and not self.log.records:  # the initial model's score: row 0
                 self.log.append({"step": 0, **self.evaluate()})
