@@ -54,6 +54,7 @@ from snowcat.pipeline import procid
 from snowcat.pipeline.fsio import atomic_write_json, sha256_file, verify_manifest
 from snowcat.pipeline.provenance import host_state
 from snowcat.pipeline.rundir import RunDir
+from snowcat.pipeline.volatile import RULE, strip_volatile
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "faults.yaml"
@@ -74,36 +75,20 @@ CATEGORIES = (
 
 # What the comparison with the reference leaves out, and why. Every other byte of every file in a
 # stage manifest must be equal.
-VOLATILE_KEYS = {  # JSON keys removed before comparing the named files (any depth)
-    "metrics.json": ("duration_s", "tokens_per_s", "train_seconds", "wait_seconds", "sampled_tokens_per_s"),
-    "metrics_history.jsonl": (
-        "step_time_s",
-        "tokens_per_s",
-        "throughput/sampled_tokens_per_s",
-        "time/step_s",
-        "time/wait_batch_s",
-    ),
-    "retention.json": ("registered_at", "time"),
-}
-# The retention ledger also lists every checkpoint a run saved and then deleted; a preempted run
-# saves one more (at the signal's step), which retention deletes. Those entries are history, not
-# output: compared are the checkpoints still retained.
+# The retention ledger also records a preemption checkpoint (saved at the notice's step, kept only
+# until the next checkpoint) and its deletion: the notice's history, not output. Everything else in
+# it, deletions and their reasons included, is compared.
 EXCLUDED = [
     {
-        "what": "metrics.json: duration_s, tokens_per_s, train_seconds, wait_seconds (RL: the trainer's wait for "
-        "batches), sampled_tokens_per_s (RL: rollout speed)",
-        "why": "wall-clock durations and speeds",
+        "what": "fields volatile by schema (pipeline/volatile.py: " + RULE + ") in JSON and JSONL files and in a "
+        "Markdown file's YAML header (the kept trajectories' dataset card); those seen in each reference are listed "
+        "in references.<name>.volatile_fields_left_out",
+        "why": "wall-clock durations, speeds and stamps: the rule `snowcat reproduce` applies",
     },
     {
-        "what": "metrics_history.jsonl: step_time_s, tokens_per_s, throughput/sampled_tokens_per_s, time/step_s, "
-        "time/wait_batch_s",
-        "why": "per-step wall-clock times and speeds",
-    },
-    {"what": "checkpoints/retention.json: registered_at, time", "why": "wall-clock stamps of the retention ledger"},
-    {
-        "what": "checkpoints/retention.json: entries of deleted checkpoints (`deleted`, entries marked deleted)",
-        "why": "the ledger's history of what was saved and deleted: a preemption saves one more checkpoint at the "
-        "signal's step, which retention then deletes; the retained checkpoints' entries are compared",
+        "what": "checkpoints/retention.json: the entries of preemption checkpoints (marked `preemption`) and of their deletion",
+        "why": "a preempted stage saves one more checkpoint at the notice's step, which the next checkpoint supersedes "
+        "(pipeline/retention.py); every other entry, deletions and reasons included, is compared",
     },
     {
         "what": "any JSON string holding the run directory's path (or the reference's, in a copied run)",
@@ -120,6 +105,7 @@ EXCLUDED = [
         "config.yaml are checked by the faults that damage them",
     },
 ]
+VOCABULARIES = {"tokenizer.json"}  # its keys are tokens ("s" is one), not field names: compared byte for byte
 TEMP_NAME = re.compile(r"^\..*(\.tmp|\.staging|\.old)$")
 STAGING = re.compile(r"^\..*\.(staging|tmp)$")
 
@@ -127,8 +113,9 @@ STAGING = re.compile(r"^\..*\.(staging|tmp)$")
 # --- processes ------------------------------------------------------------------------------------
 
 
-def _cli(*args: str, log: Path) -> subprocess.Popen:
-    """A snowcat command in its own session: a hang is killed with everything it started."""
+def _cli(*args: str, log: Path, cwd: Path | None = None) -> subprocess.Popen:
+    """A snowcat command in its own session: a hang is killed with everything it started. `cwd`: the
+    Slurm part's way to tell one fault's jobs from another's (their WorkDir)."""
     out = open(log, "ab")
     out.write(f"\n$ snowcat {' '.join(args)}\n".encode())
     out.flush()
@@ -138,6 +125,7 @@ def _cli(*args: str, log: Path) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
+        cwd=cwd,
     )
     out.close()
     return proc
@@ -302,41 +290,57 @@ def leftovers(run: Path) -> list[str]:
     return sorted(str(p.relative_to(run)) for p in root.rglob(".*") if TEMP_NAME.match(p.name)) if root.is_dir() else []
 
 
-def _strip(obj, keys: tuple[str, ...], paths: tuple[str, ...]):
+def _unpath(obj, paths: tuple[str, ...]):
     if isinstance(obj, dict):
-        return {k: _strip(v, keys, paths) for k, v in obj.items() if k not in keys}
+        return {k: _unpath(v, paths) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_strip(v, keys, paths) for v in obj]
+        return [_unpath(v, paths) for v in obj]
     if isinstance(obj, str):
         for p in paths:
             obj = obj.replace(p, "<run>")
     return obj
 
 
-def normalized(path: Path, paths: tuple[str, ...]) -> str:
-    """sha256 of the file, or for JSON/JSONL of its content less VOLATILE_KEYS, with `paths` (run
-    directories) replaced by <run>."""
-    if path.suffix not in (".json", ".jsonl"):
+def _structured(path: Path, text: str):
+    """The content of a JSON/JSONL file, or {header, body} of Markdown with a YAML header (a dataset
+    card); None for a Markdown file without one."""
+    if path.suffix == ".jsonl":
+        return [json.loads(x) for x in text.splitlines() if x.strip()]
+    if path.suffix == ".json":
+        return json.loads(text)
+    head, sep, body = text.removeprefix("---\n").partition("\n---\n")
+    return {"header": yaml.safe_load(head), "body": body} if text.startswith("---\n") and sep else None
+
+
+def normalized(path: Path, paths: tuple[str, ...], removed: dict[str, set[str]] | None = None) -> str:
+    """sha256 of the file; of JSON, JSONL and a Markdown file's YAML header, of the content less the
+    fields volatile by schema (pipeline/volatile.py; their names go to `removed[file name]`), with
+    `paths` (run directories) replaced by <run>."""
+    if path.suffix not in (".json", ".jsonl", ".md") or path.name in VOCABULARIES:
         return sha256_file(path)
-    keys = VOLATILE_KEYS.get(path.name, ())
-    text = path.read_text()
+    text = path.read_text(errors="replace")
     try:
-        if path.suffix == ".jsonl":
-            obj = [_strip(json.loads(x), keys, paths) for x in text.splitlines() if x.strip()]
-        else:
-            obj = _strip(json.loads(text), keys, paths)
-    except ValueError:
+        obj = _structured(path, text)
+    except (ValueError, yaml.YAMLError):
         return "unparseable:" + hashlib.sha256(text.encode()).hexdigest()
-    if path.name == "retention.json" and isinstance(obj, dict):
-        obj = {k: v for k, v in obj.items() if k != "deleted"}
-        if isinstance(obj.get("checkpoints"), dict):
-            obj["checkpoints"] = {k: v for k, v in obj["checkpoints"].items() if not (isinstance(v, dict) and v.get("deleted"))}
+    if obj is None:
+        return sha256_file(path)
+    obj, gone = strip_volatile(obj)
+    obj = _unpath(obj, paths)
+    if removed is not None and gone:
+        removed.setdefault(path.name, set()).update(gone)
+    if path.name == "retention.json" and isinstance(obj, dict) and isinstance(obj.get("checkpoints"), dict):
+        notice = {k for k, v in obj["checkpoints"].items() if isinstance(v, dict) and v.get("preemption")}
+        obj["checkpoints"] = {k: v for k, v in obj["checkpoints"].items() if k not in notice}
+        obj["deleted"] = [d for d in obj.get("deleted", []) if not (isinstance(d, dict) and str(d.get("step")) in notice)]
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def fingerprint(run: Path, reference: Path | None = None) -> dict[str, dict[str, str]]:
+def fingerprint(
+    run: Path, reference: Path | None = None, removed: dict[str, set[str]] | None = None
+) -> dict[str, dict[str, str]]:
     """unit key -> {file in its manifest -> normalized hash}. `reference`: the run this one may be a
-    copy of (its path, too, stands for the run directory)."""
+    copy of (its path, too, stands for the run directory); `removed`: see `normalized`."""
     paths = tuple(str(p) for p in (run, reference) if p is not None)
     out = {}
     for key, d in unit_dirs(run).items():
@@ -345,13 +349,13 @@ def fingerprint(run: Path, reference: Path | None = None) -> dict[str, dict[str,
         except (OSError, ValueError, KeyError):
             out[key] = {"<manifest>": "unreadable"}
             continue
-        out[key] = {rel: normalized(d / rel, paths) if (d / rel).is_file() else "missing" for rel in sorted(files)}
+        out[key] = {rel: normalized(d / rel, paths, removed) if (d / rel).is_file() else "missing" for rel in sorted(files)}
         # nested manifests (a checkpoint's, a weight version's) are outputs too, but no stage manifest
         # lists them: fsio.list_files leaves out every file named manifest.json, at any depth
         for m in sorted(d.rglob("manifest.json")):
             rel = m.relative_to(d)
             if m != d / "manifest.json" and not any(part.startswith(".") for part in rel.parts) and str(rel) not in files:
-                out[key][str(rel)] = normalized(m, paths)
+                out[key][str(rel)] = normalized(m, paths, removed)
     return out
 
 
@@ -438,9 +442,17 @@ class Reference:
     path: Path
     print: dict[str, dict[str, str]] = field(default_factory=dict)
     wall: float = 0.0
+    command_s: float = 0.0  # how long `snowcat run` took (on Slurm: the submission alone)
+    volatile: dict[str, set[str]] = field(default_factory=dict)  # file name -> fields left out of the comparison
 
 
 class Campaign:
+    """The local part: runs under the local executor, each command's exit is the run's end. The Slurm
+    part (benchmarks/faults_slurm.py) overrides the hooks marked so."""
+
+    rl_kinds = ("kill_weight_publish", "kill_mpi_rank")
+    run_args: tuple[str, ...] = ()  # hook: options of `snowcat run` besides the config and --run-dir
+
     def __init__(self, args, root: Path, config: Path, rl_config: Path | None = None):
         self.args = args
         self.root = root
@@ -462,6 +474,38 @@ class Campaign:
     def ref_wall(self) -> float:
         return self.refs["main"].wall
 
+    # -- hooks --
+
+    @classmethod
+    def unready(cls) -> str | None:
+        """Why the campaign cannot start here (checked after the arguments), or None."""
+        return None
+
+    def workdir(self, run: Path) -> Path | None:
+        """Where the commands of the run at `run` start (None: the campaign's own directory)."""
+        return None
+
+    def settle(self, run: Path) -> str | None:
+        """Wait for the work a command left running (none locally); a complaint past the time-out."""
+        return None
+
+    def finished(self, run: Path) -> bool:
+        """Whether a run whose last command exited 0 is done (locally: always)."""
+        return True
+
+    def cli(self, run: Path, *args: str, log: Path) -> subprocess.Popen:
+        return _cli(*args, log=log, cwd=self.workdir(run))
+
+    def before(self, f: Fault) -> None:
+        """Right before the fault is injected (the decoy process already runs)."""
+
+    def after(self, f: Fault) -> None:
+        """After the verdict, whatever happened: nothing of this fault may run into the next one."""
+
+    def describe(self) -> dict:
+        """What the result file says besides the counts about where the campaign ran."""
+        return {}
+
     # -- reference --
 
     def make_reference(self, name: str = "main") -> None:
@@ -469,11 +513,13 @@ class Campaign:
         shutil.rmtree(ref.path, ignore_errors=True)
         log = self.root / f"{ref.path.name}.log"
         t0 = time.monotonic()
-        rc = wait(_cli("run", str(ref.config), "--run-dir", str(ref.path), log=log), self.timeout)
+        rc = wait(self.cli(ref.path, "run", str(ref.config), *self.run_args, "--run-dir", str(ref.path), log=log), self.timeout)
+        ref.command_s = time.monotonic() - t0
+        hang = self.settle(ref.path) if rc == 0 else None
         ref.wall = time.monotonic() - t0
-        if rc != 0:
-            raise SystemExit(f"the reference run of {ref.config} failed ({rc}): {last_output(log)}")
-        ref.print = fingerprint(ref.path)
+        if rc != 0 or hang or not self.finished(ref.path):
+            raise SystemExit(f"the reference run of {ref.config} failed ({rc}, {hang}): {last_output(log)}")
+        ref.print = fingerprint(ref.path, removed=ref.volatile)
         torn = torn_files(ref.path)
         if torn:
             raise SystemExit(f"the reference run {ref.path} has torn files: {torn[:3]}")
@@ -482,7 +528,7 @@ class Campaign:
         d = self.root / "faults" / f"{index:04d}-{kind}"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-        return Fault(kind, index, d, d / "run", ref="rl" if kind in RL_KINDS else "main")
+        return Fault(kind, index, d, d / "run", ref="rl" if kind in self.rl_kinds else "main")
 
     def copy_reference(self, f: Fault) -> None:
         shutil.copytree(self.refs[f.ref].path, f.run, symlinks=True)
@@ -867,7 +913,7 @@ class Campaign:
 
     def recover(self, f: Fault) -> None:
         if f.expect_config_refusal:
-            proc = _cli("resume", str(f.run), log=f.log)
+            proc = self.cli(f.run, "resume", str(f.run), log=f.log)
             rc = wait(proc, self.timeout)
             said = last_output(f.log, 1)
             f.params["refusal"] = said[:300]
@@ -880,15 +926,20 @@ class Campaign:
             again = (
                 ("resume", str(f.run))
                 if (f.run / "run.json").is_file()
-                else ("run", str(self.refs[f.ref].config), "--run-dir", str(f.run))
+                else ("run", str(self.refs[f.ref].config), *self.run_args, "--run-dir", str(f.run))
             )
-            rc = wait(_cli(*again, log=f.log), self.timeout)
+            rc = wait(self.cli(f.run, *again, log=f.log), self.timeout)
             if rc is None:
                 f.problems["hangs"].append(f"resume {f.resumes} ran past {self.timeout}s")
                 continue
             said = last_output(f.log, 1)
             if rc == 0:
-                return
+                hang = self.settle(f.run)
+                if hang:
+                    f.problems["hangs"].append(f"after resume {f.resumes}: {hang}")
+                if self.finished(f.run):
+                    return
+                continue
             m = re.search(r"delete (\S+) to recompute it", said)
             if rc == 2 and m and f.remedy:
                 shutil.rmtree(m.group(1))  # the documented remedy for outputs that changed
@@ -928,6 +979,7 @@ class Campaign:
             self.make_reference(f.ref)
         self.decoy = subprocess.Popen(["sleep", "100000"], start_new_session=True)
         try:
+            self.before(f)
             getattr(self, kind)(f, rng)
             self.recover(f)
             self.verdict(f)
@@ -944,6 +996,7 @@ class Campaign:
                     os.kill(pid, signal.SIGKILL)
             if kind == "disk_full":
                 subprocess.run(["umount", "-l", str(f.dir / "mnt")], capture_output=True)
+            self.after(f)
         return f
 
 
@@ -968,7 +1021,7 @@ KINDS = (
     "kill_weight_publish",
     "kill_mpi_rank",
 )
-RL_KINDS = ("kill_weight_publish", "kill_mpi_rank")  # on configs/faults-rl.yaml (an RL stage: two MPI ranks)
+RL_KINDS = Campaign.rl_kinds  # on configs/faults-rl.yaml (an RL stage: two MPI ranks)
 
 
 # --- report ------------------------------------------------------------------------------------------
@@ -1016,30 +1069,42 @@ def print_table(table: dict[str, dict]) -> None:
     print(f"{'total':28}" + "".join(f"{total[c]:>12}" for c in cols))
 
 
-def main(argv: list[str]) -> int:
+def parser(defaults: dict, kinds: tuple[str, ...], rl_kinds: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The options of both parts (`defaults`: faults, timeout, json)."""
     p = argparse.ArgumentParser(prog="snowcat bench faults", description=__doc__.split("\n\n")[0])
-    p.add_argument("--faults", type=int, default=200)
+    p.add_argument("--faults", type=int, default=defaults["faults"])
     p.add_argument("--seed", type=int, default=19)
     p.add_argument("--config", default=str(CONFIG))
-    p.add_argument("--rl-config", default=str(RL_CONFIG), help="the pipeline of the RL kinds (" + ", ".join(RL_KINDS) + ")")
-    p.add_argument("--root", default="/tmp/snowcat-faults")
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds per command before it counts as a hang")
+    p.add_argument("--rl-config", default=str(RL_CONFIG), help="the pipeline of the RL kinds (" + ", ".join(rl_kinds) + ")")
+    p.add_argument("--root", default=defaults["root"])
+    p.add_argument("--timeout", type=float, default=defaults["timeout"], help="seconds per command before it counts as a hang")
     p.add_argument("--retries", type=int, default=4, help="resumes per fault at most")
-    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of: " + ", ".join(KINDS))
-    p.add_argument("--json", default=str(RESULTS))
+    p.add_argument("--kinds", default=",".join(kinds), help="comma-separated subset of: " + ", ".join(kinds))
+    p.add_argument("--json", default=str(defaults["json"]))
     p.add_argument("--keep-failed", type=int, default=3, help="run directories kept per kind when a fault found a problem")
-    p.add_argument("--slurm", action="store_true", help="the local Slurm cluster part (not implemented yet)")
-    args = p.parse_args(argv)
+    p.add_argument("--slurm", action="store_true", help="the part on the local Slurm cluster (benchmarks/faults_slurm.py)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    if "--slurm" in argv:
+        from snowcat.benchmarks import faults_slurm  # noqa: PLC0415 (the Slurm part's own imports)
+
+        return faults_slurm.main(argv)
+    defaults = {"faults": 200, "timeout": 180.0, "json": RESULTS, "root": "/tmp/snowcat-faults"}
+    args = parser(defaults, KINDS, RL_KINDS).parse_args(argv)
+    return campaign(args, argv, Campaign, KINDS, part="local")
+
+
+def campaign(args, argv: list[str], cls: type[Campaign], known: tuple[str, ...], part: str) -> int:
+    """Check the arguments, make the references, inject every fault, write the result."""
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in KINDS]
+    bad = [k for k in kinds if k not in known]
     if bad or not kinds:
-        print(f"error: unknown fault kind(s) {', '.join(bad) or '(none given)'}; known: {', '.join(KINDS)}", file=sys.stderr)
+        print(f"error: unknown fault kind(s) {', '.join(bad) or '(none given)'}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     if args.faults < 1 or args.retries < 1 or args.timeout <= 0:
         print("error: --faults and --retries must be >= 1 and --timeout > 0", file=sys.stderr)
-        return 2
-    if args.slurm:
-        print("error: --slurm: the Slurm part of the campaign is not implemented yet (docs/faults.md)", file=sys.stderr)
         return 2
     config = Path(args.config).resolve()
     if not config.is_file():
@@ -1049,13 +1114,17 @@ def main(argv: list[str]) -> int:
     if REPO in root.parents or root == REPO:
         print(f"error: --root {root} is inside the repository; use a scratch directory", file=sys.stderr)
         return 2
-    root.mkdir(parents=True, exist_ok=True)
-
     rl_config = Path(args.rl_config).resolve()
-    if any(k in RL_KINDS for k in kinds) and not rl_config.is_file():
+    wants_rl = any(k in cls.rl_kinds for k in kinds)
+    if wants_rl and not rl_config.is_file():
         print(f"error: {rl_config}: no such config", file=sys.stderr)
         return 2
-    camp = Campaign(args, root, config, rl_config if any(k in RL_KINDS for k in kinds) else None)
+    unready = cls.unready()
+    if unready:
+        print(f"error: {unready}", file=sys.stderr)
+        return 2
+    root.mkdir(parents=True, exist_ok=True)
+    camp = cls(args, root, config, rl_config if wants_rl else None)
     for name in camp.refs:
         camp.make_reference(name)
         ref = camp.refs[name]
@@ -1078,7 +1147,7 @@ def main(argv: list[str]) -> int:
             kept[kind] = kept.get(kind, 0) + 1
         else:
             shutil.rmtree(f.dir, ignore_errors=True)
-        write_result(args, argv, camp, faults, time.monotonic() - t0, partial=i + 1 < len(plan))
+        write_result(args, argv, camp, faults, time.monotonic() - t0, partial=i + 1 < len(plan), part=part)
     print()
     print_table(summarize(faults))
     print(f"\nresult: {args.json}")
@@ -1089,13 +1158,13 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(REPO)) if REPO in path.parents else str(path)
 
 
-def write_result(args, argv, camp: Campaign, faults: list[Fault], wall: float, partial: bool) -> None:
+def write_result(args, argv, camp: Campaign, faults: list[Fault], wall: float, partial: bool, part: str) -> None:
     table = summarize(faults)
     atomic_write_json(
         args.json,
         {
             "benchmark": "faults",
-            "part": "local",
+            "part": part,
             "partial": partial,
             "command": "snowcat bench faults " + " ".join(argv),
             "git_revision": git_revision(),
@@ -1105,13 +1174,19 @@ def write_result(args, argv, camp: Campaign, faults: list[Fault], wall: float, p
             "retries": args.retries,
             "machine": host_state(probe_gpu=False) | {"cpu_flags": None},
             "references": {
-                name: {"wall_s": round(ref.wall, 1), "files_per_unit": {k: len(v) for k, v in ref.print.items()}}
+                name: {
+                    "wall_s": round(ref.wall, 1),
+                    "command_s": round(ref.command_s, 1),
+                    "files_per_unit": {k: len(v) for k, v in ref.print.items()},
+                    "volatile_fields_left_out": {k: sorted(v) for k, v in sorted(ref.volatile.items())},
+                }
                 for name, ref in camp.refs.items()
             },
             "excluded_from_comparison": EXCLUDED,
             "categories": list(CATEGORIES),
             "counts": table,
             "totals": {c: sum(r[c] for r in table.values()) for c in ["runs", "missed", *CATEGORIES, "handled"]},
+            **camp.describe(),
             "campaign_wall_s": round(wall, 1),
             "faults": [record(f) for f in faults],
         },
