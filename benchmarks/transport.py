@@ -5,12 +5,13 @@
 Starts itself as two ranks under `mpirun -n 2` with the environment the local executor gives an
 RL stage (Open MPI's TCP transport, `OMPI_MCA_btl=self,tcp`). Rank 1 is the rollout rank, rank 0
 the trainer. For each batch size (trajectories per batch), `--repeats` times each, alternating:
-  - `typed`: `MPITransport.send_batch` on rank 1 (`stages.agent.pack`, a header, one buffer per
-    field) and `recv_batch` on rank 0 (allocate, receive, `unpack` into Trajectory objects);
+  - `typed`: `MPITransport.send_batch` on rank 1 (`stages.agent.encode`: a typed, versioned
+    header and every field in one buffer, sent as one message) and `recv_batch` on rank 0 (probe,
+    allocate, receive, `decode` into Trajectory objects);
   - `raw`: one `comm.Send` of a uint8 buffer of the same byte count into a preallocated `Recv`.
 Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
-extra message in both rows), and reports the median and `raw / typed` (1.0: packing, the per-field
-messages and unpacking cost nothing beyond moving the bytes). `pack` and `unpack` of the same
+extra message in both rows), and reports the median and `raw / typed` (1.0: encoding, the probe
+and decoding cost nothing beyond moving the bytes). `encode` and `decode` of the same
 batch are also timed alone, to say how much of the typed row they are.
 
 The trajectories are shaped like agent episodes of the demo model: 256-2048 tokens, a prompt and
@@ -75,7 +76,7 @@ import json, statistics, sys, time
 import numpy as np
 from mpi4py import MPI
 from snowcat.benchmarks.transport import make_batch
-from snowcat.stages.agent import pack, unpack
+from snowcat.stages.agent import decode, encode
 from snowcat.stages.rlcore.transport import MPITransport
 
 sizes, repeats = [int(s) for s in sys.argv[1].split(",")], int(sys.argv[2])
@@ -87,9 +88,9 @@ index = 0  # batch index: every typed transfer is the next batch, as in RL
 rows = []
 for n in sizes:
     trajs = make_batch(n, seed=n)
-    nbytes = 8 * (1 + len(pack(trajs))) + sum(b.nbytes for b in pack(trajs).values())  # header + every buffer
+    nbytes = encode(0, trajs).nbytes  # the one message: header + every field
     raw = np.random.default_rng(n).integers(0, 256, nbytes, dtype=np.uint8) if rank == 1 else np.empty(nbytes, np.uint8)
-    times = {"typed": [], "raw": [], "pack": [], "unpack": []}
+    times = {"typed": [], "raw": [], "encode": [], "decode": []}
     for r in range(repeats + 1):  # the first round warms both paths up and is not counted
         for kind in (("raw", "typed") if r % 2 else ("typed", "raw")):
             comm.Barrier()
@@ -109,14 +110,14 @@ for n in sizes:
                     comm.Recv(raw, source=1, tag=3)
                 comm.Send(ack, dest=1, tag=4)
             index += kind == "typed"
-    # where the typed row's time goes: packing (rank 1's work) and unpacking (rank 0's), timed alone
+    # where the typed row's time goes: encoding (rank 1's work) and decoding (rank 0's), timed alone
     for _ in range(repeats):
         t0 = time.perf_counter()
-        bufs = pack(trajs)
+        wire = encode(index, trajs)
         t1 = time.perf_counter()
-        unpack(bufs)
-        times["pack"].append(t1 - t0)
-        times["unpack"].append(time.perf_counter() - t1)
+        decode(wire)
+        times["encode"].append(t1 - t0)
+        times["decode"].append(time.perf_counter() - t1)
     if rank == 0:
         intact = got == trajs
         comm.send(intact, dest=1)
@@ -164,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"2 ranks under mpirun, {MPI_ENV['OMPI_MCA_btl']} transport, median of {args.repeats}")
     print(
         f"{'trajs':>6} {'tokens':>8} {'MiB':>7} {'typed ms':>9} {'raw ms':>8} {'typed GB/s':>10} {'raw GB/s':>9} "
-        f"{'raw/typed':>9}  {'of typed: pack ms':>17} {'unpack ms':>9}"
+        f"{'raw/typed':>9}  {'of typed: encode ms':>19} {'decode ms':>9}"
     )
     for r in rows:
         print(
             f"{r['trajectories']:>6} {r['tokens']:>8} {r['bytes'] / 2**20:>7.2f} {r['median_s']['typed'] * 1e3:>9.2f} "
             f"{r['median_s']['raw'] * 1e3:>8.2f} {r['typed_gb_per_s']:>10.2f} {r['raw_gb_per_s']:>9.2f} {r['ratio_raw_over_typed']:>9.2f}"
-            f"  {r['median_s']['pack'] * 1e3:>17.2f} {r['median_s']['unpack'] * 1e3:>9.2f}"
+            f"  {r['median_s']['encode'] * 1e3:>19.2f} {r['median_s']['decode'] * 1e3:>9.2f}"
             + ("" if r["received_equal"] else "  RECEIVED BATCH DIFFERS")
         )
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} cpus)")

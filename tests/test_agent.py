@@ -13,13 +13,14 @@ from hypothesis import strategies as st
 from snowcat.stages.agent import (
     FIELDS,
     STATUSES,
+    WIRE_VERSION,
     Budget,
     CalculatorEnv,
     EpisodeJob,
     Trajectory,
-    allocate,
     calculate,
-    header,
+    decode,
+    encode,
     make_env,
     pack,
     run_episodes,
@@ -39,6 +40,9 @@ def trajectories(draw):
     mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
     lps = [-draw(st.floats(0, 20, width=32)) if m else 0.0 for m in mask]
     spans = sorted(draw(st.lists(st.tuples(st.integers(0, n), st.integers(0, n)), max_size=3)))
+    # the engine's kept support (top-k / top-p) or none (full distribution), router replay or none
+    support = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)) if draw(st.booleans()) else None
+    width = draw(st.sampled_from([None, 1, 6]))
     return Trajectory(
         task_id=draw(st.text(max_size=12)),
         group_id=draw(st.integers(0, 2**40)),
@@ -53,42 +57,90 @@ def trajectories(draw):
         domain=draw(st.sampled_from(["arith", "closure", "ünïcode", ""])),
         prompt_len=draw(st.integers(0, n)),
         detail=draw(st.text(max_size=20)),
+        support_lengths=support,
+        support_ids=None
+        if support is None
+        else draw(st.lists(st.integers(0, 2**31 - 1), min_size=sum(support), max_size=sum(support))),
+        routes=None
+        if width is None
+        else np.array(draw(st.lists(st.integers(-1, 127), min_size=n * width, max_size=n * width)), np.int16).reshape(n, width),
     )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # shared, loaded CI cores
-@given(st.lists(trajectories(), max_size=5))
-def test_pack_round_trip(trajs):
+@given(st.lists(trajectories(), max_size=5), st.integers(0, 2**40))
+def test_pack_and_the_one_buffer_wire_round_trip_every_field(trajs, k):
     bufs = pack(trajs)
     assert list(bufs) == list(FIELDS)
     for name, (dtype, tail) in FIELDS.items():
         assert bufs[name].dtype == dtype and bufs[name].shape[1:] == tail
         assert bufs[name].flags.c_contiguous
     assert unpack(bufs) == trajs
-    # what a receiver does: allocate from the header alone, fill, unpack
-    recv = allocate(header(bufs))
-    for name in FIELDS:
-        recv[name][...] = bufs[name]
-    assert unpack(recv) == trajs
+    wire = encode(k, trajs)
+    assert wire.dtype == np.uint8 and wire.ndim == 1 and len(wire) % 8 == 0
+    got_k, got = decode(wire)
+    assert got_k == k and got == trajs
+    # every field as it was, the optional ones too (None stays None, empty stays empty)
+    for a, b in zip(trajs, got):
+        assert (a.routes is None) == (b.routes is None) and len(a.support_ids) == len(b.support_ids)
+        for name, (dtype, _tail) in FIELDS.items():
+            value = getattr(b, name, None)
+            assert value is None or not isinstance(value, np.ndarray) or value.dtype == dtype
+    assert decode(bytes(wire))[1] == trajs  # from any buffer: bytes as a file or a socket gives them
 
 
-def test_pack_moves_over_mpi_buffers():
+def test_decoded_trajectories_are_independent_records():
+    trajs = [
+        Trajectory(
+            "a", 0, 0, 1, [1, 2, 3], [0, 1, 1], [0, -0.5, -1], 1.0, "ok", [(1, 3)], "arith", 1, routes=[[0, 1], [2, 3], [4, 5]]
+        ),
+        Trajectory("b", 0, 1, 1, [4, 5], [0, 1], [0, -2], 0.0, "truncated", [(1, 2)], "arith", 1, routes=[[6, 7], [0, 1]]),
+    ]
+    _, (a, b) = decode(encode(0, trajs))
+    a.token_ids[:] = 9  # views of one received buffer, but disjoint: writing one record leaves the other
+    a.routes[:] = -1
+    assert b.token_ids.tolist() == [4, 5] and b.routes.tolist() == [[6, 7], [0, 1]]
+
+
+def test_decode_refuses_what_is_not_this_wire_format():
+    trajs = [Trajectory("t", 0, 0, 0, [1, 2], [0, 1], [0.0, -1.0], 1.0, "ok", [(1, 2)], "arith", 1)]
+    wire = encode(5, trajs)
+    with pytest.raises(ValueError, match="shorter than its"):
+        decode(wire[:16])
+    with pytest.raises(ValueError, match="header describes"):
+        decode(wire[:-8])  # truncated
+    other = wire.copy()
+    other[8:16].view(np.int64)[0] = WIRE_VERSION + 1
+    with pytest.raises(ValueError, match=f"wire format version {WIRE_VERSION + 1}"):
+        decode(other)
+    other = wire.copy()
+    other[:8] = 0
+    with pytest.raises(ValueError, match="no magic number"):
+        decode(other)
+    bufs = pack(trajs)
+    bufs["token_offsets"] = np.array([0, 3], np.int64)  # offsets past the tokens
+    with pytest.raises(ValueError, match="token_offsets"):
+        unpack(bufs)
+    bufs = pack(trajs)
+    bufs["status"] = np.array([len(STATUSES)], np.uint8)
+    with pytest.raises(ValueError, match="status"):
+        unpack(bufs)
+
+
+def test_one_message_per_batch_over_mpi():
     MPI = pytest.importorskip("mpi4py.MPI")
     trajs = [
         Trajectory("arith-d2-x", 7, 1, 3, [5, 6, 7, 8], [0, 0, 1, 1], [0, 0, -0.5, -1.25], 1.0, "ok", [(2, 4)], "arith", 2),
         Trajectory("closure-d1-y", 8, 0, 3, [5, 9], [0, 1], [0, -2.0], 0.0, "truncated", [(1, 2)], "closure", 1),
     ]
     comm = MPI.COMM_SELF
-    bufs = pack(trajs)
-    reqs = [comm.Isend(header(bufs), dest=0, tag=0)]
-    h = np.empty(len(FIELDS), np.int64)
-    comm.Recv(h, source=0, tag=0)
-    recv = allocate(h)
-    for i, name in enumerate(FIELDS, start=1):
-        reqs.append(comm.Isend(bufs[name], dest=0, tag=i))
-        comm.Recv(recv[name], source=0, tag=i)
-    MPI.Request.Waitall(reqs)
-    assert unpack(recv) == trajs
+    req = comm.Isend([encode(4, trajs), MPI.BYTE], dest=0, tag=0)
+    status = MPI.Status()
+    msg = comm.Mprobe(source=0, tag=0, status=status)  # the size comes with the one message
+    buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+    msg.Recv([buf, MPI.BYTE])
+    req.Wait()
+    assert decode(buf) == (4, trajs)
 
 
 def test_trajectory_rejects_bad_shapes_and_status():

@@ -1,4 +1,4 @@
-"""Trajectory transport: file queue and MPI (real mpirun, 2 and 3 ranks) deliver batches intact, in order."""
+"""Trajectory transport: file queue and MPI (real mpirun, 2 and 3 ranks; one message per batch) deliver batches intact, in order."""
 
 from __future__ import annotations
 
@@ -18,13 +18,17 @@ from snowcat.stages.rlcore.transport import FileQueueTransport, TransportError
 REPO = Path(__file__).resolve().parent.parent
 
 
-def make_batch(k: int, n: int = 5) -> list[Trajectory]:
-    """Deterministic, varied trajectories for batch k (ragged lengths, every status, unicode)."""
+def make_batch(k: int, n: int | None = None) -> list[Trajectory]:
+    """Deterministic, varied trajectories for batch k (ragged lengths, every status, unicode, the
+    engine's kept support or none, router replay or none; batch 3 is empty, batch 5 large enough
+    for Open MPI's rendezvous protocol)."""
+    n = n if n is not None else {3: 0, 5: 40}.get(k, 5)
     rng = np.random.default_rng(k)
     out = []
     for i in range(n):
-        length = int(rng.integers(1, 40))
+        length = int(rng.integers(1, 40 if k != 5 else 2000))
         mask = rng.integers(0, 2, length).astype(np.uint8)
+        support = rng.integers(0, 4, length) if i % 3 == 1 else None
         out.append(
             Trajectory(
                 task_id=f"task-{k}-{i}-ü",
@@ -36,9 +40,13 @@ def make_batch(k: int, n: int = 5) -> list[Trajectory]:
                 rollout_logprobs=np.where(mask > 0, -rng.random(length), 0.0),
                 reward=float(rng.random()),
                 status=("ok", "truncated", "invalid_action", "infra_error")[i % 4],
-                turn_boundaries=[(0, length)],
+                turn_boundaries=[(0, length)] if i % 5 else [],
                 domain="arith" if i % 2 else "closure",
                 prompt_len=min(3, length),
+                detail="" if i % 2 else f"detail {i}",
+                support_lengths=support,
+                support_ids=None if support is None else rng.integers(0, 50000, int(support.sum())),
+                routes=rng.integers(-1, 8, (length, 4)) if i % 2 == 0 else None,
             )
         )
     return out
@@ -66,7 +74,7 @@ def test_file_queue_missing_batch_times_out_naming_it(tmp_path):
 
 
 _MPI_CHILD = textwrap.dedent("""
-    import sys
+    import sys, time
     sys.path.insert(0, sys.argv[1])
     from mpi4py import MPI
     from tests.test_transport import make_batch
@@ -76,9 +84,11 @@ _MPI_CHILD = textwrap.dedent("""
     n = 7
     if comm.Get_rank() == 0:
         for k in range(n):
+            if k in (2, 5):
+                time.sleep(0.5)  # a trainer still busy: the batch waits for it, then moves
             got = t.recv_batch(k)
             assert got == make_batch(k), f"batch {k} differs"
-            assert got[0].policy_version == max(0, k - 1)
+            assert all(a.policy_version == max(0, k - 1) for a in got)
         print("TRAINER-OK", n, flush=True)
     else:
         for k in range(n):

@@ -1,6 +1,6 @@
 """Agent rollouts: the trajectory record, the multi-turn agent loop, and tool environments.
 
-from snowcat.stages.agent import Trajectory, pack, unpack           # trajectory.py (numpy only)
+from snowcat.stages.agent import Trajectory, encode, decode        # trajectory.py (numpy only)
 from snowcat.stages.agent import run_episodes, EpisodeJob, Budget   # loop.py
 from snowcat.stages.agent import SingleTurnEnv, CalculatorEnv                      # envs.py
 from snowcat.stages.agent import RepoEnv, behaviour                                # repo_env.py
@@ -11,14 +11,15 @@ from snowcat.stages.agent.envs import CalculatorEnv, SingleTurnEnv, Step, calcul
 from snowcat.stages.agent.loop import Budget, EpisodeJob, episode_seed, run_episodes
 from snowcat.stages.agent.registry import make_env, teacher_messages
 from snowcat.stages.agent.repo_env import RepoEnv, behaviour
-from snowcat.stages.agent.trajectory import FIELDS, STATUSES, Trajectory, allocate, header, pack, unpack
+from snowcat.stages.agent.trajectory import FIELDS, STATUSES, WIRE_VERSION, Trajectory, decode, encode, pack, unpack
 
 __all__ = [
     "FIELDS",
     "STATUSES",
+    "WIRE_VERSION",
     "Trajectory",
-    "allocate",
-    "header",
+    "decode",
+    "encode",
     "pack",
     "unpack",
     "Budget",

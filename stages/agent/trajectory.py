@@ -5,13 +5,17 @@ so the trainer scores the very ids the rollout logprobs belong to. `loss_mask` i
 model-sampled tokens; `rollout_logprobs` is 0 wherever the mask is 0.
 
 `pack(trajs)` turns a batch into a few flat, typed numpy arrays (concatenated tokens + offsets +
-per-trajectory scalars + one utf-8 byte buffer for the strings), so MPI moves them with buffer
-`Send/Recv` instead of pickling. Every field has a fixed dtype and trailing shape (`FIELDS`); only
-the leading lengths vary, and `header(buffers)` / `allocate(header)` carry those to the receiver:
+per-trajectory scalars + one utf-8 byte buffer for the strings): every field has a fixed dtype and
+trailing shape (`FIELDS`), only the leading lengths vary (`np.savez` stores them as they are).
+`encode(k, trajs)` lays the same fields out in one buffer behind a typed, versioned header, so
+MPI moves a batch as one message with no pickling, and `decode(buf)` gives them back:
 
-    sender:   bufs = pack(trajs); comm.Send(header(bufs), dest); for name in FIELDS: comm.Send(bufs[name], dest)
-    receiver: h = np.empty(len(FIELDS), np.int64); comm.Recv(h, src); bufs = allocate(h)
-              for name in FIELDS: comm.Recv(bufs[name], src); trajs = unpack(bufs)
+    sender:   comm.Send(encode(k, trajs), dest)
+    receiver: msg = comm.Mprobe(src, status=st); buf = np.empty(st.Get_count(MPI.BYTE), np.uint8)
+              msg.Recv(buf); k, trajs = decode(buf)
+
+`unpack` and `decode` check the batch as a whole (offsets, lengths, status codes) and hand out
+views of the received buffer: one copy on each side (into the buffer, out of the socket).
 """
 
 from __future__ import annotations
@@ -137,23 +141,17 @@ def _offsets(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int64)
 
 
-def pack(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
-    """A batch as contiguous typed arrays, keyed and typed as in `FIELDS`."""
-
-    def cat(name, parts):
-        dtype, tail = FIELDS[name]
-        parts = [np.asarray(p, dtype=dtype).reshape((-1, *tail)) for p in parts]
-        return np.ascontiguousarray(np.concatenate(parts) if parts else np.empty((0, *tail), dtype))
-
+def _parts(trajs: list[Trajectory]) -> dict[str, list | np.ndarray]:
+    """Each field as the list of pieces to concatenate (or the finished array), in wire order."""
     strings = [s.encode() for t in trajs for s in (t.task_id, t.domain, t.detail)]
-    out = {
-        "token_ids": cat("token_ids", [t.token_ids for t in trajs]),
-        "loss_mask": cat("loss_mask", [t.loss_mask for t in trajs]),
-        "rollout_logprobs": cat("rollout_logprobs", [t.rollout_logprobs for t in trajs]),
-        "support_lengths": cat("support_lengths", [t.support_lengths for t in trajs]),
-        "support_ids": cat("support_ids", [t.support_ids for t in trajs]),
+    return {
+        "token_ids": [t.token_ids for t in trajs],
+        "loss_mask": [t.loss_mask for t in trajs],
+        "rollout_logprobs": [t.rollout_logprobs for t in trajs],
+        "support_lengths": [t.support_lengths for t in trajs],
+        "support_ids": [t.support_ids for t in trajs],
         "route_width": np.array([0 if t.routes is None else t.routes.shape[1] for t in trajs], np.int64),
-        "routes": cat("routes", [t.routes.reshape(-1) for t in trajs if t.routes is not None]),
+        "routes": [t.routes for t in trajs if t.routes is not None],
         "token_offsets": _offsets([len(t) for t in trajs]),
         "group_id": np.array([t.group_id for t in trajs], np.int64),
         "attempt": np.array([t.attempt for t in trajs], np.int64),
@@ -161,55 +159,184 @@ def pack(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
         "prompt_len": np.array([t.prompt_len for t in trajs], np.int64),
         "reward": np.array([t.reward for t in trajs], np.float64),
         "status": np.array([STATUSES.index(t.status) for t in trajs], np.uint8),
-        "turns": cat("turns", [np.asarray(t.turn_boundaries, np.int64).reshape(-1, 2) for t in trajs]),
+        "turns": np.array([s for t in trajs for s in t.turn_boundaries], np.int64).reshape(-1, 2),
         "turn_offsets": _offsets([len(t.turn_boundaries) for t in trajs]),
-        "strings": np.frombuffer(b"".join(strings), dtype=np.uint8).copy(),
+        "strings": [np.frombuffer(b"".join(strings), np.uint8)],
         "string_offsets": _offsets([len(s) for s in strings]),
     }
-    assert list(out) == list(FIELDS)
+
+
+def _length(name: str, part) -> int:
+    """Leading length of a field once its pieces are concatenated (flattened to its trailing shape)."""
+    if isinstance(part, np.ndarray):
+        return len(part)
+    tail = int(np.prod(FIELDS[name][1], dtype=np.int64))
+    return sum(p.size for p in part) // tail
+
+
+def _fill(out: np.ndarray, part) -> None:
+    """Concatenate a field's pieces straight into `out` (one copy, no intermediate array)."""
+    if isinstance(part, np.ndarray):
+        out[...] = part
+    elif len(out):
+        np.concatenate(part, axis=None, out=out.reshape(-1))
+
+
+def pack(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
+    """A batch as contiguous typed arrays, keyed and typed as in `FIELDS`."""
+    out = {}
+    for name, part in _parts(trajs).items():
+        dtype, tail = FIELDS[name]
+        out[name] = np.empty((_length(name, part), *tail), dtype)
+        _fill(out[name], part)
     return out
 
 
-def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
-    """Inverse of `pack`."""
-    b = buffers
-    tok, turn, sof = b["token_offsets"], b["turn_offsets"], b["string_offsets"]
-    raw = b["strings"].tobytes()
-    text = [raw[sof[j] : sof[j + 1]].decode() for j in range(len(sof) - 1)]
-    sup = _offsets(b["support_lengths"])  # support_ids offset of every token
+def _check(b: dict[str, np.ndarray]) -> int:
+    """Number of trajectories in `b` once every offset and length is consistent (ValueError
+    naming the field otherwise): checked for the batch at once, so `unpack` need not re-check
+    each record."""
+    n = len(b["token_offsets"]) - 1
+
+    def offsets(name: str, count: int, total: int) -> None:
+        off = b[name]
+        if len(off) != count + 1 or off[0] != 0 or off[-1] != total or (np.diff(off) < 0).any():
+            raise ValueError(f"trajectory batch: {name} is not {count + 1} non-decreasing offsets from 0 to {total}")
+
+    if n < 0:
+        raise ValueError("trajectory batch: token_offsets is empty")
+    offsets("token_offsets", n, len(b["token_ids"]))
+    for name in ("route_width", "group_id", "attempt", "policy_version", "prompt_len", "reward", "status"):
+        if len(b[name]) != n:
+            raise ValueError(f"trajectory batch: {name} has {len(b[name])} entries for {n} trajectories")
+    tokens = len(b["token_ids"])
+    for name in ("loss_mask", "rollout_logprobs", "support_lengths"):
+        if len(b[name]) != tokens:
+            raise ValueError(f"trajectory batch: {name} has {len(b[name])} entries for {tokens} tokens")
+    if (b["support_lengths"] < 0).any() or int(b["support_lengths"].sum(dtype=np.int64)) != len(b["support_ids"]):
+        raise ValueError(f"trajectory batch: support_lengths do not add up to the {len(b['support_ids'])} support ids")
     width = b["route_width"]
-    rof = _offsets([(tok[i + 1] - tok[i]) * width[i] for i in range(len(tok) - 1)])  # routes offset of every trajectory
+    if (width < 0).any() or int((np.diff(b["token_offsets"]) * width).sum()) != len(b["routes"]):
+        raise ValueError(f"trajectory batch: route widths do not add up to the {len(b['routes'])} routes entries")
+    if (b["status"] >= len(STATUSES)).any():
+        raise ValueError(f"trajectory batch: a status index beyond {len(STATUSES) - 1}")
+    offsets("turn_offsets", n, len(b["turns"]))
+    offsets("string_offsets", 3 * n, len(b["strings"]))
+    return n
+
+
+def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
+    """Inverse of `pack`. The arrays of the records are views of `buffers` (disjoint slices, so
+    each record's arrays are its own; they keep the buffers alive)."""
+    b = {name: np.asarray(buffers[name], dtype).reshape(-1, *tail) for name, (dtype, tail) in FIELDS.items()}
+    n = _check(b)
+    tok, turn, sof = (b[k].tolist() for k in ("token_offsets", "turn_offsets", "string_offsets"))
+    raw = b["strings"].tobytes()
+    chars = raw.decode()
+    if len(chars) == len(raw):  # ASCII: byte offsets are character offsets
+        text = [chars[sof[j] : sof[j + 1]] for j in range(3 * n)]
+    else:
+        text = [raw[sof[j] : sof[j + 1]].decode() for j in range(3 * n)]
+    spans = list(zip(b["turns"][:, 0].tolist(), b["turns"][:, 1].tolist()))
+    ids, mask, lps, slen, sids, routes = (
+        b[k] for k in ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths", "support_ids", "routes")
+    )
+    # support_ids offset of each trajectory's first token (none at all: sampled from the full distribution)
+    sup = np.concatenate([[0], np.cumsum(slen, dtype=np.int64)])[tok].tolist() if len(sids) else [0] * (n + 1)
+    width = b["route_width"].tolist()
+    rof = _offsets(np.diff(b["token_offsets"]) * b["route_width"]).tolist()  # routes offset of each trajectory
+    scalars = zip(*(b[k].tolist() for k in ("group_id", "attempt", "policy_version", "prompt_len", "reward", "status")))
     trajs = []
-    for i in range(len(tok) - 1):
-        lo, hi = int(tok[i]), int(tok[i + 1])
-        trajs.append(
-            Trajectory(
-                task_id=text[3 * i],
-                group_id=int(b["group_id"][i]),
-                attempt=int(b["attempt"][i]),
-                policy_version=int(b["policy_version"][i]),
-                token_ids=b["token_ids"][lo:hi].copy(),
-                loss_mask=b["loss_mask"][lo:hi].copy(),
-                rollout_logprobs=b["rollout_logprobs"][lo:hi].copy(),
-                support_lengths=b["support_lengths"][lo:hi].copy(),
-                support_ids=b["support_ids"][sup[lo] : sup[hi]].copy(),
-                routes=b["routes"][rof[i] : rof[i + 1]].reshape(hi - lo, int(width[i])).copy() if width[i] else None,
-                reward=float(b["reward"][i]),
-                status=STATUSES[int(b["status"][i])],
-                turn_boundaries=[tuple(map(int, s)) for s in b["turns"][turn[i] : turn[i + 1]]],
-                domain=text[3 * i + 1],
-                prompt_len=int(b["prompt_len"][i]),
-                detail=text[3 * i + 2],
-            )
-        )
+    for i, (group, attempt, version, prompt, reward, status) in enumerate(scalars):
+        lo, hi = tok[i], tok[i + 1]
+        # the record without dataclass __init__: `_check` validated the batch as a whole, and
+        # re-checking and re-converting every record was a third of unpacking a large batch
+        t = object.__new__(Trajectory)
+        t.__dict__ = {
+            "task_id": text[3 * i],
+            "group_id": group,
+            "attempt": attempt,
+            "policy_version": version,
+            "token_ids": ids[lo:hi],
+            "loss_mask": mask[lo:hi],
+            "rollout_logprobs": lps[lo:hi],
+            "reward": reward,
+            "status": STATUSES[status],
+            "turn_boundaries": spans[turn[i] : turn[i + 1]],
+            "domain": text[3 * i + 1],
+            "prompt_len": prompt,
+            "detail": text[3 * i + 2],
+            "support_lengths": slen[lo:hi],
+            "support_ids": sids[sup[i] : sup[i + 1]],
+            "routes": routes[rof[i] : rof[i + 1]].reshape(hi - lo, width[i]) if width[i] else None,
+        }
+        trajs.append(t)
     return trajs
 
 
-def header(buffers: dict[str, np.ndarray]) -> np.ndarray:
-    """int64 [len(FIELDS)]: the leading length of each buffer, in wire order (send it first)."""
-    return np.array([len(buffers[name]) for name in FIELDS], dtype=np.int64)
+# -- the wire: one buffer per batch -------------------------------------------------------------
+#
+#   int64 [WIRE_MAGIC, WIRE_VERSION, batch index, len(FIELDS), leading length of each field]
+#   then each field's bytes in FIELDS order, each starting on an 8-byte boundary; the whole is a
+#   multiple of 8 bytes. A change to FIELDS or to this layout bumps WIRE_VERSION, so a rank of
+#   another snowcat version is refused by name instead of misread.
+
+WIRE_MAGIC = int.from_bytes(b"snowtraj", "little")
+WIRE_VERSION = 1
+_HEAD = 4 + len(FIELDS)
 
 
-def allocate(lengths) -> dict[str, np.ndarray]:
-    """Empty receive buffers for a batch announced by `header`."""
-    return {name: np.empty((int(n), *tail), dtype) for (name, (dtype, tail)), n in zip(FIELDS.items(), lengths)}
+# bytes per unit of leading length, per field
+_UNIT = [dtype.itemsize * int(np.prod(tail, dtype=np.int64)) for dtype, tail in FIELDS.values()]
+
+
+def _layout(lengths) -> tuple[list[int], int]:
+    """Byte offset of each field for these leading lengths, and the total size (8-byte aligned)."""
+    offsets, at = [], 8 * _HEAD
+    for unit, n in zip(_UNIT, lengths):
+        offsets.append(at)
+        at += (int(n) * unit + 7) // 8 * 8
+    return offsets, at
+
+
+def _views(buf: np.ndarray, lengths, offsets) -> dict[str, np.ndarray]:
+    """Each field as a typed view of its bytes in `buf` (no copy)."""
+    return {
+        name: buf[off : off + int(n) * unit].view(dtype).reshape(int(n), *tail)
+        for (name, (dtype, tail)), unit, n, off in zip(FIELDS.items(), _UNIT, lengths, offsets)
+    }
+
+
+def encode(batch_index: int, trajs: list[Trajectory]) -> np.ndarray:
+    """Batch `batch_index` as one uint8 buffer (the layout above): what one MPI message carries."""
+    parts = _parts(trajs)
+    lengths = [_length(name, part) for name, part in parts.items()]
+    offsets, total = _layout(lengths)
+    buf = np.empty(total, np.uint8)
+    buf[: 8 * _HEAD].view(np.int64)[:] = [WIRE_MAGIC, WIRE_VERSION, batch_index, len(FIELDS), *lengths]
+    for out, part, off, end in zip(_views(buf, lengths, offsets).values(), parts.values(), offsets, [*offsets[1:], total]):
+        _fill(out, part)
+        buf[off + out.nbytes : end] = 0  # the padding: no stale memory on the wire
+    return buf
+
+
+def decode(buf) -> tuple[int, list[Trajectory]]:
+    """(batch index, trajectories) of a buffer `encode` made; ValueError naming what does not fit
+    (another format version, a truncated or padded buffer, inconsistent offsets)."""
+    buf = buf.view(np.uint8).reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+    if len(buf) < 8 * _HEAD:
+        raise ValueError(f"trajectory batch: {len(buf)} bytes, shorter than its {8 * _HEAD}-byte header")
+    head = buf[: 8 * _HEAD].view(np.int64)
+    magic, version, batch_index, n_fields = (int(x) for x in head[:4])
+    if magic != WIRE_MAGIC:
+        raise ValueError("trajectory batch: not a snowcat trajectory batch (no magic number)")
+    if version != WIRE_VERSION or n_fields != len(FIELDS):
+        raise ValueError(
+            f"trajectory batch: wire format version {version} with {n_fields} fields;"
+            f" this snowcat reads version {WIRE_VERSION} with {len(FIELDS)} (ranks of different snowcat versions?)"
+        )
+    lengths = head[4:]
+    offsets, total = _layout(lengths) if (lengths >= 0).all() else ([], -1)
+    if total != len(buf):
+        raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {total}")
+    return batch_index, unpack(_views(buf, lengths, offsets))
