@@ -4,20 +4,24 @@
 
 In a fresh process, per directory (default: the system temp directory; name several to compare
 filesystems, e.g. a disk and /dev/shm), `--repeats` times each, in alternating order:
-  - `handoff`: `WeightHandoff.publish` (HF-named tensors, safetensors, write, fsync, sha256
-    manifest, rename into place, `STABLE`) then `load_into` a second model (read, verify every byte
-    against the manifest, parse, copy into the parameters);
+  - `handoff`: `WeightHandoff.publish` (HF-named views of the parameters, safetensors shards
+    written straight from them and hashed as written, fsync, manifest, rename into place,
+    `STABLE`) then `load_into` a second model (the small files verified, each shard read straight
+    into the parameters and hashed as read, compared with the manifest);
   - `raw`: the very files the handoff wrote, held in memory, written to the same filesystem
     (write + fsync each, fsync the directory) and read back.
 Reports the median of each and `raw / handoff` (1.0: the handoff costs nothing beyond moving the
 bytes). Reads come from the page cache in both rows (nothing drops caches). One extra, profiled
-publish + load says where the handoff's time goes.
+publish + load says where the handoff's time goes (the main thread's view: the shards' threads
+show as the calls that wait for them), and SHA-256 of the same bytes on one core says what the
+two hash passes cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import json
 import os
 import platform
@@ -37,16 +41,15 @@ from snowcat.stages.model import ModelConfig, MoEForCausalLM
 from snowcat.stages.rlcore.handoff import WeightHandoff
 
 # (label, file suffix, function name) of the profiled phases; cumulative seconds, so nested phases
-# (the hashing inside the manifest) are parts of the ones around them.
+# are parts of the ones around them.
 PHASES = (
-    ("publish: HF-named tensors", "stages/model/io.py", "hf_state_dict"),
-    ("publish: serialise + write safetensors", "stages/model/io.py", "_write_tensors"),
-    ("publish: fsync the tree", "pipeline/fsio.py", "_fsync_tree"),
-    ("publish: sha256 manifest (re-reads the files)", "pipeline/fsio.py", "write_manifest"),
-    ("load: read + verify", "stages/rlcore/handoff.py", "read_verified"),
-    ("load: sha256 of the read bytes", "pipeline/fsio.py", "sha256_bytes"),
-    ("load: parse safetensors", "safetensors/torch.py", "load"),
-    ("load: copy into the model", "stages/model/io.py", "load_hf_state_dict"),
+    ("HF-named views of the parameters (both sides)", "stages/model/io.py", "hf_state_dict"),
+    ("publish: write + sha256 + fsync the shards", "stages/model/shards.py", "write_shards"),
+    ("publish: configs (written, hashed, fsynced)", "stages/model/shards.py", "write_file"),
+    ("publish: manifest from the writers' hashes", "pipeline/fsio.py", "write_manifest"),
+    ("publish: fsync the tree before the rename", "pipeline/fsio.py", "_fsync_tree"),
+    ("load: read + sha256 the shards into the model", "stages/model/shards.py", "read_shards_into"),
+    ("load: the shards' headers", "stages/model/shards.py", "_plan"),
 )
 
 
@@ -133,6 +136,10 @@ def measure(base: Path, model, target, repeats: int) -> dict:
                 )
                 shutil.rmtree(where)
         phases = profile_phases(work / "profiled", model, target)
+        t0 = time.perf_counter()
+        for data in files.values():
+            hashlib.sha256(data).hexdigest()
+        sha256_s = time.perf_counter() - t0
     finally:
         shutil.rmtree(work, ignore_errors=True)
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
@@ -149,6 +156,7 @@ def measure(base: Path, model, target, repeats: int) -> dict:
         "ratio_raw_over_handoff": round(median["raw"] / median["handoff"], 3),
         "loaded_weights_equal": same,
         "profiled_handoff_s": phases,
+        "sha256_one_core_s": round(sha256_s, 4),
     }
 
 
@@ -204,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  where one profiled handoff spends its time (cumulative s):")
         for label, s in r["profiled_handoff_s"].items():
             print(f"    {label:<48s} {s:7.3f}")
+        print(f"  sha256 of the same bytes on one core: {r['sha256_one_core_s']:.3f} s (the handoff hashes them twice)")
     print(f"\nload average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} cpus)")
     if args.json:
         atomic_write_json(

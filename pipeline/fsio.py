@@ -234,16 +234,30 @@ def list_files(root: Path, exclude: tuple[str, ...] = ()) -> list[Path]:
     return sorted(out)
 
 
-def build_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
+def build_manifest(
+    root: str | os.PathLike, exclude: tuple[str, ...] = (), hashed: dict[str, dict] | None = None
+) -> dict[str, dict]:
+    """{relative path: {sha256, size}} of every file under `root`. `hashed`: entries the writer
+    computed from the very bytes it wrote (one pass over them instead of writing, then reading
+    back); each is taken once the file on disk has that size, the rest are hashed here. Readers
+    re-hash what they read, so an entry that did not match the disk would be refused, not trusted."""
     root = Path(root)
-    return {
-        str(rel): {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size}
-        for rel in list_files(root, exclude + (MANIFEST,))
-    }
+    hashed = hashed or {}
+    out = {}
+    for rel in list_files(root, exclude + (MANIFEST,)):
+        size, known = (root / rel).stat().st_size, hashed.get(str(rel))
+        if known is not None and known["size"] != size:
+            raise OSError(f"{root / rel}: {size} bytes on disk, {known['size']} written")
+        out[str(rel)] = {"sha256": known["sha256"] if known is not None else sha256_file(root / rel), "size": size}
+    if set(hashed) - set(out):
+        raise OSError(f"{root / sorted(set(hashed) - set(out))[0]}: written, but not there")
+    return out
 
 
-def write_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
-    files = build_manifest(root, exclude)
+def write_manifest(
+    root: str | os.PathLike, exclude: tuple[str, ...] = (), hashed: dict[str, dict] | None = None
+) -> dict[str, dict]:
+    files = build_manifest(root, exclude, hashed)
     atomic_write_json(Path(root) / MANIFEST, {"files": files})
     return files
 

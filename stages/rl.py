@@ -112,8 +112,9 @@ class Rollout:
 
     def load(self, v: int) -> None:
         wait = {"timeout_s": self.cfg.timeout_s, "should_stop": self.should_stop}
+        self.version = None  # until the load returns: a refused version may have been half read into the model
         if isinstance(self.engine, TorchEngine):
-            self.handoff.load_into(self.engine.model, v, **wait)  # copies the very bytes it verified
+            self.handoff.load_into(self.engine.model, v, **wait)  # hashes the very bytes it reads into the model
         else:
             self.handoff.wait_verified(v, **wait)
             self.engine.load_weights(self.handoff.path(v))  # a STABLE version is never rewritten

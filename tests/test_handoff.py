@@ -1,7 +1,9 @@
-"""Weight handoff: published versions load exactly; torn, unstable or corrupt versions never load."""
+"""Weight handoff: published versions load exactly; torn, unstable, corrupt or altered versions never load."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -11,8 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
-from snowcat.stages.model import PRESETS, MoEForCausalLM
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import IO, sha256_bytes, verify_manifest, write_manifest
+from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir, shards
+from snowcat.stages.model.io import INDEX, hf_state_dict
 from snowcat.stages.rlcore.handoff import STABLE, HandoffError, WeightHandoff, version_for_batch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,23 +96,20 @@ def test_prune_and_clean(tmp_path):
 
 _CHILD = textwrap.dedent("""
     import os, sys, time, torch
-    import snowcat.stages.model as model, snowcat.stages.rlcore.handoff as handoff
+    import snowcat.stages.rlcore.handoff as handoff
     from snowcat.stages.model import PRESETS, MoEForCausalLM
     where, root = sys.argv[1], sys.argv[2]
-    real_save, real_write = model.save_model_dir, handoff.atomic_write_text
+    real_write = handoff.atomic_write_text
 
-    def pause(*_):
+    def pause(*_, **__):  # the shards and configs are written inside the temp dir, the manifest not yet
         print("PAUSED", flush=True)
         time.sleep(600)
-
-    def save(path, model, *a, extra_files=None, **kw):  # pause inside the temp dir, before the manifest
-        return real_save(path, model, *a, extra_files={**(extra_files or {}), "x": pause}, **kw)
 
     def write(path, text):  # pause after the rename, before STABLE
         pause() if path.name == "STABLE" else real_write(path, text)
 
     if where == "building":
-        model.save_model_dir = handoff.save_model_dir = save  # handoff calls the name it imported
+        handoff.write_manifest = pause  # handoff calls the name it imported
     else:
         handoff.atomic_write_text = write
     torch.manual_seed(0)
@@ -141,3 +144,135 @@ def test_publisher_killed_mid_publish_leaves_nothing_loadable(tmp_path, where):
     h.publish(5, src)  # the resumed trainer republishes; now it loads
     h.load_into(dst, 5, timeout_s=1)
     assert _same(src, dst)
+
+
+# -- one pass: hashed as written, read straight into the model and hashed as read ---------------
+
+
+@pytest.fixture
+def sharded(monkeypatch):
+    """Shards of ~64 KiB, so the test-micro model is published as several files (and the index)."""
+    monkeypatch.setattr(shards, "SHARD_BYTES", 64 << 10)
+
+
+def test_manifest_hashed_while_writing_is_the_sha256_of_the_files_on_disk(tmp_path, sharded):
+    h = WeightHandoff(tmp_path / "weights")
+    src = _model(1)
+    before = dict(IO)
+    path = h.publish(0, src)
+    assert IO["files_hashed"] == before.get("files_hashed", 0)  # the publisher read nothing back to hash it
+    names = sorted(p.name for p in path.glob("*.safetensors"))
+    assert len(names) > 2 and (path / INDEX).is_file()
+    assert verify_manifest(path, exclude=(STABLE,)) == []  # every entry equals a fresh sha256 of the file
+    # ordinary safetensors: the library reads them, and they hold the model's HF-named tensors
+    expected = hf_state_dict(src)
+    found = {}
+    for name in names:
+        with safe_open(str(path / name), framework="pt") as f:
+            found.update({k: f.get_tensor(k) for k in f.keys()})
+    assert found.keys() == expected.keys() and all(torch.equal(found[k], expected[k]) for k in found)
+
+
+def test_sharded_version_loads_exactly(tmp_path, sharded):
+    h = WeightHandoff(tmp_path / "weights")
+    src, dst = _model(1), _model(2)
+    h.publish(4, src)
+    h.load_into(dst, 4, timeout_s=1)
+    assert _same(src, dst)
+    assert h.wait_verified(4, timeout_s=1) == h.path(4)
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["tensor data", "header"])
+def test_a_shard_altered_after_publish_is_refused(tmp_path, sharded, where):
+    h = WeightHandoff(tmp_path / "weights")
+    h.publish(2, _model(1))
+    shard = sorted(h.path(2).glob("*.safetensors"))[1]
+    size = shard.stat().st_size
+    _flip(shard, size - 3 if where == "tensor data" else 20)  # same size: only the hash can tell
+    assert shard.stat().st_size == size
+    with pytest.raises(HandoffError, match=f"{shard.name}: sha256 differs from manifest"):
+        h.load_into(_model(2), 2, timeout_s=0.2)
+    with pytest.raises(HandoffError, match=f"{shard.name}: sha256 differs from manifest"):
+        h.wait_verified(2, timeout_s=0.2)  # what a reader that loads the files itself (vLLM) checks
+
+
+@pytest.mark.parametrize("damage", ["config altered", "shard truncated", "header unparsable"])
+def test_damage_found_before_reading_tensors_leaves_the_model_as_it_was(tmp_path, sharded, damage):
+    h = WeightHandoff(tmp_path / "weights")
+    h.publish(1, _model(1))
+    path = h.path(1)
+    shard = sorted(path.glob("*.safetensors"))[0]
+    if damage == "config altered":
+        _flip(path / "model_config.json", 5)
+    elif damage == "shard truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    else:
+        _flip(shard, 8)  # the header's opening brace: the JSON no longer parses
+    dst = _model(2)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(HandoffError, match="torn or corrupt version"):
+        h.load_into(dst, 1, timeout_s=0.2)
+    assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items())
+
+
+def test_a_damaged_manifest_is_refused_not_a_crash(tmp_path):
+    h = WeightHandoff(tmp_path / "weights")
+    h.publish(3, _model(1))
+    manifest = h.path(3) / "manifest.json"
+    entries = json.loads(manifest.read_text())
+    entries["files"]["model.safetensors"]["sha256"] = "0" * 64
+    manifest.write_text(json.dumps(entries))
+    with pytest.raises(HandoffError, match="model.safetensors: sha256 differs from manifest"):
+        h.load_into(_model(2), 3, timeout_s=0.2)
+    manifest.write_text("{not json")
+    with pytest.raises(HandoffError, match="manifest.json damaged"):
+        h.load_into(_model(2), 3, timeout_s=0.2)
+
+
+def test_a_bf16_model_loads_through_a_conversion(tmp_path):
+    h = WeightHandoff(tmp_path / "weights")
+    src, dst = _model(1), _model(2).to(torch.bfloat16)
+    h.publish(0, src)
+    h.load_into(dst, 0, timeout_s=1)
+    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(src.state_dict().values(), dst.state_dict().values()))
+
+
+def test_a_version_written_by_the_safetensors_library_loads(tmp_path):
+    """A version of another layout (save_model_dir: safetensors' own writer, its own tensor order)."""
+    h = WeightHandoff(tmp_path / "weights")
+    src, dst = _model(1), _model(2)
+    save_model_dir(h.path(6), src, meta={"policy_version": 6})
+    (h.path(6) / STABLE).write_text("6\n")
+    h.load_into(dst, 6, timeout_s=1)
+    assert _same(src, dst)
+
+
+def test_a_version_of_another_model_is_refused_by_name_and_leaves_the_model_alone(tmp_path):
+    h = WeightHandoff(tmp_path / "weights")
+    h.publish(0, _model(1))
+    other = MoEForCausalLM(dataclasses.replace(PRESETS["test-micro"], num_experts=PRESETS["test-micro"].num_experts * 2))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(UserError, match="experts"):
+        h.load_into(other, 0, timeout_s=0.2)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def test_manifest_takes_the_writers_hashes_only_for_files_of_that_size(tmp_path):
+    (tmp_path / "a").write_bytes(b"abc")
+    (tmp_path / "b").write_bytes(b"defg")
+    given = {"a": {"sha256": "given", "size": 3}}
+    assert write_manifest(tmp_path, hashed=given) == {
+        "a": {"sha256": "given", "size": 3},
+        "b": {"sha256": sha256_bytes(b"defg"), "size": 4},  # not given: hashed here
+    }
+    with pytest.raises(OSError, match="2 bytes on disk, 3 written"):
+        (tmp_path / "a").write_bytes(b"ab")
+        write_manifest(tmp_path, hashed=given)
+    with pytest.raises(OSError, match="c: written, but not there"):
+        write_manifest(tmp_path, hashed={"c": {"sha256": "x", "size": 1}})

@@ -197,7 +197,7 @@ _CHILD = textwrap.dedent("""
     import json, os, signal, sys
     from pathlib import Path
     sys.path.insert(0, os.environ["PYTHONPATH"])
-    import snowcat.stages.model as model, snowcat.stages.rlcore.handoff as handoff
+    import snowcat.stages.rlcore.handoff as handoff
     from tests.test_rl import make_ctx
     import snowcat.stages.rl as rl
     inputs, run_dir, kill = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
@@ -206,17 +206,17 @@ _CHILD = textwrap.dedent("""
     def die(*_):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    real_save, real_write = model.save_model_dir, handoff.atomic_write_text
-    def save(path, model, *a, extra_files=None, **kw):  # killed inside the temp dir of a weight version
-        if path.parent.name == "weights" and path.name == f"step_{kill.get('building', -1):06d}":
-            extra_files = {**(extra_files or {}), "x": die}
-        return real_save(path, model, *a, extra_files=extra_files, **kw)
+    real_manifest, real_write = handoff.write_manifest, handoff.atomic_write_text
+    def manifest(path, *a, **kw):  # killed inside the temp dir of a weight version, its files written
+        if path.parent.name == "weights" and path.name.startswith(f".step_{kill.get('building', -1):06d}."):
+            die()
+        return real_manifest(path, *a, **kw)
     def write(path, text):  # killed after the rename, before STABLE
         if path.name == "STABLE" and path.parent.name == f"step_{kill.get('before_stable', -1):06d}":
             die()
         return real_write(path, text)
     # handoff publishes the weight versions with the names it imported
-    model.save_model_dir = handoff.save_model_dir = save
+    handoff.write_manifest = manifest
     handoff.atomic_write_text = write
     print(json.dumps(rl.run(make_ctx(inputs, run_dir, rank=rank, world=world))), flush=True)
 """)

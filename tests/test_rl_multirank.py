@@ -36,18 +36,18 @@ _CHILD = (
     import dataclasses, json, os, signal, sys
     from pathlib import Path
     sys.path.insert(0, os.environ["PYTHONPATH"])
-    import snowcat.stages.model as model, snowcat.stages.rlcore.handoff as handoff
+    import snowcat.stages.rlcore.handoff as handoff
     from tests.test_rl import make_ctx
     import snowcat.stages.rl as rl
     inputs, run_dir, trainers, kill = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
 
-    real_save = model.save_model_dir
-    def save(path, m, *a, extra_files=None, **kw):  # SIGKILLed inside the temp dir of a weight version
-        if path.parent.name == "weights" and path.name == f"step_{kill.get('building', -1):06d}":
-            extra_files = {**(extra_files or {}), "x": lambda _: os.kill(os.getpid(), signal.SIGKILL)}
-        return real_save(path, m, *a, extra_files=extra_files, **kw)
-    handoff.save_model_dir = save
+    real_manifest = handoff.write_manifest
+    def manifest(path, *a, **kw):  # SIGKILLed inside the temp dir of a weight version, its files written
+        if path.parent.name == "weights" and path.name.startswith(f".step_{kill.get('building', -1):06d}."):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_manifest(path, *a, **kw)
+    handoff.write_manifest = manifest
     ctx = make_ctx(inputs, run_dir, rank=rank, world=world, **json.loads(os.environ["RL_STAGE"]))
     ctx = dataclasses.replace(ctx, role="trainer" if rank < trainers else "rollout")
     ctx.signal.install()  # as the runner does: SIGUSR2 and SIGTERM set the notice

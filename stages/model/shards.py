@@ -1,0 +1,216 @@
+"""Safetensors shards written from and read into tensor memory, SHA-256 taken as the bytes pass.
+
+`write_shards(dir, tensors)` writes `model.safetensors` (or `model-0000i-of-0000n.safetensors` +
+`model.safetensors.index.json`) straight from each tensor's memory and hashes every chunk it
+writes: the manifest entry of a shard comes from the bytes handed to `write`, never from reading
+the file back. `read_shards_into(dir, files, dest)` reads each tensor's bytes straight into the
+tensor that receives it (`dest`, e.g. views of a model's parameters) and hashes what it read, so
+the check covers exactly the bytes that end up in the model, in one pass over the file.
+
+Shards are independent SHA-256 streams, so both sides hash them on parallel threads (hashlib and
+file I/O release the GIL): one stream on one core is about as slow as copying the bytes. The files are
+ordinary safetensors (any reader loads them): the format is 8 bytes of header length, a JSON
+header naming each tensor's dtype, shape and byte range, then the data. It is written here rather
+than through `safetensors.torch.save_file` because that library hashes nothing and writes in an
+order of its own, and read here because `safe_open` hands out tensors of its own instead of
+filling the ones given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from snowcat.pipeline.fsio import IO
+from snowcat.stages.model.io import INDEX, SINGLE
+
+SHARD_BYTES = 256 << 20  # a shard per 256 MiB: parallel hashing for a 0.5 GB model, ~230 files for 30B in bf16
+_CHUNK = 64 << 20  # a write / read call at most this long (Linux moves < 2 GiB per call)
+_MAX_HEADER = 100 << 20  # the limit safetensors readers set
+
+DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH = {v: k for k, v in DTYPES.items()}
+
+
+class ShardMismatch(ValueError):
+    """The files do not map one to one onto the receiving tensors (names, shapes, an unknown
+    dtype, a header that does not parse): nothing has been written into them."""
+
+
+def workers(n_files: int) -> int:
+    """Threads for `n_files` independent shards: the cores this process may use."""
+    return max(1, min(n_files, len(os.sched_getaffinity(0))))
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor as a flat byte view (no copy)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    for at in range(0, len(data), _CHUNK):
+        chunk = data[at : at + _CHUNK]
+        while chunk:
+            chunk = chunk[os.write(fd, chunk) :]
+
+
+def _header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    entries, at = {"__metadata__": metadata}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    head = json.dumps(entries, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as safetensors pads it
+    return len(head).to_bytes(8, "little") + head
+
+
+def _write_one(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
+    """One safetensors file, written and fsynced; its manifest entry from the bytes written."""
+    h, size = hashlib.sha256(), 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        for data in (memoryview(_header(tensors, metadata)), *(_bytes(t) for t in tensors.values())):
+            _write_all(fd, data)  # first, so the kernel can start writing back while we hash
+            h.update(data)
+            size += len(data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"sha256": h.hexdigest(), "size": size}
+
+
+def write_shards(dir: str | os.PathLike, tensors: dict[str, torch.Tensor], shard_bytes: int | None = None) -> dict[str, dict]:
+    """Write `tensors` as safetensors shards of about `shard_bytes` (default `SHARD_BYTES`) into
+    `dir` (a directory being built under `atomic_dir`), each file fsynced. Returns the manifest
+    entries {name: {sha256, size}} of every file written, the index included."""
+    dir, shard_bytes = Path(dir), shard_bytes or SHARD_BYTES
+    tensors = {k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items())}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    names = (
+        [SINGLE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    with ThreadPoolExecutor(workers(len(shards))) as pool:
+        entries = dict(zip(names, pool.map(lambda a: _write_one(dir / a[0], a[1], {"format": "pt"}), zip(names, shards))))
+    IO.update(files_written=len(entries), bytes_written=sum(e["size"] for e in entries.values()), fsyncs=len(entries))
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        entries[INDEX] = write_file(dir / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    return entries
+
+
+def write_file(path: Path, data: bytes) -> dict:
+    """A small file of a directory being built under `atomic_dir`: written, fsynced, and its
+    manifest entry from the bytes written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        _write_all(fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    IO.update(files_written=1, bytes_written=len(data), fsyncs=1)
+    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def _plan(path: Path, dest: dict[str, torch.Tensor]) -> tuple[bytes, list[tuple[str, int, torch.dtype]], int]:
+    """(the header's bytes, [(tensor name, data length, file dtype)] in file order, data length):
+    what reading `path` into `dest` takes. ShardMismatch unless every tensor of the file goes to a
+    `dest` tensor of its shape and the tensors tile the data without gaps."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < n <= _MAX_HEADER:
+            raise ShardMismatch(f"{path}: no safetensors header")
+        head = f.read(n)
+    try:
+        entries = json.loads(head)
+        entries.pop("__metadata__", None)
+        spans = sorted((tuple(e["data_offsets"]), name, e["dtype"], tuple(e["shape"])) for name, e in entries.items())
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ShardMismatch(f"{path}: header does not parse ({e})") from e
+    plan, at = [], 0
+    for (begin, end), name, dtype, shape in spans:
+        target = dest.get(name)
+        if target is None or dtype not in _TORCH or tuple(target.shape) != shape:
+            raise ShardMismatch(f"{path}: tensor {name} ({dtype} {list(shape)}) has no receiving tensor of that shape")
+        if begin != at or end - begin != target.numel() * _TORCH[dtype].itemsize:
+            raise ShardMismatch(f"{path}: tensor {name} at bytes {begin}-{end} does not follow the one before")
+        plan.append((name, end - begin, _TORCH[dtype]))
+        at = end
+    return prefix + head, plan, at
+
+
+def _read_exactly(f, view: memoryview, path: Path) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got : got + _CHUNK])
+        if not n:
+            raise EOFError(f"{path}: ends {len(view) - got} bytes early")
+        got += n
+
+
+def _read_one(path: Path, prefix: bytes, plan, dest: dict[str, torch.Tensor]) -> dict:
+    """Read one planned file into `dest`; its {sha256, size} as read."""
+    h, size = hashlib.sha256(prefix), len(prefix)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(size)
+        for name, nbytes, dtype in plan:
+            target = dest[name]
+            direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+            into = target if direct else torch.empty(target.shape, dtype=dtype)
+            view = _bytes(into)
+            _read_exactly(f, view, path)
+            h.update(view)
+            size += nbytes
+            if not direct:
+                target.copy_(into)
+        size += len(f.read())  # bytes past the last tensor make the size differ from the manifest's
+    return {"sha256": h.hexdigest(), "size": size}
+
+
+def read_shards_into(dir: str | os.PathLike, files: list[str], dest: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Read the safetensors `files` of `dir` into the tensors of `dest` (every one of them must
+    be covered exactly once) and return {file: {sha256, size}} of the bytes read, for the caller
+    to compare with its manifest. A tensor is read straight into its `dest` tensor when that is a
+    contiguous CPU tensor of the file's dtype, otherwise through a temporary one (copy_ converts
+    dtype and device). ShardMismatch, raised before anything is written into `dest`, when the
+    files do not map onto it; after that `dest` holds whatever the files held, checked or not."""
+    dir = Path(dir)
+    plans = {name: _plan(dir / name, dest) for name in files}
+    seen = [t for _, plan, _ in plans.values() for t, _, _ in plan]
+    if len(seen) != len(set(seen)) or set(seen) != set(dest):
+        missing = sorted(set(dest) - set(seen))
+        what = f"tensor {missing[0]} is in none of them" if missing else "a tensor is in more than one"
+        raise ShardMismatch(f"{dir}: {len(files)} safetensors files for {len(dest)} tensors: {what}")
+    with ThreadPoolExecutor(workers(len(files))) as pool:
+        got = dict(zip(files, pool.map(lambda name: _read_one(dir / name, plans[name][0], plans[name][1], dest), files)))
+    IO.update(files_hashed=len(got), bytes_hashed=sum(e["size"] for e in got.values()))
+    return got
