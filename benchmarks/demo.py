@@ -5,7 +5,8 @@
 Runs `snowcat run CONFIG seed=S` once per seed (each in ROOT/seed-S; a finished run is
 re-verified and reused, so an interrupted benchmark resumes), then reads what each run recorded:
 SFT's held-out greedy pass@1 per domain, the sampled (`eval`) and greedy (`eval_greedy`) pass@1 of
-each checkpoint per domain (and per difficulty), RL's paired gain over SFT, for agent evaluations
+each checkpoint per domain (and per difficulty), RL's paired gain over SFT, the step the export
+published (`export/step`; the demo exports RL's best by dev/pass@1), for agent evaluations
 the agent's behaviour and pass rates per bug kind (swe_mini), and stage durations (`duration_s/*`, the
 stages' own times; they mean something only on an otherwise idle machine). Prints mean, standard
 deviation (over seeds), min and max of each, and writes every per-seed value with the machine's CPU
@@ -41,6 +42,7 @@ HEADLINE = {
     "sft/val_greedy_pass@1/arith": "SFT, held-out greedy pass@1, arith",
     "eval/sft:final/all/pass@1": "SFT model, sampled pass@1 (T = 1)",
     "eval/rl:final/all/pass@1": "RL model, sampled pass@1 (T = 1)",
+    "eval/rl:best/all/pass@1": "exported RL checkpoint (rl:best, chosen on dev), sampled pass@1",
     "eval/rl:final - sft:final/all/pass@1_diff": "RL gain over SFT, sampled pass@1",
     "eval/rl:final - sft:final/all/pass@1_diff_se": "its paired standard error",
 }
@@ -101,6 +103,7 @@ def collect(run_dir: Path) -> dict[str, float]:
     rows = {f"sft/val_greedy_pass@1/{d}": sft.get(f"val_greedy_pass@1/{d}") for d in SFT_DOMAINS}
     rows["select/selected"] = _read(stages / "select" / "metrics.json").get("selected")
     rows["probe/pass_rate"] = _read(stages / "probe" / "metrics.json").get("pass_rate")
+    rows["export/step"] = (_read(stages / "export" / "export.json").get("source") or {}).get("step")  # which one was published
     rows |= _eval_rows(_read(stages / "eval" / "results.json"), "eval")
     rows |= _eval_rows(_read(stages / "eval_greedy" / "results.json"), "eval_greedy")
     rows |= _agent_rows(stages / "eval", stages / "tasks", "eval")

@@ -20,7 +20,11 @@ QUOTED_IN = {
         "eval/rl:final - sft:final/all/pass@1_diff",
     ],
     "docs/training.md": ["sft/val_greedy_pass@1/closure", "sft/val_greedy_pass@1/arith"],
-    "docs/rl.md": ["eval/rl:final - sft:final/all/pass@1_diff", "eval/rl:final - sft:final/all/pass@1_diff_se"],
+    "docs/rl.md": [
+        "eval/rl:final - sft:final/all/pass@1_diff",
+        "eval/rl:final - sft:final/all/pass@1_diff_se",
+        "eval/rl:best/all/pass@1",
+    ],
 }
 
 
@@ -39,6 +43,16 @@ def test_docs_quote_the_measured_numbers(doc):
     text = text.replace(" # ", " ")  # YAML comments wrap lines
     for key in QUOTED_IN[doc]:
         assert quote(summary[key]) in text, f"{doc} does not quote {key} as measured: {quote(summary[key])}"
+
+
+@pytest.mark.parametrize("doc", sorted(QUOTED_IN))
+def test_docs_name_the_machine_the_numbers_are_from(doc):
+    """Numbers differ between CPU generations: where a doc quotes them, it names the CPU the file records."""
+    machine = json.loads(RESULTS.read_text())["machine"]
+    text = " ".join((REPO / doc).read_text().split()).replace(" # ", " ")
+    assert machine["cpu_model"] in text, f"{doc} does not name {machine['cpu_model']}"
+    has_amx = any(f.startswith("amx") for f in machine["cpu_flags"])
+    assert ("no AMX" in text) is not has_amx, f"{doc}: AMX {'present' if has_amx else 'absent'} on the measured CPU"
 
 
 AGENT_RESULTS = REPO / "benchmarks" / "results" / "agent-demo-cpu-1seed.json"
