@@ -17,8 +17,8 @@ def test_demo_loads_typed_and_resolved():
 
 
 def test_overrides_use_dot_paths_and_types():
-    cfg = config.load(DEMO, ["seed=7", "stages.tasks.domains.arith.count=50", "stages.tasks.domains.arith.val_count=5"])
-    assert cfg.seed == 7 and cfg.stages.tasks.domains.arith.count == 50
+    cfg = config.load(DEMO, ["seed=7", "stages.tasks.domains.arith.count=100", "stages.tasks.domains.arith.val_count=5"])
+    assert cfg.seed == 7 and cfg.stages.tasks.domains.arith.count == 100
 
 
 @pytest.mark.parametrize(
