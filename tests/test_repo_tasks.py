@@ -9,10 +9,13 @@ import subprocess
 
 import numpy as np
 import pytest
+from test_importers import swebench  # noqa: F401 - fixture
 
+from snowcat.stages.agent import RepoEnv
 from snowcat.stages.sandbox import write_files
 from snowcat.stages.taskgen import Task, VerifierError, generate_domain, split_tasks, task_key, verify
 from snowcat.stages.taskgen import repo as repo_mod
+from snowcat.stages.taskgen.importers import import_swebench
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, parse_results, snapshot_files, verify_patch
 from snowcat.stages.taskgen.swe_mini import BUG_KINDS
 
@@ -154,3 +157,64 @@ def test_a_test_directory_replaced_by_a_symlink_is_the_models_failure(tasks):
     # with the gold fix in the same patch it passes: the test files came back as real files
     assert verdict.passed, verdict.detail
     assert not verify(task, gone + link).passed
+
+
+@needs_sandbox
+def test_a_git_snapshot_is_archived_once_per_task_and_no_episode_reaches_it(swebench, monkeypatch):  # noqa: F811
+    """N episodes and verifications of one git-sourced task: `git archive` runs once (counted on the
+    real subprocess.run); each episode edits, deletes and adds files in its sandbox and its own copy
+    of the base, yet the next one starts from the base commit and the verifier still judges right."""
+    path, repos, _ = swebench
+    (task,) = import_swebench(path, repos, test_command="python3 -m unittest -v {tests}")
+    archives = []
+    run = subprocess.run
+
+    def counting(argv, *args, **kwargs):
+        if list(argv[:1]) == ["git"] and "archive" in argv:
+            archives.append(argv)
+        return run(argv, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counting)
+    env = RepoEnv(None)
+    pristine = None
+    for attempt in range(4):
+        state = env.reset(task)
+        try:
+            base = state["base"]
+            pristine = pristine or dict(base)
+            assert base == pristine and "a - b" in env.run_tool(state, "view", {"path": "calc/ops.py"})
+            if attempt == 0:  # the fix, through the tools: the tests pass
+                env.run_tool(state, "edit", {"path": "calc/ops.py", "old": "a - b", "new": "a + b"})
+                assert env.submit(task, state).reward == 1.0
+            else:  # vandalism in the work dir and in the episode's copy of the base
+                env.run_tool(state, "bash", {"command": "rm -r tests && echo 'x = 1' > calc/ops.py && touch new.py"})
+                base["calc/ops.py"] = b"overwritten"
+                del base["tests/test_old.py"]
+                assert env.submit(task, state).reward == 0.0
+        finally:
+            env.finish(state)
+    assert verify(task, task.answer).passed and not verify(task, "").passed  # the verifier's own snapshot: the cache
+    assert snapshot_files(RepoSpec.from_task(task)) == pristine
+    assert len(archives) == 1, archives
+    assert not any(p.startswith(".git") for p in pristine) and "tests/test_new.py" not in pristine  # no history, no hidden tests
+
+
+def test_the_snapshot_cache_is_bounded_and_gives_each_caller_its_own_dict():
+    cache = repo_mod._SnapshotCache(max_bytes=10)
+    made = []
+
+    def tree(name, size):
+        return lambda: made.append(name) or {f"{name}.py": b"x" * size}
+
+    a = cache.get(("a",), tree("a", 6))
+    a["a.py"] = b"changed"
+    assert cache.get(("a",), tree("a", 6)) == {"a.py": b"x" * 6} and made == ["a"]
+    cache.get(("b",), tree("b", 3))
+    cache.get(("a",), tree("a", 6))  # a used last: b goes first when c does not fit
+    cache.get(("c",), tree("c", 4))
+    cache.get(("a",), tree("a", 6))
+    cache.get(("b",), tree("b", 3))
+    assert made == ["a", "b", "c", "b"]
+    with pytest.raises(RuntimeError, match="archive failed"):
+        cache.get(("d",), lambda: (_ for _ in ()).throw(RuntimeError("archive failed")))
+    assert cache.get(("d",), tree("d", 1)) == {"d.py": b"x"}  # a failed make is not cached

@@ -20,6 +20,10 @@ materialises the snapshot in a fresh sandbox, applies the patch with `git apply`
 files, applies the test patch and runs FAIL_TO_PASS + PASS_TO_PASS. Reward 1 only when all pass.
 A sandbox that fails to start or a test run past the time limit raises `VerifierError`: an
 infrastructure failure, never the model's.
+
+`snapshot_files` materialises a git or archive source once per process (`SNAPSHOTS`, a bounded
+LRU): every episode and verification of a task starts from those bytes, written into its own
+sandbox, so nothing they do reaches the cached tree.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -81,11 +87,57 @@ class RepoSpec:
 # ---------------------------------------------------------------- the snapshot
 
 
+class _SnapshotCache:
+    """Base trees of git and archive sources, made once per process (N attempts of a task archive
+    once) and bounded in bytes, least recently used first out. Each caller gets its own dict over
+    the shared, immutable bytes: nothing an episode or a verifier does reaches the cache."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._trees: OrderedDict[tuple, tuple[dict[str, bytes], int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._making: dict[tuple, threading.Lock] = {}  # one maker per key; others wait for it
+
+    def get(self, key: tuple, make) -> dict[str, bytes]:
+        with self._lock:
+            if key in self._trees:
+                self._trees.move_to_end(key)
+                return dict(self._trees[key][0])
+            making = self._making.setdefault(key, threading.Lock())
+        with making:
+            with self._lock:
+                if key in self._trees:
+                    return dict(self._trees[key][0])
+            try:
+                tree = make()
+                with self._lock:
+                    self._trees[key] = (tree, sum(len(b) for b in tree.values()))
+                    while len(self._trees) > 1 and sum(n for _, n in self._trees.values()) > self.max_bytes:
+                        self._trees.popitem(last=False)
+            finally:
+                with self._lock:
+                    self._making.pop(key, None)
+        return dict(tree)
+
+
+SNAPSHOTS = _SnapshotCache(max_bytes=1 << 30)
+
+
 def snapshot_files(spec: RepoSpec) -> dict[str, bytes]:
-    """The repository at its base state as {relative path: bytes} (no .git)."""
+    """The repository at its base state as {relative path: bytes} (no .git); a git or archive
+    source is materialised once per process (keyed by repository + commit, or archive + mtime)."""
     src = spec.source
     if "files" in src:
         return {p: t.encode() for p, t in src["files"].items()}
+    if "git" in src:
+        key = ("git", os.path.realpath(src["git"]), src["base_commit"])
+    else:
+        st = os.stat(src["archive"])
+        key = ("archive", os.path.realpath(src["archive"]), st.st_mtime_ns, st.st_size)
+    return SNAPSHOTS.get(key, lambda: _read_source(spec))
+
+
+def _read_source(spec: RepoSpec) -> dict[str, bytes]:
     tmp = Path(tempfile.mkdtemp(prefix="snowcat-snapshot-"))
     try:
         return read_tree(materialise_source(spec, tmp / "repo"))
@@ -225,8 +277,8 @@ def _replace_files(root: Path, paths: list[str], base: dict[str, bytes]) -> None
 
 def verify_patch(task, patch: str, image: str | None = None, base: dict[str, bytes] | None = None) -> tuple[float, bool, str]:
     """Judge `patch` (the agent's changes to the snapshot) with the task's tests in a clean sandbox:
-    (reward, passed, detail). `base`: the snapshot, when the caller holds it already (a git source
-    is otherwise archived again). Raises VerifierError for what is not the model's doing."""
+    (reward, passed, detail). `base`: the snapshot, when the caller holds it already (else
+    `snapshot_files`, cached per process). Raises VerifierError for what is not the model's doing."""
     spec = RepoSpec.from_task(task)
     image = task.meta.get("sandbox_image") or image  # a task's own image (tasks.imports[].build_images) first
     base = snapshot_files(spec) if base is None else base
