@@ -54,15 +54,23 @@ class VllmConfig:
 
 @dataclass
 class SandboxConfig:
-    """Where repository-task tool calls and verifications run (env: repo; docs/agents.md)."""
+    """Where repository-task tool calls and verifications run, and how their episodes are rendered
+    (env: repo; docs/agents.md)."""
 
     image: str | None = None  # an Apptainer sandbox image (.sif); null = host processes in namespaces (LocalSandbox)
     observation_chars: int = bounded(1000, ge=64)  # a tool result is cut to this many characters (head and tail kept)
     tool_timeout_s: float = bounded(30.0, gt=0)  # wall time of one tool call (the task's own limit applies too)
+    # a checkpoint's chat template variable (Qwen3: false = no thinking); null = the template's default
+    enable_thinking: bool | None = None
 
     def options(self) -> dict:
         """RepoEnv's keyword arguments."""
-        return {"image": self.image, "observation_chars": self.observation_chars, "tool_timeout_s": self.tool_timeout_s}
+        return {
+            "image": self.image,
+            "observation_chars": self.observation_chars,
+            "tool_timeout_s": self.tool_timeout_s,
+            "enable_thinking": self.enable_thinking,
+        }
 
 
 def env_options(env: str, stage_cfg) -> dict:

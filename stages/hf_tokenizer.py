@@ -20,6 +20,12 @@ Loss mask (as ChatTokenizer): 1 on the assistant turn (what the template puts be
 the content, its tool calls, the end-of-turn token); 0 on a `student_prefix`, on `train: False`
 turns and everything else (the template's tail after end-of-turn, e.g. a newline, is context:
 generation stops at end-of-turn, so the model never samples it).
+
+Template keyword arguments: a conversation that opens with `{"role": "template", "tools": [...],
+"enable_thinking": ...}` (`stages.tokenizer.split_template`) is rendered with them, every rendering
+of it alike (`tools=` OpenAI function schemas, which Qwen3 lists in its system turn; any other key,
+e.g. `enable_thinking`, goes to the template as a variable). `observation_ids(..., template=...)`
+renders the same way, so the agent loop's ids stay the template's.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import NamedTuple
 from transformers import PreTrainedTokenizerFast
 
 from snowcat.pipeline.errors import UserError
+from snowcat.stages.tokenizer import TEMPLATE_ROLE, split_template
 
 _PROBE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 _MARK = "\x00snowcat-content\x00"  # stands in for an assistant message's content (no template writes it)
@@ -100,11 +107,13 @@ class HFChatTokenizer:
         `student_prefix` (context at the start of the turn), as ChatTokenizer's do."""
         return self._encode(messages)
 
-    def observation_ids(self, role: str, content: str) -> list[int]:
+    def observation_ids(self, role: str, content: str, template: dict | None = None) -> list[int]:
         """Ids to append after an assistant turn that ended with the end-of-turn id (as sampled):
-        the rest of the template's turn ending, a `role` message, and the next assistant header."""
-        turn = self._turn(_PROBE, 1)
-        text = self._render([*_PROBE, {"role": role, "content": content}], generation=True)
+        the rest of the template's turn ending, a `role` message, and the next assistant header,
+        rendered with the conversation's `template` keyword arguments (e.g. enable_thinking)."""
+        probe = [{"role": TEMPLATE_ROLE, **template}, *_PROBE] if template else _PROBE
+        turn = self._turn(probe, len(probe) - 1)
+        text = self._render([*probe, {"role": role, "content": content}], generation=True)
         cut = self._end_of(turn, text)
         if cut is None:
             raise UserError(f"{self.where}: the chat template rewrites an assistant turn's text when a {role} message follows")
@@ -209,7 +218,10 @@ class HFChatTokenizer:
     # ---------------------------------------------------------------- rendering
 
     def _render(self, messages: list[dict], generation: bool = False) -> str:
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        # every rendering is of a prefix of one conversation, so each carries its template declaration
+        kwargs, turns = split_template(messages)
+        tools = kwargs.pop("tools", None)
+        return self._tok.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=generation, **kwargs)
 
 
 def _template_messages(messages: list[dict]) -> list[dict]:

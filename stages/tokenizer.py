@@ -17,6 +17,11 @@ The loss mask is 1 on assistant content tokens and their <|end|>; everything els
 An assistant message may carry `"train": False` (a whole turn kept as context, e.g. a student's
 attempt in Relay SFT) or `"student_prefix": text` (the start of this turn written by someone else,
 kept as context; `content` continues it and is trained).
+
+A conversation may open with a template declaration, `{"role": "template", "tools": [...], ...}`:
+not a turn, but the keyword arguments of the chat template (`split_template`). A checkpoint's
+template renders them (Qwen3: the tool schemas in its system turn, `enable_thinking`); this
+template has no tools section and ignores them, so its ids are those of the turns alone.
 """
 
 from __future__ import annotations
@@ -44,6 +49,19 @@ SPECIAL_TOKENS = [
 ]
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
 FILE = "tokenizer.json"
+TEMPLATE_ROLE = "template"
+
+
+def split_template(messages: list[dict]) -> tuple[dict, list[dict]]:
+    """(the chat template's keyword arguments, the turns) of a conversation that may open with
+    `{"role": "template", **kwargs}` (e.g. tools=[OpenAI function schemas], enable_thinking=False)."""
+    kwargs: dict = {}
+    if messages and messages[0].get("role") == TEMPLATE_ROLE:
+        kwargs = {k: v for k, v in messages[0].items() if k != "role"}
+        messages = messages[1:]
+    if any(m.get("role") == TEMPLATE_ROLE for m in messages):
+        raise ValueError("a template declaration must be a conversation's first message")
+    return kwargs, list(messages)
 
 
 def render_tool_call(call: dict) -> str:
@@ -127,10 +145,11 @@ class ChatTokenizer:
         return self._tok.id_to_token(i)
 
     def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """(ids, loss_mask) for a whole conversation; mask 1 on trained assistant tokens + <|end|>."""
+        """(ids, loss_mask) for a whole conversation; mask 1 on trained assistant tokens + <|end|>.
+        A template declaration is left out (no tools section here)."""
         ids: list[int] = []
         mask: list[int] = []
-        for msg in messages:
+        for msg in split_template(messages)[1]:
             role = msg["role"]
             if role not in self.role_ids:
                 raise ValueError(f"unknown chat role {role!r}")
@@ -148,9 +167,10 @@ class ChatTokenizer:
         ids, _ = self.encode_chat(messages)
         return ids + [self.role_ids["assistant"]]
 
-    def observation_ids(self, role: str, content: str) -> list[int]:
+    def observation_ids(self, role: str, content: str, template: dict | None = None) -> list[int]:
         """Ids to append after an assistant turn that ended with <|end|> (as sampled): a `role`
-        message, then the next assistant header (exactly what `encode_chat` gives for them)."""
+        message, then the next assistant header (exactly what `encode_chat` gives for them).
+        `template` (the conversation's template keyword arguments) changes nothing here."""
         ids, _ = self.encode_chat([{"role": role, "content": content}])
         return ids + [self.role_ids["assistant"]]
 

@@ -209,3 +209,55 @@ def test_qwen3_student_prefix_and_untrained_turns(qwen3):
     # the template's empty think block belongs to the turn (the model emits it); the teacher's prefix is context
     assert qwen3.decode([i for i, m in zip(ids, mask) if m]) == f"{EMPTY_THINK}2<|im_end|>"
     assert qwen3.decode(ids).endswith(f"<|im_start|>assistant\n{EMPTY_THINK}42<|im_end|>\n")
+
+
+# ---------------------------------------------------------------- a template declaration (tools, enable_thinking)
+
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an integer expression.",
+        "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
+    },
+}
+
+
+@pytest.mark.parametrize("enable_thinking", [None, False], ids=["template default", "thinking off"])
+def test_qwen3_renders_a_template_declaration_and_the_agent_loop_holds_the_same_ids(qwen3, enable_thinking):
+    """A conversation opening with {"role": "template", "tools": [...], "enable_thinking": ...}: every
+    rendering gets those arguments, so the tool schemas sit in Qwen3's system turn (after the system
+    message) and the ids are still prompt + sampled turns + observation_ids(..., template=the same)."""
+    kwargs = {"tools": [CALCULATOR]} | ({} if enable_thinking is None else {"enable_thinking": enable_thinking})
+    msgs = [{"role": "template", **kwargs}, *TOOL_TURNS]
+    ids, mask = qwen3.encode_chat(msgs)
+    text = qwen3.decode(ids)
+    assert text.startswith("<|im_start|>system\nYou are a careful calculator.\n\n# Tools\n")
+    assert f"<tools>\n{json.dumps(CALCULATOR)}\n</tools>" in text
+    whole = qwen3._tok.apply_chat_template(TOOL_TURNS, tokenize=False, **kwargs)
+    assert text.replace(EMPTY_THINK, "") == whole.replace(EMPTY_THINK, "")  # the template's own text, but earlier think blocks
+    loop = qwen3.render_prompt(msgs[:3])
+    assert ids[: len(loop)] == loop and not any(mask[: len(loop)])
+    assert qwen3.decode(loop).endswith("<|im_start|>assistant\n" + (EMPTY_THINK if enable_thinking is False else ""))
+    turns, start = [], None
+    for j, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = j
+        if not m and start is not None:
+            turns.append(ids[start:j])
+            start = None
+    assert len(turns) == 3
+    for turn, tool in zip(turns, [msgs[4], msgs[6]]):
+        loop += turn + qwen3.observation_ids("tool", tool["content"], template=kwargs)
+    assert ids == loop + turns[-1] + qwen3.encode("\n")
+    # thinking off: the template writes the empty think block (context); by default the model writes it (trained)
+    trained = qwen3.decode([i for i, m in zip(ids, mask) if m])
+    assert trained.count(EMPTY_THINK) == (3 if enable_thinking is None else 0)
+    assert (qwen3.observation_ids("tool", "42", template=kwargs) == qwen3.observation_ids("tool", "42")) == (
+        enable_thinking is None
+    )
+
+
+def test_a_template_declaration_must_come_first(qwen3):
+    with pytest.raises(ValueError, match="first message"):
+        qwen3.encode_chat([TOOL_TURNS[1], {"role": "template", "tools": [CALCULATOR]}, TOOL_TURNS[2]])

@@ -4,6 +4,7 @@ demonstrations, verification on submit, and the agent loop driving many episodes
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -14,7 +15,15 @@ import pytest
 import torch
 
 from snowcat.stages.agent import Budget, EpisodeJob, RepoEnv, Trajectory, behaviour, run_episodes, teacher_messages
-from snowcat.stages.agent.repo_env import TOOLS, ToolCallError, parse_tool_call, tool_call_text
+from snowcat.stages.agent.repo_env import (
+    TOOL_HINT,
+    TOOL_SCHEMAS,
+    TOOLS,
+    ToolCallError,
+    parse_tool_call,
+    tool_call_text,
+    user_message,
+)
 from snowcat.stages.model import PRESETS, MoEForCausalLM
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.taskgen import Task, generate_domain
@@ -54,15 +63,38 @@ def test_parse_tool_call():
 def test_teacher_demonstrations_are_real_and_reproducible(world):
     tasks, demos, _ = world
     for task, msgs in zip(tasks, demos):
-        assert task.prompt in msgs[0]["content"]
-        assert [m["role"] for m in msgs] == ["user"] + ["assistant", "tool"] * 4 + ["assistant"]
+        assert msgs[0] == {"role": "template", "tools": TOOL_SCHEMAS}  # the template's default enable_thinking
+        assert task.prompt in msgs[1]["content"]
+        assert [m["role"] for m in msgs] == ["template", "user"] + ["assistant", "tool"] * 4 + ["assistant"]
         names = [parse_tool_call(message_text(m))[0] for m in msgs if m["role"] == "assistant"]
         assert names == ["test", "view", "edit", "test", "submit"]
-        first_test, last_test = msgs[2]["content"], msgs[8]["content"]
+        first_test, last_test = msgs[3]["content"], msgs[9]["content"]
         assert "FAILED" in first_test and "exit 1" in first_test, first_test
         assert "OK" in last_test and "exit 0" in last_test, last_test
         assert "/workspace" in first_test or "Traceback" not in first_test  # paths do not depend on the host
     assert teacher_messages(tasks[0], "repo") == demos[0]  # no timings, no host paths: same bytes again
+    assert teacher_messages(tasks[0], "repo", enable_thinking=False)[0] == {
+        "role": "template",
+        "tools": TOOL_SCHEMAS,
+        "enable_thinking": False,
+    }
+
+
+def test_the_tool_table_is_one_place():
+    """The schemas the template shows, the arguments the parser requires and the statement's hint agree."""
+    assert [s["function"]["name"] for s in TOOL_SCHEMAS] == list(TOOLS)
+    for schema in TOOL_SCHEMAS:
+        fn = schema["function"]
+        assert schema["type"] == "function" and fn["description"] and fn["parameters"]["type"] == "object"
+        required = fn["parameters"]["required"]
+        assert required == list(fn["parameters"]["properties"])
+        assert f"{fn['name']}({', '.join(required)})" in TOOL_HINT
+        for arg in required:  # each required argument is enforced, and only the named ones are
+            with pytest.raises(ToolCallError, match=arg):
+                parse_tool_call(tool_call_text(fn["name"], {a: "x" for a in required if a != arg}))
+        assert parse_tool_call(tool_call_text(fn["name"], {a: "x" for a in required})) == (fn["name"], {a: "x" for a in required})
+    # the hint snowcat's own template shows (it has no tools section): the one the agent demo was measured with
+    assert TOOL_HINT == "Tools: bash(command), view(path), edit(path, old, new), test(), submit()."
 
 
 def test_rollout_layout_equals_the_teacher_demonstration(world):
@@ -73,6 +105,8 @@ def test_rollout_layout_equals_the_teacher_demonstration(world):
     state = env.reset(task)
     try:
         ids = env.prompt(task)
+        # snowcat's template has no tools section: the declaration changes no id (the demo's prompts as measured)
+        assert ids == tok.render_prompt([user_message(task)]) and tok.decode(ids).count("bash") == 1
         teacher_ids, mask = tok.encode_chat(msgs)
         for m in msgs[1:]:
             if m["role"] != "assistant":
@@ -156,17 +190,37 @@ def test_behaviour_reads_the_teacher_protocol(world):
     assert set(TOOLS) == {k.split("/")[1] for k in stats if k.startswith("calls/")}
 
 
-def test_a_checkpoint_template_renders_the_same_protocol(world, tmp_path):
-    """With a Hugging Face chat template (Qwen style), demonstrations carry structured tool calls that
-    the template renders as `<tool_call>\\n{json}\\n</tool_call>`; replaying the sampled turns through
-    RepoEnv gives exactly the template's ids, and the env parses the template's own format."""
+@pytest.mark.parametrize("template,enable_thinking", [("tiny_hf", None), ("qwen3", None), ("qwen3", False)])
+def test_a_checkpoint_template_renders_the_same_protocol(world, tmp_path, template, enable_thinking):
+    """With a Hugging Face chat template (tiny_hf's Qwen-style imitation, the real Qwen3 template in
+    both thinking modes), demonstrations carry structured tool calls that the template renders as
+    `<tool_call>\\n{json}\\n</tool_call>`, and the tool schemas where the template has a place for
+    them (Qwen3: its system turn). The demonstration begins with exactly the episode's prompt;
+    replaying its trained turns through RepoEnv gives exactly the template's ids, and the env parses
+    the template's own format."""
     from snowcat.stages.model.tiny_hf import hf_chat_tokenizer  # noqa: PLC0415 - transformers is slow to import
+    from tests.qwen3_template import EMPTY_THINK, qwen3_tokenizer  # noqa: PLC0415
 
-    tasks, demos, _ = world
-    task, msgs = tasks[0], demos[0]
-    tok = hf_chat_tokenizer([message_text(m) for d in demos for m in d], tmp_path, vocab_size=600)
+    tasks, _, _ = world
+    task = tasks[0]
+    msgs = teacher_messages(task, "repo", enable_thinking=enable_thinking)
+    make = hf_chat_tokenizer if template == "tiny_hf" else qwen3_tokenizer
+    tok = make([message_text(m) for m in msgs], tmp_path, vocab_size=600)
     ids, mask = tok.encode_chat(msgs)
-    assert '<tool_call>\n{"name": "view", "arguments": {"path": ' in tok.decode(ids)
+    text = tok.decode(ids)
+    assert '<tool_call>\n{"name": "view", "arguments": {"path": ' in text
+    env = RepoEnv(tok, enable_thinking=enable_thinking)
+    prompt = env.prompt(task)
+    assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])  # SFT trains after the very prompt the loop samples from
+    if template == "qwen3":  # every tool's schema, as the template writes it, in the system turn before the statement
+        head = tok.decode(prompt)
+        assert head.startswith("<|im_start|>system\n# Tools\n") and head.index("</tools>") < head.index(task.prompt)
+        for schema in TOOL_SCHEMAS:
+            assert json.dumps(schema) in head
+        think = head.endswith(f"<|im_start|>assistant\n{EMPTY_THINK}")
+        assert think == (enable_thinking is False)  # thinking off: the template writes the empty think block itself
+    else:  # no tools section: ids as without the declaration
+        assert prompt == tok.render_prompt([user_message(task)])
     turns, start = [], None
     for j, m in enumerate(mask + [0]):
         if m and start is None:
@@ -175,7 +229,6 @@ def test_a_checkpoint_template_renders_the_same_protocol(world, tmp_path):
             turns.append(ids[start:j])
             start = None
     assert len(turns) == 5
-    env = RepoEnv(tok)
     state = env.reset(task)
     try:
         rollout = env.prompt(task)

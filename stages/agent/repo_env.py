@@ -4,12 +4,17 @@ The model calls a tool per turn in the tool-call format of its chat template (He
 
     <tool_call>{"name": "edit", "arguments": {"path": "pkg/core.py", "old": "a - b", "new": "a + b"}}</tool_call>
 
-Tools:
+Tools (`TOOL_SCHEMAS`, OpenAI function schemas: the one table the chat template's `tools=`, the
+parser and the statement's one-line hint come from):
     bash   {"command": str}                 run a shell command in the repository (the sandbox)
     view   {"path": str}                    the file with line numbers
     edit   {"path": str, "old": str, "new": str}   replace the one occurrence of `old`
     test   {}                               run the task's visible tests (FAIL_TO_PASS + PASS_TO_PASS)
     submit {}                               end the episode: the patch is judged by the verifier
+
+Every conversation opens with a template declaration (`opening`): a checkpoint's template renders
+the schemas (Qwen3: `# Tools` and `<tools>` in its system turn) and `enable_thinking` when set;
+snowcat's own template has no tools section and shows the hint in the statement alone.
 
 Each result comes back as a tool message, cut to `observation_chars` (head and tail kept). A turn
 without a parseable call gets an error message and the episode goes on (counted as an invalid
@@ -34,15 +39,49 @@ from pathlib import Path
 from snowcat.stages.agent.envs import SingleTurnEnv, Step, _strip_stop
 from snowcat.stages.sandbox import Limits, open_sandbox, write_files
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, read_tree, snapshot_files, verify_patch
-from snowcat.stages.tokenizer import render_tool_call
+from snowcat.stages.tokenizer import TEMPLATE_ROLE, render_tool_call
 
-TOOLS = ("bash", "view", "edit", "test", "submit")
-TOOL_HINT = "Tools: bash(command), view(path), edit(path, old, new), test(), submit()."
+
+def _function(name: str, description: str, **args: str) -> dict:
+    """An OpenAI-style function schema whose arguments are all required strings."""
+    properties = {a: {"type": "string", "description": d} for a, d in args.items()}
+    parameters = {"type": "object", "properties": properties, "required": list(args)}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+# The tool table: what the chat template shows the model (`tools=`), what parse_tool_call checks,
+# and the one-line hint in the problem statement (all snowcat's own template shows).
+TOOL_SCHEMAS = [
+    _function(
+        "bash",
+        "Run a shell command from the repository root (no network; only the repository is writable).",
+        command="the shell command",
+    ),
+    _function("view", "Show a file of the repository with line numbers.", path="the file's path from the repository root"),
+    _function(
+        "edit",
+        "Replace the one occurrence of `old` in a file by `new`.",
+        path="the file's path from the repository root",
+        old="text that occurs exactly once in the file",
+        new="what replaces it",
+    ),
+    _function("test", "Run the task's tests and show their output."),
+    _function("submit", "End the episode: the changes are judged by the task's tests."),
+]
+TOOL_ARGS = {s["function"]["name"]: tuple(s["function"]["parameters"]["required"]) for s in TOOL_SCHEMAS}
+TOOLS = tuple(TOOL_ARGS)
+TOOL_HINT = "Tools: " + ", ".join(f"{name}({', '.join(args)})" for name, args in TOOL_ARGS.items()) + "."
 
 
 def user_message(task) -> dict:
     """The episode's first turn: the problem statement and the tools (the prompt and the demonstrations' start)."""
     return {"role": "user", "content": f"{task.prompt}\n{TOOL_HINT}"}
+
+
+def template_kwargs(enable_thinking: bool | None = None) -> dict:
+    """The chat template's keyword arguments of a repository episode: the tool schemas and, when
+    set, `enable_thinking` (None: the template's own default)."""
+    return {"tools": TOOL_SCHEMAS, **({} if enable_thinking is None else {"enable_thinking": enable_thinking})}
 
 
 def tool_call_message(name: str, arguments: dict | None = None) -> dict:
@@ -79,8 +118,7 @@ def parse_tool_call(text: str) -> tuple[str, dict]:
         raise ToolCallError(f"unknown tool {name!r}; tools: {', '.join(TOOLS)}")
     if not isinstance(args, dict):
         raise ToolCallError("arguments must be an object")
-    needed = {"bash": ("command",), "view": ("path",), "edit": ("path", "old", "new")}.get(name, ())
-    missing = [k for k in needed if not isinstance(args.get(k), str)]
+    missing = [k for k in TOOL_ARGS[name] if not isinstance(args.get(k), str)]
     if missing:
         raise ToolCallError(f"{name} needs string argument(s) {', '.join(missing)}")
     return name, args
@@ -98,15 +136,31 @@ def clip(text: str, chars: int) -> str:
 class RepoEnv(SingleTurnEnv):
     name = "repo"
 
-    def __init__(self, tokenizer, image: str | None = None, observation_chars: int = 1000, tool_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        tokenizer,
+        image: str | None = None,
+        observation_chars: int = 1000,
+        tool_timeout_s: float = 30.0,
+        enable_thinking: bool | None = None,
+    ):
         super().__init__(tokenizer)
         self.image = image
         self.observation_chars = observation_chars
         self.tool_timeout_s = tool_timeout_s
+        self.template = template_kwargs(enable_thinking)
         self.parallel = True  # the loop may run step() of different episodes at once
 
+    def opening(self, task) -> list[dict]:
+        """The conversation's start: the template declaration (tools, enable_thinking), then the
+        problem statement. The prompt and every demonstration begin with it."""
+        return [{"role": TEMPLATE_ROLE, **self.template}, user_message(task)]
+
     def prompt(self, task) -> list[int]:
-        return self.tok.render_prompt([user_message(task)])
+        return self.tok.render_prompt(self.opening(task))
+
+    def note(self, text: str) -> list[int]:
+        return self.tok.observation_ids("tool", text, template=self.template)
 
     def reset(self, task) -> dict:
         spec = RepoSpec.from_task(task)
@@ -210,7 +264,7 @@ def teacher_episode(task, env: RepoEnv) -> list[dict]:
     try:
         path, old, new = gold_edit(task, state["base"])
         calls = [("test", {}), ("view", {"path": path}), ("edit", {"path": path, "old": old, "new": new}), ("test", {})]
-        messages = [user_message(task)]
+        messages = env.opening(task)
         for name, args in calls:
             messages.append(tool_call_message(name, args))
             messages.append({"role": "tool", "content": env.run_tool(state, name, args)})
