@@ -6,6 +6,7 @@ Outputs in ctx.out_dir:
     checkpoints/step_NNNNNN/    resumable (model dir + trainer_state/), every `save_every` steps
     checkpoints/final/          the trained model (model dir); checkpoints/best -> "final"
     metrics_history.jsonl       one line per step; loss_curve.png; metrics.json (headline)
+    teacher_demos.json          the scripted expert's repository-task episodes (made once, by rank 0)
 
 Demonstrations are chat conversations (user: task prompt, assistant: reference answer), loss on
 assistant tokens only, packed into fixed-length rows (attention never crosses examples). A
@@ -20,7 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, build_manifest
+from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, atomic_write_text, build_manifest
 from snowcat.pipeline.offline import load_index, staged_revision
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.pipeline.schema import HF_PREFIX, hub_id
@@ -83,7 +87,40 @@ def teacher_demos(tasks, sandbox: dict | None = None, progress=None) -> dict[str
             out[t.task_id] = msgs
             if progress is not None and ((i + 1) % 50 == 0 or i + 1 == len(repo_tasks)):
                 progress(i + 1, len(repo_tasks))
+    if repo_tasks:  # said once per run of the expert: a multi-rank stage must say it once
+        print(f"[snowcat] scripted expert: {len(out)} repository-task episodes run in sandboxes", flush=True)
     return out
+
+
+DEMOS_FILE = "teacher_demos.json"
+
+
+def shared_teacher_demos(path: Path, tasks, sandbox: dict, rank: int, progress=None) -> dict[str, list[dict]]:
+    """`teacher_demos` made once for every rank: rank 0 runs the expert (unless an earlier attempt
+    of this stage left them for the same tasks and sandbox) and writes `path` atomically; every rank,
+    rank 0 too, reads them back from it, so all train on the same bytes and a resumed stage on those
+    of the first attempt. The others poll for the file (no collective: the expert may take longer
+    than a process group's time-out); a rank 0 that dies takes the job step with it (mpirun, srun
+    --kill-on-bad-exit). No repository task: no file."""
+    repo_tasks = [t for t in tasks if t.verifier == "repo"]
+    if not repo_tasks:
+        return {}
+    what = [sandbox, [[t.task_id, t.prompt, t.answer, t.meta] for t in repo_tasks]]
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+    def read() -> dict | None:
+        try:
+            doc = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return doc["demos"] if doc.get("key") == key else None
+
+    if rank == 0 and read() is None:
+        # key order kept (no sort_keys): templates render tool schemas and arguments in the order given
+        atomic_write_text(path, json.dumps({"key": key, "demos": teacher_demos(repo_tasks, sandbox, progress)}))
+    while (demos := read()) is None:
+        time.sleep(1.0)
+    return demos
 
 
 def build_conversations(tasks, relay_fraction: float, seed: int, demos: dict | None = None) -> list[tuple[list[dict], str]]:
@@ -255,8 +292,12 @@ def run(ctx) -> dict:
     tasks_dir = _tasks_dir(ctx, cfg)
     train_tasks = load_tasks(tasks_dir, "train")
     domains = sorted({t.domain for t in train_tasks})
-    demos = teacher_demos(
-        train_tasks, cfg.sandbox.options(), functools.partial(ctx.progress, unit="demonstrations", phase="teacher")
+    demos = shared_teacher_demos(
+        out / DEMOS_FILE,
+        train_tasks,
+        cfg.sandbox.options(),
+        rank,
+        functools.partial(ctx.progress, unit="demonstrations", phase="teacher"),
     )
 
     # Model + tokenizer: resume > init_from > fresh (seeded) init, which is saved as `initial`.

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from test_importers import harbor, swebench  # noqa: F401 - fixtures
@@ -17,7 +19,8 @@ from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.stages import evaluate, probe, rl, sft, tasks
 from snowcat.stages.agent import RepoEnv
-from snowcat.stages.taskgen import load_tasks
+from snowcat.stages.taskgen import generate_domain, load_tasks
+from tests.conftest import write_config
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"),
@@ -90,6 +93,8 @@ def test_sft_trains_on_expert_episodes_and_traces(trained):
     train = load_tasks(tctx.out_dir, "train")
     # every repository task once (no Relay variant for them), plus the imported trace
     assert metrics["num_examples"] == len(train) + 1
+    demos = json.loads((sctx.out_dir / sft.DEMOS_FILE).read_text())["demos"]
+    assert sorted(demos) == sorted(t.task_id for t in train)
     history = [json.loads(line) for line in (sctx.out_dir / "metrics_history.jsonl").read_text().splitlines()]
     assert history and any("loss/swe_mini" in h for h in history)
     bad = StageContext.standalone(
@@ -186,3 +191,77 @@ def test_rl_trains_on_repo_episodes(trained, tmp_path, monkeypatch):
     assert all(r["turns/mean"] >= 1 and "reward/mean" in r for r in updates)
     assert (ctx.out_dir / "checkpoints" / "final").exists()
     assert not list(sandboxes.glob("snowcat-sandbox-*"))  # every episode's sandbox is gone
+
+
+def test_demonstrations_are_made_once_and_shared_by_every_rank(tmp_path, monkeypatch, capsys):
+    """Rank 0 runs the expert and writes the file; another rank ignores an earlier attempt's file for
+    other tasks and waits for rank 0's; both get the same bytes as the expert run in-process, and a
+    resumed stage reads them without running the expert again."""
+    train = generate_domain(np.random.default_rng(4), "swe_mini", [1], 3)
+    path = tmp_path / "sft" / sft.DEMOS_FILE
+    path.parent.mkdir()
+    path.write_text(json.dumps({"key": "an earlier attempt's, for other tasks", "demos": {"x": []}}))
+    got: dict = {}
+    other = threading.Thread(target=lambda: got.update(rank1=sft.shared_teacher_demos(path, train, SANDBOX, rank=1)))
+    other.start()
+    rank0 = sft.shared_teacher_demos(path, train, SANDBOX, rank=0)
+    other.join(timeout=600)  # a guard against a hang, not a measurement
+    assert not other.is_alive()
+    assert capsys.readouterr().out.count("[snowcat] scripted expert: 3 repository-task episodes") == 1
+    direct = sft.teacher_demos(train, SANDBOX)
+    assert json.dumps(rank0) == json.dumps(got["rank1"]) == json.dumps(direct)  # key order included (templates render it)
+    monkeypatch.setattr(sft, "teacher_demos", lambda *a, **k: pytest.fail("the expert ran again"))
+    assert json.dumps(sft.shared_teacher_demos(path, train, SANDBOX, rank=0)) == json.dumps(direct)
+    with pytest.raises(pytest.fail.Exception):  # other sandbox settings: rank 0 makes them anew
+        sft.shared_teacher_demos(path, train, {**SANDBOX, "observation_chars": 400}, rank=0)
+    arith = generate_domain(np.random.default_rng(4), "arith", [2], 3)
+    assert sft.shared_teacher_demos(tmp_path / "none.json", arith, SANDBOX, rank=1) == {}
+    assert not (tmp_path / "none.json").exists()
+
+
+AGENT_SFT = """\
+name: agent-sft
+seed: 3
+executor: {kind: local, max_parallel: 1}
+stages:
+  tasks:
+    kind: tasks
+    domains:
+      swe_mini: {count: 8, val_count: 2, difficulties: [1]}
+  sft:
+    kind: sft
+    needs: [tasks]
+    model: test-micro
+    tokenizer_vocab_size: 320
+    seq_len: 512
+    batch_rows: 4
+    steps: 4
+    warmup_steps: 0
+    save_every: 4
+    threads: 1
+    eval_tasks: 0
+    relay_fraction: 0.0
+    sandbox: {observation_chars: 300}
+"""
+
+
+@pytest.mark.slow
+def test_two_rank_sft_runs_the_expert_once_and_trains_as_one_rank(snowcat, tmp_path):
+    """A 2-rank SFT on swe_mini under the local mpirun: the expert's episodes run once (one report
+    of them in the stage's log, which both ranks write to), both ranks train on rank 0's file, and
+    the loss curve is the single rank's."""
+    cfg = write_config(tmp_path / "agent-sft.yaml", AGENT_SFT)
+    curves, files = {}, {}
+    for ranks in (1, 2):
+        run_dir = tmp_path / f"ranks{ranks}"
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        snowcat("run", cfg, f"stages.sft.resources.tasks_per_node={ranks}", "--run-dir", run_dir, env=env, check=True)
+        sft_dir = run_dir / "stages" / "sft"
+        curves[ranks] = [json.loads(line)["loss"] for line in (sft_dir / "metrics_history.jsonl").read_text().splitlines()]
+        files[ranks] = (sft_dir / sft.DEMOS_FILE).read_bytes()
+        log = (run_dir / "logs" / "sft.log").read_text(errors="replace")
+        assert log.count("rank 1/2") == (ranks == 2)  # both ranks write to it
+        assert log.count("[snowcat] scripted expert: 6 repository-task episodes") == 1, log[-3000:]
+        assert json.loads((sft_dir / "checkpoints" / "step_000004" / "meta.json").read_text())["world_size"] == ranks
+    assert files[1] == files[2]
+    assert len(curves[2]) == 4 and curves[2] == pytest.approx(curves[1], rel=1e-5)
