@@ -40,6 +40,7 @@ from pathlib import Path
 from snowcat.benchmarks import faults
 from snowcat.benchmarks.faults import Fault, done_units, last_output, stage_graph, wait, wait_for
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import read_json
 from snowcat.slurm import cluster
 from snowcat.slurm.hetjob import parse_job_id
 
@@ -105,8 +106,9 @@ def job_processes(workdir: Path) -> list[Proc]:
     """The stage processes of jobs started in `workdir`, rank 0 first."""
     out = []
     for pid, _, argv in faults._proc_table():
-        if "submitit.core._submit" not in argv or not Path(argv[0]).name.startswith("python"):
-            continue  # srun's own command line names the module too
+        # python -u -m submitit.core._submit FOLDER; not srun, nor the stepwatch a hetjob's srun runs under
+        if "-m" not in argv or argv[argv.index("-m") + 1 :][:1] != ["submitit.core._submit"]:
+            continue
         if _cwd(pid) != str(workdir):
             continue
         env = _environ(pid)
@@ -457,18 +459,25 @@ class SlurmCampaign(faults.Campaign):
         self.wait_out(f, "after both")
 
     def kill_submit(self, f: Fault, rng: random.Random) -> None:
-        """SIGKILL of `snowcat run` while it queues the DAG: what it queued and did not record must go."""
-        cmd = ("run", str(self.refs[f.ref].config), *ON_SLURM, "--run-dir", str(f.run))
-        proc = self.cli(f.run, *cmd, log=f.log)
-        f.params["at_s"] = round(rng.uniform(0.2, 1.1 * self.refs[f.ref].command_s), 2)
-        time.sleep(f.params["at_s"])
-        f.done_before = done_units(f.run)
-        if proc.poll() is not None:
-            f.notes.append("the submission had finished")
+        """SIGKILL of `snowcat run` once it has queued n of the DAG's jobs but not all (its journal,
+        polled every 2 ms, lists them), before it recorded any: what it queued must not run on unowned."""
+        nth = rng.randint(1, len(stage_graph(self.refs[f.ref].path)) - 1)
+        f.params["after_jobs"] = nth
+        journal = f.run / "slurm" / "submitting.json"
+        proc = self.cli(f.run, "run", str(self.refs[f.ref].config), *ON_SLURM, "--run-dir", str(f.run), log=f.log)
+        seen = [0]
+
+        def queued() -> bool:
+            seen[0] = len((read_json(journal) or {}).get("queued", [])) if journal.is_file() else 0
+            return seen[0] >= nth or proc.poll() is not None
+
+        wait_for(queued, self.timeout, poll=0.002)
         self._kill(proc.pid)
         proc.wait()
-        f.params["jobs_queued"] = len({r["name"] for r in squeue(self.workdir(f.run))})
-        # the user sees the command die and runs `snowcat resume` (recovery) at once
+        f.done_before = done_units(f.run)
+        f.params["journal"] = seen[0]
+        if seen[0] < nth:
+            f.notes.append(f"the submission ended before its journal listed {nth} jobs")
 
     def cancel_run(self, f: Fault, rng: random.Random) -> None:
         """`snowcat cancel` at a random instant: the run's jobs end, nobody else's; resume finishes it."""
