@@ -11,8 +11,10 @@ the trainer. For each batch size (trajectories per batch), `--repeats` times eac
   - `raw`: one `comm.Send` of a uint8 buffer of the same byte count into a preallocated `Recv`.
 Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
 extra message in both rows), and reports the median and `raw / typed` (1.0: encoding, the probe
-and decoding cost nothing beyond moving the bytes). `encode` and `decode` of the same
-batch are also timed alone, to say how much of the typed row they are.
+and decoding cost nothing beyond moving the bytes), and the same for the fastest of each row: on a
+machine other processes load, a transfer that waited for a core takes 10-40 ms in either row, so
+where many did the medians compare those waits and the minimums what the transfers cost. `encode`
+and `decode` of the same batch are also timed alone, to say how much of the typed row they are.
 
 The trajectories are shaped like agent episodes of the demo model: 256-2048 tokens, a prompt and
 three model turns, rollout logprobs, the router replay of 4 MoE layers x top-2 (int16), sampled
@@ -133,6 +135,8 @@ for n in sizes:
             "typed_gb_per_s": round(nbytes / med["typed"] / 1e9, 3),
             "raw_gb_per_s": round(nbytes / med["raw"] / 1e9, 3),
             "ratio_raw_over_typed": round(med["raw"] / med["typed"], 3),
+            "min_s": {k: round(min(v), 6) for k, v in times.items()},
+            "ratio_of_minimums": round(min(times["raw"]) / min(times["typed"]), 3),
             "received_equal": bool(intact),
         })
 if rank == 1:
@@ -165,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"2 ranks under mpirun, {MPI_ENV['OMPI_MCA_btl']} transport, median of {args.repeats}")
     print(
         f"{'trajs':>6} {'tokens':>8} {'MiB':>7} {'typed ms':>9} {'raw ms':>8} {'typed GB/s':>10} {'raw GB/s':>9} "
-        f"{'raw/typed':>9}  {'of typed: encode ms':>19} {'decode ms':>9}"
+        f"{'raw/typed':>9}  {'of typed: encode ms':>19} {'decode ms':>9}   fastest: {'typed ms':>8} {'raw ms':>7} {'raw/typed':>9}"
     )
     for r in rows:
         print(
             f"{r['trajectories']:>6} {r['tokens']:>8} {r['bytes'] / 2**20:>7.2f} {r['median_s']['typed'] * 1e3:>9.2f} "
             f"{r['median_s']['raw'] * 1e3:>8.2f} {r['typed_gb_per_s']:>10.2f} {r['raw_gb_per_s']:>9.2f} {r['ratio_raw_over_typed']:>9.2f}"
             f"  {r['median_s']['encode'] * 1e3:>19.2f} {r['median_s']['decode'] * 1e3:>9.2f}"
+            f"   {'':9}{r['min_s']['typed'] * 1e3:>8.2f} {r['min_s']['raw'] * 1e3:>7.2f} {r['ratio_of_minimums']:>9.2f}"
             + ("" if r["received_equal"] else "  RECEIVED BATCH DIFFERS")
         )
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} cpus)")

@@ -82,18 +82,21 @@ def _header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes
 
 
 def _write_one(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
-    """One safetensors file, written and fsynced; its manifest entry from the bytes written."""
-    h, size = hashlib.sha256(), 0
+    """One safetensors file, written and fsynced; its manifest entry from the bytes written (the
+    same memory, hashed while the fsync waits for the disk)."""
+    h, parts = hashlib.sha256(), [memoryview(_header(tensors, metadata)), *(_bytes(t) for t in tensors.values())]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        for data in (memoryview(_header(tensors, metadata)), *(_bytes(t) for t in tensors.values())):
-            _write_all(fd, data)  # first, so the kernel can start writing back while we hash
-            h.update(data)
-            size += len(data)
-        os.fsync(fd)
+        for data in parts:
+            _write_all(fd, data)
+        with ThreadPoolExecutor(1) as sync:
+            synced = sync.submit(os.fsync, fd)
+            for data in parts:
+                h.update(data)
+            synced.result()
     finally:
         os.close(fd)
-    return {"sha256": h.hexdigest(), "size": size}
+    return {"sha256": h.hexdigest(), "size": sum(len(d) for d in parts)}
 
 
 def write_shards(dir: str | os.PathLike, tensors: dict[str, torch.Tensor], shard_bytes: int | None = None) -> dict[str, dict]:
