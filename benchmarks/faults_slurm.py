@@ -1,6 +1,6 @@
 """The fault campaign's part on the local Slurm cluster: `snowcat bench faults --slurm`.
 
-    snowcat bench faults --slurm [--faults 26] [--seed 19] [--timeout 300] [--kinds a,b,...] [--json FILE]
+    snowcat bench faults --slurm [--faults 28] [--seed 19] [--timeout 300] [--kinds a,b,...] [--json FILE]
 
 The pipelines of the local part (configs/faults.yaml; configs/faults-rl.yaml, whose RL stage is a
 heterogeneous job: trainer and rollout components in one MPI world) submitted with `--executor
@@ -50,6 +50,7 @@ KINDS = (
     "kill_job_process",
     "kill_ckpt_save",
     "preempt_usr2",
+    "usr2_other_stage",
     "scancel_job",
     "kill_slurmd",
     "damaged_file",
@@ -321,26 +322,36 @@ class SlurmCampaign(faults.Campaign):
             f.problems["hangs"].append(f"{what}: {hang}")
         self.check_torn(f, what)
 
-    def running(self, f: Fault, stage: str | None = None, ranks: int = 1) -> list[Proc]:
-        """The stage processes of the run (of `stage`; `ranks` of them), waiting up to a minute for
-        them; [] when the run ended first."""
+    def running(self, f: Fault, stage: str | None = None, ranks: int = 1, within: float = 60) -> list[Proc]:
+        """The stage processes of the run (of `stage`; `ranks` of them), waiting `within` seconds
+        for them; [] when the run (or that stage) ended first."""
 
         def found():
             procs = [p for p in job_processes(self.workdir(f.run)) if stage in (None, p.stage)]
-            return procs if len(procs) >= ranks else ([] if not self.finished(f.run) else "ended")
+            if len(procs) >= ranks:
+                return procs
+            over = self.finished(f.run) or (stage is not None and (f.run / "stages" / stage / "DONE").is_file())
+            return "ended" if over else []
 
-        procs = wait_for(found, 60, poll=0.1)
+        procs = wait_for(found, within, poll=0.1)
         return procs if isinstance(procs, list) else []
 
     def sleep_instant(self, f: Fault, rng: random.Random) -> None:
         f.params["at_s"] = round(rng.uniform(1.0, 0.9 * self.refs[f.ref].wall), 2)
         time.sleep(f.params["at_s"])
 
-    def _hit(self, f: Fault, rng: random.Random, action) -> None:
-        """Submit, wait a random instant, apply `action(proc)` to the stage process running then."""
+    def _hit(self, f: Fault, rng: random.Random, action, stage: str | None = None) -> None:
+        """Submit, wait a random instant (of the run; of `stage`'s work when given), apply
+        `action(proc)` to the stage process running then."""
         self.submit(f)
-        self.sleep_instant(f, rng)
-        procs = self.running(f)
+        if stage is None:
+            self.sleep_instant(f, rng)
+        else:
+            self.running(f, stage, within=self.timeout)
+            ran = json.loads((self.refs[f.ref].path / "stages" / stage / "metrics.json").read_text())["duration_s"]
+            f.params["at_s"] = round(rng.uniform(0, 0.8 * float(ran)), 2)  # after its process started
+            time.sleep(f.params["at_s"])
+        procs = self.running(f, stage)
         f.done_before = done_units(f.run)
         if not procs:
             f.notes.append("no stage process was running (the run had finished)")
@@ -361,8 +372,15 @@ class SlurmCampaign(faults.Campaign):
         self._hit(f, rng, lambda p: self._kill(p.pid))
 
     def preempt_usr2(self, f: Fault, rng: random.Random) -> None:
-        """The preemption notice a walltime or a preempting job sends (`--signal=USR2@margin`)."""
-        self._hit(f, rng, lambda p: subprocess.run(["scancel", "--signal=USR2", p.job], capture_output=True))
+        """The notice a walltime or a preempting job sends (`--signal=USR2@margin`), to the SFT job at
+        a random instant of its work: it checkpoints and requeues itself."""
+        self._hit(f, rng, lambda p: subprocess.run(["scancel", "--signal=USR2", p.job], capture_output=True), stage="sft")
+
+    def usr2_other_stage(self, f: Fault, rng: random.Random) -> None:
+        """The same notice to a stage that does not checkpoint (tasks or evaluate): it must finish as
+        it would have, nothing recorded wrong (its helper processes get the signal too)."""
+        stage = rng.choice(["tasks", "eval"])
+        self._hit(f, rng, lambda p: subprocess.run(["scancel", "--signal=USR2", p.job], capture_output=True), stage=stage)
 
     def scancel_job(self, f: Fault, rng: random.Random) -> None:
         """`scancel` of the running stage's job (SIGTERM, then SIGKILL after KillWait)."""
@@ -543,6 +561,6 @@ class SlurmCampaign(faults.Campaign):
 
 
 def main(argv: list[str]) -> int:
-    defaults = {"faults": 26, "timeout": 300.0, "json": RESULTS, "root": "/tmp/snowcat-faults-slurm"}
+    defaults = {"faults": 28, "timeout": 300.0, "json": RESULTS, "root": "/tmp/snowcat-faults-slurm"}
     args = faults.parser(defaults, KINDS, RL_KINDS).parse_args(argv)
     return faults.campaign(args, argv, SlurmCampaign, KINDS, part="slurm")
