@@ -12,7 +12,7 @@ the trainer. For each batch size (trajectories per batch), `--repeats` times eac
 Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
 extra message in both rows), and reports the median and `raw / typed` (1.0: encoding, the probe
 and decoding cost nothing beyond moving the bytes), and the same for the fastest of each row: on a
-machine other processes load, a transfer that waited for a core takes 10-40 ms in either row, so
+machine other processes load, a transfer that waited for a core takes tens of ms in either row, so
 where many did the medians compare those waits and the minimums what the transfers cost. `encode`
 and `decode` of the same batch are also timed alone, to say how much of the typed row they are.
 
