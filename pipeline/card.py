@@ -19,13 +19,13 @@ import yaml
 
 from . import compare
 from . import config as config_mod
-from .dag import build
+from .dag import Unit, build
 from .errors import UserError
 from .fsio import atomic_write_text, checkpoint_dir, read_json, sha256_file
 from .provenance import record_path
 from .rundir import RunDir
 from .scrub import scrub_text
-from .sweep import ref_unit, unit_path
+from .sweep import input_units, ref_unit, unit_path
 
 NR = "not recorded"
 TRAINING_KINDS = ("sft", "rl")
@@ -33,6 +33,10 @@ TRAINING_KINDS = ("sft", "rl")
 
 def _v(value: Any, fmt: str = "{}") -> str:
     return NR if value is None or value == "" else fmt.format(value)
+
+
+def _percent(x: Any) -> str:
+    return NR if x is None else f"{100 * x:.1f}%"
 
 
 def _pct(x: Any, se: Any = None) -> str:
@@ -62,23 +66,47 @@ class Facts:
 
     def units(self, node) -> list[tuple[str, Any, Any]]:
         """(label, the config it ran with, unit) per unit: a sweep unit's own values set, its label
-        naming them as a reference does (`rl[estimator=grpo,lr=0.001]`)."""
-        if node.items is None:
-            return [(node.name, node.config, node.units[0])]
-        return [
-            (
-                f"{node.name}[{','.join(f'{k}={v}' for k, v in item.items())}]",
-                config_mod.unit_config(self.cfg, node.name, item),
-                unit,
-            )
-            for unit, item in zip(node.units, node.items, strict=True)
-        ]
+        naming them as a reference does (`rl[estimator=grpo,lr=0.001]`). A fanned-out stage's
+        directory holds only its units' directories, so every reader of a stage's files goes
+        through this; a plain stage is its one unit, labelled with the stage's name."""
+        return [(self.label(u), self.unit_config(u), u) for u in node.units]
+
+    def label(self, unit) -> str:
+        item = self.dag[unit.stage].items[unit.index] if unit.index is not None else None
+        return unit.stage if item is None else f"{unit.stage}[{','.join(f'{k}={v}' for k, v in item.items())}]"
+
+    def unit_config(self, unit):
+        node = self.dag[unit.stage]
+        return node.config if unit.index is None else config_mod.unit_config(self.cfg, node.name, node.items[unit.index])
+
+    def unit_dir(self, unit) -> Path:
+        return self.run.unit_dir(unit)
+
+    def ref_unit(self, ref: str | None) -> Unit | None:
+        """The unit a checkpoint reference (`rl[estimator=grpo]:best`, `sft:final`) names; None: no
+        stage of this run (an `hf:` model, a malformed reference)."""
+        try:
+            stage, index, _ = ref_unit(ref or "", {n: node.config for n, node in self.dag.nodes.items()})
+        except (ValueError, UserError):
+            return None
+        return Unit(stage, index)
 
     def provenance(self, name: str, index: int | None = None) -> dict | None:
         return read_json(record_path(self.run.path, name, index))
 
-    def manifest(self, name: str) -> dict:
-        return (read_json(self.stage_dir(name) / "manifest.json") or {}).get("files", {})
+    def manifest(self, unit) -> dict:
+        return (read_json(self.unit_dir(unit) / "manifest.json") or {}).get("files", {})
+
+
+def _one_or_each(pairs: list[tuple[str, Any]]) -> Any:
+    """A plain stage's value; a fanned-out stage's once when its units agree ("…, each of its N
+    units"), else each unit's, labelled. None where nothing was recorded."""
+    if len(pairs) == 1:
+        return pairs[0][1]
+    values = [v for _, v in pairs]
+    if all(v == values[0] for v in values) and values[0] is not None:
+        return f"{values[0]} (each of `{pairs[0][0].partition('[')[0]}`'s {len(pairs)} units)"
+    return "; ".join(f"{label}: {_v(v)}" for label, v in pairs) if any(v is not None for v in values) else None
 
 
 # --- sections -------------------------------------------------------------------------------------
@@ -88,27 +116,40 @@ def _initializer(f: Facts) -> tuple[list[str], dict]:
     trainers = f.nodes(*TRAINING_KINDS)
     if not trainers:
         return [f"- Initializer: {NR} (the run has no training stage)"], {}
-    first = trainers[0]
-    init = f.stage_dir(first.name) / "checkpoints" / "initial"
+    # the first training stage's `checkpoints/initial`, per unit: a sweep over `init_from`, `model` or
+    # a replica (another seed) starts each unit elsewhere
+    blocks = [_unit_initializer(f, label, config, unit) for label, config, unit in f.units(trainers[0])]
+    lines = [line for block, _ in blocks for line in block]
+    if len(blocks) == 1:
+        return lines, blocks[0][1]
+    digests = {label: m["initializer_manifest_sha256"] for (label, _, _), (_, m) in zip(f.units(trainers[0]), blocks)}
+    bases = sorted({m["base_model"] for _, m in blocks if m.get("base_model")})
+    meta = {"initializer_manifest_sha256": digests} | ({"base_model": bases[0] if len(bases) == 1 else bases} if bases else {})
+    return lines, meta
+
+
+def _unit_initializer(f: Facts, label: str, c, unit) -> tuple[list[str], dict]:
+    init = f.unit_dir(unit) / "checkpoints" / "initial"
     manifest = init / "manifest.json"
     digest = sha256_file(manifest) if manifest.is_file() else None
     weights = {k: v["sha256"] for k, v in (read_json(manifest) or {}).get("files", {}).items() if k.endswith(".safetensors")}
     meta = read_json(init / "meta.json") or {}
-    source = first.config.init_from
+    source = c.init_from
     lineage = meta.get("lineage") or {}
     if lineage:
         where = f"hub id `{lineage['hub_id']}`" if lineage.get("hub_id") else "a local directory"
         what = (
-            f"pretrained checkpoint `{lineage['source']}` (named by `stages.{first.name}.model`; {where}, "
+            f"pretrained checkpoint `{lineage['source']}` (named by `stages.{unit.stage}.model`; {where}, "
             f"revision {_v(lineage.get('revision'))}, license {_v(lineage.get('license'))})"
         )
     elif source:
-        what = f"checkpoint `{source}` (named by `stages.{first.name}.init_from`)"
+        what = f"checkpoint `{source}` (named by `stages.{unit.stage}.init_from`)"
     else:
-        what = f"fresh initialization of the `{_v(first.config.model)}` preset, seed {_v(meta.get('seed'))}"
+        what = f"fresh initialization of the `{_v(c.model)}` preset, seed {_v(meta.get('seed'))}"
+    of = "" if unit.index is None else f" of `{label}`"
     lines = [
-        f"- Initializer: {what}",
-        f"- Initializer checkpoint: `{f.run.path.name}/stages/{first.name}/checkpoints/initial`, manifest sha256 `{_v(digest)}`",
+        f"- Initializer{of}: {what}",
+        f"- Initializer checkpoint{of}: `{f.run.path.name}/{init.relative_to(f.run.path)}`, manifest sha256 `{_v(digest)}`",
     ]
     lines += [f"  - `{k}` sha256 `{v}`" for k, v in sorted(weights.items())]
     if lineage:
@@ -129,34 +170,62 @@ def _domain_counts(path: Path) -> dict[str, int] | None:
 def _data(f: Facts) -> list[str]:
     rows = ["| stage | file | rows | per domain | sha256 |", "|---|---|---|---|---|"]
     for node in f.nodes("tasks"):
-        for rel, meta in sorted(f.manifest(node.name).items()):
-            if not rel.endswith(".parquet"):
-                continue
-            try:
-                n = pq.ParquetFile(f.stage_dir(node.name) / rel).metadata.num_rows
-            except Exception:
-                n = None
-            counts = _domain_counts(f.stage_dir(node.name) / rel)
-            per = ", ".join(f"{d} {c}" for d, c in counts.items()) if counts else NR
-            rows.append(f"| {node.name} | `{rel}` | {_v(n)} | {per} | `{meta['sha256']}` |")
+        for label, _, unit in f.units(node):
+            for rel, meta in sorted(f.manifest(unit).items()):
+                if not rel.endswith(".parquet"):
+                    continue
+                try:
+                    n = pq.ParquetFile(f.unit_dir(unit) / rel).metadata.num_rows
+                except Exception:
+                    n = None
+                counts = _domain_counts(f.unit_dir(unit) / rel)
+                per = ", ".join(f"{d} {c}" for d, c in counts.items()) if counts else NR
+                rows.append(f"| {label} | `{rel}` | {_v(n)} | {per} | `{meta['sha256']}` |")
     if len(rows) == 2:
         return [f"Training data: {NR} (no tasks stage outputs)."]
     rows.append("")
     for node in f.nodes("select"):
-        m = f.run.metrics(node.units[0]) if f.done(node.name) else {}
-        per = ", ".join(f"{k.split('/')[0]} {v}" for k, v in sorted(m.items()) if k.endswith("/selected"))
-        rows.append(
-            f"- RL task band (`{node.name}`): {_v(m.get('selected'))} of {_v(m.get('probed'))} probed tasks"
-            + (f" ({per})" if per else "")
-        )
+        for label, _, unit in f.units(node):
+            m = f.run.metrics(unit) if f.run.is_done(unit) else {}
+            per = ", ".join(f"{k.split('/')[0]} {v}" for k, v in sorted(m.items()) if k.endswith("/selected"))
+            rows.append(
+                f"- RL task band (`{label}`): {_v(m.get('selected'))} of {_v(m.get('probed'))} probed tasks"
+                + (f" ({per})" if per else "")
+            )
     for node in f.nodes("rl"):
-        seed = ((f.provenance(node.name) or {}).get("extra") or {}).get("seed")
-        rows.append(
-            f"- `{node.name}` data order: batch k is slice k of a sequence of per-epoch permutations of its task pool "
-            f"seeded by the stage seed {_v(seed)} (`stages/rl.py: batch_tasks`), so the tasks behind any step can be "
-            "recomputed; the trajectories per domain that entered the loss are the history's `exposure/<domain>`"
+        seeds = [((f.provenance(u.stage, u.index) or {}).get("extra") or {}).get("seed") for u in node.units]
+        whose = f"the stage seed {_v(seeds[0])}" if node.items is None else "the unit's stage seed"
+        rule = (
+            f"batch k is slice k of a sequence of per-epoch permutations of its task pool seeded by {whose} "
+            "(`stages/rl.py: batch_tasks`), so the tasks behind any step can be recomputed; the trajectories per "
+            "domain that entered the loss are the history's `exposure/<domain>`"
         )
+        if node.items is None:
+            rows.append(f"- `{node.name}` data order: {rule}")
+            continue
+        rows.append(f"- `{node.name}` data order, per unit: {rule}, summed here over each unit's updates:")
+        for (label, _, unit), seed in zip(f.units(node), seeds, strict=True):
+            rows.append(f"  - `{label}`: seed {_v(seed)}; exposure {_v(_exposure_text(_unit_exposure(f, unit)))}")
     return rows
+
+
+def _unit_exposure(f: Facts, unit, through: int | None = None) -> tuple[Counter, int | None]:
+    """Trajectories per domain that entered a training unit's loss (its history's `exposure/<d>`),
+    through step `through` (None: every update), and the last step summed."""
+    totals: Counter = Counter()
+    last = None
+    for row in _unit_history(f, unit):
+        if "step" in row and (through is None or row["step"] <= through) and any(k.startswith("exposure/") for k in row):
+            totals.update({k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("exposure/")})
+            last = row["step"] if last is None else max(last, row["step"])
+    return totals, last
+
+
+def _exposure_text(found: tuple[Counter, int | None], step: int | None = None) -> str | None:
+    totals, last = found
+    if not totals:
+        return None
+    return f"{', '.join(f'{d} {n}' for d, n in sorted(totals.items()))} trajectories in the loss through step {_v(step if step is not None else last)}"
 
 
 def _recipe(f: Facts) -> list[str]:
@@ -253,97 +322,152 @@ def _resolve(f: Facts, ref: str) -> Path | None:
         return None
 
 
-def _evaluations(f: Facts, export: dict | None) -> tuple[list[str], list[str], list[dict]]:
-    """Tables per evaluate stage; limitations; the model-index entries (the exported weights only)."""
-    lines, limits, index = [], [], []
+def _evaluations(f: Facts, export: dict | None) -> tuple[list[str], list[str], list[dict], list[str]]:
+    """Tables per evaluate unit; limitations; the model-index entries (the exported weights only);
+    per evaluation, the exported weights' score beside their initializer's (the checklist's)."""
+    lines, limits, index, versus = [], [], [], []
     source = (export or {}).get("source") or {}
-    exported_ref = source.get("ref")
     exported_dir = (f.run.path / source["path"]).resolve() if source.get("path") else None
     for node in f.nodes("evaluate"):
-        if not f.done(node.name):
-            status = f.run.state()["stages"].get(node.name, {}).get("status", "not run")
-            limits.append(f"Evaluation `{node.name}` did not complete ({status}); it reports nothing.")
-            continue
-        results = read_json(f.stage_dir(node.name) / "results.json")
-        if results is None:
-            lines += [f"**{node.name}**: results.json {NR}.", ""]
-            limits.append(f"Evaluation `{node.name}`: its results are {NR}.")
-            continue
-        # the evaluate stage's first checkpoint is its baseline (results.json keys are sorted on disk)
-        refs = [r for r in getattr(node.config, "checkpoints", []) if r in results["checkpoints"]]
-        refs += sorted(r for r in results["checkpoints"] if r not in refs)
-        initial = refs[0]
-        exported = next((r for r in refs if exported_dir is not None and _resolve(f, r) == exported_dir), None)
-        cols = [initial] + ([exported] if exported and exported != initial else [r for r in refs[1:]])
-        # "initializer" only where it is one: a checkpoint named `initial`, or what the exported stage started from
-        init_refs = {r for r in refs if r.endswith(":initial")}
-        if exported_ref and exported_ref.partition(":")[0] in f.dag.nodes:
-            init_refs.add(f.dag[exported_ref.partition(":")[0]].config.init_from)
-        labels = [
-            ("initializer" if r in init_refs else "baseline") if r == initial else ("exported" if r == exported else "")
-            for r in cols
-        ]
-        lines.append(
-            f"**{node.name}**: split `{results.get('split')}`, {results.get('tasks')} tasks × "
-            f"{results.get('attempts')} attempts, sampling {json.dumps(results.get('sampling'))}. "
-            "Values in %, ± one standard error over tasks."
-        )
-        lines.append("")
-        head = " | ".join(f"{r}{' (' + lab + ')' if lab else ''}" for r, lab in zip(cols, labels))
-        lines.append(f"| group | metric | {head} |")
-        lines.append("|---|---|" + "---|" * len(cols))
-        groups = [g for g in results["checkpoints"][initial]["groups"] if "/" not in g]
-        for g in sorted(groups, key=lambda g: (g != "all", g)):
-            for metric, fmt in (
-                ("pass@1", lambda s: _pct(s.get("pass@1"), s.get("pass@1_se"))),
-                ("mean reward", lambda s: _pct(s.get("reward"), s.get("reward_se"))),
-                ("infra failure rate", lambda s: _pct(s.get("infra_rate"))),
-            ):
-                vals = [fmt(results["checkpoints"][r]["groups"].get(g) or {}) for r in cols]
-                lines.append(f"| {g} | {metric} | " + " | ".join(vals) + " |")
-                if metric == "pass@1" and exported is not None:
-                    s = results["checkpoints"][exported]["groups"].get(g) or {}
-                    index.append({"stage": node.name, "checkpoint": exported, "group": g, "pass@1": s.get("pass@1")})
-        for key, label, fmt in AGENT_ROWS:  # multi-turn evaluations: what the agent did
-            if any(key in results["checkpoints"][r].get("behaviour", {}) for r in cols):
-                vals = [fmt(results["checkpoints"][r].get("behaviour", {}).get(key)) for r in cols]
-                lines.append(f"| agent | {label} | " + " | ".join(vals) + " |")
-        comparisons = results.get("comparisons") or {}
-        if comparisons:  # paired over the same tasks: the honest way to say one checkpoint beats another
-            lines += ["", "Paired differences (same tasks and attempt seeds), in points, ± SE, [95% bootstrap CI]:", ""]
-            lines += ["| comparison | group | tasks | Δ pass@1 | Δ mean reward |", "|---|---|---|---|---|"]
-            for pair, by_group in sorted(comparisons.items()):
-                for g in sorted((g for g in by_group if "/" not in g), key=lambda g: (g != "all", g)):
-                    c = by_group[g]
-                    lines.append(f"| {pair} | {g} | {_v(c.get('tasks'))} | {_diff(c.get('pass@1'))} | {_diff(c.get('reward'))} |")
-        lines += compare.card_section(f.run, node.name)
-        if exported_ref and exported is None:
-            limits.append(f"Evaluation `{node.name}` did not evaluate the exported checkpoint `{exported_ref}`.")
-        selected_on = source.get("metric", "").partition("/")[0]
-        if exported is not None and selected_on and selected_on == results.get("split"):
+        pairs = compare.card_section(f.run, node.name)  # over every unit's traces: pairs across units too
+        units = f.units(node)
+        missed = []  # units that did not score the exported checkpoint (a fan-out over `checkpoint`: all but one)
+        for label, config, unit in units:
+            if not f.run.is_done(unit):
+                status = f.run.state()["stages"].get(unit.key, {}).get("status", "not run")
+                limits.append(f"Evaluation `{label}` did not complete ({status}); it reports nothing.")
+                continue
+            results = read_json(f.unit_dir(unit) / "results.json")
+            if results is None:
+                lines += [f"**{label}**: results.json {NR}.", ""]
+                limits.append(f"Evaluation `{label}`: its results are {NR}.")
+                continue
+            block, found = _evaluation(f, label, config, results, source, exported_dir, bool(pairs))
+            lines += block + (pairs if len(units) == 1 else []) + [""]
+            if source.get("ref") and not found["versus"]:
+                missed.append(label)
+                if len(units) == 1:
+                    limits.append(f"Evaluation `{label}` did not evaluate the exported checkpoint `{source['ref']}`.")
+            limits += found["limits"]
+            index += found["index"]
+            versus += found["versus"]
+        if len(units) > 1 and pairs:
+            lines += pairs[1:] + [""]  # (its first line is blank)
+        if len(units) > 1 and missed and len(missed) == sum(f.run.is_done(u) for _, _, u in units):
             limits.append(
-                f"SELECTION ON THE SCORING SPLIT: the exported checkpoint `{exported_ref}` was chosen by "
-                f"{source['metric']} = {_v(source.get('value'), '{:.4f}')}{_selection_se(f, source)} on the "
-                f"`{selected_on}` split, the split `{node.name}` scores it on: its score there is biased upward."
+                f"Evaluation `{node.name}` (none of its units) did not evaluate the exported checkpoint `{source['ref']}`."
             )
-        for r in cols:
-            infra = (results["checkpoints"][r]["groups"].get("all") or {}).get("infra_rate")
-            if infra:
-                limits.append(
-                    f"`{node.name}` on `{r}`: {100 * infra:.1f}% of attempts were infrastructure failures "
-                    "(excluded from the denominators)."
-                )
-        lines.append("")
     if not lines:
         lines = [f"Evaluation: {NR} (no completed evaluate stage)."]
-    return lines, limits, index
+    return lines, limits, index, versus
+
+
+def _evaluation(f: Facts, label: str, config, results: dict, source: dict, exported_dir, paired: bool):
+    """One evaluate unit's table: its first checkpoint (the baseline) and the exported one, or every
+    one when nothing exported was scored; the others named in a line (the paired tables hold them)."""
+    lines, found = [], {"limits": [], "index": [], "versus": []}
+    exported_ref = source.get("ref")
+    exported_unit = f.ref_unit(exported_ref)
+    # the evaluate stage's first checkpoint is its baseline (results.json keys are sorted on disk)
+    refs = [r for r in getattr(config, "checkpoints", []) if r in results["checkpoints"]]
+    refs += sorted(r for r in results["checkpoints"] if r not in refs)
+    initial = refs[0]
+    exported = next((r for r in refs if exported_dir is not None and _resolve(f, r) == exported_dir), None)
+    cols = [initial] + ([exported] if exported and exported != initial else [r for r in refs[1:]])
+    # "initializer" only where it is one: a checkpoint named `initial`, or what the exported unit started from
+    init_refs = {r for r in refs if r.endswith(":initial")}
+    if exported_unit is not None:
+        init_refs.add(f.unit_config(exported_unit).init_from)
+    labels = [
+        ("initializer" if r in init_refs else "baseline") if r == initial else ("exported" if r == exported else "") for r in cols
+    ]
+    lines.append(
+        f"**{label}**: split `{results.get('split')}`, {results.get('tasks')} tasks × "
+        f"{results.get('attempts')} attempts, sampling {json.dumps(results.get('sampling'))}. "
+        "Values in %, ± one standard error over tasks."
+    )
+    lines.append("")
+    head = " | ".join(f"{r}{' (' + lab + ')' if lab else ''}" for r, lab in zip(cols, labels))
+    lines.append(f"| group | metric | {head} |")
+    lines.append("|---|---|" + "---|" * len(cols))
+    groups = [g for g in results["checkpoints"][initial]["groups"] if "/" not in g]
+    for g in sorted(groups, key=lambda g: (g != "all", g)):
+        for metric, fmt in (
+            ("pass@1", lambda s: _pct(s.get("pass@1"), s.get("pass@1_se"))),
+            ("mean reward", lambda s: _pct(s.get("reward"), s.get("reward_se"))),
+            ("infra failure rate", lambda s: _pct(s.get("infra_rate"))),
+        ):
+            vals = [fmt(results["checkpoints"][r]["groups"].get(g) or {}) for r in cols]
+            lines.append(f"| {g} | {metric} | " + " | ".join(vals) + " |")
+            if metric == "pass@1" and exported is not None:
+                s = results["checkpoints"][exported]["groups"].get(g) or {}
+                found["index"].append({"stage": label, "checkpoint": exported, "group": g, "pass@1": s.get("pass@1")})
+    for key, name, fmt in AGENT_ROWS:  # multi-turn evaluations: what the agent did
+        if any(key in results["checkpoints"][r].get("behaviour", {}) for r in cols):
+            vals = [fmt(results["checkpoints"][r].get("behaviour", {}).get(key)) for r in cols]
+            lines.append(f"| agent | {name} | " + " | ".join(vals) + " |")
+    comparisons = results.get("comparisons") or {}
+    overall = {r: (results["checkpoints"][r]["groups"].get("all") or {}) for r in refs}
+    extras = [r for r in refs if r not in cols]
+    if extras:  # a reader sees that more was scored, and where each stands
+        lines += [
+            "",
+            f"Also scored by `{label}`{', compared in the paired tables below' if comparisons or paired else ''}: "
+            + ", ".join(f"`{r}` {_pct(overall[r].get('pass@1'), overall[r].get('pass@1_se'))}" for r in extras)
+            + " (pass@1 in %, all tasks).",
+        ]
+    if comparisons:  # paired over the same tasks: the honest way to say one checkpoint beats another
+        lines += ["", "Paired differences (same tasks and attempt seeds), in points, ± SE, [95% bootstrap CI]:", ""]
+        lines += ["| comparison | group | tasks | Δ pass@1 | Δ mean reward |", "|---|---|---|---|---|"]
+        for pair, by_group in sorted(comparisons.items()):
+            for g in sorted((g for g in by_group if "/" not in g), key=lambda g: (g != "all", g)):
+                c = by_group[g]
+                lines.append(f"| {pair} | {g} | {_v(c.get('tasks'))} | {_diff(c.get('pass@1'))} | {_diff(c.get('reward'))} |")
+    if exported is not None:
+        found["versus"].append(_versus(f, label, exported, exported_unit, refs, overall, comparisons))
+    selected_on = source.get("metric", "").partition("/")[0]
+    if exported is not None and selected_on and selected_on == results.get("split"):
+        found["limits"].append(
+            f"SELECTION ON THE SCORING SPLIT: the exported checkpoint `{exported_ref}` was chosen by "
+            f"{source['metric']} = {_v(source.get('value'), '{:.4f}')}{_selection_se(f, source)} on the "
+            f"`{selected_on}` split, the split `{label}` scores it on: its score there is biased upward."
+        )
+    for r in cols:
+        infra = (results["checkpoints"][r]["groups"].get("all") or {}).get("infra_rate")
+        if infra:
+            found["limits"].append(
+                f"`{label}` on `{r}`: {100 * infra:.1f}% of attempts were infrastructure failures "
+                "(excluded from the denominators)."
+            )
+    return lines, found
+
+
+def _versus(f: Facts, label: str, exported: str, unit, refs: list[str], overall: dict, comparisons: dict) -> str:
+    """The exported weights' pass@1 beside their initializer's, where the evaluation scored it: the
+    checkpoint their training unit started from (`init_from`, or its own `checkpoints/initial`)."""
+    config = f.unit_config(unit) if unit is not None else None
+    start = getattr(config, "init_from", "") or (f"{f.label(unit)}:initial" if unit is not None else "")
+    targets = {d for d in (_resolve(f, start), unit and (f.unit_dir(unit) / "checkpoints" / "initial").resolve()) if d}
+    inits = [r for r in refs if r != exported and _resolve(f, r) in targets]
+    text = f"{label}: exported `{exported}` pass@1 {_percent(overall[exported].get('pass@1'))}"
+    if not inits:
+        return text + f", initializer {NR} (`{label}` did not score {f'`{start}`' if start else 'it'})"
+    parts = []
+    for r in inits:
+        d = (comparisons.get(f"{exported} - {r}") or {}).get("all", {}).get("pass@1")
+        parts.append(f"`{r}` {_percent(overall[r].get('pass@1'))}" + (f" (paired Δ {_diff(d)} points)" if d else ""))
+    return text + ", initializer " + ", ".join(parts)
 
 
 def _history(f: Facts, source: dict) -> list[dict]:
-    """The metrics history rows of the stage an export source (`<stage>:<name>`) came from."""
-    stage = source.get("ref", "").partition(":")[0]
-    path = f.stage_dir(stage) / "metrics_history.jsonl" if stage in f.dag.nodes else None
-    return [json.loads(line) for line in path.read_text().splitlines()] if path and path.is_file() else []
+    """The metrics history rows of the unit an export source (`<stage>[<unit>]:<name>`) came from."""
+    unit = f.ref_unit(source.get("ref"))
+    return _unit_history(f, unit) if unit is not None else []
+
+
+def _unit_history(f: Facts, unit) -> list[dict]:
+    path = f.unit_dir(unit) / "metrics_history.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def _selection_se(f: Facts, source: dict) -> str:
@@ -367,16 +491,34 @@ def _selection(f: Facts, source: dict, results: list[dict]) -> list[str]:
     ]
 
 
-def _export(f: Facts) -> tuple[list[str], dict | None]:
+def _export(f: Facts) -> tuple[list[str], dict | None, list[str]]:
+    """The Exported model section, the export record the rest of the card describes, limitations.
+    A card is about one published model: an export stage fanned out into several units lists each
+    unit's export here and names none of them as the card's exported weights."""
     nodes = f.nodes("export")
     if not nodes:
-        return [f"Export: {NR} (the run has no export stage)."], None
+        return [f"Export: {NR} (the run has no export stage)."], None, []
     node = nodes[0]
-    record = read_json(f.stage_dir(node.name) / "export.json")
-    if record is None or not f.done(node.name):
-        return [f"Export `{node.name}`: {NR} (the stage did not complete)."], None
+    blocks = [(label, unit, _export_lines(f, label, unit)) for label, _, unit in f.units(node)]
+    if node.items is None:
+        lines, record = blocks[0][2]
+        return lines, record, []
+    lines = [f"`{node.name}` fans out into {len(blocks)} units, each its own export:", ""]
+    for label, _, (unit_lines, _) in blocks:
+        lines += [f"- `{label}`:", *(f"  {line}" for line in unit_lines)]
+    limit = (
+        f"`{node.name}` exported {len(blocks)} models (one per unit): this card names none of them as its exported "
+        "weights (no model-index, no exported score or selection); each unit's export is listed under Exported model."
+    )
+    return lines, None, [limit]
+
+
+def _export_lines(f: Facts, label: str, unit) -> tuple[list[str], dict | None]:
+    record = read_json(f.unit_dir(unit) / "export.json")
+    if record is None or not f.run.is_done(unit):
+        return [f"Export `{label}`: {NR} (the stage did not complete)."], None
     src, eq, fmt = record["source"], record.get("equivalence") or {}, record.get("format") or {}
-    files = (read_json(f.stage_dir(node.name) / "model" / "manifest.json") or {}).get("files", {})
+    files = (read_json(f.unit_dir(unit) / "model" / "manifest.json") or {}).get("files", {})
     shards = sum(rel.endswith(".safetensors") for rel in files) if files else None
     lines = [
         f"- Exported checkpoint: `{src.get('ref')}` (`{src.get('path')}`, manifest sha256 `{_v(src.get('manifest_sha256'))}`)",
@@ -396,13 +538,16 @@ def _export(f: Facts) -> tuple[list[str], dict | None]:
 def _retention(f: Facts) -> list[str]:
     lines = []
     for node in f.nodes(*TRAINING_KINDS):
-        ledger = read_json(f.stage_dir(node.name) / "checkpoints" / "retention.json")
-        if ledger is None:
-            lines.append(f"- `{node.name}`: no retention ledger; what intermediate checkpoints were deleted is {NR}.")
-            continue
-        deleted = ledger.get("deleted") or []
-        lines.append(f"- `{node.name}`: policy {json.dumps(ledger.get('policy'))}; {len(deleted)} checkpoint(s) deleted:")
-        lines += [f"  - step {d.get('step')}: {d.get('reason')}" for d in deleted]
+        for label, _, unit in f.units(node):  # each unit deletes its own checkpoints (its own ledger)
+            ledger = read_json(f.unit_dir(unit) / "checkpoints" / "retention.json")
+            if ledger is None:
+                lines.append(f"- `{label}`: no retention ledger; what intermediate checkpoints were deleted is {NR}.")
+                continue
+            deleted = ledger.get("deleted") or []
+            lines.append(
+                f"- `{label}`: policy {json.dumps(ledger.get('policy'))}; {len(deleted)} checkpoint(s) deleted{':' if deleted else ''}"
+            )
+            lines += [f"  - step {d.get('step')}: {d.get('reason')}" for d in deleted]
     return lines or ["- No training stage: nothing retained or deleted."]
 
 
@@ -489,16 +634,22 @@ def _gpu_text(per_host: dict[str, set[str]]) -> str:
 
 
 def _stages(f: Facts) -> tuple[list[str], dict]:
-    """One line per stage: final state, attempts, jobs, wall-clock and GPU use as recorded. GPU-hours
-    of a unit: the GPUs its ranks recorded × its recorded wall-clock (the completed attempt's)."""
+    """One line per stage: final state, attempts, jobs, wall-clock and GPU use as recorded, and one
+    line per unit of a fanned-out stage. GPU-hours of a unit: the GPUs its ranks recorded × its
+    recorded wall-clock (the completed attempt's).
+
+    Where a fanned-out stage's records live: the local executor records attempts and processes per
+    unit; the Slurm executor records a submission of the whole stage (its array or hetjobs: attempts,
+    job ids) under the stage's name and each unit's own jobs under the unit."""
     state = f.run.state()["stages"]
     totals = {"gpu_hours": {}, "gpu_unknown": [], "cpu_only": 0, "earlier_attempts": [], "attempts": 0, "retried": []}
     lines = []
     for node in f.dag:
         status, _ = f.run.stage_status(f.dag, node.name, verify=False)
         records = [state.get(u.key, {}) for u in node.units]
-        attempts = sum(r.get("attempts", 0) or 0 for r in records)
-        jobs = sorted({j for r in records for j in r.get("job_ids", [])})
+        whole = state.get(node.name, {}) if node.items is not None else {}
+        attempts = whole.get("attempts", 0) or sum(r.get("attempts", 0) or 0 for r in records)
+        jobs = sorted({j for r in [whole, *records] for j in (*r.get("job_ids", []), *r.get("own_job_ids", []))})
         provs = {u: p for u in node.units if (p := f.provenance(u.stage, u.index))}
         secs = [x for p in provs.values() if (x := _seconds(p.get("times") or {})) is not None]
         gpus = {u: _unit_gpus(f, u, p) for u, p in provs.items()}
@@ -511,9 +662,12 @@ def _stages(f: Facts) -> tuple[list[str], dict]:
             else:
                 hours += sum(map(len, gpus[u].values())) * x / 3600
         totals["attempts"] += attempts
-        if attempts > len(node.units):
+        retried = whole.get("attempts", 0) > 1 or any((r.get("attempts", 0) or 0) > 1 for r in records)
+        if retried:
             totals["retried"].append(node.name)
         wall = f"{sum(secs):.0f} s" if secs else NR
+        if node.items is not None and secs:  # units may run at once: their sum is not the time it took
+            wall += f" summed over its units ({_span(provs.values())} from the first start to the last end)"
         continued = sum(int(r.get("continuations_used") or 0) for r in records)  # requeues or chained jobs
         where = (f"{len(jobs)} job(s)/process(es)" if jobs else "no job recorded") + (
             f", continued {continued} time(s) after a walltime or preemption signal" if continued else ""
@@ -531,14 +685,57 @@ def _stages(f: Facts) -> tuple[list[str], dict]:
         elif used:
             gpu = f"{_gpu_text(used)}, {hours:.2f} GPU-hours"
             totals["gpu_hours"][node.name] = hours
-            if attempts > len(node.units) or continued:
+            if retried or continued:
                 gpu += " (the completed attempt's; earlier attempts' run time not recorded)"
                 totals["earlier_attempts"].append(node.name)
         else:
             gpu = "0 GPUs (CPU only)"
             totals["cpu_only"] += len(done)
-        lines.append(f"- `{node.name}` ({node.kind}): {status}, {attempts} attempt(s), {where}, wall-clock {wall}, {gpu}")
+        of, counted = "", ""
+        if node.items is not None:
+            of = f", {len(node.units)} units"
+            counted = " (submissions of the whole stage)" if whole.get("attempts") else " (summed over its units)"
+        lines.append(
+            f"- `{node.name}` ({node.kind}{of}): {status}, {attempts} attempt(s){counted}, {where}, wall-clock {wall}, {gpu}"
+        )
+        if node.items is not None:
+            lines += [
+                _unit_stage_line(f, label, u, state.get(u.key, {}), provs.get(u), gpus.get(u)) for label, _, u in f.units(node)
+            ]
     return lines, totals
+
+
+def _span(provs) -> str:
+    times = [(p.get("times") or {}) for p in provs]
+    try:
+        start = min(dt.datetime.fromisoformat(t["started"]) for t in times)
+        end = max(dt.datetime.fromisoformat(t["ended"]) for t in times)
+    except (KeyError, TypeError, ValueError):
+        return f"{NR}"
+    return f"{(end - start).total_seconds():.0f} s"
+
+
+def _unit_stage_line(f: Facts, label: str, unit, record: dict, prov: dict | None, gpus) -> str:
+    """A unit of a fanned-out stage: its state, what its own record says of attempts and jobs, its
+    wall-clock and GPUs."""
+    done = f.run.is_done(unit)
+    status = "done" if done else record.get("status", "pending")
+    attempts = f"{record['attempts']} attempt(s), " if record.get("attempts") else ""
+    jobs = list(dict.fromkeys([*record.get("own_job_ids", []), *record.get("job_ids", [])]))
+    continued = int(record.get("continuations_used") or 0)
+    where = (f"job(s) {', '.join(jobs)}" if jobs else "no job of its own recorded") + (
+        f", continued {continued} time(s)" if continued else ""
+    )
+    secs = _seconds((prov or {}).get("times") or {})
+    if gpus is None:
+        gpu = f"GPUs {NR}"
+    elif any(gpus.values()):
+        gpu = _gpu_text({h: ids for h, ids in gpus.items() if ids}) + (
+            f", {sum(map(len, gpus.values())) * secs / 3600:.2f} GPU-hours" if done and secs is not None else ""
+        )
+    else:
+        gpu = "0 GPUs (CPU only)"
+    return f"  - `{label}`: {status}, {attempts}{where}, wall-clock {_v(secs, '{:.0f} s')}, {gpu}"
 
 
 def _gpu_hours(totals: dict) -> str | None:
@@ -558,13 +755,25 @@ def _gpu_hours(totals: dict) -> str | None:
 
 
 def _role_hardware(f: Facts, node, role: str) -> str:
-    """Hosts and GPUs the ranks of one role ran on, from their rank records (provenance/ranks/)."""
-    records = [r for u in node.units for r in _rank_records(f, u) if r.get("role") == role]
-    if not records:
-        return f"{node.name}: {role} ranks' hosts and GPUs {NR}"
-    hosts = sorted({(r.get("host") or {}).get("hostname") or NR for r in records})
-    gpus = sorted({g.get("name", "?") for r in records for g in (r.get("host") or {}).get("gpus") or []})
-    return f"{node.name}: {len(records)} {role} rank(s) on {', '.join(hosts)}; GPUs: {', '.join(gpus) or 'none'}"
+    """Hosts and GPUs the ranks of one role ran on, per unit: the other ranks' records
+    (provenance/ranks/), and rank 0's own where it had that role or, alone in its world, both
+    (stages/rl.py: one process alternates the roles)."""
+    each = []
+    for label, _, unit in f.units(node):
+        records = [r for r in _rank_records(f, unit) if r.get("role") == role]
+        prov = f.provenance(unit.stage, unit.index) or {}
+        extra = prov.get("extra") or {}
+        alone = extra.get("world_size") == 1
+        if extra.get("role") == role or alone:
+            records.insert(0, prov)
+        if not records:
+            each.append((label, f"{role} ranks' hosts and GPUs {NR}"))
+            continue
+        hosts = sorted({(r.get("host") or {}).get("hostname") or NR for r in records})
+        gpus = sorted({g.get("name", "?") for r in records for g in (r.get("host") or {}).get("gpus") or []})
+        who = "rank 0 (alone in its world: one process alternating both roles)" if alone else f"{len(records)} {role} rank(s)"
+        each.append((label, f"{who} on {', '.join(hosts)}; GPUs: {', '.join(gpus) or 'none'}"))
+    return f"{node.name}: {each[0][1]}" if node.items is None else _one_or_each(each)
 
 
 def _findings(report: dict) -> str:
@@ -624,11 +833,12 @@ def _tags(f: Facts, export: dict | None) -> list[str]:
     """Tags from what was recorded: the exported architecture, experts, and a coding-agent
     environment only where a training stage ran one."""
     tags = ["snowcat"]
+    # (an export record is a plain export stage's: a fanned-out one gives none, `_export`)
     config = read_json(f.stage_dir(f.nodes("export")[0].name) / "model" / "config.json") if export else None
     if config:
         experts = config.get("num_experts") or config.get("num_local_experts") or 0
         tags += (["mixture-of-experts"] if experts > 1 else []) + [config.get("model_type") or "unknown-architecture"]
-    if any(getattr(n.config, "env", None) == "repo" for n in f.nodes("sft", "probe", "rl")):
+    if any(getattr(c, "env", None) == "repo" for n in f.nodes("sft", "probe", "rl") for _, c, _ in f.units(n)):
         tags.append("coding-agent")
     return tags
 
@@ -686,21 +896,22 @@ CHECKLIST = (
 
 
 def _exposure(f: Facts, source: dict) -> str | None:
-    """Trajectories per domain that entered the loss up to the exported step (RL's `exposure/<d>`)."""
+    """Trajectories per domain that entered the loss up to the exported step (RL's `exposure/<d>`);
+    without an export, each RL unit's through its last update."""
+    if not source:
+        each = [
+            f"{n.name}: {text}" if n.items is None else text
+            for n in f.nodes("rl")
+            if (text := _one_or_each([(label, _exposure_text(_unit_exposure(f, u))) for label, _, u in f.units(n)]))
+        ]
+        return f"no export; through each RL unit's last update: {'; '.join(each)}" if each else None
     step = source.get("step")
     if step is None and source.get("path"):  # exported by name (e.g. rl:final): its meta says the step
         step = (read_json(f.run.path / source["path"] / "meta.json") or {}).get("step")
-    if step is None:
+    unit = f.ref_unit(source.get("ref"))
+    if step is None or unit is None:
         return None
-    totals: Counter = Counter()
-    for row in _history(f, source):
-        if row.get("step", 0) <= step:
-            totals.update({k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("exposure/")})
-    return (
-        f"{', '.join(f'{d} {n}' for d, n in sorted(totals.items()))} trajectories in the loss through step {step}"
-        if totals
-        else None
-    )
+    return _exposure_text(_unit_exposure(f, unit, through=step), step)
 
 
 def _external_benchmarks(f: Facts) -> str:
@@ -710,59 +921,78 @@ def _external_benchmarks(f: Facts) -> str:
     if not evals:
         return "none run (the run has no evaluate stage)"
     out, generated = [], []
+    stages = {n: node.config for n, node in f.dag.nodes.items()}
     for node in evals:
-        results = read_json(f.stage_dir(node.name) / "results.json") if f.done(node.name) else None
-        if results is None:
-            out.append(f"{node.name}: {NR} (the stage did not complete)")
-            continue
-        first = next(iter(results.get("checkpoints", {}).values()), {})
-        scored = sorted(g for g in first.get("groups", {}) if "/" not in g and g != "all")
-        tasks = f.dag.nodes.get(node.config.tasks)
-        imports = list(getattr(tasks.config, "imports", [])) if tasks else []
-        external = [i for i in imports if i.domain in scored]
-        if external:
-            named = ", ".join(f"`{i.format}` tasks from `{i.path}` (domain {i.domain})" for i in external)
-            out.append(
-                f"{node.name}: imported {named} on this run's `{results.get('split')}` split, scored by the stage's "
-                f"verifier `{node.config.verifier}`, not by the benchmark's own harness"
-            )
-        else:
-            generated.append(f"{node.name} ({', '.join(scored) or 'no domain'} of the `{results.get('split')}` split)")
+        for label, config, unit in f.units(node):
+            results = read_json(f.unit_dir(unit) / "results.json") if f.run.is_done(unit) else None
+            if results is None:
+                out.append(f"{label}: {NR} (the stage did not complete)")
+                continue
+            first = next(iter(results.get("checkpoints", {}).values()), {})
+            scored = sorted(g for g in first.get("groups", {}) if "/" not in g and g != "all")
+            try:  # the tasks unit(s) this one read (`tasks`, or one unit of a fanned-out tasks stage)
+                stage, indices = input_units(config.tasks, stages)
+            except ValueError:
+                stage, indices = None, []
+            imports = [
+                i for index in indices if stage in f.dag.nodes for i in getattr(f.unit_config(Unit(stage, index)), "imports", [])
+            ]
+            external = [i for i in imports if i.domain in scored]
+            if external:
+                named = ", ".join(f"`{i.format}` tasks from `{i.path}` (domain {i.domain})" for i in external)
+                out.append(
+                    f"{label}: imported {named} on this run's `{results.get('split')}` split, scored by the stage's "
+                    f"verifier `{config.verifier}`, not by the benchmark's own harness"
+                )
+            else:
+                generated.append(f"{label} ({', '.join(scored) or 'no domain'} of the `{results.get('split')}` split)")
     if generated:
         out.insert(0, f"none run: {', '.join(generated)} scored tasks this run generated")
     return "; ".join(out)
 
 
-def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[str], totals: dict, scan: str) -> list[str]:
+def _checklist(f: Facts, export: dict | None, versus: list[str], limits: list[str], totals: dict, scan: str) -> list[str]:
     src = (export or {}).get("source") or {}
     fmt = (export or {}).get("format") or {}
     eq = (export or {}).get("equivalence") or {}
     rl = f.nodes("rl")
     trainers = f.nodes(*TRAINING_KINDS)
-    initial = f.stage_dir(trainers[0].name) / "checkpoints" / "initial" / "meta.json" if trainers else None
-    lineage = (read_json(initial) or {}).get("lineage") if initial else None
+    # the run's initializer: each unit's of the first training stage (`_initializer`)
+    starts = [
+        (label, c, (read_json(f.unit_dir(u) / "checkpoints" / "initial" / "meta.json") or {}).get("lineage") or {})
+        for label, c, u in (f.units(trainers[0]) if trainers else [])
+    ]
     tasks = f.nodes("tasks")
-    evals = [n for n in f.nodes("evaluate") if f.done(n.name)]
-    results = [read_json(f.stage_dir(n.name) / "results.json") or {} for n in evals]
+    evals = [(label, u) for n in f.nodes("evaluate") if f.done(n.name) for label, _, u in f.units(n)]
+    results = [read_json(f.unit_dir(u) / "results.json") or {} for _, u in evals]
 
     def per_stage(fn, kinds=TRAINING_KINDS) -> str | None:
         """fn(config, unit) per training unit, labelled (a sweep's units each with their own config)."""
         vals = [f"{label}: {v}" for n in trainers if n.kind in kinds for label, c, u in f.units(n) if (v := fn(c, u)) is not None]
         return "; ".join(vals) or None
 
-    def rows(split: str) -> str | None:
+    def initializer(fn) -> Any:
+        return _one_or_each([(label, fn(c, lineage)) for label, c, lineage in starts]) if starts else None
+
+    def rows(split: str) -> tuple[Any, Any]:
+        """(size, size and per domain) of the first tasks stage that wrote `split`, per unit."""
         for n in tasks:
-            path = f.stage_dir(n.name) / f"{split}.parquet"
-            counts = _domain_counts(path) if path.is_file() else None
-            if counts:
-                return f"{sum(counts.values())} ({', '.join(f'{d} {c}' for d, c in counts.items())})"
-        return None
+            found = []
+            for label, _, u in f.units(n):
+                path = f.unit_dir(u) / f"{split}.parquet"
+                if counts := (_domain_counts(path) if path.is_file() else None):
+                    found.append((label, sum(counts.values()), ", ".join(f"{d} {c}" for d, c in counts.items())))
+            if found:
+                return (
+                    _one_or_each([(label, size) for label, size, _ in found]),
+                    _one_or_each([(label, f"{size} ({per})") for label, size, per in found]),
+                )
+        return None, None
 
     h5 = f.run.path / "history.h5"
     traces = sorted(str(p.relative_to(f.run.path)) for p in (f.run.path / "stages").rglob("traces*.h5"))
-    exported_scores = [e for e in index if e["group"] == "all" and e["pass@1"] is not None]
     state_counts = Counter(f.run.stage_status(f.dag, node.name, verify=False)[0] for node in f.dag)
-    train_rows = rows("train")
+    train_size, train_rows = rows("train")
     values = {
         "model and run name": f"{f.cfg.name}: {f.info.get('run_id')}",
         "research-artifact disclaimer": "stated above",
@@ -774,15 +1004,18 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
         )
         if src.get("historical_best_step") is not None
         else None,
-        "initializer": (lineage or {}).get("source")
-        or (trainers and f"`{trainers[0].config.init_from or trainers[0].config.model}`"),
-        "initializer revision": (lineage or {}).get("revision"),
-        "initializer parents (merge lineage)": (
-            f"{', '.join(lineage['parents'])} ({lineage.get('parents_relation') or 'relation not stated'}; "
-            "as its model card names them, not pinned by revision or hash)"
-        )
-        if (lineage or {}).get("parents")
-        else None,
+        "initializer": initializer(lambda c, lineage: lineage.get("source") or f"`{c.init_from or c.model}`"),
+        "initializer revision": initializer(lambda c, lineage: lineage.get("revision")),
+        "initializer parents (merge lineage)": initializer(
+            lambda c, lineage: (
+                (
+                    f"{', '.join(lineage['parents'])} ({lineage.get('parents_relation') or 'relation not stated'}; "
+                    "as its model card names them, not pinned by revision or hash)"
+                )
+                if lineage.get("parents")
+                else None
+            )
+        ),
         "optimizer state at start": per_stage(lambda c, u: "fresh (a stage loads model weights only)"),
         "RL estimator and importance-sampling correction": per_stage(
             lambda c, u: f"{c.estimator}, TIS cap {c.tis_cap}", kinds=("rl",)
@@ -799,11 +1032,11 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
         "training hardware": "see Stages and Software (rank 0 hosts)" if trainers else None,
         "GPU-hours": _gpu_hours(totals),
         "wall-clock per stage": "see Stages",
-        "training set size": train_rows and train_rows.split(" ")[0],
+        "training set size": train_size,
         "training set per domain": train_rows,
         "data order rule": "see Training data" if rl else None,
         "per-cohort exposure through the exported step": _exposure(f, src),
-        "validation set size and per domain": rows("val"),
+        "validation set size and per domain": rows("val")[1],
         "pass@1 scoring rule": "explicit verifier pass per attempt; infrastructure failures excluded from denominators"
         if evals
         else None,
@@ -811,9 +1044,10 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
             [x.rstrip(".") for x in limits if "development set" in x or "SCORING SPLIT" in x] + _selection(f, src, results)
         )
         or ("no selection on an evaluated split recorded" if evals else None),
-        "initializer vs exported score": ", ".join(f"{e['stage']} pass@1 {100 * e['pass@1']:.1f}%" for e in exported_scores)
-        or None,
-        "sampling and token limits": "; ".join(f"{n.name}: {json.dumps(r.get('sampling'))}" for n, r in zip(evals, results))
+        "initializer vs exported score": "; ".join(versus) or None,
+        "sampling and token limits": "; ".join(
+            f"{label}: {json.dumps(r.get('sampling'))}" for (label, _), r in zip(evals, results)
+        )
         or None,
         "external benchmarks": _external_benchmarks(f),
         "data file hashes": "see Training data" if tasks else None,
@@ -846,9 +1080,9 @@ def _checklist(f: Facts, export: dict | None, index: list[dict], limits: list[st
 def build_card(run: RunDir) -> str:
     f = Facts(run)
     init_lines, init_meta = _initializer(f)
-    export_lines, export_record = _export(f)
+    export_lines, export_record, export_limits = _export(f)
     exported_ref = export_record["source"]["ref"] if export_record else None
-    eval_lines, eval_limits, eval_index = _evaluations(f, export_record)
+    eval_lines, eval_limits, eval_index, eval_versus = _evaluations(f, export_record)
     soft_lines, soft_meta = _software(f)
     origin = f.info.get("origin") or {}
 
@@ -859,16 +1093,20 @@ def build_card(run: RunDir) -> str:
             "tasks solved. pass@1 counts only explicit verifier passes."
         )
     for node in f.nodes("sft"):
-        if node.config.eval_tasks:
+        checked = [label for label, c, _ in f.units(node) if c.eval_tasks]  # each unit's own setting
+        if checked:
+            who = f"`{node.name}`'s" if len(checked) == len(node.units) else ", ".join(f"`{x}`'s" for x in checked)
             limits.append(
-                f"The validation split also served `{node.name}`'s end-of-stage greedy check: it is a "
+                f"The validation split also served {who} end-of-stage greedy check: it is a "
                 "development set, not an independent final evaluation."
             )
     after_card = {n for c in f.nodes("card") for n in f.dag.downstream(c.name)} | {c.name for c in f.nodes("card")}
     undone = [n.name for n in f.dag if not f.done(n.name) and n.name not in after_card]
     if undone:
         limits.append(f"Stages not completed when this card was written: {', '.join(undone)}.")
-    if export_record is None:
+    if export_limits:
+        limits += export_limits
+    elif export_record is None:
         limits.append("No verified export: the inference-equivalence of any published weights is not established.")
 
     base_model = init_meta.pop("base_model", None)
@@ -905,7 +1143,7 @@ def build_card(run: RunDir) -> str:
     stage_lines, totals = _stages(f)
     scan_lines, scan_summary, scan_limits = _credential_scan(f)
     limits += scan_limits
-    checklist = _checklist(f, export_record, eval_index, limits, totals, scan_summary)
+    checklist = _checklist(f, export_record, eval_versus, limits, totals, scan_summary)
     overrides = " ".join(origin.get("overrides") or [])
     parts = [
         "---",

@@ -122,9 +122,30 @@ def test_every_field_of_the_snowball_card_has_a_value_or_says_not_recorded(full_
         assert rows[field], field
     assert rows["license"] == "not recorded" and rows["per-cohort exposure through the exported step"] == "not recorded"
     assert rows["external benchmarks"].startswith("none run")
-    val = json.loads((full_run / "stages" / "eval" / "results.json").read_text())["checkpoints"]["sft:final"]["groups"]
-    assert rows["initializer vs exported score"] == f"eval pass@1 {100 * val['all']['pass@1']:.1f}%"
+    results = json.loads((full_run / "stages" / "eval" / "results.json").read_text())
+    final, initial = (results["checkpoints"][r]["groups"]["all"]["pass@1"] for r in ("sft:final", "sft:initial"))
+    d = results["comparisons"]["sft:final - sft:initial"]["all"]["pass@1"]
+    assert rows["initializer vs exported score"] == (  # the exported SFT weights beside the checkpoint SFT started from
+        f"eval: exported `sft:final` pass@1 {100 * final:.1f}%, initializer `sft:initial` {100 * initial:.1f}% "
+        f"(paired Δ {100 * d['diff']:+.1f} ± {100 * d['se']:.1f} [{100 * d['ci95'][0]:+.1f}, {100 * d['ci95'][1]:+.1f}] points)"
+    )
     assert "## Stages" in card and "- `sft` (sft): done, 1 attempt(s)" in card
+    assert "Also scored" not in card  # eval scored two checkpoints: both are columns of its table
+
+
+def test_an_initializer_no_evaluation_scored_is_said_to_be_not_recorded(full_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(full_run, copy)
+    path = copy / "stages" / "eval" / "results.json"
+    results = json.loads(path.read_text())
+    del results["checkpoints"]["sft:initial"]
+    results["comparisons"] = {}
+    path.write_text(json.dumps(results))
+    rows = _checklist(_card_of(copy, tmp_path))
+    final = results["checkpoints"]["sft:final"]["groups"]["all"]["pass@1"]
+    assert rows["initializer vs exported score"] == (
+        f"eval: exported `sft:final` pass@1 {100 * final:.1f}%, initializer not recorded (`eval` did not score `sft:initial`)"
+    )
 
 
 def test_model_index_holds_only_the_exported_weights(full_run):
@@ -424,9 +445,18 @@ def test_the_demo_selects_on_dev_and_the_card_names_the_exported_score_without_a
     card = (run_dir / "stages" / "card" / "card.md").read_text()
     assert "SELECTION ON THE SCORING SPLIT" not in card
     assert "rl:best (exported)" in card
-    val = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())["checkpoints"]["rl:best"]["groups"]["all"]
+    scored = json.loads((run_dir / "stages" / "eval" / "results.json").read_text())["checkpoints"]
+    val = {r: scored[r]["groups"]["all"] for r in scored}
     rows = _checklist(card)
-    assert rows["initializer vs exported score"].startswith(f"eval pass@1 {100 * val['pass@1']:.1f}%")
+    # the exported rl:best beside what RL started from (its init_from, sft:final), both scored by eval
+    assert rows["initializer vs exported score"].startswith(
+        f"eval: exported `rl:best` pass@1 {100 * val['rl:best']['pass@1']:.1f}%, "
+        f"initializer `sft:final` {100 * val['sft:final']['pass@1']:.1f}% (paired Δ "
+    )
+    # the table shows sft:final and rl:best; the line under it names the others eval scored, with pass@1 ± SE
+    others = ("sft:initial", "rl:final")
+    also = ", ".join(f"`{r}` {100 * val[r]['pass@1']:.1f} ± {100 * val[r]['pass@1_se']:.1f}" for r in others)
+    assert f"Also scored by `eval`, compared in the paired tables below: {also} (pass@1 in %, all tasks)." in card
     assert "chosen by dev/pass@1 = " in rows["development vs independent evaluation"]
     assert "on the `dev` split, which no evaluation scores (they score `val`)" in rows["development vs independent evaluation"]
     dev = json.loads((run_dir / "stages" / "tasks" / "metrics.json").read_text())["dev"]

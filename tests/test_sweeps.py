@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from scipy import stats
 
 from snowcat.pipeline import compare as compare_mod
@@ -147,6 +148,21 @@ def test_a_swept_stage_runs_each_variant_and_evaluate_compares_them(snowcat, tmp
     assert Path(scored["sft[lr=0.005]:final"]["path"]).resolve() == (sft / "0000" / "checkpoints" / "final").resolve()
     assert Path(scored["sft[1]:final"]["path"]).resolve() == (sft / "0001" / "checkpoints" / "final").resolve()
     assert "sft[1]:final - sft[lr=0.005]:final" in results["comparisons"]  # paired, on the same tasks
+    # the card: each unit's initializer, from the unit's own checkpoints/initial (the stage directory holds none)
+    card = _card(snowcat, run_dir, tmp_path / "card.md")
+    digests = {
+        f"sft[lr={lr}]": sha256_file(sft / f"{i:04d}" / "checkpoints" / "initial" / "manifest.json")
+        for i, lr in enumerate((0.005, 0.001))
+    }
+    assert yaml.safe_load(card.split("---\n")[1])["snowcat"]["initializer_manifest_sha256"] == digests
+    for index, (label, digest) in enumerate(digests.items()):
+        seed = read_json(sft / f"{index:04d}" / "checkpoints" / "initial" / "meta.json")["seed"]
+        assert f"- Initializer of `{label}`: fresh initialization of the `demo-tiny` preset, seed {seed}\n" in card
+        assert (
+            f"- Initializer checkpoint of `{label}`: `run/stages/sft/{index:04d}/checkpoints/initial`, manifest sha256 `{digest}`"
+            in card
+        )
+    assert "- `sft` (sft, 2 units): done, 2 attempt(s) (summed over its units)" in card
 
 
 def test_an_unswept_stage_keeps_its_own_config_object(tmp_path):
@@ -169,7 +185,8 @@ RL_SWEEP_RUN = (
     attempts: 4
     max_tokens: 8
     eval_every: 0
-    save_every: 0
+    save_every: 1          # each unit's retention deletes its own checkpoints: the card reads each ledger
+    keep_last: 1
     threads: 1
     # lr decides here (Adam all but cancels the estimators' scale; the cap never binds without a mismatch)
     fan_out: {estimator: [rloo_n, grpo], lr: [0.001, 0.01]}
@@ -182,9 +199,16 @@ RL_SWEEP_RUN = (
     pass_k: [1]
     max_tokens: 8
     bootstrap_samples: 50
+  export:
+    kind: export
+    needs: [rl]
+    checkpoint: "rl[estimator=grpo,lr=0.001]:final"
+    probe_rows: 2
+    probe_len: 16
+    max_new_tokens: 8
   card:
     kind: card
-    needs: [tasks, sft, rl, eval]
+    needs: [tasks, sft, rl, eval, export]
 """
 )
 
@@ -203,7 +227,8 @@ def _holm_by_hand(p: list[float]) -> list[float]:
 def test_a_four_variant_rl_sweep_is_evaluated_and_compared_from_its_kept_trajectories(snowcat, tmp_path):
     """The issue's must-show in small: 4 RL variants (estimator × lr), evaluated against the SFT
     model; `snowcat compare`'s numbers are recomputed here from the evaluation's kept trajectories
-    (Parquet, not the traces.h5 compare reads), and the card carries the all-pairs table."""
+    (Parquet, not the traces.h5 compare reads), and the card carries the all-pairs table and reads
+    every fact of the swept stage from each unit's own files."""
     cfg = write_config(tmp_path / "sweep.yaml", RL_SWEEP_RUN)
     run_dir = tmp_path / "run"
     snowcat("run", cfg, "--run-dir", run_dir, check=True)
@@ -257,6 +282,90 @@ def test_a_four_variant_rl_sweep_is_evaluated_and_compared_from_its_kept_traject
     for pair in report["pairs"]:
         holm = "n/a" if pair["p_holm"] is None else f"{pair['p_holm']:.4f}"
         assert f"| {pair['a']} | {pair['b']} | {pair['tasks']} |" in card and f"| {holm} |" in card
+    _the_card_reads_each_unit(snowcat, run_dir, card, records, tmp_path)
+
+
+def _section(card: str, title: str) -> str:
+    start = card.index(f"## {title}\n")
+    end = card.find("\n## ", start + 1)
+    return card[start : end if end >= 0 else len(card)]
+
+
+def _exposure_of(unit_dir: Path, through: int | None = None) -> str:
+    """A unit's `exposure/<domain>` summed over its history rows (through a step), as the card words it."""
+    totals, last = {}, None
+    for row in map(json.loads, (unit_dir / "metrics_history.jsonl").read_text().splitlines()):
+        counts = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("exposure/")}
+        if counts and (through is None or row["step"] <= through):
+            totals = {d: totals.get(d, 0) + counts.get(d, 0) for d in {*totals, *counts}}
+            last = row["step"]
+    return ", ".join(f"{d} {n}" for d, n in sorted(totals.items())) + f" trajectories in the loss through step {last}"
+
+
+def _card(snowcat, run_dir: Path, out: Path) -> str:
+    snowcat("card", run_dir, "-o", out, check=True)
+    return out.read_text()
+
+
+def _the_card_reads_each_unit(snowcat, run_dir: Path, card: str, records: list[dict], tmp_path: Path) -> None:
+    """The card of a 4-unit RL sweep: retention ledger, data-order seed, exposure, layout and stage
+    state of each unit, each from that unit's own directory and records (a fanned-out stage's
+    directory holds no unit's files), labelled as references name them; the exported unit's
+    exposure and its score beside its initializer's; nothing "not recorded" that a unit recorded."""
+    rl = run_dir / "stages" / "rl"
+    labels = [f"rl[estimator={e},lr={lr}]" for e in ("rloo_n", "grpo") for lr in (0.001, 0.01)]
+    retention, stages, recipe = (
+        _section(card, "Deleted checkpoints (retention)"),
+        _section(card, "Stages"),
+        _section(card, "Recipe"),
+    )
+    state = RunDir(run_dir).state()["stages"]
+    for index, label in enumerate(labels):
+        unit_dir = rl / f"{index:04d}"
+        ledger = read_json(unit_dir / "checkpoints" / "retention.json")
+        assert ledger["deleted"]  # save_every 1, keep_last 1: each unit deleted its own checkpoints
+        block = f"- `{label}`: policy {json.dumps(ledger['policy'])}; {len(ledger['deleted'])} checkpoint(s) deleted:\n"
+        assert block + "".join(f"  - step {d['step']}: {d['reason']}\n" for d in ledger["deleted"]) in retention
+        assert f"  - `{label}`: seed {records[index]['extra']['seed']}; exposure {_exposure_of(unit_dir)}\n" in card
+        meta = read_json(sorted(unit_dir.glob("checkpoints/step_*/meta.json"))[-1])  # the trainer's ranks: step checkpoints
+        unit_recipe = recipe[recipe.index(f"- `{label}` (rl, unit {index} of 4):") :].split("\n- ")[0]
+        assert (
+            f"layout: {meta['world_size']} data-parallel trainer rank(s) (checkpoint meta) in a world of "
+            f"{records[index]['extra']['world_size']} rank(s) (recorded by rank 0)"
+        ) in unit_recipe
+        jobs = state[f"rl[{index}]"]["job_ids"]
+        assert f"  - `{label}`: done, 1 attempt(s), job(s) {', '.join(jobs)}, wall-clock " in stages
+    assert "- `rl` (rl, 4 units): done, 4 attempt(s) (summed over its units), 4 job(s)/process(es)" in stages
+    for line in card.splitlines():
+        if "rl[" in line or "`rl`" in line:
+            assert "not recorded" not in line, line
+    # the exported unit (rl[2]): its history gives the exposure through the exported step, and the
+    # evaluation's score of what it started from (sft:final) stands beside its own
+    rows = {
+        c[1].strip(): c[2].strip() for line in _section(card, "Record checklist").splitlines() if len(c := line.split("|")) == 4
+    }
+    step = read_json(rl / "0002" / "checkpoints" / "final" / "meta.json")["step"]
+    assert rows["per-cohort exposure through the exported step"] == _exposure_of(rl / "0002", through=step)
+    scored = read_json(run_dir / "stages" / "eval" / "results.json")["checkpoints"]
+    # the table's columns are sft:final and the exported unit; the line under it names the other three
+    also = next(
+        line for line in card.splitlines() if line.startswith("Also scored by `eval`, compared in the paired tables below: ")
+    )
+    for r in ("rl[0]:final", "rl[1]:final", "rl[3]:final"):
+        assert f"`{r}` {100 * scored[r]['groups']['all']['pass@1']:.1f} ± " in also
+    exported, initial = (scored[r]["groups"]["all"]["pass@1"] for r in ("rl[estimator=grpo,lr=0.001]:final", "sft:final"))
+    assert rows["initializer vs exported score"].startswith(
+        f"eval: exported `rl[estimator=grpo,lr=0.001]:final` pass@1 {100 * exported:.1f}%, initializer `sft:final` "
+        f"{100 * initial:.1f}% (paired Δ "
+    )
+    # the card regenerates byte for byte; a resubmission of the whole stage (the Slurm executor records
+    # it under the stage's name) is read there and makes the stage one that was retried
+    first, again = (_card(snowcat, run_dir, tmp_path / f"card{i}.md") for i in (1, 2))
+    assert first == again
+    RunDir(run_dir).update_stage("rl", attempts=2, job_ids=["41", "42"])
+    card = _card(snowcat, run_dir, tmp_path / "card3.md")
+    assert "- `rl` (rl, 4 units): done, 2 attempt(s) (submissions of the whole stage), 6 job(s)/process(es)" in card
+    assert "; retried: rl" in card
 
 
 def test_a_stage_input_names_one_unit_of_a_fanned_out_stage(tmp_path):
