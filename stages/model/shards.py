@@ -1,15 +1,17 @@
 """Safetensors shards written from and read into tensor memory, SHA-256 taken as the bytes pass.
 
 `write_shards(dir, tensors)` writes `model.safetensors` (or `model-0000i-of-0000n.safetensors` +
-`model.safetensors.index.json`) straight from each tensor's memory and hashes every chunk it
-writes: the manifest entry of a shard comes from the bytes handed to `write`, never from reading
-the file back. `read_shards_into(dir, files, dest)` reads each tensor's bytes straight into the
-tensor that receives it (`dest`, e.g. views of a model's parameters) and hashes what it read, so
-the check covers exactly the bytes that end up in the model, in one pass over the file.
+`model.safetensors.index.json`) straight from each tensor's memory and hashes that same memory
+while the shard's fsync waits for the disk: the manifest entry of a shard comes from the bytes
+handed to `write`, never from reading the file back (the tensors must not change meanwhile; if
+they did, the entry would not match the file and readers would refuse it). `read_shards_into(dir,
+files, dest)` reads each tensor's bytes straight into the tensor that receives it (`dest`, e.g.
+views of a model's parameters) and hashes what it read, so the check covers exactly the bytes
+that end up in the model, in one pass over the file.
 
 Shards are independent SHA-256 streams, so both sides hash them on parallel threads (hashlib and
-file I/O release the GIL): one stream on one core is about as slow as copying the bytes. The files are
-ordinary safetensors (any reader loads them): the format is 8 bytes of header length, a JSON
+file I/O release the GIL): one stream on one core is about as slow as copying the bytes. The files
+are ordinary safetensors (any reader loads them): the format is 8 bytes of header length, a JSON
 header naming each tensor's dtype, shape and byte range, then the data. It is written here rather
 than through `safetensors.torch.save_file` because that library hashes nothing and writes in an
 order of its own, and read here because `safe_open` hands out tensors of its own instead of

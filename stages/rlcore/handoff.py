@@ -222,8 +222,9 @@ class WeightHandoff:
             with torch.no_grad():
                 got = read_shards_into(path, shards, hf_state_dict(model))
         except ShardMismatch:
-            # not the layout publish writes (another dtype or naming, or a damaged header): verify
-            # every byte in memory first, then parse and copy (load_hf_state_dict names what does not fit)
+            # not tensors of this model (other names or shapes) or a header that does not parse:
+            # verify every byte in memory first, then parse and copy (load_hf_state_dict names what
+            # does not fit); nothing was read into the model yet
             return self._load_general(model, step)
         except (OSError, EOFError) as e:
             raise HandoffError(f"{path}: unreadable while loading: {e}; the model's weights are partly overwritten") from e
