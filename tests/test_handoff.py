@@ -276,3 +276,28 @@ def test_manifest_takes_the_writers_hashes_only_for_files_of_that_size(tmp_path)
         write_manifest(tmp_path, hashed=given)
     with pytest.raises(OSError, match="c: written, but not there"):
         write_manifest(tmp_path, hashed={"c": {"sha256": "x", "size": 1}})
+
+
+def test_a_version_carries_the_tokenizer_and_loads_as_a_model_directory_by_itself(tmp_path):
+    """With the trainer's tokenizer, a version carries its tokenizer files and chat template
+    (beside config.json where the model has a Hugging Face form), which transformers opens without
+    snowcat; they are in the manifest, so an altered one is refused like an altered shard."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 (this test only)
+
+    from snowcat.stages.model.tiny_hf import hf_chat_tokenizer  # noqa: PLC0415
+
+    tok = hf_chat_tokenizer(["def f(x):\n    return x + 1\n", "print('hello world')"], tmp_path / "tok")
+    h = WeightHandoff(tmp_path / "weights")
+    path = h.publish(2, _model(1), tok)
+    manifest = json.loads((path / "manifest.json").read_text())["files"]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(manifest)
+    served = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    chat = [{"role": "user", "content": "print('hello')"}]
+    assert served.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False) == tok.render_prompt(
+        chat
+    )
+    h.verify(2)
+
+    (path / "tokenizer.json").write_text((path / "tokenizer.json").read_text().replace("hello", "jello"))
+    with pytest.raises(HandoffError, match="tokenizer.json: (sha256 differs|size)"):
+        h.wait_verified(2, timeout_s=0.2)

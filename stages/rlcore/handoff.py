@@ -3,7 +3,11 @@
     <out_dir>/weights/step_000012/
         model.safetensors (or model-0000i-of-0000n.safetensors + model.safetensors.index.json)
         model_config.json  config.json  meta.json  manifest.json (sha256 + size of each file)
+        tokenizer files             the trainer's tokenizer, as its checkpoints carry it
         STABLE                      written last: the version is complete and verified
+
+So each version is a model directory that vLLM or transformers load by themselves (snowcat's
+rollout ranks run vLLM with token ids only and never read the tokenizer files).
 
 A version directory is built under a temp name and renamed into place (`atomic_dir`), then
 STABLE is written. The publisher hashes each file from the bytes it writes (one pass, shards on
@@ -63,9 +67,9 @@ class WeightHandoff:
 
     # -- trainer side ---------------------------------------------------------------------------
 
-    def publish(self, step: int, model) -> Path:
-        """Write version `step` from `model` (an MoEForCausalLM); STABLE last. Idempotent: a stable
-        version is left as it is (a resumed trainer republishes the same bytes anyway)."""
+    def publish(self, step: int, model, tokenizer=None) -> Path:
+        """Write version `step` from `model` (an MoEForCausalLM) and `tokenizer`'s files; STABLE last.
+        Idempotent: a stable version is left as it is (a resumed trainer republishes the same bytes)."""
 
         path = self.path(step)
         if self.is_stable(step):
@@ -80,6 +84,8 @@ class WeightHandoff:
             for name, obj in small.items():
                 if obj is not None:
                     files[name] = write_file(tmp / name, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+            if tokenizer is not None:
+                tokenizer.save(tmp)  # small files: the manifest hashes them as usual
             write_manifest(tmp, hashed=files)
         atomic_write_text(path / STABLE, f"{step}\n")
         return path

@@ -246,7 +246,7 @@ class Trainer(TrainLoop):
     def after_step(self) -> None:
         with self.backend.full_params():  # ZeRO-3: whole on every rank while rank 0 writes them
             if self.lead:
-                self.handoff.publish(self.step, self.model)
+                self.handoff.publish(self.step, self.model, self.tok)
 
     def record(self, stats: StepStats, batch: list[dict]) -> dict:
         k, trajs = self.step - 1, self.trajs
@@ -366,7 +366,7 @@ class Trainer(TrainLoop):
         with self.backend.full_params():
             if self.lead:
                 self.handoff.clean(keep_upto=self.step)
-                self.handoff.publish(self.step, self.model)
+                self.handoff.publish(self.step, self.model, self.tok)
         if self.comm is not None:
             self.comm.bcast(self.step, root=0)
         if self.peer is not None:
