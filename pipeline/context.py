@@ -24,6 +24,18 @@ from .unitprogress import PROGRESS_FILE, ProgressReporter
 
 NOTICE_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 _EARLY_NOTICE = threading.Event()  # a notice that came before any stage context listened
+_FIRST_NOTICE: list[int] = []  # the signal of this process's first notice
+
+
+def _noticed(signum: int) -> None:
+    if not _FIRST_NOTICE:
+        _FIRST_NOTICE.append(signum)
+
+
+def first_notice() -> int | None:
+    """Which signal this process was first told to end by: SIGUSR2 (the `--signal` notice before a
+    walltime), SIGTERM (a cancel: `scancel`, `snowcat cancel`), or None (no signal of its own)."""
+    return _FIRST_NOTICE[0] if _FIRST_NOTICE else None
 
 
 def catch_notice_early() -> None:
@@ -36,7 +48,7 @@ def catch_notice_early() -> None:
     is lost. Caught here, the notice is handed to the stage's CheckpointSignal when it installs.
     """
     for sig in NOTICE_SIGNALS:
-        signal.signal(sig, lambda *_: _EARLY_NOTICE.set())
+        signal.signal(sig, lambda signum, _: (_noticed(signum), _EARLY_NOTICE.set()))
 
 
 class CheckpointSignal:
@@ -52,7 +64,7 @@ class CheckpointSignal:
 
     def install(self, signals: tuple[int, ...] = NOTICE_SIGNALS) -> None:
         for sig in signals:
-            signal.signal(sig, lambda *_: self._event.set())
+            signal.signal(sig, lambda signum, _: (_noticed(signum), self._event.set()))
         if _EARLY_NOTICE.is_set():  # checked after installing: a notice in between sets ours directly
             self._event.set()
 

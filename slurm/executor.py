@@ -25,6 +25,7 @@ import os
 import pwd
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -35,7 +36,7 @@ import submitit
 
 from snowcat.containers.wrap import hetjob_step, role_images, site_mpi_plugin, wrap_command
 from snowcat.pipeline.config import typed
-from snowcat.pipeline.context import PREEMPTED_EXIT_CODE, catch_notice_early
+from snowcat.pipeline.context import PREEMPTED_EXIT_CODE, catch_notice_early, first_notice
 from snowcat.pipeline.dag import StageNode, Unit, build
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.executors.base import Executor
@@ -147,6 +148,13 @@ class StageJob(submitit.helpers.Checkpointable):
 
     def _continue(self, run: RunDir, unit: Unit, rank: int) -> None:
         if rank != 0:
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+        if first_notice() == signal.SIGTERM:
+            # a cancel (scancel, `snowcat cancel`), not the walltime notice (SIGUSR2): checkpointed,
+            # the unit stays stopped (requeued, it undid the cancel); `snowcat resume` continues it
+            scancel(self._own_continuations(run, unit))
+            error = "cancelled (SIGTERM) after it checkpointed; `snowcat resume` continues it"
+            run.update_stage(unit.key, status="cancelled", ended=now(), error=error)
             raise SystemExit(PREEMPTED_EXIT_CODE)
         used = int(run.record(unit.key).get("continuations_used", 0))
         # (continuations queued up front run out by themselves: the chain has no job left)
@@ -667,8 +675,23 @@ class SlurmExecutor(Executor):
     # submission ----------------------------------------------------------------------------------
 
     def _alive_jobs(self) -> dict[str, dict]:
-        """sacct rows of this run's jobs that are still queued or running, by job id."""
-        return {jid: row for jid, row in self.sacct().items() if row["state"].split()[0] in ALIVE}
+        """This run's jobs that are still queued or running, by job id: sacct's rows, and squeue's for
+        jobs accounting does not list yet (slurmdbd records a submission a moment after sbatch returns:
+        a `resume` right after `run` saw none of them alive and queued the whole DAG again)."""
+        alive = {jid: row for jid, row in self.sacct().items() if row["state"].split()[0] in ALIVE}
+        return {**self._queued(), **alive}
+
+    def _queued(self) -> dict[str, dict]:
+        ids = set(self.job_ids())
+        user = os.environ.get("USER") or pwd.getpwuid(os.getuid()).pw_name
+        try:
+            proc = subprocess.run(
+                ["squeue", "-h", "-r", "-u", user, "-o", "%i|%T|%r"], capture_output=True, text=True, timeout=60
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        rows = [line.split("|") for line in proc.stdout.splitlines()] if proc.returncode == 0 else []
+        return {r[0]: {"state": r[1], "reason": r[2]} for r in rows if len(r) == 3 and parse_job_id(r[0])["job"] in ids}
 
     def launch(self, stages: list[str]) -> int:
         self._cancel_unrecorded()

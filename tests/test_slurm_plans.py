@@ -431,3 +431,16 @@ def test_a_swept_hetjob_stage_is_one_hetjob_per_variant(snowcat, scheduler, tmp_
         assert not jobs[job_id]["array"] and len(jobs[job_id]["script"].split("#SBATCH hetjob")) == 2
     gate = run.record("rl")["gate"]
     assert f"afterok:{gate}" in jobs[run.record("eval")["job_ids"][0]]["dependency"].split(",")
+
+
+def test_a_resume_before_accounting_lists_the_jobs_queues_nothing_twice(snowcat, scheduler, tmp_path, monkeypatch):
+    """slurmdbd lists a job a moment after sbatch returned; a `resume` in that moment read liveness
+    from sacct alone, saw nothing alive and queued the whole DAG again (found by the Slurm fault
+    campaign, docs/faults.md). The controller's queue (squeue) counts too."""
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
+    calls = _sbatch_calls(scheduler)
+    monkeypatch.setenv("FAKE_SLURM_ACCOUNTING_LAG", "1")
+    again = snowcat("resume", run_dir, check=True)
+    assert _sbatch_calls(scheduler) == calls, again.stderr
+    assert set(_task_states(scheduler).values()) == {"PENDING"}  # nothing was replaced either

@@ -7,6 +7,8 @@ Nothing runs: submitted jobs stay PENDING until a test sets their state (`set_st
 the JSON file $FAKE_SLURM_STATE. Like Slurm's QoS, sbatch refuses a job that would take this user
 past $FAKE_SLURM_MAX_SUBMIT queued jobs (array tasks and hetjob components count one each), and
 $FAKE_SLURM_REFUSE_AFTER=N refuses every sbatch call after the N-th (a limit hit mid-DAG).
+$FAKE_SLURM_ACCOUNTING_LAG=1 keeps jobs still PENDING out of sacct, as slurmdbd lists a submission
+a moment after sbatch returned; squeue (the controller) lists them.
 The real behaviour is tested against the local Slurm cluster (tests/test_slurm.py).
 """
 
@@ -142,8 +144,9 @@ def sacct(args: list[str]) -> int:
     save(state)
     ids = args[args.index("-j") + 1].split(",") if "-j" in args else list(state["jobs"])
     fields = args[args.index("-o") + 1].split(",")
+    lag = os.environ.get("FAKE_SLURM_ACCOUNTING_LAG") == "1"
     for key, t in tasks(state).items():
-        if key.split("_")[0].split("+")[0] not in ids:
+        if key.split("_")[0].split("+")[0] not in ids or (lag and t["state"] == "PENDING"):
             continue
         row = {
             "JobID": key,
@@ -161,10 +164,14 @@ def squeue(args: list[str]) -> int:
     state = load()
     state["calls"].append(["squeue"])
     save(state)
-    if "%P" in args:
-        for t in tasks(state).values():
-            if t["state"] not in TERMINAL:
-                print(t["partition"])
+    fmt = args[args.index("-o") + 1] if "-o" in args else ""
+    for key, t in tasks(state).items():
+        if t["state"] in TERMINAL:
+            continue
+        if fmt == "%P":
+            print(t["partition"])
+        elif fmt == "%i|%T|%r":
+            print(f"{key}|{t['state']}|{'Dependency' if t['state'] == 'PENDING' else 'None'}")
     return 0
 
 
