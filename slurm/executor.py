@@ -28,6 +28,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -678,8 +679,32 @@ class SlurmExecutor(Executor):
         """This run's jobs that are still queued or running, by job id: sacct's rows, and squeue's for
         jobs accounting does not list yet (slurmdbd records a submission a moment after sbatch returns:
         a `resume` right after `run` saw none of them alive and queued the whole DAG again)."""
-        alive = {jid: row for jid, row in self.sacct().items() if row["state"].split()[0] in ALIVE}
-        return {**self._queued(), **alive}
+        self._wait_for_ending_jobs()
+        rows = self.sacct()
+        alive = {jid: row for jid, row in rows.items() if row["state"].split()[0] in ALIVE}
+        # squeue speaks only for jobs accounting does not know: a job sacct lists as CANCELLED may
+        # still be in squeue a moment (COMPLETING), and resume took it for alive and queued nothing
+        known = {parse_job_id(jid)["job"] for jid in rows}
+        unlisted = {
+            jid: row
+            for jid, row in self._queued().items()
+            if parse_job_id(jid)["job"] not in known and row["state"] in ALIVE
+        }
+        return {**unlisted, **alive}
+
+    def _wait_for_ending_jobs(self, limit_s: float = 120.0) -> None:
+        """A cancelled job's processes may still be saving its checkpoint (SIGTERM): a job queued
+        for the unit now would meet them holding it. Wait, up to `limit_s` (a node stuck in
+        COMPLETING must not block every resume), until squeue lists none of the run's jobs COMPLETING."""
+        deadline, said = time.monotonic() + limit_s, False
+        while ending := sorted(j for j, r in self._queued().items() if r["state"] == "COMPLETING"):
+            if time.monotonic() > deadline:
+                print(f"jobs {', '.join(ending)} still COMPLETING after {limit_s:.0f} s; going on", file=sys.stderr)
+                return
+            if not said:
+                print(f"waiting for jobs {', '.join(ending)} to finish ending (COMPLETING)", file=sys.stderr)
+                said = True
+            time.sleep(2)
 
     def _queued(self) -> dict[str, dict]:
         ids = set(self.job_ids())

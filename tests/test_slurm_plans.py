@@ -444,3 +444,18 @@ def test_a_resume_before_accounting_lists_the_jobs_queues_nothing_twice(snowcat,
     again = snowcat("resume", run_dir, check=True)
     assert _sbatch_calls(scheduler) == calls, again.stderr
     assert set(_task_states(scheduler).values()) == {"PENDING"}  # nothing was replaced either
+
+
+def test_a_resume_right_after_a_cancel_waits_for_the_job_to_end_and_queues_it_again(snowcat, scheduler, tmp_path):
+    """After scancel, sacct says CANCELLED while squeue still lists the job COMPLETING (its processes
+    may be saving a checkpoint). A resume in that moment took the squeue row for a live job and
+    queued nothing: the run stood still (tests/test_slurm.py's scancel test, in CI). It waits for the
+    job to end, then queues the cancelled stage and what follows it again."""
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
+    calls, first = _sbatch_calls(scheduler), RunDir.open(run_dir).record("tasks")["job_ids"][0]
+    fake.set_state(first, "CANCELLED", completing=2)
+    again = snowcat("resume", run_dir, check=True)
+    assert f"waiting for jobs {first} to finish ending (COMPLETING)" in again.stderr
+    assert len(_sbatch_calls(scheduler)) > len(calls), again.stderr
+    assert RunDir.open(run_dir).record("tasks")["job_ids"][-1] != first

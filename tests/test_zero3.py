@@ -169,16 +169,14 @@ def _work(rank, world, port, tmp, tasks, one_saved, two_saved) -> dict:
 
 
 def _single_process_rl() -> dict:
-    """The same RL batch in one process (torch backend's loss convention: a mean over micro-batches)."""
+    """The same RL batch in one process, as one micro-batch: the 2 ranks balance their routers over
+    the whole batch (balance_router_over), and with equal token counts the ranks' mean of their
+    token means is the batch's, so 2 ranks of 2 rows train as 1 rank of 4."""
     torch.manual_seed(0)
     model = MoEForCausalLM(MICRO)
-    loss_fn = make_loss_fn(PARAMS, LOSS_CFG)
-    total = 0.0
-    for rows in ([0, 2], [1, 3]):
-        loss, _ = loss_fn(model, rl_batch(rows), 0, 2)
-        loss.backward()
-        total += float(loss.detach())
-    return {"loss": total, "grads": {n: p.grad for n, p in model.named_parameters()}}
+    loss, _ = make_loss_fn(PARAMS, LOSS_CFG)(model, rl_batch([0, 1, 2, 3]), 0, 1)
+    loss.backward()
+    return {"loss": float(loss.detach()), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
 @pytest.mark.slow
@@ -235,7 +233,7 @@ def test_zero3_matches_ddp_resumes_across_rank_counts_and_trains_rl_and_sft(tmp_
         for n, w in writer["final"].items():
             torch.testing.assert_close(resumer["final"][n], w, rtol=1e-4, atol=WEIGHT_ATOL)
 
-    # the RL loss with top-k/top-p under ZeRO-3 = one process with the same micro-batches
+    # the RL loss with top-k/top-p and router losses under ZeRO-3 = one process with the whole batch
     single, zero3 = _single_process_rl(), two["rl"]
     assert zero3["loss"] == pytest.approx(single["loss"], rel=1e-5)
     assert results[(2, 1)]["rl"]["loss"] == zero3["loss"]

@@ -48,12 +48,14 @@ def tasks(state: dict) -> dict[str, dict]:
     return out
 
 
-def set_state(job_id: str, new: str, exit_code: str = "0:0") -> None:
-    """Tests: move a job (`1000`, all its tasks) or one task (`1000_2`) to a state."""
+def set_state(job_id: str, new: str, exit_code: str = "0:0", completing: int = 0) -> None:
+    """Tests: move a job (`1000`, all its tasks) or one task (`1000_2`) to a state. `completing`: the
+    next that many squeue calls still list it COMPLETING, as the controller lists an ended job while
+    its processes exit (sacct already gives the end state)."""
     state = load()
     for key, t in tasks(state).items():
         if key == job_id or key.split("_")[0].split("+")[0] == job_id:
-            t["state"], t["exit"] = new, exit_code
+            t["state"], t["exit"], t["completing"] = new, exit_code, completing
     save(state)
 
 
@@ -163,15 +165,19 @@ def sacct(args: list[str]) -> int:
 def squeue(args: list[str]) -> int:
     state = load()
     state["calls"].append(["squeue"])
-    save(state)
     fmt = args[args.index("-o") + 1] if "-o" in args else ""
     for key, t in tasks(state).items():
-        if t["state"] in TERMINAL:
+        shown = t["state"]
+        if t.get("completing"):
+            t["completing"] -= 1
+            shown = "COMPLETING"
+        elif shown in TERMINAL:
             continue
         if fmt == "%P":
             print(t["partition"])
         elif fmt == "%i|%T|%r":
-            print(f"{key}|{t['state']}|{'Dependency' if t['state'] == 'PENDING' else 'None'}")
+            print(f"{key}|{shown}|{'Dependency' if shown == 'PENDING' else 'None'}")
+    save(state)
     return 0
 
 
