@@ -686,9 +686,7 @@ class SlurmExecutor(Executor):
         # still be in squeue a moment (COMPLETING), and resume took it for alive and queued nothing
         known = {parse_job_id(jid)["job"] for jid in rows}
         unlisted = {
-            jid: row
-            for jid, row in self._queued().items()
-            if parse_job_id(jid)["job"] not in known and row["state"] in ALIVE
+            jid: row for jid, row in self._queued().items() if parse_job_id(jid)["job"] not in known and row["state"] in ALIVE
         }
         return {**unlisted, **alive}
 
