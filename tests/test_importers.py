@@ -16,6 +16,7 @@ from snowcat.stages.taskgen import verify
 from snowcat.stages.taskgen.importers import TaskImportError, import_harbor, import_swebench
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, snapshot_files
 from snowcat.stages.tokenizer import message_text
+from tests.qwen3_template import qwen3_tokenizer
 
 needs_sandbox = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"), reason="verifies in LocalSandbox as root"
@@ -182,4 +183,35 @@ def test_trace_import_round_trip(tmp_path):
         import_traces(path)
     path.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\n')
     with pytest.raises(TraceError, match="message 0: role must be"):
+        import_traces(path)
+
+
+def test_a_traces_tools_reach_the_checkpoints_template(tmp_path):
+    """A trace row's `tools` (the schemas its agent was offered) open the conversation as a template
+    declaration: Qwen3's template lists them in the system turn SFT trains after; without them, no
+    tools section."""
+    view = {
+        "name": "view",
+        "description": "Show a file.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    }
+    messages = [
+        {"role": "user", "content": "Fix add()."},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "view", "arguments": {"path": "ops.py"}}}]},
+        {"role": "tool", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps({"messages": messages, "tools": [{"type": "function", "function": view}]}) + "\n")
+    path.write_text(path.read_text() + json.dumps({"messages": messages, "tools": [view]}) + "\n" + json.dumps(messages) + "\n")
+    with_tools, bare_form, without = import_traces(path)
+    assert with_tools[0] == {"role": "template", "tools": [{"type": "function", "function": view}]} == bare_form[0]
+    assert with_tools[1:] == without and without[0]["role"] == "user"
+    qwen3 = qwen3_tokenizer(["Fix add().", "Done.", "def add(a, b):", "Show a file."], tmp_path / "qwen3")
+    (ids, mask), (plain, plain_mask) = qwen3.encode_chat(with_tools), qwen3.encode_chat(without)
+    text = qwen3.decode(ids)
+    assert "<tools>" in text and '"name": "view"' in text and "<tools>" not in qwen3.decode(plain)
+    assert sum(mask) == sum(plain_mask)  # the declaration adds prompt, not trained tokens
+    path.write_text(json.dumps({"messages": messages, "tools": [{"type": "function"}]}) + "\n")
+    with pytest.raises(TraceError, match=rf"{path}:1: tools\[0\] needs function.name"):
         import_traces(path)

@@ -1,8 +1,11 @@
 """External agent traces as demonstrations: OpenAI-style chat messages with tool calls (the form
 SWE-smith, SWE-Gym and most agent frameworks publish), rendered in the protocol RepoEnv speaks.
 
-Input: JSONL with one `{"messages": [...]}` per line (or a bare list of messages per line). Messages
-are checked and normalised (content parts joined, each tool call's `arguments` parsed to an object);
+Input: JSONL with one `{"messages": [...], "tools": [...]}` per line (`tools` optional: the OpenAI
+function schemas the trace's agent was offered), or a bare list of messages per line. Messages are
+checked and normalised (content parts joined, each tool call's `arguments` parsed to an object);
+a trace's tools open the conversation as a template declaration (`{"role": "template", "tools": ...}`,
+stages.tokenizer.split_template), so a checkpoint's template lists them where it lists RepoEnv's;
 the tokenizer then renders tool calls and results in its template's format (snowcat's:
 `<tool_call>{json}</tool_call>`, `<tool_result>...</tool_result>`; a checkpoint's: its own), the
 same format the agent loop parses, so SFT on imported traces teaches the agent loop's protocol.
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from snowcat.stages.tokenizer import TEMPLATE_ROLE
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -60,6 +65,20 @@ def convert_messages(messages: list, where: str) -> list[dict]:
     return out
 
 
+def convert_tools(tools, where: str) -> list[dict]:
+    """OpenAI function schemas (`{"type": "function", "function": {"name", ...}}`, or the bare
+    function object), each in the full form."""
+    if not isinstance(tools, list):
+        raise TraceError(f"{where}: tools must be a list of function schemas")
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise TraceError(f"{where}: tools[{i}] needs function.name")
+        out.append({"type": "function", "function": fn})
+    return out
+
+
 def import_traces(path: str | Path) -> list[list[dict]]:
     """Every conversation in the JSONL file at `path`, converted."""
     path = Path(path)
@@ -74,5 +93,8 @@ def import_traces(path: str | Path) -> list[list[dict]]:
         messages = row.get("messages") if isinstance(row, dict) else row
         if not isinstance(messages, list):
             raise TraceError(f"{path}:{n}: expected {{'messages': [...]}} or a list of messages")
-        convs.append(convert_messages(messages, f"{path}:{n}"))
+        conv = convert_messages(messages, f"{path}:{n}")
+        if isinstance(row, dict) and row.get("tools"):
+            conv.insert(0, {"role": TEMPLATE_ROLE, "tools": convert_tools(row["tools"], f"{path}:{n}")})
+        convs.append(conv)
     return convs
