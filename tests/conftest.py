@@ -304,3 +304,15 @@ def pytest_collection_modifyitems(config, items):
         group = "slurm" if item.get_closest_marker("cluster") else shared
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+def masked_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of 1s in a loss mask: the assistant turns of an encoded conversation."""
+    runs, start = [], None
+    for j, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = j
+        if not m and start is not None:
+            runs.append((start, j))
+            start = None
+    return runs

@@ -11,6 +11,7 @@ from snowcat.pipeline.errors import UserError
 from snowcat.stages.hf_tokenizer import HFChatTokenizer
 from snowcat.stages.model.tiny_hf import CHAT_TEMPLATE, hf_chat_tokenizer, hf_tokenizer_files
 from snowcat.stages.tokenizer import load_tokenizer
+from tests.conftest import masked_runs
 from tests.qwen3_template import EMPTY_THINK, qwen3_tokenizer
 
 TEXTS = ["What is 12+30?", "42", "call the calculator", "<tool_call>12+30</tool_call>", "That is not right. Try again."]
@@ -239,13 +240,7 @@ def test_qwen3_renders_a_template_declaration_and_the_agent_loop_holds_the_same_
     loop = qwen3.render_prompt(msgs[:3])
     assert ids[: len(loop)] == loop and not any(mask[: len(loop)])
     assert qwen3.decode(loop).endswith("<|im_start|>assistant\n" + (EMPTY_THINK if enable_thinking is False else ""))
-    turns, start = [], None
-    for j, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = j
-        if not m and start is not None:
-            turns.append(ids[start:j])
-            start = None
+    turns = [ids[a:b] for a, b in masked_runs(mask)]
     assert len(turns) == 3
     for turn, tool in zip(turns, [msgs[4], msgs[6]]):
         loop += turn + qwen3.observation_ids("tool", tool["content"], template=kwargs)

@@ -28,6 +28,7 @@ from snowcat.stages.model import PRESETS, MoEForCausalLM
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.taskgen import Task, generate_domain
 from snowcat.stages.tokenizer import message_text, train_tokenizer
+from tests.conftest import masked_runs
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"),
@@ -174,13 +175,7 @@ def test_behaviour_reads_the_teacher_protocol(world):
     trajs = []
     for i, msgs in enumerate(demos[:2]):
         ids, mask = tok.encode_chat(msgs)
-        turns, start = [], None
-        for j, m in enumerate(mask + [0]):
-            if m and start is None:
-                start = j
-            if not m and start is not None:
-                turns.append((start, j))
-                start = None
+        turns = masked_runs(mask)
         ok = i == 0
         trajs.append(Trajectory(tasks[i].task_id, i, 0, 0, ids, mask, [0.0] * len(ids), float(ok), "ok", turns, "swe_mini", 0))
     stats = behaviour(trajs, tok)
@@ -221,13 +216,7 @@ def test_a_checkpoint_template_renders_the_same_protocol(world, tmp_path, templa
         assert think == (enable_thinking is False)  # thinking off: the template writes the empty think block itself
     else:  # no tools section: ids as without the declaration
         assert prompt == tok.render_prompt([user_message(task)])
-    turns, start = [], None
-    for j, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = j
-        if not m and start is not None:
-            turns.append(ids[start:j])
-            start = None
+    turns = [ids[a:b] for a, b in masked_runs(mask)]
     assert len(turns) == 5
     state = env.reset(task)
     try:
