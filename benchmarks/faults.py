@@ -1060,6 +1060,16 @@ def git_revision() -> str | None:
     return done.stdout.strip() or None
 
 
+def quote(result: dict) -> str:
+    """The headline of a result file as docs/faults.md and benchmarks/results/README.md quote it."""
+    t = result["totals"]
+    problems = ", ".join(f"{c} {t[c]}" for c in CATEGORIES)
+    return (
+        f"{t['runs']} faults of {len(result['counts'])} kinds at {(result['git_revision'] or '?')[:7]} "
+        f"({result['campaign_wall_s']:.0f} s): {t['handled']} handled, {t['missed']} missed; {problems}"
+    )
+
+
 def print_table(table: dict[str, dict]) -> None:
     cols = ["runs", "missed", *CATEGORIES, "handled"]
     print(f"{'fault kind':28}" + "".join(f"{c:>12}" for c in cols))

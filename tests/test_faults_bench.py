@@ -131,6 +131,16 @@ def test_bad_arguments_exit_2(capsys):
     assert "unknown fault kind(s) kill_driver; known: kill_job_process" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["faults-local.json", "faults-slurm.json"])
+def test_the_docs_quote_the_committed_results(name):
+    result = json.loads((faults.REPO / "benchmarks" / "results" / name).read_text())
+    assert not result["partial"] and result["part"] == name.split("-")[1].split(".")[0]
+    assert result["totals"]["runs"] >= (200 if result["part"] == "local" else 20)
+    line = faults.quote(result)
+    for doc in ("docs/faults.md", "benchmarks/results/README.md"):
+        assert line in " ".join((faults.REPO / doc).read_text().split()), (doc, line)
+
+
 def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
