@@ -27,6 +27,7 @@ from snowcat.stages.model.tiny_hf import hf_chat_tokenizer, tiny_checkpoint
 from snowcat.stages.rollout import SamplingParams, TorchEngine, serve_model_dir
 from snowcat.stages.taskgen import generate_domain
 from snowcat.stages.tokenizer import message_text
+from tests.conftest import masked_runs
 from tests.qwen3_template import EMPTY_THINK, qwen3_tokenizer
 
 SEED = 5
@@ -120,17 +121,6 @@ def test_truncated_turn_recovery_appends_untrained_tokens_and_keeps_the_cut_turn
     assert "truncated" in {tr.status for tr in trajs}
 
 
-def _turn_spans(mask) -> list[tuple[int, int]]:
-    spans, start = [], None
-    for j, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = j
-        if not m and start is not None:
-            spans.append((start, j))
-            start = None
-    return spans
-
-
 @pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"), reason="RepoEnv runs tools in LocalSandbox"
 )
@@ -152,7 +142,7 @@ def test_repo_episodes_with_the_qwen3_template_and_its_tools_keep_token_in_token
     torch.manual_seed(1)
     cfg = dataclasses.replace(PRESETS["test-micro"], vocab_size=tok.vocab_size, max_position_embeddings=4096)
     model = overfit(MoEForCausalLM(cfg).eval(), tok, demos[:1])  # tasks[0] by heart; tasks[1] unseen
-    longest = max(e - s for s, e in _turn_spans(teacher_mask))
+    longest = max(e - s for s, e in masked_runs(teacher_mask))
     budget = Budget(max_context=len(teacher_ids) + 64, max_turn_tokens=longest, max_turns=6)
     params = SamplingParams(temperature=0.0)
     engine = TorchEngine(model, max_batch=8)
