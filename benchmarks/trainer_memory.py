@@ -19,8 +19,7 @@ fixed, so that RSS follows the live tensors rather than what the allocator kept 
 Modes: `ddp` (torch backend: DistributedDataParallel), `zero2` (DeepSpeed ZeRO-2: optimizer state
 and gradients partitioned), `zero3` (ZeRO-3: the parameters too; the backend's DeepSpeed
 settings), `ddp+ep2` (DDP with each MoE layer's experts sharded over both ranks,
-`stages.model.expert_parallel`, wired as docs/training.md describes: the backends do not take
-`expert_parallel` yet). fp32 on CPU: parameters, gradients and the two Adam moments are 4 bytes per
+`stages.model.expert_parallel`, the torch backend's `expert_parallel=2`). fp32 on CPU: parameters, gradients and the two Adam moments are 4 bytes per
 parameter each.
 """
 
@@ -70,7 +69,7 @@ def hwm_kib():  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the pa
 import deepspeed, torch  # every mode imports the same: one baseline
 from snowcat.stages.model import MoEForCausalLM, ModelConfig
 from snowcat.stages.train import OptimConfig, make_backend
-from snowcat.stages.train.backend import init_distributed
+from snowcat.stages.train.backend import init_distributed, leave_distributed
 from snowcat.stages.train.loss import sft_loss
 
 spec = json.loads(sys.argv[1])
@@ -82,21 +81,7 @@ cfg = ModelConfig(**spec["model"])
 torch.manual_seed(0)
 model = MoEForCausalLM(cfg)
 optim = OptimConfig(lr=1e-4, warmup_steps=0, total_steps=10)
-if spec["expert_parallel"] > 1:  # the recipe of docs/training.md: the backends do not take expert_parallel yet
-    from snowcat.stages.model import expert_parallel as ep_lib
-    from snowcat.stages.train import TorchBackend
-
-    ep = ep_lib.expert_parallel_groups(spec["expert_parallel"])
-    ep_lib.exclude_experts_from_ddp(ep_lib.shard_experts(model, ep))
-
-    class ExpertParallelBackend(TorchBackend):
-        def _clip(self):
-            ep_lib.reduce_expert_grads(self.model, ep)
-            return ep_lib.clip_grad_norm_(self.model, self.cfg.grad_clip or float("inf"), ep)
-
-    backend = ExpertParallelBackend(model, optim)
-else:
-    backend = make_backend(spec["backend"], model, optim, zero_stage=spec["zero_stage"])
+backend = make_backend(spec["backend"], model, optim, zero_stage=spec["zero_stage"], expert_parallel=spec["expert_parallel"])
 setup = hwm_kib()
 g = torch.Generator().manual_seed(1 + rank)
 rows, seq = spec["rows"], spec["seq"]
@@ -114,6 +99,7 @@ stats = backend.train_step([batch], sft_loss)
 step = hwm_kib()
 loss = float(stats.sums["nll_sum"]) / stats.tokens
 print(json.dumps({"rank": rank, "start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "local_nll": loss}), flush=True)
+leave_distributed()
 """
 
 

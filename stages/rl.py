@@ -44,6 +44,7 @@ from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport, Tr
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import serve_checkpoint
 from snowcat.stages.taskgen import load_tasks, selection_split
+from snowcat.stages.train.backend import leave_distributed
 from snowcat.stages.train.rendezvous import init_process_group, rendezvous
 
 # ---------------------------------------------------------------- data
@@ -241,9 +242,7 @@ def run(ctx) -> dict:
     try:
         return trainer.run()
     finally:
-        # left up, gloo's threads may release tensors while the interpreter exits: abort (seen, exit 134)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        leave_distributed()
 
 
 def _run_rollout(ctx, cfg: Config, comm, lay: Layout, control: RolloutControl, pool, handoff, transport) -> dict:

@@ -98,6 +98,13 @@ def init_distributed(world_size: int, addr_suffix: str = "") -> tuple[int, int]:
     return world()
 
 
+def leave_distributed() -> None:
+    """Tear the process group down before the interpreter exits: left up, gloo's threads may
+    outlive it and abort the process ("terminate called without an active exception", exit 134)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     if world()[1] > 1:
         dist.all_reduce(x)
