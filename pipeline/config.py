@@ -164,9 +164,26 @@ def _key(e: OmegaConfBaseException, prefix: str = "", raw: Any = None) -> str:
     OmegaConf names only the item's own key; the list and index are found again in `raw`."""
     key = str(getattr(e, "full_key", None) or "")
     item_type = getattr(e, "object_type", None)
-    if raw is not None and dataclasses.is_dataclass(item_type) and (item := _failing_item(raw, item_type)):
+    if (
+        raw is not None
+        and dataclasses.is_dataclass(item_type)
+        and not _from_root(raw, key)
+        and (item := _failing_item(raw, item_type))
+    ):
         key = f"{item}.{key}" if key else item
     return ".".join(p for p in (prefix, key) if p)
+
+
+def _from_root(raw: Any, key: str) -> bool:
+    """Whether `key` is already a path from the top of `raw` (its parent mapping is there): then it
+    is no list item's own key (a stage's unknown key with prestage artefacts elsewhere in the file)."""
+    *parents, _ = key.split(".")
+    node = raw
+    for part in parents:
+        if not isinstance(node, (dict, DictConfig)) or part not in node:
+            return False
+        node = node[part]
+    return bool(parents) and isinstance(node, (dict, DictConfig))
 
 
 def _failing_item(raw: Any, item_type: type, path: str = "") -> str | None:

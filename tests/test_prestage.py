@@ -120,6 +120,24 @@ def test_bad_artefact_lists_name_the_key(tmp_path, artefacts, error):
         config_mod.stage_config("prestage", section(tmp_path / "staging", artefacts))
 
 
+ARTEFACTS = "  prestage:\n    kind: prestage\n    artefacts:\n      - {name: m, path: /m%s}\n"
+
+
+@pytest.mark.parametrize(
+    "stages,error",
+    [
+        (ARTEFACTS % ", colour: red", r"stages\.prestage\.artefacts\[0\]\.colour"),
+        (ARTEFACTS % "" + "  tasks:\n    kind: tasks\n    colour: red\n", r"stages\.tasks\.colour"),  # not the artefact's
+    ],
+    ids=["in an artefact", "in another stage"],
+)
+def test_a_config_file_with_artefacts_names_the_unknown_key_where_it_is(tmp_path, stages, error):
+    path = tmp_path / "run.yaml"
+    path.write_text("name: x\nstages:\n" + stages)
+    with pytest.raises(UserError, match=f"^{path}: {error}: Key 'colour' not in"):
+        config_mod.load(path)
+
+
 def test_offline_stage_with_missing_artefact_fails_before_work(tmp_path, sources, monkeypatch):
     staging = tmp_path / "staging"
     prestage.prestage(staging, [Artefact(kind="model", name="org/tiny-model", path=str(sources["model"]))])
