@@ -49,7 +49,7 @@ from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import demonstration, load_tasks, verify
 from snowcat.stages.tokenizer import message_text, train_tokenizer
 from snowcat.stages.train import Example, OptimConfig, PackedLoader, StepStats, latest_checkpoint, make_backend
-from snowcat.stages.train.backend import init_distributed, leave_distributed, local_device, world
+from snowcat.stages.train.backend import distributed, local_device, world
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
 from snowcat.stages.train.loss import sft_loss
 
@@ -286,11 +286,8 @@ def run(ctx) -> dict:
     cfg: Config = ctx.config
     torch.set_num_threads(cfg.threads or ctx.threads)
     suffix = getattr(getattr(ctx.run_config, "site", None), "master_addr_suffix", "") or ""
-    rank, world_size = init_distributed(ctx.world_size, addr_suffix=suffix)
-    try:
+    with distributed(ctx.world_size, addr_suffix=suffix) as (rank, world_size):
         return _train(ctx, cfg, rank, world_size)
-    finally:
-        leave_distributed()
 
 
 def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:

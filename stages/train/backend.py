@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,19 @@ def init_distributed(world_size: int, addr_suffix: str = "") -> tuple[int, int]:
     if world_size > 1 and not dist.is_initialized():
         init_process_group(rendezvous(addr_suffix=addr_suffix))
     return world()
+
+
+@contextlib.contextmanager
+def distributed(world_size: int, addr_suffix: str = "") -> Iterator[tuple[int, int]]:
+    """init_distributed for a block: a group it joined is left on the way out (see
+    leave_distributed); a group the caller had formed stays up for the caller."""
+    joins = world_size > 1 and not dist.is_initialized()
+    ranks = init_distributed(world_size, addr_suffix)
+    try:
+        yield ranks
+    finally:
+        if joins:
+            leave_distributed()
 
 
 def leave_distributed() -> None:
