@@ -6,7 +6,10 @@ time or speed, or lies in a timing namespace.
     unit      the last word of the name (after the last "/", words split at "_"):
               `s`, `seconds`   a duration (`duration_s`, `wait_seconds`); `per_s` a rate (`tokens_per_s`)
               `at`, `time`     a wall-clock stamp (`registered_at`, `time`)
-    namespace the first component of a path-like name: `time/…`, `throughput/…`
+    namespace the first component of a path-like name: `time/…`, `throughput/…`, and `engine/…`
+              (the rollout engines' load and rebuild counts: a process history, as a duration
+              is: a rank restarted after a preemption builds a fresh engine, so a resumed run
+              counts more of them than an uninterrupted one with the same results)
 
 Stages name what they measure accordingly; everything else a run records must repeat exactly.
 """
@@ -21,10 +24,10 @@ UNITS = {
     "at": "a wall-clock stamp",
     "time": "a wall-clock stamp",
 }
-NAMESPACES = {"time": "a timing", "throughput": "a speed"}
+NAMESPACES = {"time": "a timing", "throughput": "a speed", "engine": "the rollout engines' process history"}
 RULE = (
     "fields whose last word (after '/', split at '_') is a unit of time: s, seconds (durations), "
-    "per_s (rates), at, time (wall-clock stamps); and fields under time/ or throughput/"
+    "per_s (rates), at, time (wall-clock stamps); and fields under time/, throughput/ or engine/"
 )
 
 
