@@ -263,15 +263,10 @@ def _unit_recipe(f: Facts, node, label: str, c, unit) -> list[str]:
         lines.append(f"  - batch: {_v(c.tasks_per_update)} tasks × {_v(c.attempts)} attempts per update")
         lines.append(f"  - lr {_v(c.lr)}, KL coef {_v(c.kl_coef)}")
         lines.append(f"  - updates: {_v(metrics.get('updates', metrics.get('steps')))} completed of {_v(c.updates)} configured")
-    comps = (
-        ", ".join(f"{k}: {v.nodes}×{v.gpus_per_node} GPU" for k, v in res.components.items())
-        if res.components
-        else f"{res.nodes} node(s) × {res.tasks_per_node} task(s) × {res.gpus_per_node} GPU"
-    )
     meta = _checkpoint_meta(f.run.unit_dir(unit))
     name = meta.get("backend") or getattr(c, "backend", None)  # what the checkpoint says ran, else the config
     backend = (f"{name}" + (f" ZeRO-{c.zero_stage}" if name == "deepspeed" else "")) if name else NR
-    lines.append(f"  - layout: {_layout(node, world, meta)}; backend {backend}; resources {comps}")
+    lines.append(f"  - layout: {_layout(node, world, meta)}; backend {backend}; resources {_shapes(res)}")
     return lines
 
 
@@ -282,6 +277,15 @@ def _checkpoint_meta(unit_dir: Path) -> dict:
     steps = sorted(root.glob("step_*/meta.json"))
     meta = dict(read_json(steps[-1]) or {}) if steps else {}
     return meta | (read_json(root / "final" / "meta.json") or {})
+
+
+def _shapes(res) -> str:
+    """The resources asked for: nodes × tasks × GPUs, per hetjob component where there are components."""
+
+    def shape(r) -> str:
+        return f"{r.nodes} node(s) × {r.tasks_per_node} task(s) × {r.gpus_per_node} GPU"
+
+    return ", ".join(f"{k}: {shape(v)}" for k, v in res.components.items()) if res.components else shape(res)
 
 
 def _layout(node, world: int | None, meta: dict) -> str:

@@ -239,6 +239,10 @@ def test_rl_layout_and_backend_are_the_recorded_ones(tmp_path):
         "one world of 5 rank(s) (recorded by rank 0)"
     )
     assert "not recorded data-parallel trainer rank(s)" in card_mod._layout(node, None, {})
+    # each component's tasks, not only its nodes (a 2-rank trainer read "trainer: 1×0 GPU")
+    assert card_mod._shapes(node.config.resources) == (
+        "trainer: 1 node(s) × 2 task(s) × 0 GPU, rollout: 1 node(s) × 3 task(s) × 0 GPU"
+    )
 
 
 def test_paired_comparisons_of_the_evaluation_are_on_the_card(full_run):
