@@ -60,10 +60,12 @@ def hf_chat_tokenizer(texts: list[str], out_dir, vocab_size: int = 400) -> HFCha
     return HFChatTokenizer.load(out_dir)
 
 
-def tiny_checkpoint(out_dir, texts: list[str], arch: str = "qwen3_moe", seed: int = 0):
+def tiny_checkpoint(
+    out_dir, texts: list[str], arch: str = "qwen3_moe", seed: int = 0, vocab_size: int = 300, positions: int = 512
+):
     """A random Hugging Face checkpoint (weights, config.json) with the tokenizer above: what a
     hub download looks like, small enough for a test. head_dim 32 (vLLM's CPU floor)."""
-    hf_tokenizer_files(texts, out_dir, vocab_size=300)
+    hf_tokenizer_files(texts, out_dir, vocab_size=vocab_size)
     tok = PreTrainedTokenizerFast.from_pretrained(str(out_dir))
     common = dict(
         vocab_size=len(tok),
@@ -71,7 +73,7 @@ def tiny_checkpoint(out_dir, texts: list[str], arch: str = "qwen3_moe", seed: in
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=512,
+        max_position_embeddings=positions,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
@@ -91,21 +93,39 @@ def tiny_checkpoint(out_dir, texts: list[str], arch: str = "qwen3_moe", seed: in
 ARCHES = ("qwen3_moe", "qwen3", "olmoe")
 
 
+def corpus(kind: str, rng) -> list[str]:
+    """What the tokenizer is trained on. `arith`: closure and arithmetic prompts with their worked
+    answers (configs/hf-tiny.yaml). `swe_mini`: repository tasks and the scripted expert's RepoEnv
+    episodes (tool calls, file views, test output), so that an agent episode fits a small context."""
+    from snowcat.stages.taskgen import demonstration, generate_domain  # noqa: PLC0415 (only the command needs tasks)
+
+    if kind == "arith":
+        tasks = generate_domain(rng, "closure", [1, 2, 3], 200) + generate_domain(rng, "arith", [2, 3], 200)
+        return [t.prompt for t in tasks] + [demonstration(t) for t in tasks] + ["That is not right. Try again."]
+    from snowcat.stages.agent import teacher_messages  # noqa: PLC0415
+    from snowcat.stages.tokenizer import message_text  # noqa: PLC0415
+
+    tasks = generate_domain(rng, "swe_mini", [1, 2, 3], 24)
+    return [t.prompt for t in tasks] + [message_text(m) for t in tasks for m in teacher_messages(t, "repo")]
+
+
+CORPORA = {"arith": (300, 512), "swe_mini": (2048, 4096)}  # corpus -> (vocabulary, positions)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="snowcat tiny-hf", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="directory to write (created)")
     ap.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--corpus", choices=sorted(CORPORA), default="arith", help="what the tokenizer is trained on (see corpus())")
     args = ap.parse_args(argv)
-    from snowcat.stages.taskgen import demonstration, generate_domain  # noqa: PLC0415 (only the command needs tasks)
-
-    rng = np.random.default_rng(args.seed)
-    tasks = generate_domain(rng, "closure", [1, 2, 3], 200) + generate_domain(rng, "arith", [2, 3], 200)
-    texts = [t.prompt for t in tasks] + [demonstration(t) for t in tasks] + ["That is not right. Try again."]
+    vocab, positions = CORPORA[args.corpus]
+    texts = corpus(args.corpus, np.random.default_rng(args.seed))
     args.out.mkdir(parents=True, exist_ok=True)
-    model = tiny_checkpoint(args.out, texts, arch=args.arch, seed=args.seed)
+    model = tiny_checkpoint(args.out, texts, arch=args.arch, seed=args.seed, vocab_size=vocab, positions=positions)
     (args.out / "README.md").write_text(
-        f"---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n# tiny random {args.arch} (snowcat tiny-hf, seed {args.seed})\n"
+        f"---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n"
+        f"# tiny random {args.arch} (snowcat tiny-hf, seed {args.seed}, {args.corpus} tokenizer)\n"
     )
-    print(f"{args.out}: random {args.arch}, {sum(p.numel() for p in model.parameters()):,} parameters")
+    print(f"{args.out}: random {args.arch}, {sum(p.numel() for p in model.parameters()):,} parameters, {args.corpus} tokenizer")
     return 0
