@@ -19,8 +19,8 @@ fixed, so that RSS follows the live tensors rather than what the allocator kept 
 Modes: `ddp` (torch backend: DistributedDataParallel), `zero2` (DeepSpeed ZeRO-2: optimizer state
 and gradients partitioned), `zero3` (ZeRO-3: the parameters too; the backend's DeepSpeed
 settings), `ddp+ep2` (DDP with each MoE layer's experts sharded over both ranks,
-`stages.model.expert_parallel`, the torch backend's `expert_parallel=2`). fp32 on CPU: parameters, gradients and the two Adam moments are 4 bytes per
-parameter each.
+`stages.model.expert_parallel`, the torch backend's `expert_parallel=2`). fp32 on CPU: parameters,
+gradients and the two Adam moments are 4 bytes per parameter each.
 """
 
 from __future__ import annotations
