@@ -17,9 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from snowcat.pipeline.rundir import RunDir
-from snowcat.pipeline.volatile import strip_volatile
 from tests.conftest import write_config
-from tests.test_rl_preempt import final_sha, logged_step
+from tests.test_rl_preempt import final_sha, logged_step, rl_history
 from tests.test_slurm import on_local_slurm, wait_status
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -30,11 +29,6 @@ CHECKPOINT = "logs/tiny-hf/qwen3_moe_swe"  # where the config expects `snowcat t
 # Shorter episodes than the shipped config (room for tool calls, not for a submission): the test is
 # about the pieces composing and surviving, and its two runs share 2 cores.
 SMALL = [f"stages.{stage}.max_turns=3" for stage in ("probe", "rl", "eval")]
-
-
-def history(run_dir: Path) -> list[dict]:
-    path = run_dir / "stages" / "rl" / "metrics_history.jsonl"
-    return [strip_volatile(json.loads(line))[0] for line in path.read_text().splitlines()]
 
 
 def test_hf_moe_coding_agent_with_vllm_and_an_rl_hetjob_survives_preemption_and_passes_audit(snowcat, slurm_env, tmp_path):
@@ -56,9 +50,9 @@ def test_hf_moe_coding_agent_with_vllm_and_an_rl_hetjob_survives_preemption_and_
     straight = tmp_path / "straight"  # meanwhile, on the same cores: locally, uninterrupted
     reference_run = snowcat.popen("run", reference, *[o for o in SMALL if ".eval." not in o], "--run-dir", straight)
     try:
-        rl_history = run_dir / "stages" / "rl" / "metrics_history.jsonl"
+        history_file = run_dir / "stages" / "rl" / "metrics_history.jsonl"
         deadline = time.monotonic() + 900
-        while logged_step(rl_history) < 1:  # after the first update, before the last (4)
+        while logged_step(history_file) < 1:  # after the first update, before the last (4)
             assert time.monotonic() < deadline, snowcat.status(run_dir)
             time.sleep(0.05)
         job = RunDir.open(run_dir).record("rl")["slurm_job_id"]
@@ -93,5 +87,5 @@ def test_hf_moe_coding_agent_with_vllm_and_an_rl_hetjob_survives_preemption_and_
 
     # a preempted, requeued run is the uninterrupted one
     assert final_sha(run_dir) == final_sha(straight)
-    assert history(run_dir) == history(straight)
+    assert rl_history(run_dir) == rl_history(straight)
     assert snowcat("audit", run_dir, env=slurm_env).returncode == 0

@@ -87,6 +87,12 @@ def final_sha(run_dir: Path) -> str:
     return sha256_file(run_dir / "stages" / "rl" / "checkpoints" / "final" / "model.safetensors")
 
 
+def rl_history(run_dir: Path) -> list[dict]:
+    """The RL stage's metrics history without its volatile fields (timings, engine counters)."""
+    path = run_dir / "stages" / "rl" / "metrics_history.jsonl"
+    return [strip_volatile(json.loads(line))[0] for line in path.read_text().splitlines()]
+
+
 def events(log: str) -> list[tuple[int, str, str, float]]:
     """(rank, role, what, time) of the RL stage's preemption lines."""
     return [(int(r), role, what, float(t)) for r, role, what, t in EVENT.findall(log)]
@@ -202,9 +208,7 @@ def resume_matches(run_dir: Path, straight: Path, tmp_path: Path) -> None:
     Snowcat(tmp_path)("resume", run_dir, env=ENV, check=True)
     assert RunDir.open(run_dir).is_done(Unit("rl"))
     assert final_sha(run_dir) == final_sha(straight)
-    rows = lambda d: (d / "stages" / "rl" / "metrics_history.jsonl").read_text().splitlines()  # noqa: E731
-    strip = lambda r: strip_volatile(json.loads(r))[0]  # noqa: E731
-    assert [strip(r) for r in rows(run_dir)] == [strip(r) for r in rows(straight)]
+    assert rl_history(run_dir) == rl_history(straight)
 
 
 @pytest.mark.slow
@@ -350,10 +354,7 @@ def test_rl_hetjob_preempted_mid_run_requeues_and_finishes_bit_identically(snowc
     record = RunDir.open(run_dir).record("rl")
     assert record.get("continuations_used", 0) == 1, record  # requeued once, by the notice
     assert final_sha(run_dir) == final_sha(straight)
-    rows = lambda d: [
-        strip_volatile(json.loads(r))[0] for r in (d / "stages" / "rl" / "metrics_history.jsonl").read_text().splitlines()
-    ]  # noqa: E731
-    assert rows(run_dir) == rows(straight)
+    assert rl_history(run_dir) == rl_history(straight)
     # the per-rank Slurm logs: the trainer's checkpoint was complete before any rollout rank left
     log = "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm" / "rl").glob("*.out")))
     ev = events(log)
