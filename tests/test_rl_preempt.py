@@ -75,7 +75,9 @@ stages:
         trainer: {nodes: 1, tasks_per_node: 1}
         rollout: {nodes: 1, tasks_per_node: ROLLOUTS}
 """
-EVENT = re.compile(r"^\[rl\] rank (\d+) (trainer|rollout): (.*) \(t=([\d.]+)\)$", re.M)
+# Not anchored to lines: mpirun forwards each rank's output in chunks, so one rank's line can start
+# before another's newline has come (seen in CI: "...(t=…200)[rl] rank 1 rollout: ...").
+EVENT = re.compile(r"\[rl\] rank (\d+) (trainer|rollout): (.*?) \(t=(\d+\.\d+)\)")
 LEFT = "checkpointed before the end of the job"  # the runner's line for a rank that returns 75
 
 

@@ -101,14 +101,19 @@ class TrainerControl:
         self._bufs: list = []  # kept alive until their sends complete
         self._said_last = False
 
-    def due(self, own: bool) -> bool:
+    def due(self, own: bool, agreed: bool = False) -> bool:
+        """Whether to stop; the first time, tell the others. `agreed`: the trainer ranks' all-reduce
+        said stop, so if this rank saw nothing, a peer did and its NOTICE (sent before the
+        all-reduce) is on the way: wait for it, to name the rank in the log."""
         if self.stopping:
             return True
         if own:
             who = "its own notice"
-        elif self._notice_req.Test():
+        elif self._notice_req.Test() or (agreed and _complete([self._notice_req], SEND_WAIT_S)):
             rank = int(self._notice[0])
             who = f"{'trainer' if rank < self.trainers else 'rollout'} rank {rank}'s notice"
+        elif agreed:
+            who = "another trainer rank's notice"
         else:
             return False
         self.stopping = True
