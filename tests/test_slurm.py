@@ -429,53 +429,6 @@ def test_chain_fan_out_with_one_element_preempted_completes_before_downstream_st
     assert state["last"]["started"] >= ended, (state["last"]["started"], ended)
 
 
-DEMO_SMALL = [
-    "stages.tasks.domains.closure.count=240",
-    "stages.tasks.domains.closure.val_count=40",
-    "stages.tasks.domains.arith.count=240",
-    "stages.tasks.domains.arith.val_count=40",
-    "stages.sft.steps=20",
-    "stages.sft.eval_tasks=0",
-    "stages.sft.threads=1",
-    "stages.probe.limit=32",
-    "stages.probe.attempts=4",
-    "stages.probe.band_max_pass=3",
-    "stages.select.min_pass=0",
-    "stages.select.max_pass=4",
-    "stages.rl.updates=2",
-    "stages.rl.tasks_per_update=4",
-    "stages.rl.attempts=4",
-    "stages.rl.eval_every=1",
-    "stages.rl.eval_tasks=8",
-    "stages.rl.eval_attempts=1",
-    "stages.rl.save_every=1",
-    "stages.rl.resources.components.trainer.tasks_per_node=2",  # 2 data-parallel trainer ranks + 1 rollout rank
-    "stages.eval.limit=16",
-    "stages.eval.attempts=2",
-    "stages.eval.pass_k=[1,2]",
-    "stages.eval_greedy.limit=16",
-]
-
-
-def test_demo_pipeline_on_slurm_with_rl_as_a_hetjob(snowcat, slurm_env, tmp_path):
-    """The demo config (scaled down) on the cluster: every stage a job linked by afterok, the RL
-    stage one heterogeneous job (trainer and rollout components in one MPI world)."""
-    run_dir = tmp_path / "run"
-    demo = Path(__file__).parent.parent / "configs" / "demo.yaml"
-    proc = snowcat("run", demo, *DEMO_SMALL, *on_local_slurm(run_dir), env=slurm_env)
-    assert proc.returncode == 0, proc.stderr
-    rl_script = next((run_dir / "slurm" / "rl").glob("*_submission.sh")).read_text()
-    assert "#SBATCH hetjob" in rl_script and "--het-group=0,1" in rl_script
-    # Below pytest's 900 s limit, so that a stall fails with the run's status rather than a bare time-out.
-    status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=780)
-    assert {s["status"] for s in status["stages"].values()} == {"done"}, status
-    rl = RunDir(run_dir).state()["stages"]["rl"]
-    assert rl["status"] == "done"
-    state = run_dir / "stages" / "rl" / "checkpoints" / "step_000002" / "trainer_state"
-    assert sorted(p.name for p in state.glob("rng_rank*.pt")) == ["rng_rank00000.pt", "rng_rank00001.pt"]
-    assert snowcat("audit", run_dir, env=slurm_env).returncode == 0
-
-
 _PROCESS_GROUP = """
 import json, os, sys
 from pathlib import Path
