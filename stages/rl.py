@@ -211,7 +211,9 @@ def run(ctx) -> dict:
         control = TrainerControl(comm, lay.trainers)
         own = ctx.signal
         local = lambda: control.due(own.is_set())  # noqa: E731 (rank 0's view, no collective)
-        ctx = dataclasses.replace(ctx, signal=TrainerSignal(own, local, group, on_agreed=lambda: control.due(own.is_set(), agreed=True)))
+        ctx = dataclasses.replace(
+            ctx, signal=TrainerSignal(own, local, group, on_agreed=lambda: control.due(own.is_set(), agreed=True))
+        )
         should_stop = local
     elif role == "trainer":
         peer = RolloutControl(comm, ctx, cfg.timeout_s, role="trainer")
