@@ -265,7 +265,8 @@ def _unit_recipe(f: Facts, node, label: str, c, unit) -> list[str]:
         lines.append(f"  - updates: {_v(metrics.get('updates', metrics.get('steps')))} completed of {_v(c.updates)} configured")
     meta = _checkpoint_meta(f.run.unit_dir(unit))
     name = meta.get("backend") or getattr(c, "backend", None)  # what the checkpoint says ran, else the config
-    backend = (f"{name}" + (f" ZeRO-{c.zero_stage}" if name == "deepspeed" else "")) if name else NR
+    zero = {"deepspeed": f" ZeRO-{c.zero_stage}", "fsdp": " (ZeRO-3)"}.get(name, "")
+    backend = f"{name}{zero}" if name else NR
     lines.append(f"  - layout: {_layout(node, world, meta)}; backend {backend}; resources {_shapes(res)}")
     return lines
 

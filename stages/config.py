@@ -195,16 +195,17 @@ class Parallelism:
     """How a trainer (SFT, RL) spreads the model over its ranks; the data-parallel degree is the rest
     of the ranks (docs/training.md)."""
 
-    backend: Literal["torch", "deepspeed"] = "torch"  # torch: DDP (or one process); deepspeed: ZeRO
+    # torch: DDP (or one process); fsdp: torch FSDP2, ZeRO-3 (composes with expert_parallel); deepspeed: ZeRO
+    backend: Literal["torch", "fsdp", "deepspeed"] = "torch"
     zero_stage: Literal[0, 1, 2, 3] = 1  # deepspeed only: 3 shards the parameters too
     expert_parallel: int = bounded(1, ge=1)  # MoE: each layer's experts sharded over this many ranks
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
 
     def parallelism_problems(self) -> Iterator[Problem]:
         if self.backend == "torch" and self.zero_stage == 3:
-            yield "zero_stage", "ZeRO-3 needs backend: deepspeed"
+            yield "zero_stage", "ZeRO-3 needs backend: fsdp or deepspeed"
         if self.backend == "deepspeed" and self.expert_parallel > 1:
-            yield "expert_parallel", "needs backend: torch (ZeRO would treat the expert shards as replicated)"
+            yield "expert_parallel", "needs backend: torch or fsdp (DeepSpeed's ZeRO would treat the expert shards as replicated)"
 
 
 # ---------------------------------------------------------------- sft

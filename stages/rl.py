@@ -171,7 +171,7 @@ def _trainer_group(ctx, cfg: Config, comm, lay: Layout):
     group = comm.Split(0 if ctx.rank < lay.trainers else 1, ctx.rank) if comm is not None else None
     if ctx.rank >= lay.trainers:
         return None, ctx
-    if lay.trainers > 1 or cfg.backend == "deepspeed":
+    if lay.trainers > 1 or cfg.backend != "torch":
         suffix = getattr(getattr(ctx.run_config, "site", None), "master_addr_suffix", "") or ""
         # one process alone (world size 1) forms a group of itself
         where = rendezvous(group, addr_suffix=suffix) if group is not None else rendezvous(env={})

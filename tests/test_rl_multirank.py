@@ -170,12 +170,18 @@ def test_notice_to_one_trainer_rank_stops_all_then_sigkill_then_resume_is_bit_id
 
 
 @pytest.mark.slow
-def test_two_trainer_ranks_with_zero3_train_the_weights_of_one(setup, tmp_path):
-    """DeepSpeed ZeRO-3 (`backend: deepspeed, zero_stage: 3`) over the 2 trainer ranks: weights are
-    published and checkpointed while gathered on every rank, and rank 0's quick eval samples a plain
-    copy (the ZeRO-3 model's forward gathers with every rank: rank 0 alone hung)."""
-    pytest.importorskip("deepspeed")
-    code, log = finish(start(setup, tmp_path, trainers=2, rollouts=1, backend="deepspeed", zero_stage=3), tmp_path)
+@pytest.mark.parametrize(
+    "sharding",
+    [{"backend": "deepspeed", "zero_stage": 3}, {"backend": "fsdp", "expert_parallel": 2}],
+    ids=["deepspeed-zero3", "fsdp-ep2"],
+)
+def test_two_trainer_ranks_with_zero3_train_the_weights_of_one(setup, tmp_path, sharding):
+    """ZeRO-3 over the 2 trainer ranks, DeepSpeed's, or FSDP2's with the experts sharded over the
+    same ranks: weights are published and checkpointed while gathered on every rank, and rank 0's
+    quick eval samples a plain copy (the sharded model's forward needs every rank: rank 0 alone hung)."""
+    if sharding["backend"] == "deepspeed":
+        pytest.importorskip("deepspeed")
+    code, log = finish(start(setup, tmp_path, trainers=2, rollouts=1, **sharding), tmp_path)
     assert code == 0, log[-4000:]
     one = setup[2]
     assert [r.get("val/pass@1") for r in trained_rows(tmp_path)] == [r.get("val/pass@1") for r in trained_rows(one)]

@@ -24,6 +24,9 @@ BAD = [
     ("stages.rl.resources.components.rollout.nodes=0", "stages.rl.resources.components.rollout.nodes: must be >= 1"),
     ("stages.tasks.domains.arith.count=-2", "stages.tasks.domains.arith.count: must be >= 2"),
     ("seed=-1", "seed: must be >= 0"),
+    # trainer layouts no backend can run
+    ("stages.sft.zero_stage=3", "stages.sft.zero_stage: ZeRO-3 needs backend: fsdp or deepspeed"),
+    ("stages.sft.backend=fsdp2", "stages.sft.backend"),
     # checkpoint references: a name the stage never writes, a stage not in needs, a stage without checkpoints
     ("stages.rl.init_from=sft:nope", "stages.rl.init_from: 'sft:nope': stage 'sft' (kind sft) writes only"),
     ("stages.eval.checkpoints=[sft:final,sft:nope]", "stages.eval.checkpoints: 'sft:nope'"),

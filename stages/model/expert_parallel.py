@@ -237,12 +237,13 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
-    """Collective over each EP group: `optimizer.state_dict()` with each expert shard's state
-    tensors (AdamW's moments) gathered whole, i.e. the state dict of the unsharded model's optimizer
-    (the parameter order is the same): what a topology-independent checkpoint stores."""
+def full_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, sd: dict | None = None) -> dict:
+    """Collective over each EP group: `optimizer.state_dict()` (or `sd`, one taken of it) with each
+    expert shard's state tensors (AdamW's moments) gathered whole, i.e. the state dict of the
+    unsharded model's optimizer (the parameter order is the same): what a topology-independent
+    checkpoint stores."""
     owner = {id(getattr(m, name)): m for m in sharded_layers(model) for name in _WEIGHTS}
-    sd = optimizer.state_dict()
+    sd = optimizer.state_dict() if sd is None else sd
     for i, p in enumerate(_optimizer_params(optimizer)):
         m = owner.get(id(p))
         if m is not None and i in sd["state"]:

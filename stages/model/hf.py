@@ -241,14 +241,17 @@ def snapshot_revision(path: str | Path) -> str | None:
 def describe(cfg: ModelConfig, *, dtype_bytes: int = 4, backend: str = "torch", zero_stage: int = 0, world_size: int = 1) -> str:
     """Parameters (total / active per token) and the memory the trainer will hold per rank."""
     total, active = count_params(cfg)
-    shards = world_size if backend == "deepspeed" else 1
+    sharding = backend in ("deepspeed", "fsdp")
+    if backend == "fsdp":  # FSDP2 shards as ZeRO-3 does
+        zero_stage = 3
+    shards = world_size if sharding else 1
     weights = total * dtype_bytes
     held = weights / (shards if zero_stage >= 3 else 1)  # ZeRO-3: a slice of each weight between uses
     grads = weights / (shards if zero_stage >= 2 else 1)
     adam = total * 8 / (shards if zero_stage >= 1 else 1)  # AdamW's two fp32 moments
-    zero = f" ZeRO-{zero_stage} over {world_size}" if backend == "deepspeed" else ""
+    zero = f" ZeRO-{zero_stage} over {world_size}" if sharding else ""
     # ZeRO-3 gathers a module's weights whole around its forward and backward (and all of them to save)
-    gathered = "; plus the weights gathered at a time" if backend == "deepspeed" and zero_stage >= 3 else ""
+    gathered = "; plus the weights gathered at a time" if sharding and zero_stage >= 3 else ""
     return (
         f"{hf_model_type(cfg)}: {total / 1e6:,.2f} M parameters ({active / 1e6:,.2f} M active per token); "
         f"weights {_gib(weights)}; training state {_gib(held + grads + adam)} per rank "

@@ -324,9 +324,9 @@ class Trainer(TrainLoop):
 
     def _eval_model(self):
         """What rank 0 samples the quick eval with: the trained model, or under ZeRO-3 (whose forward
-        gathers parameters together with every rank: rank 0 alone hung) or sharded experts (all-to-alls
+        gathers parameters together with every rank: rank 0 alone hung; FSDP's too) or sharded experts (all-to-alls
         with the other ranks) a plain copy of its weights, taken while they are gathered."""
-        if getattr(self.backend, "zero_stage", 0) != 3 and self.backend.ep is None:
+        if not self.backend.shards_parameters and self.backend.ep is None:
             return self.model
         if self.eval_copy is None:
             self.eval_copy = load_model_dir(self.init_path, device=self.device)[0].requires_grad_(False)

@@ -1,13 +1,14 @@
 """Train-step backends: one optimizer step over a list of micro-batches, behind one small API.
 
-    backend = make_backend("torch" | "deepspeed", model, optim_cfg, zero_stage=...)
+    backend = make_backend("torch" | "fsdp" | "deepspeed", model, optim_cfg, zero_stage=..., expert_parallel=...)
     stats = backend.train_step(micro_batches, loss_fn)   # -> StepStats; loss_fn(model, batch, n_tokens, n_micro)
     backend.save_state(dir) / backend.load_state(dir)     # optimizer + schedule + step (collective)
     with backend.full_params(): ...                       # whole weights (ZeRO-3 gathers; collective)
 
 `torch`: single process, or DDP when a process group is initialised (gloo on CPU, NCCL on GPU).
+`fsdp`: torch FSDP2, ZeRO-3 over the same process group; with expert parallelism (`torch` too).
 `deepspeed`: ZeRO stage 0-3 over the same process group (gloo on CPU works with deepspeed 0.19).
-Both normalise the loss by the step's total target-token count across micro-batches and ranks, so
+All normalise the loss by the step's total target-token count across micro-batches and ranks, so
 the update does not depend on how a step is split into micro-batches or ranks.
 Mixed precision: bf16 autocast on GPU, plain fp32 on CPU (deterministic there).
 """
@@ -21,6 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from snowcat.pipeline.errors import UserError
@@ -29,6 +33,7 @@ from snowcat.stages.model.expert_parallel import (
     clip_grad_norm_,
     exclude_experts_from_ddp,
     expert_parallel_groups,
+    expert_parameters,
     full_experts,
     full_optimizer_state,
     reduce_expert_grads,
@@ -101,14 +106,15 @@ def init_distributed(world_size: int, addr_suffix: str = "") -> tuple[int, int]:
 
 @contextlib.contextmanager
 def distributed(world_size: int, addr_suffix: str = "") -> Iterator[tuple[int, int]]:
-    """init_distributed for a block: a group it joined is left on the way out (see
-    leave_distributed); a group the caller had formed stays up for the caller."""
-    joins = world_size > 1 and not dist.is_initialized()
+    """init_distributed for a block: a group formed in it (here, or by a backend that needs one on
+    a single process: fsdp, deepspeed) is left on the way out (see leave_distributed); a group the
+    caller had formed stays up for the caller."""
+    was_up = dist.is_initialized()
     ranks = init_distributed(world_size, addr_suffix)
     try:
         yield ranks
     finally:
-        if joins:
+        if not was_up:
             leave_distributed()
 
 
@@ -137,6 +143,7 @@ def _merge_stats(acc: dict, s: dict) -> None:
 class TorchBackend:
     name = "torch"
     ep = None  # this rank's expert-parallel groups when the experts are sharded
+    shards_parameters = False  # True: a forward needs every rank (each holds a slice of each weight)
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1):
         self.cfg = cfg
@@ -251,6 +258,10 @@ class DeepSpeedBackend(TorchBackend):
     (DeepSpeed's default; 0 shards every parameter)."""
 
     name = "deepspeed"
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.zero_stage == 3
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 1, persistence_threshold: int = 100_000):
         import deepspeed  # noqa: PLC0415 (optional extra)
@@ -423,17 +434,151 @@ class DeepSpeedBackend(TorchBackend):
         return contextlib.nullcontext()
 
 
+class FSDPBackend(TorchBackend):
+    """ZeRO-3 through torch's FSDP2 (`fully_shard`): parameters, gradients and AdamW moments sharded
+    over the trainer ranks, each decoder layer's weights gathered around its forward and backward
+    (the root's, embeddings, final norm and LM head, around the whole forward: the fused logprob
+    reads the head inside it). Composes with expert parallelism, which DeepSpeed's ZeRO-3 does not
+    for a model of our own (it shards only its own MoE layers): the expert shards are left out of
+    FSDP (`ignored_params`) and reduced as under the torch backend; everything else is sharded.
+
+    The trainer state has the torch backend's layout (`optimizer.state_dict()` of the unsharded
+    model, moments gathered whole), so either backend, on any number of ranks, resumes the other's."""
+
+    name = "fsdp"
+    shards_parameters = True
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1):
+        if not dist.is_initialized():  # one process: a group of itself, as DeepSpeed forms one
+            init_process_group(rendezvous(env={}))
+        self.cfg, self.model = cfg, model
+        self.rank, self.world_size = world()
+        self.device = next(model.parameters()).device
+        if expert_parallel > 1:
+            check_expert_parallel(model.config, expert_parallel, self.world_size)
+            self.ep = expert_parallel_groups(expert_parallel)
+            shard_experts(model, self.ep)
+        ignored = set(expert_parameters(model).values())
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=ignored & set(layer.parameters()))
+        fully_shard(model, mesh=mesh, ignored_params=ignored)
+        self.wrapped = model
+        self.optimizer, self.scheduler = build_optimizer(model, cfg)
+        self.step = 0
+
+    def _no_sync(self, last: bool):
+        self.model.set_requires_gradient_sync(last)  # accumulate unsharded; reduce-scatter on the last
+        return contextlib.nullcontext()
+
+    def _clip(self) -> torch.Tensor:
+        """The global norm of the whole gradient: FSDP's shards are disjoint over all ranks, expert
+        shards over each EP group (after their reduction); every grad scaled by the same factor."""
+        if self.ep is not None:
+            reduce_expert_grads(self.model, self.ep)
+        experts = {id(p) for p in expert_parameters(self.model).values()}
+        sharded, local = [], []
+        for p in self.model.parameters():
+            if p.grad is not None:
+                g = p.grad
+                (local if id(p) in experts else sharded).append(g.to_local() if isinstance(g, DTensor) else g)
+
+        def sq(grads):
+            return sum(
+                (torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads), torch.zeros((), device=self.device)
+            )
+
+        dense_sq, expert_sq = sq(sharded), sq(local)
+        dist.all_reduce(dense_sq)
+        if self.ep is not None:
+            dist.all_reduce(expert_sq, group=self.ep.group)
+        total = (dense_sq + expert_sq).sqrt()
+        if self.cfg.grad_clip > 0:  # torch.nn.utils.clip_grads_with_norm_'s factor, on the local tensors
+            factor = (self.cfg.grad_clip / (total + 1e-6)).clamp(max=1.0)
+            for g in sharded + local:
+                g.mul_(factor)
+        return total
+
+    def _sharded(self):
+        """(module, name, DTensor parameter) of every parameter FSDP shards."""
+        return [(m, n, p) for m in self.model.modules() for n, p in m._parameters.items() if isinstance(p, DTensor)]
+
+    @contextlib.contextmanager
+    def _whole(self, modify: bool):
+        """Each sharded parameter replaced by a plain one holding the whole tensor (all-gathered) for
+        the block; with `modify`, what the block wrote is cut back into this rank's shard. FSDP's
+        hooks on load_state_dict, which would take the plain tensors for its shards, are held off."""
+        swapped = self._sharded()
+        held = [(m, m._load_state_dict_post_hooks) for m in {id(m): m for m, _, _ in swapped}.values()]
+        whole = {id(p): torch.nn.Parameter(p.full_tensor(), requires_grad=False) for _, _, p in swapped}  # tied: once
+        for m, n, p in swapped:
+            m._parameters[n] = whole[id(p)]
+        for m, _ in held:
+            m._load_state_dict_post_hooks = type(m._load_state_dict_post_hooks)()
+        try:
+            yield self.model
+            if modify:
+                with torch.no_grad():
+                    for m, n, p in swapped:
+                        p.to_local().copy_(distribute_tensor(m._parameters[n].detach(), p.device_mesh, p.placements).to_local())
+        finally:
+            for m, n, p in swapped:
+                m._parameters[n] = p
+            for m, hooks in held:
+                m._load_state_dict_post_hooks = hooks
+
+    @contextlib.contextmanager
+    def full_params(self, modify: bool = False):
+        """Collective. `modify`: rank 0's writes are kept (scattered to every rank's shard), as
+        under DeepSpeed's ZeRO-3; expert shards keep each rank's own rows, as under the torch backend."""
+        experts = full_experts(self.model) if self.ep is not None else contextlib.nullcontext()
+        with self._whole(modify), experts:
+            yield self.model
+
+    def save_state(self, dir) -> None:
+        sd = self.optimizer.state_dict()
+        for i, state in sd["state"].items():  # moments whole (collective), the step as it is
+            sd["state"][i] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        if self.ep is not None:  # and the expert shards' moments gathered as the torch backend does
+            sd = full_optimizer_state(self.optimizer, self.model, sd)
+        if self.rank == 0:
+            dir.mkdir(parents=True, exist_ok=True)
+            state = {"optimizer": sd, "scheduler": self.scheduler.state_dict(), "step": self.step}
+            canonical.save(state, dir / "optimizer.pt")
+
+    def load_state(self, dir) -> None:
+        sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False)
+        if "optimizer" not in sd:
+            raise UserError(f"{dir}: not a torch or fsdp backend's trainer state (written by backend: deepspeed?)")
+        optimizer = sd["optimizer"] if self.ep is None else shard_optimizer_state(sd["optimizer"], self.optimizer, self.model)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            if isinstance(p, DTensor) and i in optimizer["state"]:
+                optimizer["state"][i] = {
+                    # every rank read the whole file: each cuts its own shard, no scatter
+                    k: distribute_tensor(v.to(self.device), p.device_mesh, p.placements, src_data_rank=None)
+                    if torch.is_tensor(v) and v.shape == p.shape
+                    else v
+                    for k, v in optimizer["state"][i].items()
+                }
+        self.optimizer.load_state_dict(optimizer)
+        self.scheduler.load_state_dict(sd["scheduler"])
+        self.step = int(sd["step"])
+
+
 def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert_parallel: int = 1, **options):
     """`options`: backend-specific keywords (DeepSpeedBackend's persistence_threshold). On several
     ranks the MoE's router losses balance the whole data-parallel batch (balance_router_over)."""
     if name == "torch":
         backend = TorchBackend(model, cfg, expert_parallel=expert_parallel)
+    elif name == "fsdp":
+        backend = FSDPBackend(model, cfg, expert_parallel=expert_parallel)
     elif name == "deepspeed":
         if expert_parallel > 1:  # ZeRO would treat the shards as replicated parameters
             raise UserError(f"expert_parallel={expert_parallel} needs backend: torch (deepspeed shards differently)")
         backend = DeepSpeedBackend(model, cfg, zero_stage=zero_stage, **options)
     else:
-        raise UserError(f"train backend {name!r} is not one of: torch, deepspeed")
+        raise UserError(f"train backend {name!r} is not one of: torch, fsdp, deepspeed")
     if backend.world_size > 1 and hasattr(model, "balance_router_over"):
         model.balance_router_over(dist.group.WORLD)
     return backend
