@@ -1,6 +1,7 @@
 """Peak memory per rank of one training step: DDP against ZeRO and expert parallelism, side by side.
 
-    snowcat bench trainer-memory [--hidden 384 --layers 6 --experts 16 --vocab 16384] [--modes ddp,zero2,zero3,ddp+ep2]
+    snowcat bench trainer-memory [--hidden 384 --layers 6 --experts 16 --vocab 16384]
+                                 [--modes ddp,zero2,zero3,ddp+ep2,fsdp,fsdp+ep2]
                                  [--rows 2 --seq 256] [--json FILE]
 
 Every mode runs as 2 gloo ranks on the CPU, each rank a fresh process (so no two measurements
@@ -19,8 +20,10 @@ fixed, so that RSS follows the live tensors rather than what the allocator kept 
 Modes: `ddp` (torch backend: DistributedDataParallel), `zero2` (DeepSpeed ZeRO-2: optimizer state
 and gradients partitioned), `zero3` (ZeRO-3: the parameters too; the backend's DeepSpeed
 settings), `ddp+ep2` (DDP with each MoE layer's experts sharded over both ranks,
-`stages.model.expert_parallel`, the torch backend's `expert_parallel=2`). fp32 on CPU: parameters,
-gradients and the two Adam moments are 4 bytes per parameter each.
+`stages.model.expert_parallel`, the torch backend's `expert_parallel=2`), `fsdp` (torch FSDP2:
+ZeRO-3, the fsdp backend) and `fsdp+ep2` (ZeRO-3 + EP: the experts sharded over both ranks, the
+rest by FSDP). fp32 on CPU: parameters, gradients and the two Adam moments are 4 bytes per
+parameter each.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ MODES: dict[str, dict] = {
     "zero2": {"backend": "deepspeed", "zero_stage": 2, "expert_parallel": 1},
     "zero3": {"backend": "deepspeed", "zero_stage": 3, "expert_parallel": 1},
     "ddp+ep2": {"backend": "torch", "zero_stage": 0, "expert_parallel": 2},
+    "fsdp": {"backend": "fsdp", "zero_stage": 3, "expert_parallel": 1},
+    "fsdp+ep2": {"backend": "fsdp", "zero_stage": 3, "expert_parallel": 2},
 }
 
 # RSS counts freed memory that the allocator keeps: glibc raises its mmap threshold as large blocks
