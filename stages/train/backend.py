@@ -575,7 +575,7 @@ def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert
         backend = FSDPBackend(model, cfg, expert_parallel=expert_parallel)
     elif name == "deepspeed":
         if expert_parallel > 1:  # ZeRO would treat the shards as replicated parameters
-            raise UserError(f"expert_parallel={expert_parallel} needs backend: torch (deepspeed shards differently)")
+            raise UserError(f"expert_parallel={expert_parallel} needs backend: torch or fsdp (deepspeed shards differently)")
         backend = DeepSpeedBackend(model, cfg, zero_stage=zero_stage, **options)
     else:
         raise UserError(f"train backend {name!r} is not one of: torch, fsdp, deepspeed")
