@@ -283,6 +283,7 @@ MARKER_OF_FIXTURE = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook, which reads xdist_group to name the groups
 def pytest_collection_modifyitems(config, items):
     missing = [
         f"{item.nodeid} (uses {fixture}: mark it {marker})"
@@ -316,3 +317,4 @@ def masked_runs(mask: list[int]) -> list[tuple[int, int]]:
             runs.append((start, j))
             start = None
     return runs
+
