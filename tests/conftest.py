@@ -317,4 +317,3 @@ def masked_runs(mask: list[int]) -> list[tuple[int, int]]:
             runs.append((start, j))
             start = None
     return runs
-
