@@ -222,10 +222,18 @@ class TorchBackend:
     def _grad_norm(self, clipped) -> float:
         return float(clipped)
 
+    def _whole_optimizer_state(self) -> dict:
+        """`optimizer.state_dict()` of the unsharded model (collective): expert shards' state gathered."""
+        return self.optimizer.state_dict() if self.ep is None else full_optimizer_state(self.optimizer, self.model)
+
+    def _local_optimizer_state(self, whole: dict) -> dict:
+        """The inverse of `_whole_optimizer_state`: this rank's part, for `optimizer.load_state_dict`."""
+        return whole if self.ep is None else shard_optimizer_state(whole, self.optimizer, self.model)
+
     def save_state(self, dir) -> None:
-        """Optimizer + schedule + step into `dir` (collective; replicated state: rank 0 writes; expert
-        shards' state gathered whole, so any layout can resume it)."""
-        optimizer = self.optimizer.state_dict() if self.ep is None else full_optimizer_state(self.optimizer, self.model)
+        """Optimizer + schedule + step into `dir` (collective; replicated state: rank 0 writes; sharded
+        state gathered whole, so any layout can resume it)."""
+        optimizer = self._whole_optimizer_state()
         if self.rank == 0:
             dir.mkdir(parents=True, exist_ok=True)
             state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "step": self.step}
@@ -237,9 +245,8 @@ class TorchBackend:
         # GPU run pickles it as a CUDA tensor: other bytes for the same state)
         sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False)
         if "optimizer" not in sd:
-            raise UserError(f"{dir}: not a torch backend's trainer state (written by backend: deepspeed?)")
-        optimizer = sd["optimizer"] if self.ep is None else shard_optimizer_state(sd["optimizer"], self.optimizer, self.model)
-        self.optimizer.load_state_dict(optimizer)
+            raise UserError(f"{dir}: not a torch or fsdp backend's trainer state (written by backend: deepspeed?)")
+        self.optimizer.load_state_dict(self._local_optimizer_state(sd["optimizer"]))
         self.scheduler.load_state_dict(sd["scheduler"])
         self.step = int(sd["step"])
 
@@ -535,22 +542,16 @@ class FSDPBackend(TorchBackend):
         with self._whole(modify), experts:
             yield self.model
 
-    def save_state(self, dir) -> None:
+    def _whole_optimizer_state(self) -> dict:
         sd = self.optimizer.state_dict()
         for i, state in sd["state"].items():  # moments whole (collective), the step as it is
             sd["state"][i] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
         if self.ep is not None:  # and the expert shards' moments gathered as the torch backend does
             sd = full_optimizer_state(self.optimizer, self.model, sd)
-        if self.rank == 0:
-            dir.mkdir(parents=True, exist_ok=True)
-            state = {"optimizer": sd, "scheduler": self.scheduler.state_dict(), "step": self.step}
-            canonical.save(state, dir / "optimizer.pt")
+        return sd
 
-    def load_state(self, dir) -> None:
-        sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False)
-        if "optimizer" not in sd:
-            raise UserError(f"{dir}: not a torch or fsdp backend's trainer state (written by backend: deepspeed?)")
-        optimizer = sd["optimizer"] if self.ep is None else shard_optimizer_state(sd["optimizer"], self.optimizer, self.model)
+    def _local_optimizer_state(self, whole: dict) -> dict:
+        optimizer = super()._local_optimizer_state(whole)  # the expert shards' rows
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         for i, p in enumerate(params):
             if isinstance(p, DTensor) and i in optimizer["state"]:
@@ -561,9 +562,7 @@ class FSDPBackend(TorchBackend):
                     else v
                     for k, v in optimizer["state"][i].items()
                 }
-        self.optimizer.load_state_dict(optimizer)
-        self.scheduler.load_state_dict(sd["scheduler"])
-        self.step = int(sd["step"])
+        return optimizer
 
 
 def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert_parallel: int = 1, **options):
