@@ -10,20 +10,28 @@ backend and resumes the pair's checkpoint with fsdp on a group of itself.
 
 from __future__ import annotations
 
-import io
 import json
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_sft import make_ctx as sft_ctx
 from test_sft import tasks_dir  # noqa: F401 (fixture)
 from test_train import toy_examples
-from test_train_distributed import _free_port, join_gloo
-from test_zero3 import CFG, LOSS_CFG, MICRO, OPTIM, PARAMS, STEPS, WEIGHT_ATOL, load_checkpoint_tensors, rl_batch
+from test_train_distributed import join_gloo
+from test_zero3 import (
+    CFG,
+    LOSS_CFG,
+    MICRO,
+    OPTIM,
+    PARAMS,
+    STEPS,
+    WEIGHT_ATOL,
+    load_checkpoint_tensors,
+    one_and_two_ranks,
+    rl_batch,
+)
 
 import snowcat.stages.sft as sft
 from snowcat.stages.model import MoEForCausalLM
@@ -116,18 +124,6 @@ def _work(rank, world, port, tmp, tasks, one_saved, two_saved) -> dict:
     return out
 
 
-def _worker(rank, world, port, tmp, tasks, queue, one_saved, two_saved):
-    try:
-        out = _work(rank, world, port, Path(tmp), Path(tasks), one_saved, two_saved)
-        dist.destroy_process_group()
-        buf = io.BytesIO()  # by value: shared tensors would vanish with this process
-        torch.save(out, buf)
-        queue.put(((world, rank), buf.getvalue()))
-    except BaseException:  # say so at once: the other processes would wait for this one
-        queue.put(((world, rank), {"error": traceback.format_exc()}))
-        raise
-
-
 def _single_process_rl() -> dict:
     torch.manual_seed(0)
     model = MoEForCausalLM(MICRO)
@@ -139,27 +135,7 @@ def _single_process_rl() -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_with_and_without_expert_parallelism_matches_ddp_and_resumes_across_rank_counts(tmp_path, tasks_dir):  # noqa: F811
-    ctx = mp.get_context("spawn")
-    queue, one_saved, two_saved = ctx.Queue(), ctx.Event(), ctx.Event()
-    ports = {1: _free_port(), 2: _free_port()}
-    procs = [
-        ctx.Process(target=_worker, args=(r, w, ports[w], str(tmp_path), str(tasks_dir), queue, one_saved, two_saved))
-        for w, r in ((1, 0), (2, 0), (2, 1))
-    ]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    try:
-        while len(results) < len(procs):
-            key, out = queue.get(timeout=540)
-            assert isinstance(out, bytes), f"process {key} (world size, rank) failed:\n{out['error']}"
-            results[key] = torch.load(io.BytesIO(out), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
+    results = one_and_two_ranks(_work, tmp_path, tasks_dir)
     one, two, other = results[(1, 0)], results[(2, 0)], results[(2, 1)]
 
     # ZeRO-3 and ZeRO-3 + EP on 2 ranks follow DDP: losses, clipped norms, weights (only the

@@ -32,6 +32,7 @@ from snowcat.stages.model import MoEForCausalLM, hf, load_model_dir
 from snowcat.stages.rlcore.trainer import make_loss_fn
 from snowcat.stages.rollout import SamplingParams
 from snowcat.stages.train import OptimConfig, PackedLoader, load_checkpoint, make_backend, save_checkpoint
+from snowcat.stages.train.backend import leave_distributed
 from snowcat.stages.train.loss import sft_loss
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,9 +125,10 @@ def _rl_grads(rank: int, world: int) -> dict:
     return {"loss": float(total) / world, "grads": grads}
 
 
-def _worker(rank, world, port, tmp, tasks, queue, one_saved, two_saved):
+def _worker(work, rank, world, port, tmp, tasks, queue, one_saved, two_saved):
     try:
-        out = _work(rank, world, port, Path(tmp), Path(tasks), one_saved, two_saved)
+        out = work(rank, world, port, Path(tmp), Path(tasks), one_saved, two_saved)
+        leave_distributed()
         buf = io.BytesIO()  # by value: shared tensors would vanish with this process
         torch.save(out, buf)
         queue.put(((world, rank), buf.getvalue()))
@@ -179,14 +181,15 @@ def _single_process_rl() -> dict:
     return {"loss": float(loss.detach()), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_zero3_matches_ddp_resumes_across_rank_counts_and_trains_rl_and_sft(tmp_path, tasks_dir):  # noqa: F811
+def one_and_two_ranks(work, tmp_path: Path, tasks: Path) -> dict:
+    """`work(rank, world, port, tmp, tasks, one_saved, two_saved)` (a module-level function; `tasks`:
+    the tasks directory) in a single process and a gloo pair, side by side: {(world size, rank):
+    what it returned}. The events let each side wait for the other's checkpoint."""
     ctx = mp.get_context("spawn")
     queue, one_saved, two_saved = ctx.Queue(), ctx.Event(), ctx.Event()
     ports = {1: _free_port(), 2: _free_port()}
     procs = [
-        ctx.Process(target=_worker, args=(r, w, ports[w], str(tmp_path), str(tasks_dir), queue, one_saved, two_saved))
+        ctx.Process(target=_worker, args=(work, r, w, ports[w], str(tmp_path), str(tasks), queue, one_saved, two_saved))
         for w, r in ((1, 0), (2, 0), (2, 1))
     ]
     for p in procs:
@@ -206,6 +209,13 @@ def test_zero3_matches_ddp_resumes_across_rank_counts_and_trains_rl_and_sft(tmp_
             for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
                 leftover.unlink(missing_ok=True)
     assert all(p.exitcode == 0 for p in procs)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zero3_matches_ddp_resumes_across_rank_counts_and_trains_rl_and_sft(tmp_path, tasks_dir):  # noqa: F811
+    results = one_and_two_ranks(_work, tmp_path, tasks_dir)
     one, two = results[(1, 0)], results[(2, 0)]
 
     # ZeRO-3 on 2 ranks follows DDP's loss curve (same rows per rank; only reduction order differs)
