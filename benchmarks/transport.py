@@ -4,17 +4,20 @@
 
 Starts itself as two ranks under `mpirun -n 2` with the environment the local executor gives an
 RL stage (Open MPI's TCP transport, `OMPI_MCA_btl=self,tcp`). Rank 1 is the rollout rank, rank 0
-the trainer. For each batch size (trajectories per batch), `--repeats` times each, alternating:
-  - `typed`: `MPITransport.send_batch` on rank 1 (`stages.agent.encode`: a typed, versioned
-    header and every field in one buffer, sent as one message) and `recv_batch` on rank 0 (probe,
-    allocate, receive, `decode` into Trajectory objects);
+the trainer. For each batch size (trajectories per batch), `--repeats` times each, in turn:
+  - `message`: the batch's typed message over `MPITransport` -- `send_message` of the buffer
+    `stages.agent.encode` made of it (a typed, versioned header and every field, encoded once
+    beforehand) on rank 1, `recv_message` on rank 0 (probe, allocate, receive): what the transport
+    itself adds to moving the bytes (its handshake, probe and allocation);
+  - `typed`: the whole trip from records to records, `send_batch` (encode + send) on rank 1 and
+    `recv_batch` (receive + `decode` into Trajectory objects) on rank 0;
   - `raw`: one `comm.Send` of a uint8 buffer of the same byte count into a preallocated `Recv`.
 Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
-extra message in both rows), and reports the median and `raw / typed` (1.0: encoding, the probe
-and decoding cost nothing beyond moving the bytes), and the same for the fastest of each row: on a
-machine other processes load, a transfer that waited for a core takes tens of ms in either row, so
-where many did the medians compare those waits and the minimums what the transfers cost. `encode`
-and `decode` of the same batch are also timed alone, to say how much of the typed row they are.
+extra message in every row), and reports the median and `raw / message`, `raw / typed` (1.0: no
+cost beyond moving the bytes), and the same for the fastest of each row: on a machine other
+processes load, a transfer that waited for a core takes tens of ms in any row, so where many did
+the medians compare those waits and the minimums what the transfers cost. `encode` and `decode`
+of the same batch are also timed alone: with the message row they account for the typed row.
 
 The trajectories are shaped like agent episodes of the demo model: 256-2048 tokens, a prompt and
 three model turns, rollout logprobs, the router replay of 4 MoE layers x top-2 (int16), sampled
@@ -86,20 +89,24 @@ comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 transport = MPITransport(comm, timeout_s=300)
 ack = np.zeros(1, np.uint8)
-index = 0  # batch index: every typed transfer is the next batch, as in RL
+index = 0  # batch index: every transfer over the transport is the next batch, as in RL
+kinds = ("typed", "message", "raw")
 rows = []
 for n in sizes:
     trajs = make_batch(n, seed=n)
-    nbytes = encode(0, trajs).nbytes  # the one message: header + every field
+    wire = encode(0, trajs)  # the one message: header + every field
+    nbytes = wire.nbytes
     raw = np.random.default_rng(n).integers(0, 256, nbytes, dtype=np.uint8) if rank == 1 else np.empty(nbytes, np.uint8)
-    times = {"typed": [], "raw": [], "encode": [], "decode": []}
-    for r in range(repeats + 1):  # the first round warms both paths up and is not counted
-        for kind in (("raw", "typed") if r % 2 else ("typed", "raw")):
+    times = {k: [] for k in (*kinds, "encode", "decode")}
+    for r in range(repeats + 1):  # the first round warms every path up and is not counted
+        for kind in kinds[r % 3 :] + kinds[: r % 3]:  # each row goes first, second and last in turn
             comm.Barrier()
             if rank == 1:
                 t0 = time.perf_counter()
                 if kind == "typed":
                     transport.send_batch(index, trajs)
+                elif kind == "message":
+                    transport.send_message(index, wire)
                 else:
                     comm.Send(raw, dest=0, tag=3)
                 comm.Recv(ack, source=0, tag=4)
@@ -108,35 +115,39 @@ for n in sizes:
             else:
                 if kind == "typed":
                     got = transport.recv_batch(index)
+                elif kind == "message":
+                    message = transport.recv_message(index)
                 else:
                     comm.Recv(raw, source=1, tag=3)
                 comm.Send(ack, dest=1, tag=4)
-            index += kind == "typed"
-    # where the typed row's time goes: encoding (rank 1's work) and decoding (rank 0's), timed alone
+            index += kind != "raw"
+    # where the typed row's time goes beyond the message: encoding (rank 1's work) and decoding (rank 0's), timed alone
     for _ in range(repeats):
         t0 = time.perf_counter()
-        wire = encode(index, trajs)
+        encoded = encode(index, trajs)
         t1 = time.perf_counter()
-        decode(wire)
+        decode(encoded)
         times["encode"].append(t1 - t0)
         times["decode"].append(time.perf_counter() - t1)
     if rank == 0:
-        intact = got == trajs
+        intact = got == trajs and np.array_equal(message, wire)
         comm.send(intact, dest=1)
     else:
         intact = comm.recv(source=0)
         med = {k: statistics.median(v) for k, v in times.items()}
+        low = {k: min(v) for k, v in times.items()}
         rows.append({
             "trajectories": n,
             "tokens": int(sum(len(t) for t in trajs)),
             "bytes": nbytes,
             "median_s": {k: round(v, 6) for k, v in med.items()},
-            "times_s": {k: [round(x, 6) for x in times[k]] for k in ("typed", "raw")},
-            "typed_gb_per_s": round(nbytes / med["typed"] / 1e9, 3),
-            "raw_gb_per_s": round(nbytes / med["raw"] / 1e9, 3),
+            "times_s": {k: [round(x, 6) for x in times[k]] for k in kinds},
+            **{f"{k}_gb_per_s": round(nbytes / med[k] / 1e9, 3) for k in kinds},
+            "ratio_raw_over_message": round(med["raw"] / med["message"], 3),
             "ratio_raw_over_typed": round(med["raw"] / med["typed"], 3),
-            "min_s": {k: round(min(v), 6) for k, v in times.items()},
-            "ratio_of_minimums": round(min(times["raw"]) / min(times["typed"]), 3),
+            "min_s": {k: round(v, 6) for k, v in low.items()},
+            "ratio_of_minimums_message": round(low["raw"] / low["message"], 3),
+            "ratio_of_minimums_typed": round(low["raw"] / low["typed"], 3),
             "received_equal": bool(intact),
         })
 if rank == 1:
@@ -166,17 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     rows = run_ranks(sizes, args.repeats)
     load_after = os.getloadavg()
-    print(f"2 ranks under mpirun, {MPI_ENV['OMPI_MCA_btl']} transport, median of {args.repeats}")
+    print(f"2 ranks under mpirun, {MPI_ENV['OMPI_MCA_btl']} transport, median of {args.repeats} (ms; ratio: raw / row)")
     print(
-        f"{'trajs':>6} {'tokens':>8} {'MiB':>7} {'typed ms':>9} {'raw ms':>8} {'typed GB/s':>10} {'raw GB/s':>9} "
-        f"{'raw/typed':>9}  {'of typed: encode ms':>19} {'decode ms':>9}   fastest: {'typed ms':>8} {'raw ms':>7} {'raw/typed':>9}"
+        f"{'trajs':>6} {'tokens':>8} {'MiB':>7} {'raw':>7} {'message':>8} {'ratio':>6} {'typed':>7} {'ratio':>6}"
+        f"  {'encode':>7} {'decode':>7}   fastest: {'raw':>6} {'message':>8} {'ratio':>6} {'typed':>7} {'ratio':>6}"
     )
     for r in rows:
+        med, low = ({k: v * 1e3 for k, v in r[key].items()} for key in ("median_s", "min_s"))
         print(
-            f"{r['trajectories']:>6} {r['tokens']:>8} {r['bytes'] / 2**20:>7.2f} {r['median_s']['typed'] * 1e3:>9.2f} "
-            f"{r['median_s']['raw'] * 1e3:>8.2f} {r['typed_gb_per_s']:>10.2f} {r['raw_gb_per_s']:>9.2f} {r['ratio_raw_over_typed']:>9.2f}"
-            f"  {r['median_s']['encode'] * 1e3:>19.2f} {r['median_s']['decode'] * 1e3:>9.2f}"
-            f"   {'':9}{r['min_s']['typed'] * 1e3:>8.2f} {r['min_s']['raw'] * 1e3:>7.2f} {r['ratio_of_minimums']:>9.2f}"
+            f"{r['trajectories']:>6} {r['tokens']:>8} {r['bytes'] / 2**20:>7.2f} {med['raw']:>7.2f} {med['message']:>8.2f} "
+            f"{r['ratio_raw_over_message']:>6.2f} {med['typed']:>7.2f} {r['ratio_raw_over_typed']:>6.2f}"
+            f"  {med['encode']:>7.2f} {med['decode']:>7.2f}   {'':9}{low['raw']:>6.2f} {low['message']:>8.2f} "
+            f"{r['ratio_of_minimums_message']:>6.2f} {low['typed']:>7.2f} {r['ratio_of_minimums_typed']:>6.2f}"
             + ("" if r["received_equal"] else "  RECEIVED BATCH DIFFERS")
         )
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} cpus)")

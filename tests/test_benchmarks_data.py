@@ -43,9 +43,10 @@ def test_transport_bench_runs_two_ranks_and_receives_intact_batches(tmp_path):
     assert [r["trajectories"] for r in result["rows"]] == [1, 3]
     for r in result["rows"]:
         assert r["received_equal"] and r["bytes"] > 0 and r["tokens"] >= 256 * r["trajectories"]
-        assert [len(r["times_s"][k]) for k in ("typed", "raw")] == [2, 2]
-        assert _positive(r["ratio_raw_over_typed"]) and all(_positive(v) for v in r["median_s"].values())
-        assert _positive(r["ratio_of_minimums"]) and all(0 < r["min_s"][k] <= r["median_s"][k] for k in r["min_s"])
+        assert [len(r["times_s"][k]) for k in ("typed", "message", "raw")] == [2, 2, 2]
+        assert all(_positive(r[f"ratio_raw_over_{k}"]) and _positive(r[f"ratio_of_minimums_{k}"]) for k in ("typed", "message"))
+        assert set(r["median_s"]) == {"typed", "message", "raw", "encode", "decode"}
+        assert all(0 < r["min_s"][k] <= r["median_s"][k] for k in r["min_s"])
 
 
 def test_transport_batches_look_like_agent_episodes():

@@ -188,7 +188,7 @@ def test_mpi_one_trainer_one_rollout_matches_single_process(inputs, baseline, tm
     proc = mpirun_child(_child_script(tmp_path), inputs, tmp_path, {})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert '"role": "rollout"' in proc.stdout
-    assert not list((tmp_path / "rl" / "queue").glob("*.npz"))  # trajectories went over MPI, not files
+    assert not list((tmp_path / "rl" / "queue").glob("batch_*"))  # trajectories went over MPI, not files
     assert final_sha(tmp_path) == final_sha(baseline)
     assert trained_rows(tmp_path) == trained_rows(baseline)
 

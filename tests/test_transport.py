@@ -64,9 +64,22 @@ def test_file_queue_round_trip_and_discard(tmp_path):
     assert not list((tmp_path / "queue").glob(".*"))  # no temp files left behind
 
 
+def test_file_queue_refuses_a_damaged_or_misplaced_batch_naming_the_file(tmp_path):
+    q = FileQueueTransport(tmp_path / "queue", timeout_s=5)
+    q.send_batch(1, make_batch(1))
+    shutil.copy(q.path(1), q.path(2))  # batch 1's bytes where batch 2 belongs
+    with pytest.raises(TransportError, match=r"expected batch 2 from .*batch_000002.traj, got batch 1"):
+        q.recv_batch(2)
+    data = q.path(1).read_bytes()
+    q.path(4).write_bytes(data[:-8])  # cut short
+    with pytest.raises(TransportError, match=r"batch 4 from .*batch_000004.traj: .*its header describes"):
+        q.recv_batch(4)
+    assert q.recv_batch(1) == make_batch(1)
+
+
 def test_file_queue_missing_batch_times_out_naming_it(tmp_path):
     q = FileQueueTransport(tmp_path / "queue", timeout_s=0.2)
-    with pytest.raises(TransportError, match="batch_000007.npz: batch 7 did not arrive"):
+    with pytest.raises(TransportError, match="batch_000007.traj: batch 7 did not arrive"):
         q.recv_batch(7)
     q = FileQueueTransport(tmp_path / "queue", timeout_s=60, should_stop=lambda: True)
     with pytest.raises(TransportError, match="interrupted"):

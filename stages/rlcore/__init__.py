@@ -1,7 +1,7 @@
 """Parts of the RL stage: weight handoff, trajectory transport, the trainer's loss and loop.
 
 handoff.py    trainer publishes weights/step_N (manifest + STABLE); rollout loads exactly step k - lag
-transport.py  send_batch / recv_batch: MPITransport (typed buffers) and FileQueueTransport
+transport.py  one typed message per batch (send_batch / recv_batch): MPITransport and FileQueueTransport
 trainer.py    advantages, padded batches, the TIS policy loss under the sampling distribution
 loop.py       the trainer role: resume, update, publish, log, evaluate, checkpoint
 preempt.py    preemption across ranks: the trainer saves while rollout ranks wait, then all leave

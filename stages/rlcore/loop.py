@@ -1,7 +1,7 @@
 """The trainer role: resume, receive batch k, update, publish weights k+1, log, checkpoint, evaluate.
 
 With T trainer ranks (data parallel, one torch process group): rank 0 receives batch k and
-broadcasts it (`transport.broadcast_batch`); every rank computes the advantages on the whole batch
+passes its message on as it is (`transport.broadcast_message`); every rank computes the advantages on the whole batch
 and trains on its contiguous slice of rows, its loss weighted by its share of the batch's
 normaliser, so that DDP's mean over ranks is the loss of the whole batch. Rank 0 alone publishes
 weights, writes metrics, history, progress and the retention ledger, and runs the quick eval;
@@ -29,7 +29,7 @@ from snowcat.stages.evalstats import mean_se
 from snowcat.stages.model import load_model_dir, save_model_dir
 from snowcat.stages.rlcore.preempt import FAILED, log
 from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logprobs
-from snowcat.stages.rlcore.transport import TransportError, broadcast_batch
+from snowcat.stages.rlcore.transport import TransportError, broadcast_message, read_batch
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import selection_split
@@ -208,19 +208,19 @@ class Trainer(TrainLoop):
 
     def _receive(self, k: int):
         """Batch k on every trainer rank; None when rank 0's wait was interrupted by a notice."""
-        trajs = None
+        buf = None
         if self.lead:
             try:
-                trajs = self.transport.recv_batch(k)
+                buf = self.transport.recv_message(k)
             except TransportError:
                 # a notice (rank 0's view, no collective: the others wait in the broadcast below)
                 if not self.transport.should_stop():
                     raise
-        if self.group is None:
-            return trajs
-        abort = self.peer.trainer_failed if self.peer is not None else None
-        # the other ranks wait as long as rank 0 may wait for the batch, and then some
-        return broadcast_batch(self.group, trajs, timeout_s=2 * self.cfg.timeout_s, abort=abort)
+        if self.group is not None:
+            abort = self.peer.trainer_failed if self.peer is not None else None
+            # the other ranks wait as long as rank 0 may wait for the batch, and then some
+            buf = broadcast_message(self.group, buf, timeout_s=2 * self.cfg.timeout_s, abort=abort)
+        return None if buf is None else read_batch(k, buf, self.transport.source(k))
 
     def _own_rows(self, batch: dict) -> dict:
         """This trainer rank's contiguous slice of the batch's rows (advantages were computed on all of

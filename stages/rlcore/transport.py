@@ -1,8 +1,13 @@
 """Trajectory transport, rollout ranks -> trainer: `send_batch(k, trajs)` / `recv_batch(k) -> trajs`.
 
-`MPITransport`: one MPI message per batch, the buffer `stages.agent.encode` makes (a typed,
-versioned header and every field's array, no pickling). The receiver probes for it, learns its
-size from the probe, receives it into one buffer and `decode`s the trajectories as views of it.
+Each transport moves messages, `send_message(k, buf)` / `recv_message(k) -> buf`: the one buffer
+`stages.agent.encode` makes of batch k (a typed, versioned header and every field's array, no
+pickling). `send_batch`/`recv_batch` are that codec around them (`read_batch` checks the batch
+index and gives the trajectories as views of the buffer); the trainer ranks pass the received
+message on as it is (`broadcast_message`) rather than encoding the batch a second time.
+
+`MPITransport`: one MPI message per batch. The receiver probes for it, learns its size from the
+probe and receives it into one buffer.
 Batch k is produced by rollout rank `first_rollout + k % n_rollout` and received by the trainer
 (rank 0) in order, which MPI's non-overtaking rule guarantees per sender.
 
@@ -15,19 +20,18 @@ batch's envelope arrives, then spins until the batch is in.
 Every wait checks the preemption notice (`should_stop`) and the timeout. The transport talks on
 a duplicate of the world communicator, so its messages never meet anyone else's.
 
-With several trainer ranks, trainer rank 0 receives each batch and `broadcast_batch` hands the same
-buffer to the others over the trainer ranks' own communicator: the rollout side stays one
+With several trainer ranks, trainer rank 0 receives each batch and `broadcast_message` hands the
+same buffer to the others over the trainer ranks' own communicator: the rollout side stays one
 send per batch whatever the number of trainer ranks, and every trainer rank needs the whole batch
 anyway (group baselines span rows that different ranks train on).
 
-`FileQueueTransport`: the fallback without MPI (and the single-process mode): atomic
-`<dir>/batch_000123.npz` files; the receiver polls until the file appears. Files stay until the
-trainer has checkpointed past them (`discard_below`), so a resumed trainer can re-read them.
+`FileQueueTransport`: the fallback without MPI (and the single-process mode): the same buffers
+as atomic `<dir>/batch_000123.traj` files; the receiver polls until the file appears. Files stay
+until the trainer has checkpointed past them (`discard_below`), so a resumed trainer can re-read them.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import time
 from collections.abc import Callable
@@ -37,7 +41,7 @@ from typing import Protocol
 import numpy as np
 
 from snowcat.pipeline.fsio import atomic_write_bytes
-from snowcat.stages.agent import FIELDS, Trajectory, decode, encode, pack, unpack
+from snowcat.stages.agent import Trajectory, decode, encode
 
 _TAG = 17  # a batch
 _READY = 18  # int64 [k]: the trainer is receiving batch k now
@@ -50,9 +54,37 @@ class TransportError(RuntimeError):
 
 
 class Transport(Protocol):
+    def source(self, batch_index: int) -> str: ...  # where batch k comes from, for messages
+
+    def send_message(self, batch_index: int, buf: np.ndarray) -> None: ...
+
+    def recv_message(self, batch_index: int) -> np.ndarray: ...
+
     def send_batch(self, batch_index: int, trajs: list[Trajectory]) -> None: ...
 
     def recv_batch(self, batch_index: int) -> list[Trajectory]: ...
+
+
+def read_batch(batch_index: int, buf: np.ndarray, where: str) -> list[Trajectory]:
+    """The trajectories of message `buf`, which must be batch `batch_index` (TransportError naming
+    `where` it came from otherwise)."""
+    try:
+        got, trajs = decode(buf)
+    except ValueError as e:
+        raise TransportError(f"batch {batch_index} from {where}: {e}") from e
+    if got != batch_index:
+        raise TransportError(f"expected batch {batch_index} from {where}, got batch {got}")
+    return trajs
+
+
+class _Codec:
+    """`send_batch`/`recv_batch` over a transport's `send_message`/`recv_message`."""
+
+    def send_batch(self, batch_index: int, trajs: list[Trajectory]) -> None:
+        self.send_message(batch_index, encode(batch_index, trajs))
+
+    def recv_batch(self, batch_index: int) -> list[Trajectory]:
+        return read_batch(batch_index, self.recv_message(batch_index), self.source(batch_index))
 
 
 def _wait(
@@ -91,7 +123,7 @@ def rollout_owner(batch_index: int, first_rollout: int, n_rollout: int) -> int:
     return first_rollout + batch_index % n_rollout
 
 
-class MPITransport:
+class MPITransport(_Codec):
     def __init__(
         self,
         comm,
@@ -118,6 +150,9 @@ class MPITransport:
     def owner(self, batch_index: int) -> int:
         return rollout_owner(batch_index, self.first_rollout, self.n_rollout)
 
+    def source(self, batch_index: int) -> str:
+        return f"rank {self.owner(batch_index)}"
+
     def _trainer_ready(self, batch_index: int) -> bool:
         """Whether the trainer has said it is receiving `batch_index` (consumes its words; a word
         for an earlier batch, left over when that batch went out eagerly, is dropped)."""
@@ -129,12 +164,11 @@ class MPITransport:
                 return True
         return False
 
-    def send_batch(self, batch_index: int, trajs: list[Trajectory]) -> None:
+    def send_message(self, batch_index: int, buf: np.ndarray) -> None:
         from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
 
         what = f"send batch {batch_index}"
-        buf = _as_units(encode(batch_index, trajs), what)
-        req = self.comm.Isend([buf, MPI.INT64_T], dest=self.trainer_rank, tag=_TAG)
+        req = self.comm.Isend([_as_units(buf, what), MPI.INT64_T], dest=self.trainer_rank, tag=_TAG)
         ready = False
 
         def busy() -> bool:
@@ -144,7 +178,7 @@ class MPITransport:
 
         _wait(req.Test, self.timeout_s, self.should_stop, what, busy)
 
-    def recv_batch(self, batch_index: int) -> list[Trajectory]:
+    def recv_message(self, batch_index: int) -> np.ndarray:
         from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
 
         src = self.owner(batch_index)
@@ -163,38 +197,32 @@ class MPITransport:
         buf = np.empty(status.Get_count(MPI.INT64_T), np.int64)
         req = probed[0].Irecv([buf, MPI.INT64_T])
         _wait(lambda: MPI.Request.Testall([req, hello]), self.timeout_s, self.should_stop, what, busy=lambda: True)
-        try:
-            got, trajs = decode(buf)
-        except ValueError as e:
-            raise TransportError(f"{what}: {e}") from e
-        if got != batch_index:
-            raise TransportError(f"expected batch {batch_index} from rank {src}, got batch {got}")
-        return trajs
+        return buf.view(np.uint8)
 
 
-def broadcast_batch(
-    group, trajs: list[Trajectory] | None, *, timeout_s: float, abort: Callable[[], bool] | None = None
-) -> list[Trajectory] | None:
-    """Rank 0 of `group` (the trainer ranks' communicator) gives its batch to every rank of it:
-    the size of its `encode`d buffer (0: none), then the buffer in one Bcast. None on every rank
-    when rank 0 has none (its wait was cut short by a preemption notice). `abort()` true ends a
-    rank's wait with TransportError (rank 0 failed)."""
+def broadcast_message(
+    group, buf: np.ndarray | None, *, timeout_s: float, abort: Callable[[], bool] | None = None
+) -> np.ndarray | None:
+    """Rank 0 of `group` (the trainer ranks' communicator) gives its message to every rank of it:
+    its size (0: none), then the buffer in one Bcast. None on every rank when rank 0 has none (its
+    wait was cut short by a preemption notice). `abort()` true ends a rank's wait with
+    TransportError (rank 0 failed)."""
     root = group.Get_rank() == 0
     size = np.zeros(1, np.int64)
-    if root and trajs is not None:
-        buf = _as_units(encode(0, trajs), "broadcast batch")
-        size[0] = len(buf)
+    if root and buf is not None:
+        units = _as_units(buf, "broadcast batch")
+        size[0] = len(units)
     request = group.Ibcast(size, root=0)
     _wait(request.Test, timeout_s, abort, "batch from trainer rank 0")
     if not size[0]:
         return None
     if not root:
-        buf = np.empty(int(size[0]), np.int64)
-    group.Bcast(buf, root=0)
-    return trajs if root else decode(buf)[1]
+        units = np.empty(int(size[0]), np.int64)
+    group.Bcast(units, root=0)
+    return units.view(np.uint8)
 
 
-class FileQueueTransport:
+class FileQueueTransport(_Codec):
     def __init__(
         self,
         root: str | os.PathLike,
@@ -208,17 +236,18 @@ class FileQueueTransport:
         self.should_stop = should_stop
 
     def path(self, batch_index: int) -> Path:
-        return self.root / f"batch_{batch_index:06d}.npz"
+        return self.root / f"batch_{batch_index:06d}.traj"
+
+    def source(self, batch_index: int) -> str:
+        return str(self.path(batch_index))
 
     def has(self, batch_index: int) -> bool:
         return self.path(batch_index).is_file()
 
-    def send_batch(self, batch_index: int, trajs: list[Trajectory]) -> None:
-        buf = io.BytesIO()
-        np.savez(buf, **pack(trajs))
-        atomic_write_bytes(self.path(batch_index), buf.getvalue())
+    def send_message(self, batch_index: int, buf: np.ndarray) -> None:
+        atomic_write_bytes(self.path(batch_index), buf.data)
 
-    def recv_batch(self, batch_index: int) -> list[Trajectory]:
+    def recv_message(self, batch_index: int) -> np.ndarray:
         path = self.path(batch_index)
         deadline = time.monotonic() + self.timeout_s
         while not path.is_file():
@@ -227,13 +256,12 @@ class FileQueueTransport:
             if time.monotonic() > deadline:
                 raise TransportError(f"{path}: batch {batch_index} did not arrive within {self.timeout_s:.0f}s")
             time.sleep(self.poll_s)
-        with np.load(path) as z:
-            return unpack({name: z[name] for name in FIELDS})
+        return np.fromfile(path, np.uint8)
 
     def discard_below(self, batch_index: int) -> None:
         """Remove batches < batch_index (consumed and covered by a checkpoint)."""
         if not self.root.is_dir():
             return
-        for p in self.root.glob("batch_*.npz"):
+        for p in self.root.glob("batch_*.traj"):
             if int(p.stem.split("_")[1]) < batch_index:
                 p.unlink(missing_ok=True)
