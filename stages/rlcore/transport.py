@@ -94,9 +94,9 @@ def _wait(
     timeout_s: float,
     should_stop: Callable[[], bool] | None,
     what: str,
-    busy: Callable[[], bool] = lambda: False,
+    spin: bool = False,
 ) -> None:
-    """Poll `done()` until true. Without sleeping for the first `_SPIN_S` and whenever `busy()`
+    """Poll `done()` until true. Without sleeping for the first `_SPIN_S` and throughout when `spin`
     (the peer is moving this message: Open MPI progresses it only inside our calls), otherwise
     sleeping 50 us doubling to 2 ms (a peer that is busy elsewhere costs no CPU)."""
     start = time.monotonic()
@@ -107,7 +107,7 @@ def _wait(
         now = time.monotonic()
         if now > deadline:
             raise TransportError(f"{what}: no progress after {timeout_s:.0f}s")
-        if now - start > _SPIN_S and not busy():
+        if now - start > _SPIN_S and not spin:
             time.sleep(pause)
             pause = min(2e-3, pause * 2)
 
@@ -175,7 +175,7 @@ class MPITransport(_Codec):
         # the whole transfer to half speed in some runs (2 MiB over TCP: 1.0 ms instead of 0.45)
         _wait(lambda: self._trainer_ready(batch_index), self.timeout_s, self.should_stop, what)
         req = self.comm.Isend([units, MPI.INT64_T], dest=self.trainer_rank, tag=_TAG)
-        _wait(req.Test, self.timeout_s, self.should_stop, what, busy=lambda: True)
+        _wait(req.Test, self.timeout_s, self.should_stop, what, spin=True)
 
     def recv_message(self, batch_index: int) -> np.ndarray:
         from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
@@ -195,7 +195,7 @@ class MPITransport(_Codec):
         _wait(arrived, self.timeout_s, self.should_stop, what)
         buf = np.empty(status.Get_count(MPI.INT64_T), np.int64)
         req = probed[0].Irecv([buf, MPI.INT64_T])
-        _wait(lambda: MPI.Request.Testall([req, hello]), self.timeout_s, self.should_stop, what, busy=lambda: True)
+        _wait(lambda: MPI.Request.Testall([req, hello]), self.timeout_s, self.should_stop, what, spin=True)
         return buf.view(np.uint8)
 
 
