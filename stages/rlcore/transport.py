@@ -49,6 +49,7 @@ _TAG = 17  # a batch
 _READY = 18  # int64 [k]: the trainer is receiving batch k now
 _UNIT = 8  # the message counts 8-byte units (encode pads to them): Open MPI 4's int counts reach 16 GiB, not 2
 _SPIN_S = 2e-3  # how long a wait polls without sleeping before it backs off
+_CHECK_S = 1e-3  # how often a wait checks the preemption notice and its timeout
 
 
 class TransportError(RuntimeError):
@@ -98,15 +99,19 @@ def _wait(
 ) -> None:
     """Poll `done()` until true. Without sleeping for the first `_SPIN_S` and throughout when `spin`
     (the peer is moving this message: Open MPI progresses it only inside our calls), otherwise
-    sleeping 50 us doubling to 2 ms (a peer that is busy elsewhere costs no CPU)."""
+    sleeping 50 us doubling to 2 ms (a peer that is busy elsewhere costs no CPU). The notice and
+    the timeout are checked at once and then every `_CHECK_S`: a rank's `should_stop` polls MPI
+    itself, which on every spin would slow the very poll that moves the message."""
     start = time.monotonic()
-    deadline, pause = start + timeout_s, 5e-5
+    deadline, pause, check_at = start + timeout_s, 5e-5, start
     while not done():
-        if should_stop is not None and should_stop():
-            raise TransportError(f"{what}: interrupted (preemption)")
         now = time.monotonic()
-        if now > deadline:
-            raise TransportError(f"{what}: no progress after {timeout_s:.0f}s")
+        if now >= check_at:
+            if should_stop is not None and should_stop():
+                raise TransportError(f"{what}: interrupted (preemption)")
+            if now > deadline:
+                raise TransportError(f"{what}: no progress after {timeout_s:.0f}s")
+            check_at = now + _CHECK_S
         if now - start > _SPIN_S and not spin:
             time.sleep(pause)
             pause = min(2e-3, pause * 2)
@@ -146,6 +151,10 @@ class MPITransport(_Codec):
             raise ValueError(f"MPITransport needs at least one rollout rank (world size {comm.Get_size()})")
         self.timeout_s = timeout_s
         self.should_stop = should_stop
+        from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
+
+        self._int64, self._testall = MPI.INT64_T, MPI.Request.Testall
+        self._status = MPI.Status()
         self._ready = np.empty(1, np.int64)
         self._hello = None
 
@@ -158,44 +167,38 @@ class MPITransport(_Codec):
     def _trainer_ready(self, batch_index: int) -> bool:
         """Whether the trainer has said it is receiving `batch_index` (consumes its words; one for
         an earlier batch is dropped)."""
-        from mpi4py import MPI  # noqa: PLC0415
-
         while self.comm.Iprobe(source=self.trainer_rank, tag=_READY):
-            self.comm.Recv([self._ready, MPI.INT64_T], source=self.trainer_rank, tag=_READY)
-            if int(self._ready[0]) >= batch_index:
+            self.comm.Recv([self._ready, self._int64], source=self.trainer_rank, tag=_READY)
+            if self._ready[0] >= batch_index:
                 return True
         return False
 
     def send_message(self, batch_index: int, buf: np.ndarray) -> None:
-        from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
-
         what = f"send batch {batch_index}"
         units = _as_units(buf, what)
         # only once the trainer receives: a ready word crossing a batch already on its way slowed
         # the whole transfer to half speed in some runs (2 MiB over TCP: 1.0 ms instead of 0.45)
         _wait(lambda: self._trainer_ready(batch_index), self.timeout_s, self.should_stop, what)
-        req = self.comm.Isend([units, MPI.INT64_T], dest=self.trainer_rank, tag=_TAG)
+        req = self.comm.Isend([units, self._int64], dest=self.trainer_rank, tag=_TAG)
         _wait(req.Test, self.timeout_s, self.should_stop, what, spin=True)
 
     def recv_message(self, batch_index: int) -> np.ndarray:
-        from mpi4py import MPI  # noqa: PLC0415 (importing mpi4py initialises MPI: only in ranks that use it)
-
         src = self.owner(batch_index)
         what = f"receive batch {batch_index} from rank {src}"
         # kept on self (with its buffer) until done, also when this wait is interrupted
-        self._hello = hello = self.comm.Isend([np.array([batch_index], np.int64), MPI.INT64_T], dest=src, tag=_READY)
-        status, probed = MPI.Status(), []
+        self._hello = hello = self.comm.Isend([np.array([batch_index], np.int64), self._int64], dest=src, tag=_READY)
+        probed = []
 
         def arrived() -> bool:
-            msg = self.comm.Improbe(source=src, tag=_TAG, status=status)
+            msg = self.comm.Improbe(source=src, tag=_TAG, status=self._status)
             if msg is not None:
                 probed.append(msg)
             return msg is not None
 
         _wait(arrived, self.timeout_s, self.should_stop, what)
-        buf = np.empty(status.Get_count(MPI.INT64_T), np.int64)
-        req = probed[0].Irecv([buf, MPI.INT64_T])
-        _wait(lambda: MPI.Request.Testall([req, hello]), self.timeout_s, self.should_stop, what, spin=True)
+        buf = np.empty(self._status.Get_count(self._int64), np.int64)
+        pending = [probed[0].Irecv([buf, self._int64]), hello]
+        _wait(lambda: self._testall(pending), self.timeout_s, self.should_stop, what, spin=True)
         return buf.view(np.uint8)
 
 
