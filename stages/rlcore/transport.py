@@ -19,8 +19,9 @@ the trainer is still busy training, then sends and spins until the batch is out;
 backs off the same way until the batch's envelope arrives, then spins until the batch is in. A
 batch so goes once the trainer asks for it, whatever its size (a large one always waited for the
 trainer's receive anyway: MPI's rendezvous protocol).
-Every wait checks the preemption notice (`should_stop`) and the timeout. The transport talks on
-a duplicate of the world communicator, so its messages never meet anyone else's.
+Every wait checks the preemption notice (`should_stop`) and the timeout, at once and then every
+millisecond. The transport talks on a duplicate of the world communicator, so its messages never
+meet anyone else's.
 
 With several trainer ranks, trainer rank 0 receives each batch and `broadcast_message` hands the
 same buffer to the others over the trainer ranks' own communicator: the rollout side stays one
