@@ -1,6 +1,6 @@
 """Trajectory transfer over MPI typed buffers against a raw mpi4py buffer of the same size.
 
-    snowcat bench transport [--batches 8,64,256] [--repeats 20] [--json FILE]
+    snowcat bench transport [--batches 8,64,256,1024] [--repeats 20] [--json FILE]
 
 Starts itself as two ranks under `mpirun -n 2` with the environment the local executor gives an
 RL stage (Open MPI's TCP transport, `OMPI_MCA_btl=self,tcp`). Rank 1 is the rollout rank, rank 0
@@ -113,9 +113,12 @@ for n in sizes:
                 if r:
                     times[kind].append(time.perf_counter() - t0)
             else:
+                # as in RL, the trainer still holds one batch (the other row's) while it receives
                 if kind == "typed":
+                    got = None
                     got = transport.recv_batch(index)
                 elif kind == "message":
+                    message = None
                     message = transport.recv_message(index)
                 else:
                     comm.Recv(raw, source=1, tag=3)
@@ -169,7 +172,7 @@ def run_ranks(sizes: list[int], repeats: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="snowcat bench transport", description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="8,64,256", help="trajectories per batch, comma-separated")
+    ap.add_argument("--batches", default="8,64,256,1024", help="trajectories per batch, comma-separated")
     ap.add_argument("--repeats", type=int, default=20, help="timed transfers of each row per batch size (median reported)")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from snowcat.stages.agent import Trajectory
-from snowcat.stages.rlcore.transport import FileQueueTransport, TransportError
+from snowcat.stages.rlcore.transport import FileQueueTransport, ReceiveBuffers, TransportError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,6 +86,35 @@ def test_file_queue_missing_batch_times_out_naming_it(tmp_path):
         q.recv_batch(7)
 
 
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_receive_buffers_reuse_memory_only_once_no_view_of_it_is_alive():
+    buffers = ReceiveBuffers(keep=2)
+    first = buffers.take(1000)
+    view = first.view(np.uint8)[8:64]  # what decoded trajectories hold
+    view[:] = 7
+    first_at = _address(first)
+    del first
+    second = buffers.take(1000)
+    assert _address(second) != first_at  # the first is still seen through `view`
+    second_at = _address(second)
+    del second
+    again = buffers.take(900)  # the second is free: its memory again, no new pages
+    assert _address(again) == second_at and len(again) == 900
+    again[:] = -1
+    bigger = buffers.take(5000)  # larger than any kept and `again` in use: fresh memory
+    assert len(bigger) == 5000 and _address(bigger) not in (first_at, second_at)
+    bigger[:] = -1
+    bigger_at = _address(bigger)
+    assert (view == 7).all()  # the first was never handed out while its view lived
+    del view, again, bigger
+    # all free now; keep=2 let the first go when `bigger` came, so the second serves first
+    assert _address(buffers.take(1000)) == second_at
+    assert _address(buffers.take(4000)) == bigger_at
+
+
 _MPI_CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[1])
@@ -96,12 +125,17 @@ _MPI_CHILD = textwrap.dedent("""
     t = MPITransport(comm, timeout_s=60)
     n = 7
     if comm.Get_rank() == 0:
+        held = {}
         for k in range(n):
             if k in (2, 5):
                 time.sleep(0.5)  # a trainer still busy: the batch waits for it, then moves
             got = t.recv_batch(k)
             assert got == make_batch(k), f"batch {k} differs"
             assert all(a.policy_version == max(0, k - 1) for a in got)
+            if k % 3 == 0:
+                held[k] = got  # kept past later receives: their buffer must not be written again
+            del got
+        assert all(held[k] == make_batch(k) for k in held), "a later batch overwrote one still held"
         print("TRAINER-OK", n, flush=True)
     else:
         for k in range(n):

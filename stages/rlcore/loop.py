@@ -29,7 +29,7 @@ from snowcat.stages.evalstats import mean_se
 from snowcat.stages.model import load_model_dir, save_model_dir
 from snowcat.stages.rlcore.preempt import FAILED, log
 from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logprobs
-from snowcat.stages.rlcore.transport import TransportError, broadcast_message, read_batch
+from snowcat.stages.rlcore.transport import ReceiveBuffers, TransportError, broadcast_message, read_batch
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import selection_split
@@ -108,6 +108,7 @@ class Trainer(TrainLoop):
         self.cfg, self.held_out = cfg, held_out
         self.handoff, self.transport, self.comm = handoff, transport, comm
         self.group = group  # the trainer ranks' MPI communicator (None: one trainer rank)
+        self._broadcast_buffers = ReceiveBuffers()  # trainer ranks 1..T-1: where rank 0's batches land
         self.local_rollout = None  # a `Rollout` producing batches in this process (world size 1)
         self.control = None  # trainer rank 0 of a multi-rank run: `preempt.TrainerControl`, the other ranks' way out
         self.peer = None  # trainer ranks 1..T-1: `preempt.RolloutControl` (role trainer), rank 0's words
@@ -219,7 +220,9 @@ class Trainer(TrainLoop):
         if self.group is not None:
             abort = self.peer.trainer_failed if self.peer is not None else None
             # the other ranks wait as long as rank 0 may wait for the batch, and then some
-            buf = broadcast_message(self.group, buf, timeout_s=2 * self.cfg.timeout_s, abort=abort)
+            buf = broadcast_message(
+                self.group, buf, timeout_s=2 * self.cfg.timeout_s, abort=abort, buffers=self._broadcast_buffers
+            )
         return None if buf is None else read_batch(k, buf, self.transport.source(k))
 
     def _own_rows(self, batch: dict) -> dict:
