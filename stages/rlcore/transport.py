@@ -7,7 +7,8 @@ index and gives the trajectories as views of the buffer); the trainer ranks pass
 message on as it is (`broadcast_message`) rather than encoding the batch a second time.
 
 `MPITransport`: one MPI message per batch. The receiver probes for it, learns its size from the
-probe and receives it into one buffer.
+probe and receives it into one buffer (`ReceiveBuffers`: memory of an earlier batch once nothing
+refers to that batch any more).
 Batch k is produced by rollout rank `first_rollout + k % n_rollout` and received by the trainer
 (rank 0) in order, which MPI's non-overtaking rule guarantees per sender.
 
