@@ -146,7 +146,7 @@ class ReceiveBuffers:
             # references: the list, `buf` and getrefcount's argument; any more are views in use
             if len(buf) >= units and sys.getrefcount(buf) == 3:
                 return buf[:units]
-        # room to grow: episodes vary in length, and pages of the slack are never touched
+        # room to grow (episodes vary in length); the slack's pages are touched only by a larger batch
         fresh = np.empty(units + units // 4, np.int64)
         self._kept = [*self._kept, fresh][-self.keep :]
         return fresh[:units]
