@@ -43,7 +43,8 @@ from snowcat.stages.rlcore.handoff import WeightHandoff
 # (label, file suffix, function name) of the profiled phases; cumulative seconds, so nested phases
 # are parts of the ones around them.
 PHASES = (
-    ("HF-named views of the parameters (both sides)", "stages/model/io.py", "hf_state_dict"),
+    # the publisher's views are made as write_shards takes them, so its row counts them
+    ("load: HF-named views of the parameters", "stages/model/io.py", "hf_state_dict"),
     ("publish: write + sha256 + fsync the shards", "stages/model/shards.py", "write_shards"),
     ("publish: configs (written, hashed, fsynced)", "stages/model/shards.py", "write_file"),
     ("publish: manifest from the writers' hashes", "pipeline/fsio.py", "write_manifest"),

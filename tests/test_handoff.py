@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import IO, sha256_bytes, verify_manifest, write_manifest
@@ -244,10 +245,12 @@ def test_a_bf16_model_loads_through_a_conversion(tmp_path):
 
 
 def test_a_version_written_by_the_safetensors_library_loads(tmp_path):
-    """A version of another layout (save_model_dir: safetensors' own writer, its own tensor order)."""
+    """A version of another layout (safetensors' own writer, its own tensor order)."""
     h = WeightHandoff(tmp_path / "weights")
     src, dst = _model(1), _model(2)
     save_model_dir(h.path(6), src, meta={"policy_version": 6})
+    save_file(hf_state_dict(src), str(h.path(6) / "model.safetensors"), metadata={"format": "pt"})
+    write_manifest(h.path(6))
     (h.path(6) / STABLE).write_text("6\n")
     h.load_into(dst, 6, timeout_s=1)
     assert _same(src, dst)

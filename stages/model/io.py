@@ -10,10 +10,16 @@ Tensors are stored under HF hub checkpoint names (per-expert `mlp.experts.{e}.ga
 ...), the layout Qwen3-MoE checkpoints use on the hub: transformers 5 fuses them into its 3-D
 expert tensors on load, transformers 4 and vLLM read them as they are. The directory is built
 under a temp name and renamed into place, so a kill leaves the old directory or the new one.
+
+Nothing here needs a whole model in memory: `save_model_dir` writes a stream of tensors (a sharded
+trainer gathers one at a time), `WeightReader` reads any row range of a weight from the
+memory-mapped files (a rank that holds a slice of it reads only that slice), and `copy_model_dir`
+rewrites a checkpoint in this layout one tensor at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -29,33 +35,36 @@ from snowcat.stages.tokenizer import load_tokenizer
 
 from . import hf
 from .config import ModelConfig
-from .modeling import MoEForCausalLM
+from .modeling import MoEForCausalLM, rope_inv_freq
+from .shards import DTYPES, INDEX, SINGLE, write_shards
 
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def hf_state_dict(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
-    """State dict under HF hub names: fused expert tensors split per expert; tied head omitted."""
-    out = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+def hf_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the model's state dict under HF hub names, as they come: fused expert
+    tensors split per expert (views), the tied head omitted."""
+    for name, t in tensors:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         m = _FUSED.match(name)
         if not m:
-            out[name] = t
+            yield name, t
             continue
         prefix, kind = m.groups()
         for e in range(t.shape[0]):
             if kind == "gate_up_proj":
                 gate, up = t[e].chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate
-                out[f"{prefix}.{e}.up_proj.weight"] = up
+                yield f"{prefix}.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{e}.up_proj.weight", up
             else:
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
-    return out
+                yield f"{prefix}.{e}.down_proj.weight", t[e]
+
+
+def hf_state_dict(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
+    """State dict under HF hub names: fused expert tensors split per expert; tied head omitted."""
+    return dict(hf_tensors(model.config, model.state_dict().items()))
 
 
 class _Placement:
@@ -127,23 +136,142 @@ def load_hf_state_dict(model: MoEForCausalLM, tensors: dict[str, torch.Tensor], 
     model.load_state_dict(_state_dict(model, tensors.items(), where, _Placement()), strict=True)
 
 
-def stream_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a model directory's safetensors, one shard file open at a time (memory-mapped)."""
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory (one, or the shards its index names)."""
     path = Path(path)
     if (path / SINGLE).is_file():
-        files = [path / SINGLE]
-    else:
-        index = read_json(path / INDEX)
-        if index is None:
-            raise UserError(f"{path}: neither {SINGLE} nor {INDEX}")
-        files = [path / name for name in sorted(set(index["weight_map"].values()))]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise UserError(f"{path / INDEX}: shard {absent[0]} is missing ({len(absent)} of {len(files)} shards absent)")
-    for file in files:
+        return [path / SINGLE]
+    index = read_json(path / INDEX)
+    if index is None:
+        raise UserError(f"{path}: neither {SINGLE} nor {INDEX}")
+    files = [path / name for name in sorted(set(index["weight_map"].values()))]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise UserError(f"{path / INDEX}: shard {absent[0]} is missing ({len(absent)} of {len(files)} shards absent)")
+    return files
+
+
+def stream_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a model directory's safetensors, one shard file open at a time (memory-mapped)."""
+    for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+_FILE_DTYPES = {v: k for k, v in DTYPES.items()}
+
+
+class WeightReader:
+    """A model directory's weights under the model's own names (each MoE layer's experts fused, as
+    the model holds them), read a row range at a time from the memory-mapped files: a rank that holds
+    rows [a, b) of a weight (a ZeRO-3 shard, an expert-parallel shard) reads only those bytes.
+
+        with WeightReader(path, cfg) as weights:
+            weights.check(names)                 # exactly the tensors of these parameters, or UserError
+            part = weights.rows(name, a, b)      # rows a..b-1 (dim 0) of parameter `name`
+    """
+
+    def __init__(self, path, cfg: ModelConfig):
+        self.path, self.cfg = Path(path), cfg
+        self._open = contextlib.ExitStack()
+        self._file: dict[str, object] = {}  # tensor name in the files -> its open file
+
+    def __enter__(self) -> WeightReader:
+        for file in weight_files(self.path):
+            f = self._open.enter_context(safe_open(str(file), framework="pt"))
+            self._file.update(dict.fromkeys(f.keys(), f))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._open.close()
+
+    def _stored(self, name: str) -> str:
+        """The stored tensor a parameter that is stored whole reads (the tied head: the embeddings)."""
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return "model.embed_tokens.weight"
+        return name
+
+    def _expert_parts(self, name: str) -> tuple[str, list[str]] | None:
+        """(prefix, per-expert kinds) of a fused expert weight stored per expert, else None."""
+        m = _FUSED.match(name)
+        if m is None or name in self._file:
+            return None
+        prefix, kind = m.groups()
+        return prefix, ["gate_proj", "up_proj"] if kind == "gate_up_proj" else ["down_proj"]
+
+    def check(self, names: Iterable[str]) -> None:
+        """UserError naming the directory unless its tensors are exactly those of parameters `names`
+        (a stored tied head is allowed)."""
+        needed = set()
+        for name in names:
+            parts = self._expert_parts(name)
+            if parts is None:
+                needed.add(self._stored(name))
+            else:
+                prefix, kinds = parts
+                needed.update(f"{prefix}.{e}.{kind}.weight" for e in range(self.cfg.num_experts) for kind in kinds)
+        spare = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        missing, extra = sorted(needed - set(self._file)), sorted(set(self._file) - needed - spare)
+        if missing or extra:
+            what = f"missing tensor {missing[0]}" if missing else f"unexpected tensor {extra[0]}"
+            raise UserError(f"{self.path}: {what} ({len(missing)} missing, {len(extra)} unexpected for this model config)")
+
+    def dtype(self) -> torch.dtype:
+        """The dtype the files store floating-point weights in."""
+        for name, f in self._file.items():
+            dtype = _FILE_DTYPES.get(f.get_slice(name).get_dtype())
+            if dtype is not None and dtype.is_floating_point:
+                return dtype
+        return torch.get_default_dtype()
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along dim 0 of parameter `name` (experts start..stop-1 of a fused
+        expert weight), in the stored dtype."""
+        parts = self._expert_parts(name)
+        if parts is None:
+            stored = self._stored(name)
+            return self._file[stored].get_slice(stored)[start:stop]
+        prefix, kinds = parts
+        pieces = [
+            torch.cat([self._file[n].get_tensor(n) for n in (f"{prefix}.{e}.{kind}.weight" for kind in kinds)])
+            for e in range(start, stop)
+        ]
+        if pieces:
+            return torch.stack(pieces)
+        first = [self._file[n].get_slice(n) for n in (f"{prefix}.0.{kind}.weight" for kind in kinds)]
+        shape = [sum(s.get_shape()[0] for s in first), *first[0].get_shape()[1:]]
+        return torch.empty((0, *shape), dtype=_FILE_DTYPES[first[0].get_dtype()])
+
+
+def skeleton(cfg: ModelConfig, dtype: torch.dtype | None = None) -> MoEForCausalLM:
+    """The model of `cfg` on the meta device (names and shapes, no memory), floating-point weights
+    in `dtype`: what a sharded trainer wraps before each rank allocates and reads its slices."""
+    with torch.device("meta"):
+        model = MoEForCausalLM(cfg)
+    return model if dtype is None else model.to(dtype)
+
+
+def distinct_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the model's state dict (parameters as they are), a tied weight once under
+    its first name."""
+    seen = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
+
+
+def copy_model_dir(src, path, tokenizer=None, meta: dict | None = None) -> Path:
+    """Model directory `src` (ours or a Hugging Face checkpoint) rewritten at `path` in this layout,
+    one tensor in memory at a time; the bytes `save_model_dir` writes for the model loaded from it."""
+    cfg = load_model_config(src)
+    with WeightReader(src, cfg) as weights:
+        model = skeleton(cfg, weights.dtype())
+        whole = list(distinct_tensors(model))
+        weights.check(name for name, _ in whole)
+        tensors = ((name, weights.rows(name, 0, t.shape[0])) for name, t in whole)
+        return save_model_dir(path, model, tokenizer, meta=meta, tensors=hf_tensors(cfg, tensors))
 
 
 def _write_tensors(dir: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
@@ -178,14 +306,20 @@ def save_model_dir(
     model: MoEForCausalLM,
     tokenizer=None,
     meta: dict | None = None,
-    max_shard_bytes: int = 4 << 30,
+    max_shard_bytes: int | None = None,
     extra_files: dict | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write a model directory atomically. `extra_files`: {relative name: callable(path)} written
-    inside the same directory before the manifest (e.g. a trainer's resumable state)."""
+    """Write a model directory atomically. `tensors`: its weights as (HF hub name, tensor) pairs,
+    consumed as they come (default: `model`'s own, which must then be whole here); `model` gives
+    the config and dtype. Shards of `max_shard_bytes` (default `shards.SHARD_BYTES`), hashed as
+    written. `extra_files`: {relative name: callable(path)} written inside the same directory
+    before the manifest (e.g. a trainer's resumable state)."""
     path = Path(path)
+    if tensors is None:
+        tensors = hf_tensors(model.config, model.state_dict().items())
     with atomic_dir(path) as tmp:
-        _write_tensors(tmp, hf_state_dict(model), max_shard_bytes)
+        hashed = write_shards(tmp, tensors, max_shard_bytes)
         atomic_write_json(tmp / MODEL_CONFIG, model.config.to_dict())
         serving = serving_config(model)
         if serving is not None:
@@ -196,7 +330,7 @@ def save_model_dir(
             atomic_write_json(tmp / "meta.json", meta)
         for name, write in (extra_files or {}).items():
             write(tmp / name)
-        write_manifest(tmp)
+        write_manifest(tmp, hashed=hashed)
     return path
 
 
@@ -232,8 +366,7 @@ def load_weights(path, cfg: ModelConfig, device="cpu", dtype: torch.dtype | None
     model.load_state_dict(_state_dict(model, stream_tensors(path), str(path), place), strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
-    model.model.inv_freq = inv_freq.to(device)  # a non-persistent buffer: not in any checkpoint
+    model.model.inv_freq = rope_inv_freq(cfg, device)  # a non-persistent buffer: not in any checkpoint
     return model
 
 

@@ -226,8 +226,13 @@ class MoEModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+
+def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies (float32): a buffer no checkpoint holds, so a model whose weights
+    were loaded into memory allocated empty computes it again."""
+    return 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device) / cfg.head_dim)
 
 
 def positions_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -264,6 +269,13 @@ class MoEForCausalLM(nn.Module):
                 p.normal_(0.0, out_std)
             else:
                 p.normal_(0.0, std)
+
+    def materialize(self, device) -> MoEForCausalLM:
+        """Allocate a model built on the meta device on `device`, uninitialised (weights are loaded
+        into it next), with the RoPE buffer, which no checkpoint holds, computed."""
+        self.to_empty(device=device)
+        self.model.inv_freq = rope_inv_freq(self.config, device)
+        return self
 
     def set_activation_checkpointing(self, on: bool) -> None:
         """Recompute each decoder layer in backward instead of keeping its activations (only the

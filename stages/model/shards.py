@@ -4,7 +4,9 @@
 `model.safetensors.index.json`) straight from each tensor's memory and hashes that same memory
 while the shard's fsync waits for the disk: the manifest entry of a shard comes from the bytes
 handed to `write`, never from reading the file back (the tensors must not change meanwhile; if
-they did, the entry would not match the file and readers would refuse it). `read_shards_into(dir,
+they did, the entry would not match the file and readers would refuse it). It takes the tensors
+as a stream, in the order given, and holds only the shards not yet written: a sharded trainer that
+gathers one weight at a time (`stages.train`'s `whole_tensors`) never has the whole model at once. `read_shards_into(dir,
 files, dest)` reads each tensor's bytes straight into the tensor that receives it (`dest`, e.g.
 views of a model's parameters) and hashes what it read, so the check covers exactly the bytes
 that end up in the model, in one pass over the file.
@@ -23,13 +25,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from snowcat.pipeline.fsio import IO
-from snowcat.stages.model.io import INDEX, SINGLE
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
 
 SHARD_BYTES = 256 << 20  # a shard per 256 MiB: parallel hashing for a 0.5 GB model, ~230 files for 30B in bf16
 _CHUNK = 64 << 20  # a write / read call at most this long (Linux moves < 2 GiB per call)
@@ -101,30 +106,51 @@ def _write_one(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
     return {"sha256": h.hexdigest(), "size": sum(len(d) for d in parts)}
 
 
-def write_shards(dir: str | os.PathLike, tensors: dict[str, torch.Tensor], shard_bytes: int | None = None) -> dict[str, dict]:
-    """Write `tensors` as safetensors shards of about `shard_bytes` (default `SHARD_BYTES`) into
-    `dir` (a directory being built under `atomic_dir`), each file fsynced. Returns the manifest
-    entries {name: {sha256, size}} of every file written, the index included."""
+def write_shards(
+    dir: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]], shard_bytes: int | None = None
+) -> dict[str, dict]:
+    """Write `tensors`, (name, tensor) pairs in the order they come, as safetensors shards of about
+    `shard_bytes` (default `SHARD_BYTES`) into `dir` (a directory being built under `atomic_dir`),
+    each file fsynced. A full shard goes to a writer thread while the next one fills; at most one
+    shard per thread is held, so memory stays bounded whatever the model's size. Returns the
+    manifest entries {name: {sha256, size}} of every file written, the index included."""
     dir, shard_bytes = Path(dir), shard_bytes or SHARD_BYTES
-    tensors = {k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items())}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
-    names = (
-        [SINGLE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    )
-    with ThreadPoolExecutor(workers(len(shards))) as pool:
-        entries = dict(zip(names, pool.map(lambda a: _write_one(dir / a[0], a[1], {"format": "pt"}), zip(names, shards))))
+    threads = len(os.sched_getaffinity(0))
+    parts: list[list[str]] = []  # the tensor names of each shard, in file order
+    written, waited = [], 0
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+    with ThreadPoolExecutor(threads) as pool:
+
+        def hand_over() -> None:
+            nonlocal waited
+            # named by position until the count is known (renamed below): the files' bytes do not depend on it
+            written.append(pool.submit(_write_one, dir / f".part-{len(parts):05d}", dict(shard), {"format": "pt"}))
+            parts.append(list(shard))
+            shard.clear()
+            while len(written) - waited > threads:  # shards held: at most one per writer thread
+                written[waited].result()
+                waited += 1
+
+        for name, t in tensors:
+            t = t.detach().contiguous().cpu()
+            n = t.numel() * t.element_size()
+            if shard and size + n > shard_bytes:
+                hand_over()
+                size = 0
+            shard[name] = t
+            size += n
+            total += n
+        if shard or not parts:
+            hand_over()
+        entries_by_part = [f.result() for f in written]
+    names = [SINGLE] if len(parts) == 1 else [f"model-{i:05d}-of-{len(parts):05d}.safetensors" for i in range(1, len(parts) + 1)]
+    for i, name in enumerate(names):
+        os.replace(dir / f".part-{i:05d}", dir / name)
+    entries = dict(zip(names, entries_by_part))
     IO.update(files_written=len(entries), bytes_written=sum(e["size"] for e in entries.values()), fsyncs=len(entries))
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+    if len(parts) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, keys in zip(names, parts) for k in keys}}
         entries[INDEX] = write_file(dir / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
     return entries
 

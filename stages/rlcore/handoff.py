@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from snowcat.pipeline.fsio import (
     write_manifest,
 )
 from snowcat.stages.model import hf
-from snowcat.stages.model.io import INDEX, SINGLE, hf_state_dict, load_hf_state_dict, serving_config
+from snowcat.stages.model.io import INDEX, SINGLE, hf_state_dict, hf_tensors, load_hf_state_dict, serving_config
 from snowcat.stages.model.shards import ShardMismatch, read_shards_into, workers, write_file, write_shards
 
 STABLE = "STABLE"
@@ -67,15 +68,20 @@ class WeightHandoff:
 
     # -- trainer side ---------------------------------------------------------------------------
 
-    def publish(self, step: int, model, tokenizer=None) -> Path:
+    def publish(self, step: int, model, tokenizer=None, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> Path:
         """Write version `step` from `model` (an MoEForCausalLM) and `tokenizer`'s files; STABLE last.
-        Idempotent: a stable version is left as it is (a resumed trainer republishes the same bytes)."""
+        `tensors`: the weights as (HF hub name, tensor), consumed as they come (a sharded trainer's
+        gathers, see stages.train.with_whole_tensors); default `model`'s own. Idempotent: a stable
+        version is left as it is (a resumed trainer republishes the same bytes), `tensors` drained."""
 
         path = self.path(step)
+        tensors = hf_tensors(model.config, model.state_dict().items()) if tensors is None else tensors
         if self.is_stable(step):
+            for _ in tensors:
+                pass
             return path
         with atomic_dir(path) as tmp:
-            files = write_shards(tmp, hf_state_dict(model))  # straight from the parameters, hashed as written
+            files = write_shards(tmp, tensors)  # straight from the parameters or gathers, hashed as written
             small = {
                 MODEL_CONFIG: model.config.to_dict(),
                 hf.CONFIG: serving_config(model),
