@@ -42,13 +42,13 @@ from snowcat.pipeline.schema import HF_PREFIX, hub_id
 from snowcat.stages.agent import teacher_messages
 from snowcat.stages.agent.traces import TraceError, import_traces
 from snowcat.stages.config import SftConfig as Config
-from snowcat.stages.model import PRESETS, MoEForCausalLM, hf, load_model_dir, save_model_dir
-from snowcat.stages.model.io import load_model_config
+from snowcat.stages.model import PRESETS, MoEForCausalLM, count_params, hf, load_model_dir, open_model_dir, save_model_dir
+from snowcat.stages.model.io import copy_model_dir
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import demonstration, load_tasks, verify
 from snowcat.stages.tokenizer import message_text, train_tokenizer
-from snowcat.stages.train import Example, OptimConfig, PackedLoader, StepStats, latest_checkpoint, make_backend
+from snowcat.stages.train import Example, OptimConfig, PackedLoader, StepStats, latest_checkpoint, load_for_training, make_backend
 from snowcat.stages.train.backend import distributed, local_device, world
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
 from snowcat.stages.train.loss import sft_loss
@@ -198,21 +198,21 @@ def _plot(history: list[dict], path: Path) -> None:
     atomic_write_figure(path, fig)
 
 
-def load_pretrained(ctx, cfg: Config, rank: int, world_size: int):
-    """The `hf:` checkpoint named by `model`, with its tokenizer; its size is printed before loading."""
+def open_pretrained(ctx, cfg: Config, rank: int, world_size: int):
+    """(path, model config, tokenizer) of the `hf:` checkpoint named by `model`; its size is printed
+    before loading."""
     path = ctx.checkpoint(cfg.model, "model")
-    mcfg = load_model_config(path)
+    mcfg, tok = open_model_dir(path)
     if rank == 0:
         print(
             f"[snowcat] {cfg.model}: " + hf.describe(mcfg, backend=cfg.backend, zero_stage=cfg.zero_stage, world_size=world_size),
             flush=True,
         )
-    model, mcfg, tok = load_model_dir(path)
     if tok is None:
         raise UserError(
             f"stages.{ctx.name}.model: {cfg.model!r} ({path}) has no tokenizer (tokenizer.json + tokenizer_config.json)"
         )
-    return model, mcfg, tok
+    return path, mcfg, tok
 
 
 def lineage(ctx, cfg: Config) -> dict:
@@ -304,32 +304,34 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
         functools.partial(ctx.progress, unit="demonstrations", phase="teacher"),
     )
 
-    # Model + tokenizer: resume > init_from > fresh (seeded) init, which is saved as `initial`.
+    # Model + tokenizer: resume > init_from > fresh (seeded) init, which is saved as `initial` (a
+    # pretrained checkpoint is copied there as it is). A model directory is read by the backend
+    # (load_for_training: under fsdp each rank reads only its slices), a fresh init made here.
     resume = latest_checkpoint(ckpts)
-    if resume is not None:
-        model, mcfg, tok = load_model_dir(resume)
-    elif cfg.init_from:
-        model, mcfg, tok = load_model_dir(ctx.checkpoint(cfg.init_from, "init_from"))
+    source = resume or (ctx.checkpoint(cfg.init_from, "init_from") if cfg.init_from else None)
+    model = None
+    if source is None and (ckpts / "initial").is_dir():
+        source = ckpts / "initial"
+    if source is not None:
+        mcfg, tok = open_model_dir(source)
+    elif cfg.model.startswith(HF_PREFIX):
+        source, mcfg, tok = open_pretrained(ctx, cfg, rank, world_size)
+        if rank == 0:
+            meta = {"stage": ctx.name, "seed": ctx.seed, "step": 0, "lineage": lineage(ctx, cfg)}
+            copy_model_dir(source, ckpts / "initial", tok, meta=meta)
     else:
-        if (ckpts / "initial").is_dir():
-            model, mcfg, tok = load_model_dir(ckpts / "initial")
-        elif cfg.model.startswith(HF_PREFIX):
-            model, mcfg, tok = load_pretrained(ctx, cfg, rank, world_size)
-            if rank == 0:
-                meta = {"stage": ctx.name, "seed": ctx.seed, "step": 0, "lineage": lineage(ctx, cfg)}
-                save_model_dir(ckpts / "initial", model, tok, meta=meta)
-        else:
-            tok = train_tokenizer(tokenizer_corpus(train_tasks, demos), cfg.tokenizer_vocab_size)
-            mcfg = PRESETS[cfg.model]
-            mcfg = dataclasses.replace(mcfg, vocab_size=tok.vocab_size)
-            torch.manual_seed(ctx.seed)
-            model = MoEForCausalLM(mcfg)
-            if rank == 0:
-                save_model_dir(ckpts / "initial", model, tok, meta={"stage": ctx.name, "seed": ctx.seed, "step": 0})
+        tok = train_tokenizer(tokenizer_corpus(train_tasks, demos), cfg.tokenizer_vocab_size)
+        mcfg = PRESETS[cfg.model]
+        mcfg = dataclasses.replace(mcfg, vocab_size=tok.vocab_size)
+        torch.manual_seed(ctx.seed)
+        model = MoEForCausalLM(mcfg)
+        if rank == 0:
+            save_model_dir(ckpts / "initial", model, tok, meta={"stage": ctx.name, "seed": ctx.seed, "step": 0})
+    if tok is None:
+        raise UserError(f"stages.{ctx.name}: {source} has no tokenizer (tokenizer.json + tokenizer_config.json)")
     if tok.vocab_size > mcfg.vocab_size:
         raise UserError(f"sft: tokenizer has {tok.vocab_size} ids but the model only {mcfg.vocab_size}")
     device = local_device(ctx.local_rank)
-    model.to(device)
 
     # Data: deterministic from (tasks, tokenizer, seed); the loader's position is checkpointed.
     examples = []
@@ -355,9 +357,20 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
         weight_decay=cfg.weight_decay,
         grad_clip=cfg.grad_clip,
     )
-    num_params = model.num_params()  # counted while whole (ZeRO-3 leaves each rank a slice)
-    model.set_activation_checkpointing(cfg.activation_checkpointing)
-    backend = make_backend(cfg.backend, model, optim, zero_stage=cfg.zero_stage, expert_parallel=cfg.expert_parallel)
+    layout = {"zero_stage": cfg.zero_stage, "expert_parallel": cfg.expert_parallel}
+    if model is None:  # verified above
+        backend, _ = load_for_training(
+            source,
+            cfg.backend,
+            optim,
+            device=device,
+            activation_checkpointing=cfg.activation_checkpointing,
+            verify=False,
+            **layout,
+        )
+    else:
+        model.to(device).set_activation_checkpointing(cfg.activation_checkpointing)
+        backend = make_backend(cfg.backend, model, optim, **layout)
     # no metric during SFT: retention keeps the last `keep_last` (and records what it deletes)
     policy = RetentionPolicy(metric="val/pass@1", keep_best=1, keep_last=cfg.keep_last)
     checkpoints = Checkpoints(
@@ -383,11 +396,9 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
         "tokens_per_s": round(loop.tokens_processed / max(loop.train_seconds, 1e-9), 1),
         "final_loss": history[-1]["loss"] if history else None,
         "num_examples": len(examples),
-        "num_params": num_params,
+        "num_params": count_params(mcfg)[0],
     }
-    with backend.full_params():  # final/ holds whole weights (ZeRO-3 gathers them: every rank enters)
-        if rank == 0:
-            checkpoints.finish(meta={"stage": ctx.name, "seed": ctx.seed})
+    checkpoints.finish(meta={"stage": ctx.name, "seed": ctx.seed})  # final/: whole weights (every rank gathers)
     if rank == 0:
         if history:
             _plot(history, out / "loss_curve.png")

@@ -204,7 +204,18 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _gather(shard: torch.Tensor, group) -> torch.Tensor:
+def shard_rows(model: nn.Module) -> dict[str, tuple[slice, ExpertParallel]]:
+    """{parameter name: (the rows of the whole weight this rank's shard holds, its EP groups)} of
+    every expert shard of `model`."""
+    return {
+        f"{name}.{weight}": (m.rows, m.ep)
+        for name, m in model.named_modules()
+        if isinstance(m, ShardedExperts)
+        for weight in _WEIGHTS
+    }
+
+
+def gather_shards(shard: torch.Tensor, group) -> torch.Tensor:
     """The full tensor (shards stacked in rank order), on the CPU: one layer's full tensor at a time
     on the accelerator."""
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
@@ -221,7 +232,7 @@ def full_experts(model: nn.Module):
     wrote into them); on an exception its shards are left as they were. No forward inside."""
     swapped = [(m, name, m._parameters[name]) for m in sharded_layers(model) for name in _WEIGHTS]
     for m, name, shard in swapped:
-        m._parameters[name] = nn.Parameter(_gather(shard.detach(), m.ep.group), requires_grad=False)
+        m._parameters[name] = nn.Parameter(gather_shards(shard.detach(), m.ep.group), requires_grad=False)
     try:
         yield model
         with torch.no_grad():
@@ -237,18 +248,24 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, sd: dict | None = None) -> dict:
+def full_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, sd: dict | None = None, keep: bool = True) -> dict:
     """Collective over each EP group: `optimizer.state_dict()` (or `sd`, one taken of it) with each
     expert shard's state tensors (AdamW's moments) gathered whole, i.e. the state dict of the
     unsharded model's optimizer (the parameter order is the same): what a topology-independent
-    checkpoint stores."""
+    checkpoint stores. Not `keep`: this rank only takes part in the gathers (None in their place),
+    so only the rank that writes the state ever holds all of it."""
     owner = {id(getattr(m, name)): m for m in sharded_layers(model) for name in _WEIGHTS}
     sd = optimizer.state_dict() if sd is None else sd
     for i, p in enumerate(_optimizer_params(optimizer)):
         m = owner.get(id(p))
         if m is not None and i in sd["state"]:
-            sd["state"][i] = {k: _gather(v, m.ep.group) if _like(v, p.shape) else v for k, v in sd["state"][i].items()}
+            sd["state"][i] = {k: _gathered(v, m.ep.group, keep) if _like(v, p.shape) else v for k, v in sd["state"][i].items()}
     return sd
+
+
+def _gathered(shard: torch.Tensor, group, keep: bool) -> torch.Tensor | None:
+    whole = gather_shards(shard, group)
+    return whole if keep else None
 
 
 def shard_optimizer_state(state: dict, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:

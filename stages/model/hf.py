@@ -250,7 +250,7 @@ def describe(cfg: ModelConfig, *, dtype_bytes: int = 4, backend: str = "torch", 
     grads = weights / (shards if zero_stage >= 2 else 1)
     adam = total * 8 / (shards if zero_stage >= 1 else 1)  # AdamW's two fp32 moments
     zero = f" ZeRO-{zero_stage} over {world_size}" if sharding else ""
-    # ZeRO-3 gathers a module's weights whole around its forward and backward (and all of them to save)
+    # ZeRO-3 gathers a module's weights whole around its forward and backward (and one at a time to save)
     gathered = "; plus the weights gathered at a time" if sharding and zero_stage >= 3 else ""
     return (
         f"{hf_model_type(cfg)}: {total / 1e6:,.2f} M parameters ({active / 1e6:,.2f} M active per token); "

@@ -26,14 +26,15 @@ from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
 from snowcat.stages.algorithms import PolicyLossConfig
 from snowcat.stages.config import keep_trajectories
 from snowcat.stages.evalstats import mean_se
-from snowcat.stages.model import load_model_dir, save_model_dir
+from snowcat.stages.model import load_model_dir
+from snowcat.stages.model.io import copy_model_dir, skeleton
 from snowcat.stages.rlcore.preempt import FAILED, log
 from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logprobs
 from snowcat.stages.rlcore.transport import ReceiveBuffers, TransportError, broadcast_message, read_batch
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import selection_split
-from snowcat.stages.train import OptimConfig, StepStats, latest_checkpoint, make_backend
+from snowcat.stages.train import OptimConfig, StepStats, latest_checkpoint, load_for_training, with_whole_tensors
 from snowcat.stages.train.backend import local_device
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
 from snowcat.stages.verifiers import load_verifier
@@ -119,12 +120,6 @@ class Trainer(TrainLoop):
         self.device = local_device(ctx.local_rank)
         self.lead = ctx.rank == 0  # trainer rank 0 is world rank 0
         resume = latest_checkpoint(ckpts)
-        self.model, _, self.tok = load_model_dir(resume or self.init_path, device=self.device)
-        if self.tok is None:
-            raise UserError(f"{self.init_path}: checkpoint has no tokenizer.json")
-        if self.lead and resume is None and not (ckpts / "initial").is_dir():
-            save_model_dir(ckpts / "initial", self.model, self.tok, meta={"stage": ctx.name, "step": 0})
-        self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (self.tok.end_of_turn_id,))
         optim = OptimConfig(
             lr=cfg.lr,
             min_lr_ratio=1.0,
@@ -134,8 +129,21 @@ class Trainer(TrainLoop):
             weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
         )
-        self.model.set_activation_checkpointing(cfg.activation_checkpointing)
-        backend = make_backend(cfg.backend, self.model, optim, zero_stage=cfg.zero_stage, expert_parallel=cfg.expert_parallel)
+        backend, self.tok = load_for_training(
+            resume or self.init_path,
+            cfg.backend,
+            optim,
+            device=self.device,
+            activation_checkpointing=cfg.activation_checkpointing,
+            zero_stage=cfg.zero_stage,
+            expert_parallel=cfg.expert_parallel,
+        )
+        self.model = backend.model
+        if self.tok is None:
+            raise UserError(f"{self.init_path}: checkpoint has no tokenizer.json")
+        if self.lead and resume is None and not (ckpts / "initial").is_dir():
+            copy_model_dir(self.init_path, ckpts / "initial", self.tok, meta={"stage": ctx.name, "step": 0})
+        self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (self.tok.end_of_turn_id,))
         loss_cfg = PolicyLossConfig(
             aggregation=cfg.aggregation,
             clip_low=cfg.ppo_clip,
@@ -247,9 +255,11 @@ class Trainer(TrainLoop):
         return {key: value[lo:hi] for key, value in batch.items()} | {"policy_share": torch.tensor(share)}
 
     def after_step(self) -> None:
-        with self.backend.full_params():  # ZeRO-3: whole on every rank while rank 0 writes them
-            if self.lead:
-                self.handoff.publish(self.step, self.model, self.tok)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Collective: weight version `self.step`, written by rank 0 as the weights are gathered."""
+        with_whole_tensors(self.backend, lambda tensors: self.handoff.publish(self.step, self.model, self.tok, tensors))
 
     def record(self, stats: StepStats, batch: list[dict]) -> dict:
         k, trajs = self.step - 1, self.trajs
@@ -310,8 +320,7 @@ class Trainer(TrainLoop):
     def evaluate(self) -> dict:
         if not self.held_out or not self.cfg.eval_tasks:
             return {}
-        with self.backend.full_params():
-            model = self._eval_model() if self.lead else None
+        model = self._eval_model()
         if self.lead:  # the others wait at the checkpoint an eval is followed by
             self.eval_cache = quick_eval(
                 model,
@@ -326,15 +335,20 @@ class Trainer(TrainLoop):
         return self.eval_cache
 
     def _eval_model(self):
-        """What rank 0 samples the quick eval with: the trained model, or under ZeRO-3 (whose forward
-        gathers parameters together with every rank: rank 0 alone hung; FSDP's too) or sharded experts (all-to-alls
-        with the other ranks) a plain copy of its weights, taken while they are gathered."""
+        """What rank 0 samples the quick eval with (None on the other ranks): the trained model, or
+        under ZeRO-3 (whose forward gathers parameters together with every rank: rank 0 alone hung;
+        FSDP's too) or sharded experts (all-to-alls with the other ranks) a plain copy of its
+        weights, filled as they are gathered one at a time (collective then)."""
         if not self.backend.shards_parameters and self.backend.ep is None:
-            return self.model
-        if self.eval_copy is None:
-            self.eval_copy = load_model_dir(self.init_path, device=self.device)[0].requires_grad_(False)
+            return self.model if self.lead else None
+        if self.lead and self.eval_copy is None:
+            dtype = next(self.model.parameters()).dtype
+            self.eval_copy = skeleton(self.model.config, dtype).materialize(self.device).requires_grad_(False)
+        copy = dict(self.eval_copy.state_dict(keep_vars=True)) if self.lead else {}
         with torch.no_grad():
-            self.eval_copy.load_state_dict(self.model.state_dict())
+            for name, whole in self.backend.whole_tensors():
+                if whole is not None:
+                    copy[name].copy_(whole)
         return self.eval_copy
 
     def progress_numbers(self, rec: dict) -> dict:
@@ -366,10 +380,9 @@ class Trainer(TrainLoop):
     def run(self) -> dict:
         # Repair the handoff: drop torn/unstable versions and any "future" beyond the resumed step,
         # then (re)publish the current version so rollout ranks can start.
-        with self.backend.full_params():
-            if self.lead:
-                self.handoff.clean(keep_upto=self.step)
-                self.handoff.publish(self.step, self.model, self.tok)
+        if self.lead:
+            self.handoff.clean(keep_upto=self.step)
+        self._publish()
         if self.comm is not None:
             self.comm.bcast(self.step, root=0)
         if self.peer is not None:
@@ -398,8 +411,7 @@ class Trainer(TrainLoop):
             step = word.step if word is not None else self.step
             log(self.ctx.rank, "trainer", f"preemption: leaving after trainer rank 0's checkpoint of step {step}")
             raise
-        with self.backend.full_params():
-            pass  # rank 0 writes final/ meanwhile (ZeRO-3: with the parameters whole)
+        self.checkpoints.finish(meta={})  # rank 0 writes final/: every rank takes part in the gathers
         word = self.peer.wait_for_trainer()
         if word is not None and word.word == FAILED:
             raise RuntimeError(f"rl trainer rank {self.ctx.rank}: trainer rank 0 failed; see its traceback")
@@ -407,8 +419,7 @@ class Trainer(TrainLoop):
 
     def _train_and_finish(self) -> dict:
         self.train()
-        with self.backend.full_params():
-            self.checkpoints.finish(meta={"stage": self.ctx.name, "seed": self.ctx.seed})
+        self.checkpoints.finish(meta={"stage": self.ctx.name, "seed": self.ctx.seed})
         history = self.log.records
         metrics = {
             "updates": self.step,

@@ -1,9 +1,12 @@
 """Train-step backends: one optimizer step over a list of micro-batches, behind one small API.
 
     backend = make_backend("torch" | "fsdp" | "deepspeed", model, optim_cfg, zero_stage=..., expert_parallel=...)
+    backend, tok = load_for_training(model_dir, "fsdp", optim_cfg, device=...)   # the same, from a model directory
     stats = backend.train_step(micro_batches, loss_fn)   # -> StepStats; loss_fn(model, batch, n_tokens, n_micro)
     backend.save_state(dir) / backend.load_state(dir)     # optimizer + schedule + step (collective)
-    with backend.full_params(): ...                       # whole weights (ZeRO-3 gathers; collective)
+    backend.load_weights(model_dir)                       # each rank reads the rows it holds
+    for name, whole in backend.whole_tensors(): ...       # whole weights one at a time on rank 0 (collective)
+    with backend.full_params(): ...                       # all whole weights on every rank (collective)
 
 `torch`: single process, or DDP when a process group is initialised (gloo on CPU, NCCL on GPU).
 `fsdp`: torch FSDP2, ZeRO-3 over the same process group; with expert parallelism (`torch` too).
@@ -11,6 +14,13 @@
 All normalise the loss by the step's total target-token count across micro-batches and ranks, so
 the update does not depend on how a step is split into micro-batches or ranks.
 Mixed precision: bf16 autocast on GPU, plain fp32 on CPU (deterministic there).
+
+Memory at scale: under fsdp no rank ever holds the whole model. `load_for_training` builds it on
+the meta device, shards it, and each rank allocates and reads only its rows of each weight from
+the memory-mapped files; `whole_tensors` gathers one weight at a time for rank 0 to write (model
+directories, weight versions), and the optimizer's moments are gathered one tensor at a time,
+kept by rank 0 only. The replicated backends (torch, deepspeed) load the whole model on every
+rank, as their ranks hold it whole anyway.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,9 +47,20 @@ from snowcat.stages.model.expert_parallel import (
     expert_parameters,
     full_experts,
     full_optimizer_state,
+    gather_shards,
     reduce_expert_grads,
     shard_experts,
     shard_optimizer_state,
+    shard_rows,
+)
+from snowcat.stages.model.io import (
+    WeightReader,
+    distinct_tensors,
+    load_hf_state_dict,
+    load_weights,
+    open_model_dir,
+    read_tensors,
+    skeleton,
 )
 
 from . import canonical
@@ -145,11 +167,11 @@ class TorchBackend:
     ep = None  # this rank's expert-parallel groups when the experts are sharded
     shards_parameters = False  # True: a forward needs every rank (each holds a slice of each weight)
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1):
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1, device=None):
         self.cfg = cfg
         self.model = model
         self.rank, self.world_size = world()
-        self.device = next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.wrapped = model
         if expert_parallel > 1:  # shard from the full weights, and keep the shards out of DDP
             check_expert_parallel(model.config, expert_parallel, self.world_size)
@@ -223,8 +245,11 @@ class TorchBackend:
         return float(clipped)
 
     def _whole_optimizer_state(self) -> dict:
-        """`optimizer.state_dict()` of the unsharded model (collective): expert shards' state gathered."""
-        return self.optimizer.state_dict() if self.ep is None else full_optimizer_state(self.optimizer, self.model)
+        """`optimizer.state_dict()` of the unsharded model on rank 0 (collective): expert shards'
+        state gathered; the other ranks take part and keep none of the gathered tensors."""
+        if self.ep is None:
+            return self.optimizer.state_dict()
+        return full_optimizer_state(self.optimizer, self.model, keep=self.rank == 0)
 
     def _local_optimizer_state(self, whole: dict) -> dict:
         """The inverse of `_whole_optimizer_state`: this rank's part, for `optimizer.load_state_dict`."""
@@ -243,7 +268,8 @@ class TorchBackend:
         # on the CPU: load_state_dict moves each state tensor to its parameter's device, but keeps
         # AdamW's `step` where it was loaded, and a fresh run keeps it on the CPU (else a resumed
         # GPU run pickles it as a CUDA tensor: other bytes for the same state)
-        sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False)
+        # sharded: memory-mapped, so a rank reads only the rows it keeps (_local_optimizer_state copies them)
+        sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False, mmap=self.shards_parameters)
         if "optimizer" not in sd:
             raise UserError(f"{dir}: not a torch or fsdp backend's trainer state (written by backend: deepspeed?)")
         self.optimizer.load_state_dict(self._local_optimizer_state(sd["optimizer"]))
@@ -254,6 +280,58 @@ class TorchBackend:
         """Context in which `self.model`'s parameters are whole on every rank (ZeRO-3 gathers, expert
         shards gathered); collective. `modify`: writes to them inside are kept."""
         return contextlib.nullcontext() if self.ep is None else full_experts(self.model)
+
+    # ---------------------------------------------------------------- weights, one tensor at a time
+
+    def whole_tensors(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(name, whole tensor) of each state-dict tensor of the unsharded model, in its order, a tied
+        weight once: the tensor on rank 0 (gathered where ranks hold slices of it, one weight at a
+        time, so no rank ever holds more than one gathered weight), None on the others. Collective
+        where weights are sharded: every rank iterates it to the end, in step."""
+        experts = shard_rows(self.model)
+        for name, t in distinct_tensors(self.model):
+            if name in experts:
+                whole = gather_shards(t.detach(), experts[name][1].group)
+            elif isinstance(t, DTensor):
+                whole = t.detach().full_tensor()
+            else:
+                whole = t.detach()
+            yield name, whole if self.rank == 0 else None
+
+    def load_weights(self, path) -> None:
+        """The weights of model directory `path` into the model, each rank reading only the rows it
+        holds: all of a replicated weight, its slice of a sharded one (fsdp, expert shards), from the
+        memory-mapped files. No collective. UserError naming the directory where it does not match."""
+        experts = shard_rows(self.model)
+        with torch.no_grad(), WeightReader(path, self.model.config) as weights:
+            tensors = list(distinct_tensors(self.model))
+            weights.check(name for name, _ in tensors)
+            for name, t in tensors:
+                if name in experts:
+                    rows = experts[name][0]
+                    local, start, stop = t, rows.start, rows.stop
+                elif isinstance(t, DTensor):
+                    local, (start, stop) = t.to_local(), _shard_rows(t)
+                else:
+                    local, start, stop = t, 0, t.shape[0]
+                part = weights.rows(name, start, stop)
+                if part.shape != local.shape:
+                    raise UserError(
+                        f"{path}: {name} rows {start}..{stop} have shape {list(part.shape)}, the model {list(local.shape)}"
+                    )
+                local.copy_(part)
+
+
+def _shard_rows(t: DTensor) -> tuple[int, int]:
+    """The rows [start, stop) of the whole tensor that this rank's local shard of FSDP's Shard(0)
+    placement holds (torch.chunk's split: ceil(n / ranks) rows each, the last ranks fewer or none)."""
+    (placement,) = t.placements
+    if not placement.is_shard(0):
+        raise RuntimeError(f"expected FSDP's Shard(0) placement, got {placement}")
+    n, ranks, rank = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
+    chunk = -(-n // ranks)
+    start = min(n, rank * chunk)
+    return start, min(n, start + chunk)
 
 
 class DeepSpeedBackend(TorchBackend):
@@ -440,6 +518,22 @@ class DeepSpeedBackend(TorchBackend):
             return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=0 if modify else None)
         return contextlib.nullcontext()
 
+    def whole_tensors(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        if self.zero_stage != 3:
+            yield from super().whole_tensors()
+            return
+        import deepspeed  # noqa: PLC0415 (optional extra)
+
+        for name, p in distinct_tensors(self.model):
+            with deepspeed.zero.GatheredParameters([p]):  # a copy: the gathered memory is freed on exit
+                whole = p.detach().clone() if self.rank == 0 else None
+            yield name, whole
+
+    def load_weights(self, path) -> None:
+        """Every rank reads the whole model; stage 3 keeps rank 0's (scattered to the partitions)."""
+        with self.full_params(modify=True), torch.no_grad():
+            load_hf_state_dict(self.model, {k: v.to(self.device) for k, v in read_tensors(path).items()})
+
 
 class FSDPBackend(TorchBackend):
     """ZeRO-3 through torch's FSDP2 (`fully_shard`): parameters, gradients and AdamW moments sharded
@@ -455,12 +549,12 @@ class FSDPBackend(TorchBackend):
     name = "fsdp"
     shards_parameters = True
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1):
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1, device=None):
         if not dist.is_initialized():  # one process: a group of itself, as DeepSpeed forms one
             init_process_group(rendezvous(env={}))
         self.cfg, self.model = cfg, model
         self.rank, self.world_size = world()
-        self.device = next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if expert_parallel > 1:
             check_expert_parallel(model.config, expert_parallel, self.world_size)
             self.ep = expert_parallel_groups(expert_parallel)
@@ -470,6 +564,8 @@ class FSDPBackend(TorchBackend):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, ignored_params=ignored & set(layer.parameters()))
         fully_shard(model, mesh=mesh, ignored_params=ignored)
+        if next(model.parameters()).device.type == "meta":  # built without memory: allocate the shards only
+            model.materialize(self.device)  # (uninitialised: load_weights fills them)
         self.wrapped = model
         self.optimizer, self.scheduler = build_optimizer(model, cfg)
         self.step = 0
@@ -543,35 +639,44 @@ class FSDPBackend(TorchBackend):
             yield self.model
 
     def _whole_optimizer_state(self) -> dict:
+        """Rank 0's is the whole state; the other ranks take part in each gather and keep none of it."""
         sd = self.optimizer.state_dict()
-        for i, state in sd["state"].items():  # moments whole (collective), the step as it is
-            sd["state"][i] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        for i, state in sd["state"].items():  # moments whole (collective, one at a time), the step as it is
+            sd["state"][i] = {k: self._rank0(v.full_tensor()) if isinstance(v, DTensor) else v for k, v in state.items()}
         if self.ep is not None:  # and the expert shards' moments gathered as the torch backend does
-            sd = full_optimizer_state(self.optimizer, self.model, sd)
+            sd = full_optimizer_state(self.optimizer, self.model, sd, keep=self.rank == 0)
         return sd
+
+    def _rank0(self, t: torch.Tensor) -> torch.Tensor | None:
+        return t.cpu() if self.rank == 0 else None
 
     def _local_optimizer_state(self, whole: dict) -> dict:
         optimizer = super()._local_optimizer_state(whole)  # the expert shards' rows
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         for i, p in enumerate(params):
             if isinstance(p, DTensor) and i in optimizer["state"]:
-                optimizer["state"][i] = {
-                    # every rank read the whole file: each cuts its own shard, no scatter
-                    k: distribute_tensor(v.to(self.device), p.device_mesh, p.placements, src_data_rank=None)
-                    if torch.is_tensor(v) and v.shape == p.shape
-                    else v
-                    for k, v in optimizer["state"][i].items()
-                }
+                optimizer["state"][i] = {k: self._local(v, p) for k, v in optimizer["state"][i].items()}
         return optimizer
 
+    def _local(self, v, p: DTensor):
+        """This rank's rows of a whole state tensor `v` of parameter `p`, in memory of its own (the
+        file is memory-mapped: every rank maps it whole and copies out only its shard, no scatter)."""
+        if not (torch.is_tensor(v) and v.shape == p.shape):
+            return v
+        start, stop = _shard_rows(p)
+        local = v[start:stop].to(self.device, copy=True)
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
-def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert_parallel: int = 1, **options):
-    """`options`: backend-specific keywords (DeepSpeedBackend's persistence_threshold). On several
-    ranks the MoE's router losses balance the whole data-parallel batch (balance_router_over)."""
+
+def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert_parallel: int = 1, device=None, **options):
+    """`options`: backend-specific keywords (DeepSpeedBackend's persistence_threshold). `device`: where
+    the weights live (default: where the model's are; fsdp takes a model on the meta device, see
+    `load_for_training`). On several ranks the MoE's router losses balance the whole data-parallel
+    batch (balance_router_over)."""
     if name == "torch":
-        backend = TorchBackend(model, cfg, expert_parallel=expert_parallel)
+        backend = TorchBackend(model, cfg, expert_parallel=expert_parallel, device=device)
     elif name == "fsdp":
-        backend = FSDPBackend(model, cfg, expert_parallel=expert_parallel)
+        backend = FSDPBackend(model, cfg, expert_parallel=expert_parallel, device=device)
     elif name == "deepspeed":
         if expert_parallel > 1:  # ZeRO would treat the shards as replicated parameters
             raise UserError(f"expert_parallel={expert_parallel} needs backend: torch or fsdp (deepspeed shards differently)")
@@ -581,3 +686,24 @@ def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert
     if backend.world_size > 1 and hasattr(model, "balance_router_over"):
         model.balance_router_over(dist.group.WORLD)
     return backend
+
+
+def load_for_training(
+    path, name: str, cfg: OptimConfig, *, device, activation_checkpointing: bool = False, verify: bool = True, **backend_options
+):
+    """(backend, tokenizer) for training the model of directory `path` with backend `name`
+    (`backend_options`: make_backend's). fsdp builds the model on the meta device, shards it, and
+    each rank reads only its rows of each weight; the replicated backends load it whole, then wrap
+    it. The directory's sha256 manifest is checked first (`verify`)."""
+    path = Path(path)
+    mcfg, tokenizer = open_model_dir(path, verify)
+    if name == "fsdp":
+        with WeightReader(path, mcfg) as weights:
+            model = skeleton(mcfg, weights.dtype())
+    else:
+        model = load_weights(path, mcfg, device)
+    model.set_activation_checkpointing(activation_checkpointing)
+    backend = make_backend(name, model, cfg, device=device, **backend_options)
+    if name == "fsdp":
+        backend.load_weights(path)
+    return backend, tokenizer

@@ -10,8 +10,9 @@
         trainer_state/rng_rank00000.pt ...    torch / numpy / python RNG of every rank
         manifest.json                         sha256 of every file, written last
 
-Nothing in it depends on the number of ranks that wrote it: weights are whole (ZeRO-3 gathers them),
-so are optimizer moments, and the loader's position counts global batches. A run resumes on another
+Nothing in it depends on the number of ranks that wrote it: weights are whole (gathered one tensor
+at a time for rank 0 to write), so are optimizer moments, and the loader's position counts global
+batches; each rank loads back only the rows it holds. A run resumes on another
 number of ranks with the same weights, optimizer state and data; a rank without an RNG snapshot of
 its own (more ranks than before) keeps its seeded generators (training draws nothing from them).
 
@@ -26,6 +27,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from snowcat.pipeline.fsio import verify_manifest
-from snowcat.stages.model.io import load_hf_state_dict, read_tensors, save_model_dir
+from snowcat.stages.model.io import hf_tensors, save_model_dir
 
 from . import canonical
 
@@ -75,7 +77,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(
-    path, backend, tokenizer=None, client_state: dict | None = None, meta: dict | None = None, max_shard_bytes: int = 4 << 30
+    path, backend, tokenizer=None, client_state: dict | None = None, meta: dict | None = None, max_shard_bytes: int | None = None
 ) -> Path:
     """Collective: every rank calls it. Returns the checkpoint path."""
 
@@ -91,29 +93,40 @@ def save_checkpoint(
     if rank == 0:
         canonical.save({"step": backend.step, **(client_state or {})}, staging / STATE / "client.pt")
     _barrier(world_size)
-    with backend.full_params():
-        if rank == 0:
-            meta = {"step": backend.step, "backend": backend.name, "world_size": world_size, **(meta or {})}
-            save_model_dir(
-                path,
-                backend.model,
-                tokenizer,
-                meta=meta,
-                max_shard_bytes=max_shard_bytes,
-                extra_files={STATE: lambda dst: os.replace(staging / STATE, dst)},
-            )
-            shutil.rmtree(staging, ignore_errors=True)
+    meta = {"step": backend.step, "backend": backend.name, "world_size": world_size, **(meta or {})}
+    extra = {STATE: lambda dst: os.replace(staging / STATE, dst)}
+    save_weights(path, backend, tokenizer, meta=meta, max_shard_bytes=max_shard_bytes, extra_files=extra)
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
     _barrier(world_size)
     return path
+
+
+def with_whole_tensors(backend, write: Callable[[Iterator[tuple[str, torch.Tensor]]], object]):
+    """Collective: `write(tensors)` on rank 0, `tensors` the model's whole weights under HF hub
+    names, each gathered as `write` consumes it; the other ranks take part in every gather. Returns
+    what `write` returns (None on the other ranks)."""
+    stream = backend.whole_tensors()
+    result = write(hf_tensors(backend.model.config, stream)) if backend.rank == 0 else None
+    for _ in stream:  # the other ranks (and rank 0, had `write` stopped early) gather to the end
+        pass
+    return result
+
+
+def save_weights(path, backend, tokenizer=None, meta: dict | None = None, **options) -> Path:
+    """Collective: model directory `path` of the backend's model (rank 0 writes; `options`:
+    save_model_dir's), without any rank holding more than one whole weight beyond the shards being written."""
+    with_whole_tensors(
+        backend, lambda tensors: save_model_dir(path, backend.model, tokenizer, meta=meta, tensors=tensors, **options)
+    )
+    return Path(path)
 
 
 def load_checkpoint(path, backend) -> dict:
     """Restore weights, optimizer/schedule, this rank's RNG; returns the client state (step, loader...)."""
 
     path = Path(path)
-    with backend.full_params(modify=True):
-        with torch.no_grad():
-            load_hf_state_dict(backend.model, {k: v.to(backend.device) for k, v in read_tensors(path).items()})
+    backend.load_weights(path)
     backend.load_state(path / STATE)
     rng = path / STATE / f"rng_rank{backend.rank:05d}.pt"
     if rng.is_file():

@@ -19,10 +19,9 @@ from pathlib import Path
 from snowcat.pipeline.fsio import atomic_write_text
 from snowcat.pipeline.history import History
 from snowcat.pipeline.retention import Retention, RetentionPolicy
-from snowcat.stages.model.io import save_model_dir
 
 from .backend import StepStats
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, seed_rng, step_name
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_weights, seed_rng, step_name
 
 
 class Checkpoints:
@@ -61,9 +60,12 @@ class Checkpoints:
         self.last_saved = step
         return True
 
-    def finish(self, meta: dict) -> str:
-        """Rank 0: write `final/` (the trained model) and `best`; returns the name `best` points to."""
-        save_model_dir(self.root / "final", self.backend.model, self.tokenizer, meta={**meta, "step": self.backend.step})
+    def finish(self, meta: dict) -> str | None:
+        """Collective: `final/` (the trained model) and, by rank 0, `best`; returns the name `best`
+        points to (None on the other ranks)."""
+        save_weights(self.root / "final", self.backend, self.tokenizer, meta={**meta, "step": self.backend.step})
+        if self.retention is None:
+            return None
         best_step = self.retention.best()
         best = step_name(best_step) if best_step is not None else "final"
         atomic_write_text(self.root / "best", best + "\n")
