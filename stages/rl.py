@@ -242,9 +242,12 @@ def run(ctx) -> dict:
     if role == "both":
         trainer.local_rollout = Rollout(ctx, cfg, pool, handoff, transport)
     try:
-        return trainer.run()
-    finally:
+        metrics = trainer.run()
+    except BaseException:
         leave_distributed()
+        raise
+    leave_distributed(together=True)
+    return metrics
 
 
 def _run_rollout(ctx, cfg: Config, comm, lay: Layout, control: RolloutControl, pool, handoff, transport) -> dict:
