@@ -272,8 +272,11 @@ class MoEForCausalLM(nn.Module):
 
     def materialize(self, device) -> MoEForCausalLM:
         """Allocate a model built on the meta device on `device`, uninitialised (weights are loaded
-        into it next), with the RoPE buffer, which no checkpoint holds, computed."""
+        into it next), with the RoPE buffer, which no checkpoint holds, computed. A tied head stays
+        tied (to_empty gives every parameter new memory of its own: the head, never loaded, kept it)."""
         self.to_empty(device=device)
+        if self.config.tie_word_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.model.inv_freq = rope_inv_freq(self.config, device)
         return self
 
