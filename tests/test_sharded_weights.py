@@ -1,6 +1,7 @@
 """Weights that never sit whole on a rank: the streaming shard writer, row-range reads of a model
-directory, and the fsdp backend (with and without experts sharded) loading only each rank's rows
-and writing whole, byte-identical model directories one gathered weight at a time.
+directory, and the fsdp backend (with and without experts sharded) loading only each rank's rows,
+writing whole, byte-identical model directories one gathered weight at a time, and giving the RL
+reference and behaviour weights as copies sharded the same way.
 
 The distributed part runs a gloo pair beside a single process (test_zero3.one_and_two_ranks): the
 single process writes the reference directories with the torch backend, the pair loads a model
@@ -19,7 +20,7 @@ import pytest
 import torch
 from test_train import MICRO, toy_examples
 from test_train_distributed import join_gloo
-from test_zero3 import CFG, OPTIM, WEIGHT_ATOL, one_and_two_ranks
+from test_zero3 import CFG, OPTIM, PARAMS, WEIGHT_ATOL, one_and_two_ranks, rl_batch
 from torch.distributed.tensor import DTensor
 
 from snowcat.pipeline.errors import UserError
@@ -27,7 +28,8 @@ from snowcat.pipeline.fsio import atomic_dir, read_json
 from snowcat.stages.model import MoEForCausalLM, load_model_dir, save_model_dir
 from snowcat.stages.model.io import WeightReader, copy_model_dir, hf_state_dict
 from snowcat.stages.model.shards import write_shards
-from snowcat.stages.train import PackedLoader, load_for_training, save_weights
+from snowcat.stages.rlcore.trainer import sampled_logprobs
+from snowcat.stages.train import PackedLoader, load_for_training, make_backend, save_weights
 from snowcat.stages.train.loss import sft_loss
 
 SHARD = 20_000  # bytes: the test-micro model in several files, experts of one layer split across two
@@ -87,6 +89,21 @@ def test_row_ranges_are_the_rows_of_the_loaded_weights(tmp_path, tie):
                 assert part.shape == t[start:stop].shape and torch.equal(part, t[start:stop]), (name, start, stop)
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_frozen_copy_holds_the_directory_s_weights(tmp_path, tie):
+    """What the RL reference and behaviour weights are under a replicated backend: a tied head stays
+    the embeddings (a copy that lost the tie sampled from uninitialised memory)."""
+    cfg = dataclasses.replace(MICRO, tie_word_embeddings=tie)
+    path = _saved(tmp_path / "m", cfg=cfg)
+    model, _, _ = load_model_dir(path)
+    frozen = make_backend("torch", model, OPTIM).frozen_copy(path)
+    assert (frozen.lm_head.weight is frozen.model.embed_tokens.weight) == tie
+    assert not any(p.requires_grad for p in frozen.parameters())
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(frozen.logits(frozen(ids).hidden), model.logits(model(ids).hidden))
+
+
 def test_a_directory_of_another_model_is_refused_naming_it(tmp_path):
     path = _saved(tmp_path / "m")
     more = dataclasses.replace(MICRO, num_experts=MICRO.num_experts * 2)
@@ -115,6 +132,7 @@ def _work(rank, world, port, tmp, _tasks, one_saved, two_saved) -> dict:
     out: dict = {}
     if world == 1:  # the references: a replicated backend's directories of the same weights
         backend, _ = load_for_training(src, "torch", OPTIM, device="cpu")
+        out["frozen_logprobs"] = _frozen_logprobs(backend, src, [0, 1, 2, 3])
         save_weights(tmp / "torch_copy", backend)
         _train_step(backend, rank, world)
         save_weights(tmp / "torch_trained", backend, max_shard_bytes=SHARD)
@@ -133,7 +151,10 @@ def _work(rank, world, port, tmp, _tasks, one_saved, two_saved) -> dict:
         finally:
             WeightReader.rows = rows
         held = {n: p.to_local().numel() if isinstance(p, DTensor) else p.numel() for n, p in backend.model.named_parameters()}
-        out[name] = {"reads": reads, "held": held}
+        out[name] = {"reads": reads, "held": held, "frozen_logprobs": _frozen_logprobs(backend, src, [2 * rank, 2 * rank + 1])}
+        out[name]["frozen_sharded"] = all(
+            isinstance(p, DTensor) for p in backend.frozen_copy().model.layers[0].self_attn.parameters()
+        )
         save_weights(tmp / f"{name}_copy", backend)
         _train_step(backend, rank, world)
         out[name]["optimizer_tensors_kept"] = sum(
@@ -141,6 +162,15 @@ def _work(rank, world, port, tmp, _tasks, one_saved, two_saved) -> dict:
         )
         save_weights(tmp / f"{name}_trained", backend, max_shard_bytes=SHARD)
     return out
+
+
+def _frozen_logprobs(backend, src: Path, rows: list[int]) -> torch.Tensor:
+    """Sampled logprobs of an RL batch's `rows` under the backend's frozen copy of `src` (the RL
+    reference and behaviour weights: sharded as the trained model under fsdp, every rank in step)."""
+    frozen = backend.frozen_copy(src)
+    assert not any(p.requires_grad for p in frozen.parameters())
+    with torch.no_grad():
+        return sampled_logprobs(frozen, rl_batch(rows), PARAMS)[0]
 
 
 def _train_step(backend, rank, world) -> None:
@@ -174,6 +204,10 @@ def test_fsdp_reads_only_its_rows_and_writes_whole_directories_byte_identical(tm
         mine, ref = load_model_dir(tmp_path / f"{name}_trained")[0], load_model_dir(tmp_path / "torch_trained")[0]
         for n, t in hf_state_dict(ref).items():
             torch.testing.assert_close(hf_state_dict(mine)[n], t, rtol=1e-4, atol=WEIGHT_ATOL)
+        # the frozen copy (RL reference / behaviour weights): sharded, and the whole model's logprobs
+        assert results[(2, 0)][name]["frozen_sharded"]
+        pair = torch.cat([results[(2, r)][name]["frozen_logprobs"] for r in (0, 1)])
+        torch.testing.assert_close(pair, results[(1, 0)]["frozen_logprobs"], rtol=1e-5, atol=1e-6)
         # the optimizer's moments gathered for a checkpoint: kept by the writer only
         assert results[(2, 0)][name]["optimizer_tensors_kept"] > 0
         assert results[(2, 1)][name]["optimizer_tensors_kept"] == 0

@@ -309,26 +309,42 @@ class TorchBackend:
 
     def load_weights(self, path) -> None:
         """The weights of model directory `path` into the model, each rank reading only the rows it
-        holds: all of a replicated weight, its slice of a sharded one (fsdp, expert shards), from the
-        memory-mapped files. No collective. UserError naming the directory where it does not match."""
-        experts = shard_rows(self.model)
-        with torch.no_grad(), WeightReader(path, self.model.config) as weights:
-            tensors = list(distinct_tensors(self.model))
-            weights.check(name for name, _ in tensors)
-            for name, t in tensors:
-                if name in experts:
-                    rows = experts[name][0]
-                    local, start, stop = t, rows.start, rows.stop
-                elif isinstance(t, DTensor):
-                    local, (start, stop) = t.to_local(), _shard_rows(t)
-                else:
-                    local, start, stop = t, 0, t.shape[0]
-                part = weights.rows(name, start, stop)
-                if part.shape != local.shape:
-                    raise UserError(
-                        f"{path}: {name} rows {start}..{stop} have shape {list(part.shape)}, the model {list(local.shape)}"
-                    )
-                local.copy_(part)
+        holds (`load_rows`). No collective."""
+        load_rows(self.model, path)
+
+    def frozen_copy(self, path=None) -> torch.nn.Module:
+        """A forward-only model of the trained one's config in its dtype, with the weights of model
+        directory `path` (uninitialised without one: weights are about to be loaded into it), laid
+        out as this backend holds weights: whole here (the RL reference and behaviour weights)."""
+        dtype = next(self.model.parameters()).dtype
+        model = skeleton(self.model.config, dtype).materialize(self.device).requires_grad_(False)
+        if path is not None:
+            load_rows(model, path)
+        return model
+
+
+def load_rows(model: torch.nn.Module, path) -> None:
+    """The weights of model directory `path` into `model`, each rank reading only the rows it holds:
+    all of a replicated weight, its slice of a sharded one (an FSDP DTensor, an expert shard), from
+    the memory-mapped files. No collective. UserError naming the directory where it does not match."""
+    experts = shard_rows(model)
+    with torch.no_grad(), WeightReader(path, model.config) as weights:
+        tensors = list(distinct_tensors(model))
+        weights.check(name for name, _ in tensors)
+        for name, t in tensors:
+            if name in experts:
+                rows = experts[name][0]
+                local, start, stop = t, rows.start, rows.stop
+            elif isinstance(t, DTensor):
+                local, (start, stop) = t.to_local(), _shard_rows(t)
+            else:
+                local, start, stop = t, 0, t.shape[0]
+            part = weights.rows(name, start, stop)
+            if part.shape != local.shape:
+                raise UserError(
+                    f"{path}: {name} rows {start}..{stop} have shape {list(part.shape)}, the model {list(local.shape)}"
+                )
+            local.copy_(part)
 
 
 def _shard_rows(t: DTensor) -> tuple[int, int]:
@@ -567,17 +583,33 @@ class FSDPBackend(TorchBackend):
         if expert_parallel > 1:
             check_expert_parallel(model.config, expert_parallel, self.world_size)
             self.ep = expert_parallel_groups(expert_parallel)
-            shard_experts(model, self.ep)
-        ignored = set(expert_parameters(model).values())
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, ignored_params=ignored & set(layer.parameters()))
-        fully_shard(model, mesh=mesh, ignored_params=ignored)
-        if next(model.parameters()).device.type == "meta":  # built without memory: allocate the shards only
-            model.materialize(self.device)  # (uninitialised: load_weights fills them)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self._shard(model)
         self.wrapped = model
         self.optimizer, self.scheduler = build_optimizer(model, cfg)
         self.step = 0
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        """Shard `model` as this backend does: the experts over the EP group (cut from its weights),
+        the rest by FSDP per decoder layer and at the root. Built on the meta device, only the
+        shards are then allocated (uninitialised: load_rows fills them)."""
+        if self.ep is not None:
+            shard_experts(model, self.ep)
+        ignored = set(expert_parameters(model).values())
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=self.mesh, ignored_params=ignored & set(layer.parameters()))
+        fully_shard(model, mesh=self.mesh, ignored_params=ignored)
+        if next(model.parameters()).device.type == "meta":
+            model.materialize(self.device)
+
+    def frozen_copy(self, path=None) -> torch.nn.Module:
+        """Sharded as the trained model is, so no rank holds it whole: every trainer rank must run
+        each of its forwards in step (as the trained model's)."""
+        model = skeleton(self.model.config, next(self.model.parameters()).dtype).requires_grad_(False)
+        self._shard(model)
+        if path is not None:
+            load_rows(model, path)
+        return model
 
     def _no_sync(self, last: bool):
         self.model.set_requires_gradient_sync(last)  # accumulate unsharded; reduce-scatter on the last
