@@ -1,21 +1,28 @@
-"""Peak memory per rank of one training step: DDP against ZeRO and expert parallelism, side by side.
+"""Peak memory per rank of loading, training and saving a model: DDP against ZeRO and expert parallelism, side by side.
 
     snowcat bench trainer-memory [--hidden 384 --layers 6 --experts 16 --vocab 16384]
                                  [--modes ddp,zero2,zero3,ddp+ep2,fsdp,fsdp+ep2]
-                                 [--rows 2 --seq 256] [--json FILE]
+                                 [--rows 2 --seq 256] [--shard-mib 16] [--json FILE]
 
-Every mode runs as 2 gloo ranks on the CPU, each rank a fresh process (so no two measurements
-share a high-water mark), one mode after the other. A rank builds the model from the same seed,
-wraps it in the mode's train-step backend (`stages.train.make_backend`) and takes one optimizer
-step (AdamW) of `--rows` x `--seq` random tokens through the SFT loss. Memory is the resident
-high-water mark (VmHWM) above `start` (torch, deepspeed and snowcat imported, process group
-joined): `setup` while building the model and backend; `held` resident just before the step;
-`step` during the step (the mark is reset before it, so it counts what training holds and
-allocates, not a transient of the setup). The ratios compare each mode's largest rank with DDP's
-(< 1: less memory), for the step and for the whole run (`peak`, the larger of the two). Every
-mode is measured twice: with glibc's allocator as a run has it, and with its mmap threshold
-fixed, so that RSS follows the live tensors rather than what the allocator kept of freed ones
-(see ALLOCATORS).
+The model (seed 0) is written once as a model directory. Every mode runs as 2 gloo ranks on the
+CPU, each rank a fresh process (so no two measurements share a high-water mark), one mode after
+the other. A rank loads the directory into the mode's train-step backend
+(`stages.train.load_for_training`), takes one optimizer step (AdamW) of `--rows` x `--seq` random
+tokens through the SFT loss, and writes the trained weights whole as a model directory
+(`stages.train.save_weights`: what a checkpoint, `final/` or a weight version writes; rank 0
+writes, in shards of `--shard-mib`, so that this model spans several shards as a large one spans
+its 256 MiB shards). Memory is the resident high-water mark (VmHWM) above `start` (torch,
+deepspeed and snowcat imported, process group joined): `setup` while loading the model into the
+backend; `held` resident just before the step; `step` during the step and `save` during the
+write (the mark is reset before each, so each counts what that phase holds and allocates, not a
+transient of the one before); `save_added` is what the write adds to the RSS the trained state had
+before it (rank 0 gathers and writes: under fsdp a weight at a time and the shards in flight, under
+the replicated backends straight from the parameters). `setup` counts the pages of the
+memory-mapped files a rank read (page cache, reclaimable) beside what it allocated. The ratios compare each mode's largest rank with DDP's (< 1: less
+memory), for setup, step, save and the whole run (`peak`, the largest of the three). Every mode is
+measured twice: with glibc's allocator as a run has it, and with its mmap threshold fixed, so
+that RSS follows the live tensors rather than what the allocator kept of freed ones (see
+ALLOCATORS).
 
 Modes: `ddp` (torch backend: DistributedDataParallel), `zero2` (DeepSpeed ZeRO-2: optimizer state
 and gradients partitioned), `zero3` (ZeRO-3: the parameters too; the backend's DeepSpeed
@@ -35,6 +42,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from snowcat.pipeline.errors import UserError
@@ -71,9 +79,13 @@ def hwm_kib():  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the pa
     return status_kib("VmHWM")
 
 
+def reset_hwm():
+    with open("/proc/self/clear_refs", "w") as f:  # "5": the high-water mark restarts from the current RSS
+        f.write("5")
+
+
 import deepspeed, torch  # every mode imports the same: one baseline
-from snowcat.stages.model import MoEForCausalLM, ModelConfig
-from snowcat.stages.train import OptimConfig, make_backend
+from snowcat.stages.train import OptimConfig, load_for_training, save_weights
 from snowcat.stages.train.backend import init_distributed, leave_distributed
 from snowcat.stages.train.loss import sft_loss
 
@@ -82,29 +94,31 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)  # two ranks on the same cores
 init_distributed(world)
 start = hwm_kib()
-cfg = ModelConfig(**spec["model"])
-torch.manual_seed(0)
-model = MoEForCausalLM(cfg)
 optim = OptimConfig(lr=1e-4, warmup_steps=0, total_steps=10)
-backend = make_backend(spec["backend"], model, optim, zero_stage=spec["zero_stage"], expert_parallel=spec["expert_parallel"])
+options = {"zero_stage": spec["zero_stage"], "expert_parallel": spec["expert_parallel"]}
+backend, _ = load_for_training(spec["model_dir"], spec["backend"], optim, device="cpu", verify=False, **options)
 setup = hwm_kib()
 g = torch.Generator().manual_seed(1 + rank)
 rows, seq = spec["rows"], spec["seq"]
-ids = torch.randint(0, cfg.vocab_size, (rows, seq + 1), generator=g)
+ids = torch.randint(0, backend.model.config.vocab_size, (rows, seq + 1), generator=g)
 batch = {
     "input_ids": ids[:, :-1],
     "targets": ids[:, 1:],
     "segment_ids": torch.zeros(rows, seq, dtype=torch.long),
     "position_ids": torch.arange(seq).expand(rows, seq).contiguous(),
 }
-with open("/proc/self/clear_refs", "w") as f:  # "5": the high-water mark restarts from the current RSS
-    f.write("5")
+reset_hwm()
 held = status_kib("VmRSS")
 stats = backend.train_step([batch], sft_loss)
 step = hwm_kib()
+reset_hwm()
+trained = status_kib("VmRSS")
+save_weights(spec["save_to"], backend, max_shard_bytes=spec["shard_bytes"])
+saved = hwm_kib()
 loss = float(stats.sums["nll_sum"]) / stats.tokens
-print(json.dumps({"rank": rank, "start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "local_nll": loss}), flush=True)
-leave_distributed()
+report = {"start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "trained_kib": trained, "save_kib": saved}
+print(json.dumps({"rank": rank, **report, "local_nll": loss}), flush=True)
+leave_distributed(together=True)
 """
 
 
@@ -154,27 +168,41 @@ def run_mode(spec: dict, allocator_env: dict) -> list[dict]:
     return [json.loads(out.strip().splitlines()[-1]) for out, _err in outs]
 
 
-def measure(modes: list[str], allocator_env: dict, model: ModelConfig, params: int, rows: int, seq: int) -> dict:
+PHASES = ("setup", "step", "save")
+
+
+def measure(modes: list[str], allocator_env: dict, model_dir: Path, params: int, rows: int, seq: int, shard_bytes: int) -> dict:
     results = {}
     for mode in modes:
-        ranks = run_mode({"mode": mode, **MODES[mode], "model": model.to_dict(), "rows": rows, "seq": seq}, allocator_env)
+        with tempfile.TemporaryDirectory(prefix="snowcat-bench-save-") as tmp:
+            spec = {"mode": mode, **MODES[mode], "model_dir": str(model_dir), "save_to": f"{tmp}/saved"}
+            ranks = run_mode(spec | {"rows": rows, "seq": seq, "shard_bytes": shard_bytes}, allocator_env)
         for r in ranks:
-            r["setup_mib"] = round((r["setup_kib"] - r["start_kib"]) / 1024, 1)
-            r["held_mib"] = round((r["held_kib"] - r["start_kib"]) / 1024, 1)
-            r["step_mib"] = round((r["step_kib"] - r["start_kib"]) / 1024, 1)
-            r["peak_mib"] = max(r["setup_mib"], r["step_mib"])
+            for phase in ("held", *PHASES):
+                r[f"{phase}_mib"] = round((r[f"{phase}_kib"] - r["start_kib"]) / 1024, 1)
+            r["peak_mib"] = max(r[f"{phase}_mib"] for phase in PHASES)
+            r["save_added_mib"] = round((r["save_kib"] - r["trained_kib"]) / 1024, 1)
             r["step_bytes_per_param"] = round(r["step_mib"] * 2**20 / params, 2)
         results[mode] = {
             **MODES[mode],
             "ranks": ranks,
-            "max_rank_step_mib": max(r["step_mib"] for r in ranks),
-            "max_rank_peak_mib": max(r["peak_mib"] for r in ranks),
+            **{f"max_rank_{phase}_mib": max(r[f"{phase}_mib"] for r in ranks) for phase in (*PHASES, "peak", "save_added")},
         }
     ddp = results["ddp"]
     for res in results.values():
-        res["step_ratio_to_ddp"] = round(res["max_rank_step_mib"] / ddp["max_rank_step_mib"], 3)
-        res["peak_ratio_to_ddp"] = round(res["max_rank_peak_mib"] / ddp["max_rank_peak_mib"], 3)
+        for phase in (*PHASES, "peak"):
+            res[f"{phase}_ratio_to_ddp"] = round(res[f"max_rank_{phase}_mib"] / ddp[f"max_rank_{phase}_mib"], 3)
     return results
+
+
+def write_model(cfg: ModelConfig, path: Path) -> None:
+    """The benchmark's model (seed 0) as a model directory: what every mode loads."""
+    import torch  # noqa: PLC0415 (the parent needs torch only here)
+
+    from snowcat.stages.model import MoEForCausalLM, save_model_dir  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    save_model_dir(path, MoEForCausalLM(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=2, help="sequences per rank in the step")
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}; ddp first")
+    ap.add_argument("--shard-mib", type=float, default=16, help="safetensors shard size of the saved weights")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",")]
@@ -205,26 +234,34 @@ def main(argv: list[str] | None = None) -> int:
         max_position_embeddings=max(1024, args.seq),
     )
     params = count_params(model)[0]
+    shard_bytes = int(args.shard_mib * 2**20)
     load_before = os.getloadavg()
-    results = {name: measure(modes, env, model, params, args.rows, args.seq) for name, env in ALLOCATORS.items()}
+    with tempfile.TemporaryDirectory(prefix="snowcat-bench-model-") as tmp:
+        write_model(model, Path(tmp) / "model")
+        results = {
+            name: measure(modes, env, Path(tmp) / "model", params, args.rows, args.seq, shard_bytes)
+            for name, env in ALLOCATORS.items()
+        }
     load_after = os.getloadavg()
     print(
         f"model: {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB fp32), {WORLD} gloo ranks,"
-        f" one step of {args.rows}x{args.seq} tokens per rank"
+        f" one step of {args.rows}x{args.seq} tokens per rank, saved in {args.shard_mib:g} MiB shards"
     )
     for allocator, by_mode in results.items():
         print(f"\n{allocator}")
-        print(f"{'mode':<8} {'rank':>4} {'start MiB':>10} {'setup +MiB':>11} {'held +MiB':>10} {'step +MiB':>10} {'B/param':>8}")
+        print(
+            f"{'mode':<8} {'rank':>4} {'start MiB':>10} {'setup +MiB':>11} {'held +MiB':>10} {'step +MiB':>10}"
+            f" {'save +MiB':>10} {'(added)':>8} {'B/param':>8}"
+        )
         for mode, res in by_mode.items():
             for r in res["ranks"]:
                 print(
                     f"{mode:<8} {r['rank']:>4} {r['start_kib'] / 1024:>10.0f} {r['setup_mib']:>11.0f} {r['held_mib']:>10.0f}"
-                    f" {r['step_mib']:>10.0f} {r['step_bytes_per_param']:>8.2f}"
+                    f" {r['step_mib']:>10.0f} {r['save_mib']:>10.0f} {r['save_added_mib']:>8.0f} {r['step_bytes_per_param']:>8.2f}"
                 )
-        print(
-            "largest rank against ddp's:  "
-            + "  ".join(f"{m} step {r['step_ratio_to_ddp']:.2f}x, peak {r['peak_ratio_to_ddp']:.2f}x" for m, r in by_mode.items())
-        )
+        print("largest rank against ddp's:")
+        for m, r in by_mode.items():
+            print(f"  {m:<8} " + "  ".join(f"{phase} {r[f'{phase}_ratio_to_ddp']:.2f}x" for phase in (*PHASES, "peak")))
     print(f"\nload average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} cpus)")
     if args.json:
         atomic_write_json(
@@ -236,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 "load_average_1min": {"before": load_before[0], "after": load_after[0]},
                 "model": model.to_dict() | {"params": params},
                 "step": {"ranks": WORLD, "rows_per_rank": args.rows, "seq": args.seq, "optimizer": "AdamW", "dtype": "fp32"},
+                "save": {"shard_bytes": shard_bytes},
                 "peak_unit": "MiB of VmHWM above the rank's start (after imports and joining the process group)",
                 "allocators": {name: env or "glibc's defaults" for name, env in ALLOCATORS.items()},
                 "results": results,

@@ -67,8 +67,10 @@ def test_trainer_memory_bench_reports_each_rank(tmp_path):
         ddp = by_mode["ddp"]
         assert [r["rank"] for r in ddp["ranks"]] == [0, 1]
         for r in ddp["ranks"]:
-            assert r["start_kib"] <= r["setup_kib"] and _positive(r["step_mib"]) and r["peak_mib"] >= r["step_mib"]
-        assert ddp["step_ratio_to_ddp"] == ddp["peak_ratio_to_ddp"] == 1.0
+            assert r["start_kib"] <= r["setup_kib"] and _positive(r["step_mib"]) and _positive(r["save_mib"])
+            assert r["peak_mib"] == max(r["setup_mib"], r["step_mib"], r["save_mib"])
+            assert r["save_added_mib"] == round((r["save_kib"] - r["trained_kib"]) / 1024, 1)
+        assert all(ddp[f"{phase}_ratio_to_ddp"] == 1.0 for phase in ("setup", "step", "save", "peak"))
 
 
 def test_trainer_memory_bench_refuses_unknown_modes(capsys):
