@@ -177,7 +177,8 @@ def test_notice_to_one_trainer_rank_stops_all_then_sigkill_then_resume_is_bit_id
 )
 def test_two_trainer_ranks_with_zero3_train_the_weights_of_one(setup, tmp_path, sharding):
     """ZeRO-3 over the 2 trainer ranks, DeepSpeed's, or FSDP2's with the experts sharded over the
-    same ranks: weights are published and checkpointed while gathered on every rank, and rank 0's
+    same ranks: weights are published and checkpointed one gathered weight at a time for rank 0 to
+    write, the behaviour weights (lag 1) are a copy sharded the same way under fsdp, and rank 0's
     quick eval samples a plain copy (the sharded model's forward needs every rank: rank 0 alone hung)."""
     if sharding["backend"] == "deepspeed":
         pytest.importorskip("deepspeed")

@@ -252,6 +252,12 @@ def skeleton(cfg: ModelConfig, dtype: torch.dtype | None = None) -> MoEForCausal
     return model if dtype is None else model.to(dtype)
 
 
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device) -> MoEForCausalLM:
+    """The model of `cfg` in plain tensors on `device`, uninitialised and not trainable: a copy that
+    weights are loaded into next (the RL quick eval's, reference and behaviour weights)."""
+    return skeleton(cfg, dtype).materialize(device).requires_grad_(False)
+
+
 def distinct_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the model's state dict (parameters as they are), a tied weight once under
     its first name."""

@@ -27,7 +27,7 @@ from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
 from snowcat.stages.algorithms import PolicyLossConfig
 from snowcat.stages.config import keep_trajectories
 from snowcat.stages.evalstats import mean_se
-from snowcat.stages.model.io import copy_model_dir, skeleton
+from snowcat.stages.model.io import copy_model_dir, empty_model
 from snowcat.stages.rlcore.preempt import FAILED, log
 from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logprobs
 from snowcat.stages.rlcore.transport import ReceiveBuffers, TransportError, broadcast_message, read_batch
@@ -342,8 +342,7 @@ class Trainer(TrainLoop):
         if not self.backend.shards_parameters and self.backend.ep is None:
             return self.model if self.lead else None
         if self.lead and self.eval_copy is None:
-            dtype = next(self.model.parameters()).dtype
-            self.eval_copy = skeleton(self.model.config, dtype).materialize(self.device).requires_grad_(False)
+            self.eval_copy = empty_model(self.model.config, next(self.model.parameters()).dtype, self.device)
         copy = dict(self.eval_copy.state_dict(keep_vars=True)) if self.lead else {}
         with torch.no_grad():
             for name, whole in self.backend.whole_tensors():

@@ -56,6 +56,7 @@ from snowcat.stages.model.expert_parallel import (
 from snowcat.stages.model.io import (
     WeightReader,
     distinct_tensors,
+    empty_model,
     load_hf_state_dict,
     load_weights,
     open_model_dir,
@@ -316,8 +317,7 @@ class TorchBackend:
         """A forward-only model of the trained one's config in its dtype, with the weights of model
         directory `path` (uninitialised without one: weights are about to be loaded into it), laid
         out as this backend holds weights: whole here (the RL reference and behaviour weights)."""
-        dtype = next(self.model.parameters()).dtype
-        model = skeleton(self.model.config, dtype).materialize(self.device).requires_grad_(False)
+        model = empty_model(self.model.config, next(self.model.parameters()).dtype, self.device)
         if path is not None:
             load_rows(model, path)
         return model
