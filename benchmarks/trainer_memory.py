@@ -1,4 +1,4 @@
-"""Peak memory per rank of loading, training and saving a model: DDP against ZeRO and expert parallelism, side by side.
+"""Peak memory per rank of loading, training and checkpointing a model: DDP against ZeRO and expert parallelism, side by side.
 
     snowcat bench trainer-memory [--hidden 384 --layers 6 --experts 16 --vocab 16384]
                                  [--modes ddp,zero2,zero3,ddp+ep2,fsdp,fsdp+ep2]
@@ -8,18 +8,17 @@ The model (seed 0) is written once as a model directory. Every mode runs as 2 gl
 CPU, each rank a fresh process (so no two measurements share a high-water mark), one mode after
 the other. A rank loads the directory into the mode's train-step backend
 (`stages.train.load_for_training`), takes one optimizer step (AdamW) of `--rows` x `--seq` random
-tokens through the SFT loss, and writes the trained weights whole as a model directory
-(`stages.train.save_weights`: what a checkpoint, `final/` or a weight version writes; rank 0
-writes, in shards of `--shard-mib`, so that this model spans several shards as a large one spans
-its 256 MiB shards). Memory is the resident high-water mark (VmHWM) above `start` (torch,
+tokens through the SFT loss, and writes a resumable checkpoint (`stages.train.save_checkpoint`:
+the weights whole, as `final/` and a weight version have them too, and the trainer state; rank 0
+writes the weights in shards of `--shard-mib`, so that this model spans several shards as a large
+one spans its 256 MiB shards). Memory is the resident high-water mark (VmHWM) above `start` (torch,
 deepspeed and snowcat imported, process group joined): `setup` while loading the model into the
 backend; `held` resident just before the step; `step` during the step and `save` during the
 write (the mark is reset before each, so each counts what that phase holds and allocates, not a
-transient of the one before); `save_added` is what the write adds to the RSS the trained state had
-before it (rank 0 gathers and writes: under fsdp a weight at a time and the shards in flight, under
-the replicated backends straight from the parameters). `setup` counts the pages of the
-memory-mapped files a rank read (page cache, reclaimable) beside what it allocated. The ratios compare each mode's largest rank with DDP's (< 1: less
-memory), for setup, step, save and the whole run (`peak`, the largest of the three). Every mode is
+transient of the one before); `save_added` is what the checkpoint adds to the RSS the trained state
+had before it (what is gathered for rank 0 to write, and the shards in flight). `setup` counts the
+pages of the memory-mapped files a rank read (page cache, reclaimable) beside what it allocated.
+The ratios compare each mode's largest rank with DDP's (< 1: less memory), for setup, step, save and the whole run (`peak`, the largest of the three). Every mode is
 measured twice: with glibc's allocator as a run has it, and with its mmap threshold fixed, so
 that RSS follows the live tensors rather than what the allocator kept of freed ones (see
 ALLOCATORS).
@@ -85,7 +84,7 @@ def reset_hwm():
 
 
 import deepspeed, torch  # every mode imports the same: one baseline
-from snowcat.stages.train import OptimConfig, load_for_training, save_weights
+from snowcat.stages.train import OptimConfig, load_for_training, save_checkpoint
 from snowcat.stages.train.backend import init_distributed, leave_distributed
 from snowcat.stages.train.loss import sft_loss
 
@@ -113,7 +112,7 @@ stats = backend.train_step([batch], sft_loss)
 step = hwm_kib()
 reset_hwm()
 trained = status_kib("VmRSS")
-save_weights(spec["save_to"], backend, max_shard_bytes=spec["shard_bytes"])
+save_checkpoint(spec["save_to"], backend, max_shard_bytes=spec["shard_bytes"])
 saved = hwm_kib()
 loss = float(stats.sums["nll_sum"]) / stats.tokens
 report = {"start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "trained_kib": trained, "save_kib": saved}
@@ -175,7 +174,7 @@ def measure(modes: list[str], allocator_env: dict, model_dir: Path, params: int,
     results = {}
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="snowcat-bench-save-") as tmp:
-            spec = {"mode": mode, **MODES[mode], "model_dir": str(model_dir), "save_to": f"{tmp}/saved"}
+            spec = {"mode": mode, **MODES[mode], "model_dir": str(model_dir), "save_to": f"{tmp}/step_000001"}
             ranks = run_mode(spec | {"rows": rows, "seq": seq, "shard_bytes": shard_bytes}, allocator_env)
         for r in ranks:
             for phase in ("held", *PHASES):
