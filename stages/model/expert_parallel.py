@@ -21,7 +21,7 @@ A trainer (see docs/training.md, "Expert parallelism"):
     reduce_expert_grads(model, ep)                   # after the last backward
     clip_grad_norm_(model, max_norm, ep)             # the global norm, experts counted once
     with full_experts(model): save / load the HF layout
-    full_optimizer_state / shard_optimizer_state     # optimizer state in the unsharded layout
+    shard_rows(model) / gather_shards(t, group)      # which rows a rank holds; a shard made whole
 """
 
 from __future__ import annotations
@@ -241,46 +241,3 @@ def full_experts(model: nn.Module):
     finally:
         for m, name, shard in swapped:
             m._parameters[name] = shard
-
-
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    """In the order `optimizer.state_dict()` numbers them."""
-    return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-def full_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, sd: dict | None = None, keep: bool = True) -> dict:
-    """Collective over each EP group: `optimizer.state_dict()` (or `sd`, one taken of it) with each
-    expert shard's state tensors (AdamW's moments) gathered whole, i.e. the state dict of the
-    unsharded model's optimizer (the parameter order is the same): what a topology-independent
-    checkpoint stores. Not `keep`: this rank only takes part in the gathers (None in their place),
-    so only the rank that writes the state ever holds all of it."""
-    owner = {id(getattr(m, name)): m for m in sharded_layers(model) for name in _WEIGHTS}
-    sd = optimizer.state_dict() if sd is None else sd
-    for i, p in enumerate(_optimizer_params(optimizer)):
-        m = owner.get(id(p))
-        if m is not None and i in sd["state"]:
-            sd["state"][i] = {k: _gathered(v, m.ep.group, keep) if _like(v, p.shape) else v for k, v in sd["state"][i].items()}
-    return sd
-
-
-def _gathered(shard: torch.Tensor, group, keep: bool) -> torch.Tensor | None:
-    whole = gather_shards(shard, group)
-    return whole if keep else None
-
-
-def shard_optimizer_state(state: dict, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
-    """The inverse of `full_optimizer_state`: a full state dict cut to this rank's shards, for
-    `optimizer.load_state_dict` (no communication)."""
-    owner = {id(getattr(m, name)): m for m in sharded_layers(model) for name in _WEIGHTS}
-    out = {**state, "state": dict(state["state"])}
-    for i, p in enumerate(_optimizer_params(optimizer)):
-        m = owner.get(id(p))
-        if m is not None and i in out["state"]:
-            full_shape = (m.total, *p.shape[1:])
-            # cloned: a view would keep the whole full tensor alive in the optimizer
-            out["state"][i] = {k: v[m.rows].clone() if _like(v, full_shape) else v for k, v in out["state"][i].items()}
-    return out
-
-
-def _like(v, shape) -> bool:
-    return torch.is_tensor(v) and v.shape == shape

@@ -46,11 +46,9 @@ from snowcat.stages.model.expert_parallel import (
     expert_parallel_groups,
     expert_parameters,
     full_experts,
-    full_optimizer_state,
     gather_shards,
     reduce_expert_grads,
     shard_experts,
-    shard_optimizer_state,
     shard_rows,
 )
 from snowcat.stages.model.io import (
@@ -63,6 +61,7 @@ from snowcat.stages.model.io import (
     read_tensors,
     skeleton,
 )
+from snowcat.stages.model.shards import write_shards
 
 from . import canonical
 from .optim import OptimConfig, build_optimizer, lr_factor
@@ -254,37 +253,83 @@ class TorchBackend:
     def _grad_norm(self, clipped) -> float:
         return float(clipped)
 
-    def _whole_optimizer_state(self) -> dict:
-        """`optimizer.state_dict()` of the unsharded model on rank 0 (collective): expert shards'
-        state gathered; the other ranks take part and keep none of the gathered tensors."""
-        if self.ep is None:
-            return self.optimizer.state_dict()
-        return full_optimizer_state(self.optimizer, self.model, keep=self.rank == 0)
+    # ---------------------------------------------------------------- topology-independent state
+    #
+    # trainer_state/optimizer.pt holds what is small (param groups, each parameter's scalars such as
+    # AdamW's step, which of its state tensors are moments, the schedule); trainer_state/moments/
+    # every state tensor shaped like its parameter (AdamW's moments), whole, as safetensors named
+    # `<key>/<parameter name>`: gathered one at a time where ranks hold slices, written as they come
+    # by rank 0, read back by each rank as the rows it holds. No rank holds the whole state, and
+    # nothing depends on the number of ranks or the backend (torch, fsdp, with or without EP).
 
-    def _local_optimizer_state(self, whole: dict) -> dict:
-        """The inverse of `_whole_optimizer_state`: this rank's part, for `optimizer.load_state_dict`."""
-        return whole if self.ep is None else shard_optimizer_state(whole, self.optimizer, self.model)
+    MOMENTS = "moments"
 
-    def save_state(self, dir) -> None:
-        """Optimizer + schedule + step into `dir` (collective; replicated state: rank 0 writes; sharded
-        state gathered whole, so any layout can resume it)."""
-        optimizer = self._whole_optimizer_state()
-        if self.rank == 0:
-            dir.mkdir(parents=True, exist_ok=True)
-            state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "step": self.step}
-            canonical.save(state, dir / "optimizer.pt")  # a resumed run's equal state: equal bytes
+    def _named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) in the order `optimizer.state_dict()` numbers them."""
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        return [(name_of[id(p)], p) for g in self.optimizer.param_groups for p in g["params"]]
+
+    def save_state(self, dir, max_shard_bytes: int | None = None) -> None:
+        """Optimizer + schedule + step into `dir` (collective; rank 0 writes; the moments in shards
+        of `max_shard_bytes`, default `shards.SHARD_BYTES`)."""
+        sd, params, experts = self.optimizer.state_dict(), self._named_params(), shard_rows(self.model)
+        moments = {i: [k for k, v in state.items() if _shaped_like(v, params[i][1])] for i, state in sd["state"].items()}
+        stream = (
+            (f"{key}/{params[i][0]}", self._gathered(params[i][0], sd["state"][i][key], experts))
+            for i in sorted(moments)
+            for key in moments[i]
+        )
+        if self.rank != 0:
+            for _ in stream:  # take part in every gather
+                pass
+            return
+        (dir / self.MOMENTS).mkdir(parents=True)
+        write_shards(dir / self.MOMENTS, stream, max_shard_bytes)
+        small = {i: {k: v for k, v in state.items() if k not in moments[i]} for i, state in sd["state"].items()}
+        optimizer = {"state": small, "moments": moments, "param_groups": sd["param_groups"], "names": [n for n, _ in params]}
+        state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "step": self.step}
+        canonical.save(state, dir / "optimizer.pt")  # a resumed run's equal state: equal bytes
 
     def load_state(self, dir) -> None:
+        """Each rank reads its rows of every moment (no collective)."""
         # on the CPU: load_state_dict moves each state tensor to its parameter's device, but keeps
         # AdamW's `step` where it was loaded, and a fresh run keeps it on the CPU (else a resumed
         # GPU run pickles it as a CUDA tensor: other bytes for the same state)
-        # sharded: memory-mapped, so a rank reads only the rows it keeps (_local_optimizer_state copies them)
-        sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False, mmap=self.shards_parameters)
-        if "optimizer" not in sd:
-            raise UserError(f"{dir}: not a torch or fsdp backend's trainer state (written by backend: deepspeed?)")
-        self.optimizer.load_state_dict(self._local_optimizer_state(sd["optimizer"]))
+        sd = torch.load(dir / "optimizer.pt", map_location="cpu", weights_only=False)
+        if "optimizer" not in sd or "moments" not in sd["optimizer"]:
+            raise UserError(
+                f"{dir}: not a torch or fsdp backend's trainer state (written by backend: deepspeed, or an older snowcat?)"
+            )
+        saved, params, experts = sd["optimizer"], self._named_params(), shard_rows(self.model)
+        if saved["names"] != [n for n, _ in params]:
+            raise UserError(f"{dir}: trainer state of other parameters than this model's")
+        state = {}
+        with WeightReader(dir / self.MOMENTS, self.model.config) as moments:
+            for i, keys in saved["moments"].items():
+                name, p = params[i]
+                state[i] = dict(saved["state"][i])
+                for key in keys:
+                    _, start, stop = _held(name, p, experts)
+                    local = moments.rows(f"{key}/{name}", start, stop).to(self.device)
+                    state[i][key] = (
+                        DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                        if isinstance(p, DTensor)
+                        else local
+                    )
+        self.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
         self.scheduler.load_state_dict(sd["scheduler"])
         self.step = int(sd["step"])
+
+    def _gathered(self, name: str, t: torch.Tensor, experts: dict) -> torch.Tensor | None:
+        """Tensor `t`, laid out on this rank as parameter `name` is, whole on rank 0 (None on the
+        others): gathered where ranks hold slices of it (collective then), on the CPU."""
+        if name in experts:
+            whole = gather_shards(t.detach(), experts[name][1].group)
+        elif isinstance(t, DTensor):
+            whole = t.detach().full_tensor()
+        else:
+            whole = t.detach()
+        return whole.cpu() if self.rank == 0 else None
 
     def full_params(self, modify: bool = False):
         """Context in which `self.model`'s parameters are whole on every rank (ZeRO-3 gathers, expert
@@ -300,13 +345,7 @@ class TorchBackend:
         where weights are sharded: every rank iterates it to the end, in step."""
         experts = shard_rows(self.model)
         for name, t in distinct_tensors(self.model):
-            if name in experts:
-                whole = gather_shards(t.detach(), experts[name][1].group)
-            elif isinstance(t, DTensor):
-                whole = t.detach().full_tensor()
-            else:
-                whole = t.detach()
-            yield name, whole if self.rank == 0 else None
+            yield name, self._gathered(name, t, experts)
 
     def load_weights(self, path) -> None:
         """The weights of model directory `path` into the model, each rank reading only the rows it
@@ -332,19 +371,29 @@ def load_rows(model: torch.nn.Module, path) -> None:
         tensors = list(distinct_tensors(model))
         weights.check(name for name, _ in tensors)
         for name, t in tensors:
-            if name in experts:
-                rows = experts[name][0]
-                local, start, stop = t, rows.start, rows.stop
-            elif isinstance(t, DTensor):
-                local, (start, stop) = t.to_local(), _shard_rows(t)
-            else:
-                local, start, stop = t, 0, t.shape[0]
+            local, start, stop = _held(name, t, experts)
             part = weights.rows(name, start, stop)
             if part.shape != local.shape:
                 raise UserError(
                     f"{path}: {name} rows {start}..{stop} have shape {list(part.shape)}, the model {list(local.shape)}"
                 )
             local.copy_(part)
+
+
+def _held(name: str, t: torch.Tensor, experts: dict) -> tuple[torch.Tensor, int, int]:
+    """(what this rank holds of parameter `name`, tensor `t`, and the rows [start, stop) of the
+    whole weight that is): an expert shard's rows, an FSDP shard's, or all of a replicated one."""
+    if name in experts:
+        rows = experts[name][0]
+        return t, rows.start, rows.stop
+    if isinstance(t, DTensor):
+        return t.to_local(), *_shard_rows(t)
+    return t, 0, t.shape[0]
+
+
+def _shaped_like(v, p: torch.Tensor) -> bool:
+    """Whether optimizer state `v` of parameter `p` is laid out like it (a moment, not a scalar)."""
+    return torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape
 
 
 def _shard_rows(t: DTensor) -> tuple[int, int]:
@@ -504,8 +553,9 @@ class DeepSpeedBackend(TorchBackend):
         elif key is not None:  # stage 0 (the weights themselves are loaded with the model)
             self._base_optimizer().state[p][key].copy_(value)
 
-    def save_state(self, dir) -> None:
-        """Collective: every rank takes part in gathering; rank 0 writes `optimizer.pt`."""
+    def save_state(self, dir, max_shard_bytes: int | None = None) -> None:
+        """Collective: every rank takes part in gathering; rank 0 writes `optimizer.pt` (one file:
+        `max_shard_bytes` does not apply)."""
         if not any(self._base_optimizer().state.get(p) for p in self._stepped()):
             self._adam_state(self.step)
         self._link_moments()
@@ -678,35 +728,6 @@ class FSDPBackend(TorchBackend):
         experts = full_experts(self.model) if self.ep is not None else contextlib.nullcontext()
         with self._whole(modify), experts:
             yield self.model
-
-    def _whole_optimizer_state(self) -> dict:
-        """Rank 0's is the whole state; the other ranks take part in each gather and keep none of it."""
-        sd = self.optimizer.state_dict()
-        for i, state in sd["state"].items():  # moments whole (collective, one at a time), the step as it is
-            sd["state"][i] = {k: self._rank0(v.full_tensor()) if isinstance(v, DTensor) else v for k, v in state.items()}
-        if self.ep is not None:  # and the expert shards' moments gathered as the torch backend does
-            sd = full_optimizer_state(self.optimizer, self.model, sd, keep=self.rank == 0)
-        return sd
-
-    def _rank0(self, t: torch.Tensor) -> torch.Tensor | None:
-        return t.cpu() if self.rank == 0 else None
-
-    def _local_optimizer_state(self, whole: dict) -> dict:
-        optimizer = super()._local_optimizer_state(whole)  # the expert shards' rows
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for i, p in enumerate(params):
-            if isinstance(p, DTensor) and i in optimizer["state"]:
-                optimizer["state"][i] = {k: self._local(v, p) for k, v in optimizer["state"][i].items()}
-        return optimizer
-
-    def _local(self, v, p: DTensor):
-        """This rank's rows of a whole state tensor `v` of parameter `p`, in memory of its own (the
-        file is memory-mapped: every rank maps it whole and copies out only its shard, no scatter)."""
-        if not (torch.is_tensor(v) and v.shape == p.shape):
-            return v
-        start, stop = _shard_rows(p)
-        local = v[start:stop].to(self.device, copy=True)
-        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
 def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert_parallel: int = 1, device=None, **options):

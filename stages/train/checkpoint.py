@@ -3,9 +3,11 @@
     checkpoints/step_000123/
         model.safetensors (+ shards/index) model_config.json tokenizer.json meta.json
         trainer_state/optimizer.pt            optimizer + schedule + step, rank 0 writes it:
-                                              torch backend: the (replicated) torch state dict;
+                                              torch, fsdp: param groups, per-parameter scalars;
                                               deepspeed: per parameter name, the whole fp32 master
                                               weight and AdamW moments (gathered from ZeRO's slices)
+        trainer_state/moments/                torch, fsdp: the moments whole, safetensors named
+                                              <key>/<parameter>, each rank reads back its rows
         trainer_state/client.pt               step, data-loader state (a global position), user state
         trainer_state/rng_rank00000.pt ...    torch / numpy / python RNG of every rank
         manifest.json                         sha256 of every file, written last
@@ -88,7 +90,7 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         (staging / STATE).mkdir(parents=True)
     _barrier(world_size)
-    backend.save_state(staging / STATE)
+    backend.save_state(staging / STATE, max_shard_bytes)
     canonical.save(_rng_state(), staging / STATE / f"rng_rank{rank:05d}.pt")
     if rank == 0:
         canonical.save({"step": backend.step, **(client_state or {})}, staging / STATE / "client.pt")
