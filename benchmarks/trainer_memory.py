@@ -18,10 +18,10 @@ write (the mark is reset before each, so each counts what that phase holds and a
 transient of the one before); `save_added` is what the checkpoint adds to the RSS the trained state
 had before it (what is gathered for rank 0 to write, and the shards in flight). `setup` counts the
 pages of the memory-mapped files a rank read (page cache, reclaimable) beside what it allocated.
-The ratios compare each mode's largest rank with DDP's (< 1: less memory), for setup, step, save and the whole run (`peak`, the largest of the three). Every mode is
-measured twice: with glibc's allocator as a run has it, and with its mmap threshold fixed, so
-that RSS follows the live tensors rather than what the allocator kept of freed ones (see
-ALLOCATORS).
+The ratios compare each mode's largest rank with DDP's (< 1: less memory), for setup, step, save
+and the whole run (`peak`, the largest of the three). Every mode is measured twice: with glibc's
+allocator as a run has it, and with its mmap threshold fixed, so that RSS follows the live tensors
+rather than what the allocator kept of freed ones (see ALLOCATORS).
 
 Modes: `ddp` (torch backend: DistributedDataParallel), `zero2` (DeepSpeed ZeRO-2: optimizer state
 and gradients partitioned), `zero3` (ZeRO-3: the parameters too; the backend's DeepSpeed

@@ -5,11 +5,11 @@
 while the shard's fsync waits for the disk: the manifest entry of a shard comes from the bytes
 handed to `write`, never from reading the file back (the tensors must not change meanwhile; if
 they did, the entry would not match the file and readers would refuse it). It takes the tensors
-as a stream, in the order given, and holds only the shards not yet written: a sharded trainer that
-gathers one weight at a time (`stages.train`'s `whole_tensors`) never has the whole model at once. `read_shards_into(dir,
-files, dest)` reads each tensor's bytes straight into the tensor that receives it (`dest`, e.g.
-views of a model's parameters) and hashes what it read, so the check covers exactly the bytes
-that end up in the model, in one pass over the file.
+as a stream, in the order given, and holds only the shards not yet written: a sharded trainer
+that gathers one weight at a time (`stages.train`'s `whole_tensors`) never has the whole model at
+once. `read_shards_into(dir, files, dest)` reads each tensor's bytes straight into the tensor that
+receives it (`dest`, e.g. views of a model's parameters) and hashes what it read, so the check
+covers exactly the bytes that end up in the model, in one pass over the file.
 
 Shards are independent SHA-256 streams, so both sides hash them on parallel threads (hashlib and
 file I/O release the GIL): one stream on one core is about as slow as copying the bytes. The files
