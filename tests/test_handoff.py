@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -304,3 +305,64 @@ def test_a_version_carries_the_tokenizer_and_loads_as_a_model_directory_by_itsel
     (path / "tokenizer.json").write_text((path / "tokenizer.json").read_text().replace("hello", "jello"))
     with pytest.raises(HandoffError, match="tokenizer.json: (sha256 differs|size)"):
         h.wait_verified(2, timeout_s=0.2)
+
+
+_VERIFIED_BY_LEAD = textwrap.dedent("""
+    import json, sys, types
+    from pathlib import Path
+    from mpi4py import MPI
+    from snowcat.stages.rlcore.handoff import HandoffError, WeightHandoff
+    from snowcat.stages.rlcore.loop import Trainer
+
+    comm = MPI.COMM_WORLD
+    handoff = WeightHandoff(sys.argv[1])
+    if comm.Get_rank() != 0:  # only rank 0 reads the files to hash them
+        handoff.verify = lambda step: (_ for _ in ()).throw(AssertionError("rank 1 hashed the version"))
+    me = types.SimpleNamespace(lead=comm.Get_rank() == 0, handoff=handoff, group=comm,
+                               cfg=types.SimpleNamespace(timeout_s=0.3))
+    said = {"verified": str(Trainer._verified_by_lead(me, 1))}
+    try:
+        Trainer._verified_by_lead(me, 2)
+    except HandoffError as e:
+        said["refused"] = str(e)
+    Path(sys.argv[2], f"{comm.Get_rank()}.json").write_text(json.dumps(said))
+""")
+
+
+@pytest.mark.skipif(not shutil.which("mpirun"), reason="needs OpenMPI's mpirun")
+def test_trainer_ranks_take_rank_0s_verification(tmp_path):
+    """Under fsdp each trainer rank reads its rows of a weight version; rank 0 alone hashes it and
+    the others take its word, a good version's path or the refusal of a corrupt one (no rank hangs)."""
+    h = WeightHandoff(tmp_path / "weights")
+    h.publish(1, _model(1))
+    h.publish(2, _model(2))
+    shard = h.path(2) / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (tmp_path / "child.py").write_text(_VERIFIED_BY_LEAD)
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
+    proc = subprocess.run(
+        [
+            "mpirun",
+            "-n",
+            "2",
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            sys.executable,
+            str(tmp_path / "child.py"),
+            str(h.root),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(REPO)},
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert said[0] == said[1], said
+    assert said[0]["verified"] == str(h.path(1))
+    assert "sha256 differs from manifest" in said[0]["refused"]

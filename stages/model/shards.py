@@ -37,6 +37,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 SHARD_BYTES = 256 << 20  # a shard per 256 MiB: parallel hashing for a 0.5 GB model, ~230 files for 30B in bf16
+WRITERS = 8  # writer threads at most: enough to keep a parallel filesystem busy; bounds the memory held
 _CHUNK = 64 << 20  # a write / read call at most this long (Linux moves < 2 GiB per call)
 _MAX_HEADER = 100 << 20  # the limit safetensors readers set
 
@@ -112,10 +113,11 @@ def write_shards(
     """Write `tensors`, (name, tensor) pairs in the order they come, as safetensors shards of about
     `shard_bytes` (default `SHARD_BYTES`) into `dir` (a directory being built under `atomic_dir`),
     each file fsynced. A full shard goes to a writer thread while the next one fills; at most one
-    shard per thread is held, so memory stays bounded whatever the model's size. Returns the
+    shard per thread (`WRITERS` at most) is held, so memory stays bounded whatever the model's
+    size or the node's core count. Returns the
     manifest entries {name: {sha256, size}} of every file written, the index included."""
     dir, shard_bytes = Path(dir), shard_bytes or SHARD_BYTES
-    threads = len(os.sched_getaffinity(0))
+    threads = min(WRITERS, len(os.sched_getaffinity(0)))
     parts: list[list[str]] = []  # the tensor names of each shard, in file order
     written, waited = [], 0
     shard: dict[str, torch.Tensor] = {}
