@@ -24,6 +24,25 @@ from tests.cluster_fixtures import sbatch, slurm_cluster, slurm_env  # noqa: F40
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "demo.yaml"
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_btl": "self,tcp",
+}  # as root, over loopback TCP
+
+
+def mpirun(ranks: int, script: Path, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python script args...` as `ranks` ranks of one Open MPI world, output captured; `env`: the
+    environment the ranks start from (default this process's), with MPI_ENV and the repository on
+    the import path."""
+    return subprocess.run(
+        ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable, str(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**(os.environ if env is None else env), **MPI_ENV, "PYTHONPATH": str(REPO)},
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 def _run(cmd: list[str], cwd: Path, env: dict | None, timeout: float) -> subprocess.CompletedProcess:

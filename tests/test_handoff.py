@@ -22,6 +22,7 @@ from snowcat.pipeline.fsio import IO, sha256_bytes, verify_manifest, write_manif
 from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir, shards
 from snowcat.stages.model.io import INDEX, hf_state_dict
 from snowcat.stages.rlcore.handoff import STABLE, HandoffError, WeightHandoff, version_for_batch
+from tests.conftest import mpirun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -341,26 +342,7 @@ def test_trainer_ranks_take_rank_0s_verification(tmp_path):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     (tmp_path / "child.py").write_text(_VERIFIED_BY_LEAD)
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
-    proc = subprocess.run(
-        [
-            "mpirun",
-            "-n",
-            "2",
-            "--oversubscribe",
-            "--bind-to",
-            "none",
-            sys.executable,
-            str(tmp_path / "child.py"),
-            str(h.root),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env={**env, "PYTHONPATH": str(REPO)},
-        timeout=300,
-        cwd=REPO,
-    )
+    proc = mpirun(2, tmp_path / "child.py", h.root, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     said = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     assert said[0] == said[1], said

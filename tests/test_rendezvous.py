@@ -9,17 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from snowcat.stages.train.rendezvous import RendezvousError, from_env, rendezvous
-from tests.test_rl import MPI_ENV
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import mpirun
 
 SRUN = {  # task 1 of `sbatch -N 2 --ntasks-per-node=1`, `srun ...`
     "SLURM_JOB_ID": "1453",
@@ -110,13 +105,7 @@ def test_an_mpirun_world_forms_a_gloo_group_from_its_environment_alone(tmp_path)
     script = tmp_path / "world.py"
     script.write_text(_WORLD)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
-    proc = subprocess.run(
-        ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env={**env, **MPI_ENV, "PYTHONPATH": str(REPO)},
-        timeout=300,
-    )
+    proc = mpirun(2, script, tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [(r["rank"], r["world"], r["local"], r["sum"]) for r in ranks] == [(0, 2, 0, 3.0), (1, 2, 1, 3.0)]

@@ -30,9 +30,9 @@ from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.sft import tokenizer_corpus
 from snowcat.stages.taskgen import Verdict, generate_domain, load_tasks, save_tasks, split_tasks
 from snowcat.stages.tokenizer import train_tokenizer
+from tests.conftest import mpirun
 
 REPO = Path(__file__).resolve().parent.parent
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
 SMALL = dict(
     updates=6,
     tasks_per_update=4,
@@ -160,26 +160,7 @@ def test_run_writes_loadable_checkpoints_and_metrics(baseline):
 
 def mpirun_child(script: Path, inputs: Path, run_dir: Path, kill: dict) -> subprocess.CompletedProcess:
     """The child script as 1 trainer + 1 rollout rank under mpirun (`kill`: where a rank dies)."""
-    return subprocess.run(
-        [
-            "mpirun",
-            "-n",
-            "2",
-            "--oversubscribe",
-            "--bind-to",
-            "none",
-            sys.executable,
-            str(script),
-            str(inputs),
-            str(run_dir),
-            json.dumps(kill),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **MPI_ENV, "PYTHONPATH": str(REPO)},
-        timeout=600,
-        cwd=REPO,
-    )
+    return mpirun(2, script, inputs, run_dir, json.dumps(kill), timeout=600)
 
 
 def test_mpi_one_trainer_one_rollout_matches_single_process(inputs, baseline, tmp_path):

@@ -22,7 +22,8 @@ from snowcat.pipeline.context import PREEMPTED_EXIT_CODE
 from snowcat.pipeline.fsio import verify_manifest
 from snowcat.stages.model import load_model_dir
 from snowcat.stages.train import latest_checkpoint
-from tests.test_rl import MPI_ENV, build_inputs, final_sha, make_ctx, trained_rows
+from tests.conftest import MPI_ENV
+from tests.test_rl import build_inputs, final_sha, make_ctx, trained_rows
 from tests.test_rl_preempt import LEFT, events, rank_pids, wait_for_step
 
 REPO = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ from snowcat.pipeline.fsio import sha256_file, verify_manifest
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.volatile import strip_volatile
 from snowcat.stages.train import latest_checkpoint
-from tests.conftest import Snowcat, write_config
+from tests.conftest import MPI_ENV, Snowcat, write_config
 from tests.test_rl import build_inputs, make_ctx
 from tests.test_slurm import on_local_slurm, wait_status
 
@@ -272,7 +272,7 @@ def _stage_run(stage_inputs, run_dir: Path, over: dict, mpi: bool, signal_ranks:
     cmd = [sys.executable, str(script), str(inputs), str(run_dir), json.dumps(over)]
     env = {**os.environ, **ENV}
     if mpi:
-        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
+        env |= MPI_ENV
         cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", *cmd]
     out = run_dir / "out.log"
     run_dir.mkdir(parents=True, exist_ok=True)

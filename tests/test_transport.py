@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,6 +11,7 @@ import pytest
 
 from snowcat.stages.agent import Trajectory
 from snowcat.stages.rlcore.transport import FileQueueTransport, ReceiveBuffers, TransportError
+from tests.conftest import mpirun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -149,20 +147,6 @@ _MPI_CHILD = textwrap.dedent("""
 def test_mpi_transport_delivers_batches_in_order(tmp_path, ranks):
     script = tmp_path / "child.py"
     script.write_text(_MPI_CHILD)
-    env = {
-        **os.environ,
-        "OMPI_ALLOW_RUN_AS_ROOT": "1",
-        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-        "OMPI_MCA_btl": "self,tcp",
-        "PYTHONPATH": str(REPO),
-    }
-    proc = subprocess.run(
-        ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable, str(script), str(REPO)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=REPO,
-    )
+    proc = mpirun(ranks, script, REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TRAINER-OK 7" in proc.stdout
