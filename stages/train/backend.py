@@ -307,9 +307,9 @@ class TorchBackend:
         with WeightReader(dir / self.MOMENTS, self.model.config) as moments:
             for i, keys in saved["moments"].items():
                 name, p = params[i]
+                _, start, stop = _held(name, p, experts)
                 state[i] = dict(saved["state"][i])
                 for key in keys:
-                    _, start, stop = _held(name, p, experts)
                     local = moments.rows(f"{key}/{name}", start, stop).to(self.device)
                     state[i][key] = (
                         DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
