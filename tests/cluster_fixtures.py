@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,9 +15,17 @@ from snowcat.slurm import cluster
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> cluster.ClusterInfo:
-    """The cluster at $SNOWCAT_CLUSTER_ROOT or <repo>/.cluster, started if needed (idempotent)."""
-    return cluster.up()
+def slurm_cluster() -> Iterator[cluster.ClusterInfo]:
+    """The cluster at $SNOWCAT_CLUSTER_ROOT or <repo>/.cluster: started once for the whole session if
+    it is not up, and then stopped when the session ends, failed or interrupted too (one that was
+    already up, a developer's, is left up)."""
+    was_up = cluster.status()["up"]
+    info = cluster.up()
+    try:
+        yield info
+    finally:
+        if not was_up:
+            cluster.down()
 
 
 @pytest.fixture
