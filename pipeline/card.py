@@ -268,6 +268,23 @@ def _unit_recipe(f: Facts, node, label: str, c, unit) -> list[str]:
     zero = {"deepspeed": f" ZeRO-{c.zero_stage}", "fsdp": " (ZeRO-3)"}.get(name, "")
     backend = f"{name}{zero}" if name else NR
     lines.append(f"  - layout: {_layout(node, world, meta)}; backend {backend}; resources {_shapes(res)}")
+    lines += _precision_lines(metrics)
+    return lines
+
+
+def _precision_lines(metrics: dict) -> list[str]:
+    """The unit's three dtypes, and how much of the model its updates moved in the stored dtype."""
+    p = metrics.get("precision")
+    if not p:
+        return [f"  - precision: {NR}"]
+    warn = " (bfloat16 masters, asked for in the config: small updates round away)" if p.get("master") == "bfloat16" else ""
+    lines = [
+        f"  - precision: master weights and optimizer state {p['master']}{warn}, compute {p['compute']}, storage {p['storage']}"
+    ]
+    same = metrics.get("weights_unchanged")
+    if same:
+        kinds = ", ".join(f"{k} {v:.1%}" for k, v in same.items() if k != "all")
+        lines.append(f"  - weights bit-identical to the start in the stored dtype: {same['all']:.1%} ({kinds})")
     return lines
 
 

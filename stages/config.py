@@ -200,6 +200,13 @@ class Parallelism:
     zero_stage: Literal[0, 1, 2, 3] = 1  # deepspeed only: 3 shards the parameters too
     expert_parallel: int = bounded(1, ge=1)  # MoE: each layer's experts sharded over this many ranks
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
+    # Precision (stages/train/precision.py, docs/training.md): the trained parameters and optimizer
+    # state; what forward/backward compute in (auto: bf16 autocast on GPUs, float32 on CPU); what
+    # model directories for others store (auto: the starting checkpoint's dtype). bfloat16 masters
+    # barely move at RL's learning rates: only when asked, and the card says so.
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    storage_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     def parallelism_problems(self) -> Iterator[Problem]:
         if self.backend == "torch" and self.zero_stage == 3:

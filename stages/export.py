@@ -41,6 +41,7 @@ from snowcat.stages.model.hf import hf_config_dict
 from snowcat.stages.model.io import _write_tensors
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.tokenizer import SPECIAL_TOKENS, ChatTokenizer
+from snowcat.stages.train.precision import stored_dtype
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # role -> the ChatTokenizer's role token; the template renders exactly what ChatTokenizer.render_prompt does
@@ -263,8 +264,13 @@ def _hf_side(model_dir: str, probe_file: str, out_file: str) -> None:
 def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
     """Compare the trainer's model (weights rounded to the export dtype) with transformers on the export."""
 
-    model, mcfg, tok = load_model_dir(src)
-    with torch.no_grad():  # the same rounding the export applied, then float32 compute on both sides
+    # Like with like: the checkpoint read into float32 whatever it stores, rounded as the export
+    # rounded it, then float32 compute on both sides. What is left is the order of operations
+    # (fused vs per-expert matmuls, attention kernels): ~1e-6 on logits of order 10 here, so
+    # `tolerance` (1e-4 by default) keeps two orders of magnitude of room and still catches any
+    # conversion bug (a transposed or swapped weight moves logits by O(0.1-1)).
+    model, mcfg, tok = load_model_dir(src, dtype=torch.float32)
+    with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(getattr(torch, cfg.dtype)).float())
     model.eval()
@@ -313,7 +319,9 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
         "hf_expert_params": hf["expert_params"],
         "offline_env": OFFLINE_ENV,
         "local_files_only": True,
-        "compute_dtype": "float32",
+        "stored_dtype": str(stored_dtype(src)).removeprefix("torch."),  # the checkpoint's
+        "export_dtype": cfg.dtype,  # both sides' weights rounded to it
+        "compute_dtype": "float32",  # both sides
         "probe": {"rows": cfg.probe_rows, "len": cfg.probe_len, "seed": seed, "prompts": list(cfg.probe_prompts)},
         "max_abs_dlogit": delta,
         "tolerance": cfg.tolerance,

@@ -52,6 +52,7 @@ from snowcat.stages.train import Example, OptimConfig, PackedLoader, StepStats, 
 from snowcat.stages.train.backend import distributed, local_device, world
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
 from snowcat.stages.train.loss import sft_loss
+from snowcat.stages.train.precision import resolve, stored_dtype, unchanged_fraction
 
 RETRY_PROMPT = "That is not right. Try again."
 
@@ -332,6 +333,13 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
     if tok.vocab_size > mcfg.vocab_size:
         raise UserError(f"sft: tokenizer has {tok.vocab_size} ids but the model only {mcfg.vocab_size}")
     device = local_device(ctx.local_rank)
+    # the starting checkpoint (init_from, or `initial`: a fresh init or the hub's files as they are)
+    # decides what `storage_dtype: auto` stores, resumed or not
+    origin = ctx.checkpoint(cfg.init_from, "init_from") if cfg.init_from else ckpts / "initial"
+    origin = origin if origin.is_dir() else source
+    precision = resolve(cfg, device, stored_dtype(origin) if origin is not None else torch.float32, f"stages.{ctx.name}")
+    if model is not None:
+        model.to(precision.master)
 
     # Data: deterministic from (tasks, tokenizer, seed); the loader's position is checkpointed.
     examples = []
@@ -364,13 +372,14 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
             cfg.backend,
             optim,
             device=device,
+            precision=precision,
             activation_checkpointing=cfg.activation_checkpointing,
             verify=False,
             **layout,
         )
     else:
         model.to(device).set_activation_checkpointing(cfg.activation_checkpointing)
-        backend = make_backend(cfg.backend, model, optim, **layout)
+        backend = make_backend(cfg.backend, model, optim, precision=precision, **layout)
     # no metric during SFT: retention keeps the last `keep_last` (and records what it deletes)
     policy = RetentionPolicy(metric="val/pass@1", keep_best=1, keep_last=cfg.keep_last)
     checkpoints = Checkpoints(
@@ -397,15 +406,17 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
         "final_loss": history[-1]["loss"] if history else None,
         "num_examples": len(examples),
         "num_params": count_params(mcfg)[0],
+        "precision": precision.record(),
     }
     checkpoints.finish(meta={"stage": ctx.name, "seed": ctx.seed})  # final/: whole weights (every rank gathers)
     if rank == 0:
+        metrics["weights_unchanged"] = unchanged_fraction(origin, ckpts / "final", mcfg)
         if history:
             _plot(history, out / "loss_curve.png")
         if cfg.eval_tasks:
             val = [t for d in domains for t in [v for v in load_tasks(tasks_dir, "val") if v.domain == d][: cfg.eval_tasks]]
             # the model final/ holds (under ZeRO-3 this rank's own copy has a slice of each weight)
-            final, _, _ = load_model_dir(ckpts / "final")
+            final, _, _ = load_model_dir(ckpts / "final", dtype=precision.master)
             metrics.update(greedy_pass_rate(final.to(device), tok, val, cfg.eval_max_new_tokens))
         atomic_write_json(out / "metrics.json", metrics)
     return metrics

@@ -315,19 +315,22 @@ def save_model_dir(
     max_shard_bytes: int | None = None,
     extra_files: dict | None = None,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write a model directory atomically. `tensors`: its weights as (HF hub name, tensor) pairs,
     consumed as they come (default: `model`'s own, which must then be whole here); `model` gives
-    the config and dtype. Shards of `max_shard_bytes` (default `shards.SHARD_BYTES`), hashed as
+    the config; `dtype` the stored dtype of floating-point weights (default `model`'s). Shards of `max_shard_bytes` (default `shards.SHARD_BYTES`), hashed as
     written. `extra_files`: {relative name: callable(path)} written inside the same directory
     before the manifest (e.g. a trainer's resumable state)."""
     path = Path(path)
     if tensors is None:
         tensors = hf_tensors(model.config, model.state_dict().items())
+    dtype = dtype or next(model.parameters()).dtype
+    tensors = ((name, t.to(dtype) if t.is_floating_point() else t) for name, t in tensors)
     with atomic_dir(path) as tmp:
         hashed = write_shards(tmp, tensors, max_shard_bytes)
         atomic_write_json(tmp / MODEL_CONFIG, model.config.to_dict())
-        serving = serving_config(model)
+        serving = serving_config(model, dtype)
         if serving is not None:
             atomic_write_json(tmp / hf.CONFIG, serving)
         if tokenizer is not None:
@@ -340,15 +343,15 @@ def save_model_dir(
     return path
 
 
-def serving_config(model: MoEForCausalLM) -> dict | None:
+def serving_config(model: MoEForCausalLM, dtype: torch.dtype | None = None) -> dict | None:
     """config.json that lets vLLM (or transformers) load the directory, in the architecture the model
-    maps to; None when no Hugging Face architecture can express it (snowcat itself reads
+    maps to, naming `dtype` (default the model's) as the stored one; None when no Hugging Face architecture can express it (snowcat itself reads
     model_config.json, which wins when both are present)."""
     try:
         fields = hf.hf_config_dict(model.config)
     except UserError:
         return None
-    return fields | {"dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    return fields | {"dtype": str(dtype or next(model.parameters()).dtype).removeprefix("torch.")}
 
 
 def load_model_config(path) -> ModelConfig:

@@ -61,10 +61,17 @@ def hf_chat_tokenizer(texts: list[str], out_dir, vocab_size: int = 400) -> HFCha
 
 
 def tiny_checkpoint(
-    out_dir, texts: list[str], arch: str = "qwen3_moe", seed: int = 0, vocab_size: int = 300, positions: int = 512
+    out_dir,
+    texts: list[str],
+    arch: str = "qwen3_moe",
+    seed: int = 0,
+    vocab_size: int = 300,
+    positions: int = 512,
+    dtype: str = "float32",
 ):
     """A random Hugging Face checkpoint (weights, config.json) with the tokenizer above: what a
-    hub download looks like, small enough for a test. head_dim 32 (vLLM's CPU floor)."""
+    hub download looks like, small enough for a test. head_dim 32 (vLLM's CPU floor). `dtype`:
+    what the weights are stored in (bfloat16: as nearly every checkpoint on the hub)."""
     hf_tokenizer_files(texts, out_dir, vocab_size=vocab_size)
     tok = PreTrainedTokenizerFast.from_pretrained(str(out_dir))
     common = dict(
@@ -85,7 +92,7 @@ def tiny_checkpoint(
         "olmoe": lambda: transformers.OlmoeConfig(**common, intermediate_size=32, num_experts=4, num_experts_per_tok=2),
     }
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(configs[arch]())
+    model = transformers.AutoModelForCausalLM.from_config(configs[arch]()).to(getattr(torch, dtype))
     model.save_pretrained(str(out_dir))
     return model.eval()
 
@@ -118,11 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corpus", choices=sorted(CORPORA), default="arith", help="what the tokenizer is trained on (see corpus())")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="what the weights are stored in")
     args = ap.parse_args(argv)
     vocab, positions = CORPORA[args.corpus]
     texts = corpus(args.corpus, np.random.default_rng(args.seed))
     args.out.mkdir(parents=True, exist_ok=True)
-    model = tiny_checkpoint(args.out, texts, arch=args.arch, seed=args.seed, vocab_size=vocab, positions=positions)
+    model = tiny_checkpoint(args.out, texts, args.arch, args.seed, vocab, positions, args.dtype)
     (args.out / "README.md").write_text(
         f"---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n"
         f"# tiny random {args.arch} (snowcat tiny-hf, seed {args.seed}, {args.corpus} tokenizer)\n"

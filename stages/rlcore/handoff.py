@@ -68,10 +68,13 @@ class WeightHandoff:
 
     # -- trainer side ---------------------------------------------------------------------------
 
-    def publish(self, step: int, model, tokenizer=None, tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> Path:
+    def publish(
+        self, step: int, model, tokenizer=None, tensors: Iterable[tuple[str, torch.Tensor]] | None = None, dtype=None
+    ) -> Path:
         """Write version `step` from `model` (an MoEForCausalLM) and `tokenizer`'s files; STABLE last.
         `tensors`: the weights as (HF hub name, tensor), consumed as they come (a sharded trainer's
-        gathers, see stages.train.with_whole_tensors); default `model`'s own. Idempotent: a stable
+        gathers, see stages.train.with_whole_tensors); default `model`'s own. `dtype`: what the
+        tensors are stored in (config.json names it for the engines; default the model's). Idempotent: a stable
         version is left as it is (a resumed trainer republishes the same bytes), `tensors` drained."""
 
         path = self.path(step)
@@ -84,7 +87,7 @@ class WeightHandoff:
             files = write_shards(tmp, tensors)  # straight from the parameters or gathers, hashed as written
             small = {
                 MODEL_CONFIG: model.config.to_dict(),
-                hf.CONFIG: serving_config(model),
+                hf.CONFIG: serving_config(model, dtype),
                 "meta.json": {"policy_version": step},
             }
             for name, obj in small.items():

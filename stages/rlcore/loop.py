@@ -38,6 +38,7 @@ from snowcat.stages.taskgen import selection_split
 from snowcat.stages.train import OptimConfig, StepStats, latest_checkpoint, load_for_training, with_whole_tensors
 from snowcat.stages.train.backend import load_rows, local_device
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
+from snowcat.stages.train.precision import resolve, stored_dtype, unchanged_fraction
 from snowcat.stages.verifiers import load_verifier
 
 
@@ -130,11 +131,14 @@ class Trainer(TrainLoop):
             weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
         )
+        # `storage_dtype: auto` follows the init checkpoint (bf16 from the hub stays bf16), resumed or not
+        precision = resolve(cfg, self.device, stored_dtype(self.init_path), f"stages.{ctx.name}")
         backend, self.tok = load_for_training(
             resume or self.init_path,
             cfg.backend,
             optim,
             device=self.device,
+            precision=precision,
             activation_checkpointing=cfg.activation_checkpointing,
             zero_stage=cfg.zero_stage,
             expert_parallel=cfg.expert_parallel,
@@ -260,7 +264,8 @@ class Trainer(TrainLoop):
 
     def _publish(self) -> None:
         """Collective: weight version `self.step`, written by rank 0 as the weights are gathered."""
-        with_whole_tensors(self.backend, lambda tensors: self.handoff.publish(self.step, self.model, self.tok, tensors))
+        storage = self.backend.precision.storage
+        with_whole_tensors(self.backend, lambda tensors: self.handoff.publish(self.step, self.model, self.tok, tensors, storage))
 
     def record(self, stats: StepStats, batch: list[dict]) -> dict:
         k, trajs = self.step - 1, self.trajs
@@ -456,6 +461,8 @@ class Trainer(TrainLoop):
             "mismatch_kl_alarm_updates": int(sum(r.get("alarm/mismatch_kl", 0.0) for r in history)),
             # roles: a trainer rank of its own never imports the rollout engine (world size 1 plays both)
             "trainer_imported_vllm": "vllm" in sys.modules,
+            "precision": self.backend.precision.record(),
+            "weights_unchanged": unchanged_fraction(self.init_path, self.out / "checkpoints" / "final", self.model.config),
         }
         atomic_write_json(self.out / "metrics.json", metrics)
         return metrics

@@ -189,5 +189,8 @@ def serve_model_dir(
         return VLLMEngine(path, vllm, seed=seed), tok, cfg
     if kind != "torch":
         raise UserError(f"unknown engine {kind!r}; expected torch or vllm")
-    model, cfg, tok = load_model_dir(Path(path), device=device)
+    # as vLLM's dtype `auto`: float32 on the CPU (bf16 there is slow or emulated, and the trainer
+    # computes in float32), the stored dtype on a GPU
+    dtype = torch.float32 if torch.device(device).type == "cpu" else None
+    model, cfg, tok = load_model_dir(Path(path), device=device, dtype=dtype)
     return TorchEngine(model, max_batch=max_batch), tok, cfg

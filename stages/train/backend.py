@@ -13,7 +13,10 @@
 `deepspeed`: ZeRO stage 0-3 over the same process group (gloo on CPU works with deepspeed 0.19).
 All normalise the loss by the step's total target-token count across micro-batches and ranks, so
 the update does not depend on how a step is split into micro-batches or ranks.
-Mixed precision: bf16 autocast on GPU, plain fp32 on CPU (deterministic there).
+Precision (stages/train/precision.py): the parameters are the masters (float32 unless the config
+says bfloat16), the forward computes under autocast when the compute dtype differs (bf16 on GPUs by
+default, plain float32 on the CPU: deterministic there); what is written for others is cast to the
+storage dtype as it streams out.
 
 Memory at scale: under fsdp no rank ever holds the whole model. `load_for_training` builds it on
 the meta device, shards it, and each rank allocates and reads only its rows of each weight from
@@ -65,6 +68,7 @@ from snowcat.stages.model.shards import write_shards
 
 from . import canonical
 from .optim import OptimConfig, build_optimizer, lr_factor
+from .precision import FP32
 from .rendezvous import init_process_group, rendezvous
 
 
@@ -176,8 +180,8 @@ class TorchBackend:
     ep = None  # this rank's expert-parallel groups when the experts are sharded
     shards_parameters = False  # True: a forward needs every rank (each holds a slice of each weight)
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1, device=None):
-        self.cfg = cfg
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1, device=None, precision=FP32):
+        self.cfg, self.precision = cfg, precision
         self.model = model
         self.rank, self.world_size = world()
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -194,9 +198,7 @@ class TorchBackend:
         self.step = 0
 
     def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return self.precision.autocast(self.device)
 
     def _no_sync(self, last: bool):
         if self.world_size > 1 and not last:
@@ -422,10 +424,17 @@ class DeepSpeedBackend(TorchBackend):
     def shards_parameters(self) -> bool:
         return self.zero_stage == 3
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, zero_stage: int = 1, persistence_threshold: int = 100_000):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: OptimConfig,
+        zero_stage: int = 1,
+        persistence_threshold: int = 100_000,
+        precision=FP32,
+    ):
         import deepspeed  # noqa: PLC0415 (optional extra)
 
-        self.cfg = cfg
+        self.cfg, self.precision = cfg, precision
         self.model = model
         self.rank, self.world_size = world()
         self.device = next(model.parameters()).device
@@ -438,7 +447,9 @@ class DeepSpeedBackend(TorchBackend):
             "gradient_accumulation_steps": 1,
             "gradient_clipping": cfg.grad_clip,
             "zero_optimization": zero,
-            "bf16": {"enabled": self.device.type == "cuda"},
+            # bf16 compute: DeepSpeed's own mixed precision (bf16 weights in the model, fp32 masters
+            # and moments in the optimizer's partitions)
+            "bf16": {"enabled": precision.compute == torch.bfloat16 and precision.master == torch.float32},
             "steps_per_print": 1 << 30,
             "zero_allow_untested_optimizer": True,
         }
@@ -624,10 +635,10 @@ class FSDPBackend(TorchBackend):
     name = "fsdp"
     shards_parameters = True
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1, device=None):
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1, device=None, precision=FP32):
         if not dist.is_initialized():  # one process: a group of itself, as DeepSpeed forms one
             init_process_group(rendezvous(env={}))
-        self.cfg, self.model = cfg, model
+        self.cfg, self.precision, self.model = cfg, precision, model
         self.rank, self.world_size = world()
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if expert_parallel > 1:
@@ -730,19 +741,29 @@ class FSDPBackend(TorchBackend):
             yield self.model
 
 
-def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert_parallel: int = 1, device=None, **options):
-    """`options`: backend-specific keywords (DeepSpeedBackend's persistence_threshold). `device`: where
+def make_backend(
+    name: str,
+    model,
+    cfg: OptimConfig,
+    zero_stage: int = 1,
+    expert_parallel: int = 1,
+    device=None,
+    precision=FP32,
+    **options,
+):
+    """`options`: backend-specific keywords (DeepSpeedBackend's persistence_threshold). `precision`:
+    the model must already be in its master dtype. `device`: where
     the weights live (default: where the model's are; fsdp takes a model on the meta device, see
     `load_for_training`). On several ranks the MoE's router losses balance the whole data-parallel
     batch (balance_router_over)."""
     if name == "torch":
-        backend = TorchBackend(model, cfg, expert_parallel=expert_parallel, device=device)
+        backend = TorchBackend(model, cfg, expert_parallel=expert_parallel, device=device, precision=precision)
     elif name == "fsdp":
-        backend = FSDPBackend(model, cfg, expert_parallel=expert_parallel, device=device)
+        backend = FSDPBackend(model, cfg, expert_parallel=expert_parallel, device=device, precision=precision)
     elif name == "deepspeed":
         if expert_parallel > 1:  # ZeRO would treat the shards as replicated parameters
             raise UserError(f"expert_parallel={expert_parallel} needs backend: torch or fsdp (deepspeed shards differently)")
-        backend = DeepSpeedBackend(model, cfg, zero_stage=zero_stage, **options)
+        backend = DeepSpeedBackend(model, cfg, zero_stage=zero_stage, precision=precision, **options)
     else:
         raise UserError(f"train backend {name!r} is not one of: torch, fsdp, deepspeed")
     if backend.world_size > 1 and hasattr(model, "balance_router_over"):
@@ -751,21 +772,29 @@ def make_backend(name: str, model, cfg: OptimConfig, zero_stage: int = 1, expert
 
 
 def load_for_training(
-    path, name: str, cfg: OptimConfig, *, device, activation_checkpointing: bool = False, verify: bool = True, **backend_options
+    path,
+    name: str,
+    cfg: OptimConfig,
+    *,
+    device,
+    precision=FP32,
+    activation_checkpointing: bool = False,
+    verify: bool = True,
+    **backend_options,
 ):
     """(backend, tokenizer) for training the model of directory `path` with backend `name`
-    (`backend_options`: make_backend's). fsdp builds the model on the meta device, shards it, and
+    (`backend_options`: make_backend's), its parameters in `precision.master` whatever dtype the
+    directory stores. fsdp builds the model on the meta device, shards it, and
     each rank reads only its rows of each weight; the replicated backends load it whole, then wrap
     it. The directory's sha256 manifest is checked first (`verify`)."""
     path = Path(path)
     mcfg, tokenizer = open_model_dir(path, verify)
     if name == "fsdp":
-        with WeightReader(path, mcfg) as weights:
-            model = skeleton(mcfg, weights.dtype())
+        model = skeleton(mcfg, precision.master)
     else:
-        model = load_weights(path, mcfg, device)
+        model = load_weights(path, mcfg, device, dtype=precision.master)
     model.set_activation_checkpointing(activation_checkpointing)
-    backend = make_backend(name, model, cfg, device=device, **backend_options)
+    backend = make_backend(name, model, cfg, device=device, precision=precision, **backend_options)
     if name == "fsdp":
         backend.load_weights(path)
     return backend, tokenizer

@@ -2,6 +2,8 @@
 
     checkpoints/step_000123/
         model.safetensors (+ shards/index) model_config.json tokenizer.json meta.json
+                                              (the weights in the master dtype: a resumed run
+                                              continues from the very bits it stopped at)
         trainer_state/optimizer.pt            optimizer + schedule + step, rank 0 writes it:
                                               torch, fsdp: param groups, per-parameter scalars;
                                               deepspeed: per parameter name, the whole fp32 master
@@ -97,29 +99,37 @@ def save_checkpoint(
     _barrier(world_size)
     meta = {"step": backend.step, "backend": backend.name, "world_size": world_size, **(meta or {})}
     extra = {STATE: lambda dst: os.replace(staging / STATE, dst)}
-    save_weights(path, backend, tokenizer, meta=meta, max_shard_bytes=max_shard_bytes, extra_files=extra)
+    save_weights(
+        path, backend, tokenizer, meta=meta, max_shard_bytes=max_shard_bytes, extra_files=extra, dtype=backend.precision.master
+    )
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
     _barrier(world_size)
     return path
 
 
-def with_whole_tensors(backend, write: Callable[[Iterator[tuple[str, torch.Tensor]]], object]):
+def with_whole_tensors(backend, write: Callable[[Iterator[tuple[str, torch.Tensor]]], object], dtype: torch.dtype | None = None):
     """Collective: `write(tensors)` on rank 0, `tensors` the model's whole weights under HF hub
-    names, each gathered as `write` consumes it; the other ranks take part in every gather. Returns
-    what `write` returns (None on the other ranks)."""
+    names in `dtype` (default the storage dtype), each gathered as `write` consumes it; the other
+    ranks take part in every gather. Returns what `write` returns (None on the other ranks)."""
     stream = backend.whole_tensors()
-    result = write(hf_tensors(backend.model.config, stream)) if backend.rank == 0 else None
+    dtype = dtype or backend.precision.storage
+    cast = ((name, t.to(dtype)) for name, t in hf_tensors(backend.model.config, stream))
+    result = write(cast) if backend.rank == 0 else None
     for _ in stream:  # the other ranks (and rank 0, had `write` stopped early) gather to the end
         pass
     return result
 
 
-def save_weights(path, backend, tokenizer=None, meta: dict | None = None, **options) -> Path:
-    """Collective: model directory `path` of the backend's model (rank 0 writes; `options`:
-    save_model_dir's), without any rank holding more than one whole weight beyond the shards being written."""
+def save_weights(path, backend, tokenizer=None, meta: dict | None = None, dtype: torch.dtype | None = None, **options) -> Path:
+    """Collective: model directory `path` of the backend's model in `dtype` (default the storage
+    dtype; rank 0 writes; `options`: save_model_dir's), without any rank holding more than one whole
+    weight beyond the shards being written."""
+    dtype = dtype or backend.precision.storage
     with_whole_tensors(
-        backend, lambda tensors: save_model_dir(path, backend.model, tokenizer, meta=meta, tensors=tensors, **options)
+        backend,
+        lambda tensors: save_model_dir(path, backend.model, tokenizer, meta=meta, tensors=tensors, dtype=dtype, **options),
+        dtype,
     )
     return Path(path)
 
