@@ -20,6 +20,7 @@ import pytest
 from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.runner import make_context
+from tests.budget import pytest_addoption, pytest_configure  # noqa: F401 (the slow tier's time budget: --budget)
 from tests.cluster_fixtures import sbatch, slurm_cluster, slurm_env  # noqa: F401 (fixtures of the local Slurm cluster)
 
 REPO = Path(__file__).resolve().parent.parent

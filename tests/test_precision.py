@@ -191,3 +191,16 @@ def test_bad_precision_settings_name_the_key(hub, tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"^stages\.sft\.compute_dtype: bfloat16 on a CPU without native bf16"):
         sft.run(ctx)
     assert not (ctx.out_dir / "checkpoints" / "final").exists()
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_every_backend_trains_a_bf16_checkpoint_on_fp32_masters(hub, sft_runs, tmp_path, backend):
+    """The sharded (fsdp: each rank reads its bf16 rows into fp32 shards) and DeepSpeed backends
+    start from the same masters as the torch backend and take the same first steps."""
+    runs, _ = sft_runs
+    ctx = sft_ctx(hub, "bf16", tmp_path, backend=backend)
+    metrics = sft.run(ctx)
+    assert metrics["precision"] == {"master": "float32", "compute": "float32", "storage": "bfloat16"}
+    # gradients reduced in another order: equal within float32 rounding
+    assert [h["loss"] for h in history(ctx)] == pytest.approx([h["loss"] for h in history(runs["bf16"])], rel=1e-5)
+    assert {t.dtype for t in weights(ctx, "step_000012").values()} == {torch.float32}
