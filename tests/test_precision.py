@@ -121,8 +121,8 @@ def test_fp32_masters_move_the_weights_that_bf16_masters_round_away(sft_runs):
     rounded = unchanged_fraction(runs["fp32"].out_dir / "checkpoints" / "initial", final, load_model_config(final))
     assert metrics["bf16"]["weights_unchanged"] == rounded
     # 12 steps at 5e-7: bf16 masters move only what a single update can (weights near zero); fp32
-    # masters accumulate updates until they cross a bf16 step (measured: 2.6% vs 1.3% moved)
-    assert moved["bf16-masters"] > 0 and moved["bf16"] > 1.5 * moved["bf16-masters"], moved
+    # masters accumulate updates until they cross a bf16 step (measured here: 2.6% vs 0.9% moved)
+    assert moved["bf16-masters"] > 0 and moved["bf16"] > 2 * moved["bf16-masters"], moved
     assert metrics["bf16-masters"]["precision"]["master"] == "bfloat16"
     assert set(metrics["bf16"]["weights_unchanged"]) >= {"attention", "experts", "router", "embeddings", "norms", "all"}
 
