@@ -72,9 +72,16 @@ def wrap_command(
     return out + [str(image), *cmd]
 
 
+# Every Python snowcat starts runs in safe-path mode (Python >= 3.11): the directory it starts in (a
+# checkout, whose top-level folders `kernels`, `pipeline`, `stages`... are snowcat's own) is not put
+# first on sys.path, so it cannot shadow an installed package of the same name (Hugging Face's
+# `kernels`, which recent transformers import) whatever the working directory.
+SAFE_PATH = "-P"
+
+
 def stage_command(run_dir: str | os.PathLike, stage: str, item: int | None = None) -> list[str]:
     """The stage runner's command line (the lead's `python -m snowcat.stages RUN_DIR STAGE [--item I]`)."""
-    cmd = ["python", "-m", "snowcat.stages", str(run_dir), stage]
+    cmd = ["python", SAFE_PATH, "-m", "snowcat.stages", str(run_dir), stage]
     return cmd + (["--item", str(item)] if item is not None else [])
 
 
@@ -171,8 +178,8 @@ def hetjob_step(
 
     def command(image, gpu) -> list[str]:
         if runtime == "none" or not image:
-            return [host_python, *python_args]
-        return wrap_command(["python", *python_args], runtime, image=image, binds=binds, gpu=gpu)
+            return [host_python, SAFE_PATH, *python_args]
+        return wrap_command(["python", SAFE_PATH, *python_args], runtime, image=image, binds=binds, gpu=gpu)
 
     groups = list(range(len(images)))
     commands = [command(image, gpu) for image, gpu in zip(images, gpus, strict=True)]

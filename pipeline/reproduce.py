@@ -252,7 +252,7 @@ def cmd_reproduce(args) -> int:
     if root != source_root():  # else the installed package is this tree
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(import_path(root)), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "snowcat.pipeline.cli", "run", str(orig.path / "config.yaml"), "--run-dir", str(new_path)],
+        [sys.executable, "-P", "-m", "snowcat.pipeline.cli", "run", str(orig.path / "config.yaml"), "--run-dir", str(new_path)],
         cwd=root,
         env=env,
     )

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import submitit
 
-from snowcat.containers.wrap import hetjob_step, role_images, site_mpi_plugin, wrap_command
+from snowcat.containers.wrap import SAFE_PATH, hetjob_step, role_images, site_mpi_plugin, wrap_command
 from snowcat.pipeline.config import typed
 from snowcat.pipeline.context import PREEMPTED_EXIT_CODE, catch_notice_early, first_notice
 from snowcat.pipeline.dag import StageNode, Unit, build
@@ -405,11 +405,13 @@ class SlurmExecutor(Executor):
         """The python command the job runs: on the host, or inside the stage's container image."""
         runtime = self.site.container_runtime
         if not node.config.image or runtime == "none":
-            return shlex.quote(sys.executable)
+            return f"{shlex.quote(sys.executable)} {SAFE_PATH}"
 
         res = node.config.resources
         image = self._image(node.config.image, res)
-        return shlex.join(wrap_command(["python"], runtime=runtime, image=image, binds=self._binds(), gpu=res.gpus_per_node > 0))
+        return shlex.join(
+            wrap_command(["python", SAFE_PATH], runtime=runtime, image=image, binds=self._binds(), gpu=res.gpus_per_node > 0)
+        )
 
     def _image(self, image: str | None, res) -> str | None:
         """An image path for the nodes it runs on: `{cpu_arch}` becomes the partition's CPU
@@ -492,7 +494,9 @@ class SlurmExecutor(Executor):
             # single rank is exec'd so it is the batch step's process; ibrun runs under stepwatch,
             # which forwards the signal to it.
             if self.world_size(node) > 1:
-                python = f"exec {shlex.quote(sys.executable)} -m snowcat.slurm.stepwatch -- {self.site.launcher} {python}"
+                python = (
+                    f"exec {shlex.quote(sys.executable)} {SAFE_PATH} -m snowcat.slurm.stepwatch -- {self.site.launcher} {python}"
+                )
             else:
                 python = f"exec {python}"
         ex = submitit.SlurmExecutor(folder, max_num_timeout=max_timeouts, python=python)

@@ -21,6 +21,8 @@ from typing import Any
 import submitit
 from submitit.core import utils as submitit_utils
 
+from snowcat.containers.wrap import SAFE_PATH
+
 _HET_ID = re.compile(r"^(?P<job>\d+)(?:\+(?P<component>\d+))?(?:_(?P<task>\d+|\[.*\]))?(?:\.(?P<step>.+))?$")
 
 
@@ -98,7 +100,13 @@ class HetjobExecutor(submitit.SlurmExecutor):
         srun = self.step(
             ["-u", "-m", "submitit.core._submit", str(self.folder)], ["--unbuffered", "--output", per_task, "--error", per_task]
         )
-        watch = [sys.executable, "-m", "snowcat.slurm.stepwatch", "--"]  # host python: the launcher runs outside any container
+        watch = [
+            sys.executable,
+            SAFE_PATH,
+            "-m",
+            "snowcat.slurm.stepwatch",
+            "--",
+        ]  # host python: the launcher runs outside any container
         lines += [
             "",
             "# one step over every component: one MPI world",

@@ -301,7 +301,11 @@ def check_equivalence(src: Path, export_dir: Path, cfg, seed: int) -> dict:
             f"from snowcat.stages.export import _hf_side; _hf_side({str(export_dir)!r}, {str(probe_file)!r}, {str(out_file)!r})"
         )
         proc = subprocess.run(
-            [sys.executable, "-c", code], env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=cfg.timeout_s
+            [sys.executable, "-P", "-c", code],
+            env={**os.environ, **OFFLINE_ENV},
+            capture_output=True,
+            text=True,
+            timeout=cfg.timeout_s,
         )
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])

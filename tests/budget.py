@@ -39,7 +39,9 @@ def pytest_addoption(parser):
     group = parser.getgroup("budget", "the slow tier's time budget (tests/durations.json)")
     group.addoption("--budget", action="store_true", help="fail when the slow tier's declared seconds exceed its budget")
     group.addoption("--update-durations", action="store_true", help="record the measured seconds of the slow-tier tests run")
-    group.addoption("--timings", metavar="FILE", help="write {nodeid: [tier, seconds]} of every test run (.ci/report.py reads it)")
+    group.addoption(
+        "--timings", metavar="FILE", help="write {nodeid: [tier, seconds]} of every test run (.ci/report.py reads it)"
+    )
 
 
 class Budget:

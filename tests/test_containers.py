@@ -73,6 +73,7 @@ def test_apptainer_command_line():
         "HF_HUB_OFFLINE=1",
         "/p/img/trainer.sif",
         "python",
+        "-P",  # safe-path mode: the working directory cannot shadow an installed package
         "-m",
         "snowcat.stages",
         "/p/runs/r1",
@@ -375,17 +376,17 @@ def test_role_images_and_hetjob_step_render_one_image_per_role(monkeypatch):
     one = hetjob_step(site, "apptainer", [trainer, trainer], args, binds=binds, gpus=[True, True], extra=extra)
     assert shlex.join(one) == golden[0]
     host = hetjob_step(site, "none", [trainer, rollout], args, extra=extra, host_python="/venv/bin/python")
-    assert host == ["srun", "--mpi=pspmix", "--het-group=0,1", *extra, "/venv/bin/python", *args]
+    assert host == ["srun", "--mpi=pspmix", "--het-group=0,1", *extra, "/venv/bin/python", "-P", *args]
     with pytest.raises(UserError, match="2 images but 1 GPU flags"):
         hetjob_step(site, "apptainer", [trainer, rollout], args, gpus=[True])
     # srun is told each component's CPUs per task (Slurm 22.05-23.02 do not pass sbatch's down):
     # one count for both keeps the plain form, two counts make each group say its own
     same = hetjob_step(site, "none", [None, None], args, cpus_per_task=[8, 8], extra=extra, host_python="py")
-    assert same == ["srun", "--mpi=pspmix", "--het-group=0,1", "--cpus-per-task=8", *extra, "py", *args]
+    assert same == ["srun", "--mpi=pspmix", "--het-group=0,1", "--cpus-per-task=8", *extra, "py", "-P", *args]
     mixed = hetjob_step(site, "none", [None, None], args, cpus_per_task=[48, 4], extra=extra, host_python="py")
     assert shlex.join(mixed) == shlex.join(
-        ["srun", "--mpi=pspmix", "--het-group=0", "--cpus-per-task=48", *extra, "py", *args]
-        + [":", "--het-group=1", "--cpus-per-task=4", *extra, "py", *args]
+        ["srun", "--mpi=pspmix", "--het-group=0", "--cpus-per-task=48", *extra, "py", "-P", *args]
+        + [":", "--het-group=1", "--cpus-per-task=4", *extra, "py", "-P", *args]
     )
     with pytest.raises(UserError, match="2 images but 1 CPU counts"):
         hetjob_step(site, "none", [None, None], args, cpus_per_task=[4])

@@ -55,7 +55,7 @@ class LocalExecutor(Executor):
 
     def command(self, unit: Unit) -> list[str]:
         node = self.dag[unit.stage]
-        cmd = [sys.executable, "-m", "snowcat.stages", str(self.run.path), unit.stage]
+        cmd = [sys.executable, "-P", "-m", "snowcat.stages", str(self.run.path), unit.stage]  # -P: see containers.wrap.SAFE_PATH
         if unit.index is not None:
             cmd += ["--item", str(unit.index)]
         world = self.world_size(node)
