@@ -1,6 +1,6 @@
 """Measure the demo target: does the RL stage raise held-out pass@1 over its SFT init by > 2 paired SE?
 
-    python benchmarks/rl_demo.py ROOT [rl overrides key=value ...]
+    snowcat bench rl_demo ROOT [rl overrides key=value ...]
 
 ROOT holds `tasks/` (train/val parquet, the tasks stage's output) and `sft/` (the sft stage's
 output). The RL stage runs as the local executor runs it: `mpirun -n 2` (1 trainer + 1 rollout
@@ -39,8 +39,12 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def main() -> None:
-    root, overrides = Path(sys.argv[1]).resolve(), sys.argv[2:]
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print(__doc__)
+        return 2
+    root, overrides = Path(argv[0]).resolve(), argv[1:]
     child = root / "rl_child.py"
     child.write_text(_CHILD)
     env = {
@@ -92,7 +96,8 @@ def main() -> None:
                 }
             )
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
 
 from conftest import REPO
+
+from snowcat.stages.config import KINDS
 
 GENERIC = ("pipeline", "stages", "slurm", "containers", "kernels", "benchmarks")
 
@@ -17,7 +20,11 @@ def _python(code: str, cwd="/") -> subprocess.CompletedProcess:
 
 
 def test_no_generic_top_level_module_is_installed():
-    proc = _python(f"import importlib.util as u; print([n for n in {GENERIC!r} if u.find_spec(n)])")
+    # another distribution may own such a name (Hugging Face's `kernels`): none may come from here
+    code = (
+        f"import importlib.util as u; print([n for n in {GENERIC!r} if (s := u.find_spec(n)) and {str(REPO)!r} in str(s.origin)])"
+    )
+    proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
     proc = _python("import snowcat.pipeline.cli, snowcat.kernels, snowcat.stages.model; print(snowcat.kernels.__file__)")
@@ -74,3 +81,85 @@ def test_every_login_node_module_imports_alone_without_torch():
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "", proc.stdout
+
+
+def _snowcat_imports(path, module: str = "") -> set[str]:
+    """The snowcat modules a source file (module `module`) imports: `from snowcat.a import b` and
+    `from .b import c` name both the package and the module; a string naming a module counts too
+    (`importlib.import_module`, `python -m snowcat.x`)."""
+    import ast  # noqa: PLC0415
+
+    found = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("snowcat.")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{parent}.{base}".rstrip(".")
+            if base.startswith("snowcat"):
+                found |= {base} | {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found |= set(re.findall(r"\bsnowcat(?:\.\w+)+", node.value))
+    return found
+
+
+def _module_files() -> dict[str, object]:
+    out = {}
+    for package in GENERIC:
+        for p in (REPO / package).rglob("*.py"):
+            parts = p.relative_to(REPO).with_suffix("").parts
+            out[".".join(("snowcat", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = p
+    return out
+
+
+def test_the_quick_tier_reaches_every_module():
+    """Every module of snowcat is imported, directly or through what it imports, by a test file of
+    the quick tier (a file whose module-level marks do not make it all slow or cluster), so a plain
+    `pytest` exercises every module at least at import."""
+    modules = _module_files()
+    quick = [
+        p
+        for p in (REPO / "tests").glob("test_*.py")
+        if not any(
+            f"pytest.mark.{m}" in line
+            for line in p.read_text().splitlines()
+            if line.startswith("pytestmark")
+            for m in ("slow", "cluster")
+        )
+    ]
+    todo = [m for p in [*quick, REPO / "tests" / "conftest.py"] for m in _snowcat_imports(p) if m in modules]
+    # the runner imports a stage kind's module by name (pipeline.config.stage_module), and the test
+    # below imports every benchmark by its file name
+    kinds = {f"snowcat.stages.{kind}" for kind in KINDS}
+    todo += [m for m in modules if m.startswith("snowcat.benchmarks.")]
+    seen: set[str] = set()
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        parents = [
+            ".".join(m.split(".")[:i]) for i in range(2, m.count(".") + 1)
+        ]  # importing a.b.c runs a/__init__, a/b/__init__
+        todo += [x for x in (*_snowcat_imports(modules[m], m), *parents) if x in modules]
+        if m == "snowcat.pipeline.config":
+            todo += sorted(kinds)
+    entry_points = {m for m in modules if m.endswith("__main__")}  # run as `python -m`, which the tests do
+    missing = sorted(set(modules) - seen - entry_points)
+    assert missing == [], "\n".join(missing)
+
+
+def test_every_benchmark_is_a_snowcat_bench_command():
+    """`snowcat bench NAME ARGS` imports benchmarks/NAME.py and calls its main(ARGS): each has one
+    taking the argument list (the quick tier imports them all here)."""
+    import importlib  # noqa: PLC0415
+    import inspect  # noqa: PLC0415
+
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = importlib.import_module(f"snowcat.benchmarks.{path.stem}")
+        assert list(inspect.signature(module.main).parameters)[:1] == ["argv"], path.name
