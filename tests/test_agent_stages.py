@@ -88,6 +88,7 @@ def trained(tmp_path_factory):
     return root, tctx, sctx, metrics
 
 
+@pytest.mark.slow
 def test_sft_trains_on_expert_episodes_and_traces(trained):
     root, tctx, sctx, metrics = trained
     train = load_tasks(tctx.out_dir, "train")
@@ -193,6 +194,7 @@ def test_rl_trains_on_repo_episodes(trained, tmp_path, monkeypatch):
     assert not list(sandboxes.glob("snowcat-sandbox-*"))  # every episode's sandbox is gone
 
 
+@pytest.mark.slow
 def test_demonstrations_are_made_once_and_shared_by_every_rank(tmp_path, monkeypatch, capsys):
     """Rank 0 runs the expert and writes the file; another rank ignores an earlier attempt's file for
     other tasks and waits for rank 0's; both get the same bytes as the expert run in-process, and a

@@ -57,6 +57,7 @@ def test_transport_batches_look_like_agent_episodes():
         assert len(t.turn_boundaries) == 3 and t.loss_mask.sum() == sum(e - s for s, e in t.turn_boundaries)
 
 
+@pytest.mark.slow
 def test_trainer_memory_bench_reports_each_rank(tmp_path):
     out = tmp_path / "memory.json"
     tiny = ["--hidden", "32", "--layers", "1", "--experts", "2", "--vocab", "256", "--seq", "16"]

@@ -58,6 +58,7 @@ def test_run_then_status_then_idempotent_rerun(snowcat, small, tmp_path):
     assert snowcat.status(run_dir)["stages"]["tasks"]["attempts"] == 1  # nothing re-ran
 
 
+@pytest.mark.slow
 def test_changed_output_is_reported_not_reused(snowcat, small, tmp_path):
     run_dir = tmp_path / "run"
     snowcat("run", small, "--run-dir", run_dir, check=True)
@@ -141,6 +142,7 @@ def test_sigkill_mid_stage_then_resume_matches_uninterrupted(snowcat, small, tmp
     assert {s["status"] for s in snowcat.status(killed)["stages"].values()} == {"done"}
 
 
+@pytest.mark.slow
 def test_concurrent_driver_is_refused(snowcat, small, tmp_path):
     run_dir = tmp_path / "run"
     first = snowcat.popen("run", small, *SLOW, "--run-dir", run_dir)
@@ -201,6 +203,7 @@ def one(tmp_path, monkeypatch) -> Path:
     return write_config(tmp_path / "one.yaml", ONE_STAGE)
 
 
+@pytest.mark.slow
 def test_a_run_with_a_site_goes_under_the_profiles_run_root(snowcat, one, tmp_path):
     """No --run-dir: the run lands under the site profile's run_root, its variables expanded here;
     a run_root the config sets wins; an unset variable is one line naming the key and the variable."""

@@ -151,6 +151,7 @@ def test_outputs_and_statistics(workdir, clean):
     assert "sft:final - sft:initial/all/pass@1_diff" in metrics
 
 
+@pytest.mark.slow
 def test_verifier_timeouts_are_excluded_not_counted_as_failures(workdir, clean, tmp_path, monkeypatch):
     _, clean_results, _ = clean
     task_ids = sorted({r["task_id"] for r in clean[2]})
@@ -170,6 +171,7 @@ def test_verifier_timeouts_are_excluded_not_counted_as_failures(workdir, clean, 
     assert pass1_counting_infra_as_failures(traces, "sft:initial") < want["pass@1"] - 0.01  # counted: lowered
 
 
+@pytest.mark.slow
 def test_transient_timeouts_are_retried(workdir, clean, tmp_path, monkeypatch):
     task_ids = sorted({r["task_id"] for r in clean[2]})
     monkeypatch.setenv(MARKERS, str(tmp_path))

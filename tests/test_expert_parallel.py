@@ -238,6 +238,7 @@ def two_ranks(tmp_path_factory):
     return _spawn(2, 2, ("forward", "round_trip", "step"), tmp_path_factory.mktemp("ep2"))
 
 
+@pytest.mark.slow
 def test_ep2_equals_unsharded_in_outputs_and_gradients(two_ranks):
     for r in two_ranks:
         f = r["forward"]

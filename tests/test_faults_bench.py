@@ -48,6 +48,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_two_runs_match_and_a_changed_table_is_a_mismatch(runs, tmp_path):
     a, b, _ = runs
     ref = faults.fingerprint(a)

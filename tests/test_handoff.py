@@ -330,6 +330,7 @@ _VERIFIED_BY_LEAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("mpirun"), reason="needs OpenMPI's mpirun")
 def test_trainer_ranks_take_rank_0s_verification(tmp_path):
     """Under fsdp each trainer rank reads its rows of a weight version; rank 0 alone hashes it and

@@ -188,6 +188,7 @@ def test_sft_starts_from_an_hf_checkpoint_with_its_tokenizer(tiny_hf, capsys):
     assert not torch.equal(final.lm_head.weight, initial.lm_head.weight)  # it trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHES))
 def test_export_of_an_hf_checkpoint_is_the_same_model_and_tokenizer(tmp_path, arch):
 

@@ -155,6 +155,7 @@ def run_tp(backend, tmp_path):
     mp.spawn(tp_worker, args=(2, str(tmp_path / "rendezvous"), backend), nprocs=2)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_reference_two_gloo_ranks(tmp_path):
     run_tp("reference", tmp_path)
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from snowcat.benchmarks.logprob import main
 
 
+@pytest.mark.slow
 def test_benchmark_reports_every_method(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = tmp_path / "rows.json"

@@ -26,6 +26,8 @@ from snowcat.stages.taskgen import demonstration, generate_domain, save_tasks, s
 from snowcat.stages.train import precision
 from snowcat.stages.train.precision import stored_dtype, unchanged_fraction
 
+pytestmark = pytest.mark.slow  # SFT and RL runs, three backends: about two minutes
+
 RL_LR = 5e-7  # the seeds' RL learning rate
 
 

@@ -69,6 +69,7 @@ def read_traces(path: Path) -> dict:
         return {k: f[k][()] for k in f}
 
 
+@pytest.mark.slow
 def test_probe_counts_passes_per_train_task(workdir):
     metrics, rows = run_probe(workdir, "probe_a")
     train = load_tasks(workdir / "tasks", "train")

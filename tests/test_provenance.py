@@ -183,6 +183,7 @@ def test_record_unit_hook_writes_item_record(run_dir, secret_env):
     assert rec["host"]["gpus"] == [] or all(g["name"] for g in rec["host"]["gpus"])  # torch probed lazily
 
 
+@pytest.mark.slow
 def test_every_rank_of_a_multi_role_stage_records_what_it_ran_on(snowcat, tmp_path):
     cfg = tmp_path / "fabric.yaml"
     cfg.write_text(

@@ -60,6 +60,7 @@ def test_a_unit_held_by_another_runner_is_refused_before_anything_is_written(sma
     assert run.is_done(Unit("tasks")) and not run.verify_unit(Unit("tasks"))
 
 
+@pytest.mark.slow
 def test_a_by_hand_unit_while_the_driver_runs_it_is_refused_and_the_run_stays_whole(snowcat, small, tmp_path):
     run_dir = tmp_path / "run"
     driver = snowcat.popen("run", small, *SLOW, "--run-dir", run_dir)
@@ -90,6 +91,7 @@ def _pretend(run_dir: Path, stage: str, **fields) -> None:
     RunDir(run_dir).update_stage(stage, **fields)
 
 
+@pytest.mark.slow
 def test_cancel_leaves_alone_a_recycled_pid_and_a_finished_stage(snowcat, done_run):
     recycled, finished = _decoy(), _decoy()
     try:
@@ -107,6 +109,7 @@ def test_cancel_leaves_alone_a_recycled_pid_and_a_finished_stage(snowcat, done_r
             p.wait()
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_live_unit_process_of_the_run(snowcat, done_run):
     unit = _decoy()
     try:
@@ -134,6 +137,7 @@ def test_process_identity_does_not_match_a_reused_pid():
 # --- the frozen config ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_truncated_frozen_config_is_refused_not_resumed(snowcat, done_run):
     config = done_run / "config.yaml"
     text = config.read_text()
@@ -146,6 +150,7 @@ def test_a_truncated_frozen_config_is_refused_not_resumed(snowcat, done_run):
     assert "all 2 stages done" in snowcat("resume", done_run, check=True).stderr
 
 
+@pytest.mark.slow
 def test_a_damaged_run_json_is_a_clear_error(snowcat, done_run):
     (done_run / "run.json").write_text('{"run_id": "run", "crea')
     proc = snowcat("status", done_run)
@@ -163,6 +168,7 @@ def _rewrite_upstream(run_dir: Path) -> None:
     run.mark_done(Unit("tasks"), run.metrics(Unit("tasks")), {})
 
 
+@pytest.mark.slow
 def test_a_changed_upstream_makes_downstream_stale_audit_fail_and_resume_recompute(snowcat, done_run):
     before = read_json(done_run / "stages" / "more" / "manifest.json")
     _rewrite_upstream(done_run)
@@ -184,6 +190,7 @@ def test_a_changed_upstream_makes_downstream_stale_audit_fail_and_resume_recompu
     assert all(c["ok"] for c in json.loads(snowcat("audit", done_run, "--json").stdout)["checks"] if c["check"] == "lineage")
 
 
+@pytest.mark.slow
 def test_a_deleted_upstream_is_recomputed_and_so_is_everything_downstream(snowcat, done_run):
     shutil.rmtree(done_run / "stages" / "tasks")
     cfg = RunDir.open(done_run).config()
@@ -337,6 +344,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_notice_that_comes_before_the_stage_starts_is_kept_not_fatal(tmp_path):
     """Slurm may send `--signal` up to a minute early: a job warned while it is still starting
     checkpoints at its first step boundary and asks to be continued (exit 75), where SIGUSR2's default

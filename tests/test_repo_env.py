@@ -61,6 +61,7 @@ def test_parse_tool_call():
             parse_tool_call(bad)
 
 
+@pytest.mark.slow
 def test_teacher_demonstrations_are_real_and_reproducible(world):
     tasks, demos, _ = world
     for task, msgs in zip(tasks, demos):
@@ -98,6 +99,7 @@ def test_the_tool_table_is_one_place():
     assert TOOL_HINT == "Tools: bash(command), view(path), edit(path, old, new), test(), submit()."
 
 
+@pytest.mark.slow
 def test_rollout_layout_equals_the_teacher_demonstration(world):
     """Playing the teacher's calls through env.step gives exactly encode_chat(teacher), and submit verifies."""
     tasks, demos, tok = world

@@ -163,6 +163,7 @@ def mpirun_child(script: Path, inputs: Path, run_dir: Path, kill: dict) -> subpr
     return mpirun(2, script, inputs, run_dir, json.dumps(kill), timeout=600)
 
 
+@pytest.mark.slow
 def test_mpi_one_trainer_one_rollout_matches_single_process(inputs, baseline, tmp_path):
     if shutil.which("mpirun") is None:
         pytest.skip("needs OpenMPI's mpirun")
@@ -209,6 +210,7 @@ def _child_script(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_then_resume_is_bit_identical(inputs, baseline, tmp_path):
     run_dir = tmp_path / "run"
     script = _child_script(tmp_path)

@@ -295,6 +295,7 @@ def _stage_sha(run_dir: Path) -> str:
     return sha256_file(run_dir / "rl" / "checkpoints" / "final" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_single_process_file_queue_usr2_checkpoints_and_resumes_bit_identically(stage_inputs, tmp_path):
     log, code = _stage_run(stage_inputs, tmp_path, STAGE, mpi=False, signal_ranks=[0])
     assert code == PREEMPTED_EXIT_CODE, log[-3000:]
@@ -304,6 +305,7 @@ def test_single_process_file_queue_usr2_checkpoints_and_resumes_bit_identically(
     assert _stage_sha(tmp_path) == _stage_sha(stage_inputs[2])
 
 
+@pytest.mark.slow
 def test_two_ranks_over_the_file_queue_usr2_to_the_trainer_only_stops_both(stage_inputs, tmp_path):
     """transport: file — the rollout rank never waits on an MPI batch send, and never sees the
     notice: it learns of it from the trainer and leaves after the trainer's save."""

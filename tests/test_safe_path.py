@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from snowcat.pipeline.config import load
 from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.executors.local import LocalExecutor
@@ -40,6 +42,7 @@ def test_stage_processes_started_from_the_checkout_import_the_installed_kernels(
     assert "site-packages" in out and not out.startswith(str(REPO)), out
 
 
+@pytest.mark.slow
 def test_an_hf_moe_exports_from_the_checkout_root_with_kernels_installed(tmp_path):
     """The export stage, started by `snowcat run` from the checkout root, loads a Hugging Face MoE
     checkpoint with snowcat and with transformers (its own -P process) and proves them equal."""

@@ -173,6 +173,7 @@ OPTION_NAMES = [
     site_name=st.sampled_from(sorted(EXPECTED)),
     options=st.dictionaries(st.sampled_from(OPTION_NAMES), st.integers(1, 8), max_size=10),
 )
+@pytest.mark.slow
 def test_filtered_options_never_contain_a_rejected_option(site_name, options):
     site = load_site(site_name)
     out = filter_sbatch_options(site, options)

@@ -264,6 +264,7 @@ stages:
 """
 
 
+@pytest.mark.slow
 def test_login_stages_run_in_the_submitting_process_before_the_jobs_that_need_them(snowcat, scheduler, tmp_path):
     """`where: login` (JSC's prestage: compute nodes have no internet): run by `run` itself when its
     inputs are done; one that needs a compute stage waits for a later `resume`, with what follows it."""
@@ -309,6 +310,7 @@ def test_resources_default_by_kind_and_site(site, stage, partition, gpus, cpus):
     assert {(c.partition, c.gpus_per_node, c.cpus_per_task) for c in comps} == {(partition, gpus, cpus)}
 
 
+@pytest.mark.slow
 def test_where_jobs_may_queue_their_successor_no_continuation_is_queued_up_front(snowcat, scheduler, tmp_path, monkeypatch):
     """JSC lets a job call sbatch: the fan-out is one array and a held gate; a preempted element queues
     its own next job, and the last element to finish releases the gate the next stage waits on."""
@@ -446,6 +448,7 @@ def test_a_resume_before_accounting_lists_the_jobs_queues_nothing_twice(snowcat,
     assert set(_task_states(scheduler).values()) == {"PENDING"}  # nothing was replaced either
 
 
+@pytest.mark.slow
 def test_a_resume_right_after_a_cancel_waits_for_the_job_to_end_and_queues_it_again(snowcat, scheduler, tmp_path):
     """After scancel, sacct says CANCELLED while squeue still lists the job COMPLETING (its processes
     may be saving a checkpoint). A resume in that moment took the squeue row for a live job and

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
 from conftest import REPO
 
 from snowcat.stages.config import KINDS
@@ -61,6 +62,7 @@ def test_loading_every_config_imports_no_torch():
 LOGIN_NODE_PACKAGES = ("pipeline", "slurm", "containers")
 
 
+@pytest.mark.slow
 def test_every_login_node_module_imports_alone_without_torch():
     """Each module of the CLI's layers, first in a fresh interpreter: an import cycle shows up only
     when the module that closes it is imported first, and none of them may pull in torch."""

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 import snowcat.pipeline.progress as progress_mod
@@ -54,6 +55,7 @@ def _every_status_run(tmp_path: Path) -> tuple[RunDir, object]:
     return run, cfg
 
 
+@pytest.mark.slow
 def test_status_on_a_terminal_renders_every_status_and_bracketed_text(tmp_path, snowcat):
     run, _ = _every_status_run(tmp_path)
     code, screen = snowcat.terminal("status", run.path, columns=250)
@@ -69,6 +71,7 @@ def test_status_on_a_terminal_renders_every_status_and_bracketed_text(tmp_path, 
     assert record["stages"]["done"]["progress"] == []
 
 
+@pytest.mark.slow
 def test_live_view_renders_every_status(tmp_path):
     run, cfg = _every_status_run(tmp_path)
     dag = build(cfg)
@@ -82,6 +85,7 @@ def test_live_view_renders_every_status(tmp_path):
     assert set(STATUSES) <= set(STYLE)  # every status has its colour
 
 
+@pytest.mark.slow
 def test_progress_lines_in_a_log_when_not_on_a_terminal(tmp_path, monkeypatch):
     run, cfg = _every_status_run(tmp_path)
     dag = build(cfg)
@@ -122,6 +126,7 @@ stages:
     return path
 
 
+@pytest.mark.slow
 def test_run_on_a_terminal_shows_stage_progress(tmp_path, snowcat):
     code, screen = snowcat.terminal("run", _sft_config(tmp_path, steps=40), "--run-dir", tmp_path / "run", timeout=600)
     assert code == 0, screen
@@ -142,6 +147,7 @@ def _sft_running(run_dir: Path) -> bool:
     return (run_dir / "stages" / "sft" / PROGRESS_FILE).is_file()
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_terminal_stops_the_run(tmp_path, snowcat):
     run_dir = tmp_path / "run"
     code, screen = snowcat.terminal(
@@ -153,6 +159,7 @@ def test_ctrl_c_on_a_terminal_stops_the_run(tmp_path, snowcat):
     assert record["stages"]["tasks"]["status"] == "done"
 
 
+@pytest.mark.slow
 def test_cancel_on_a_terminal_stops_a_run_on_another(tmp_path, snowcat):
     run_dir = tmp_path / "run"
     result: dict = {}

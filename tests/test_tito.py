@@ -59,6 +59,7 @@ def rollout(request, tmp_path_factory):
     return tok, model, engine, trajs
 
 
+@pytest.mark.slow
 def test_the_hazard_exists_sampled_turns_do_not_survive_decode_encode(rollout):
     tok, _, _, trajs = rollout
     changed = [
@@ -127,6 +128,7 @@ def test_truncated_turn_recovery_appends_untrained_tokens_and_keeps_the_cut_turn
 @pytest.mark.parametrize(
     "enable_thinking", [None, pytest.param(False, marks=pytest.mark.slow)], ids=["template default", "thinking off"]
 )
+@pytest.mark.slow
 def test_repo_episodes_with_the_qwen3_template_and_its_tools_keep_token_in_token_out(tmp_path, enable_thinking):
     """RepoEnv with the real Qwen3 template: the prompt carries every tool's schema, the model's turns
     are kept as sampled (each regenerates from its stored prefix), every observation is the template's

