@@ -27,6 +27,25 @@ python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || t
 # DeepSpeed JIT-builds its CPU shared-memory comm op on first use (minutes on 2 cores; cached under
 # ~/.cache/torch_extensions). Built here, once: tests then never wait for each other's build, nor
 # forever on the lock a killed build leaves behind.
+# A build killed midway leaves torch's lock file (torch_extensions/<ext>/lock) and the next build waits
+# on it forever: one that no running build holds is stale, and removed first.
+python - <<'PY'
+import os, pathlib
+from torch.utils.cpp_extension import get_default_build_root
+
+def cmdline(proc):
+    try:
+        return proc.read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+others = [cmdline(p) for p in pathlib.Path("/proc").glob("[0-9]*/cmdline") if p.parent.name != str(os.getpid())]
+building = any(b"ninja" in c or b"cpp_extension" in c for c in others)
+for lock in pathlib.Path(os.environ.get("TORCH_EXTENSIONS_DIR", get_default_build_root())).glob("*/*/lock"):
+    if not building:
+        print(f"[setup] removing the stale build lock {lock}")
+        lock.unlink()
+PY
 python -c "from deepspeed.accelerator import get_accelerator
 b = get_accelerator().create_op_builder('ShareMemCommBuilder')
 b is not None and b.load()" >/dev/null

@@ -48,9 +48,10 @@ export OMP_WAIT_POLICY=PASSIVE  # spinning OpenMP threads slow everything down w
 lint() { ruff check . && ruff format --check . && lint-imports; }
 phase lint lint
 
-# GPU tests skip here. The slow tiers on two workers with --dist loadgroup: the cluster's tests one
-# after another on one worker (tests/conftest.py groups them), waiting on the scheduler much of the
-# time, while the slow CPU-bound tests run beside them.
-phase unit python -m pytest -ra -q -n 2 --timings "$ci_tmp/timings-unit.json" "$@"
-phase cluster+slow python -m pytest -ra -q -m "(slow or cluster) and not gpu" -n 2 --dist loadgroup --budget \
+# GPU tests skip here. The unit tier: pyproject's default selection (two workers). The cluster and
+# slow tiers together on three workers with --dist loadgroup: the cluster's tests one after another
+# on one worker (tests/conftest.py groups them), waiting on the scheduler much of the time, while the
+# slow CPU-bound tests keep both cores busy beside them.
+phase unit python -m pytest -ra -q --timings "$ci_tmp/timings-unit.json" "$@"
+phase cluster+slow python -m pytest -ra -q -m "(slow or cluster) and not gpu" -n 3 --dist loadgroup --budget \
   --timings "$ci_tmp/timings-slow.json" "$@"

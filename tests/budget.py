@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,9 @@ class Budget:
         self.notes: list[str] = []
 
     def pytest_runtest_logreport(self, report):
-        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
-        self.tiers[report.nodeid] = tier(report.keywords)
+        nodeid = re.sub(r"@[\w-]+$", "", report.nodeid)  # xdist's --dist loadgroup appends "@<group>"
+        self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration
+        self.tiers[nodeid] = tier(report.keywords)
 
     def slow(self) -> dict[str, float]:
         return {n: s for n, s in self.seconds.items() if self.tiers[n] != "unit"}

@@ -60,6 +60,7 @@ def test_two_runs_match_and_a_changed_table_is_a_mismatch(runs, tmp_path):
     assert faults.compare(ref, faults.fingerprint(c, b)) == ["more/train.parquet: differs"]
 
 
+@pytest.mark.slow
 def test_torn_json_is_torn_and_a_leftover_is_a_leftover(runs, tmp_path):
     a, _, _ = runs
     assert faults.torn_files(a) == [] and faults.leftovers(a) == []

@@ -78,6 +78,7 @@ def forced_logits(model, prompt, tokens) -> torch.Tensor:
         return model.logits(model(ids).hidden)[0, len(prompt) - 1 : -1].float()
 
 
+@pytest.mark.slow
 def test_sampled_frequencies_match_the_reported_processed_probabilities(moe):
     engine, model = moe
     p = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, max_tokens=1)
@@ -261,6 +262,7 @@ def test_engine_vllm_without_vllm_installed_is_refused_at_config_load(monkeypatc
     assert stage_config("evaluate", {"engine": "vllm", "needs": ["tasks"], "image": "rollout.sif"}, name="eval").engine == "vllm"
 
 
+@pytest.mark.slow
 def test_snowcat_model_directories_are_served_by_vllm(tmp_path):
     """A from-scratch snowcat model (the demo preset) saved by save_model_dir carries config.json:
     vLLM loads it and its logprobs are the torch model's."""
