@@ -12,20 +12,19 @@ cd "$(dirname "$0")/.."
 # to one directory removed at the end.
 SNOWCAT_CI_NONCE="$(date +%s%N)-$$"
 export SNOWCAT_CI_NONCE
-ci_tmp="$(mktemp -d)"
-python3 .ci/leftovers.py snapshot "$ci_tmp/before.json"
-export TMPDIR="$ci_tmp/tmp"
-mkdir "$TMPDIR"
-phases="$ci_tmp/phases"
+ci_tmp="$(mktemp -d /tmp/ci.XXXXXX)"  # short: paths under it are printed by tests
+python3 .ci/leftovers.py snapshot "$ci_tmp/.before.json"
+export TMPDIR="$ci_tmp"
+phases="$ci_tmp/.phases"
 : >"$phases"
 
 finish() {
   local rc=$?
   set +e
   [ -x .venv/bin/python ] && .venv/bin/python -m snowcat.slurm.cluster down >/dev/null 2>&1
-  python3 .ci/report.py "$phases" "$ci_tmp"/timings-*.json
+  python3 .ci/report.py "$phases" "$ci_tmp"/.timings-*.json
   local state
-  state="$(cat "$ci_tmp/before.json")"
+  state="$(cat "$ci_tmp/.before.json")"
   rm -rf "$ci_tmp"
   python3 .ci/leftovers.py check - <<<"$state" || { [ "$rc" -eq 0 ] && rc=1; }
   exit "$rc"
@@ -52,6 +51,6 @@ phase lint lint
 # slow tiers together on three workers with --dist loadgroup: the cluster's tests one after another
 # on one worker (tests/conftest.py groups them), waiting on the scheduler much of the time, while the
 # slow CPU-bound tests keep both cores busy beside them.
-phase unit python -m pytest -ra -q --timings "$ci_tmp/timings-unit.json" "$@"
+phase unit python -m pytest -ra -q --timings "$ci_tmp/.timings-unit.json" "$@"
 phase cluster+slow python -m pytest -ra -q -m "(slow or cluster) and not gpu" -n 3 --dist loadgroup --budget \
-  --timings "$ci_tmp/timings-slow.json" "$@"
+  --timings "$ci_tmp/.timings-slow.json" "$@"

@@ -22,9 +22,8 @@ def _python(code: str, cwd="/") -> subprocess.CompletedProcess:
 
 def test_no_generic_top_level_module_is_installed():
     # another distribution may own such a name (Hugging Face's `kernels`): none may come from here
-    code = (
-        f"import importlib.util as u; print([n for n in {GENERIC!r} if (s := u.find_spec(n)) and {str(REPO)!r} in str(s.origin)])"
-    )
+    ours = [str(REPO / n / "__init__.py") for n in GENERIC]
+    code = f"import importlib.util as u; print([n for n in {GENERIC!r} if (s := u.find_spec(n)) and s.origin in {ours!r}])"
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
