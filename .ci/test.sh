@@ -51,6 +51,9 @@ phase lint lint
 # slow tiers together on three workers with --dist loadgroup: the cluster's tests one after another
 # on one worker (tests/conftest.py groups them), waiting on the scheduler much of the time, while the
 # slow CPU-bound tests keep both cores busy beside them.
-phase unit python -m pytest -ra -q --timings "$ci_tmp/.timings-unit.json" "$@"
+# Both tiers run whatever the first gives, so one CI run shows every failure.
+failed=0
+phase unit python -m pytest -ra -q --timings "$ci_tmp/.timings-unit.json" "$@" || failed=1
 phase cluster+slow python -m pytest -ra -q -m "(slow or cluster) and not gpu" -n 3 --dist loadgroup --budget \
-  --timings "$ci_tmp/.timings-slow.json" "$@"
+  --timings "$ci_tmp/.timings-slow.json" "$@" || failed=1
+exit "$failed"

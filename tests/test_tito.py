@@ -35,7 +35,7 @@ BUDGET = Budget(max_context=160, max_turn_tokens=6, max_turns=4, recover_long_tu
 PARAMS = SamplingParams(temperature=1.0)
 
 
-@pytest.fixture(scope="module", params=["local", "hf", "hf-qwen3", "hf-vllm"])
+@pytest.fixture(scope="module", params=["local", "hf", "hf-qwen3", pytest.param("hf-vllm", marks=pytest.mark.slow)])
 def rollout(request, tmp_path_factory):
     arith, closure = tiny_tasks()
     texts = [t.prompt for t in arith + closure] + [t.answer for t in arith + closure] + ["turn cut at tokens; answer briefly"]
