@@ -30,6 +30,13 @@ settings), `ddp+ep2` (DDP with each MoE layer's experts sharded over both ranks,
 ZeRO-3, the fsdp backend) and `fsdp+ep2` (ZeRO-3 + EP: the experts sharded over both ranks, the
 rest by FSDP). fp32 on CPU: parameters, gradients and the two Adam moments are 4 bytes per
 parameter each.
+
+Beside RSS, each rank counts the trained state it holds after the step, from the tensors
+themselves (`state`): its master weights (the parameters, or ZeRO's fp32 partitions) and its
+optimizer state (AdamW's moments), in bytes per parameter of the whole model. The masters are
+float32 whatever the checkpoint stores (`--stored-dtype bfloat16`: a model directory as the hub
+has them; stages/train/precision.py), so DDP holds 12 bytes per parameter, and ZeRO/FSDP/EP divide
+what they shard over the ranks.
 """
 
 from __future__ import annotations
@@ -78,6 +85,27 @@ def hwm_kib():  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the pa
     return status_kib("VmHWM")
 
 
+def state_bytes(backend):  # (master bytes, optimizer-state bytes) this rank holds, each tensor once
+    seen = set()
+
+    def size(t):
+        if not torch.is_tensor(t):
+            return 0
+        t = t.to_local() if hasattr(t, "to_local") else t
+        t = getattr(t, "ds_tensor", None) if getattr(t, "ds_tensor", None) is not None else t  # ZeRO-3's partition
+        key = (t.data_ptr(), t.numel())
+        if t.numel() == 0 or key in seen:
+            return 0
+        seen.add(key)
+        return t.numel() * t.element_size()
+
+    flat = backend._stepped() if hasattr(backend, "_stepped") else []  # ZeRO's fp32 partitions: the masters
+    masters = sum(size(t) for t in [*flat, *backend.model.parameters()])
+    base = backend._base_optimizer() if hasattr(backend, "_base_optimizer") else backend.optimizer
+    optimizer = sum(size(v) for state in base.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    return masters, optimizer
+
+
 def reset_hwm():
     with open("/proc/self/clear_refs", "w") as f:  # "5": the high-water mark restarts from the current RSS
         f.write("5")
@@ -115,7 +143,9 @@ trained = status_kib("VmRSS")
 save_checkpoint(spec["save_to"], backend, max_shard_bytes=spec["shard_bytes"])
 saved = hwm_kib()
 loss = float(stats.sums["nll_sum"]) / stats.tokens
-report = {"start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "trained_kib": trained, "save_kib": saved}
+masters, moments = state_bytes(backend)
+report = {"start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "trained_kib": trained, "save_kib": saved,
+          "master_bytes": masters, "optimizer_bytes": moments, "master_dtype": str(next(backend.model.parameters()).dtype)}
 print(json.dumps({"rank": rank, **report, "local_nll": loss}), flush=True)
 leave_distributed(together=True)
 """
@@ -182,6 +212,7 @@ def measure(modes: list[str], allocator_env: dict, model_dir: Path, params: int,
             r["peak_mib"] = max(r[f"{phase}_mib"] for phase in PHASES)
             r["save_added_mib"] = round((r["save_kib"] - r["trained_kib"]) / 1024, 1)
             r["step_bytes_per_param"] = round(r["step_mib"] * 2**20 / params, 2)
+            r["state_bytes_per_param"] = round((r["master_bytes"] + r["optimizer_bytes"]) / params, 2)
         results[mode] = {
             **MODES[mode],
             "ranks": ranks,
@@ -194,14 +225,14 @@ def measure(modes: list[str], allocator_env: dict, model_dir: Path, params: int,
     return results
 
 
-def write_model(cfg: ModelConfig, path: Path) -> None:
-    """The benchmark's model (seed 0) as a model directory: what every mode loads."""
+def write_model(cfg: ModelConfig, path: Path, dtype: str = "float32") -> None:
+    """The benchmark's model (seed 0) as a model directory, its weights stored in `dtype`: what every mode loads."""
     import torch  # noqa: PLC0415 (the parent needs torch only here)
 
     from snowcat.stages.model import MoEForCausalLM, save_model_dir  # noqa: PLC0415
 
     torch.manual_seed(0)
-    save_model_dir(path, MoEForCausalLM(cfg))
+    save_model_dir(path, MoEForCausalLM(cfg), dtype=getattr(torch, dtype))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}; ddp first")
     ap.add_argument("--shard-mib", type=float, default=16, help="safetensors shard size of the saved weights")
+    ap.add_argument("--stored-dtype", choices=("float32", "bfloat16"), default="float32", help="what the model directory stores")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",")]
@@ -236,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     shard_bytes = int(args.shard_mib * 2**20)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="snowcat-bench-model-") as tmp:
-        write_model(model, Path(tmp) / "model")
+        write_model(model, Path(tmp) / "model", args.stored_dtype)
         results = {
             name: measure(modes, env, Path(tmp) / "model", params, args.rows, args.seq, shard_bytes)
             for name, env in ALLOCATORS.items()
@@ -250,13 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{allocator}")
         print(
             f"{'mode':<8} {'rank':>4} {'start MiB':>10} {'setup +MiB':>11} {'held +MiB':>10} {'step +MiB':>10}"
-            f" {'save +MiB':>10} {'(added)':>8} {'B/param':>8}"
+            f" {'save +MiB':>10} {'(added)':>8} {'B/param':>8} {'state B/param':>14}"
         )
         for mode, res in by_mode.items():
             for r in res["ranks"]:
                 print(
                     f"{mode:<8} {r['rank']:>4} {r['start_kib'] / 1024:>10.0f} {r['setup_mib']:>11.0f} {r['held_mib']:>10.0f}"
                     f" {r['step_mib']:>10.0f} {r['save_mib']:>10.0f} {r['save_added_mib']:>8.0f} {r['step_bytes_per_param']:>8.2f}"
+                    f" {r['state_bytes_per_param']:>14.2f}"
                 )
         print("largest rank against ddp's:")
         for m, r in by_mode.items():
@@ -272,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                 "load_average_1min": {"before": load_before[0], "after": load_after[0]},
                 "model": model.to_dict() | {"params": params},
                 "step": {"ranks": WORLD, "rows_per_rank": args.rows, "seq": args.seq, "optimizer": "AdamW", "dtype": "fp32"},
+                "stored_dtype": args.stored_dtype,
                 "save": {"shard_bytes": shard_bytes},
                 "peak_unit": "MiB of VmHWM above the rank's start (after imports and joining the process group)",
                 "allocators": {name: env or "glibc's defaults" for name, env in ALLOCATORS.items()},

@@ -61,7 +61,7 @@ def test_transport_batches_look_like_agent_episodes():
 def test_trainer_memory_bench_reports_each_rank(tmp_path):
     out = tmp_path / "memory.json"
     tiny = ["--hidden", "32", "--layers", "1", "--experts", "2", "--vocab", "256", "--seq", "16"]
-    assert trainer_memory.main([*tiny, "--modes", "ddp", "--json", str(out)]) == 0
+    assert trainer_memory.main([*tiny, "--modes", "ddp,fsdp", "--stored-dtype", "bfloat16", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result["results"]) == set(trainer_memory.ALLOCATORS) and result["model"]["params"] > 0
     for by_mode in result["results"].values():
@@ -71,6 +71,10 @@ def test_trainer_memory_bench_reports_each_rank(tmp_path):
             assert r["start_kib"] <= r["setup_kib"] and _positive(r["step_mib"]) and _positive(r["save_mib"])
             assert r["peak_mib"] == max(r["setup_mib"], r["step_mib"], r["save_mib"])
             assert r["save_added_mib"] == round((r["save_kib"] - r["trained_kib"]) / 1024, 1)
+            # from a bf16 directory: fp32 masters and two fp32 moments, whole on every DDP rank
+            assert r["master_dtype"] == "torch.float32" and r["state_bytes_per_param"] == pytest.approx(12, rel=0.01)
+        # FSDP2 (ZeRO-3) on 2 ranks: half of it each
+        assert [r["state_bytes_per_param"] for r in by_mode["fsdp"]["ranks"]] == pytest.approx([6, 6], rel=0.05)
         assert all(ddp[f"{phase}_ratio_to_ddp"] == 1.0 for phase in ("setup", "step", "save", "peak"))
 
 
