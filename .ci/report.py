@@ -38,9 +38,13 @@ def main(argv: list[str]) -> int:
         secs = [s for t, s in timings.values() if t == tier]
         print(f"  {tier:<8} {len(secs):>4} tests {sum(secs):>8.0f} s")
 
+    slowest = sorted(timings.items(), key=lambda kv: -kv[1][1])
     print("\n== the 25 slowest tests ==")
-    for nodeid, (tier, s) in sorted(timings.items(), key=lambda kv: -kv[1][1])[:25]:
+    for nodeid, (tier, s) in slowest[:25]:
         print(f"  {s:>7.1f} s  {tier:<7}  {nodeid}")
+    print("\n== the 10 slowest of the unit tier (it must stay under 3 minutes: mark a slow one `slow`) ==")
+    for nodeid, (_, s) in [kv for kv in slowest if kv[1][0] == "unit"][:10]:
+        print(f"  {s:>7.1f} s  {nodeid}")
     return 0
 
 
