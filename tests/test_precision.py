@@ -206,3 +206,15 @@ def test_every_backend_trains_a_bf16_checkpoint_on_fp32_masters(hub, sft_runs, t
     # gradients reduced in another order: equal within float32 rounding
     assert [h["loss"] for h in history(ctx)] == pytest.approx([h["loss"] for h in history(runs["bf16"])], rel=1e-5)
     assert {t.dtype for t in weights(ctx, "step_000012").values()} == {torch.float32}
+
+
+def test_the_card_states_the_dtypes_and_how_much_of_the_model_moved(sft_runs):
+    from snowcat.pipeline.card import _precision_lines  # noqa: PLC0415 (the card's one renderer of it)
+
+    _, metrics = sft_runs
+    lines = _precision_lines(metrics["bf16"])
+    assert lines[0] == "  - precision: master weights and optimizer state float32, compute float32, storage bfloat16"
+    same = metrics["bf16"]["weights_unchanged"]
+    assert f"{same['all']:.1%}" in lines[1] and f"experts {same['experts']:.1%}" in lines[1]
+    assert "bfloat16 masters, asked for in the config" in _precision_lines(metrics["bf16-masters"])[0]
+    assert _precision_lines({}) == ["  - precision: not recorded"]
