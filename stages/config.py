@@ -376,6 +376,8 @@ class RlConfig(Parallelism):
         roles = getattr(self, "resources", None)
         role_image = next((c.image for c in roles.components.values() if c.image), None) if roles else None
         yield from _engine_problems(self.engine, self.image or role_image)  # the rollout role's image carries vLLM
+        if self.router_replay and self.engine == "vllm":  # `auto` is resolved to the site's engine by now
+            yield "router_replay", "needs engine: torch (the vLLM engine does not return the experts it routed each token to)"
 
 
 # ---------------------------------------------------------------- evaluate and export

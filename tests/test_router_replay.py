@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from snowcat.pipeline.config import stage_config
+from snowcat.pipeline.errors import UserError
 from snowcat.stages.agent import Trajectory, pack, unpack
 from snowcat.stages.algorithms import PolicyLossConfig
 from snowcat.stages.model import PRESETS, MoEForCausalLM
@@ -101,3 +103,9 @@ def test_dense_models_and_engines_without_routes_carry_none(rollout):
     bare = [Trajectory(**{**t.__dict__, "routes": None}) for t in trajs[:3]]
     assert all(t.routes is None for t in unpack(pack(bare)))
     assert "routes" not in make_batch(bare, pad_id=0, estimator="grpo")
+
+
+def test_router_replay_with_an_engine_that_cannot_return_routes_is_refused_at_load():
+    assert stage_config("rl", {"router_replay": True, "engine": "torch"}).router_replay  # the torch engine records them
+    with pytest.raises(UserError, match=r"^stages\.rl\.router_replay: needs engine: torch \(the vLLM engine does not return"):
+        stage_config("rl", {"router_replay": True, "engine": "vllm"})
