@@ -319,9 +319,10 @@ def save_model_dir(
 ) -> Path:
     """Write a model directory atomically. `tensors`: its weights as (HF hub name, tensor) pairs,
     consumed as they come (default: `model`'s own, which must then be whole here); `model` gives
-    the config; `dtype` the stored dtype of floating-point weights (default `model`'s). Shards of `max_shard_bytes` (default `shards.SHARD_BYTES`), hashed as
-    written. `extra_files`: {relative name: callable(path)} written inside the same directory
-    before the manifest (e.g. a trainer's resumable state)."""
+    the config; `dtype` the stored dtype of floating-point weights (default `model`'s). Shards of
+    `max_shard_bytes` (default `shards.SHARD_BYTES`), hashed as written. `extra_files`: {relative
+    name: callable(path)} written inside the same directory before the manifest (e.g. a trainer's
+    resumable state)."""
     path = Path(path)
     if tensors is None:
         tensors = hf_tensors(model.config, model.state_dict().items())
@@ -345,8 +346,9 @@ def save_model_dir(
 
 def serving_config(model: MoEForCausalLM, dtype: torch.dtype | None = None) -> dict | None:
     """config.json that lets vLLM (or transformers) load the directory, in the architecture the model
-    maps to, naming `dtype` (default the model's) as the stored one; None when no Hugging Face architecture can express it (snowcat itself reads
-    model_config.json, which wins when both are present)."""
+    maps to, naming `dtype` (default the model's) as the stored one; None when no Hugging Face
+    architecture can express it (snowcat itself reads model_config.json, which wins when both are
+    present)."""
     try:
         fields = hf.hf_config_dict(model.config)
     except UserError:

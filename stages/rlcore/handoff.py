@@ -74,8 +74,9 @@ class WeightHandoff:
         """Write version `step` from `model` (an MoEForCausalLM) and `tokenizer`'s files; STABLE last.
         `tensors`: the weights as (HF hub name, tensor), consumed as they come (a sharded trainer's
         gathers, see stages.train.with_whole_tensors); default `model`'s own. `dtype`: what the
-        tensors are stored in (config.json names it for the engines; default the model's). Idempotent: a stable
-        version is left as it is (a resumed trainer republishes the same bytes), `tensors` drained."""
+        tensors are stored in (config.json names it for the engines; default the model's).
+        Idempotent: a stable version is left as it is (a resumed trainer republishes the same
+        bytes), `tensors` drained."""
 
         path = self.path(step)
         tensors = hf_tensors(model.config, model.state_dict().items()) if tensors is None else tensors
