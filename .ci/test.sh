@@ -54,6 +54,6 @@ phase lint lint
 # Both tiers run whatever the first gives, so one CI run shows every failure.
 failed=0
 phase unit python -m pytest -ra -q --timings "$ci_tmp/.timings-unit.json" "$@" || failed=1
-phase cluster+slow python -m pytest -ra -q -m "(slow or cluster) and not gpu" -n 2 --dist loadgroup --budget \
+phase cluster+slow python -m pytest -ra -q -m "(slow or cluster) and not gpu" -n 3 --dist loadgroup --budget \
   --timings "$ci_tmp/.timings-slow.json" "$@" || failed=1
 exit "$failed"

@@ -7,6 +7,7 @@ like with like; bad precision settings are refused naming the key."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -200,8 +201,12 @@ def test_every_backend_trains_a_bf16_checkpoint_on_fp32_masters(hub, sft_runs, t
     """The sharded (fsdp: each rank reads its bf16 rows into fp32 shards) and DeepSpeed backends
     start from the same masters as the torch backend and take the same first steps."""
     runs, _ = sft_runs
+    before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     ctx = sft_ctx(hub, "bf16", tmp_path, backend=backend)
     metrics = sft.run(ctx)
+    # the one-process group it formed is gone, and so are the variables it exported: a process
+    # started next must not meet on its port (two later MPI runs of this worker hung there)
+    assert {k: os.environ.get(k) for k in before} == before
     assert metrics["precision"] == {"master": "float32", "compute": "float32", "storage": "bfloat16"}
     # gradients reduced in another order: equal within float32 rounding
     assert [h["loss"] for h in history(ctx)] == pytest.approx([h["loss"] for h in history(runs["bf16"])], rel=1e-5)

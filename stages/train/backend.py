@@ -69,7 +69,7 @@ from snowcat.stages.model.shards import write_shards
 from . import canonical
 from .optim import OptimConfig, build_optimizer, lr_factor
 from .precision import FP32
-from .rendezvous import init_process_group, rendezvous
+from .rendezvous import forget_process_group_env, init_process_group, rendezvous, will_export
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,7 @@ def leave_distributed(together: bool = False) -> None:
         if together and dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
+    forget_process_group_env()
 
 
 def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
@@ -453,7 +454,9 @@ class DeepSpeedBackend(TorchBackend):
             "steps_per_print": 1 << 30,
             "zero_allow_untested_optimizer": True,
         }
-        # wraps an existing torch process group (or creates one from the env:// variables)
+        # wraps an existing torch process group (or creates one from the env:// variables); it sets
+        # these itself (a machine address and port 29500 on one process), put back on leaving
+        will_export(("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"))
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,

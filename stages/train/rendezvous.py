@@ -182,14 +182,39 @@ def rendezvous(
     return Rendezvous(rank, world, local, reachable(addr), port)
 
 
+_EXPORTED: dict[str, str | None] = {}  # what init_process_group overwrote: the values before it
+
+
 def init_process_group(r: Rendezvous, device_type: str | None = None) -> None:
     """Join `r`'s group (NCCL on GPU, gloo on CPU), exporting its variables as torchrun would, so that
-    DeepSpeed and env:// readers see the same group."""
+    DeepSpeed and env:// readers see the same group (until `forget_process_group_env`)."""
     import torch  # noqa: PLC0415 (rendezvous itself is torch-free)
     import torch.distributed as dist  # noqa: PLC0415
 
+    will_export(r.env())
     os.environ.update(r.env())
     if dist.is_initialized():
         return
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=r.rank, world_size=r.world_size)
+
+
+def will_export(keys) -> None:
+    """Remember the current values of `keys`, about to be set for a process group (by us, or by a
+    library that sets them itself: DeepSpeed exports its own MASTER_ADDR/PORT), for
+    `forget_process_group_env`."""
+    for key in keys:
+        _EXPORTED.setdefault(key, os.environ.get(key))
+
+
+def forget_process_group_env() -> None:
+    """Put back the variables `init_process_group` exported, once its group is gone: a process that
+    goes on (a test worker, a driver) must not hand a dead group's MASTER_PORT to the processes it
+    starts next, whose own groups would then all meet on that one port (two concurrent MPI runs
+    hung on it)."""
+    for key, value in _EXPORTED.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _EXPORTED.clear()
