@@ -82,6 +82,7 @@ def _campaign(reference: Path) -> faults.Campaign:
     return camp
 
 
+@pytest.mark.slow
 def test_a_rerun_stage_is_lost_unless_the_fault_damaged_it(runs, tmp_path):
     a, _, cli = runs
     c = _copy(a, tmp_path)

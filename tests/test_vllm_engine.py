@@ -115,6 +115,7 @@ def test_logprobs_and_supports_agree_with_snowcats_model_on_the_same_weights(moe
             assert kept == support_mask(row, p).nonzero()[:, 0].tolist()
 
 
+@pytest.mark.slow
 def test_seeds_reproduce_and_requests_do_not_depend_on_their_batch(moe):
     engine, _ = moe
     p = SamplingParams(temperature=1.0, max_tokens=6)
@@ -127,6 +128,7 @@ def test_seeds_reproduce_and_requests_do_not_depend_on_their_batch(moe):
     assert all(c.support is None for c in together)  # full distribution: nothing to carry
 
 
+@pytest.mark.slow
 def test_finish_reasons_and_stop_ids(moe):
     engine, _ = moe
     first = engine.generate(PROMPTS, SamplingParams(max_tokens=5), seed=0)
