@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -88,8 +92,6 @@ def _snowcat_imports(path, module: str = "") -> set[str]:
     """The snowcat modules a source file (module `module`) imports: `from snowcat.a import b` and
     `from .b import c` name both the package and the module; a string naming a module counts too
     (`importlib.import_module`, `python -m snowcat.x`)."""
-    import ast  # noqa: PLC0415
-
     found = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
@@ -107,7 +109,7 @@ def _snowcat_imports(path, module: str = "") -> set[str]:
     return found
 
 
-def _module_files() -> dict[str, object]:
+def _module_files() -> dict[str, Path]:
     out = {}
     for package in GENERIC:
         for p in (REPO / package).rglob("*.py"):
@@ -156,9 +158,6 @@ def test_the_quick_tier_reaches_every_module():
 def test_every_benchmark_is_a_snowcat_bench_command():
     """`snowcat bench NAME ARGS` imports benchmarks/NAME.py and calls its main(ARGS): each has one
     taking the argument list (the quick tier imports them all here)."""
-    import importlib  # noqa: PLC0415
-    import inspect  # noqa: PLC0415
-
     for path in sorted((REPO / "benchmarks").glob("*.py")):
         if path.name == "__init__.py":
             continue
