@@ -143,19 +143,24 @@ def test_a_checkpoint_without_config_is_not_a_model(tmp_path):
 # ---------------------------------------------------------------- hf: sources in stages
 
 
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory):
-
-    root = tmp_path_factory.mktemp("tiny-hf")
+def small_task_set(out) -> list[str]:
+    """A seeded closure + arith task set in `out` (train and val splits); the train tasks' prompts
+    and demonstrations, the texts a tiny checkpoint's tokenizer is trained on."""
     rng = np.random.default_rng(0)
     train, val = [], []
     for domain, diffs in [("closure", [1, 2]), ("arith", [2])]:
         tr, va = split_tasks(generate_domain(rng, domain, diffs, 24), 4, rng)
         train, val = train + tr, val + va
-    save_tasks(root / "tasks", "train", train)
-    save_tasks(root / "tasks", "val", val)
-    texts = [t.prompt for t in train] + [demonstration(t) for t in train]
-    hf_model = tiny_checkpoint(root / "model", texts)
+    save_tasks(out, "train", train)
+    save_tasks(out, "val", val)
+    return [t.prompt for t in train] + [demonstration(t) for t in train]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+
+    root = tmp_path_factory.mktemp("tiny-hf")
+    hf_model = tiny_checkpoint(root / "model", small_task_set(root / "tasks"))
     (root / "model" / "README.md").write_text(
         "---\nlicense: apache-2.0\nlibrary_name: transformers\nbase_model:\n- org/base-a\n- org/specialist-b\n"
         "base_model_relation: merge\n---\n# tiny\n"

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,9 +22,10 @@ from snowcat.pipeline.fsio import sha256_file
 from snowcat.stages import export, rl
 from snowcat.stages.model.io import load_model_config
 from snowcat.stages.model.tiny_hf import tiny_checkpoint
-from snowcat.stages.taskgen import demonstration, generate_domain, save_tasks, split_tasks
 from snowcat.stages.train import precision
 from snowcat.stages.train.precision import stored_dtype, unchanged_fraction
+from tests.test_hf_models import small_task_set
+from tests.test_sft import Ctx  # a StageContext whose scheduler announces the job's end on a given poll
 
 pytestmark = pytest.mark.slow  # SFT and RL runs, three backends: about two minutes
 
@@ -36,14 +36,7 @@ RL_LR = 5e-7  # the seeds' RL learning rate
 def hub(tmp_path_factory):
     """Tasks, a tiny Qwen3-MoE saved by transformers in bf16, and the same values stored in fp32."""
     root = tmp_path_factory.mktemp("precision")
-    rng = np.random.default_rng(0)
-    train, val = [], []
-    for domain, diffs in [("closure", [1, 2]), ("arith", [2])]:
-        tr, va = split_tasks(generate_domain(rng, domain, diffs, 24), 4, rng)
-        train, val = train + tr, val + va
-    save_tasks(root / "tasks", "train", train)
-    save_tasks(root / "tasks", "val", val)
-    tiny_checkpoint(root / "bf16", [t.prompt for t in train] + [demonstration(t) for t in train], dtype="bfloat16")
+    tiny_checkpoint(root / "bf16", small_task_set(root / "tasks"), dtype="bfloat16")
     shutil.copytree(root / "bf16", root / "fp32")
     save_file(
         {k: v.float() for k, v in load_file(root / "bf16" / "model.safetensors").items()}, root / "fp32" / "model.safetensors"
@@ -52,17 +45,6 @@ def hub(tmp_path_factory):
     (root / "fp32" / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
     assert stored_dtype(root / "bf16") == torch.bfloat16 and stored_dtype(root / "fp32") == torch.float32
     return root
-
-
-class Ctx(StageContext):
-    """The scheduler announces the end of the job before poll `preempt_before`."""
-
-    preempt_before: int | None = None
-    _polls: int = 0
-
-    def checkpoint_due(self) -> bool:
-        self._polls += 1
-        return self.preempt_before is not None and self._polls == self.preempt_before
 
 
 def sft_ctx(hub, source: str, out, preempt_before=None, **overrides) -> Ctx:
