@@ -16,7 +16,7 @@ from snowcat.stages.sandbox import write_files
 from snowcat.stages.taskgen import Task, VerifierError, generate_domain, split_tasks, task_key, verify
 from snowcat.stages.taskgen import repo as repo_mod
 from snowcat.stages.taskgen.importers import import_swebench
-from snowcat.stages.taskgen.repo import RepoSpec, make_patch, parse_results, snapshot_files, verify_patch
+from snowcat.stages.taskgen.repo import RepoSpec, make_patch, snapshot_files, verify_patch
 from snowcat.stages.taskgen.swe_mini import BUG_KINDS
 
 needs_sandbox = pytest.mark.skipif(
@@ -53,16 +53,6 @@ def test_patch_round_trip_through_git_apply(tmp_path):
     (tmp_path / "p.diff").unlink()
     assert repo_mod.read_tree(tmp_path) == after
     assert repo_mod.patched_paths(patch) == ["a.py", "gone.txt", "new/b.py", "tail.txt"]
-
-
-def test_parse_results_reads_unittest_and_pytest():
-    unittest_out = "test_0 (tests.test_core.TestTotal.test_0) ... ok\ntest_1 (tests.test_core.TestTotal.test_1) ... FAIL\n"
-    assert parse_results(unittest_out) == {"tests.test_core.TestTotal.test_0": True, "tests.test_core.TestTotal.test_1": False}
-    assert parse_results("test_x (tests.t.T) ... ERROR\n") == {"tests.t.T.test_x": False}
-    assert parse_results("PASSED tests/test_a.py::test_one\nFAILED tests/test_a.py::test_two - assert\n") == {
-        "tests/test_a.py::test_one": True,
-        "tests/test_a.py::test_two": False,
-    }
 
 
 @needs_sandbox

@@ -29,8 +29,11 @@ sandbox, so nothing they do reaches the cached tree.
 from __future__ import annotations
 
 import difflib
+import hmac
+import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -39,9 +42,10 @@ import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from snowcat.stages.sandbox import Limits, open_sandbox, write_files
+from snowcat.stages.taskgen.observer import STARTED as OBSERVER_STARTED
 from snowcat.stages.taskgen.verdict import VerifierError
 
 SKIP_DIRS = {".git", ".tmp", "__pycache__", ".pytest_cache"}
@@ -58,6 +62,7 @@ class RepoSpec:
     test_patch: str = ""
     timeout_s: float = 60.0
     memory_mb: int = 1024
+    harness: str = ""  # pytest | unittest | script; "" = what test_command runs (`harness_of`)
 
     def __post_init__(self) -> None:
         kinds = {"files", "git", "archive"} & set(self.source)
@@ -69,6 +74,8 @@ class RepoSpec:
             raise ValueError(f"test_command must contain '{{tests}}': {self.test_command!r}")
         if not self.fail_to_pass:
             raise ValueError("fail_to_pass must name at least one test")
+        if self.harness and self.harness not in HARNESSES:
+            raise ValueError(f"harness must be one of {', '.join(HARNESSES)}; got {self.harness!r}")
 
     def to_meta(self) -> dict:
         return asdict(self)
@@ -229,27 +236,42 @@ def patched_paths(patch: str) -> list[str]:
     return sorted(paths)
 
 
-# ---------------------------------------------------------------- test results
+# ---------------------------------------------------------------- what the agent may not change
 
 
-_UNITTEST_LINE = re.compile(
-    r"^(\w+) \(([\w.]+)\)(?: \.\.\.|\n.*?\.\.\.) (ok|FAIL|ERROR|skipped.*|expected failure|unexpected success)$", re.M
-)
-_PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR) (\S+)", re.M)
+# Files that configure or start the test runner: wherever they are, the snapshot's version is used
+# (one the agent adds is removed), so nothing on the agent's side takes part in running the tests.
+RUNNER_FILES = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "sitecustomize.py", "usercustomize.py"}
+TEST_DIRS = {"test", "tests", "testing"}
 
 
-def parse_results(output: str) -> dict[str, bool]:
-    """{test id: passed} from `python -m unittest -v` or `pytest -rA` output (what can be read)."""
-    out: dict[str, bool] = {}
-    for name, where, verdict in _UNITTEST_LINE.findall(output):
-        test_id = where if where.endswith("." + name) else f"{where}.{name}"
-        out[test_id] = verdict in ("ok", "expected failure") or verdict.startswith("skipped")
-    for verdict, test_id in _PYTEST_LINE.findall(output):
-        out[test_id] = verdict == "PASSED"
-    return out
+def _test_files(test_id: str, base: dict[str, bytes]) -> list[str]:
+    """The snapshot files a test id names: pytest `path.py::...`, unittest `pkg.mod.Class.test`
+    (each dotted prefix that is a module of the snapshot)."""
+    if "::" in test_id or test_id.endswith(".py"):
+        return [test_id.split("::", 1)[0]]
+    parts = test_id.split(".")
+    found = []
+    for k in range(1, len(parts) + 1):
+        stem = "/".join(parts[:k])
+        found += [p for p in (stem + ".py", stem + "/__init__.py") if p in base]
+    return found
 
 
-# ---------------------------------------------------------------- verification
+def guarded_paths(spec: RepoSpec, base: dict[str, bytes], tree: list[str]) -> list[str]:
+    """Every path the verifier puts back to the snapshot before running the tests (removing what the
+    snapshot does not have): the test files (`test_paths`, the test patch's, those the test ids
+    name) with the rest of their test directory, and the runner's configuration files anywhere."""
+    files = set(spec.test_paths) | set(patched_paths(spec.test_patch))
+    for test_id in spec.fail_to_pass + spec.pass_to_pass:
+        files.update(_test_files(test_id, base))
+    dirs = {str(PurePosixPath(f).parent) for f in files if PurePosixPath(f).parent.name in TEST_DIRS}
+    out = set(files)
+    for path in set(base) | set(tree):
+        p = PurePosixPath(path)
+        if p.name in RUNNER_FILES or p.suffix == ".pth" or any(str(parent) in dirs for parent in p.parents):
+            out.add(path)
+    return sorted(out)
 
 
 def _replace_files(root: Path, paths: list[str], base: dict[str, bytes]) -> None:
@@ -275,14 +297,100 @@ def _replace_files(root: Path, paths: list[str], base: dict[str, bytes]) -> None
             path.write_bytes(base[rel])
 
 
+def _tree(root: Path) -> list[str]:
+    """Every file and link under `root` (names only; links not followed)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        out += [(Path(dirpath) / n).relative_to(root).as_posix() for n in filenames]
+        out += [(Path(dirpath) / d).relative_to(root).as_posix() for d in dirnames if (Path(dirpath) / d).is_symlink()]
+    return out
+
+
+# ---------------------------------------------------------------- the harness
+
+
+HARNESSES = ("pytest", "unittest", "script")
+_PYTHON = re.compile(r"(^|/)python(\d+(\.\d+)?)?$")
+
+
+def harness_of(spec: RepoSpec) -> tuple[str, str]:
+    """(harness, interpreter): `spec.harness` or what `test_command` runs (`python -m pytest`,
+    `pytest`, `python -m unittest`; anything else is a script whose exit status is the verdict),
+    and the Python that runs the observer (the command's own, else `python3`)."""
+    words = shlex.split(spec.test_command)
+    python = words[0] if words and _PYTHON.search(words[0]) else "python3"
+    if spec.harness:
+        return spec.harness, python
+    if "pytest" in words[:1] or (python == words[0] and words[1:3] == ["-m", "pytest"]):
+        return "pytest", python
+    if python == words[0] and words[1:3] == ["-m", "unittest"]:
+        return "unittest", python
+    return "script", python
+
+
+OBSERVER = Path(__file__).with_name("observer.py")
+
+
+def _read_record(path: Path, nonce: str) -> dict | None:
+    """A JSON record the observer wrote, or None (missing, a link, not JSON, another nonce)."""
+    if path.parent.is_symlink():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_FILE_BYTES)
+    try:
+        record = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {"forged": "not JSON"}
+    if not isinstance(record, dict) or not hmac.compare_digest(str(record.get("nonce")), nonce):
+        return {"forged": "wrong nonce"}
+    return record
+
+
+def _judge(tests: list[str], spec: RepoSpec, record: dict) -> tuple[float, bool, str]:
+    if "forged" in record:
+        return 0.0, False, f"test report not the observer's ({record['forged']})"
+    if record.get("tampered"):
+        return 0.0, False, "the test runner was tampered with: " + "; ".join(record["tampered"][:3])
+    results = record.get("results") or {}
+    failing = [t for t in tests if results.get(t) not in ("passed", "xpassed")]
+    if not failing:
+        return 1.0, True, f"{len(tests)} tests pass"
+    f2p = [t for t in failing if t in spec.fail_to_pass]
+    p2p = [t for t in failing if t in spec.pass_to_pass]
+    missing = [t for t in failing if t not in results]
+    detail = (
+        f"tests fail: FAIL_TO_PASS {len(f2p)}/{len(spec.fail_to_pass)} failing, "
+        f"PASS_TO_PASS {len(p2p)}/{len(spec.pass_to_pass)} failing"
+    )
+    if missing:
+        detail += f" ({len(missing)} never reported)"
+    if record.get("aborted"):
+        detail += f"; the run was cut short by {record['aborted']}"
+    return 0.0, False, detail
+
+
+# ---------------------------------------------------------------- verification
+
+
 def verify_patch(task, patch: str, image: str | None = None, base: dict[str, bytes] | None = None) -> tuple[float, bool, str]:
     """Judge `patch` (the agent's changes to the snapshot) with the task's tests in a clean sandbox:
     (reward, passed, detail). `base`: the snapshot, when the caller holds it already (else
-    `snapshot_files`, cached per process). Raises VerifierError for what is not the model's doing."""
+    `snapshot_files`, cached per process). Raises VerifierError for what is not the model's doing.
+
+    The snapshot, then the patch (`git apply`), then every guarded path put back (`guarded_paths`),
+    then the test patch; then the tests: pytest and unittest tasks through the observer
+    (observer.py: isolated interpreter, nonce, tamper checks), whose report alone is the verdict;
+    script tasks by the script's exit status."""
     spec = RepoSpec.from_task(task)
     image = task.meta.get("sandbox_image") or image  # a task's own image (tasks.imports[].build_images) first
     base = snapshot_files(spec) if base is None else base
     tests = list(dict.fromkeys(spec.fail_to_pass + spec.pass_to_pass))
+    harness, python = harness_of(spec)
     limits = Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20)
     with open_sandbox(image=image, limits=limits) as sb:
         root = sb.workdir
@@ -297,32 +405,67 @@ def verify_patch(task, patch: str, image: str | None = None, base: dict[str, byt
                 raise VerifierError(f"sandbox: {r.detail}")
             if r.status != "ok" or r.exit_code != 0:
                 return 0.0, False, f"patch does not apply: {(r.stderr or r.detail).strip()[:300]}"
-        restore = sorted(set(spec.test_paths) | set(patched_paths(spec.test_patch)))
+        guarded = guarded_paths(spec, base, _tree(root))
         try:
-            _replace_files(root, restore, base)
+            _replace_files(root, guarded, base)
         except OSError as e:
             raise VerifierError(f"restoring test files: {e}") from e
-        setup = (
-            "git apply --whitespace=nowarn .snowcat-test.patch && rm .snowcat-test.patch || exit 97; " if spec.test_patch else ""
-        )
-        files = {".snowcat-test.patch": spec.test_patch} if spec.test_patch else None
-        r = sb.run(setup + spec.command(tests), files=files, timeout_s=spec.timeout_s)
-    if r.status == "infra_error":
-        raise VerifierError(f"sandbox: {r.detail}")
-    if r.status == "timeout":
-        raise VerifierError(f"tests timed out after {spec.timeout_s:g}s")
-    if spec.test_patch and r.exit_code == 97:
-        raise VerifierError(f"the task's test patch does not apply: {r.stderr.strip()[:300]}")
+        setup, files = "", {}
+        if spec.test_patch:
+            setup = "git apply --whitespace=nowarn .snowcat-test.patch && rm .snowcat-test.patch || exit 97; "
+            files[".snowcat-test.patch"] = spec.test_patch
+        nonce = secrets.token_hex(16)
+        if harness == "script":
+            command = spec.command(tests)
+        else:  # a directory made for this one verification, named by a second secret
+            box = f".snowcat-verify-{secrets.token_hex(8)}"
+            files |= {f"{box}/observer.py": OBSERVER.read_bytes(), f"{box}/nonce": nonce}
+            # paths relative to the work dir, where every sandbox starts the command
+            command = shlex.join([python, "-I", f"{box}/observer.py", "--harness", harness, "--dir", box, "--root", ".", *tests])
+        r = sb.run(setup + command, files=files, timeout_s=spec.timeout_s)
+        if r.status == "infra_error":
+            raise VerifierError(f"sandbox: {r.detail}")
+        if spec.test_patch and r.exit_code == 97:
+            raise VerifierError(f"the task's test patch does not apply: {r.stderr.strip()[:300]}")
+        if r.status == "timeout":
+            raise VerifierError(f"tests timed out after {spec.timeout_s:g}s")
+        changed = _changed(root, guarded, base)
+        if harness == "script":
+            return (
+                (0.0, False, f"test files changed while the tests ran: {', '.join(changed[:3])}") if changed else _judge_script(r)
+            )
+        report = _read_record(root / box / "report.json", nonce)
+    if report and "harness_error" in report:
+        raise VerifierError(f"test harness: {report['harness_error']}")
+    if f"{OBSERVER_STARTED} {nonce}" not in r.stderr:
+        tail = (r.stderr or r.stdout or r.detail).strip()[-300:]
+        raise VerifierError(f"the {harness} harness did not start ({python}, exit {r.exit_code}): {tail}")
     if r.status == "limit":
         return 0.0, False, f"tests stopped at a limit ({r.detail})"
-    results = parse_results(r.stdout + "\n" + r.stderr)
-    failing = [t for t in tests if results and not results.get(t, False)]
-    passed = r.exit_code == 0 and not failing
-    if passed:
-        return 1.0, True, f"{len(tests)} tests pass"
-    f2p = [t for t in failing if t in spec.fail_to_pass]
-    p2p = [t for t in failing if t in spec.pass_to_pass]
-    detail = f"tests fail (exit {r.exit_code})"
-    if failing:
-        detail += f": FAIL_TO_PASS {len(f2p)}/{len(spec.fail_to_pass)} failing, PASS_TO_PASS {len(p2p)}/{len(spec.pass_to_pass)} failing"
-    return 0.0, False, detail
+    if report is None:
+        return 0.0, False, f"no test report: the tests' process ended before the observer finished (exit {r.exit_code})"
+    if changed:
+        return 0.0, False, f"test files changed while the tests ran: {', '.join(changed[:3])}"
+    return _judge(tests, spec, report)
+
+
+def _changed(root: Path, guarded: list[str], base: dict[str, bytes]) -> list[str]:
+    """Guarded files of the snapshot that differ from it after the tests ran (or are gone, or links):
+    code under test that rewrites a test module before it is imported is caught here."""
+    out, real_root = [], root.resolve()
+    for rel in guarded:
+        if rel not in base:
+            continue
+        path = root / rel
+        moved = Path(os.path.realpath(path)) != real_root / rel  # a link on the way: never followed
+        if moved or not path.is_file() or path.read_bytes() != base[rel]:
+            out.append(rel)
+    return out
+
+
+def _judge_script(r) -> tuple[float, bool, str]:
+    if r.status == "limit":
+        return 0.0, False, f"tests stopped at a limit ({r.detail})"
+    if r.exit_code == 0:
+        return 1.0, True, "the test script exits 0"
+    return 0.0, False, f"the test script exits {r.exit_code}: {(r.stdout + r.stderr).strip()[-200:]}"

@@ -156,7 +156,21 @@ def _test_case(index: int, call: str, outcome) -> str:
     kind, value = outcome
     if kind == "raises":  # never expected of the correct code: outcomes come from it
         raise AssertionError(f"{call} raises {value} in the correct code")
-    return f"    def test_{index}(self):\n        self.assertEqual({call}, {value!r})\n"
+    return f"    def test_{index}(self):\n        self.assertEqual(exact({call}), exact({value!r}))\n"
+
+
+# Each test module compares plain data by exact type, so that an object whose __eq__ answers True to
+# everything (or a subclass of int that claims to equal the answer) is not taken for the answer.
+EXACT = """
+
+def exact(value):
+    kind = type(value)
+    if kind in (list, tuple):
+        return (kind.__name__, [exact(v) for v in value])
+    if kind in (int, float, str, bool, type(None)):
+        return (kind.__name__, value)
+    return ("not plain data: " + kind.__name__, id(value))
+"""
 
 
 def generate(rng: np.random.Generator, difficulty: int) -> tuple[str, str, dict]:
@@ -189,7 +203,7 @@ def _draw(rng: np.random.Generator, difficulty: int) -> tuple[str, str, dict] | 
         bad = "\n\n".join(f.code(bug if f is buggy else None) for f in funcs)
         files[f"{pkg}/{mod}.py"], fixed_files[f"{pkg}/{mod}.py"] = bad, good
         test_file = f"tests/test_{mod}.py"
-        lines = [f"import unittest\n\nfrom {pkg}.{mod} import {', '.join(f.name for f in funcs)}\n"]
+        lines = [f"import unittest\n\nfrom {pkg}.{mod} import {', '.join(f.name for f in funcs)}\n", EXACT]
         for f in funcs:
             cls = "Test" + "".join(p.title() for p in f.name.split("_"))
             values = iter(f.args(rng))
