@@ -11,16 +11,39 @@ LocalSandbox, what it guarantees when running as root (the isolating mode, `isol
     device, down. Nothing on the host, including 127.0.0.1 servers of the parent, is reachable;
     abstract unix sockets belong to the network namespace and are unreachable too.
   * filesystem: the command sees a root of its own (a tmpfs, `pivot_root`) holding only the
-    `expose`d host paths, read-only (by default the system's /usr, /bin, /lib*, /etc and the
-    running interpreter's prefixes), a private /proc, /dev/{null,zero,full,random,urandom}, a
-    small /tmp, and the work dir, writable, at `/workspace` (as in the Apptainer sandbox: paths in
-    tool output do not depend on where the host keeps the episode). Nothing else on the host exists for
-    it: no other checkout, no /tmp of the host, no filesystem unix socket of another process
-    (a socket file is reachable by path: hiding the path is the only way to refuse it).
+    `expose`d host paths, read-only (by default the system's /usr, /bin, /sbin, /lib* and the
+    running interpreter's prefixes), an /etc of its own, a private /proc,
+    /dev/{null,zero,full,random,urandom} (no /dev/shm), a /tmp emptied before each call, and the
+    work dir, writable, at `/workspace` (as in the Apptainer sandbox: paths in tool output do not
+    depend on where the host keeps the episode). Nothing else on the host exists for it: no other
+    checkout, no /tmp of the host, no filesystem unix socket of another process (a socket file is
+    reachable by path: hiding the path is the only way to refuse it).
     The command runs as uid/gid 65534 (nobody) with no capabilities and no_new_privs, so it
     cannot remount or leave the root.
-  * processes: a fresh PID namespace; when the wall time is up, the namespace's init is killed and
-    the kernel kills every process left in it, including ones that escaped the process group.
+  * /etc: written for each call, read-only: passwd and group with root and nobody only, hosts with
+    localhost, an empty resolv.conf, nsswitch.conf (files), hostname `sandbox` (also the UTS
+    namespace's, set with hostname(1) where it exists); from the host only the dynamic linker's cache (ld.so.cache) and, bound read-only,
+    /etc/alternatives (Debian's awk, which, vi ... are symlinks through it). The host's users,
+    machine-id, Slurm/munge/ssh configuration are not there. `expose=(..., "/etc")` puts the
+    host's back.
+  * disk: `Limits.disk_bytes` (default 1 GiB) caps everything the episode's calls write: the work
+    dir is on a tmpfs of that size (and 1 inode per 8 KiB) mounted on the host for the sandbox's
+    lifetime (`Sandbox.disk == "tmpfs"`) and unmounted by close() (or when the object is
+    collected); the call's /tmp is a directory on the same tmpfs, and TMPDIR is inside the work
+    dir. A write past it fails inside (ENOSPC; the command fails, status "ok" with its exit code),
+    and nothing lands on the host's disk at all. Hard links count as inodes, sparse files as what
+    they hold. A tmpfs is memory: its pages are charged to the memory cgroup of whoever writes
+    them, so the files a call writes count against that call's whole-call memory limit (past it:
+    OOM kill, "limit" "memory for the call"), those of earlier calls against the pipeline's own
+    group; a sandbox may hold `memory_bytes + disk_bytes` of the machine's memory.
+  * host paths: pid 1 is re-exec'd once the root is built, so `ps`, /proc/1/cmdline and
+    /proc/*/environ carry no host path, and the command's cwd is /workspace. /proc/self/mountinfo
+    shows each mount's source path within its filesystem: the work dir's is `/work` on the quota
+    tmpfs; an exposed path is shown at its own path (the interpreter's prefix, which may sit in a
+    checkout, included); the sandbox root's host path never.
+  * processes: fresh PID, UTS and IPC namespaces: the command sees only its own processes; when the
+    wall time is up, the namespace's init is killed and the kernel kills every process left in it,
+    including ones that escaped the process group.
   * resources, for the call as a whole where a cgroup can be made (`stages.cgroup`: v2 with
     delegation, or v1 as root): memory incl. swap, process count, CPU seconds summed over every
     process of the call. Per process, always (setrlimit before exec): CPU seconds, address
@@ -28,11 +51,22 @@ LocalSandbox, what it guarantees when running as root (the isolating mode, `isol
     writes more. Where no cgroup can be made (`Sandbox.caps == "rlimit"`), a call of N processes
     may hold N times the memory limit.
 Without root (`os.geteuid() != 0`) the same namespaces are made inside an unprivileged user
-namespace (`unshare --user --map-root-user`, needs kernel.unprivileged_userns_clone) and the
-command keeps the user's own uid with all capabilities dropped.
-`isolate=False` keeps only the limits and the private work dir: for trusted commands and machines
-that refuse namespaces. ApptainerSandbox gets the same isolation from `apptainer exec --containall
---net --network none --writable-tmpfs` on sites where agents run inside the sandbox image.
+namespace (`unshare --user --map-root-user`, needs unprivileged user namespaces) and the command
+keeps the user's own uid (0 inside, mapped to the user) with all capabilities dropped. What differs:
+no tmpfs can be mounted on the host, so the work dir stays a host directory and the quota is
+watched, not enforced by the kernel (`Sandbox.disk == "watch"`): the parent measures the work dir
+(st_blocks, each inode once) every 0.5 s or so while a call runs and after it, and stops the call
+past the quota ("limit", "disk N bytes for the work dir"), so the host may briefly hold what a
+command writes between two looks, and a file deleted while still open is not seen (it goes when the
+call's PID namespace does, at the latest; each is at most file_bytes); /tmp is a private tmpfs of min(64 MiB, disk_bytes) per call;
+mountinfo's source path of /workspace is the work dir's host path. A work dir passed in by the
+caller is watched the same way in every mode (its contents must outlive the sandbox).
+`isolate=False` keeps only the limits and the private work dir (with its quota): for trusted
+commands and machines that refuse namespaces. ApptainerSandbox gets the isolation from `apptainer
+exec --containall --net --network none --writable-tmpfs`: the image's own /etc (plus what
+apptainer.conf binds: hosts, localtime, the user's passwd/group entry), a PID namespace, and the
+work dir bound at /workspace with the same quota (tmpfs as root, else watched); the writable
+overlay and the contained /tmp are a tmpfs of apptainer.conf's `sessiondir max size`.
 """
 
 from __future__ import annotations
@@ -46,6 +80,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,20 +108,107 @@ class Limits:
     file_bytes: int = 256 << 20  # largest file the command may write
     nproc: int = 256
     output_bytes: int = 1 << 20  # stdout + stderr kept; more kills the command
+    disk_bytes: int = 1 << 30  # the episode's work dir + /tmp (+ TMPDIR, inside the work dir), all files together
 
 
-# Runs (bash) inside the new namespaces as their init (pid 1), still privileged. Arguments: the work
-# dir, the fd to report readiness on, the uid to become, the (empty) directory to build the new root
-# on, the ':'-separated host paths to expose read-only, where the work dir appears, then the command. The command runs as a child,
-# not exec'd: pid 1 ignores signals it has no handler for, which would swallow SIGXCPU.
+TMP_BYTES = 64 << 20  # the private /tmp of a call where the work dir has no quota mount (at most disk_bytes)
+
+
+def _mount_quota(base: str, disk_bytes: int) -> bool:
+    """Mount a tmpfs of `disk_bytes` (and as many inodes as 8 KiB files) on `base`; False where refused."""
+    opts = f"size={disk_bytes},nr_inodes={max(4096, disk_bytes // 8192)},mode=0700"
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "snowcat-sandbox", base], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0
+
+
+def _release(base: str, mounted: bool, owner: int) -> None:
+    """Unmount the quota tmpfs (lazily if something still holds it) and remove its mount point; only
+    in the process that made it (a forked child exiting must not take its parent's sandbox)."""
+    if os.getpid() != owner:
+        return
+    if mounted:
+        for args in (["umount", base], ["umount", "-l", base]):
+            try:
+                if subprocess.run(args, capture_output=True, timeout=30).returncode == 0:
+                    break
+            except (OSError, subprocess.SubprocessError):
+                pass
+        else:
+            return  # still mounted: never rmtree into a live tmpfs from here
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _scandir(path: str):
+    try:
+        return os.scandir(path)
+    except PermissionError:  # a directory the command closed (chmod 000): ours to open again
+        try:
+            os.chmod(path, os.lstat(path).st_mode & 0o7777 | 0o700)
+            return os.scandir(path)
+        except OSError:
+            return None
+    except OSError:
+        return None
+
+
+def disk_usage(root: str | os.PathLike) -> int:
+    """Bytes allocated under `root` (st_blocks, each inode once: hard links and sparse files count what
+    they take), symlinks not followed; a directory made unreadable is made readable for its owner."""
+    seen, total, stack = set(), 0, [str(root)]
+    while stack:
+        it = _scandir(stack.pop())
+        if it is None:
+            continue
+        with it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+    return total
+
+
+# The namespaces' init (pid 1) runs in two stages. Stage 1 (bash, still privileged) builds the root
+# and is the only one that sees host paths. Arguments: the stage-2 script, the work dir, the host dir
+# shown as /tmp ("-": a private tmpfs of `tmp_size` bytes), its size, the (empty) directory to build
+# the new root on, the ':'-separated host paths to expose read-only, where the work dir appears, the
+# uid to become, the fd to report readiness on, then the command. It ends by exec'ing stage 2 with
+# only the uid, the fd and the command, so pid 1's argv and environment (`ps`, /proc/1/cmdline,
+# /proc/1/environ) name no host path. The command runs as a child of stage 2, not exec'd: pid 1
+# ignores signals it has no handler for, which would swallow SIGXCPU.
 _INIT = r"""
 set -eu
-work=$1 ready_fd=$2 uid=$3 new=$4 expose=$5 inside=$6; shift 6
+stage2=$1 work=$2 tmp=$3 tmp_size=$4 new=$5 expose=$6 inside=$7 uid=$8 ready_fd=$9; shift 9
 die() { echo "sandbox-init: $*" >&2; exit 125; }
 mount --make-rprivate / || die "cannot make mounts private"
 mount -t tmpfs -o mode=755,size=4m sandbox-root "$new" || die "cannot mount the sandbox root on $new"
-# the private /tmp first: exposed paths under /tmp (a venv in a checkout there) are mounted inside it
-mkdir -p "$new/tmp" && mount -t tmpfs -o mode=1777,size=64m sandbox-tmp "$new/tmp" || die "cannot mount /tmp"
+# the sandbox's own /etc: users root and nobody, localhost, no name servers; from the host only the
+# linker's cache and, read-only, /etc/alternatives (Debian's awk, which, vi ... are symlinks through it)
+mkdir -p "$new/etc/alternatives"
+printf '%s\n' root:x:0:0:root:/workspace:/bin/sh nobody:x:65534:65534:nobody:/workspace:/usr/sbin/nologin >"$new/etc/passwd"
+printf '%s\n' root:x:0: nogroup:x:65534: >"$new/etc/group"
+printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n' >"$new/etc/hosts"
+printf '%s\n' 'passwd: files' 'group: files' 'shadow: files' 'hosts: files' >"$new/etc/nsswitch.conf"
+: >"$new/etc/resolv.conf"
+echo sandbox >"$new/etc/hostname"
+if [ -f /etc/ld.so.cache ]; then cp /etc/ld.so.cache "$new/etc/"; fi
+if [ -d /etc/alternatives ]; then mount --rbind /etc/alternatives "$new/etc/alternatives" || die "cannot expose /etc/alternatives"; fi
+hostname sandbox 2>/dev/null || echo sandbox 2>/dev/null >/proc/sys/kernel/hostname || true  # the UTS namespace's
+# the /tmp first: exposed paths under /tmp (a venv in a checkout there) are mounted inside it
+mkdir -p "$new/tmp"
+if [ "$tmp" = - ]; then
+  mount -t tmpfs -o "mode=1777,size=$tmp_size" sandbox-tmp "$new/tmp" || die "cannot mount /tmp"
+else
+  mount --bind "$tmp" "$new/tmp" || die "cannot bind /tmp"
+fi
 IFS=:
 for p in $expose; do
   [ -e "$p" ] || [ -L "$p" ] || continue
@@ -96,7 +218,7 @@ for p in $expose; do
   mount --rbind "$p" "$new$p" || die "cannot expose $p"
 done
 unset IFS
-# every exposed mount (submounts too) read-only; the private /tmp stays writable
+# every exposed mount (submounts too) read-only; /tmp stays writable
 for mp in $(awk -v r="$new/" 'index($5, r) == 1 {print $5}' /proc/self/mountinfo); do
   [ "$mp" = "$new/tmp" ] && continue
   mount -o remount,bind,ro "$mp" || die "cannot make $mp read-only"
@@ -113,6 +235,11 @@ umount -l /.old && rmdir /.old || die "cannot detach the host root"
 mount -o remount,bind,ro / || die "cannot make the sandbox root read-only"
 touch /.sandbox-ro-check 2>/dev/null && die "root still writable after remount"
 cd "$inside" || die "work dir $inside unavailable"
+unset OLDPWD  # the host path of the new root
+exec bash -c "$stage2" sandbox-init "$uid" "$ready_fd" "$@"
+"""
+_INIT_STAGE2 = r"""
+uid=$1 ready_fd=$2; shift 2
 if [ "$uid" = keep ]; then
   drop="setpriv --inh-caps=-all --bounding-set=-all --no-new-privs --"
 else
@@ -120,18 +247,18 @@ else
 fi
 echo ready >&"$ready_fd"
 eval "exec $ready_fd>&-"
-set +e
 $drop "$@"
 exit $?
 """
 
 
 def default_exposed() -> tuple[str, ...]:
-    """What a tool call sees of the host by default: the system's programs and libraries, /etc, and
-    the running interpreter (so `sys.executable` and its packages work inside)."""
-    system = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
+    """What a tool call sees of the host by default: the system's programs and libraries and the
+    running interpreter (so `sys.executable` and its packages work inside). Not /etc: the sandbox
+    gets its own (users root and nobody, localhost, the linker cache, /etc/alternatives)."""
+    system = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
     pythons = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
-    return system + tuple(sorted(p for p in pythons if not any(p.startswith(s + "/") for s in system)))
+    return system + tuple(sorted(p for p in pythons if not any(p == s or p.startswith(s + "/") for s in system)))
 
 
 # Where no namespace init reports readiness, this wrapper does, just before exec. bash, not sh:
@@ -163,9 +290,28 @@ class Sandbox:
 
     def __init__(self, workdir: str | os.PathLike | None = None, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
-        self._own_dir = workdir is None
-        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="snowcat-sandbox-"))
         self.caps = "rlimit"  # "cgroup-v1" | "cgroup-v2" once a call got a group: how whole-call limits hold
+        # How disk_bytes holds: "tmpfs" (root: the work dir and /tmp live on a tmpfs of that size, mounted
+        # on the host for the sandbox's lifetime) or "watch" (the parent measures the work dir while a
+        # call runs and stops it past the quota).
+        self.disk = "watch"
+        self.tmpdir: Path | None = None  # host dir shown as the call's /tmp (on the quota tmpfs), else a private tmpfs
+        if workdir is not None:
+            self.workdir = Path(workdir)
+            self._finalizer = None
+            return
+        base = tempfile.mkdtemp(prefix="snowcat-sandbox-")
+        mounted = os.geteuid() == 0 and _mount_quota(base, self.limits.disk_bytes)
+        self._finalizer = weakref.finalize(self, _release, base, mounted, os.getpid())
+        if mounted:
+            self.disk = "tmpfs"
+            self.workdir = Path(base) / "work"
+            self.tmpdir = Path(base) / "tmp"
+            self.workdir.mkdir()
+            self.tmpdir.mkdir(mode=0o1777)
+            self.tmpdir.chmod(0o1777)
+        else:
+            self.workdir = Path(base)
 
     @property
     def inside(self) -> str:
@@ -176,8 +322,8 @@ class Sandbox:
         raise NotImplementedError
 
     def close(self) -> None:
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._finalizer is not None:
+            self._finalizer()  # unmount the quota tmpfs, remove the work dir
 
     def __enter__(self):
         return self
@@ -221,6 +367,12 @@ class Sandbox:
                 raise FileNotFoundError(f"work dir {self.workdir} unavailable")
             write_files(self.workdir, files or {})
             (self.workdir / ".tmp").mkdir(exist_ok=True)
+            if self.tmpdir is not None:  # each call gets an empty /tmp
+                for entry in os.scandir(self.tmpdir):
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    else:
+                        os.unlink(entry.path)
             self._prepare()
             ready_r, ready_w = os.pipe()
         except (OSError, ValueError) as e:
@@ -260,6 +412,8 @@ class Sandbox:
             sel.register(stream, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout_s
         status, detail, truncated = "ok", "", False
+        watch = self.disk == "watch"
+        next_watch = time.monotonic() + 0.5
         while sel.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -275,6 +429,12 @@ class Sandbox:
                     status, detail, truncated = "limit", f"output over {cap} bytes", True
             if group is not None and status == "ok" and group.cpu_seconds() > self.limits.cpu_s:
                 status, detail = "limit", f"cpu {self.limits.cpu_s}s for the call"
+            if watch and status == "ok" and time.monotonic() >= next_watch:
+                t0 = time.monotonic()
+                if self._over_disk():
+                    status, detail = "limit", f"disk {self.limits.disk_bytes} bytes for the work dir"
+                # a walk of a big tree is not free: poll at most a tenth of the time
+                next_watch = time.monotonic() + max(0.5, 10 * (time.monotonic() - t0))
             if status != "ok":
                 break
         if status != "ok":
@@ -313,7 +473,12 @@ class Sandbox:
             status, detail = "limit", which
         if status == "ok" and group is not None and (which := group.hit()):
             status, detail = "limit", f"{which} for the call"
+        if status == "ok" and watch and self._over_disk():
+            status, detail = "limit", f"disk {self.limits.disk_bytes} bytes for the work dir"
         return SandboxResult(status, code, stdout.decode(errors="replace"), stderr.decode(errors="replace"), truncated, detail)
+
+    def _over_disk(self) -> bool:
+        return disk_usage(self.workdir) > self.limits.disk_bytes
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
@@ -368,14 +533,16 @@ class LocalSandbox(Sandbox):
         if not self.isolate:
             # No namespace init to report readiness: the wrapper reports it just before exec.
             return ["bash", "-c", _READY.format(fd=ready_fd), "sandbox", *argv]
-        ns = ["--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+        ns = ["--net", "--mount", "--pid", "--uts", "--ipc", "--fork", "--kill-child", "--mount-proc"]
         if not self.root:
             ns = ["--user", "--map-root-user", *ns]
         uid = str(NOBODY) if self.root else "keep"
         if self._newroot is None:  # made once, reused by every call (each mounts its root privately)
             self._newroot = tempfile.mkdtemp(prefix="snowcat-sandbox-root-")
-        init = [str(self.workdir), str(ready_fd), uid, self._newroot, ":".join(self.expose), self.inside]
-        return [self.unshare, *ns, "bash", "-c", _INIT, "sandbox-init", *init, *argv]
+        tmp = str(self.tmpdir) if self.tmpdir is not None else "-"
+        tmp_size = str(min(TMP_BYTES, self.limits.disk_bytes))
+        init = [_INIT_STAGE2, str(self.workdir), tmp, tmp_size, self._newroot, ":".join(self.expose), self.inside, uid]
+        return [self.unshare, *ns, "bash", "-c", _INIT, "sandbox-init", *init, str(ready_fd), *argv]
 
 
 class ApptainerSandbox(Sandbox):

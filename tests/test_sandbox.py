@@ -199,6 +199,7 @@ def test_sandbox_machinery_failures_are_infra_errors(tmp_path):
     shutil.rmtree(gone.workdir)
     r = gone.run("echo hi")
     assert r.status == "infra_error" and "unavailable" in r.detail
+    gone.close()
 
     # ... whereas a command failing on its own is the model's: status ok, its exit code kept.
     with LocalSandbox(isolate=False) as plain:
