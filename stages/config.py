@@ -140,6 +140,17 @@ class DomainSpec:
 
 
 @dataclass
+class TaskValidation:
+    """Which repository tasks the tasks stage checks before use (stages/taskgen/validate.py): each
+    one's gold and empty solutions `runs` times through its own harness; only valid ones are kept."""
+
+    tasks: Literal["imports", "all", "none"] = "imports"  # all: generated repository tasks too
+    runs: int = bounded(2, ge=1)  # per solution; 2 catches flaky tests
+    workers: int = bounded(0, ge=0)  # checks at a time; 0: the CPUs the job has
+    cache_dir: str = ""  # verdicts by task hash; "" = <stage dir>/validation-cache (share one across runs)
+
+
+@dataclass
 class TaskImport:
     """Repository tasks from files on the shared filesystem (stages/taskgen/importers.py)."""
 
@@ -164,6 +175,7 @@ class TasksConfig:
     # generated domains; none given (and no imports): DEFAULT_DOMAINS. Empty by default because a
     # dict default would be merged with the user's, adding domains they did not ask for.
     domains: dict[str, DomainSpec] = field(default_factory=dict)
+    validate: TaskValidation = field(default_factory=TaskValidation)
 
     def generated(self) -> dict[str, DomainSpec]:
         return self.domains or ({} if self.imports else DEFAULT_DOMAINS)

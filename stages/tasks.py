@@ -1,6 +1,9 @@
 """`tasks` stage: generate verifiable task sets, seeded, with a held-out validation split.
 
 Generated domains and imported repository tasks (`imports`: SWE-bench JSONL, Harbor directories).
+Repository tasks are validated first (`validate`, stages/taskgen/validate.py: gold passes and
+empty fails, twice): imported ones by default, generated ones with `validate.tasks: all`; the
+excluded ones and why are in `validation.json`, the counts in the metrics (`validation/<status>`).
 Outputs `train.parquet`, `val.parquet` and, when a domain sets `dev_count`, `dev.parquet` (held
 out for checkpoint selection, so the exported checkpoint is scored on tasks it was not chosen on; see `stages.taskgen` for the columns and verifiers);
 validation tasks never appear in training (checked by prompt; for repository tasks by prompt, code
@@ -10,16 +13,18 @@ and gold patch).
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import numpy as np
 
 from snowcat.containers.images import build
-from snowcat.pipeline.context import StageContext
+from snowcat.pipeline.context import Preempted, StageContext
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_write_text
+from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
 from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks, task_key
 from snowcat.stages.taskgen.importers import TaskImportError, import_harbor, import_swebench
+from snowcat.stages.taskgen.validate import summary, validate_tasks
 
 
 def _with_image(task, images: Path, key: str):
@@ -52,12 +57,56 @@ def _import(imp, key: str) -> list:
         raise UserError(f"{key}: {e}") from None
 
 
+class _Validation:
+    """The stage's task checks (config `validate`): run where asked, kept for the manifest."""
+
+    def __init__(self, ctx: StageContext):
+        self.cfg, self.ctx = ctx.config.validate, ctx
+        self.cache = Path(self.cfg.cache_dir) if self.cfg.cache_dir else Path(ctx.out_dir) / "validation-cache"
+        self.checks: dict = {}
+
+    def keep(self, tasks: list, imported: bool) -> list:
+        """The valid ones of `tasks` (all of them where this kind of task is not checked)."""
+        wanted = self.cfg.tasks == "all" or (self.cfg.tasks == "imports" and imported)
+        repo_tasks = [t for t in tasks if t.verifier == "repo"]
+        if not wanted or not repo_tasks:
+            return tasks
+        workers = self.cfg.workers or len(os.sched_getaffinity(0))
+        checks = validate_tasks(
+            repo_tasks,
+            self.cache,
+            runs=self.cfg.runs,
+            workers=workers,
+            progress=lambda done, total: self.ctx.progress(done, total, unit="tasks", phase="validate"),
+            stop=self.ctx.checkpoint_due,
+        )
+        if len(checks) < len(repo_tasks):
+            raise Preempted(f"task validation: {len(checks)} of {len(repo_tasks)} checked, kept in {self.cache}")
+        self.checks |= checks
+        return [t for t in tasks if t.verifier != "repo" or checks[t.task_id].valid]
+
+    def write(self, out_dir: Path, metrics: dict) -> None:
+        if not self.checks:
+            return
+        counts = summary(self.checks)
+        metrics.update({f"validation/{status}": n for status, n in counts.items()})
+        metrics["validation/checked"] = len(self.checks)
+        excluded = {c.task_id: {"status": c.status, "detail": c.detail} for c in self.checks.values() if not c.valid}
+        atomic_write_json(
+            out_dir / "validation.json",
+            {"runs": self.cfg.runs, "checked": len(self.checks), "counts": counts, "excluded": excluded},
+        )
+
+
 def run(ctx: StageContext) -> dict:
     rng = np.random.default_rng(ctx.seed)
     train, dev, val = [], [], []
     metrics: dict[str, float] = {}
+    validation = _Validation(ctx)
     for domain, spec in ctx.config.generated().items():
-        tasks = generate_domain(rng, domain, list(spec.difficulties), spec.count)
+        tasks = validation.keep(generate_domain(rng, domain, list(spec.difficulties), spec.count), imported=False)
+        if len(tasks) <= spec.val_count + spec.dev_count:
+            raise UserError(f"stages.{ctx.name}.domains.{domain}: {len(tasks)} valid tasks left, too few for the held-out splits")
         d_train, d_val = split_tasks(tasks, spec.val_count, rng)
         d_dev = []
         if spec.dev_count:  # drawn only when asked, so runs without a dev split keep their splits
@@ -76,6 +125,7 @@ def run(ctx: StageContext) -> dict:
         tasks = _import(imp, f"stages.{ctx.name}.imports[{i}]")
         if imp.build_images:
             tasks = [_with_image(t, ctx.out_dir / "images", f"stages.{ctx.name}.imports[{i}]") for t in tasks]
+        tasks = validation.keep(tasks, imported=True)
         d_train, d_val = split_tasks(tasks, imp.val_count, rng) if imp.val_count else (tasks, [])
         train += d_train
         val += d_val
@@ -87,4 +137,5 @@ def run(ctx: StageContext) -> dict:
         save_tasks(ctx.out_dir, "dev", dev)
         metrics["dev"] = len(dev)
     metrics.update(train=len(train), val=len(val))
+    validation.write(Path(ctx.out_dir), metrics)
     return metrics

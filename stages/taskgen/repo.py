@@ -377,10 +377,14 @@ def _judge(tests: list[str], spec: RepoSpec, record: dict) -> tuple[float, bool,
 # ---------------------------------------------------------------- verification
 
 
-def verify_patch(task, patch: str, image: str | None = None, base: dict[str, bytes] | None = None) -> tuple[float, bool, str]:
+def verify_patch(
+    task, patch: str, image: str | None = None, base: dict[str, bytes] | None = None, solution: str = ""
+) -> tuple[float, bool, str]:
     """Judge `patch` (the agent's changes to the snapshot) with the task's tests in a clean sandbox:
     (reward, passed, detail). `base`: the snapshot, when the caller holds it already (else
-    `snapshot_files`, cached per process). Raises VerifierError for what is not the model's doing.
+    `snapshot_files`, cached per process). `solution`: a gold script (Harbor's solve.sh) run in the
+    repository after the patch, as task validation runs it. Raises VerifierError for what is not
+    the model's doing.
 
     The snapshot, then the patch (`git apply`), then every guarded path put back (`guarded_paths`),
     then the test patch; then the tests: pytest and unittest tasks through the observer
@@ -405,6 +409,17 @@ def verify_patch(task, patch: str, image: str | None = None, base: dict[str, byt
                 raise VerifierError(f"sandbox: {r.detail}")
             if r.status != "ok" or r.exit_code != 0:
                 return 0.0, False, f"patch does not apply: {(r.stderr or r.detail).strip()[:300]}"
+        if solution.strip():
+            r = sb.run(["bash", ".snowcat-solution.sh"], files={".snowcat-solution.sh": solution}, timeout_s=spec.timeout_s)
+            if r.status == "infra_error":
+                raise VerifierError(f"sandbox: {r.detail}")
+            if r.status != "ok" or r.exit_code != 0:
+                return (
+                    0.0,
+                    False,
+                    f"the solution script fails ({r.status}, exit {r.exit_code}): {(r.stderr or r.detail).strip()[-200:]}",
+                )
+            (root / ".snowcat-solution.sh").unlink(missing_ok=True)
         guarded = guarded_paths(spec, base, _tree(root))
         try:
             _replace_files(root, guarded, base)
