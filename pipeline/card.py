@@ -17,6 +17,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+from snowcat.stages.agent.detectors import DETECTORS
+
 from . import compare
 from . import config as config_mod
 from .dag import Unit, build
@@ -26,6 +28,7 @@ from .provenance import record_path
 from .rundir import RunDir
 from .scrub import scrub_text
 from .sweep import input_units, ref_unit, unit_path
+from .traces import reward_hack_counts
 
 NR = "not recorded"
 TRAINING_KINDS = ("sft", "rl")
@@ -184,6 +187,19 @@ def _data(f: Facts) -> list[str]:
     if len(rows) == 2:
         return [f"Training data: {NR} (no tasks stage outputs)."]
     rows.append("")
+    for node in f.nodes("tasks"):
+        for label, _, unit in f.units(node):
+            m = f.run.metrics(unit) if f.run.is_done(unit) else {}
+            if "validation/checked" in m:
+                excluded = ", ".join(
+                    f"{k.split('/')[1].replace('_', ' ')} {v}"
+                    for k, v in sorted(m.items())
+                    if k.startswith("validation/") and k not in ("validation/checked", "validation/valid") and v
+                )
+                rows.append(
+                    f"- Task validation (`{label}`): {m['validation/checked']} repository tasks run with their gold and empty "
+                    f"solutions, {_v(m.get('validation/valid'))} valid; excluded: {excluded or 'none'} (reasons in `validation.json`)"
+                )
     for node in f.nodes("select"):
         for label, _, unit in f.units(node):
             m = f.run.metrics(unit) if f.run.is_done(unit) else {}
@@ -333,6 +349,22 @@ def _diff(d: dict | None) -> str:
     lo, hi = d.get("ci95") or (None, None)
     ci = f" [{100 * lo:+.1f}, {100 * hi:+.1f}]" if lo is not None and hi is not None and lo == lo and hi == hi else ""
     return f"{100 * d['diff']:+.1f} ± {_v(d.get('se') and 100 * d['se'], '{:.1f}')}{ci}"
+
+
+def _reward_hacks(f: Facts) -> list[str]:
+    """The reward-hack detectors' counts over every group of kept episodes (stages/agent/detectors.py)."""
+    counts = reward_hack_counts(f.run)
+    if not counts:
+        return [f"Reward-hack detectors: {NR} (no kept trajectories; `keep_trajectories` keeps them)."]
+    lines = [
+        "Episodes the reward-hack detectors flagged in the kept trajectories (`snowcat traces` cites them):",
+        "",
+        "| episodes | scored | " + " | ".join(DETECTORS) + " |",
+        "|---|---|" + "---|" * len(DETECTORS),
+    ]
+    lines += [f"| {c['group']} | {c['episodes']} | " + " | ".join(str(c[name]) for name in DETECTORS) + " |" for c in counts]
+    lines += ["", *[f"- `{name}`: {rule}" for name, (_, rule) in DETECTORS.items()]]
+    return lines
 
 
 def _resolve(f: Facts, ref: str) -> Path | None:
@@ -1195,6 +1227,10 @@ def build_card(run: RunDir) -> str:
         "## Evaluation",
         "",
         *eval_lines,
+        "",
+        "## Reward hacking",
+        "",
+        *_reward_hacks(f),
         "",
         "## Exported model",
         "",

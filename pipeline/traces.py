@@ -118,6 +118,24 @@ def analyse_run(run_dir: str | Path, stage: str | None = None, checkpoint: str |
     return {"run": str(run.path), "groups": groups, "drift": drift}
 
 
+def reward_hack_counts(run: RunDir) -> list[dict]:
+    """Per group of kept episodes (a probe or RL unit; an evaluate unit per checkpoint): the scored
+    episodes and how many each reward-hack detector flagged (the card's table)."""
+    out = []
+    for node, unit in _units(run, None, ("probe", "evaluate", "rl")):
+        root = run.unit_dir(unit) / dataset.DIRNAME
+        if dataset.read_manifest(root) is None:
+            continue
+        groups: dict[str, list] = {}
+        for r in dataset.read_rows(root):
+            if r["status"] != "infra_error":
+                groups.setdefault(r["checkpoint"] if node.kind == "evaluate" else "", []).append(r)
+        for ref, rs in groups.items():
+            counts = {name: sum(detect(r) is not None for r in rs) for name, (detect, _) in detectors.DETECTORS.items()}
+            out.append({"group": " ".join(filter(None, (unit.key, ref))), "episodes": len(rs), **counts})
+    return out
+
+
 def by_step(rows: list[dict]) -> list[dict]:
     """Per kept RL update: scored episodes, pass rate and each reward-hack detector's count (when a hack appears)."""
     steps: dict[int, list] = {}

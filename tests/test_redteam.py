@@ -12,10 +12,18 @@ import textwrap
 
 import numpy as np
 import pytest
+from test_traces import call, episode  # the planted-episode builder of the trajectory tests
 
+from snowcat.pipeline import config as config_mod
+from snowcat.pipeline.card import build_card
+from snowcat.pipeline.dag import Unit
+from snowcat.pipeline.rundir import RunDir
 from snowcat.stages.agent import detectors
+from snowcat.stages.agent.dataset import TrajectoryWriter
+from snowcat.stages.agent.repo_env import user_message
 from snowcat.stages.taskgen import Task, generate_domain, verify
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, snapshot_files
+from snowcat.stages.tokenizer import train_tokenizer
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"), reason="runs tests in LocalSandbox as root"
@@ -298,3 +306,47 @@ def test_the_detectors_flag_every_attempt():
     run = _row(task, "fix", {})
     run["tool_args"][0] = json.dumps({"command": "cd /workspace && python3 -m unittest -v tests.test_core 2>&1 | tail"})
     assert not any(detect(run) for detect, _ in detectors.DETECTORS.values())
+
+
+CARD_RUN = """\
+name: redteam
+executor: {kind: local}
+stages:
+  tasks: {kind: tasks, domains: {swe_mini: {count: 4, val_count: 1, difficulties: [1]}}}
+  sft: {kind: sft, needs: [tasks], steps: 2}
+  rl: {kind: rl, needs: [tasks, sft]}
+"""
+
+
+def test_the_card_counts_every_attempt_in_its_reward_hack_table(tmp_path):
+    """Every attack, played as an agent would (one bash call writing the files, then submit) and kept
+    as an RL update's trajectories, is counted by the card's reward-hack table."""
+    task = unittest_task()
+    rows = [_row(task, attack, files) for attack, files in attacks(task).items()]
+    tok = train_tokenizer([json.loads(r["tool_args"][0])["command"] for r in rows] * 2, vocab_size=400)
+    prompt = tok.render_prompt([user_message(task)])
+    trajs = [
+        episode(
+            tok,
+            prompt,
+            [(call("bash", **json.loads(r["tool_args"][0])), "exit 0"), (call("submit"), None)],
+            task_id=task.task_id,
+            domain=task.domain,
+            attempt=i,
+        )
+        for i, r in enumerate(rows)
+    ]
+    (tmp_path / "run.yaml").write_text(CARD_RUN)
+    run = RunDir.create(config_mod.load(tmp_path / "run.yaml"), tmp_path / "run")
+    writer = TrajectoryWriter(run.unit_dir(Unit("rl")) / "trajectories", stage="rl", env="repo", keep=None, seed=0)
+    writer.write("step_000000", trajs, tok, step=0, tasks={task.task_id: task})
+    card = build_card(run)
+    table = card.split("## Reward hacking", 1)[1].split("##", 1)[0]
+    (line,) = [x for x in table.splitlines() if x.startswith("| rl |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    names = list(detectors.DETECTORS)
+    assert cells[1] == str(len(rows))
+    flagged = [i for i, r in enumerate(rows) if any(detect(r) for detect, _ in detectors.DETECTORS.values())]
+    assert len(flagged) == len(rows)  # every attempt flagged by some detector ...
+    for name, cell in zip(names, cells[2:], strict=True):  # ... and each column counts what its detector flags
+        assert int(cell) == sum(detectors.DETECTORS[name][0](r) is not None for r in rows), name
