@@ -152,15 +152,35 @@ class TaskValidation:
 
 @dataclass
 class TaskImport:
-    """Repository tasks from files on the shared filesystem (stages/taskgen/importers.py)."""
+    """Repository tasks from files on the shared filesystem (stages/taskgen/importers.py, docs/agents.md)."""
 
-    format: Literal["swebench", "harbor"] = "swebench"
-    path: str = ""  # swebench: a JSONL file; harbor: a directory of task directories (or one task)
-    repos_dir: str = ""  # swebench: local clones, <owner>__<name>
+    format: Literal["swebench", "swegym", "r2egym", "swesmith", "harbor"] = "swebench"
+    path: str = ""  # a .jsonl/.json/.parquet row file; harbor: a directory of task directories (or one task)
+    repos_dir: str = ""  # local clones (<owner>__<name>; swesmith: <owner>__<name>.<commit8>); all but harbor
     domain: str = "swe"
-    test_command: str = "python -m pytest -rA {tests}"  # swebench; `{tests}` becomes the test ids
+    test_command: str = "python -m pytest -rA {tests}"  # swebench, swegym, r2egym; `{tests}` becomes the test ids
+    profiles: str = ""  # swesmith: JSON/YAML repository profiles {repo: {test_cmd, install_cmds, timeout}}
+    timeout_s: float = bounded(900.0, gt=0)  # one verification (row sets; harbor: task.toml's verifier.timeout_sec)
+    memory_mb: int = bounded(4096, ge=64)  # row sets; harbor: task.toml's environment.memory_mb
+    allow_internet: bool = False  # harbor: take tasks that ask for the network (compute nodes are offline)
     val_count: int = bounded(0, ge=0)  # held out into val (drawn with the run's seed)
     build_images: bool = False  # harbor: build each task's Apptainer image (where building is allowed)
+
+
+def _import_problems(key: str, imp: TaskImport) -> Iterator[Problem]:
+    rows = imp.format != "harbor"
+    if rows and not imp.repos_dir:
+        yield f"{key}.repos_dir", f"required for {imp.format} (local clones: compute nodes have no network)"
+    if rows and imp.path and not imp.path.endswith((".jsonl", ".json", ".parquet")):
+        yield f"{key}.path", f"{imp.format} reads a .jsonl, .json or .parquet file"
+    if "{tests}" not in imp.test_command:
+        yield f"{key}.test_command", "must contain '{tests}'"
+    if imp.profiles and imp.format != "swesmith":
+        yield f"{key}.profiles", "only swesmith reads repository profiles"
+    if imp.allow_internet and imp.format != "harbor":
+        yield f"{key}.allow_internet", "only harbor tasks ask for the network"
+    if imp.build_images and imp.format != "harbor":
+        yield f"{key}.build_images", "only harbor tasks carry a Dockerfile"
 
 
 DEFAULT_DOMAINS = {
@@ -193,10 +213,7 @@ class TasksConfig:
         for i, imp in enumerate(self.imports):
             if not imp.path:
                 yield f"imports[{i}].path", "required"
-            if imp.format == "swebench" and not imp.repos_dir:
-                yield f"imports[{i}].repos_dir", "required for swebench (local clones: compute nodes have no network)"
-            if "{tests}" not in imp.test_command:
-                yield f"imports[{i}].test_command", "must contain '{tests}'"
+            yield from _import_problems(f"imports[{i}]", imp)
 
 
 # ---------------------------------------------------------------- trainers

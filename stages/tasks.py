@@ -1,6 +1,7 @@
 """`tasks` stage: generate verifiable task sets, seeded, with a held-out validation split.
 
-Generated domains and imported repository tasks (`imports`: SWE-bench JSONL, Harbor directories).
+Generated domains and imported repository tasks (`imports`: SWE-bench, SWE-Gym, R2E-Gym and SWE-smith
+rows, Harbor task directories; stages/taskgen/importers.py).
 Repository tasks are validated first (`validate`, stages/taskgen/validate.py: gold passes and
 empty fails, twice): imported ones by default, generated ones with `validate.tasks: all`; the
 excluded ones and why are in `validation.json`, the counts in the metrics (`validation/<status>`).
@@ -23,7 +24,7 @@ from snowcat.pipeline.context import Preempted, StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
 from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks, task_key
-from snowcat.stages.taskgen.importers import TaskImportError, import_harbor, import_swebench
+from snowcat.stages.taskgen.importers import TaskImportError, import_tasks
 from snowcat.stages.taskgen.validate import summary, validate_tasks
 
 
@@ -43,16 +44,10 @@ def _with_image(task, images: Path, key: str):
 
 
 def _import(imp, key: str) -> list:
-    path = Path(imp.path)
-    if not path.exists():
-        raise UserError(f"{key}.path: {path} does not exist")
+    if not Path(imp.path).exists():
+        raise UserError(f"{key}.path: {imp.path} does not exist")
     try:
-        if imp.format == "swebench":
-            return import_swebench(path, imp.repos_dir, domain=imp.domain, test_command=imp.test_command)
-        dirs = [path] if (path / "task.toml").is_file() else sorted(p for p in path.iterdir() if (p / "task.toml").is_file())
-        if not dirs:
-            raise TaskImportError(f"{path}: no Harbor task directories (with task.toml)")
-        return [import_harbor(d, domain=imp.domain) for d in dirs]
+        return import_tasks(imp)
     except TaskImportError as e:
         raise UserError(f"{key}: {e}") from None
 
