@@ -111,6 +111,20 @@ class Limits:
     disk_bytes: int = 1 << 30  # the episode's work dir + /tmp (+ TMPDIR, inside the work dir), all files together
 
 
+@dataclass(frozen=True)
+class Bind:
+    """A host directory one call sees at `inside` (absolute), read-only unless `writable`."""
+
+    host: str
+    inside: str
+    writable: bool = False
+
+    def __post_init__(self) -> None:
+        for path in (self.host, self.inside):
+            if not os.path.isabs(path) or any(c.isspace() for c in path) or ":" in path:
+                raise ValueError(f"sandbox bind paths must be absolute, without spaces or ':': {path!r}")
+
+
 TMP_BYTES = 64 << 20  # the private /tmp of a call where the work dir has no quota mount (at most disk_bytes)
 
 
@@ -180,13 +194,13 @@ def disk_usage(root: str | os.PathLike) -> int:
 # and is the only one that sees host paths. Arguments: the stage-2 script, the work dir, the host dir
 # shown as /tmp ("-": a private tmpfs of `tmp_size` bytes), its size, the (empty) directory to build
 # the new root on, the ':'-separated host paths to expose read-only, where the work dir appears, the
-# uid to become, the fd to report readiness on, then the command. It ends by exec'ing stage 2 with
-# only the uid, the fd and the command, so pid 1's argv and environment (`ps`, /proc/1/cmdline,
+# uid to become, the extra binds ("ro|rw SRC DST" lines, or empty), the fd to report readiness on,
+# then the command. It ends by exec'ing stage 2 with only the uid, the fd and the command, so pid 1's argv and environment (`ps`, /proc/1/cmdline,
 # /proc/1/environ) name no host path. The command runs as a child of stage 2, not exec'd: pid 1
 # ignores signals it has no handler for, which would swallow SIGXCPU.
 _INIT = r"""
 set -eu
-stage2=$1 work=$2 tmp=$3 tmp_size=$4 new=$5 expose=$6 inside=$7 uid=$8 ready_fd=$9; shift 9
+stage2=$1 work=$2 tmp=$3 tmp_size=$4 new=$5 expose=$6 inside=$7 uid=$8 binds=$9 ready_fd=${10}; shift 10
 die() { echo "sandbox-init: $*" >&2; exit 125; }
 mount --make-rprivate / || die "cannot make mounts private"
 mount -t tmpfs -o mode=755,size=4m sandbox-root "$new" || die "cannot mount the sandbox root on $new"
@@ -230,6 +244,13 @@ done
 mount -t proc proc "$new/proc" || die "cannot mount /proc"
 mkdir -p "$new$inside"
 mount --bind "$work" "$new$inside" || die "cannot bind $work"
+# extra host dirs of this call ("ro|rw SRC DST" lines): e.g. a verifier's /tests and /logs/verifier
+if [ -n "$binds" ]; then
+  printf '%s\n' "$binds" | while read -r mode src dst; do
+    mkdir -p "$new$dst" && mount --bind "$src" "$new$dst" || die "cannot bind $dst"
+    if [ "$mode" = ro ]; then mount -o remount,bind,ro "$new$dst" || die "cannot make $dst read-only"; fi
+  done
+fi
 cd "$new" && mkdir .old && PATH="/usr/sbin:/sbin:$PATH" pivot_root . .old || die "cannot pivot to the sandbox root"
 umount -l /.old && rmdir /.old || die "cannot detach the host root"
 mount -o remount,bind,ro / || die "cannot make the sandbox root read-only"
@@ -296,6 +317,7 @@ class Sandbox:
         # call runs and stops it past the quota).
         self.disk = "watch"
         self.tmpdir: Path | None = None  # host dir shown as the call's /tmp (on the quota tmpfs), else a private tmpfs
+        self._binds: tuple[Bind, ...] = ()  # the current call's (run(binds=))
         if workdir is not None:
             self.workdir = Path(workdir)
             self._finalizer = None
@@ -360,8 +382,16 @@ class Sandbox:
             self.caps = "cgroup-v2" if group.v2 else "cgroup-v1"
         return group
 
-    def run(self, cmd: list[str] | str, files: dict[str, str | bytes] | None = None, timeout_s: float = 60.0) -> SandboxResult:
-        """Run one tool call in the work dir; `files` ({relative path: content}) are written first."""
+    def run(
+        self,
+        cmd: list[str] | str,
+        files: dict[str, str | bytes] | None = None,
+        timeout_s: float = 60.0,
+        binds: tuple[Bind, ...] = (),
+    ) -> SandboxResult:
+        """Run one tool call in the work dir; `files` ({relative path: content}) are written first;
+        `binds`: host directories this call alone sees (a verifier's /tests, /logs/verifier)."""
+        self._binds = tuple(binds)
         try:
             if not self.workdir.is_dir():
                 raise FileNotFoundError(f"work dir {self.workdir} unavailable")
@@ -524,6 +554,9 @@ class LocalSandbox(Sandbox):
             os.chown(self.workdir, NOBODY, NOBODY)
             for p in self.workdir.rglob("*"):
                 os.lchown(p, NOBODY, NOBODY)
+            for bind in self._binds:
+                if bind.writable:
+                    os.chown(bind.host, NOBODY, NOBODY)
 
     def _group(self) -> CallCgroup | None:
         return super()._group() if self.isolate else None
@@ -531,6 +564,8 @@ class LocalSandbox(Sandbox):
     def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         if not self.isolate:
+            if self._binds:
+                raise OSError("binds need an isolating sandbox (isolate=True)")
             # No namespace init to report readiness: the wrapper reports it just before exec.
             return ["bash", "-c", _READY.format(fd=ready_fd), "sandbox", *argv]
         ns = ["--net", "--mount", "--pid", "--uts", "--ipc", "--fork", "--kill-child", "--mount-proc"]
@@ -541,7 +576,8 @@ class LocalSandbox(Sandbox):
             self._newroot = tempfile.mkdtemp(prefix="snowcat-sandbox-root-")
         tmp = str(self.tmpdir) if self.tmpdir is not None else "-"
         tmp_size = str(min(TMP_BYTES, self.limits.disk_bytes))
-        init = [_INIT_STAGE2, str(self.workdir), tmp, tmp_size, self._newroot, ":".join(self.expose), self.inside, uid]
+        binds = "\n".join(f"{'rw' if b.writable else 'ro'} {b.host} {b.inside}" for b in self._binds)
+        init = [_INIT_STAGE2, str(self.workdir), tmp, tmp_size, self._newroot, ":".join(self.expose), self.inside, uid, binds]
         return [self.unshare, *ns, "bash", "-c", _INIT, "sandbox-init", *init, str(ready_fd), *argv]
 
 
@@ -583,6 +619,7 @@ class ApptainerSandbox(Sandbox):
             "--writable-tmpfs",
             "--bind",
             f"{self.workdir}:{self.inside}",
+            *[a for b in self._binds for a in ("--bind", f"{b.host}:{b.inside}" + ("" if b.writable else ":ro"))],
             "--pwd",
             self.inside,
             self.image,

@@ -116,7 +116,9 @@ def harbor(tmp_path):
     )
     (root / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nWORKDIR /app\nCOPY greet.sh /app/greet.sh\n")
     (root / "environment" / "greet.sh").write_text("echo 'hello wrld'\n")
-    (root / "tests" / "test.sh").write_text('[ "$(sh greet.sh)" = "hello world" ]\n')
+    (root / "tests" / "test.sh").write_text(  # as Harbor's tests do: the verdict is the reward file
+        'if [ "$(sh greet.sh)" = "hello world" ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n'
+    )
     (root / "solution" / "solve.sh").write_text("sed -i 's/wrld/world/' greet.sh\n")
     return root
 

@@ -16,7 +16,6 @@ from snowcat.stages.config import TaskImport, TasksConfig
 from snowcat.stages.taskgen import verify
 from snowcat.stages.taskgen.importers import (
     TaskImportError,
-    harbor_reward,
     import_harbor,
     import_r2egym,
     import_swebench,
@@ -25,7 +24,7 @@ from snowcat.stages.taskgen.importers import (
     parse_pytest_summary,
     r2e_gold_patch,
 )
-from snowcat.stages.taskgen.repo import RepoSpec, make_patch, snapshot_files
+from snowcat.stages.taskgen.repo import RepoSpec, harbor_reward, make_patch, snapshot_files
 
 needs_sandbox = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("git"), reason="verifies in LocalSandbox as root"

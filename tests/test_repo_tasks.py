@@ -97,15 +97,30 @@ def _task_with(spec: RepoSpec) -> Task:
 
 
 @needs_sandbox
-def test_verifier_time_out_and_broken_sandbox_are_infra_errors():
+def test_a_hang_in_the_code_is_the_models_failure_a_broken_harness_is_infra():
+    # tests that run past the limit once started: the code under test hangs, reward 0 (never neutral)
     spec = RepoSpec(
         source={"files": {"t.py": "import time\ntime.sleep(30)\n"}},
         test_command="python3 t.py {tests}",
         fail_to_pass=["t"],
         timeout_s=1.0,
     )
-    with pytest.raises(VerifierError, match="timed out"):
-        verify(_task_with(spec), "")
+    hang = verify(_task_with(spec), "")
+    assert not hang.passed and hang.reward == 0.0 and "time limit" in hang.detail
+    hangs_in_a_test = RepoSpec(
+        source={
+            "files": {
+                "test_t.py": "import time, unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n        time.sleep(30)\n"
+            }
+        },
+        test_command="python3 -m unittest {tests}",
+        fail_to_pass=["test_t.T.test_a"],
+        timeout_s=2.0,
+    )
+    assert "time limit" in verify(_task_with(hangs_in_a_test), "").detail
+    # the harness never starting (no interpreter), or no sandbox at all: the machinery's failure
+    with pytest.raises(VerifierError, match="harness did not start"):
+        verify(_task_with(dataclasses.replace(hangs_in_a_test, test_command="python -m unittest {tests}")), "")
     ok = dataclasses.replace(spec, source={"files": {"t.py": "print('fine')\n"}})
     with pytest.raises(VerifierError, match="sandbox"):
         verify_patch(_task_with(ok), "", image="/nonexistent/sandbox.sif")

@@ -568,9 +568,9 @@ def import_harbor(task_dir: str | Path, *, domain: str = "terminal", allow_inter
     allow_internet = true (or network_mode public/allowlist) is refused unless `allow_internet`
     (compute nodes are offline). The build context (`environment/` less its Dockerfile) becomes the
     work dir, the Dockerfile an Apptainer recipe (meta["apptainer_recipe"]); `tests/` reaches only
-    the verifier (as a hidden test patch) and `bash tests/test.sh` exiting 0 passes (Harbor reads
-    /logs/verifier/reward.txt or reward.json instead: `harbor_reward` reads them for a verifier
-    that gives test.sh /tests and /logs/verifier). `solution/solve.sh` is the gold solution
+    the verifier (as a hidden test patch), which runs it as Harbor does (`harness: harbor`:
+    /tests read-only, a fresh /logs/verifier, the reward file as the verdict: repo.harbor_reward).
+    `solution/solve.sh` is the gold solution
     (meta["solution"], run after the patch by task validation); the gold patch stays ""."""
     root = Path(task_dir)
     for required in ("instruction.md", "task.toml", "tests/test.sh"):
@@ -590,6 +590,7 @@ def import_harbor(task_dir: str | Path, *, domain: str = "terminal", allow_inter
     spec = RepoSpec(
         source={"files": files},
         test_command="bash {tests}",
+        harness="harbor",
         fail_to_pass=["tests/test.sh"],
         test_paths=sorted(tests),
         test_patch=make_patch({}, tests),
@@ -664,35 +665,3 @@ def _size(environment: dict, name: str, default: int, where: Path) -> int:
         return int(float(text[:-1]) * scale[text[-1]])
     except (ValueError, KeyError, IndexError):
         raise TaskImportError(f"{where}: environment.{name} {value!r} is not a size like '1G' or '512M'") from None
-
-
-def harbor_reward(verifier_dir: str | Path) -> tuple[float, bool, str]:
-    """(reward, passed, detail) from what a Harbor test.sh wrote to /logs/verifier (host dir
-    `verifier_dir`), as Harbor's verifier reads it: reward.json (an object; its numeric `reward`, or
-    reward.txt's number where it has none), else reward.txt (one number). Passed: reward 1. No
-    reward file, an empty one or one that is not a number: reward 0 with the reason (the tests ended
-    before writing it)."""
-    root = Path(verifier_dir)
-    text_file, json_file = root / "reward.txt", root / "reward.json"
-    if json_file.is_file() and not json_file.is_symlink():
-        try:
-            data = json.loads(json_file.read_text()[:65536])
-        except (ValueError, UnicodeDecodeError):
-            return 0.0, False, "reward.json is not JSON"
-        if not isinstance(data, dict):
-            return 0.0, False, "reward.json is not an object"
-        value = data.get("reward")
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return _reward(float(value), "reward.json")
-    if text_file.is_file() and not text_file.is_symlink():
-        try:
-            return _reward(float(text_file.read_text()[:256].strip()), "reward.txt")
-        except (ValueError, UnicodeDecodeError):
-            return 0.0, False, "reward.txt is empty or not a number"
-    return 0.0, False, "no reward file (reward.txt or reward.json) in /logs/verifier"
-
-
-def _reward(value: float, name: str) -> tuple[float, bool, str]:
-    if value != value or value in (float("inf"), float("-inf")):
-        return 0.0, False, f"{name}: reward is not finite"
-    return value, value == 1.0, f"{name}: reward {value:g}"

@@ -18,8 +18,9 @@ the gold patch (may be empty) and whose `meta["repo"]` is a `RepoSpec`:
 An agent's work is judged by its patch against the snapshot (`make_patch`): `verify_patch`
 materialises the snapshot in a fresh sandbox, applies the patch with `git apply`, restores the test
 files, applies the test patch and runs FAIL_TO_PASS + PASS_TO_PASS. Reward 1 only when all pass.
-A sandbox that fails to start or a test run past the time limit raises `VerifierError`: an
-infrastructure failure, never the model's.
+A sandbox that fails to start or a harness that never starts raises `VerifierError`: an
+infrastructure failure, never the model's; tests that run past the time limit once started are
+the patch's (reward 0).
 
 `snapshot_files` materialises a git or archive source once per process (`SNAPSHOTS`, a bounded
 LRU): every episode and verification of a task starts from those bytes, written into its own
@@ -44,7 +45,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
-from snowcat.stages.sandbox import Limits, open_sandbox, write_files
+from snowcat.stages.sandbox import Bind, Limits, open_sandbox, write_files
 from snowcat.stages.taskgen.observer import STARTED as OBSERVER_STARTED
 from snowcat.stages.taskgen.verdict import VerifierError
 
@@ -310,14 +311,15 @@ def _tree(root: Path) -> list[str]:
 # ---------------------------------------------------------------- the harness
 
 
-HARNESSES = ("pytest", "unittest", "script")
+HARNESSES = ("pytest", "unittest", "script", "harbor")
 _PYTHON = re.compile(r"(^|/)python(\d+(\.\d+)?)?$")
 
 
 def harness_of(spec: RepoSpec) -> tuple[str, str]:
     """(harness, interpreter): `spec.harness` or what `test_command` runs (`python -m pytest`,
-    `pytest`, `python -m unittest`; anything else is a script whose exit status is the verdict),
-    and the Python that runs the observer (the command's own, else `python3`)."""
+    `pytest`, `python -m unittest`; anything else is a script whose exit status is the verdict;
+    `harbor` only when named: /tests/test.sh and its reward file), and the Python that runs the
+    observer (the command's own, else `python3`)."""
     words = shlex.split(spec.test_command)
     python = words[0] if words and _PYTHON.search(words[0]) else "python3"
     if spec.harness:
@@ -330,6 +332,10 @@ def harness_of(spec: RepoSpec) -> tuple[str, str]:
 
 
 OBSERVER = Path(__file__).with_name("observer.py")
+# A test run past the task's time limit once the harness started is the code under test's doing (a
+# patch that hangs must not turn a failure into a neutral episode); a harness too slow for its limit
+# is caught before use, by task validation (the gold must pass twice within it).
+_TIMEOUT = "tests ran past the time limit ({:g}s)"
 
 
 def _read_record(path: Path, nonce: str) -> dict | None:
@@ -425,6 +431,8 @@ def verify_patch(
             _replace_files(root, guarded, base)
         except OSError as e:
             raise VerifierError(f"restoring test files: {e}") from e
+        if harness == "harbor":
+            return _run_harbor(sb, spec, root, guarded, base)
         setup, files = "", {}
         if spec.test_patch:
             setup = "git apply --whitespace=nowarn .snowcat-test.patch && rm .snowcat-test.patch || exit 97; "
@@ -442,19 +450,21 @@ def verify_patch(
             raise VerifierError(f"sandbox: {r.detail}")
         if spec.test_patch and r.exit_code == 97:
             raise VerifierError(f"the task's test patch does not apply: {r.stderr.strip()[:300]}")
-        if r.status == "timeout":
-            raise VerifierError(f"tests timed out after {spec.timeout_s:g}s")
         changed = _changed(root, guarded, base)
         if harness == "script":
             return (
-                (0.0, False, f"test files changed while the tests ran: {', '.join(changed[:3])}") if changed else _judge_script(r)
+                (0.0, False, f"test files changed while the tests ran: {', '.join(changed[:3])}")
+                if changed
+                else _judge_script(r, spec.timeout_s)
             )
         report = _read_record(root / box / "report.json", nonce)
     if report and "harness_error" in report:
         raise VerifierError(f"test harness: {report['harness_error']}")
     if f"{OBSERVER_STARTED} {nonce}" not in r.stderr:
         tail = (r.stderr or r.stdout or r.detail).strip()[-300:]
-        raise VerifierError(f"the {harness} harness did not start ({python}, exit {r.exit_code}): {tail}")
+        raise VerifierError(f"the {harness} harness did not start ({python}, {r.status}, exit {r.exit_code}): {tail}")
+    if r.status == "timeout":
+        return 0.0, False, _TIMEOUT.format(spec.timeout_s)
     if r.status == "limit":
         return 0.0, False, f"tests stopped at a limit ({r.detail})"
     if report is None:
@@ -478,9 +488,91 @@ def _changed(root: Path, guarded: list[str], base: dict[str, bytes]) -> list[str
     return out
 
 
-def _judge_script(r) -> tuple[float, bool, str]:
+def _run_harbor(sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict[str, bytes]) -> tuple[float, bool, str]:
+    """Harbor's verifier: the task's tests (its test patch) at /tests, read-only, an empty
+    /logs/verifier made for this verification, `bash /tests/test.sh` from the work dir, and the
+    reward file it wrote as the verdict (its exit status is not)."""
+    host = Path(tempfile.mkdtemp(prefix="snowcat-harbor-"))
+    try:
+        tests, logs = host / "tests-root", host / "verifier"
+        tests.mkdir()
+        logs.mkdir()
+        if spec.test_patch:
+            applied = subprocess.run(
+                ["git", "apply", "--whitespace=nowarn", "-"], cwd=tests, input=spec.test_patch.encode(), capture_output=True
+            )
+            if applied.returncode != 0:
+                raise VerifierError(f"the task's test patch does not apply: {applied.stderr.decode().strip()[:300]}")
+        suite = tests / "tests"
+        if not (suite / "test.sh").is_file():
+            raise VerifierError("the task has no tests/test.sh")
+        named = "\n".join(p.read_text(errors="replace") for p in suite.rglob("*") if p.is_file())
+        binds = (Bind(str(suite), "/tests"), Bind(str(logs), "/logs/verifier", writable=True))
+        # Whatever test.sh leaves running when it ends could rewrite the reward file after it: it
+        # is killed at once (`kill -1`: every process of the sandbox's user but this shell and
+        # pid 1), and its having been there fails the verification (the survivors line, nonce'd).
+        nonce = secrets.token_hex(8)
+        script = f'bash /tests/test.sh; kill -9 -1 2>/dev/null && echo "snowcat-survivors {nonce}"; exit 0'
+        r = sb.run(["bash", "-c", script], timeout_s=spec.timeout_s, binds=binds)
+        if r.status == "infra_error":
+            raise VerifierError(f"sandbox: {r.detail}")
+        if r.status == "timeout":
+            return 0.0, False, _TIMEOUT.format(spec.timeout_s)
+        if r.status == "limit":
+            return 0.0, False, f"tests stopped at a limit ({r.detail})"
+        if f"snowcat-survivors {nonce}" in r.stdout:
+            return 0.0, False, "processes were left running when tests/test.sh ended (they could rewrite its reward)"
+        if changed := _changed(root, guarded, base):
+            return 0.0, False, f"test files changed while the tests ran: {', '.join(changed[:3])}"
+        if any((logs / name).exists() and not (logs / name).stat().st_mode & 0o200 for name in ("reward.txt", "reward.json")):
+            return 0.0, False, "a reward file was made read-only during the tests"
+        return harbor_reward(logs, named)
+    finally:
+        shutil.rmtree(host, ignore_errors=True)
+
+
+def _judge_script(r, timeout_s: float) -> tuple[float, bool, str]:
+    if r.status == "timeout":
+        return 0.0, False, _TIMEOUT.format(timeout_s)
     if r.status == "limit":
         return 0.0, False, f"tests stopped at a limit ({r.detail})"
     if r.exit_code == 0:
         return 1.0, True, "the test script exits 0"
     return 0.0, False, f"the test script exits {r.exit_code}: {(r.stdout + r.stderr).strip()[-200:]}"
+
+
+# ---------------------------------------------------------------- Harbor's reward file
+
+
+def harbor_reward(verifier_dir: str | Path, named: str | None = None) -> tuple[float, bool, str]:
+    """(reward, passed, detail) from what a Harbor test.sh wrote to /logs/verifier (host dir
+    `verifier_dir`), as Harbor's verifier reads it: reward.json (an object; its numeric `reward`, or
+    reward.txt's number where it has none), else reward.txt (one number). Passed: reward 1. No
+    reward file, an empty one or one that is not a number: reward 0 with the reason (the tests ended
+    before writing it). `named`: the task's test files' text; a reward file they never name was not
+    written by them (code under test that drops a reward.json beside the script's reward.txt)."""
+    root = Path(verifier_dir)
+    text_file, json_file = root / "reward.txt", root / "reward.json"
+    uses_json = named is None or "reward.json" in named
+    if uses_json and json_file.is_file() and not json_file.is_symlink():
+        try:
+            data = json.loads(json_file.read_text()[:65536])
+        except (ValueError, UnicodeDecodeError):
+            return 0.0, False, "reward.json is not JSON"
+        if not isinstance(data, dict):
+            return 0.0, False, "reward.json is not an object"
+        value = data.get("reward")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return _reward(float(value), "reward.json")
+    if (named is None or "reward.txt" in named) and text_file.is_file() and not text_file.is_symlink():
+        try:
+            return _reward(float(text_file.read_text()[:256].strip()), "reward.txt")
+        except (ValueError, UnicodeDecodeError):
+            return 0.0, False, "reward.txt is empty or not a number"
+    return 0.0, False, "no reward file (reward.txt or reward.json) in /logs/verifier"
+
+
+def _reward(value: float, name: str) -> tuple[float, bool, str]:
+    if value != value or value in (float("inf"), float("-inf")):
+        return 0.0, False, f"{name}: reward is not finite"
+    return value, value == 1.0, f"{name}: reward {value:g}"
