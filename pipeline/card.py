@@ -616,6 +616,7 @@ def _software(f: Facts) -> tuple[list[str], dict]:
         lines.append(f"- Code: snowcat revision `{_v(rev)}` + patch `{_v(patch)}` (sha256 `{_v(digest)}`)")
     pythons = sorted({_v(r.get("python", {}).get("version")) for r in records})
     lines.append(f"- Python {', '.join(pythons)}; packages (over all {len(records)} unit records): {_packages(records) or NR}")
+    lines += _installs(records)
     for image in sorted(images):
         c = json.loads(image)
         lines.append(
@@ -651,6 +652,36 @@ def _packages(records: list[dict]) -> str:
         else:
             out.append(f"{name} " + " / ".join(f"{v} ({', '.join(sorted(set(st)))})" for v, st in sorted(by_version.items())))
     return ", ".join(out)
+
+
+def _installs(records: list[dict]) -> list[str]:
+    """Each distinct installed set the stages ran with (provenance `install`, pipeline.lock): its
+    sha256, the lock it was compared with (file and sha256) and every difference from it, then the
+    set itself, package by package."""
+    by_set: dict[str, list[dict]] = {}
+    for r in records:
+        by_set.setdefault((r.get("install") or {}).get("installed_sha256") or "", []).append(r)
+    lines = []
+    for digest, group in sorted(by_set.items()):
+        stages = ", ".join(sorted({r.get("stage", "?") for r in group}))
+        if not digest:
+            lines.append(f"- Installed set: {NR} (stages {stages})")
+            continue
+        inst = group[0]["install"]
+        head = f"- Installed set sha256 `{digest}` ({len(inst.get('installed') or {})} packages; stages {stages})"
+        if not inst.get("lock"):
+            lines.append(f"{head}: compared with no lock ({_v(inst.get('lock_error'))})")
+        else:
+            differs = inst.get("mismatches") or []
+            extra = inst.get("unlocked") or []
+            verdict = f"differs from it in {len(differs)}: {', '.join(differs)}" if differs else "every locked package as pinned"
+            lines.append(
+                f"{head}: lock `{inst['lock']}` (sha256 `{_v(inst.get('lock_sha256'))}`), {verdict}"
+                + (f"; not in the lock: {', '.join(extra)}" if extra else "")
+            )
+        listing = " ".join(f"`{name}=={version}`" for name, version in sorted((inst.get("installed") or {}).items()))
+        lines.append(f"  <details><summary>the installed set</summary>{listing}</details>")
+    return lines
 
 
 def _seconds(times: dict) -> float | None:

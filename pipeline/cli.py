@@ -22,7 +22,7 @@ from snowcat.slurm import cluster
 from snowcat.slurm import site as site_mod
 from snowcat.stages.model import hf
 
-from . import audit, card, compare, doctor, offline, reproduce, traces
+from . import audit, card, compare, doctor, lock, offline, reproduce, traces
 from . import config as config_mod
 from .dag import Dag, build
 from .errors import UserError
@@ -422,6 +422,10 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="check a cluster live against a site profile (pass/warn/fail with fixes)")
     doctor.add_arguments(d)
     d.set_defaults(func=doctor.cmd_doctor)
+
+    lk = sub.add_parser("lock", help="resolve an install set into its hashed lock (containers/locks/), or --export part of one")
+    lock.add_lock_arguments(lk)
+    lk.set_defaults(func=lock.cmd_lock)
 
     ob = sub.add_parser("onboard", help="write a user's site override (account, paths, partitions) from doctor's findings")
     doctor.add_arguments(ob)

@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from snowcat.slurm import limits as limits_mod
 from snowcat.slurm.limits import LiveLimits
 from snowcat.slurm.site import SITES_DIR, SiteProfile, default_site, env_account, load_site, profile_path, use_local_cluster
 
+from . import lock as lock_mod
 from .errors import UserError
 from .fsio import atomic_write_text
 from .offline import require_staged
@@ -382,6 +383,41 @@ def check_apptainer(site: SiteProfile) -> Check:
         detail,
         "" if gpu else "run `snowcat doctor` inside a GPU job to check `apptainer exec --nv`",
         {"apptainer": out.strip()},
+    )
+
+
+def check_packages(have: Mapping[str, str] | None = None, set_name: str | None = None) -> Check:
+    """The installed versions of the key packages (torch, vLLM, transformers, Triton, DeepSpeed,
+    Megatron-Core, mpi4py) against the lock of this environment's set (`lock.current_set`: cpu where
+    vLLM's or torch's CPU build is installed); every locked package is compared, drift warns."""
+    have = lock_mod.installed() if have is None else dict(have)
+    set_name = set_name or lock_mod.current_set(have)
+    try:
+        lock = lock_mod.find_lock(set_name)
+    except UserError as e:
+        versions = ", ".join(f"{n} {have[n]}" for n in lock_mod.KEY_PACKAGES if n in have) or "none of the key packages"
+        fix = lock_mod.refresh_command(set_name, lock_mod.running_python(), lock_mod.machine())
+        return Check("packages", WARN, f"{versions}; {e}", f"`{fix}` in a checkout, then install from it (docs/installs.md)")
+    pins = lock.pins
+    versions = ", ".join(
+        f"{n} {have.get(n) or 'absent'}" + ("" if n in have and lock_mod.same_version(have[n], pins[n]) else f" (lock {pins[n]})")
+        if n in pins
+        else f"{n} {have[n]} (not in the lock)"
+        for n in lock_mod.KEY_PACKAGES
+        if n in pins or n in have
+    )
+    drifted = lock_mod.drift(lock, have)
+    where = f"{set_name} lock {lock.label()}"
+    if not drifted:
+        return Check("packages", PASS, f"{versions}: all {len(pins)} packages as in the {where}", found={"lock": lock.label()})
+    return Check(
+        "packages",
+        WARN,
+        f"{versions}; {len(drifted)} of {len(pins)} locked packages differ from the {where}: "
+        + ", ".join(drifted[:8])
+        + (", ..." if len(drifted) > 8 else ""),
+        f"{sys.executable} -m pip install --no-deps --require-hashes -r {lock.path} (a container: rebuild its image)",
+        {"lock": lock.label(), "drift": drifted},
     )
 
 
@@ -831,6 +867,7 @@ def run_doctor(
         checks += [check_hetjobs(site_profile, args), check_arrays(site_profile, args), check_mpi(site_profile)]
     checks.append(check_budget(site_profile))
     checks.append(check_apptainer(site_profile))
+    checks.append(check_packages())
     checks += check_run_root(site_profile, run_root, home)
     if jobs and checks[0].status != FAIL:
         checks.append(check_internet(site_profile, job_args(site_profile, checks), wait_s=job_wait_s))

@@ -2,8 +2,8 @@
 
 One JSON record per unit, `<run>/provenance/<stage>[.<item>].json`, written atomically: code
 revision and uncommitted changes (saved as a content-addressed patch), config hash, input and
-output hashes, Python and package versions, container image, host/CPU/GPU, Slurm job, times, exit
-state and the relevant environment. Secrets never enter it: the environment goes through
+output hashes, Python and package versions (every installed package, against its lock), container
+image, host/CPU/GPU, Slurm job, times, exit state and the relevant environment. Secrets never enter it: the environment goes through
 `scrub_env`, and the finished record through `scrub_text` with this environment's secret values.
 Field reference and audit rules: docs/provenance.md.
 """
@@ -32,6 +32,7 @@ from snowcat.pipeline.fsio import (
     sha256_bytes,
     sha256_file,
 )
+from snowcat.pipeline.lock import install_state
 from snowcat.pipeline.scrub import REDACTED, env_secrets, is_secret_name, looks_like_secret, scrub_env, scrub_text
 
 SCHEMA = 1
@@ -374,6 +375,7 @@ def capture(
             "executable": sys.executable,
         },
         "packages": {name: _version(name) for name in PACKAGES},
+        "install": install_state(),  # every installed package, against the lock it was installed from
         "container": container_state(run_dir),
         "host": host_state(probe_gpu),
         "slurm": slurm_state(),

@@ -19,6 +19,7 @@ import pytest
 
 from snowcat.containers import images
 from snowcat.containers.wrap import hetjob_step, image_provenance, role_images, srun_line, stage_command, wrap_command
+from snowcat.pipeline import lock as lock_mod
 from snowcat.pipeline.errors import UserError
 from snowcat.slurm.site import SiteProfile, load_site
 
@@ -390,3 +391,57 @@ def test_role_images_and_hetjob_step_render_one_image_per_role(monkeypatch):
     )
     with pytest.raises(UserError, match="2 images but 1 CPU counts"):
         hetjob_step(site, "none", [None, None], args, cpus_per_task=[4])
+
+
+# --- the images install from the locks (containers/locks/, docs/installs.md) ------------------------
+
+IMAGE_PYTHON = "3.12"  # NGC PyTorch and vLLM 25.09 and vllm/vllm-openai ship Python 3.12
+
+
+def _post_lines(path: Path) -> list[str]:
+    return [" ".join(line.split()) for line in "\n".join(_section(path, "post")).replace("\\\n", " ").splitlines()]
+
+
+@pytest.mark.parametrize(
+    "name, arch", [("trainer", "x86_64"), ("trainer", "aarch64"), ("rollout", "x86_64"), ("rollout-aarch64", "aarch64")]
+)
+def test_gpu_images_install_the_gpu_lock_less_what_their_base_provides(name, arch):
+    """Every package an image pip-installs comes hash-checked from the GPU lock for the image's Python
+    and arch (snowcat itself aside, with --no-deps), so image and venv hold the same versions."""
+    path = images.DEFINITIONS / f"{name}.def"
+    post = _post_lines(path)
+    exports = [line for line in post if "-m snowcat.pipeline.lock gpu --export /opt/snowcat-lock.txt" in line]
+    pips = [line for line in post if "pip install" in line]
+    assert len(exports) == 1 and pips, f"{name}.def does not install from the GPU lock"
+    assert pips[-1].endswith("pip install --no-cache-dir --no-deps --require-hashes -r /opt/snowcat-lock.txt")
+    assert post.index(exports[0]) < post.index(pips[-1])
+    assert all(line.endswith("--no-deps /opt/snowcat") for line in pips[:-1]), pips
+    args = shlex.split(exports[0].split(" -m ", 1)[1])
+    without = args[args.index("--without") + 1 :]
+    lock = lock_mod.find_lock("gpu", IMAGE_PYTHON, arch)
+    kept = {e.name for e in lock_mod.subset(lock, without=without)}  # every pattern matches a locked package
+    assert "mpi4py" not in kept, "mpi4py is built by containers/mpi.sh against the image's Open MPI"
+    if name == "trainer":  # torch and its CUDA stack are the NGC base's
+        assert {"deepspeed", "megatron-core", "transformers"} <= kept and not kept & {"torch", "triton", "vllm"}
+    if name == "rollout":  # the base is the lock's vLLM, with its torch
+        assert not kept & {"torch", "triton", "vllm", "deepspeed"} and "transformers" in kept
+        assert images.definition_arguments(path)["BASE"] == f"vllm/vllm-openai:v{lock.pins['vllm']}"
+    if name == "rollout-aarch64":  # NGC's vLLM is not the lock's: the lock's vLLM and torch go in
+        assert {"vllm", "torch", "transformers"} <= kept and "deepspeed" not in kept
+
+
+def test_mpi4py_built_in_images_is_the_locked_one():
+    version = _script_vars(MPI_SCRIPT.read_text())["MPI4PY_VERSION"]
+    for path in sorted(lock_mod.LOCKS_DIR.glob("*-py*-*.txt")):
+        assert lock_mod.read_lock(path).pins["mpi4py"] == version, path.name
+
+
+def test_sandbox_image_installs_the_locked_pytest():
+    path = images.DEFINITIONS / "sandbox.def"
+    assert _section(path, "files") == ["containers/locks/sandbox-py3.11.txt /opt/snowcat-lock.txt"]
+    post = _post_lines(path)
+    assert [line for line in post if "pip install" in line] == [
+        "python -m pip install --no-cache-dir --no-deps --require-hashes -r /opt/snowcat-lock.txt"
+    ]
+    assert images.definition_arguments(path)["BASE"].startswith("python:3.11-")  # the lock's Python
+    assert "pytest" in lock_mod.read_lock(lock_mod.LOCKS_DIR / "sandbox-py3.11.txt").pins
