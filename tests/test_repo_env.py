@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -73,7 +74,10 @@ def test_teacher_demonstrations_are_real_and_reproducible(world):
         first_test, last_test = msgs[3]["content"], msgs[9]["content"]
         assert "FAILED" in first_test and "exit 1" in first_test, first_test
         assert "OK" in last_test and "exit 0" in last_test, last_test
-        assert "/workspace" in first_test or "Traceback" not in first_test  # paths do not depend on the host
+        for m in msgs:  # paths do not depend on the host: tracebacks name /workspace, never the sandbox's host dir
+            if m["role"] == "tool":
+                assert "snowcat-sandbox" not in m["content"], m["content"]
+                assert all(p.startswith("/workspace/") for p in re.findall(r'File "([^"]+)"', m["content"])), m["content"]
     assert teacher_messages(tasks[0], "repo") == demos[0]  # no timings, no host paths: same bytes again
     assert teacher_messages(tasks[0], "repo", enable_thinking=False)[0] == {
         "role": "template",

@@ -257,7 +257,7 @@ def test_trajectory_directory_round_trips_and_loads_as_a_parquet_dataset(tmp_pat
     assert table.schema == SCHEMA and table.num_rows == 9
     assert table.column("tool_names").to_pylist()[1] == ["bash", "bash", "submit"]
     assert table.column("tool_results").to_pylist()[1][0] == "gable tests"
-    assert table.column("test_paths").to_pylist()[0] == ["tests/test_stats.py"]
+    assert table.column("test_paths").to_pylist()[0] == ["tests/test_hidden_stats.py", "tests/test_stats.py"]  # hidden tests too
     assert table.column("text").to_pylist()[0] == tok.decode(planted[0].token_ids)
 
 

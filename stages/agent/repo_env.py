@@ -9,7 +9,7 @@ parser and the statement's one-line hint come from):
     bash   {"command": str}                 run a shell command in the repository (the sandbox)
     view   {"path": str}                    the file with line numbers
     edit   {"path": str, "old": str, "new": str}   replace the one occurrence of `old`
-    test   {}                               run the task's visible tests (FAIL_TO_PASS + PASS_TO_PASS)
+    test   {}                               run the task's visible tests (`visible_tests`)
     submit {}                               end the episode: the patch is judged by the verifier
 
 Every conversation opens with a template declaration (`opening`): a checkpoint's template renders
@@ -26,6 +26,12 @@ a verifier time-out raise: the loop records `infra_error`, never a model failure
 `view` and `edit` run in the parent on the work dir (path checked to stay inside, symlinks never
 followed); `bash` and `test` run in the sandbox (no network, only the work dir writable, whole-call
 limits: docs/containers.md).
+
+No answer key in the agent's view: the work dir is the snapshot (the test patch is applied by the
+verifier alone), and `test` runs only the visible tests — the FAIL_TO_PASS/PASS_TO_PASS ids whose
+test file is in the snapshot and untouched by the test patch, or the task's own list
+(`meta["visible_tests"]`) — so no tool result, prompt or demonstration names a hidden test or shows
+its body. With no visible test, `test` says so (`NO_VISIBLE_TESTS`).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from pathlib import Path
 
 from snowcat.stages.agent.envs import SingleTurnEnv, Step, _strip_stop
 from snowcat.stages.sandbox import Limits, open_sandbox, write_files
-from snowcat.stages.taskgen.repo import RepoSpec, make_patch, read_tree, snapshot_files, verify_patch
+from snowcat.stages.taskgen.repo import RepoSpec, make_patch, patched_paths, read_tree, snapshot_files, verify_patch
 from snowcat.stages.tokenizer import TEMPLATE_ROLE, render_tool_call
 
 
@@ -65,7 +71,7 @@ TOOL_SCHEMAS = [
         old="text that occurs exactly once in the file",
         new="what replaces it",
     ),
-    _function("test", "Run the task's tests and show their output."),
+    _function("test", "Run the task's visible tests and show their output (the verifier runs hidden tests too)."),
     _function("submit", "End the episode: the changes are judged by the task's tests."),
 ]
 TOOL_ARGS = {s["function"]["name"]: tuple(s["function"]["parameters"]["required"]) for s in TOOL_SCHEMAS}
@@ -96,6 +102,43 @@ def tool_call_message(name: str, arguments: dict | None = None) -> dict:
 def tool_call_text(name: str, arguments: dict | None = None) -> str:
     """A tool call as snowcat's template renders it (`<tool_call>{json}</tool_call>`)."""
     return render_tool_call({"function": {"name": name, "arguments": arguments or {}}})
+
+
+NO_VISIBLE_TESTS = "no visible tests: run your own with bash"
+
+
+def visible_tests(task, base: dict[str, bytes]) -> list[str]:
+    """The test ids the agent's `test` tool runs: `meta["visible_tests"]` when the task names them;
+    else the FAIL_TO_PASS + PASS_TO_PASS ids whose test file is in the snapshot `base` and not
+    touched by the test patch (a test patch that adds or changes a file hides every id in it: the
+    agent's copy of a changed file is the snapshot's, so those ids are not the tests it can run)."""
+    if task.meta.get("visible_tests") is not None:
+        return list(dict.fromkeys(str(t) for t in task.meta["visible_tests"]))
+    spec = RepoSpec.from_task(task)
+    hidden = set(patched_paths(spec.test_patch))
+    known = set(base) | hidden
+    out = []
+    for test_id in dict.fromkeys(spec.fail_to_pass + spec.pass_to_pass):
+        path = _test_file(test_id, known)
+        if path is not None and path in base and path not in hidden:
+            out.append(test_id)
+    return out
+
+
+def _test_file(test_id: str, known: set[str]) -> str | None:
+    """The file that defines a test id, among `known` paths (the snapshot's and the test patch's):
+    a path (pytest `path::name`, a script `tests/test.sh`), or unittest's `module[.Class[.test]]`
+    (the longest dotted prefix that is a module of `known`, followed by at most a class and a test).
+    None when no file defines it."""
+    if "::" in test_id or "/" in test_id or test_id.endswith(".py"):
+        return test_id.split("::", 1)[0].removeprefix("./")
+    parts = test_id.split(".")
+    for k in range(len(parts), 0, -1):
+        stem = "/".join(parts[:k])
+        for path in (f"{stem}.py", f"{stem}/__init__.py"):
+            if path in known:
+                return path if len(parts) - k <= 2 else None
+    return None
 
 
 class ToolCallError(ValueError):
@@ -165,10 +208,11 @@ class RepoEnv(SingleTurnEnv):
     def reset(self, task) -> dict:
         spec = RepoSpec.from_task(task)
         base = snapshot_files(spec)
+        visible = visible_tests(task, base)
         image = task.meta.get("sandbox_image") or self.image  # the task's own image first
         sandbox = open_sandbox(image, Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20))
         write_files(sandbox.workdir, base)
-        return {"spec": spec, "base": base, "sandbox": sandbox}
+        return {"spec": spec, "base": base, "sandbox": sandbox, "visible": visible}
 
     def finish(self, state: dict) -> None:
         if "sandbox" in state:
@@ -201,7 +245,9 @@ class RepoEnv(SingleTurnEnv):
                 lines = path.read_text(errors="replace").splitlines()
                 return clip("\n".join(f"{i:>3} {line}" for i, line in enumerate(lines, 1)), self.observation_chars)
             return self._edit(path, args["old"], args["new"], sb)
-        cmd = args["command"] if name == "bash" else spec.command(list(dict.fromkeys(spec.fail_to_pass + spec.pass_to_pass)))
+        if name == "test" and not state["visible"]:
+            return NO_VISIBLE_TESTS
+        cmd = args["command"] if name == "bash" else spec.command(state["visible"])
         r = sb.run(cmd, timeout_s=min(self.tool_timeout_s, spec.timeout_s))
         if r.status == "infra_error":
             raise RuntimeError(f"sandbox: {r.detail}")  # the loop records infra_error
@@ -257,13 +303,23 @@ def gold_edit(task, base: dict[str, bytes]) -> tuple[str, str, str]:
     return path, old, new
 
 
+def solution_command(script: str) -> str:
+    """A gold script (Harbor's solve.sh) as one `bash` tool call: run by bash, as the verifier runs it."""
+    return f"bash <<'SNOWCAT_SOLUTION'\n{script.rstrip()}\nSNOWCAT_SOLUTION"
+
+
 def teacher_episode(task, env: RepoEnv) -> list[dict]:
     """The expert's demonstration as chat messages, every observation produced by the real tools:
-    run the tests, view the module, edit, run the tests again, submit."""
+    run the (visible) tests, view the module, edit, run the tests again, submit. A task with no gold
+    patch but a gold script (Harbor's solve.sh, `meta["solution"]`): run the tests, run the script
+    with `bash`, submit."""
     state = env.reset(task)
     try:
-        path, old, new = gold_edit(task, state["base"])
-        calls = [("test", {}), ("view", {"path": path}), ("edit", {"path": path, "old": old, "new": new}), ("test", {})]
+        if not task.answer.strip() and task.meta.get("solution", "").strip():
+            calls = [("test", {}), ("bash", {"command": solution_command(task.meta["solution"])})]
+        else:
+            path, old, new = gold_edit(task, state["base"])
+            calls = [("test", {}), ("view", {"path": path}), ("edit", {"path": path, "old": old, "new": new}), ("test", {})]
         messages = env.opening(task)
         for name, args in calls:
             messages.append(tool_call_message(name, args))

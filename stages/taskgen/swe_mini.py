@@ -6,6 +6,15 @@ carries a bug of one of five kinds; the tests that catch it are FAIL_TO_PASS, th
 PASS_TO_PASS, both computed here by running the functions (not claimed): the gold patch must make
 every FAIL_TO_PASS test pass and the bug must make each of them fail.
 
+Visible and hidden tests: each function's test calls are split in two. The visible ones live in the
+repository's `tests/test_<mod>.py` (what the agent reads and its `test` tool runs); the hidden ones
+are the same call templates on a fresh draw of inputs, plus calls on inputs no visible test uses
+(`Function.hidden`), in `tests/test_hidden_<mod>.py`, which only the verifier's `test_patch` adds.
+A hidden call whose text equals a visible one is dropped, and a task is kept only when a visible
+test and a hidden test on an input no visible test uses both expose the bug: a patch that
+special-cases the visible inputs passes what the agent can run and still fails the verifier. The
+statement quotes visible calls only.
+
 Difficulty:
   1  one module, the buggy function alone; the statement names the call, its result and the expected one
   2  one module of three functions; the statement names the function and what it gets wrong
@@ -37,6 +46,7 @@ class Function:
     bugs: dict[str, tuple[str, str]]  # kind -> (correct snippet, buggy snippet), each unique in source
     calls: tuple[str, ...]  # test calls, `{}` filled with drawn values by `args`
     args: Callable  # rng -> tuple of values for the calls' placeholders
+    hidden: tuple[str, ...] = ()  # hidden-only calls: inputs that no visible call uses
 
     def code(self, bug: str | None) -> str:
         if bug is None:
@@ -74,6 +84,7 @@ FUNCTIONS = (
         },
         ("mean({})", "mean([])"),
         lambda rng: (_ints(rng, 3, 1),),
+        ("mean(())",),
     ),
     Function(
         "clamp",
@@ -112,6 +123,7 @@ FUNCTIONS = (
         },
         ("span({})", "span([])", "span({})"),
         lambda rng: (_ints(rng, 4), [int(rng.integers(-5, 5))]),
+        ("span(())",),
     ),
     Function(
         "first_index",
@@ -183,6 +195,34 @@ def generate(rng: np.random.Generator, difficulty: int) -> tuple[str, str, dict]
     raise RuntimeError("swe_mini: 100 draws in a row did not expose their bug")  # a template bug
 
 
+def _fill(f: Function, rng: np.random.Generator) -> list[tuple[str, str]]:
+    """(template, call) for each of `f`'s call templates, the placeholders filled with one draw."""
+    values = iter(f.args(rng))
+    return [(t, t.format(*[next(values) for _ in range(t.count("{"))])) for t in f.calls]
+
+
+def _hidden_calls(f: Function, rng: np.random.Generator, visible: list[str]) -> list[str]:
+    """The hidden calls of `f`: its templates with placeholders on a fresh draw, then `f.hidden`;
+    none equal to a visible call (or to another hidden one)."""
+    calls = [c for t, c in _fill(f, rng) if "{" in t] + list(f.hidden)
+    return [c for c in dict.fromkeys(calls) if c not in visible]
+
+
+def _test_module(pkg: str, mod: str, cases: list[tuple[Function, list[str]]]) -> str:
+    """A unittest module: a class per function with calls, a test per call (its outcome in the correct code)."""
+    cases = [(f, calls) for f, calls in cases if calls]
+    lines = [f"import unittest\n\nfrom {pkg}.{mod} import {', '.join(f.name for f, _ in cases)}\n", EXACT]
+    for f, calls in cases:
+        lines.append(f"\n\nclass {_class(f)}(unittest.TestCase):\n")
+        lines += [_test_case(i, call, _run(f.source, call)) for i, call in enumerate(calls)]
+    lines.append('\n\nif __name__ == "__main__":\n    unittest.main()\n')
+    return "".join(lines)
+
+
+def _class(f: Function) -> str:
+    return "Test" + "".join(p.title() for p in f.name.split("_"))
+
+
 def _draw(rng: np.random.Generator, difficulty: int) -> tuple[str, str, dict] | None:
     pkg = str(rng.choice(PACKAGES))
     n_funcs = {1: 1, 2: 3, 3: 5}[difficulty]
@@ -193,38 +233,43 @@ def _draw(rng: np.random.Generator, difficulty: int) -> tuple[str, str, dict] | 
     modules = [str(m) for m in rng.choice(MODULES, size=2 if difficulty == 3 else 1, replace=False)]
     home = {f.name: modules[i % len(modules)] for i, f in enumerate(chosen)}
 
+    def exposes(f: Function, call: str) -> bool:
+        return f is buggy and _run(f.code(bug), call) != _run(f.source, call)
+
     files: dict[str, str] = {f"{pkg}/__init__.py": "", "tests/__init__.py": ""}
     fixed_files: dict[str, str] = {}
+    hidden_files: dict[str, str] = {}
     f2p, p2p, test_paths = [], [], []
-    first = None  # the first call that shows the bug: (call, wrong outcome, right outcome)
+    first = None  # the first visible call that shows the bug: (call, wrong outcome, right outcome)
+    hidden_catch = False  # a hidden call on an input no visible test uses shows the bug
     for mod in modules:
         funcs = sorted((f for f in chosen if home[f.name] == mod), key=lambda f: f.name)
         good = "\n\n".join(f.source for f in funcs)
         bad = "\n\n".join(f.code(bug if f is buggy else None) for f in funcs)
         files[f"{pkg}/{mod}.py"], fixed_files[f"{pkg}/{mod}.py"] = bad, good
-        test_file = f"tests/test_{mod}.py"
-        lines = [f"import unittest\n\nfrom {pkg}.{mod} import {', '.join(f.name for f in funcs)}\n", EXACT]
+        visible, hidden = [], []
         for f in funcs:
-            cls = "Test" + "".join(p.title() for p in f.name.split("_"))
-            values = iter(f.args(rng))
-            calls = []
-            for template in f.calls:
-                n = template.count("{")
-                calls.append(template.format(*[next(values) for _ in range(n)]))
-            lines.append(f"\n\nclass {cls}(unittest.TestCase):\n")
+            calls = [c for _, c in _fill(f, rng)]
+            secret = _hidden_calls(f, rng, calls)
+            for _ in range(20):  # the buggy function's hidden calls must catch a patch fitted to the visible ones
+                if f is not buggy or any(exposes(f, c) for c in secret):
+                    break
+                secret = _hidden_calls(f, rng, calls)
+            visible.append((f, calls))
+            hidden.append((f, secret))
             for i, call in enumerate(calls):
-                right = _run(f.source, call)
-                lines.append(_test_case(i, call, right))
-                test_id = f"tests.test_{mod}.{cls}.test_{i}"
-                wrong = _run(f.code(bug), call) if f is buggy else right
-                (f2p if wrong != right else p2p).append(test_id)
-                if wrong != right and first is None:
-                    first = (call, wrong, right)
-        lines.append('\n\nif __name__ == "__main__":\n    unittest.main()\n')
-        files[test_file] = "".join(lines)
-        test_paths.append(test_file)
-    if first is None:
-        return None  # the drawn values do not expose the bug: draw again
+                (f2p if exposes(f, call) else p2p).append(f"tests.test_{mod}.{_class(f)}.test_{i}")
+                if exposes(f, call) and first is None:
+                    first = (call, _run(f.code(bug), call), _run(f.source, call))
+            for i, call in enumerate(secret):
+                (f2p if exposes(f, call) else p2p).append(f"tests.test_hidden_{mod}.{_class(f)}.test_{i}")
+                hidden_catch = hidden_catch or exposes(f, call)
+        files[f"tests/test_{mod}.py"] = _test_module(pkg, mod, visible)
+        if any(calls for _, calls in hidden):
+            hidden_files[f"tests/test_hidden_{mod}.py"] = _test_module(pkg, mod, hidden)
+        test_paths.append(f"tests/test_{mod}.py")
+    if first is None or not hidden_catch:
+        return None  # the drawn values do not expose the bug (visibly and hidden): draw again
     call, wrong, right = first
     got = f"raises {wrong[1]}" if wrong[0] == "raises" else f"returns {wrong[1]!r}"
     if difficulty == 1:
@@ -234,7 +279,8 @@ def _draw(rng: np.random.Generator, difficulty: int) -> tuple[str, str, dict] | 
             f"`{pkg}.{home[buggy.name]}.{buggy.name}` gives wrong results (e.g. `{call}` {got}, expected {right[1]!r}). Fix it."
         )
     else:
-        statement = f"Tests in {' and '.join(sorted(set(t.rsplit('.', 2)[0].replace('.', '/') + '.py' for t in f2p)))} fail. Find the bug in `{pkg}` and fix it."
+        failing = sorted({t.rsplit(".", 2)[0].replace(".", "/") + ".py" for t in f2p} & set(test_paths))
+        statement = f"Tests in {' and '.join(failing)} fail. Find the bug in `{pkg}` and fix it."
     before = {p: t.encode() for p, t in files.items()}
     gold = make_patch(before, before | {p: t.encode() for p, t in fixed_files.items()})
     spec = RepoSpec(
@@ -243,6 +289,7 @@ def _draw(rng: np.random.Generator, difficulty: int) -> tuple[str, str, dict] | 
         fail_to_pass=f2p,
         pass_to_pass=p2p,
         test_paths=test_paths,
+        test_patch=make_patch({}, {p: t.encode() for p, t in hidden_files.items()}),
         timeout_s=30.0,
         memory_mb=512,
     )
