@@ -49,6 +49,12 @@ def load_index(staging_dir_or_index: str | os.PathLike) -> dict[str, dict]:
     return {name: dict(entry, _root=str(path.parent)) for name, entry in index["artefacts"].items()}
 
 
+def image_artefact(image: str) -> str:
+    """The name a task's Docker image (meta["image"]) is staged under by the prestage stage (an
+    `image` artefact, pulled into a SIF)."""
+    return image if image.startswith("docker://") else f"docker://{image}"
+
+
 def staged_revision(entry: dict) -> str | None:
     """The revision of a staged artefact: the commit its hub download resolved to, else the revision
     its source named (entries staged before the commit was recorded), else None."""

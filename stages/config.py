@@ -158,13 +158,19 @@ class TaskImport:
     path: str = ""  # a .jsonl/.json/.parquet row file; harbor: a directory of task directories (or one task)
     repos_dir: str = ""  # local clones (<owner>__<name>; swesmith: <owner>__<name>.<commit8>); all but harbor
     domain: str = "swe"
-    test_command: str = "python -m pytest -rA {tests}"  # swebench, swegym, r2egym; `{tests}` becomes the test ids
+    # swebench, swegym, r2egym; `{tests}` becomes the test ids. "" (swebench, swegym): SWE-bench's own
+    # harness where it specifies the row's repository/version (the `swe` extra), else
+    # `python -m pytest -rA {tests}`; r2egym: `python -m pytest -rA {tests}`
+    test_command: str = ""
     profiles: str = ""  # swesmith: JSON/YAML repository profiles {repo: {test_cmd, install_cmds, timeout}}
     timeout_s: float = bounded(900.0, gt=0)  # one verification (row sets; harbor: task.toml's verifier.timeout_sec)
     memory_mb: int = bounded(4096, ge=64)  # row sets; harbor: task.toml's environment.memory_mb
     allow_internet: bool = False  # harbor: take tasks that ask for the network (compute nodes are offline)
     val_count: int = bounded(0, ge=0)  # held out into val (drawn with the run's seed)
     build_images: bool = False  # harbor: build each task's Apptainer image (where building is allowed)
+    # each task's meta["image"] (a Docker reference) as staged by the prestage stage (an `image`
+    # artefact named docker://<image>) becomes its sandbox_image; a task without one is refused
+    staged_images: bool = False
 
 
 def _import_problems(key: str, imp: TaskImport) -> Iterator[Problem]:
@@ -173,8 +179,10 @@ def _import_problems(key: str, imp: TaskImport) -> Iterator[Problem]:
         yield f"{key}.repos_dir", f"required for {imp.format} (local clones: compute nodes have no network)"
     if rows and imp.path and not imp.path.endswith((".jsonl", ".json", ".parquet")):
         yield f"{key}.path", f"{imp.format} reads a .jsonl, .json or .parquet file"
-    if "{tests}" not in imp.test_command:
+    if imp.test_command and "{tests}" not in imp.test_command:
         yield f"{key}.test_command", "must contain '{tests}'"
+    if imp.staged_images and imp.build_images:
+        yield f"{key}.staged_images", "give staged_images or build_images, not both"
     if imp.profiles and imp.format != "swesmith":
         yield f"{key}.profiles", "only swesmith reads repository profiles"
     if imp.allow_internet and imp.format != "harbor":
@@ -474,13 +482,13 @@ class ExportConfig:
 # ---------------------------------------------------------------- prestage, card, scan, mpi_check
 
 
-ArtefactKind = Literal["model", "tokenizer", "dataset", "wheel", "file"]
+ArtefactKind = Literal["model", "tokenizer", "dataset", "wheel", "file", "image"]
 
 
 @dataclass
 class Artefact:
     kind: ArtefactKind = "file"
-    name: str = ""  # unique key in the index; for name-only sources also what to fetch
+    name: str = ""  # unique key in the index; for name-only sources also what to fetch (image: docker://...)
     path: str | None = None  # local file or directory
     url: str | None = None  # file:// or http(s)://
     revision: str | None = None  # Hugging Face revision (commit) for name-only models/datasets
@@ -492,6 +500,8 @@ class Artefact:
             yield "name", "required (the key compute stages ask for)"
         if self.path and self.url:
             yield "", "give path or url, not both"
+        if self.kind == "image" and not (self.path or self.url or self.name.startswith("docker://")):
+            yield "name", "an image is pulled by its docker://<reference> (or give the path of a .sif)"
         if self.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
             yield "sha256", "expected 64 lowercase hex digits"
 

@@ -7,7 +7,9 @@ already staged with the same source and an intact hash is not fetched again.
 
 Sources: `path` (a local file or directory), `url` (file:// or http(s)://), or `name` alone:
 a Hugging Face repo id for model/tokenizer/dataset (needs huggingface_hub), a pip requirement for
-wheel (`pip download`, from `find_links` when given, e.g. a local wheel directory).
+wheel (`pip download`, from `find_links` when given, e.g. a local wheel directory), a
+`docker://<reference>` for image (`apptainer pull` into `image.sif`: a task's meta["image"], e.g.
+SWE-bench's instance images, taken by `tasks.imports[].staged_images`; a prebuilt .sif is a `path`).
 
 A hub download resolves its revision (`revision`, else the default branch) to a commit first and
 downloads that commit, so a push in between cannot mix two versions; the entry records the hub,
@@ -28,6 +30,7 @@ from pathlib import Path
 from filelock import FileLock
 from omegaconf import OmegaConf
 
+from snowcat.containers.images import apptainer_binary
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, build_manifest, read_json, sha256_file
@@ -81,9 +84,25 @@ def _fetch(art, dest: Path) -> dict | None:
             raise UserError(f"artefact '{art.name}': pip download failed: {last}")
     elif art.kind in ("model", "tokenizer", "dataset"):
         return _hub_download(art, dest)
+    elif art.kind == "image":
+        _pull_image(art.name, dest / IMAGE_FILE)
     else:
         raise UserError(f"artefact '{art.name}': give a path or url for a {art.kind}")
     return None
+
+
+IMAGE_FILE = "image.sif"
+
+
+def _pull_image(name: str, target: Path) -> None:
+    """`apptainer pull` of a Docker reference (docker://...) into the SIF `target` (login nodes:
+    the registry is on the internet)."""
+    if not name.startswith("docker://"):
+        raise UserError(f"artefact '{name}': an image is pulled by its docker://<reference> (or give the path of a .sif)")
+    proc = subprocess.run([apptainer_binary(), "pull", "--force", str(target), name], capture_output=True, text=True)
+    if proc.returncode != 0 or not target.is_file():
+        last = ((proc.stderr or proc.stdout).strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        raise UserError(f"artefact '{name}': apptainer pull failed: {last}")
 
 
 def _hub_download(art, dest: Path) -> dict:

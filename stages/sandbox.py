@@ -15,7 +15,8 @@ LocalSandbox, what it guarantees when running as root (the isolating mode, `isol
     running interpreter's prefixes), an /etc of its own, a private /proc,
     /dev/{null,zero,full,random,urandom} (no /dev/shm), a /tmp emptied before each call, and the
     work dir, writable, at `/workspace` (as in the Apptainer sandbox: paths in tool output do not
-    depend on where the host keeps the episode). Nothing else on the host exists for it: no other
+    depend on where the host keeps the episode; `inside=` names another place, e.g. SWE-bench's
+    `/testbed`, `check_inside`). Nothing else on the host exists for it: no other
     checkout, no /tmp of the host, no filesystem unix socket of another process (a socket file is
     reachable by path: hiding the path is the only way to refuse it).
     The command runs as uid/gid 65534 (nobody) with no capabilities and no_new_privs, so it
@@ -87,8 +88,25 @@ from pathlib import Path
 from snowcat.stages.cgroup import CallCgroup
 
 STATUSES = ("ok", "timeout", "limit", "infra_error")
-WORKSPACE = "/workspace"  # where an isolating sandbox shows the work dir
+WORKSPACE = "/workspace"  # where an isolating sandbox shows the work dir (unless told another: `inside=`)
 NOBODY = 65534
+# Where the work dir may not be shown: the sandbox's own system paths (and the root).
+RESERVED = ("/", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/usr", "/etc", "/dev", "/proc", "/sys", "/tmp", "/run", "/var")
+
+
+def check_inside(path: str) -> str:
+    """`path` if it can be where a sandbox shows its work dir: absolute, normal, without spaces or ':',
+    and neither a system path nor under one (ValueError otherwise)."""
+    norm = os.path.normpath(path) if isinstance(path, str) and path.startswith("/") else ""
+    if (
+        norm != path
+        or any(c.isspace() for c in path)
+        or ":" in path
+        or any(path == r or path.startswith(r + "/") for r in RESERVED if r != "/")
+        or path == "/"
+    ):
+        raise ValueError(f"a sandbox work dir must be an absolute, normal path outside the system's (e.g. /testbed): {path!r}")
+    return path
 
 
 @dataclass
@@ -309,8 +327,9 @@ def _limit_status(code: int | None) -> str | None:
 class Sandbox:
     """A place to run tool calls; one per agent episode, holding its work dir between calls."""
 
-    def __init__(self, workdir: str | os.PathLike | None = None, limits: Limits | None = None) -> None:
+    def __init__(self, workdir: str | os.PathLike | None = None, limits: Limits | None = None, inside: str = WORKSPACE) -> None:
         self.limits = limits or Limits()
+        self._inside = check_inside(inside)
         self.caps = "rlimit"  # "cgroup-v1" | "cgroup-v2" once a call got a group: how whole-call limits hold
         # How disk_bytes holds: "tmpfs" (root: the work dir and /tmp live on a tmpfs of that size, mounted
         # on the host for the sandbox's lifetime) or "watch" (the parent measures the work dir while a
@@ -338,7 +357,7 @@ class Sandbox:
     @property
     def inside(self) -> str:
         """The work dir's path as the command sees it."""
-        return WORKSPACE
+        return self._inside
 
     def command(self, cmd: list[str] | str, ready_fd: int | None = None) -> list[str]:
         raise NotImplementedError
@@ -528,8 +547,9 @@ class LocalSandbox(Sandbox):
         isolate: bool = True,
         unshare: str = "unshare",
         expose: tuple[str, ...] | None = None,
+        inside: str = WORKSPACE,
     ) -> None:
-        super().__init__(workdir, limits)
+        super().__init__(workdir, limits, inside)
         self.isolate = isolate
         self.unshare = unshare
         self.expose = tuple(expose) if expose is not None else default_exposed()
@@ -546,7 +566,7 @@ class LocalSandbox(Sandbox):
 
     @property
     def inside(self) -> str:
-        return WORKSPACE if self.isolate else str(self.workdir)
+        return self._inside if self.isolate else str(self.workdir)
 
     def _prepare(self) -> None:
         if self.isolate and self.root:
@@ -586,8 +606,9 @@ class ApptainerSandbox(Sandbox):
 
     --containall: private /tmp, /dev, IPC and PID namespaces and a clean environment; --no-home: the
     user's home is not mounted; --net --network none: only loopback; --writable-tmpfs: the image
-    is read-only, scratch writes land in a throwaway overlay; the work dir (at /workspace) is the
-    only host path.
+    is read-only, scratch writes land in a throwaway overlay; the work dir (at /workspace, or
+    `inside`: SWE-bench's images want their repository at /testbed, over the image's own copy) is
+    the only host path.
     """
 
     def __init__(
@@ -596,8 +617,9 @@ class ApptainerSandbox(Sandbox):
         workdir: str | os.PathLike | None = None,
         limits: Limits | None = None,
         apptainer: str = "apptainer",
+        inside: str = WORKSPACE,
     ) -> None:
-        super().__init__(workdir, limits)
+        super().__init__(workdir, limits, inside)
         self.image = str(image)
         self.apptainer = apptainer
 
@@ -638,12 +660,14 @@ class ApptainerSandbox(Sandbox):
         return result
 
 
-def open_sandbox(image: str | None = None, limits: Limits | None = None, workdir: str | os.PathLike | None = None) -> Sandbox:
+def open_sandbox(
+    image: str | None = None, limits: Limits | None = None, workdir: str | os.PathLike | None = None, inside: str = WORKSPACE
+) -> Sandbox:
     """The sandbox a tool call or a verification runs in: the image's (Apptainer) when one is set, else
-    host processes in namespaces."""
+    host processes in namespaces; the work dir is shown at `inside`."""
     if image:
-        return ApptainerSandbox(image, workdir=workdir, limits=limits)
-    return LocalSandbox(workdir=workdir, limits=limits)
+        return ApptainerSandbox(image, workdir=workdir, limits=limits, inside=inside)
+    return LocalSandbox(workdir=workdir, limits=limits, inside=inside)
 
 
 def strip_git_history(repo_dir: str | os.PathLike, base_commit: str) -> str:

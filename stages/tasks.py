@@ -23,6 +23,7 @@ from snowcat.containers.images import build
 from snowcat.pipeline.context import Preempted, StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
+from snowcat.pipeline.offline import image_artefact, require_staged
 from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks, task_key
 from snowcat.stages.taskgen.importers import TaskImportError, import_tasks
 from snowcat.stages.taskgen.validate import summary, validate_tasks
@@ -41,6 +42,18 @@ def _with_image(task, images: Path, key: str):
     except UserError as e:
         raise UserError(f"{key}: task {task.task_id}: {e}") from None
     return dataclasses.replace(task, meta=task.meta | {"sandbox_image": str(image)})
+
+
+def _staged_images(tasks: list, staging_dir: str | None, key: str) -> list:
+    """`tasks` with the SIF the prestage stage pulled for each one's meta["image"] as sandbox_image."""
+    if staging_dir is None:
+        raise UserError(f"{key}.staged_images: the run has no prestage stage (its `image` artefacts are the images)")
+    missing = [t.task_id for t in tasks if not t.meta.get("image")]
+    if missing:
+        raise UserError(f"{key}.staged_images: task {missing[0]} names no image (meta['image'])")
+    names = sorted({image_artefact(t.meta["image"]) for t in tasks})
+    paths = require_staged(staging_dir, names)  # UserError naming the first image not staged
+    return [dataclasses.replace(t, meta=t.meta | {"sandbox_image": str(paths[image_artefact(t.meta["image"])])}) for t in tasks]
 
 
 def _import(imp, key: str) -> list:
@@ -120,6 +133,9 @@ def run(ctx: StageContext) -> dict:
         tasks = _import(imp, f"stages.{ctx.name}.imports[{i}]")
         if imp.build_images:
             tasks = [_with_image(t, ctx.out_dir / "images", f"stages.{ctx.name}.imports[{i}]") for t in tasks]
+        if imp.staged_images:
+            staging = [str(s.staging_dir) for s in ctx.run_config.stages.values() if s.kind == "prestage"]
+            tasks = _staged_images(tasks, staging[0] if staging else None, f"stages.{ctx.name}.imports[{i}]")
         tasks = validation.keep(tasks, imported=True)
         d_train, d_val = split_tasks(tasks, imp.val_count, rng) if imp.val_count else (tasks, [])
         train += d_train

@@ -43,7 +43,7 @@ from collections import Counter
 from pathlib import Path
 
 from snowcat.stages.agent.envs import SingleTurnEnv, Step, _strip_stop
-from snowcat.stages.sandbox import Limits, open_sandbox, write_files
+from snowcat.stages.sandbox import WORKSPACE, Limits, open_sandbox, write_files
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, patched_paths, read_tree, snapshot_files, verify_patch
 from snowcat.stages.tokenizer import TEMPLATE_ROLE, render_tool_call
 
@@ -210,7 +210,8 @@ class RepoEnv(SingleTurnEnv):
         base = snapshot_files(spec)
         visible = visible_tests(task, base)
         image = task.meta.get("sandbox_image") or self.image  # the task's own image first
-        sandbox = open_sandbox(image, Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20))
+        limits = Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20)
+        sandbox = open_sandbox(image, limits, inside=spec.workdir or WORKSPACE)  # SWE-bench images: /testbed
         write_files(sandbox.workdir, base)
         return {"spec": spec, "base": base, "sandbox": sandbox, "visible": visible}
 
@@ -248,6 +249,8 @@ class RepoEnv(SingleTurnEnv):
         if name == "test" and not state["visible"]:
             return NO_VISIBLE_TESTS
         cmd = args["command"] if name == "bash" else spec.command(state["visible"])
+        if spec.env_setup.strip():  # the image's environment (SWE-bench: its conda env), as the verifier has it
+            cmd = f"{spec.env_setup}\n{cmd}"
         r = sb.run(cmd, timeout_s=min(self.tool_timeout_s, spec.timeout_s))
         if r.status == "infra_error":
             raise RuntimeError(f"sandbox: {r.detail}")  # the loop records infra_error

@@ -16,6 +16,13 @@ importer looks for a local clone of it under `repos_dir` (`<owner>__<name>`, `<o
 (the agent gets `git archive` of it: no history). A row's container image (R2E-Gym's
 `docker_image`, SWE-smith's `image_name`) is kept as `meta["image"]`, a Docker reference.
 
+SWE-bench and SWE-Gym rows whose repository and version SWE-bench specifies get SWE-bench's own
+harness (stages/taskgen/swebench_harness.py, the `swebench` package): its test command, the
+instance image (`meta["image"]`), the repository at /testbed, and as judge either snowcat's observer
+(pytest repositories: `meta["verdict"] = "observer"`) or SWE-bench's log parser and grading (Django,
+SymPy, Sphinx ...: `meta["verdict"] = "log"`, forgeable by what the code under test prints). An
+explicit `test_command` replaces all of it (the task then runs at /workspace, judged by that command).
+
 An importer returns every task of its file or raises one `TaskImportError` naming the file, the row
 (1-based; for JSONL, the line) or task directory, and the field: a set is never half imported.
 """
@@ -36,10 +43,11 @@ from pathlib import Path
 import yaml
 
 from snowcat.containers.images import dockerfile_definition
-from snowcat.stages.taskgen import Task
+from snowcat.stages.taskgen import Task, swebench_harness
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, patched_paths, read_tree
 
-SWEBENCH_TEST_COMMAND = "python -m pytest -rA {tests}"
+SWEBENCH_TEST_COMMAND = "python -m pytest -rA {tests}"  # rows SWE-bench has no specification for
+OFFICIAL = ""  # test_command: SWE-bench's own harness where it specifies the row's repository and version
 SWESMITH_TEST_COMMAND = "pytest --disable-warnings --color=no --tb=no --verbose {tests}"  # swesmith's TEST_PYTEST
 R2E_TESTS_DIR = "r2e_tests"  # where R2E-Gym's images keep a task's tests (the repository's `r2e_tests/`)
 HARBOR_DIFFICULTY = {"easy": 1, "medium": 2, "hard": 3}
@@ -64,7 +72,7 @@ def import_tasks(imp) -> list[Task]:
     if imp.format in ("swebench", "swegym"):
         return import_swebench(path, imp.repos_dir, test_command=imp.test_command, source_format=imp.format, **common)
     if imp.format == "r2egym":
-        return import_r2egym(path, imp.repos_dir, test_command=imp.test_command, **common)
+        return import_r2egym(path, imp.repos_dir, test_command=imp.test_command or SWEBENCH_TEST_COMMAND, **common)
     if imp.format == "swesmith":
         return import_swesmith(path, imp.repos_dir, profiles=imp.profiles or None, **common)
     if imp.format == "harbor":
@@ -209,7 +217,7 @@ def import_swebench(
     repos_dir: str | Path,
     *,
     domain: str = "swe",
-    test_command: str = SWEBENCH_TEST_COMMAND,
+    test_command: str = OFFICIAL,
     timeout_s: float = 900.0,
     memory_mb: int = 4096,
     source_format: str = "swebench",
@@ -217,27 +225,53 @@ def import_swebench(
     """One Task per row of SWE-bench's columns (full, Lite, Verified; SWE-Gym): instance_id, repo,
     base_commit, problem_statement, FAIL_TO_PASS (required); patch (the gold answer), test_patch
     (hidden tests), PASS_TO_PASS, hints_text, created_at, version, environment_setup_commit
-    (kept in meta), Verified's difficulty."""
+    (kept in meta), Verified's difficulty.
+
+    `test_command` "" (OFFICIAL): SWE-bench's harness for the rows it specifies (`_official`), the
+    generic `SWEBENCH_TEST_COMMAND` for the others; any other command is used as given."""
     repos_dir = Path(repos_dir)
     tasks = []
     for where, row in read_rows(path):
         _require(row, ("instance_id", "repo", "base_commit", "problem_statement", "FAIL_TO_PASS"), where)
         clone = _local_repo(repos_dir, row["repo"], row["base_commit"], where)
+        fields, extra = _official(row, where) if test_command == OFFICIAL else ({"test_command": test_command}, {})
         spec = RepoSpec(
             source={"git": str(clone), "base_commit": row["base_commit"]},
-            test_command=test_command,
             fail_to_pass=_list(row["FAIL_TO_PASS"], f"{where}: FAIL_TO_PASS"),
             pass_to_pass=_list(row.get("PASS_TO_PASS") or [], f"{where}: PASS_TO_PASS"),
             test_patch=row.get("test_patch") or "",
             timeout_s=timeout_s,
             memory_mb=memory_mb,
+            **fields,
         )
         source = {"format": source_format, "file": str(path), "repo": row["repo"]}
         source |= {k: row[k] for k in ("version", "environment_setup_commit", "created_at") if row.get(k)}
-        meta = {"repo": spec.to_meta(), "source": source, "hints_text": row.get("hints_text") or ""}
+        meta = {"repo": spec.to_meta(), "source": source, "hints_text": row.get("hints_text") or ""} | extra
         difficulty = SWEBENCH_DIFFICULTY.get(row.get("difficulty") or "", 1)
         tasks.append(Task(row["instance_id"], domain, difficulty, row["problem_statement"], row.get("patch") or "", "repo", meta))
     return tasks
+
+
+def _official(row: dict, where: str) -> tuple[dict, dict]:
+    """(RepoSpec fields, meta) of SWE-bench's harness for `row`; the generic pytest command where
+    SWE-bench has no specification for its repository and version."""
+    try:
+        if not swebench_harness.known(row):
+            return {"test_command": SWEBENCH_TEST_COMMAND}, {}
+        official = swebench_harness.official(row)
+    except swebench_harness.HarnessUnavailable as e:
+        raise TaskImportError(f"{where}: {e}") from None
+    except (KeyError, ValueError, TypeError) as e:  # a row SWE-bench's scripts cannot read (its test_patch)
+        raise TaskImportError(f"{where}: SWE-bench's harness: {type(e).__name__}: {e}") from None
+    fields = {
+        "test_command": official.test_command,
+        "harness": official.harness,
+        "workdir": official.workdir,
+        "env_setup": official.env_setup,
+        "install": official.install,
+        "swebench": official.swebench if official.harness == "swebench" else {},
+    }
+    return fields, {"image": official.image, "verdict": official.verdict, "test_directives": official.directives}
 
 
 # ---------------------------------------------------------------- R2E-Gym

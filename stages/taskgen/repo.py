@@ -14,6 +14,15 @@ the gold patch (may be empty) and whose `meta["repo"]` is a `RepoSpec`:
                   gains nothing); files the `test_patch` touches are restored too
     test_patch    hidden tests, applied by the verifier only (SWE-bench's test_patch)
     timeout_s, memory_mb   limits of one verification (and of each tool call)
+    harness       pytest | unittest (the observer), script (exit status), harbor (reward file),
+                  swebench (the log, graded by SWE-bench's parser: stages/taskgen/swebench_harness.py)
+    workdir       where the repository must be inside the sandbox ("": /workspace; SWE-bench's
+                  images: /testbed, where their environment expects it)
+    env_setup     shell lines run before the tests (and `install`), in the same shell: the image's
+                  environment (SWE-bench: conda's `testbed` env and the spec's eval_commands)
+    install       run after the patch, in its own call, before the test files are put back (SWE-bench:
+                  the repository reinstalled with the patch); its exit status is not judged
+    swebench      harness swebench: {instance_id, repo, version}, whose log parser and grading judge
 
 An agent's work is judged by its patch against the snapshot (`make_patch`): `verify_patch`
 materialises the snapshot in a fresh sandbox, applies the patch with `git apply`, restores the test
@@ -45,7 +54,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
-from snowcat.stages.sandbox import Bind, Limits, open_sandbox, write_files
+from snowcat.stages.sandbox import WORKSPACE, Bind, Limits, check_inside, open_sandbox, write_files
 from snowcat.stages.taskgen.observer import STARTED as OBSERVER_STARTED
 from snowcat.stages.taskgen.verdict import VerifierError
 
@@ -63,7 +72,11 @@ class RepoSpec:
     test_patch: str = ""
     timeout_s: float = 60.0
     memory_mb: int = 1024
-    harness: str = ""  # pytest | unittest | script; "" = what test_command runs (`harness_of`)
+    harness: str = ""  # pytest | unittest | script | harbor | swebench; "" = what test_command runs (`harness_of`)
+    workdir: str = ""  # the repository's path inside the sandbox; "" = the sandbox's (/workspace)
+    env_setup: str = ""  # shell lines before the tests, same shell (SWE-bench: its conda env)
+    install: str = ""  # after the patch, own call, exit status not judged (SWE-bench's `install`)
+    swebench: dict = field(default_factory=dict)  # harness swebench: {instance_id, repo, version}
 
     def __post_init__(self) -> None:
         kinds = {"files", "git", "archive"} & set(self.source)
@@ -71,8 +84,12 @@ class RepoSpec:
             raise ValueError(f"repo source must name exactly one of files, git, archive; got {sorted(self.source)}")
         if "git" in self.source and not self.source.get("base_commit"):
             raise ValueError("a git repo source needs base_commit")
-        if "{tests}" not in self.test_command:
+        if "{tests}" not in self.test_command and self.harness != "swebench":  # SWE-bench's command names its own tests
             raise ValueError(f"test_command must contain '{{tests}}': {self.test_command!r}")
+        if self.harness == "swebench" and not {"instance_id", "repo", "version"} <= set(self.swebench):
+            raise ValueError("harness swebench needs swebench: {instance_id, repo, version}")
+        if self.workdir:
+            check_inside(self.workdir)
         if not self.fail_to_pass:
             raise ValueError("fail_to_pass must name at least one test")
         if self.harness and self.harness not in HARNESSES:
@@ -311,14 +328,15 @@ def _tree(root: Path) -> list[str]:
 # ---------------------------------------------------------------- the harness
 
 
-HARNESSES = ("pytest", "unittest", "script", "harbor")
+HARNESSES = ("pytest", "unittest", "script", "harbor", "swebench")
 _PYTHON = re.compile(r"(^|/)python(\d+(\.\d+)?)?$")
 
 
 def harness_of(spec: RepoSpec) -> tuple[str, str]:
     """(harness, interpreter): `spec.harness` or what `test_command` runs (`python -m pytest`,
     `pytest`, `python -m unittest`; anything else is a script whose exit status is the verdict;
-    `harbor` only when named: /tests/test.sh and its reward file), and the Python that runs the
+    `harbor` and `swebench` only when named: /tests/test.sh and its reward file; SWE-bench's command
+    and its log), and the Python that runs the
     observer (the command's own, else `python3`)."""
     words = shlex.split(spec.test_command)
     python = words[0] if words and _PYTHON.search(words[0]) else "python3"
@@ -395,14 +413,17 @@ def verify_patch(
     The snapshot, then the patch (`git apply`), then every guarded path put back (`guarded_paths`),
     then the test patch; then the tests: pytest and unittest tasks through the observer
     (observer.py: isolated interpreter, nonce, tamper checks), whose report alone is the verdict;
-    script tasks by the script's exit status."""
+    script tasks by the script's exit status; swebench tasks by SWE-bench's parser and grading of the
+    log (forgeable by what the code under test prints: meta["verdict"] "log"). The repository is at
+    `spec.workdir` inside the sandbox (SWE-bench's /testbed); `spec.install` runs after the patch,
+    before the test files are put back, and `spec.env_setup` before it and before the tests."""
     spec = RepoSpec.from_task(task)
     image = task.meta.get("sandbox_image") or image  # a task's own image (tasks.imports[].build_images) first
     base = snapshot_files(spec) if base is None else base
     tests = list(dict.fromkeys(spec.fail_to_pass + spec.pass_to_pass))
     harness, python = harness_of(spec)
     limits = Limits(cpu_s=int(spec.timeout_s) + 1, memory_bytes=spec.memory_mb << 20)
-    with open_sandbox(image=image, limits=limits) as sb:
+    with open_sandbox(image=image, limits=limits, inside=spec.workdir or WORKSPACE) as sb:
         root = sb.workdir
         write_files(root, base)
         if patch.strip():
@@ -426,6 +447,12 @@ def verify_patch(
                     f"the solution script fails ({r.status}, exit {r.exit_code}): {(r.stderr or r.detail).strip()[-200:]}",
                 )
             (root / ".snowcat-solution.sh").unlink(missing_ok=True)
+        if spec.install.strip():  # as SWE-bench's eval script (no -e): a failing install is not the verdict
+            r = sb.run(_shell(spec.env_setup, spec.install), timeout_s=spec.timeout_s)
+            if r.status == "infra_error":
+                raise VerifierError(f"sandbox: {r.detail}")
+            if r.status == "timeout":
+                return 0.0, False, f"the install ran past the time limit ({spec.timeout_s:g}s)"
         guarded = guarded_paths(spec, base, _tree(root))
         try:
             _replace_files(root, guarded, base)
@@ -437,6 +464,8 @@ def verify_patch(
         if spec.test_patch:
             setup = "git apply --whitespace=nowarn .snowcat-test.patch && rm .snowcat-test.patch || exit 97; "
             files[".snowcat-test.patch"] = spec.test_patch
+        if harness == "swebench":
+            return _run_swebench(sb, spec, root, guarded, base, setup, files, patch)
         nonce = secrets.token_hex(16)
         if harness == "script":
             command = spec.command(tests)
@@ -445,12 +474,12 @@ def verify_patch(
             files |= {f"{box}/observer.py": OBSERVER.read_bytes(), f"{box}/nonce": nonce}
             # paths relative to the work dir, where every sandbox starts the command
             command = shlex.join([python, "-I", f"{box}/observer.py", "--harness", harness, "--dir", box, "--root", ".", *tests])
-        r = sb.run(setup + command, files=files, timeout_s=spec.timeout_s)
+        r = sb.run(setup + _shell(spec.env_setup, command), files=files, timeout_s=spec.timeout_s)
         if r.status == "infra_error":
             raise VerifierError(f"sandbox: {r.detail}")
         if spec.test_patch and r.exit_code == 97:
             raise VerifierError(f"the task's test patch does not apply: {r.stderr.strip()[:300]}")
-        changed = _changed(root, guarded, base)
+        changed = _changed(root, guarded, _with_test_patch(spec, base))
         if harness == "script":
             return (
                 (0.0, False, f"test files changed while the tests ran: {', '.join(changed[:3])}")
@@ -474,6 +503,24 @@ def verify_patch(
     return _judge(tests, spec, report)
 
 
+def _with_test_patch(spec: RepoSpec, base: dict[str, bytes]) -> dict[str, bytes]:
+    """The snapshot as the tests start from it: with the test patch applied (SWE-bench's test patches
+    edit existing test files; those are not changed *by the tests*)."""
+    paths = patched_paths(spec.test_patch)
+    if not paths:
+        return base
+    with tempfile.TemporaryDirectory(prefix="snowcat-testpatch-") as tmp:
+        work = Path(tmp)
+        write_files(work, {p: base[p] for p in paths if p in base})
+        r = subprocess.run(
+            ["git", "apply", "--whitespace=nowarn", "-"], cwd=work, input=spec.test_patch.encode(), capture_output=True
+        )
+        if r.returncode != 0:
+            raise VerifierError(f"the task's test patch does not apply: {r.stderr.decode().strip()[:300]}")
+        after = {p: (work / p).read_bytes() for p in paths if (work / p).is_file()}
+    return {p: b for p, b in base.items() if p not in paths} | after
+
+
 def _changed(root: Path, guarded: list[str], base: dict[str, bytes]) -> list[str]:
     """Guarded files of the snapshot that differ from it after the tests ran (or are gone, or links):
     code under test that rewrites a test module before it is imported is caught here."""
@@ -486,6 +533,29 @@ def _changed(root: Path, guarded: list[str], base: dict[str, bytes]) -> list[str
         if moved or not path.is_file() or path.read_bytes() != base[rel]:
             out.append(rel)
     return out
+
+
+# test.sh, then a look at what is left: whatever test.sh leaves running could rewrite the reward
+# file after it, so any process of the sandbox's PID namespace but pid 1, this shell and its
+# ancestors (zombies aside) fails the verification (the survivors line, with the nonce); they die
+# with the namespace. Nothing is killed from here: where there were no PID namespace, the look would
+# see the host's processes and fail safe. Builtins only, so the look sees no process of its own.
+_HARBOR_RUN = r"""
+nonce=$1
+bash /tests/test.sh
+field() { local k v; REPLY=; while read -r k v; do [ "$k" = "$2" ] && REPLY=$v && return; done < "/proc/$1/status"; }
+keep=" 1 $$ " p=$$
+while field "$p" PPid: && [ -n "$REPLY" ] && [ "$REPLY" -gt 1 ]; do keep="$keep$REPLY " p=$REPLY; done
+for d in /proc/[0-9]*; do
+  pid=${d#/proc/}
+  case "$keep" in *" $pid "*) continue ;; esac
+  field "$pid" State: 2>/dev/null || continue
+  case "$REPLY" in Z*|X*|"") continue ;; esac
+  echo "snowcat-survivors $nonce"
+  break
+done
+exit 0
+"""
 
 
 def _run_harbor(sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict[str, bytes]) -> tuple[float, bool, str]:
@@ -508,12 +578,8 @@ def _run_harbor(sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict[s
             raise VerifierError("the task has no tests/test.sh")
         named = "\n".join(p.read_text(errors="replace") for p in suite.rglob("*") if p.is_file())
         binds = (Bind(str(suite), "/tests"), Bind(str(logs), "/logs/verifier", writable=True))
-        # Whatever test.sh leaves running when it ends could rewrite the reward file after it: it
-        # is killed at once (`kill -1`: every process of the sandbox's user but this shell and
-        # pid 1), and its having been there fails the verification (the survivors line, nonce'd).
         nonce = secrets.token_hex(8)
-        script = f'bash /tests/test.sh; kill -9 -1 2>/dev/null && echo "snowcat-survivors {nonce}"; exit 0'
-        r = sb.run(["bash", "-c", script], timeout_s=spec.timeout_s, binds=binds)
+        r = sb.run(["bash", "-c", _HARBOR_RUN, "harbor", nonce], timeout_s=spec.timeout_s, binds=binds)
         if r.status == "infra_error":
             raise VerifierError(f"sandbox: {r.detail}")
         if r.status == "timeout":
@@ -529,6 +595,59 @@ def _run_harbor(sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict[s
         return harbor_reward(logs, named)
     finally:
         shutil.rmtree(host, ignore_errors=True)
+
+
+def _shell(env_setup: str, command: str) -> str:
+    """`command` after the environment's lines, in one shell."""
+    return f"{env_setup}\n{command}" if env_setup.strip() else command
+
+
+def _run_swebench(
+    sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict[str, bytes], setup: str, files: dict, patch: str
+):
+    """SWE-bench's official test command, its output (stdout and stderr as one stream, between
+    SWE-bench's markers) graded by SWE-bench's parser for the repository and its rules (every
+    FAIL_TO_PASS passes, every PASS_TO_PASS still passes). The log is the code under test's to
+    write: what it prints can forge the verdict (meta["verdict"] "log")."""
+    from snowcat.stages.taskgen import swebench_harness  # noqa: PLC0415 (swebench: heavy, an optional extra)
+
+    try:
+        start, end = swebench_harness.markers()
+    except swebench_harness.HarnessUnavailable as e:
+        raise VerifierError(str(e)) from None
+    # snapshots keep bytes, not modes: the official command's own program (./tests/runtests.py,
+    # bin/test) is made executable again when it is a file of the repository
+    words = [w for w in shlex.split(spec.test_command) if "=" not in w or w.startswith("-")]
+    program = words[0] if words else ""
+    chmod = f"chmod +x {shlex.quote(program)} 2>/dev/null; " if "/" in program and not program.startswith("/") else ""
+    body = f"echo {shlex.quote(start)}; {chmod}{spec.test_command}; echo {shlex.quote(end)}"
+    r = sb.run(setup + _shell(spec.env_setup, "{ " + body + "; } 2>&1"), files=files, timeout_s=spec.timeout_s)
+    if r.status == "infra_error":
+        raise VerifierError(f"sandbox: {r.detail}")
+    if spec.test_patch and r.exit_code == 97:
+        raise VerifierError(f"the task's test patch does not apply: {(r.stdout + r.stderr).strip()[-300:]}")
+    if r.status == "timeout":
+        return 0.0, False, _TIMEOUT.format(spec.timeout_s)
+    if r.status == "limit":
+        return 0.0, False, f"tests stopped at a limit ({r.detail})"
+    if changed := _changed(root, guarded, _with_test_patch(spec, base)):
+        return 0.0, False, f"test files changed while the tests ran: {', '.join(changed[:3])}"
+    try:
+        resolved, report = swebench_harness.grade(spec.swebench, spec.fail_to_pass, spec.pass_to_pass, r.stdout, patch)
+    except (KeyError, swebench_harness.HarnessUnavailable) as e:
+        raise VerifierError(f"SWE-bench grading of {spec.swebench.get('repo')}: {e}") from None
+    if resolved:
+        return 1.0, True, f"{len(spec.fail_to_pass) + len(spec.pass_to_pass)} tests pass (SWE-bench's log parser)"
+    status = report.get("tests_status")
+    if not status:
+        return 0.0, False, "no test output between SWE-bench's markers"
+    f2p, p2p = status["FAIL_TO_PASS"]["failure"], status["PASS_TO_PASS"]["failure"]
+    return (
+        0.0,
+        False,
+        f"tests fail (SWE-bench's log parser): FAIL_TO_PASS {len(f2p)}/{len(spec.fail_to_pass)} failing, "
+        f"PASS_TO_PASS {len(p2p)}/{len(spec.pass_to_pass)} failing",
+    )
 
 
 def _judge_script(r, timeout_s: float) -> tuple[float, bool, str]:
