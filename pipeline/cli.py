@@ -22,7 +22,7 @@ from snowcat.slurm import cluster
 from snowcat.slurm import site as site_mod
 from snowcat.stages.model import hf
 
-from . import audit, card, compare, doctor, lock, offline, reproduce, traces
+from . import audit, card, compare, doctor, lock, offline, reproduce, traces, tracking
 from . import config as config_mod
 from .dag import Dag, build
 from .errors import UserError
@@ -414,6 +414,14 @@ def parser() -> argparse.ArgumentParser:
     ca = sub.add_parser("card", help="the provenance card (Markdown with model-card metadata) from recorded facts")
     card.add_card_arguments(ca)
     ca.set_defaults(func=card.cmd_card)
+
+    tk = sub.add_parser("track", help="feed experiment trackers (wandb, tensorboard, mlflow) from the run directory")
+    tracking.add_track_arguments(tk)
+    tk.set_defaults(func=tracking.cmd_track)
+
+    sy = sub.add_parser("sync", help="upload the run's offline W&B runs (wandb sync; login node) and record it in the run")
+    tracking.add_sync_arguments(sy)
+    sy.set_defaults(func=tracking.cmd_sync)
 
     rp = sub.add_parser("reproduce", help="re-run a run from its archived config and compare hashes and metrics")
     reproduce.add_reproduce_arguments(rp)

@@ -15,6 +15,8 @@ import fnmatch
 import functools
 import hashlib
 import importlib
+import importlib.util
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +29,7 @@ from snowcat.pipeline import scrub, sweep
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.schema import (
     HF_PREFIX,
+    TRACKER_PACKAGES,
     Problem,
     RunConfig,
     StageCommon,
@@ -414,8 +417,46 @@ def _slurm_problems(cfg: RunConfig, name: str, stage: StageCommon) -> Iterator[P
         yield f"stages.{name}.where", "a login-node stage cannot have components (it is one process)"
 
 
+def _tracking_problems(cfg: RunConfig) -> Iterator[Problem]:
+    """Unknown sinks; a tracker that would reach for the network from compute nodes that have none
+    (refused, not warned: every feed of every unit would fail; docs/tracking.md)."""
+    tracking = cfg.tracking
+    yield from ((_join("tracking", key), why) for key, why in tracking.problems())
+    site = cfg.site
+    if cfg.executor.kind != "slurm" or site is None or site.internet_on_compute is not False:
+        return
+    uri = tracking.mlflow.tracking_uri
+    if "mlflow" in tracking.sinks and uri.lower().startswith(("http://", "https://")):
+        yield (
+            "tracking.mlflow.tracking_uri",
+            f"{uri!r} is a server, but compute nodes of site {site.name} have no network (internet_on_compute: false): "
+            "leave it empty (a file store in the run) and back-fill the server from the login node with "
+            "`snowcat track RUN --to mlflow --tracking-uri URI`",
+        )
+    if "wandb" in tracking.sinks and tracking.wandb.mode == "online":
+        yield (
+            "tracking.wandb.mode",
+            f"online, but compute nodes of site {site.name} have no network (internet_on_compute: false): "
+            "use offline and upload with `snowcat sync RUN` on the login node",
+        )
+
+
+def tracking_package_problem(sinks, key: str = "tracking.sinks") -> Problem | None:
+    """(key, problem) for the first chosen sink whose library is not installed here, with its pip command."""
+    for i, sink in enumerate(sinks):
+        module, package = TRACKER_PACKAGES.get(sink, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            return (
+                f"{key}[{i}]" if key == "tracking.sinks" else key,
+                f"{sink!r} needs the {package} package, which is not installed in {sys.prefix}: "
+                f"pip install '{package}' (or pip install 'snowcat[trackers]')",
+            )
+    return None
+
+
 def _problems(cfg: RunConfig) -> Iterator[Problem]:
     yield from range_problems(cfg, "")
+    yield from _tracking_problems(cfg)
     if cfg.site is not None:
         yield from ((_join("site", key), why) for key, why in cfg.site.problems())
     staged = {a.name for s in cfg.stages.values() if s.kind == "prestage" for a in s.artefacts}
@@ -483,10 +524,16 @@ def resolve(cfg: DictConfig, label: str = "config") -> DictConfig:
     return cfg
 
 
-def load(path: str | Path, overrides: list[str] = (), site: str | None = None) -> DictConfig:
-    """compose + resolve: the fully resolved, typed run config (refused if it holds a credential)."""
+def load(path: str | Path, overrides: list[str] = (), site: str | None = None, frozen: bool = False) -> DictConfig:
+    """compose + resolve: the fully resolved, typed run config (refused if it holds a credential, or,
+    unless `frozen`, if it chooses a tracker whose library is not installed here)."""
     cfg = resolve(compose(path, overrides, site), str(path))
     refuse_secrets(cfg, str(path), list(overrides))
+    if not frozen:
+        problem = tracking_package_problem(list(cfg.tracking.sinks))
+        if problem is not None:
+            source = next((f"override '{o}'" for o in reversed(list(overrides)) if o.startswith("tracking")), str(path))
+            raise UserError(f"{source}: {problem[0]}: {problem[1]}")
     return cfg
 
 
@@ -517,8 +564,9 @@ def refuse_secrets(cfg: DictConfig, label: str, overrides: list[str] = ()) -> No
 
 
 def load_frozen(path: str | Path) -> DictConfig:
-    """Re-type a resolved config frozen in a run directory (it validates as any config does)."""
-    return load(path)
+    """Re-type a resolved config frozen in a run directory (it validates as any config does; a tracker
+    library missing here does not keep the run from opening: feeding that tracker fails, and is ignored)."""
+    return load(path, frozen=True)
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -66,7 +66,7 @@ SETS = {
     "gpu": LockSet(
         "gpu",
         "The GPU set (vLLM's pins decide torch)",
-        ("gpu", "deepspeed", "mpi"),
+        ("gpu", "deepspeed", "mpi", "swe", "trackers"),
         ("megatron-core==0.16.1",),
     ),
 }

@@ -19,7 +19,7 @@ import numpy as np
 from submitit.slurm.slurm import _parse_node_list
 
 from . import config as config_mod
-from . import procid, provenance, sweep
+from . import procid, provenance, sweep, tracking
 from .context import PREEMPTED_EXIT_CODE, Preempted, StageContext
 from .dag import StageNode, Unit, build
 from .errors import UserError
@@ -169,6 +169,7 @@ def _run_locked(run: RunDir, cfg, dag, node: StageNode, unit: Unit) -> int:
     except Preempted:
         if lead:
             run.update_stage(unit.key, status="preempted", ended=now())
+            tracking.after_unit(run, node, unit, ctx.run_config)  # what it recorded so far; never raises
         print(f"[snowcat] {unit.key}: checkpointed before the end of the job; continue with the next one", flush=True)
         return PREEMPTED_EXIT_CODE
     except Exception as e:
@@ -181,6 +182,7 @@ def _run_locked(run: RunDir, cfg, dag, node: StageNode, unit: Unit) -> int:
         provenance.record_unit(run, unit, ctx)
         run.mark_done(unit, metrics, inputs)
         run.update_stage(unit.key, status="done", ended=now(), error=None)
+        tracking.after_unit(run, node, unit, ctx.run_config)  # trackers are fed from the run directory; never raises
     print(f"[snowcat] {unit.key}: done in {time.monotonic() - t0:.1f}s", flush=True)
     return 0
 

@@ -159,6 +159,50 @@ class ExecutorConfig:
     mpirun: str = "mpirun"  # local launcher for multi-role stages
 
 
+TRACKING_SINKS = ("wandb", "tensorboard", "mlflow")
+# sink -> (module imported to feed it, the package that installs it: the `trackers` extra)
+TRACKER_PACKAGES = {
+    "wandb": ("wandb", "wandb"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+}
+
+
+@dataclass
+class WandbTracking:
+    project: str = ""  # "": the run's `name`
+    entity: str | None = None  # None: the API key's default entity (chosen at `snowcat sync`)
+    # offline: written under <run>/tracking/wandb, uploaded by `snowcat sync RUN` on the login node;
+    # online: uploads from the compute node (refused on a site whose compute nodes have no internet)
+    mode: Literal["offline", "online"] = "offline"
+
+
+@dataclass
+class MlflowTracking:
+    tracking_uri: str = ""  # "": a file store in the run, <run>/tracking/mlruns
+    experiment: str = ""  # "": the run's id
+
+
+@dataclass
+class TrackingConfig:
+    """Experiment trackers fed from what the stages record (pipeline/tracking.py, docs/tracking.md):
+    none by default; a failing tracker never fails a stage."""
+
+    sinks: list[str] = field(default_factory=list)  # any of TRACKING_SINKS
+    wandb: WandbTracking = field(default_factory=WandbTracking)
+    mlflow: MlflowTracking = field(default_factory=MlflowTracking)
+
+    def problems(self) -> Iterator[Problem]:
+        for i, sink in enumerate(self.sinks):
+            if sink not in TRACKING_SINKS:
+                yield f"sinks[{i}]", f"unknown tracking sink {sink!r} (known: {', '.join(TRACKING_SINKS)})"
+            elif sink in self.sinks[:i]:
+                yield f"sinks[{i}]", f"{sink!r} is listed twice"
+        uri = self.mlflow.tracking_uri
+        if uri and "://" not in uri and not uri.startswith("/"):
+            yield "mlflow.tracking_uri", f"{uri!r} is neither an absolute path nor a URI (file:///..., https://...)"
+
+
 @dataclass
 class RunConfig:
     name: str = "run"
@@ -168,5 +212,6 @@ class RunConfig:
     license: str = ""  # of the weights this run publishes (the card says "not recorded" when unset)
     intended_use: str = ""
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     site: Any = None  # typed by slurm.site.SiteProfile when given
     stages: dict[str, Any] = field(default_factory=dict)

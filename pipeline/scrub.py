@@ -45,6 +45,19 @@ _SECRET_EXACT = {"PASS", "PAT", "DSN"}  # only as a whole word (PWD is the worki
 # the location is worth recording (a value that itself looks like a credential is still caught).
 _LOCATION_WORDS = {"PATH", "FILE", "DIR", "SOCK", "SOCKET"}
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+# The experiment trackers' credentials (docs/tracking.md), secret whatever the word rules above say:
+# W&B's key is 40 hex characters, a shape no rule below recognises, so only its name gives it away.
+TRACKER_SECRETS = frozenset(
+    {
+        "WANDB_API_KEY",
+        "WANDB_IDENTITY_TOKEN",
+        "MLFLOW_TRACKING_PASSWORD",
+        "MLFLOW_TRACKING_TOKEN",
+        "MLFLOW_TRACKING_AUTH",
+        "DATABRICKS_TOKEN",
+        "DATABRICKS_CLIENT_SECRET",
+    }
+)
 
 # Well-known credential shapes, as (kind, regex) pairs. Every regex starts with a literal so that
 # the regex engine can skip ahead with a fast substring search (a leading \b makes a byte scan ~40x
@@ -87,6 +100,8 @@ def _words(name: str) -> list[str]:
 
 
 def is_secret_name(name: str) -> bool:
+    if name.upper() in TRACKER_SECRETS:
+        return True
     words = _words(name)
     if words and words[-1] in _LOCATION_WORDS:
         return False
