@@ -6,7 +6,8 @@ array element on Slurm). A key is one of:
     The unit runs with that value and nothing else differs, not even the seed, so variants are
     compared on the same data and sampling draws (common random numbers);
   - `replica`: the unit repeats the stage; its seed differs with the replica's position;
-  - `checkpoint` on an evaluate stage: the checkpoint reference the unit scores.
+  - `checkpoint` on an evaluate stage: the checkpoint reference the unit scores;
+  - `shard` on a validate stage: the share of the tasks the unit checks.
 Anything else is refused at load: a key nothing reads would plan units that all do the same thing.
 
 A later stage names a unit's output as `<stage>[<index>]:<name>` or `<stage>[key=value,...]:<name>`,
@@ -34,7 +35,7 @@ from snowcat.pipeline.schema import StageCommon, parse_checkpoint_ref
 from snowcat.stages.config import KINDS
 
 REPLICA = "replica"
-ITEM_KEYS = {"evaluate": ("checkpoint",)}  # read by the stage itself from ctx.item
+ITEM_KEYS = {"evaluate": ("checkpoint",), "validate": ("shard",)}  # read by the stage itself from ctx.item
 _COMMON = {f.name for f in dataclasses.fields(StageCommon)}  # one job array shares them: not sweepable
 _ABSENT = object()
 

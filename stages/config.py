@@ -147,7 +147,7 @@ class TaskValidation:
     tasks: Literal["imports", "all", "none"] = "imports"  # all: generated repository tasks too
     runs: int = bounded(2, ge=1)  # per solution; 2 catches flaky tests
     workers: int = bounded(0, ge=0)  # checks at a time; 0: the CPUs the job has
-    cache_dir: str = ""  # verdicts by task hash; "" = <stage dir>/validation-cache (share one across runs)
+    cache_dir: str = ""  # verdicts by task hash; "" = <run>/cache/task-validation (share one across runs)
 
 
 @dataclass
@@ -527,6 +527,15 @@ class CardConfig:
 
 
 @dataclass
+class ValidateConfig:
+    """The imported tasks of a tasks stage checked before it runs, as a job array (stages/validate.py):
+    `fan_out: {shard: [0, 1, ...]}` gives each element its share; the tasks stage `needs` this one
+    and finds every verdict in the cache its `validate` section names."""
+
+    tasks: str = "tasks"  # the tasks stage whose imports are checked (its config is read, not its outputs)
+
+
+@dataclass
 class ScanConfig:
     high_entropy: bool = False  # also flag long random-looking tokens (noisy: run dirs hold base64 blobs)
 
@@ -540,6 +549,7 @@ class MpiCheckConfig:
 # Stage kinds, in pipeline order: the kind names a run config may use, and their sections.
 KINDS: dict[str, type] = {
     "prestage": PrestageConfig,
+    "validate": ValidateConfig,
     "tasks": TasksConfig,
     "sft": SftConfig,
     "probe": ProbeConfig,
@@ -555,4 +565,4 @@ KINDS: dict[str, type] = {
 GPU_KINDS = frozenset({"sft", "probe", "rl", "evaluate", "export"})
 # Kinds that checkpoint on the preemption notice and continue from there; a walltime continuation of any
 # other kind would start from scratch and end the same way, so they get none (stages.X.resume).
-RESUMABLE_KINDS = frozenset({"sft", "probe", "rl"})
+RESUMABLE_KINDS = frozenset({"validate", "sft", "probe", "rl"})  # validate: from the verdict cache

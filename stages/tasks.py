@@ -26,7 +26,7 @@ from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
 from snowcat.pipeline.offline import image_artefact, require_staged
 from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks, task_key
 from snowcat.stages.taskgen.importers import TaskImportError, import_tasks
-from snowcat.stages.taskgen.validate import summary, validate_tasks
+from snowcat.stages.taskgen.validate import summary, validate_tasks, validation_cache
 
 
 def _with_image(task, images: Path, key: str):
@@ -70,7 +70,7 @@ class _Validation:
 
     def __init__(self, ctx: StageContext):
         self.cfg, self.ctx = ctx.config.validate, ctx
-        self.cache = Path(self.cfg.cache_dir) if self.cfg.cache_dir else Path(ctx.out_dir) / "validation-cache"
+        self.cache = validation_cache(self.cfg, ctx.run_dir)
         self.checks: dict = {}
 
     def keep(self, tasks: list, imported: bool) -> list:

@@ -130,7 +130,7 @@ def test_generated_tasks_are_checked_when_asked_and_a_stopped_check_resumes(tmp_
     monkeypatch.setattr(ctx.config.validate, "workers", 1)
     with pytest.raises(Preempted, match="1 of 4 checked"):
         tasks_stage.run(ctx)
-    assert len(list((ctx.out_dir / "validation-cache").glob("*.json"))) == 1
+    assert len(list((tmp_path / "cache" / "task-validation").glob("*.json"))) == 1  # the run's verdict cache
     monkeypatch.setattr(ctx, "checkpoint_due", lambda: False)
     metrics = tasks_stage.run(ctx)
     assert metrics["validation/valid"] == 4 and metrics["swe_mini/train"] == 3
@@ -138,3 +138,46 @@ def test_generated_tasks_are_checked_when_asked_and_a_stopped_check_resumes(tmp_
     assert sorted(t.task_id for t in load_tasks(ctx.out_dir, "train") + load_tasks(ctx.out_dir, "val")) == sorted(
         t.task_id for t in expected
     )
+
+
+ARRAY_RUN = """\
+name: validate-array
+executor: {{kind: local}}
+stages:
+  validate: {{kind: validate, fan_out: {{shard: [0, 1]}}}}
+  tasks:
+    kind: tasks
+    needs: [validate]
+    imports: [{{format: swebench, path: {jsonl}, repos_dir: {repos}, test_command: "python3 -m unittest -v {{tests}}"}}]
+"""
+
+
+@pytest.mark.slow
+def test_a_validate_array_checks_the_imports_before_the_tasks_stage_which_only_filters(tmp_path, swebench, snowcat):  # noqa: F811
+    """Two array elements split the imported tasks by content hash and check them into the run's
+    cache; the tasks stage that needs them finds every verdict there: it verifies nothing itself."""
+    jsonl, repos, row = swebench
+    rows = [row] + [
+        dict(row, instance_id=f"acme__calc-{i}", patch=row["patch"].replace("a + b", op))
+        for i, op in ((2, "a * b"), (3, "b - a"))
+    ]
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "array.yaml"
+    config.write_text(ARRAY_RUN.format(jsonl=jsonl, repos=repos))
+    run_dir = tmp_path / "run"
+    snowcat("run", config, "--run-dir", run_dir, check=True)
+    shards = [json.loads((run_dir / "stages" / "validate" / f"{i:04d}" / "validation.json").read_text()) for i in (0, 1)]
+    assert sum(s["checked"] for s in shards) == 3 and {s["shard"] for s in shards} == {0, 1}
+    excluded = {k: v["status"] for s in shards for k, v in s["excluded"].items()}
+    assert excluded == {"acme__calc-2": "gold_fails", "acme__calc-3": "gold_fails"}
+    cached = {p.stem: p.stat().st_mtime_ns for p in (run_dir / "cache" / "task-validation").glob("*.json")}
+    assert len(cached) == 3
+    tasks_dir = run_dir / "stages" / "tasks"
+    manifest = json.loads((tasks_dir / "validation.json").read_text())
+    assert manifest["counts"]["valid"] == 1 and set(manifest["excluded"]) == set(excluded)
+    assert [t.task_id for t in load_tasks(tasks_dir, "train")] == ["acme__calc-1"]
+    assert {p.stem: p.stat().st_mtime_ns for p in (run_dir / "cache" / "task-validation").glob("*.json")} == cached
+    # a validate stage the tasks stage does not wait for would check alongside it: refused with the fix
+    config.write_text(ARRAY_RUN.format(jsonl=jsonl, repos=repos).replace("    needs: [validate]\n", ""))
+    bad = snowcat("run", config, "--run-dir", tmp_path / "run2")
+    assert bad.returncode != 0 and "stages.tasks.needs: add 'validate'" in bad.stdout + bad.stderr

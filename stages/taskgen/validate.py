@@ -13,7 +13,9 @@ flaky tests) through the real verifier, in the task's own image when it has one:
 Only `valid` tasks are kept; each other one is excluded with its reason. Verdicts are cached by the
 task's content hash (`task_hash`: statement, code source, tests, gold, image) as one JSON file per
 task, written atomically as each finishes: a preempted or re-run validation continues where it
-stopped, and tasks shared by several runs are checked once when they share a cache directory.
+stopped, and tasks shared by several runs are checked once when they share a cache directory. The
+tasks stage checks what the cache does not hold yet; a validate stage (stages/validate.py) fills
+it beforehand as a job array.
 """
 
 from __future__ import annotations
@@ -130,6 +132,17 @@ def validate_tasks(
                 if progress is not None:
                     progress(done, len(tasks))
     return out
+
+
+def validation_cache(cfg, run_dir: str | os.PathLike) -> Path:
+    """Where a run's verdicts live (`tasks.validate.cache_dir`, else `<run>/cache/task-validation`):
+    one place for the tasks stage and the validate stage's array elements."""
+    return Path(cfg.cache_dir) if cfg.cache_dir else Path(run_dir) / "cache" / "task-validation"
+
+
+def shard_of(task: Task, shards: int) -> int:
+    """The array element (of `shards`) that checks `task`: by its content hash, so stable."""
+    return int(task_hash(task)[:16], 16) % shards
 
 
 def summary(checks: dict[str, TaskCheck]) -> dict[str, int]:
