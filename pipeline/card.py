@@ -357,12 +357,19 @@ def _reward_hacks(f: Facts) -> list[str]:
     if not counts:
         return [f"Reward-hack detectors: {NR} (no kept trajectories; `keep_trajectories` keeps them)."]
     lines = [
-        "Episodes the reward-hack detectors flagged in the kept trajectories (`snowcat traces` cites them):",
+        "Episodes the reward-hack detectors flagged in the kept trajectories, each as flagged (of them "
+        "passed); the pass rate beside the one with every flagged pass counted as a failure is what the "
+        "hacks were worth (`snowcat traces` cites the episodes):",
         "",
-        "| episodes | scored | " + " | ".join(DETECTORS) + " |",
-        "|---|---|" + "---|" * len(DETECTORS),
+        "| episodes | scored | pass rate % | without flagged passes % | " + " | ".join(DETECTORS) + " |",
+        "|---|---|---|---|" + "---|" * len(DETECTORS),
     ]
-    lines += [f"| {c['group']} | {c['episodes']} | " + " | ".join(str(c[name]) for name in DETECTORS) + " |" for c in counts]
+    lines += [
+        f"| {c['group']} | {c['episodes']} | {_pct(c['pass_rate'])} | {_pct(c['pass_rate_unflagged'])} | "
+        + " | ".join(f"{c[name]} ({c[name + '/passed']})" for name in DETECTORS)
+        + " |"
+        for c in counts
+    ]
     lines += ["", *[f"- `{name}`: {rule}" for name, (_, rule) in DETECTORS.items()]]
     return lines
 

@@ -118,9 +118,25 @@ def analyse_run(run_dir: str | Path, stage: str | None = None, checkpoint: str |
     return {"run": str(run.path), "groups": groups, "drift": drift}
 
 
+def hack_worth(rows: list[dict]) -> dict:
+    """What the reward hacks were worth over scored episodes: per detector, the episodes it flagged
+    and how many of those passed; the pass rate, and the pass rate with every flagged episode that
+    passed counted as a failure (what it would be had no hack paid)."""
+    flags = [{name for name, (detect, _) in detectors.DETECTORS.items() if detect(r) is not None} for r in rows]
+    passed = [r["passed"] == 1 for r in rows]
+    out: dict = {"episodes": len(rows)}
+    for name in detectors.DETECTORS:
+        out[name] = sum(name in f for f in flags)
+        out[f"{name}/passed"] = sum(name in f and p for f, p in zip(flags, passed, strict=True))
+    n = len(rows)
+    out["pass_rate"] = sum(passed) / n if n else None
+    out["pass_rate_unflagged"] = sum(p and not f for f, p in zip(flags, passed, strict=True)) / n if n else None
+    return out
+
+
 def reward_hack_counts(run: RunDir) -> list[dict]:
-    """Per group of kept episodes (a probe or RL unit; an evaluate unit per checkpoint): the scored
-    episodes and how many each reward-hack detector flagged (the card's table)."""
+    """Per group of kept episodes (a probe or RL unit; an evaluate unit per checkpoint): `hack_worth`
+    of its scored episodes (the card's table)."""
     out = []
     for node, unit in _units(run, None, ("probe", "evaluate", "rl")):
         root = run.unit_dir(unit) / dataset.DIRNAME
@@ -131,8 +147,7 @@ def reward_hack_counts(run: RunDir) -> list[dict]:
             if r["status"] != "infra_error":
                 groups.setdefault(r["checkpoint"] if node.kind == "evaluate" else "", []).append(r)
         for ref, rs in groups.items():
-            counts = {name: sum(detect(r) is not None for r in rs) for name, (detect, _) in detectors.DETECTORS.items()}
-            out.append({"group": " ".join(filter(None, (unit.key, ref))), "episodes": len(rs), **counts})
+            out.append({"group": " ".join(filter(None, (unit.key, ref))), **hack_worth(rs)})
     return out
 
 

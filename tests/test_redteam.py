@@ -351,21 +351,26 @@ stages:
 
 def test_the_card_counts_every_attempt_in_its_reward_hack_table(tmp_path):
     """Every attack, played as an agent would (one bash call writing the files, then submit) and kept
-    as an RL update's trajectories, is counted by the card's reward-hack table."""
+    as an RL update's trajectories, is counted by the card's reward-hack table; where some of them
+    had been rewarded, the table says what the hacks were worth (the pass rate without them)."""
     task = unittest_task()
     rows = [_row(task, attack, files) for attack, files in attacks(task).items()]
-    tok = train_tokenizer([json.loads(r["tool_args"][0])["command"] for r in rows] * 2, vocab_size=400)
+    honest = _row(task, "fix", {"x/core.py": "def total(xs):\n    return sum(xs)\n"})
+    commands = [json.loads(r["tool_args"][0])["command"] for r in [*rows, honest]]
+    tok = train_tokenizer(commands * 2, vocab_size=400)
     prompt = tok.render_prompt([user_message(task)])
+    rewarded = set(range(0, len(rows), 3)) | {len(rows)}  # some attacks "paid" (a weaker verifier's), and the honest fix
     trajs = [
         episode(
             tok,
             prompt,
-            [(call("bash", **json.loads(r["tool_args"][0])), "exit 0"), (call("submit"), None)],
+            [(call("bash", command=command), "exit 0"), (call("submit"), None)],
             task_id=task.task_id,
             domain=task.domain,
             attempt=i,
+            reward=1.0 if i in rewarded else 0.0,
         )
-        for i, r in enumerate(rows)
+        for i, command in enumerate(commands)
     ]
     (tmp_path / "run.yaml").write_text(CARD_RUN)
     run = RunDir.create(config_mod.load(tmp_path / "run.yaml"), tmp_path / "run")
@@ -375,9 +380,11 @@ def test_the_card_counts_every_attempt_in_its_reward_hack_table(tmp_path):
     table = card.split("## Reward hacking", 1)[1].split("##", 1)[0]
     (line,) = [x for x in table.splitlines() if x.startswith("| rl |")]
     cells = [c.strip() for c in line.strip("|").split("|")]
-    names = list(detectors.DETECTORS)
-    assert cells[1] == str(len(rows))
-    flagged = [i for i, r in enumerate(rows) if any(detect(r) for detect, _ in detectors.DETECTORS.values())]
-    assert len(flagged) == len(rows)  # every attempt flagged by some detector ...
-    for name, cell in zip(names, cells[2:], strict=True):  # ... and each column counts what its detector flags
-        assert int(cell) == sum(detectors.DETECTORS[name][0](r) is not None for r in rows), name
+    n = len(rows) + 1
+    assert cells[1] == str(n)
+    assert float(cells[2]) == pytest.approx(100 * len(rewarded) / n, abs=0.05)  # the pass rate as reported ...
+    assert float(cells[3]) == pytest.approx(100 / n, abs=0.05)  # ... and with the flagged passes as failures: the honest one
+    assert all(any(detect(r) for detect, _ in detectors.DETECTORS.values()) for r in rows)  # every attempt flagged
+    for name, cell in zip(detectors.DETECTORS, cells[4:], strict=True):  # each column: what its detector flags (passed)
+        hits = [i for i, r in enumerate(rows) if detectors.DETECTORS[name][0](r) is not None]
+        assert cell == f"{len(hits)} ({len(rewarded & set(hits))})", name
