@@ -12,25 +12,30 @@ in the same process as the code under test, so it trusts nothing that code can r
     repository runs; the report is valid only with that nonce, and it is written with functions
     bound before the repository ran (`os.open(O_EXCL)`, then `os._exit`: no atexit handler or
     finalizer of the code under test runs after it);
-  * a start line with the nonce on stderr, written before any repository code runs (the code cannot
-    take back what the parent has read), tells a harness that never started (infrastructure) from a
-    process the code under test ended or emptied (the model's failure);
+  * a start line with a second secret on stderr, written and read by the parent (it waits until
+    the pipe is empty) before any repository code runs, so that code can neither take it back nor
+    learn the nonce from it, tells a harness that never started (infrastructure) from a process the
+    code under test ended or emptied (the model's failure);
   * the runner's own classes and functions (unittest.TestCase, TestResult, pytest's runner,
     reports and hooks, builtins) are recorded by identity before the tests and checked after every
     test and at the end: a replaced assertion, result or report function is reported as tampering;
   * every outcome is recorded per test id; skipped, expected-failure and unexpected-success
     outcomes are not passes, and a test the report does not name did not pass.
 
-Arguments: --harness pytest|unittest, --dir DIR (holds `nonce`, gets `report.json`), --root REPO,
-then the test ids.
+Arguments: --harness pytest|unittest, --dir DIR (holds `nonce`: the report's nonce and the start
+line's token; gets `report.json`), --root REPO, then the test ids.
 """
 
 import argparse
 import builtins
+import fcntl
 import importlib
 import json
 import os
+import struct
 import sys
+import termios
+import time
 import unittest
 import unittest.case
 import unittest.loader
@@ -42,6 +47,22 @@ _open, _write, _close, _exit, _dumps = os.open, os.write, os.close, os._exit, js
 _vars, _sorted, _set, _len, _modules = vars, sorted, set, len, sys.modules
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 STARTED = "snowcat-observer-started"
+
+
+def _tell(line: str) -> None:
+    """Write `line` to stderr and wait (10 s at most) until the parent has read it: while no code of
+    the repository runs, nothing but the parent can take it out of the pipe (opening
+    /proc/self/fd/2 for reading gives a pipe's read end)."""
+    _write(2, line.encode())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            unread = struct.unpack("i", fcntl.ioctl(2, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:  # not a pipe: a file or terminal keeps what was written
+            return
+        if unread == 0:
+            return
+        time.sleep(0.001)
 
 
 def _emit(path: str, record: dict) -> bool:
@@ -200,7 +221,7 @@ def main() -> None:
     a.dir, a.root = os.path.abspath(a.dir), os.path.abspath(a.root)
     nonce_file = os.path.join(a.dir, "nonce")
     with open(nonce_file) as f:
-        nonce = f.read().strip()
+        nonce, start = f.read().split()  # the report's, and the start line's (told on stderr)
     os.unlink(nonce_file)
     record = {"nonce": nonce, "harness": a.harness}
     results: dict[str, str] = {}
@@ -211,9 +232,9 @@ def main() -> None:
     except BaseException as e:  # noqa: BLE001
         _emit(os.path.join(a.dir, "report.json"), {**record, "harness_error": f"cannot import the {a.harness} runner: {e!r}"})
         _exit(3)
-    # Told on stderr, which the verifier has read before any code of the repository runs: that
-    # code can neither take it back nor, without the nonce, write it.
-    _write(2, f"\n{STARTED} {nonce}\n".encode())
+    # Told on stderr and read by the verifier before any code of the repository runs: that code
+    # can neither take it back nor write it (the start token), and learns nothing of the nonce.
+    _tell(f"\n{STARTED} {start}\n")
     os.chdir(a.root)
     sys.path.insert(0, a.root)  # as `python -m pytest|unittest` run from the repository root would
     code = None

@@ -471,7 +471,8 @@ def verify_patch(
             command = spec.command(tests)
         else:  # a directory made for this one verification, named by a second secret
             box = f".snowcat-verify-{secrets.token_hex(8)}"
-            files |= {f"{box}/observer.py": OBSERVER.read_bytes(), f"{box}/nonce": nonce}
+            start = secrets.token_hex(16)  # what the start line says: not the report's nonce
+            files |= {f"{box}/observer.py": OBSERVER.read_bytes(), f"{box}/nonce": f"{nonce}\n{start}\n"}
             # paths relative to the work dir, where every sandbox starts the command
             command = shlex.join([python, "-I", f"{box}/observer.py", "--harness", harness, "--dir", box, "--root", ".", *tests])
         r = sb.run(setup + _shell(spec.env_setup, command), files=files, timeout_s=spec.timeout_s)
@@ -489,7 +490,7 @@ def verify_patch(
         report = _read_record(root / box / "report.json", nonce)
     if report and "harness_error" in report:
         raise VerifierError(f"test harness: {report['harness_error']}")
-    if f"{OBSERVER_STARTED} {nonce}" not in r.stderr:
+    if f"{OBSERVER_STARTED} {start}" not in r.stderr:
         tail = (r.stderr or r.stdout or r.detail).strip()[-300:]
         raise VerifierError(f"the {harness} harness did not start ({python}, {r.status}, exit {r.exit_code}): {tail}")
     if r.status == "timeout":
