@@ -537,12 +537,15 @@ def _changed(root: Path, guarded: list[str], base: dict[str, bytes]) -> list[str
 
 
 # test.sh, then a look at what is left: whatever test.sh leaves running could rewrite the reward
-# file after it, so any process of the sandbox's PID namespace but pid 1, this shell and its
-# ancestors (zombies aside) fails the verification (the survivors line, with the nonce); they die
-# with the namespace. Nothing is killed from here: where there were no PID namespace, the look would
-# see the host's processes and fail safe. Builtins only, so the look sees no process of its own.
+# file after it, so only when no process of the sandbox's PID namespace is left but pid 1, this
+# shell and its ancestors (zombies aside) does the shell say "clean" with a nonce, which it read and
+# deleted before test.sh ran (not in its argv or environment, which the code under test can read).
+# Without that line the verification fails: a survivor cannot forge it, and one that swallows the
+# output only hides it. Survivors die with the namespace. Nothing is killed from here: where there
+# were no PID namespace, the look would see the host's processes and fail safe. Builtins only (and
+# rm before test.sh), so the look sees no process of its own.
 _HARBOR_RUN = r"""
-nonce=$1
+read -r nonce < .snowcat-harbor-nonce && rm -f .snowcat-harbor-nonce || exit 0
 bash /tests/test.sh
 field() { local k v; REPLY=; while read -r k v; do [ "$k" = "$2" ] && REPLY=$v && return; done < "/proc/$1/status"; }
 keep=" 1 $$ " p=$$
@@ -552,9 +555,9 @@ for d in /proc/[0-9]*; do
   case "$keep" in *" $pid "*) continue ;; esac
   field "$pid" State: 2>/dev/null || continue
   case "$REPLY" in Z*|X*|"") continue ;; esac
-  echo "snowcat-survivors $nonce"
-  break
+  exit 0
 done
+echo "snowcat-clean $nonce"
 exit 0
 """
 
@@ -580,15 +583,21 @@ def _run_harbor(sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict[s
         named = "\n".join(p.read_text(errors="replace") for p in suite.rglob("*") if p.is_file())
         binds = (Bind(str(suite), "/tests"), Bind(str(logs), "/logs/verifier", writable=True))
         nonce = secrets.token_hex(8)
-        r = sb.run(["bash", "-c", _HARBOR_RUN, "harbor", nonce], timeout_s=spec.timeout_s, binds=binds)
+        r = sb.run(
+            ["bash", "-c", _HARBOR_RUN], files={".snowcat-harbor-nonce": nonce + "\n"}, timeout_s=spec.timeout_s, binds=binds
+        )
         if r.status == "infra_error":
             raise VerifierError(f"sandbox: {r.detail}")
         if r.status == "timeout":
             return 0.0, False, _TIMEOUT.format(spec.timeout_s)
         if r.status == "limit":
             return 0.0, False, f"tests stopped at a limit ({r.detail})"
-        if f"snowcat-survivors {nonce}" in r.stdout:
-            return 0.0, False, "processes were left running when tests/test.sh ended (they could rewrite its reward)"
+        if f"snowcat-clean {nonce}" not in r.stdout:
+            return (
+                0.0,
+                False,
+                "processes were left running when tests/test.sh ended, or its end was not seen (they could rewrite its reward)",
+            )
         if changed := _changed(root, guarded, base):
             return 0.0, False, f"test files changed while the tests ran: {', '.join(changed[:3])}"
         if any((logs / name).exists() and not (logs / name).stat().st_mode & 0o200 for name in ("reward.txt", "reward.json")):
