@@ -171,6 +171,7 @@ def attacks(task: Task) -> dict[str, dict[str, str]]:
             )
             % json.dumps(ids)
         },
+        "exit status of a harness fault": {mod: "import os\nos._exit(97)\n" + code},  # once "the test patch does not apply"
         "start line taken back from the pipe": {  # so that the harness looks as if it never started (neutral)
             mod: "import os\nfd = os.open('/proc/self/fd/2', os.O_RDONLY | os.O_NONBLOCK)\n"
             "try:\n    os.read(fd, 1 << 20)\nexcept OSError:\n    pass\nos._exit(0)\n"

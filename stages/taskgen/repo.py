@@ -460,12 +460,19 @@ def verify_patch(
             raise VerifierError(f"restoring test files: {e}") from e
         if harness == "harbor":
             return _run_harbor(sb, spec, root, guarded, base)
-        setup, files = "", {}
-        if spec.test_patch:
-            setup = "git apply --whitespace=nowarn .snowcat-test.patch && rm .snowcat-test.patch || exit 97; "
-            files[".snowcat-test.patch"] = spec.test_patch
+        if spec.test_patch:  # a call of its own: no exit status of the tests can pass for its failure
+            r = sb.run(
+                "git apply --whitespace=nowarn .snowcat-test.patch; rc=$?; rm -f .snowcat-test.patch; exit $rc",
+                files={".snowcat-test.patch": spec.test_patch},
+                timeout_s=spec.timeout_s,
+            )
+            if r.status == "infra_error":
+                raise VerifierError(f"sandbox: {r.detail}")
+            if r.status != "ok" or r.exit_code != 0:
+                raise VerifierError(f"the task's test patch does not apply: {(r.stderr or r.detail).strip()[:300]}")
         if harness == "swebench":
-            return _run_swebench(sb, spec, root, guarded, base, setup, files, patch)
+            return _run_swebench(sb, spec, root, guarded, base, patch)
+        files = {}
         nonce = secrets.token_hex(16)
         if harness == "script":
             command = spec.command(tests)
@@ -475,11 +482,9 @@ def verify_patch(
             files |= {f"{box}/observer.py": OBSERVER.read_bytes(), f"{box}/nonce": f"{nonce}\n{start}\n"}
             # paths relative to the work dir, where every sandbox starts the command
             command = shlex.join([python, "-I", f"{box}/observer.py", "--harness", harness, "--dir", box, "--root", ".", *tests])
-        r = sb.run(setup + _shell(spec.env_setup, command), files=files, timeout_s=spec.timeout_s)
+        r = sb.run(_shell(spec.env_setup, command), files=files, timeout_s=spec.timeout_s)
         if r.status == "infra_error":
             raise VerifierError(f"sandbox: {r.detail}")
-        if spec.test_patch and r.exit_code == 97:
-            raise VerifierError(f"the task's test patch does not apply: {r.stderr.strip()[:300]}")
         changed = _changed(root, guarded, _with_test_patch(spec, base))
         if harness == "script":
             return (
@@ -612,9 +617,7 @@ def _shell(env_setup: str, command: str) -> str:
     return f"{env_setup}\n{command}" if env_setup.strip() else command
 
 
-def _run_swebench(
-    sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict[str, bytes], setup: str, files: dict, patch: str
-):
+def _run_swebench(sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict[str, bytes], patch: str):
     """SWE-bench's official test command, its output (stdout and stderr as one stream, between
     SWE-bench's markers) graded by SWE-bench's parser for the repository and its rules (every
     FAIL_TO_PASS passes, every PASS_TO_PASS still passes). The log is the code under test's to
@@ -631,11 +634,9 @@ def _run_swebench(
     program = words[0] if words else ""
     chmod = f"chmod +x {shlex.quote(program)} 2>/dev/null; " if "/" in program and not program.startswith("/") else ""
     body = f"echo {shlex.quote(start)}; {chmod}{spec.test_command}; echo {shlex.quote(end)}"
-    r = sb.run(setup + _shell(spec.env_setup, "{ " + body + "; } 2>&1"), files=files, timeout_s=spec.timeout_s)
+    r = sb.run(_shell(spec.env_setup, "{ " + body + "; } 2>&1"), timeout_s=spec.timeout_s)
     if r.status == "infra_error":
         raise VerifierError(f"sandbox: {r.detail}")
-    if spec.test_patch and r.exit_code == 97:
-        raise VerifierError(f"the task's test patch does not apply: {(r.stdout + r.stderr).strip()[-300:]}")
     if r.status == "timeout":
         return 0.0, False, _TIMEOUT.format(spec.timeout_s)
     if r.status == "limit":
