@@ -21,8 +21,8 @@ from snowcat.pipeline.rundir import RunDir
 from snowcat.stages.agent import detectors
 from snowcat.stages.agent.dataset import TrajectoryWriter
 from snowcat.stages.agent.repo_env import user_message
-from snowcat.stages.taskgen import Task, generate_domain, verify
-from snowcat.stages.taskgen.repo import RepoSpec, make_patch, snapshot_files
+from snowcat.stages.taskgen import Task, VerifierError, generate_domain, verify
+from snowcat.stages.taskgen.repo import RepoSpec, make_patch, snapshot_files, verify_patch
 from snowcat.stages.tokenizer import train_tokenizer
 
 pytestmark = pytest.mark.skipif(
@@ -393,3 +393,25 @@ def test_the_card_counts_every_attempt_in_its_reward_hack_table(tmp_path):
     for name, cell in zip(detectors.DETECTORS, cells[4:], strict=True):  # each column: what its detector flags (passed)
         hits = [i for i, r in enumerate(rows) if detectors.DETECTORS[name][0](r) is not None]
         assert cell == f"{len(hits)} ({len(rewarded & set(hits))})", name
+
+
+def test_a_sandbox_failure_faked_after_the_observer_started_is_the_models(tmp_path, monkeypatch):
+    """Under Apptainer, "FATAL:" and exit 255 mean the image did not start (infra). Printed by the code
+    under test after the observer said it started, they are the model's failure, not a neutral
+    episode. Apptainer cannot run here: tests/fake_apptainer is a TEST DOUBLE (it runs the command
+    on the host, in the bound work dir)."""
+    monkeypatch.setenv("PATH", f"{os.path.dirname(__file__)}/fake_apptainer{os.pathsep}{os.environ['PATH']}")
+    image = tmp_path / "sandbox.sif"
+    image.write_text("FAKE-SIF {}\n")
+    task = unittest_task()
+    mod = _module(task)
+    code = task.meta["repo"]["source"]["files"][mod]
+    fake = _patch(
+        task, {mod: "import os, sys\nsys.stderr.write('FATAL:   container creation failed\\n')\nos._exit(255)\n" + code}
+    )
+    assert verify_patch(task, task.answer, image=str(image))[0] == 1.0  # the gold, through the double
+    reward, passed, detail = verify_patch(task, fake, image=str(image))
+    assert (reward, passed) == (0.0, False), detail
+    image.unlink()  # the image really gone: the machinery's failure, raised
+    with pytest.raises(VerifierError, match="sandbox"):
+        verify_patch(task, task.answer, image=str(image))
