@@ -268,10 +268,7 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(record, indent=2, default=str))
         return 0
-    table = Table(title=Text(f"{record['run_id']}  ({record['executor']})"))
-    for col in ("stage", "kind", "status", "tries", "job", "time"):
-        table.add_column(col, no_wrap=True)
-    table.add_column("metrics", overflow="fold")
+    rows = []
     for name, s in record["stages"].items():
         dur = s["metrics"].get("duration_s")
         extra = (s.get("slurm") or {}) if s["status"] != "done" else {}  # scheduler info matters while unfinished
@@ -285,15 +282,26 @@ def cmd_status(args) -> int:
             summary.append(f" {note}" if summary else note, style="dim")
         for alarm in s["alarms"]:
             summary.append(f"\nALARM {alarm}", style="bold red")
-        table.add_row(
-            Text(name),
-            Text(s["kind"]),
-            styled(s["status"]),
-            Text(str(s["attempts"])),
-            Text(str((s["job_ids"] or ["-"])[-1])),
-            Text(f"{dur:.0f}s" if dur else "-"),
-            summary,
+        rows.append(
+            [
+                Text(name),
+                Text(s["kind"]),
+                styled(s["status"]),
+                Text(str(s["attempts"])),
+                Text(str((s["job_ids"] or ["-"])[-1])),
+                Text(f"{dur:.0f}s" if dur else "-"),
+                summary,
+            ]
         )
+    # One line per stage in any width (80 columns, a non-TTY log): the named columns keep their
+    # width, the metrics take the rest and a value too long ends in "…" (`--json` has it whole);
+    # alarms keep lines of their own.
+    table = Table(title=Text(f"{record['run_id']}  ({record['executor']})"), expand=True)
+    for i, col in enumerate(("stage", "kind", "status", "tries", "job", "time")):
+        table.add_column(col, no_wrap=True, min_width=min(24, max([len(col), *(r[i].cell_len for r in rows)])))
+    table.add_column("metrics", no_wrap=True, overflow="ellipsis", ratio=1)
+    for row in rows:
+        table.add_row(*row)
     out.print(table)
     return 0
 

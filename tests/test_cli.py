@@ -1,6 +1,7 @@
 """The CLI end to end on the local executor: run, status, idempotent re-runs, errors, kill + resume."""
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -56,6 +57,26 @@ def test_run_then_status_then_idempotent_rerun(snowcat, small, tmp_path):
     again = snowcat("run", small, "--run-dir", run_dir)
     assert again.returncode == 0 and "all 2 stages done" in again.stderr
     assert snowcat.status(run_dir)["stages"]["tasks"]["attempts"] == 1  # nothing re-ran
+
+
+@pytest.mark.slow
+def test_status_is_one_line_per_stage_in_80_columns_and_in_a_log(snowcat, small, tmp_path):
+    """An 80-column terminal and a non-TTY log (rich's 80 columns) get one line per stage, no
+    line past 80 characters, the named columns whole and metrics too long ending in "…"."""
+    run_dir = tmp_path / "run"
+    snowcat("run", small, "--run-dir", run_dir, check=True)
+    stages = snowcat.status(run_dir)["stages"]
+    logged = snowcat("status", run_dir, env={"COLUMNS": "80"}, check=True).stdout
+    code, screen = snowcat.terminal("status", run_dir, columns=80)
+    assert code == 0
+    for text in (logged, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)):  # the terminal's colours aside
+        lines = text.rstrip("\n").splitlines()
+        assert max(len(line.rstrip("\r")) for line in lines) <= 80, text
+        rows = [line for line in lines if line.startswith("│")]
+        assert [r.split("│")[1].strip() for r in rows] == list(stages), text  # one row each, names whole
+        assert any(r.rstrip().rstrip("│").rstrip().endswith("…") for r in rows), text  # the tasks metrics do not fit
+    wide = snowcat("status", run_dir, env={"COLUMNS": "250"}, check=True).stdout
+    assert "…" not in wide and "val=60" in wide
 
 
 @pytest.mark.slow
