@@ -427,19 +427,11 @@ def verify_patch(
         root = sb.workdir
         write_files(root, base)
         if patch.strip():
-            r = sb.run(
-                "git apply --whitespace=nowarn .snowcat-agent.patch; rc=$?; rm -f .snowcat-agent.patch; exit $rc",
-                files={".snowcat-agent.patch": patch},
-                timeout_s=spec.timeout_s,
-            )
-            if r.status == "infra_error":
-                raise VerifierError(f"sandbox: {r.detail}")
+            r = _apply(sb, ".snowcat-agent.patch", patch, spec.timeout_s)
             if r.status != "ok" or r.exit_code != 0:
                 return 0.0, False, f"patch does not apply: {(r.stderr or r.detail).strip()[:300]}"
         if solution.strip():
-            r = sb.run(["bash", ".snowcat-solution.sh"], files={".snowcat-solution.sh": solution}, timeout_s=spec.timeout_s)
-            if r.status == "infra_error":
-                raise VerifierError(f"sandbox: {r.detail}")
+            r = _run(sb, ["bash", ".snowcat-solution.sh"], spec.timeout_s, files={".snowcat-solution.sh": solution})
             if r.status != "ok" or r.exit_code != 0:
                 return (
                     0.0,
@@ -448,9 +440,7 @@ def verify_patch(
                 )
             (root / ".snowcat-solution.sh").unlink(missing_ok=True)
         if spec.install.strip():  # as SWE-bench's eval script (no -e): a failing install is not the verdict
-            r = sb.run(_shell(spec.env_setup, spec.install), timeout_s=spec.timeout_s)
-            if r.status == "infra_error":
-                raise VerifierError(f"sandbox: {r.detail}")
+            r = _run(sb, _shell(spec.env_setup, spec.install), spec.timeout_s)
             if r.status == "timeout":
                 return 0.0, False, f"the install ran past the time limit ({spec.timeout_s:g}s)"
         guarded = guarded_paths(spec, base, _tree(root))
@@ -461,13 +451,7 @@ def verify_patch(
         if harness == "harbor":
             return _run_harbor(sb, spec, root, guarded, base)
         if spec.test_patch:  # a call of its own: no exit status of the tests can pass for its failure
-            r = sb.run(
-                "git apply --whitespace=nowarn .snowcat-test.patch; rc=$?; rm -f .snowcat-test.patch; exit $rc",
-                files={".snowcat-test.patch": spec.test_patch},
-                timeout_s=spec.timeout_s,
-            )
-            if r.status == "infra_error":
-                raise VerifierError(f"sandbox: {r.detail}")
+            r = _apply(sb, ".snowcat-test.patch", spec.test_patch, spec.timeout_s)
             if r.status != "ok" or r.exit_code != 0:
                 raise VerifierError(f"the task's test patch does not apply: {(r.stderr or r.detail).strip()[:300]}")
         if harness == "swebench":
@@ -499,10 +483,10 @@ def verify_patch(
     if f"{OBSERVER_STARTED} {start}" not in r.stderr:
         tail = (r.stderr or r.stdout or r.detail).strip()[-300:]
         raise VerifierError(f"the {harness} harness did not start ({python}, {r.status}, exit {r.exit_code}): {tail}")
-    if r.status == "timeout":
-        return 0.0, False, _TIMEOUT.format(spec.timeout_s)
-    if r.status in ("limit", "infra_error"):
-        return 0.0, False, f"tests stopped at a limit ({r.detail})" if r.status == "limit" else f"tests ended as {r.detail}"
+    if stopped := _stopped(r, spec.timeout_s):
+        return stopped
+    if r.status == "infra_error":  # after the observer started: the code under test's doing
+        return 0.0, False, f"tests ended as {r.detail}"
     if report is None:
         return 0.0, False, f"no test report: the tests' process ended before the observer finished (exit {r.exit_code})"
     if changed:
@@ -589,15 +573,9 @@ def _run_harbor(sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict[s
         named = "\n".join(p.read_text(errors="replace") for p in suite.rglob("*") if p.is_file())
         binds = (Bind(str(suite), "/tests"), Bind(str(logs), "/logs/verifier", writable=True))
         nonce = secrets.token_hex(8)
-        r = sb.run(
-            ["bash", "-c", _HARBOR_RUN], files={".snowcat-harbor-nonce": nonce + "\n"}, timeout_s=spec.timeout_s, binds=binds
-        )
-        if r.status == "infra_error":
-            raise VerifierError(f"sandbox: {r.detail}")
-        if r.status == "timeout":
-            return 0.0, False, _TIMEOUT.format(spec.timeout_s)
-        if r.status == "limit":
-            return 0.0, False, f"tests stopped at a limit ({r.detail})"
+        r = _run(sb, ["bash", "-c", _HARBOR_RUN], spec.timeout_s, files={".snowcat-harbor-nonce": nonce + "\n"}, binds=binds)
+        if stopped := _stopped(r, spec.timeout_s):
+            return stopped
         if f"snowcat-clean {nonce}" not in r.stdout:
             return (
                 0.0,
@@ -611,6 +589,28 @@ def _run_harbor(sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict[s
         return harbor_reward(logs, named)
     finally:
         shutil.rmtree(host, ignore_errors=True)
+
+
+def _run(sb, cmd, timeout_s: float, **kwargs):
+    """One sandbox call of a verification; the sandbox failing is the machinery's (VerifierError)."""
+    r = sb.run(cmd, timeout_s=timeout_s, **kwargs)
+    if r.status == "infra_error":
+        raise VerifierError(f"sandbox: {r.detail}")
+    return r
+
+
+def _apply(sb, name: str, patch: str, timeout_s: float):
+    """`git apply` of `patch` in the work dir, written to `name` and removed after; the call's result."""
+    return _run(sb, f"git apply --whitespace=nowarn {name}; rc=$?; rm -f {name}; exit $rc", timeout_s, files={name: patch})
+
+
+def _stopped(r, timeout_s: float) -> tuple[float, bool, str] | None:
+    """The verdict of tests a limit stopped (the time limit, or another), None for a run that ended."""
+    if r.status == "timeout":
+        return 0.0, False, _TIMEOUT.format(timeout_s)
+    if r.status == "limit":
+        return 0.0, False, f"tests stopped at a limit ({r.detail})"
+    return None
 
 
 def _shell(env_setup: str, command: str) -> str:
@@ -635,13 +635,9 @@ def _run_swebench(sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict
     program = words[0] if words else ""
     chmod = f"chmod +x {shlex.quote(program)} 2>/dev/null; " if "/" in program and not program.startswith("/") else ""
     body = f"echo {shlex.quote(start)}; {chmod}{spec.test_command}; echo {shlex.quote(end)}"
-    r = sb.run(_shell(spec.env_setup, "{ " + body + "; } 2>&1"), timeout_s=spec.timeout_s)
-    if r.status == "infra_error":
-        raise VerifierError(f"sandbox: {r.detail}")
-    if r.status == "timeout":
-        return 0.0, False, _TIMEOUT.format(spec.timeout_s)
-    if r.status == "limit":
-        return 0.0, False, f"tests stopped at a limit ({r.detail})"
+    r = _run(sb, _shell(spec.env_setup, "{ " + body + "; } 2>&1"), spec.timeout_s)
+    if stopped := _stopped(r, spec.timeout_s):
+        return stopped
     if changed := _changed(root, guarded, _with_test_patch(spec, base)):
         return 0.0, False, f"test files changed while the tests ran: {', '.join(changed[:3])}"
     try:
@@ -663,10 +659,8 @@ def _run_swebench(sb, spec: RepoSpec, root: Path, guarded: list[str], base: dict
 
 
 def _judge_script(r, timeout_s: float) -> tuple[float, bool, str]:
-    if r.status == "timeout":
-        return 0.0, False, _TIMEOUT.format(timeout_s)
-    if r.status == "limit":
-        return 0.0, False, f"tests stopped at a limit ({r.detail})"
+    if stopped := _stopped(r, timeout_s):
+        return stopped
     if r.exit_code == 0:
         return 1.0, True, "the test script exits 0"
     return 0.0, False, f"the test script exits {r.exit_code}: {(r.stdout + r.stderr).strip()[-200:]}"
