@@ -24,6 +24,10 @@ needs_root = pytest.mark.skipif(
 )
 
 
+# everything the sandbox's own /etc holds (stages/sandbox.py, _INIT)
+SANDBOX_ETC = {"alternatives", "group", "hostname", "hosts", "ld.so.cache", "nsswitch.conf", "passwd", "resolv.conf"}
+
+
 def _mounted(path) -> bool:
     return any(line.split()[4] == str(path) for line in Path("/proc/self/mountinfo").read_text().splitlines())
 
@@ -148,16 +152,7 @@ def test_the_sandbox_has_its_own_minimal_etc(small):
     )
     out = r.stdout.splitlines()
     listing = out[: out.index("root")]
-    assert set(listing) <= {
-        "alternatives",
-        "group",
-        "hostname",
-        "hosts",
-        "ld.so.cache",
-        "nsswitch.conf",
-        "passwd",
-        "resolv.conf",
-    }, r
+    assert set(listing) <= SANDBOX_ETC, r
     assert out[len(listing) : len(listing) + 2] == ["root", "nobody"] and "daemon" not in out, r
     assert host_users - {"root", "nobody"}, "the host has other users to hide"
     assert out[len(listing) + 2 :] == ["sandbox", "sandbox", "/usr/bin/awk"], r  # hostname file and uname
@@ -300,16 +295,7 @@ def test_as_an_ordinary_user():
     status, stdout, stderr = out["etc"]
     lines = stdout.split()
     assert status == "ok" and lines[0] == "0" and lines[-3:] == ["root", "nobody", "nobody"], out["etc"]
-    assert set(lines[1:-3]) <= {
-        "alternatives",
-        "group",
-        "hostname",
-        "hosts",
-        "ld.so.cache",
-        "nsswitch.conf",
-        "passwd",
-        "resolv.conf",
-    }
+    assert set(lines[1:-3]) <= SANDBOX_ETC
     # pid 1's argv and environment and the command's own name no host path; mountinfo's root field of
     # /workspace does (a bind mount shows its source's path within its filesystem): only there
     status, stdout, stderr = out["leaks"]

@@ -72,6 +72,15 @@ def feed_all(run: RunDir) -> None:
     tracking.after_unit(run, dag["sft"], Unit("sft"), config.typed(cfg), log=lambda line: None)
 
 
+def fed_in_two_jobs(run: RunDir) -> list[dict]:
+    """Steps 0-2, fed as a job preempted after them would, then 3-5 by its continuation; the rows."""
+    rows = record_steps(run, range(0, 3), done=False)
+    feed_all(run)
+    rows += record_steps(run, range(3, 6), done=True)
+    feed_all(run)
+    return rows
+
+
 # --- W&B offline ------------------------------------------------------------------------------
 
 
@@ -173,10 +182,7 @@ def test_snowcat_sync_calls_wandb_sync_once_per_offline_run_and_records_it(tmp_p
 
 def test_tensorboard_event_files_hold_the_recorded_history(tmp_path):
     run = make_run(tmp_path, "tensorboard")
-    rows = record_steps(run, range(0, 3), done=False)
-    feed_all(run)
-    rows += record_steps(run, range(3, 6), done=True)
-    feed_all(run)
+    rows = fed_in_two_jobs(run)
     logdir = run.path / "tracking" / "tensorboard" / "sft"
     assert len(list(logdir.glob("events.out.tfevents.*"))) == 2  # one per feed, the same directory
     acc = EventAccumulator(str(logdir))
@@ -195,34 +201,28 @@ def test_tensorboard_event_files_hold_the_recorded_history(tmp_path):
 # --- MLflow -----------------------------------------------------------------------------------
 
 
-def test_mlflow_file_store_holds_the_metrics_and_a_continuation_appends_to_the_same_run(tmp_path):
+def test_mlflow_file_store_holds_the_metrics_and_a_continuation_appends_to_the_same_run(tmp_path, monkeypatch):
     run = make_run(tmp_path, "mlflow")
-    rows = record_steps(run, range(0, 3), done=False)
-    feed_all(run)
-    rows += record_steps(run, range(3, 6), done=True)
-    feed_all(run)
+    rows = fed_in_two_jobs(run)
     store = run.path / "tracking" / "mlruns"
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
-    try:
-        client = MlflowClient(tracking_uri=store.as_uri())
-        experiment = client.get_experiment_by_name(run.run_id)
-        (found,) = client.search_runs([experiment.experiment_id])
-        rid = found.info.run_id
-        assert found.info.run_name == "sft" and found.info.status == "FINISHED"
-        assert found.data.tags["snowcat.unit_id"] == tracking.wandb_id(run.run_id, "sft")
-        assert (
-            found.data.tags["snowcat.manifest_sha256"]
-            == json.loads((run.unit_dir(Unit("sft")) / "DONE").read_text())["manifest_sha256"]
-        )
-        assert found.data.params["config.model"] == "test-micro" and found.data.params["seed"] == "3"
-        for tag in ("loss", "lr", "tok/s"):
-            got = sorted((m.step, m.value) for m in client.get_metric_history(rid, tag))
-            assert got == [(r["step"], pytest.approx(r[tag])) for r in rows]
-        assert client.get_metric_history(rid, "final/val_greedy_pass_at_1/closure")[0].value == 0.25
-        artefacts = json.loads((store / experiment.experiment_id / rid / "artifacts/snowcat/artefacts.json").read_text())
-        assert set(artefacts["files"]) == {"weights.bin", "metrics.json", "metrics_history.jsonl"}
-    finally:
-        del os.environ["MLFLOW_ALLOW_FILE_STORE"]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only with it
+    client = MlflowClient(tracking_uri=store.as_uri())
+    experiment = client.get_experiment_by_name(run.run_id)
+    (found,) = client.search_runs([experiment.experiment_id])
+    rid = found.info.run_id
+    assert found.info.run_name == "sft" and found.info.status == "FINISHED"
+    assert found.data.tags["snowcat.unit_id"] == tracking.wandb_id(run.run_id, "sft")
+    assert (
+        found.data.tags["snowcat.manifest_sha256"]
+        == json.loads((run.unit_dir(Unit("sft")) / "DONE").read_text())["manifest_sha256"]
+    )
+    assert found.data.params["config.model"] == "test-micro" and found.data.params["seed"] == "3"
+    for tag in ("loss", "lr", "tok/s"):
+        got = sorted((m.step, m.value) for m in client.get_metric_history(rid, tag))
+        assert got == [(r["step"], pytest.approx(r[tag])) for r in rows]
+    assert client.get_metric_history(rid, "final/val_greedy_pass_at_1/closure")[0].value == 0.25
+    artefacts = json.loads((store / experiment.experiment_id / rid / "artifacts/snowcat/artefacts.json").read_text())
+    assert set(artefacts["files"]) == {"weights.bin", "metrics.json", "metrics_history.jsonl"}
 
 
 # --- the runner and the CLI -----------------------------------------------------------------------
