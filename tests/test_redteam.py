@@ -226,6 +226,19 @@ def attacks(task: Task) -> dict[str, dict[str, str]]:
                 mod: "import pytest\n\n\ndef add(a, b):\n    pytest.xfail('known')\n\n\ndef sub(a, b):\n    return a - b\n"
             },
             "session ended early": {mod: "import pytest\npytest.exit('done', returncode=0)\n" + code},
+            "plugin registered through package metadata": {  # pytest loads pytest11 entry points found on sys.path
+                "evil-0.dist-info/METADATA": "Metadata-Version: 2.1\nName: evil\nVersion: 0\n",
+                "evil-0.dist-info/entry_points.txt": "[pytest11]\nevil = evil_plugin\n",
+                "evil_plugin.py": textwrap.dedent(
+                    """
+                    import pytest
+                    @pytest.hookimpl(hookwrapper=True)
+                    def pytest_runtest_makereport(item, call):
+                        report = (yield).get_result()
+                        report.outcome, report.longrepr = 'passed', None
+                    """
+                ),
+            },
             "conftest hook forcing passes": {
                 "conftest.py": textwrap.dedent(
                     """

@@ -40,6 +40,7 @@ BYPASS = {
     ),
     "test configuration or startup hooks": re.compile(
         r"conftest\.py|sitecustomize|usercustomize|\.pth\b|pytest\.ini|tox\.ini|setup\.cfg|pyproject\.toml"
+        r"|\.dist-info\b|\.egg-info\b|entry_points\.txt|pytest11"
     ),
     "tests skipped": re.compile(r"unittest\.skip|@skip|skipTest\(|SkipTest\b|pytest\.mark\.(skip|xfail)|pytest\.(skip|xfail)\("),
     "runner or assertions replaced": re.compile(

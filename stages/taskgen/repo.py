@@ -261,6 +261,9 @@ def patched_paths(patch: str) -> list[str]:
 # (one the agent adds is removed), so nothing on the agent's side takes part in running the tests.
 RUNNER_FILES = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "sitecustomize.py", "usercustomize.py"}
 TEST_DIRS = {"test", "tests", "testing"}
+# Installed-package metadata: on sys.path (the repository root is), a `*.dist-info` or `*.egg-info`
+# directory's entry points are loaded by the runner as plugins (pytest11): the snapshot's only.
+PACKAGE_METADATA = (".dist-info", ".egg-info")
 
 
 def _test_files(test_id: str, base: dict[str, bytes]) -> list[str]:
@@ -279,7 +282,8 @@ def _test_files(test_id: str, base: dict[str, bytes]) -> list[str]:
 def guarded_paths(spec: RepoSpec, base: dict[str, bytes], tree: list[str]) -> list[str]:
     """Every path the verifier puts back to the snapshot before running the tests (removing what the
     snapshot does not have): the test files (`test_paths`, the test patch's, those the test ids
-    name) with the rest of their test directory, and the runner's configuration files anywhere."""
+    name) with the rest of their test directory, and the runner's configuration files and
+    installed-package metadata (entry points: pytest plugins) anywhere."""
     files = set(spec.test_paths) | set(patched_paths(spec.test_patch))
     for test_id in spec.fail_to_pass + spec.pass_to_pass:
         files.update(_test_files(test_id, base))
@@ -287,7 +291,8 @@ def guarded_paths(spec: RepoSpec, base: dict[str, bytes], tree: list[str]) -> li
     out = set(files)
     for path in set(base) | set(tree):
         p = PurePosixPath(path)
-        if p.name in RUNNER_FILES or p.suffix == ".pth" or any(str(parent) in dirs for parent in p.parents):
+        runner = p.name in RUNNER_FILES or p.suffix == ".pth" or any(part.endswith(PACKAGE_METADATA) for part in p.parts[:-1])
+        if runner or any(str(parent) in dirs for parent in p.parents):
             out.add(path)
     return sorted(out)
 
