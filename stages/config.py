@@ -232,10 +232,13 @@ class Parallelism:
     """How a trainer (SFT, RL) spreads the model over its ranks; the data-parallel degree is the rest
     of the ranks (docs/training.md)."""
 
-    # torch: DDP (or one process); fsdp: torch FSDP2, ZeRO-3 (composes with expert_parallel); deepspeed: ZeRO
-    backend: Literal["torch", "fsdp", "deepspeed"] = "torch"
+    # torch: DDP (or one process); fsdp: torch FSDP2, ZeRO-3 (composes with expert_parallel); deepspeed: ZeRO;
+    # megatron: megatron-core's GPTModel with tensor, pipeline and expert parallelism (stages/train/megatron)
+    backend: Literal["torch", "fsdp", "deepspeed", "megatron"] = "torch"
     zero_stage: Literal[0, 1, 2, 3] = 1  # deepspeed only: 3 shards the parameters too
     expert_parallel: int = bounded(1, ge=1)  # MoE: each layer's experts sharded over this many ranks
+    tensor_parallel: int = bounded(1, ge=1)  # megatron only: each layer's matrices split over this many ranks
+    pipeline_parallel: int = bounded(1, ge=1)  # megatron only: the layers split into this many stages
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
     # Precision (stages/train/precision.py, docs/training.md): the trained parameters and optimizer
     # state; what forward/backward compute in (auto: bf16 autocast on GPUs, float32 on CPU); what
@@ -249,7 +252,10 @@ class Parallelism:
         if self.backend == "torch" and self.zero_stage == 3:
             yield "zero_stage", "ZeRO-3 needs backend: fsdp or deepspeed"
         if self.backend == "deepspeed" and self.expert_parallel > 1:
-            yield "expert_parallel", "needs backend: torch or fsdp (DeepSpeed's ZeRO would treat the expert shards as replicated)"
+            yield "expert_parallel", "needs backend: torch, fsdp or megatron (DeepSpeed's ZeRO would treat the expert shards as replicated)"
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, key) > 1 and self.backend != "megatron":
+                yield key, f"needs backend: megatron (got {self.backend})"
 
 
 # ---------------------------------------------------------------- sft
