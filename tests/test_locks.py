@@ -178,7 +178,7 @@ def test_doctor_prints_the_key_versions_and_warns_on_drift_with_the_fix():
     assert f"torch 2.12.0 (lock {lock.pins['torch']})" in check.detail and "1 of" in check.detail
     assert f"--require-hashes -r {lock.path}" in check.fix
     gpu = doctor.check_packages(have, "gpu")  # drift against the GPU lock names the GPU versions
-    assert gpu.status == doctor.WARN and "megatron-core absent (lock 0.16.1)" in gpu.detail
+    assert gpu.status == doctor.WARN and f"vllm absent (lock {lock_mod.find_lock('gpu').pins['vllm']})" in gpu.detail
 
 
 def test_doctor_without_a_lock_for_this_machine_says_how_to_make_one(monkeypatch):

@@ -767,8 +767,13 @@ def make_backend(
         if expert_parallel > 1:  # ZeRO would treat the shards as replicated parameters
             raise UserError(f"expert_parallel={expert_parallel} needs backend: torch or fsdp (deepspeed shards differently)")
         backend = DeepSpeedBackend(model, cfg, zero_stage=zero_stage, precision=precision, **options)
+    elif name == "megatron":  # its layout splits the data differently: the stages must pass it (not yet)
+        raise UserError(
+            "trainer.backend megatron: the SFT and RL stages do not build it yet; it trains through "
+            "stages.train.megatron.MegatronBackend (docs/training.md)"
+        )
     else:
-        raise UserError(f"train backend {name!r} is not one of: torch, fsdp, deepspeed")
+        raise UserError(f"train backend {name!r} is not one of: torch, fsdp, deepspeed, megatron")
     if backend.world_size > 1 and hasattr(model, "balance_router_over"):
         model.balance_router_over(dist.group.WORLD)
     return backend

@@ -1,0 +1,221 @@
+"""trainer.backend megatron (stages/train/megatron): conversion, equivalence across layouts, resume on
+another layout, router replay, and the layout checks that run before anything is submitted.
+
+The multi-rank runs start tests/megatron_worker.py as torchrun would (one process per rank, gloo on
+the CPU) and compare what they wrote. Tolerances: losses to 1e-5 relative (sums of the same terms
+in another order); weights after three AdamW steps at lr 1e-2 to 1e-3 absolute: Adam divides by the
+gradient's own scale, so a weight whose gradient is at rounding level moves by up to a whole step
+whichever way rounding tips it; a real fault (an unreduced gradient) moves weights by ~2e-2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from snowcat.stages.config import SftConfig
+from snowcat.stages.model.config import PRESETS, ModelConfig
+from snowcat.stages.model.io import save_model_dir
+from snowcat.stages.model.modeling import MoEForCausalLM
+from snowcat.stages.train.megatron import Layout
+from snowcat.stages.train.megatron.bridge import unsupported
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "tests" / "megatron_worker.py"
+SMALL = dict(
+    vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4,
+    experts_per_token=2, moe_intermediate_size=32, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_dir(path: Path, **changes) -> Path:
+    torch.manual_seed(0)
+    save_model_dir(path, MoEForCausalLM(ModelConfig(**{**SMALL, **changes})))
+    return path
+
+
+def _launch(ranks: int, out: Path, model: Path, tp: int, pp: int, ep: int, *extra, steps: int = 3) -> list[dict]:
+    """Run the worker on `ranks` ranks; its losses.json."""
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_port()),
+        "WORLD_SIZE": str(ranks),
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("SLURM_JOB_ID", None)
+    args = [
+        sys.executable,
+        "-W",
+        "ignore",
+        str(WORKER),
+        str(out),
+        str(model),
+        str(tp),
+        str(pp),
+        str(ep),
+        str(steps),
+        *map(str, extra),
+    ]
+    procs = [
+        subprocess.Popen(
+            args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for r in range(ranks)
+    ]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {r} of tp={tp} pp={pp} ep={ep}:\n{log[-3000:]}"
+    return json.loads((out / "losses.json").read_text())
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted((run / "final").glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _same_training(a: Path, b: Path, key: str = "nll_sum") -> None:
+    la, lb = json.loads((a / "losses.json").read_text()), json.loads((b / "losses.json").read_text())
+    assert [r["step"] for r in la][-len(lb) :] == [r["step"] for r in lb]
+    for ra, rb in zip(la[-len(lb) :], lb, strict=True):
+        assert rb[key] == pytest.approx(ra[key], rel=1e-5), (ra, rb)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4), (ra, rb)
+        assert rb["tokens"] == ra["tokens"]
+    wa, wb = _weights(a), _weights(b)
+    assert sorted(wa) == sorted(wb)
+    worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    assert worst < 1e-3, f"weights differ by up to {worst}"
+
+
+# ---------------------------------------------------------------- before anything runs
+
+
+def test_layouts_that_cannot_hold_the_model_are_named_by_key():
+    cfg = ModelConfig(**SMALL)
+    assert list(Layout(2, 1, 2).problems(cfg, 4)) == []
+    assert [k for k, _ in Layout(2, 2, 1).problems(cfg, 6)] == ["tensor_parallel"]  # 4 does not divide 6
+    assert [k for k, _ in Layout(1, 1, 3).problems(cfg, 3)] == ["expert_parallel"]  # 4 experts over 3
+    assert [k for k, _ in Layout(1, 4, 1).problems(cfg, 4)] == ["pipeline_parallel"]  # 4 stages, 2 layers
+    assert [k for k, _ in Layout(1, 1, 2).problems(cfg, 1)] == ["expert_parallel"]  # EP wider than DP
+    why = dict(Layout(4, 1, 1).problems(cfg, 4))["tensor_parallel"]
+    assert "key/value heads" in why
+
+
+def test_snowball_layout_holds_the_snowball_shape_on_64_trainer_ranks():
+    # the seeds' run: 64 trainer GPUs, TP1/PP2/EP16 (the preset's 376 experts do not split 16 ways;
+    # the layout check says so rather than failing on the cluster)
+    cfg = PRESETS["snowball-67b-a2b"]
+    assert [k for k, _ in Layout(1, 2, 16).problems(cfg, 64)] == ["expert_parallel"]
+    assert list(Layout(1, 2, 8).problems(cfg, 64)) == []
+
+
+def test_architectures_without_a_conversion_are_refused():
+    assert unsupported(ModelConfig(**SMALL)) is None
+    assert "shared expert" in unsupported(ModelConfig(**{**SMALL, "shared_expert_intermediate_size": 16}))
+    assert "olmoe" in unsupported(ModelConfig(**{**SMALL, "qk_norm": "full", "head_dim": 16}))
+
+
+def test_config_refuses_tensor_and_pipeline_parallel_without_megatron():
+    assert [k for k, _ in SftConfig(tensor_parallel=2).parallelism_problems()] == ["tensor_parallel"]
+    assert [k for k, _ in SftConfig(pipeline_parallel=2, backend="fsdp").parallelism_problems()] == ["pipeline_parallel"]
+    assert list(SftConfig(tensor_parallel=2, pipeline_parallel=2, backend="megatron").parallelism_problems()) == []
+
+
+def test_a_bad_layout_is_refused_before_megatron_builds_anything(tmp_path):
+    model = _model_dir(tmp_path / "m")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    r = subprocess.run(
+        [sys.executable, "-W", "ignore", str(WORKER), str(tmp_path / "o"), str(model), "2", "1", "1", "1"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert "trainer.tensor_parallel: tensor_parallel x pipeline_parallel = 2 x 1 does not divide the 1 trainer ranks" in r.stderr
+    assert not (tmp_path / "o" / "final").exists()
+
+
+# ---------------------------------------------------------------- conversion
+
+
+@pytest.mark.slow
+def test_converted_model_matches_transformers_and_ours_and_converts_back_exactly(tmp_path):
+    model = _model_dir(tmp_path / "m", tie_word_embeddings=True)
+    out = tmp_path / "conversion.json"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    r = subprocess.run([sys.executable, "-W", "ignore", str(REPO / "tests" / "megatron_conversion.py"), str(model), str(out)],
+                       env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["logprob_vs_transformers"] < 1e-5
+    assert got["logprob_vs_ours"] < 1e-5 and got["entropy_vs_ours"] < 1e-5
+    assert got["routes_agree"] == 1.0
+    assert got["round_trip_names_equal"] and got["round_trip_exact"]
+    # router replay: the recorded experts are the ones used, in both implementations alike
+    assert got["replay_vs_ours"] < 1e-5 and got["replay_changes_logprobs"] > 1e-3
+    assert got["replay_own_choices_agree"]
+
+
+# ---------------------------------------------------------------- layouts
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The one-process baselines (SFT loss, RL loss with router replay), and their model (no aux
+    loss: megatron balances each data-parallel replica's tokens, a different loss per layout)."""
+    root = tmp_path_factory.mktemp("megatron")
+    model = _model_dir(root / "model", router_aux_loss_coef=0.0)
+    _launch(1, root / "base", model, 1, 1, 1)
+    _launch(1, root / "base-rl", model, 1, 1, 1, "--loss", "rl")
+    return root, model
+
+
+@pytest.mark.slow
+def test_tensor_pipeline_and_expert_parallel_train_as_one_process(runs):
+    root, model = runs
+    for tp, pp, ep in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
+        out = root / f"tp{tp}pp{pp}ep{ep}"
+        _launch(2, out, model, tp, pp, ep, "--save-at", 1)
+        _same_training(root / "base", out)
+
+
+@pytest.mark.slow
+def test_tensor_and_expert_parallel_combined_over_four_ranks(runs):
+    root, model = runs
+    _launch(4, root / "tp2ep2", model, 2, 1, 2)
+    _same_training(root / "base", root / "tp2ep2")
+
+
+@pytest.mark.slow
+def test_rl_loss_with_router_replay_under_tensor_parallel_trains_as_one_process(runs):
+    root, model = runs
+    _launch(2, root / "rl-tp2", model, 2, 1, 1, "--loss", "rl")
+    _same_training(root / "base-rl", root / "rl-tp2", key="loss/loss")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_on_another_layout_and_on_its_own(runs):
+    root, model = runs
+    written = root / "tp2pp1ep1"  # by the layouts test: TP2, checkpoint after step 1
+    if not (written / "ckpt").is_dir():
+        _launch(2, written, model, 2, 1, 1, "--save-at", 1)
+    _launch(1, root / "resumed-tp1", model, 1, 1, 1, "--from", written / "ckpt")
+    _same_training(root / "base", root / "resumed-tp1")
+    _launch(2, root / "resumed-tp2", model, 2, 1, 1, "--from", written / "ckpt")
+    assert all(
+        torch.equal(a, b) for a, b in zip(_weights(written).values(), _weights(root / "resumed-tp2").values(), strict=True)
+    )
