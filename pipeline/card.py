@@ -9,6 +9,7 @@ and provenance records. A fact that is not recorded is written as "not recorded"
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -24,6 +25,7 @@ from . import config as config_mod
 from .dag import Unit, build
 from .errors import UserError
 from .fsio import atomic_write_text, checkpoint_dir, read_json, sha256_file
+from .plan import compare as plan_compare
 from .provenance import record_path
 from .rundir import RunDir
 from .scrub import scrub_text
@@ -216,6 +218,10 @@ def _data(f: Facts) -> list[str]:
             "(`stages/rl.py: batch_tasks`), so the tasks behind any step can be recomputed; the trajectories per "
             "domain that entered the loss are the history's `exposure/<domain>`"
         )
+        if getattr(node.config, "domain_weights", None):
+            rule = rule.replace(
+                "of its task pool", "of each weighted domain's tasks, `domain_quotas` of each per batch (`domain_weights`),"
+            ).replace("rl.py: batch_tasks", "rl.py: weighted_batch_tasks")
         if node.items is None:
             rows.append(f"- `{node.name}` data order: {rule}")
             continue
@@ -265,6 +271,16 @@ def _unit_recipe(f: Facts, node, label: str, c, unit) -> list[str]:
             f"  - objective: supervised fine-tuning on task demonstrations (assistant tokens only), "
             f"Relay fraction {_v(c.relay_fraction)}"
         )
+        mix = dict(getattr(c, "mix", {}) or {}) or {"tasks": 1, "traces": 1}
+        lines.append(
+            "  - demonstrations, weight per epoch (`mix`): "
+            + ", ".join(f"{src} ×{w:g}" for src, w in sorted(mix.items()))
+            + (
+                "; teacher:<stage>: that stage's verified successes, each with its provenance in demos.jsonl"
+                if any(k.startswith("teacher:") for k in mix)
+                else ""
+            )
+        )
         lines.append(f"  - batch: {_v(c.batch_rows)} packed rows × {_v(c.seq_len)} tokens, {_v(c.micro_batches)} micro-batch(es)")
         lines.append(
             f"  - lr {_v(c.lr)} ({_v(c.schedule)}, warmup {_v(c.warmup_steps)}, "
@@ -278,6 +294,7 @@ def _unit_recipe(f: Facts, node, label: str, c, unit) -> list[str]:
         )
         lines.append(f"  - batch: {_v(c.tasks_per_update)} tasks × {_v(c.attempts)} attempts per update")
         lines.append(f"  - lr {_v(c.lr)}, KL coef {_v(c.kl_coef)}")
+        lines += _rl_recipe_lines(c)
         lines.append(f"  - updates: {_v(metrics.get('updates', metrics.get('steps')))} completed of {_v(c.updates)} configured")
     meta = _checkpoint_meta(f.run.unit_dir(unit))
     name = meta.get("backend") or getattr(c, "backend", None)  # what the checkpoint says ran, else the config
@@ -286,6 +303,33 @@ def _unit_recipe(f: Facts, node, label: str, c, unit) -> list[str]:
     lines.append(f"  - layout: {_layout(node, world, meta)}; backend {backend}; resources {_shapes(res)}")
     lines += _precision_lines(metrics)
     return lines
+
+
+def _rl_recipe_lines(c) -> list[str]:
+    """An RL unit's task mix (rehearsal weights) and rollout prompt, from its config (docs/recipes.md)."""
+    weights = dict(getattr(c, "domain_weights", {}) or {})
+    if weights:
+        total = sum(w for w in weights.values() if w > 0)
+        trained = ", ".join(f"{d} {w / total:.3g}" for d, w in sorted(weights.items()) if w > 0)
+        held = ", ".join(d for d, w in sorted(weights.items()) if w <= 0)
+        mix = (
+            f"  - task mix (`domain_weights`): every batch {trained} of its tasks (floor or ceiling of each share)"
+            + (f"; held out, not trained: {held}" if held else "")
+            + "; held-out pass@1 per domain in the history"
+        )
+    elif getattr(c, "domains", None):
+        mix = f"  - task mix: the pool of domains {', '.join(c.domains)} as it comes (no `domain_weights`)"
+    else:
+        mix = "  - task mix: the task pool as it comes (no `domain_weights`)"
+    prompt = getattr(c, "rollout_prompt", "")
+    if prompt:
+        digest = hashlib.sha256(prompt.encode()).hexdigest()[:16]
+        return [
+            mix,
+            f"  - rollout prompt (sha256 {digest}…, {len(prompt)} characters): in the context sampled in, removed from "
+            "the update's context; gap per turn in the history (`prompt_gap/*`)",
+        ]
+    return [mix]
 
 
 def _precision_lines(metrics: dict) -> list[str]:
@@ -1297,6 +1341,7 @@ def build_card(run: RunDir) -> str:
         "",
         *stage_lines,
         "",
+        *(["## Plan against measurement", "", *plan_lines, ""] if (plan_lines := plan_compare.card_lines(f.run.path)) else []),
         "## Credential scan",
         "",
         *scan_lines,

@@ -28,6 +28,7 @@ from .dag import Dag, build
 from .errors import UserError
 from .executors import make_executor
 from .fsio import remove_leftovers
+from .plan import command as plan_cmd
 from .progress import progress_lines, styled
 from .rundir import RunDir, new_run_id
 from .schema import hf_sources, resolve_hf
@@ -131,17 +132,19 @@ def account_from_env(cfg) -> str | None:
 _VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
 
-def run_root(cfg) -> Path:
+def run_root(cfg, placeholders: bool = False) -> Path:
     """Where new runs go: the config's `run_root` (the site profile's when the config sets none),
     shell variables ($PROJECT, $WORK, $USER) and ~ expanded here; an unset variable is a UserError
-    naming the key that holds it."""
+    naming the key that holds it (and the site's `env_setup` command that sets it), or, with
+    `placeholders` (a dry run), stays in the path as written."""
     value = str(cfg.run_root)
     unset = [a or b for a, b in _VAR.findall(value) if not os.environ.get(a or b)]
-    if unset:
+    if unset and not placeholders:
         site = cfg.get("site")
         key = f"site {site.name}: key run_root" if site is not None and str(site.run_root) == value else "config key run_root"
+        setup = f"run {site.env_setup} first, " if site is not None and site.get("env_setup") else ""
         raise UserError(
-            f"{key} is {value!r}, but ${unset[0]} is not set on this machine; set it, "
+            f"{key} is {value!r}, but ${unset[0]} is not set on this machine; {setup or 'set it, '}"
             "or choose the directory with --run-dir DIR or run_root=DIR"
         )
     return Path(os.path.expanduser(os.path.expandvars(value)))
@@ -159,6 +162,8 @@ def cmd_run(args) -> int:
     if account:
         err.print(Text(f"account {account} (from ${site_mod.ACCOUNT_ENV}: the site profile and config name none)"))
     dag = build(cfg)
+    if cfg.executor.kind == "slurm" and not args.skip_plan:
+        plan_cmd.gate(cfg, lambda line: err.print(Text(line)))  # one line; refuses a plan that cannot fit
     run_dir = Path(args.run_dir) if args.run_dir else None
     existing = run_dir is not None and (run_dir / "config.yaml").is_file()
     if args.dry_run:
@@ -185,7 +190,7 @@ def dry_run(cfg, dag: Dag, run: RunDir | None, run_dir: Path | None) -> int:
         out.print(_plan_table(dag, cfg, run))
         out.print(Text("dry run: nothing written"))
         return 0
-    target = run if run is not None else RunDir(run_dir or run_root(cfg) / new_run_id(cfg.name))  # not created
+    target = run if run is not None else RunDir(run_dir or run_root(cfg, placeholders=True) / new_run_id(cfg.name))  # not created
     todo = [n for n in dag.order if run is None or run.stage_status(dag, n)[0] != "done"]
     scripts = Path(tempfile.mkdtemp(prefix="snowcat-dry-run-"))
     try:
@@ -351,7 +356,19 @@ def _model_sizes(run) -> list[str]:
 
 
 def cmd_cluster(args) -> int:
-    return cluster.main([args.action] + (["--root", args.root] if args.root else []))
+    return cluster.main([args.action] + (["--root", args.root] if args.root else []) + (["--as", args.site] if args.site else []))
+
+
+def cmd_site(args) -> int:
+    from snowcat.slurm import detect  # noqa: PLC0415 (only this command needs it)
+
+    draft = detect.detect(args.name)
+    path = detect.write_draft(draft, args.output, force=args.force)
+    fill = [k for k in draft.to_fill() if k not in ("name", "description", "sources")]
+    err.print(
+        Text(f"wrote {path}: {len(draft.marks) - len(draft.to_fill())} keys detected, to fill: {', '.join(fill) or 'nothing'}")
+    )
+    return 0
 
 
 def cmd_tiny_hf(args) -> int:
@@ -386,6 +403,7 @@ def parser() -> argparse.ArgumentParser:
         help="site profile: NAME (slurm/sites/NAME.yaml) or a YAML file, e.g. an onboard override (default: $SNOWCAT_SITE)",
     )
     r.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    r.add_argument("--skip-plan", action="store_true", help="submit even where `snowcat plan` says the run cannot fit")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("status", help="stages of a run with status, jobs, durations and headline metrics")
@@ -451,7 +469,23 @@ def parser() -> argparse.ArgumentParser:
     cl = sub.add_parser("cluster", help="the local virtual Slurm test cluster: up | down | status")
     cl.add_argument("action", choices=["up", "down", "status"])
     cl.add_argument("--root", help="cluster directory (default: $SNOWCAT_CLUSTER_ROOT or <repo>/.cluster)")
+    cl.add_argument(
+        "--as", dest="site", help="up: under this site's rules (e.g. tacc-vista, jsc-juwels-booster); without: its own"
+    )
     cl.set_defaults(func=cmd_cluster)
+
+    st = sub.add_parser("site", help="site profiles: `site detect` drafts one from the cluster you are logged in to")
+    st.add_argument("action", choices=["detect"])
+    st.add_argument("-o", "--output", default="site-draft.yaml", help="where to write the draft profile")
+    st.add_argument("--name", default="draft", help="the profile's name")
+    st.add_argument("--force", action="store_true", help="replace the output file if it exists")
+    st.set_defaults(func=cmd_site)
+
+    pl = sub.add_parser(
+        "plan", help="memory per GPU, step time, node-hours and charge before submitting; --proposal, --search, --compare"
+    )
+    plan_cmd.add_arguments(pl)
+    pl.set_defaults(func=plan_cmd.cmd_plan)
 
     b = sub.add_parser("bench", help="run a benchmark from benchmarks/ (e.g. logprob)")
     b.add_argument("name")

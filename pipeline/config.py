@@ -467,6 +467,9 @@ def _problems(cfg: RunConfig) -> Iterator[Problem]:
         yield from _slurm_problems(cfg, name, stage)
         for key, problem in stage.problems():
             yield _join(f"stages.{name}", key), problem
+        # checks against the run's other stages (e.g. rl.domain_weights naming the tasks stage's domains)
+        for key, problem in getattr(stage, "run_problems", lambda _run: ())(cfg):
+            yield _join(f"stages.{name}", key), problem
 
 
 def _join(where: str, key: str) -> str:

@@ -32,7 +32,16 @@ from omegaconf import OmegaConf
 from snowcat.containers.wrap import site_mpi_plugin
 from snowcat.slurm import limits as limits_mod
 from snowcat.slurm.limits import LiveLimits
-from snowcat.slurm.site import SITES_DIR, SiteProfile, default_site, env_account, load_site, profile_path, use_local_cluster
+from snowcat.slurm.site import (
+    SITES_DIR,
+    SiteProfile,
+    default_site,
+    env_account,
+    load_site,
+    profile_path,
+    unsourced_limits,
+    use_local_cluster,
+)
 
 from . import lock as lock_mod
 from .errors import UserError
@@ -97,6 +106,8 @@ CHECKED_KEYS = {
     "partitions.*.mem_gb": "limits.memory",
     "partitions.*.cpus_per_node": "limits.cores",
     "partitions.*.max_submit_jobs": "limits.submit",
+    "partitions.*.max_running_jobs": "limits.running",
+    "partitions.*.max_nodes_per_user": "limits.running",
     "max_submit_jobs": "limits.submit",
     "max_array_size": "limits.array_size",
     "requeue_allowed": "limits.requeue",
@@ -599,6 +610,50 @@ def check_submit_limits(site: SiteProfile, live: LiveLimits) -> Check:
     return Check(name, PASS, f"profile submit limits within the live ones: {', '.join(notes) or 'none set, none live'}; {user}")
 
 
+def check_running_limits(site: SiteProfile, live: LiveLimits) -> Check:
+    """Per-user running-job and node caps of each partition's QoS (MaxJobsPU, MaxTRESPU node=)
+    against the profile's max_running_jobs / max_nodes_per_user: a profile above the live cap names
+    the field (runs are planned on the stricter of the two either way)."""
+    name = "limits.running"
+    if not live.accounting or not live.partitions:
+        return _unreadable(name, live, "the partitions' QoS (sacctmgr show qos, scontrol show partition)")
+    problems, fixes, notes, override = [], [], [], {}
+    for part_name, part in site.partitions.items():
+        have = live.partitions.get(part_name)
+        if have is None:
+            continue
+        for key, want, got, what in (
+            ("max_running_jobs", part.max_running_jobs, have.max_jobs, "MaxJobsPU"),
+            ("max_nodes_per_user", part.max_nodes_per_user, have.max_nodes_per_user, "MaxTRESPU node"),
+        ):
+            if got is None:
+                continue
+            if want is None or want > got:
+                said = "names none" if want is None else f"says {want}"
+                problems.append(f"partitions.{part_name}.{key}: QoS {have.qos} {what} is {got}, the profile {said}")
+                fixes.append(f"set partitions.{part_name}.{key}: {got}")
+                override.setdefault(part_name, {})[key] = got
+            else:
+                notes.append(f"{part_name}.{key} {want} (live {got})")
+    if problems:
+        return Check(name, WARN, "; ".join(problems), "; ".join(fixes), {"override": {"partitions": override}})
+    return Check(name, PASS, f"within the live caps: {', '.join(notes) or 'none set, none live'}")
+
+
+def check_limit_sources(site: SiteProfile) -> Check:
+    """Every per-partition limit of the profile says where it came from (partitions.P.sources.F:
+    a URL and the date read) or is listed in `unverified`."""
+    missing = unsourced_limits(site)
+    if missing:
+        return Check(
+            "limits.sources",
+            WARN,
+            f"no source for {', '.join(missing)}",
+            f"add partitions.<p>.sources.<field>: '<URL> (read YYYY-MM-DD)', or list the key in unverified (first: {missing[0]})",
+        )
+    return Check("limits.sources", PASS, "every partition limit names its source or is listed as unverified")
+
+
 # Compute-budget tools: JSC (`jutil`, older `sbudget`) and TACC (`taccinfo`).
 TACCINFO = "/usr/local/etc/taccinfo"
 
@@ -862,9 +917,11 @@ def run_doctor(
             check_array_size(site_profile, live),
             check_requeue(site_profile, live),
             check_submit_limits(site_profile, live),
+            check_running_limits(site_profile, live),
         ]
         args = job_args(site_profile, checks)
         checks += [check_hetjobs(site_profile, args), check_arrays(site_profile, args), check_mpi(site_profile)]
+    checks.append(check_limit_sources(site_profile))
     checks.append(check_budget(site_profile))
     checks.append(check_apptainer(site_profile))
     checks.append(check_packages())

@@ -7,12 +7,20 @@ files from a crash are cleared. `down(root)` cancels jobs and stops everything; 
 what runs. Clients need only `SLURM_CONF` (see `<root>/env.sh`). Facts behind the configuration:
 /work/shared/notes/slurm-test-cluster.md.
 
-    python -m snowcat.slurm.cluster up|down|status [--root DIR]
+`up(root, site="tacc-vista")` runs the same two nodes under a real site's rules, from its profile
+(`site_mode`), with Slurm's own mechanisms: the site's partitions with their MaxTime/MaxNodes, whole
+nodes (OverSubscribe=EXCLUSIVE), AllocNodes, requeue off, one QOS per partition in slurmdbd with
+its per-user caps (MaxSubmitJobsPerUser, MaxJobsPerUser, MaxTRESPerUser=node), and a job_submit/lua
+filter that refuses what the site refuses (--mem, --gres, sbatch inside a job, a missing account)
+with a message naming the rule. `up(root)` puts it back (its QOS are deleted).
+
+    python -m snowcat.slurm.cluster up|down|status [--root DIR] [--as SITE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pwd
 import secrets
@@ -66,6 +74,7 @@ class ClusterInfo:
     partitions: tuple[str, ...] = PARTITIONS
     account: str = ACCOUNT
     ports: dict[str, int] = field(default_factory=dict)
+    site: str | None = None  # the site whose rules it runs under (`up --as`), None: its own
 
 
 def default_root() -> Path:
@@ -172,6 +181,171 @@ def _stop(d: _Daemon) -> None:
     d.pidfile.unlink(missing_ok=True)
 
 
+# ---------------------------------------------------------------- site modes
+
+MODE_FILE = "site-mode.json"  # <root>/etc/: the site the cluster runs as, and the QOS it created
+
+
+@dataclass(frozen=True)
+class Qos:
+    name: str
+    max_submit: int | None = None  # MaxSubmitJobsPerUser
+    max_jobs: int | None = None  # MaxJobsPerUser
+    max_nodes: int | None = None  # MaxTRESPerUser=node=
+
+    def sacctmgr_set(self) -> list[str]:
+        """`sacctmgr modify qos NAME set ...` arguments (-1 clears a limit)."""
+        v = [-1 if x is None else x for x in (self.max_submit, self.max_jobs, self.max_nodes)]
+        return [f"MaxSubmitJobsPerUser={v[0]}", f"MaxJobsPerUser={v[1]}", f"MaxTRESPerUser=node={v[2]}"]
+
+
+@dataclass(frozen=True)
+class SiteMode:
+    """What `up --as SITE` configures: slurm.conf lines, the QOS to create, the job_submit filter."""
+
+    site: str
+    partitions: tuple[str, ...]  # PartitionName= lines
+    qos: tuple[Qos, ...]
+    requeue: bool
+    gpus: int  # fake GPUs per node
+    lua: str  # job_submit.lua
+    site_lines: tuple[str, ...]  # other slurm.conf lines
+    partition_names: tuple[str, ...] = ()
+
+
+def _lua_str(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _lua_filter(site) -> str:
+    """job_submit.lua refusing, with the site's words, what the profile says the site refuses."""
+    label = site.description.split(" — ")[0] or site.name
+    rules = []
+    if not site.sbatch_on_compute:
+        rules.append(
+            (
+                "job_desc.script ~= nil and env ~= nil and (env.SLURM_JOB_ID ~= nil or env.SLURMD_NODENAME ~= nil)",
+                f"{label}: sbatch is not available on compute nodes; submit from a login node",
+            )
+        )
+    rejected = set(site.rejected_options)
+    if "--mem" in rejected:
+        rules.append(
+            (
+                "job_desc.pn_min_memory ~= nil and job_desc.pn_min_memory ~= slurm.NO_VAL64",
+                f"{label}: --mem is not available; the scheduler will not accept jobs that set it (whole nodes are allocated)",
+            )
+        )
+    if rejected & {"--gres", "--gpus-per-task"} or site.gpu_request == "none":
+        rules.append(
+            (
+                "job_desc.tres_per_node ~= nil or job_desc.tres_per_task ~= nil or job_desc.tres_per_job ~= nil",
+                f"{label}: --gres, --gpus and --gpus-per-task are not supported; the queue sets the GPUs",
+            )
+        )
+    if rejected & {"--nodelist", "--exclude"}:
+        rules.append(
+            (
+                "job_desc.req_nodes ~= nil or job_desc.exc_nodes ~= nil",
+                f"{label}: jobs may not name or exclude nodes (--nodelist, --exclude)",
+            )
+        )
+    if site.account_required:
+        rules.append(
+            (
+                "job_desc.account == nil",
+                f"{label}: no budget given: pass --account=<budget> or set it with " + (site.env_setup or "SBATCH_ACCOUNT"),
+            )
+        )
+    checks = "".join(
+        f"  if {cond} then\n    slurm.log_user({_lua_str(msg)})\n    return slurm.ERROR\n  end\n" for cond, msg in rules
+    )
+    return (
+        f"-- job_submit/lua filter of `snowcat cluster up --as {site.name}` (slurm/cluster.py, from the site profile).\n"
+        "function slurm_job_submit(job_desc, part_list, submit_uid)\n"
+        "  local env = nil\n"
+        "  if job_desc.script ~= nil then env = job_desc.environment end\n"
+        f"{checks}"
+        "  return slurm.SUCCESS\n"
+        "end\n\n"
+        "function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)\n"
+        "  return slurm.SUCCESS\n"
+        "end\n"
+    )
+
+
+def site_mode(name: str, host: str | None = None) -> SiteMode:
+    """The local cluster's configuration under site `name`'s rules (its profile in slurm/sites/)."""
+    from snowcat.slurm.site import load_site  # noqa: PLC0415 (site imports this module)
+
+    site = load_site(name)
+    # slurmctld takes a job's AllocNode from the address the request came from: 127.0.0.1 is
+    # `localhost` for the login shell and for the virtual nodes alike (one host), so here the
+    # job_submit filter is what refuses sbatch inside a job; on a real cluster AllocNodes alone does.
+    host = host or "localhost"
+    lines, qos = [], []
+    for pname, part in site.partitions.items():
+        words = [
+            f"PartitionName={pname}",
+            f"Nodes={_node_range()}",
+            *(["Default=YES"] if pname == site.default_partition else []),
+            f"MaxTime={part.max_time_min}",
+            f"MaxNodes={part.max_nodes}",
+            *(["OverSubscribe=EXCLUSIVE"] if site.exclusive_nodes else []),
+            *([f"AllocNodes={host}"] if not site.sbatch_on_compute else []),
+        ]
+        limits = (part.max_submit_jobs, part.max_running_jobs, part.max_nodes_per_user)
+        if any(v is not None for v in limits):
+            qos.append(Qos(pname, *limits))
+            words.append(f"QOS={pname}")
+        lines.append(" ".join([*words, "State=UP"]))
+    extra = []
+    if site.arrays_allowed:
+        extra.append(f"MaxArraySize={site.max_array_size + 1}")
+    extra.append("JobSubmitPlugins=lua")
+    gpus = max((p.gpus_per_node for p in site.partitions.values()), default=0)
+    return SiteMode(
+        site=site.name,
+        partitions=tuple(lines),
+        qos=tuple(qos),
+        requeue=bool(site.requeue_allowed),
+        gpus=max(1, min(gpus, GPUS_PER_NODE)),
+        lua=_lua_filter(site),
+        site_lines=tuple(extra),
+        partition_names=tuple(site.partitions),
+    )
+
+
+def _node_range() -> str:
+    return f"n[1-{len(NODES)}]"
+
+
+def _ensure_qos(env: dict[str, str], root: Path, mode: SiteMode | None) -> None:
+    """The site mode's QOS in slurmdbd, with their limits; those of an earlier mode that this one
+    does not have are deleted (back to the cluster's own rules: all of them)."""
+    record = root / "etc" / MODE_FILE
+    before = json.loads(record.read_text()).get("qos", []) if record.is_file() else []
+    want = {q.name: q for q in (mode.qos if mode else ())}
+    existing = set(_run(["sacctmgr", "-n", "-P", "list", "qos", "format=name"], env).split())
+    for q in want.values():
+        if q.name not in existing:
+            _run(["sacctmgr", "-i", "add", "qos", q.name], env)
+        _run(["sacctmgr", "-i", "modify", "qos", "where", f"name={q.name}", "set", *q.sacctmgr_set()], env)
+    for name in before:
+        if name not in want and name in existing and name != "normal":
+            _run(["sacctmgr", "-i", "delete", "qos", name], env)
+    if mode is None:
+        record.unlink(missing_ok=True)
+    else:
+        atomic_write_text(record, json.dumps({"site": mode.site, "qos": sorted(want)}) + "\n")
+
+
+def current_site(root: Path | None = None) -> str | None:
+    """The site whose rules the cluster under `root` runs as, None for its own."""
+    record = Path(root or default_root()).resolve() / "etc" / MODE_FILE
+    return json.loads(record.read_text()).get("site") if record.is_file() else None
+
+
 # ---------------------------------------------------------------- configuration
 
 
@@ -179,8 +353,13 @@ def _client_env(root: Path) -> dict[str, str]:
     return {"SLURM_CONF": str(root / "etc" / "slurm.conf")}
 
 
-def _render(root: Path, ports: dict[str, int], db_pass: str) -> dict[str, str]:
+def _render(root: Path, ports: dict[str, int], db_pass: str, mode: SiteMode | None = None) -> dict[str, str]:
     first, last = ports[f"slurmd-{NODES[0]}"], ports[f"slurmd-{NODES[-1]}"]
+    gpus = mode.gpus if mode else GPUS_PER_NODE
+    own = (
+        f"PartitionName=cpu Nodes={_node_range()} Default=YES MaxTime={MAX_TIME_MIN} State=UP",
+        f"PartitionName=gpu Nodes={_node_range()} MaxTime={MAX_TIME_MIN} State=UP",
+    )
     values = dict(
         root=root,
         cluster=CLUSTER_NAME,
@@ -191,21 +370,27 @@ def _render(root: Path, ports: dict[str, int], db_pass: str) -> dict[str, str]:
         dbd_port=ports["slurmdbd"],
         db_port=ports["mariadb"],
         db_pass=db_pass,
-        node_range=f"n[1-{len(NODES)}]",
+        node_range=_node_range(),
         port_range=f"[{first}-{last}]",
         cpus=CPUS_PER_NODE,
         mem_mb=MEM_MB_PER_NODE,
-        gpus=GPUS_PER_NODE,
-        last_gpu=GPUS_PER_NODE - 1,
+        gpus=gpus,
+        last_gpu=gpus - 1,
         max_time_min=MAX_TIME_MIN,
+        requeue=0 if mode and not mode.requeue else 1,
+        partitions="\n".join(mode.partitions if mode else own),
+        site_lines="".join(f"{line}\n" for line in (mode.site_lines if mode else ())),
     )
-    return {
+    out = {
         n: string.Template((TEMPLATES / n).read_text()).substitute(values) for n in ("slurm.conf", "gres.conf", "slurmdbd.conf")
     }
+    if mode:  # read by job_submit/lua from the directory of slurm.conf
+        out["job_submit.lua"] = mode.lua
+    return out
 
 
-def _prepare(root: Path) -> bool:
-    """Create the directory tree, keys, fake GPUs and configs. True if a config changed."""
+def _prepare(root: Path, mode: SiteMode | None = None) -> set[str]:
+    """Create the directory tree, keys, fake GPUs and configs. The names of the configs that changed."""
     for sub in ("etc", "run", "log", "state", "dev", *(f"spool/{n}" for n in NODES), *(f"tmp/{n}" for n in NODES)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     root.chmod(0o755)  # munged refuses group/other-writable directories on its paths
@@ -225,12 +410,18 @@ def _prepare(root: Path) -> bool:
                 os.mknod(gpu, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
             except PermissionError:  # no CAP_MKNOD: a link to /dev/null stats the same
                 gpu.symlink_to("/dev/null")
-    changed = False
-    for name, text in _render(root, _ports(root), db_pass_file.read_text().strip()).items():
+    changed = set()
+    rendered = _render(root, _ports(root), db_pass_file.read_text().strip(), mode)
+    for name, text in rendered.items():
         path = root / "etc" / name
         if not path.exists() or path.read_text() != text:
-            changed |= path.exists()
+            if path.exists():
+                changed.add(name)
             atomic_write_text(path, text)
+    lua = root / "etc" / "job_submit.lua"
+    if "job_submit.lua" not in rendered and lua.exists():
+        lua.unlink()
+        changed.add("job_submit.lua")
     (root / "etc" / "slurmdbd.conf").chmod(0o600)  # slurmdbd insists: it holds the DB password
     env_sh = "".join(f"export {k}={v}\n" for k, v in _client_env(root).items())
     atomic_write_text(root / "env.sh", env_sh)
@@ -240,15 +431,20 @@ def _prepare(root: Path) -> bool:
 # ---------------------------------------------------------------- up / down / status
 
 
-def up(root: Path | None = None) -> ClusterInfo:
-    """Start (or complete) the cluster under `root`; return once every node is usable."""
+def up(root: Path | None = None, site: str | None = None) -> ClusterInfo:
+    """Start (or complete) the cluster under `root`, under `site`'s rules if one is named (else its
+    own: a cluster running as a site is put back); return once every node is usable."""
     root = Path(root or default_root()).resolve()
+    mode = site_mode(site) if site and site != "local" else None  # a bad name fails before anything changes
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / ".lock"):  # concurrent test sessions may all call up()
-        return _up(root)
+        return _up(root, mode)
 
 
-def _up(root: Path) -> ClusterInfo:
+_CONTROLLER_CONFIGS = {"slurm.conf", "gres.conf", "job_submit.lua"}  # a change restarts slurmctld and the slurmds only
+
+
+def _up(root: Path, mode: SiteMode | None = None) -> ClusterInfo:
     missing = [
         exe
         for exe in ("munged", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld", "slurmd", "sacctmgr")
@@ -256,8 +452,11 @@ def _up(root: Path) -> ClusterInfo:
     ]
     if missing:
         raise ClusterError(f"local cluster: missing programs {missing}; run .ci/cluster.sh to install Debian's packages")
-    if _prepare(root) and any(_live_pid(d) for d in _daemons(root)):
-        _down(root)  # a changed config: restart from scratch rather than half-reconfigure
+    changed = _prepare(root, mode)
+    if changed and any(_live_pid(d) for d in _daemons(root)):
+        # A changed config: restart rather than half-reconfigure; only the controller and the nodes
+        # when only their files changed (a site mode), everything otherwise.
+        _down(root, only_slurm=changed <= _CONTROLLER_CONFIGS)
     env = {**os.environ, **_client_env(root), "PATH": _SEARCH_PATH}
     ports = _ports(root)
     munged, mariadbd, slurmdbd, slurmctld, *slurmds = _daemons(root)
@@ -332,13 +531,21 @@ def _up(root: Path) -> ClusterInfo:
     _start(slurmdbd, ["slurmdbd"], env)
     _wait(lambda: _ok(["sacctmgr", "-n", "list", "cluster"], env), "slurmdbd", slurmdbd.log)
     _ensure_accounting(env)
+    _ensure_qos(env, root, mode)
 
     _start(slurmctld, ["slurmctld", "-f", env["SLURM_CONF"]], env)
     _wait(lambda: _ok(["scontrol", "ping"], env), "slurmctld", slurmctld.log)
     for d, node in zip(slurmds, NODES):
         _start(d, ["slurmd", "-N", node, "-f", env["SLURM_CONF"]], env)
     _wait(lambda: _nodes_ready(env), "nodes " + ",".join(NODES), slurmctld.log)
-    return ClusterInfo(root=root, slurm_conf=etc / "slurm.conf", env=_client_env(root), ports=ports)
+    return ClusterInfo(
+        root=root,
+        slurm_conf=etc / "slurm.conf",
+        env=_client_env(root),
+        partitions=mode.partition_names if mode else PARTITIONS,
+        ports=ports,
+        site=mode.site if mode else None,
+    )
 
 
 def _ensure_accounting(env: dict[str, str]) -> None:
@@ -393,7 +600,8 @@ def down(root: Path | None = None) -> None:
             _down(root)
 
 
-def _down(root: Path) -> None:
+def _down(root: Path, only_slurm: bool = False) -> None:
+    """Cancel every job, then stop the daemons (with `only_slurm`, slurmctld and the slurmds)."""
     ds = _daemons(root)
     env = {**os.environ, **_client_env(root)}
     if _live_pid(ds[3]):  # slurmctld: cancel jobs so no step daemons outlive the cluster
@@ -409,7 +617,7 @@ def _down(root: Path) -> None:
             ):
                 time.sleep(0.5)
     # Controller first so it does not mark nodes down; then nodes, accounting, database, munge.
-    for d in [ds[3], *ds[4:], ds[2], ds[1], ds[0]]:
+    for d in [ds[3], *ds[4:], *([] if only_slurm else [ds[2], ds[1], ds[0]])]:
         _stop(d)
 
 
@@ -452,10 +660,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--root", type=Path, default=None, help="cluster directory (default: $SNOWCAT_CLUSTER_ROOT or <repo>/.cluster)"
     )
+    parser.add_argument(
+        "--as", dest="site", default=None, help="up: run under this site's rules (a profile name, e.g. tacc-vista); none: its own"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            up(args.root)
+            up(args.root, args.site)
         elif args.command == "down":
             down(args.root)
     except UserError as e:

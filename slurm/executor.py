@@ -45,7 +45,7 @@ from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text, read_jso
 from snowcat.pipeline.rundir import RunDir, now
 from snowcat.pipeline.runner import launcher_rank, run_unit
 from snowcat.slurm import site as site_mod
-from snowcat.slurm.limits import cached_live_limits, submit_limit
+from snowcat.slurm.limits import cached_live_limits, stage_problem, submit_limit
 from snowcat.slurm.site import SiteProfile, use_local_cluster
 from snowcat.stages.config import RESUMABLE_KINDS
 
@@ -333,6 +333,10 @@ class SlurmExecutor(Executor):
         if cfg.site is None:
             raise UserError("executor slurm needs a site profile: pass --site NAME (e.g. --site local)")
         self.site: SiteProfile = typed(cfg).site
+        for node in dag:  # what no queue state can fix: refused before anything is rendered (dry-run too)
+            why = stage_problem(self.site, node.config)
+            if why:
+                raise UserError(f"stage {node.name}, site {self.site.name}: {why}")
 
         use_local_cluster(self.site)
 
@@ -410,7 +414,13 @@ class SlurmExecutor(Executor):
         res = node.config.resources
         image = self._image(node.config.image, res)
         return shlex.join(
-            wrap_command(["python", SAFE_PATH], runtime=runtime, image=image, binds=self._binds(), gpu=res.gpus_per_node > 0)
+            wrap_command(
+                ["python", SAFE_PATH],
+                runtime=runtime,
+                image=image,
+                binds=self._binds(),
+                gpu=res.gpus_per_node > 0 and self.site.partitions[self._partition(res)].accel() == "cuda",  # --nv: NVIDIA only
+            )
         )
 
     def _image(self, image: str | None, res) -> str | None:
@@ -840,6 +850,10 @@ class SlurmExecutor(Executor):
         queued = queued_jobs_by_partition()
         limits = [(f"partition {p}", n, *submit_limit(self.site, p), queued.get(p, 0)) for p, n in sorted(need.items())]
         live = cached_live_limits(account=self.site.account)  # association/QoS limits span every partition
+        for node in {job.node.name: job.node for job in planned}.values():  # co-running parts, live caps too
+            why = stage_problem(self.site, node.config, live)
+            if why:
+                raise UserError(f"stage {node.name}, site {self.site.name}: {why}; nothing was submitted")
         for limit, source in [
             (self.site.max_submit_jobs, f"site profile {self.site.name}: max_submit_jobs"),
             (live.max_submit_per_user, live.max_submit_source),

@@ -33,6 +33,7 @@ class PartitionLimits:
     qos: str | None = None  # the partition's QoS (QoS=), applied to every job in it
     max_submit: int | None = None  # that QoS's MaxSubmitPU (jobs + array tasks queued or running, per user)
     max_jobs: int | None = None  # that QoS's MaxJobsPU (running at once, per user)
+    max_nodes_per_user: int | None = None  # that QoS's MaxTRESPU node= (nodes over a user's running jobs)
     cores_per_node: int | None = None  # smallest Sockets x CoresPerSocket of its nodes
     cpus_per_node: int | None = None  # smallest CPUTot (Slurm CPUs: threads where hyperthreading is configured)
     nodes: int = 0
@@ -70,6 +71,7 @@ class LiveLimits:
     max_jobs_per_user: int | None = None
     partitions: dict[str, PartitionLimits] = field(default_factory=dict)
     qos: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)  # name -> (MaxSubmitPU, MaxJobsPU)
+    qos_nodes: dict[str, int | None] = field(default_factory=dict)  # name -> MaxTRESPU node=
     associations: tuple[Association, ...] = ()
     errors: tuple[str, ...] = ()  # queries that did not answer, one line each
 
@@ -154,7 +156,9 @@ def _mem_gb(mib: int | None) -> int | None:
     return None if mib is None else mib // 1024
 
 
-def partition_limits(partitions: str, nodes: str, qos: dict[str, tuple[int | None, int | None]]) -> dict[str, PartitionLimits]:
+def partition_limits(
+    partitions: str, nodes: str, qos: dict[str, tuple[int | None, int | None]], qos_nodes: dict[str, int | None] | None = None
+) -> dict[str, PartitionLimits]:
     """PartitionLimits from `scontrol -o show partition` and `scontrol -o show node` output."""
     per_part: dict[str, list[dict[str, str]]] = {}
     for node in parse_records(nodes):
@@ -193,6 +197,7 @@ def partition_limits(partitions: str, nodes: str, qos: dict[str, tuple[int | Non
             qos=part_qos,
             max_submit=submit,
             max_jobs=jobs,
+            max_nodes_per_user=(qos_nodes or {}).get(part_qos) if part_qos else None,
             cores_per_node=min(cores) if cores else None,
             cpus_per_node=min(cpus) if cpus else None,
             nodes=total,
@@ -207,6 +212,28 @@ def parse_qos(text: str) -> dict[str, tuple[int | None, int | None]]:
         name, submit, jobs = (line.split("|") + ["", "", ""])[:3]
         if name.strip():
             out[name.strip()] = (_int(submit), _int(jobs))
+    return out
+
+
+QOS_FORMAT = "name,maxsubmitpu,maxjobspu,maxtrespu"
+
+
+def tres_nodes(tres: str) -> int | None:
+    """The node= count of a TRES string (`cpu=96,node=4`), None when it names none."""
+    for item in tres.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "node":
+            return _int(value)
+    return None
+
+
+def parse_qos_nodes(text: str) -> dict[str, int | None]:
+    """`sacctmgr -n -P show qos format=QOS_FORMAT` -> {name: MaxTRESPU node=}."""
+    out = {}
+    for line in text.splitlines():
+        fields = (line.split("|") + ["", "", "", ""])[:4]
+        if fields[0].strip():
+            out[fields[0].strip()] = tres_nodes(fields[3])
     return out
 
 
@@ -268,14 +295,15 @@ def live_limits(user: str | None = None, account: str | None = None, timeout: fl
     cluster = config.get("ClusterName") or None
     requeue = {"1": True, "0": False}.get(config.get("JobRequeue", ""))
 
-    code, out = _sh(["sacctmgr", "-n", "-P", "show", "qos", "format=name,maxsubmitpu,maxjobspu"], timeout)
+    code, out = _sh(["sacctmgr", "-n", "-P", "show", "qos", f"format={QOS_FORMAT}"], timeout)
     qos = parse_qos(out) if code == 0 else {}
+    qos_nodes = parse_qos_nodes(out) if code == 0 else {}
     if code != 0:
         errors.append(f"sacctmgr show qos: {_last_line(out)}")
 
     code, parts = _sh(["scontrol", "-o", "show", "partition"], timeout)
     code2, nodes = _sh(["scontrol", "-o", "show", "node"], timeout)
-    partitions = partition_limits(parts, nodes if code2 == 0 else "", qos) if code == 0 else {}
+    partitions = partition_limits(parts, nodes if code2 == 0 else "", qos, qos_nodes) if code == 0 else {}
     if code != 0:
         errors.append(f"scontrol show partition: {_last_line(parts)}")
     if code2 != 0:
@@ -298,6 +326,7 @@ def live_limits(user: str | None = None, account: str | None = None, timeout: fl
         account=account,
         partitions=partitions,
         qos=qos,
+        qos_nodes=qos_nodes,
         associations=associations,
         errors=tuple(errors),
     )  # the per-user submit limits are derived from the associations (__post_init__)
@@ -372,3 +401,74 @@ def submit_limit(site: Any, partition: str, live: LiveLimits | None = None) -> t
         return None, f"no submit limit: none in sacctmgr's QoS/associations for partition {partition}, none in the profile"
     why = "; ".join(e for e in live.errors if e.startswith("sacctmgr")) or "sacctmgr gave nothing"
     return None, f"no submit limit known: sacctmgr did not answer ({why}) and the profile names none"
+
+
+def _tightest(found: list[tuple[int, str]]) -> tuple[int | None, str]:
+    return min(found) if found else (None, "")
+
+
+def running_limit(site: Any, partition: str, live: LiveLimits | None) -> tuple[int | None, str]:
+    """(limit, source): the most jobs this user may have running at once on `partition`, the
+    tightest of the partition QoS's MaxJobsPU (live) and the profile's `max_running_jobs`."""
+    found = []
+    part = live.partitions.get(partition) if live is not None else None
+    if part is not None and part.max_jobs is not None:
+        found.append((part.max_jobs, f"sacctmgr: QoS {part.qos} of partition {partition} MaxJobsPU"))
+    prof = site.partitions.get(partition)
+    if prof is not None and prof.max_running_jobs is not None:
+        found.append((int(prof.max_running_jobs), f"site profile {site.name}: partitions.{partition}.max_running_jobs"))
+    return _tightest(found)
+
+
+def node_limit(site: Any, partition: str, live: LiveLimits | None) -> tuple[int | None, str]:
+    """(limit, source): the most nodes this user's running jobs on `partition` may hold together,
+    the tightest of the partition QoS's MaxTRESPU node= (live) and the profile's `max_nodes_per_user`."""
+    found = []
+    part = live.partitions.get(partition) if live is not None else None
+    if part is not None and part.max_nodes_per_user is not None:
+        found.append((part.max_nodes_per_user, f"sacctmgr: QoS {part.qos} of partition {partition} MaxTRESPU node"))
+    prof = site.partitions.get(partition)
+    if prof is not None and prof.max_nodes_per_user is not None:
+        found.append((int(prof.max_nodes_per_user), f"site profile {site.name}: partitions.{partition}.max_nodes_per_user"))
+    return _tightest(found)
+
+
+def corun_problem(site: Any, components: list[tuple[str, int]], live: LiveLimits | None = None) -> str | None:
+    """Why the parts of one stage that must run at the same time (a heterogeneous job's components,
+    each a job to Slurm's limits: (partition, nodes) each) can never all run under the per-user
+    running-job and node caps, or None. A stage refused here would wait forever, or its first
+    component would burn walltime waiting for the others."""
+    jobs: dict[str, int] = {}
+    nodes: dict[str, int] = {}
+    for partition, n in components:
+        jobs[partition] = jobs.get(partition, 0) + 1
+        nodes[partition] = nodes.get(partition, 0) + int(n)
+    for partition in sorted(jobs):
+        limit, source = running_limit(site, partition, live)
+        if limit is not None and jobs[partition] > limit:
+            return (
+                f"partition {partition}: {jobs[partition]} jobs must run together (each component counts), "
+                f"a user may run {limit} at once ({source})"
+            )
+        limit, source = node_limit(site, partition, live)
+        if limit is not None and nodes[partition] > limit:
+            return f"partition {partition}: {nodes[partition]} nodes must be held together, a user may hold {limit} ({source})"
+    return None
+
+
+def stage_problem(site: Any, stage: Any, live: LiveLimits | None = None) -> str | None:
+    """Why a stage (its typed config) cannot run on this site whatever is queued, or None: its
+    sampling engine needs CUDA on an xpu partition, or its components cannot run together."""
+    from snowcat.slurm.site import engine_problem  # noqa: PLC0415 (site imports nothing of this module)
+
+    res = stage.resources
+    comps = dict(res.components.items()) if res.components else {}
+    engine = getattr(stage, "engine", None)
+    where = [comps["rollout"]] if "rollout" in comps else list(comps.values()) or [res]
+    for r in where:
+        why = engine_problem(site, str(r.partition or site.default_partition), engine)
+        if why:
+            return why
+    if len(comps) > 1:
+        return corun_problem(site, [(str(c.partition or site.default_partition), int(c.nodes)) for c in comps.values()], live)
+    return None

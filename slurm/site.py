@@ -37,6 +37,45 @@ class Partition:
     gpu_type: str | None = None
     cpu_arch: str = "x86_64"
     max_submit_jobs: int | None = bounded(None, ge=1)  # QoS MaxSubmitPU: queued + running jobs, array tasks each count
+    max_running_jobs: int | None = bounded(None, ge=1)  # QoS MaxJobsPU: running at once per user (hetjob components each count)
+    max_nodes_per_user: int | None = bounded(None, ge=1)  # QoS MaxTRESPU node= (TACC qlimits MaxNodePU): over running jobs
+    accelerator: Literal["auto", "cuda", "xpu", "none"] = "auto"  # auto: cuda where the nodes have GPUs, else none
+    sources: dict[str, str] = field(default_factory=dict)  # limit field -> "URL (read YYYY-MM-DD)" or "unverified"
+
+    def accel(self) -> str:
+        """The accelerator kind of the nodes: cuda (NVIDIA), xpu (Intel Data Center GPU Max), or none."""
+        if self.accelerator != "auto":
+            return self.accelerator
+        return "cuda" if self.gpus_per_node else "none"
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What `snowcat plan` needs to know of one partition's nodes (docs/planning.md); None: not
+    known, and a plan that needs it says which key is missing."""
+
+    charge_per_node_hour: float | None = bounded(None, ge=0)  # accounting units (planner.charge_unit) per node-hour
+    device_memory_gib: float | None = bounded(None, gt=0)  # per GPU; unset on CPU nodes: mem_gb over the node's ranks
+    peak_tflops: float | None = bounded(None, gt=0)  # per GPU, dense bf16; on CPU nodes per node, float32
+    memory_gbps: float | None = bounded(None, gt=0)  # per GPU, HBM bandwidth (CPU nodes: per node, DRAM)
+    intra_node_gbps: float | None = bounded(None, gt=0)  # GPU to GPU inside a node, per GPU and direction (NVLink)
+    inter_node_gbps: float | None = bounded(None, gt=0)  # per node and direction, the interconnect (InfiniBand)
+
+
+@dataclass(frozen=True)
+class Planner:
+    """The facts and assumptions `snowcat plan` rests on (docs/planning.md). The assumptions have
+    documented defaults; every figure the planner prints names the ones it used."""
+
+    charge_unit: str = "node-hours"  # what the allocation is counted in (JSC: core-h, TACC: SUs)
+    mfu: float = bounded(0.25, gt=0, le=1)  # achieved fraction of peak_tflops in training (assumption)
+    bandwidth_efficiency: float = bounded(0.6, gt=0, le=1)  # achieved fraction of the links' bandwidth (assumption)
+    memory_margin: float = bounded(0.1, ge=0, le=0.9)  # fraction of device memory a plan leaves free
+    filesystem_gbps: float = bounded(2.0, gt=0)  # shared filesystem, one job's write or read (weight handoff)
+    budget: Literal["none", "jutil", "taccinfo"] = "none"  # where the remaining allocation could be read (a stub)
+    partitions: dict[str, NodeCost] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)  # keys below planner. whose values no document confirmed
 
 
 @dataclass(frozen=True)  # read-only: what the site allows is not changed by the code that reads it
@@ -75,6 +114,8 @@ class SiteProfile:
     env: dict[str, str] = field(default_factory=dict)
     master_addr_suffix: str = ""  # JSC: append "i" to a hostname to use its InfiniBand address
     rollout_engine: Literal["torch", "vllm"] = "torch"  # what a sampling stage's `engine: auto` means here
+    planner: Planner = field(default_factory=Planner)  # hardware, charge rates and assumptions of `snowcat plan`
+    env_setup: str | None = None  # the login-node command that sets the site's variables (JSC: jutil env activate)
 
     def problems(self) -> Iterator[Problem]:
         """Checks across fields (types, choices and ranges are checked when the profile loads)."""
@@ -87,6 +128,50 @@ class SiteProfile:
         for opt in self.rejected_options:
             if not opt.startswith("--"):
                 yield "rejected_options", f"{opt!r}: write long options with leading dashes, e.g. '--mem'"
+        for name in self.planner.partitions:
+            if name not in self.partitions:
+                yield f"planner.partitions.{name}", f"not one of the partitions {list(self.partitions)}"
+        for name, part in self.partitions.items():
+            for key in part.sources:
+                if key not in LIMIT_FIELDS:
+                    yield f"partitions.{name}.sources.{key}", f"not a limit field; one of {', '.join(LIMIT_FIELDS)}"
+            if part.accelerator in ("cuda", "xpu") and not part.gpus_per_node:
+                yield f"partitions.{name}.accelerator", f"{part.accelerator} on nodes without GPUs (gpus_per_node is 0)"
+            if part.max_nodes_per_user is not None and part.max_nodes > part.max_nodes_per_user:
+                yield (
+                    f"partitions.{name}.max_nodes",
+                    f"{part.max_nodes} per job is over max_nodes_per_user {part.max_nodes_per_user}",
+                )
+
+
+# Per-partition limits that must name where they came from (partitions.P.sources.F, or
+# partitions.P.F in `unverified`): `snowcat doctor` names the ones that do not.
+LIMIT_FIELDS = ("max_nodes", "max_time_min", "max_submit_jobs", "max_running_jobs", "max_nodes_per_user")
+CUDA_ENGINES = {"vllm"}  # rollout engines whose GPU build needs NVIDIA GPUs (vLLM's CUDA wheels and images)
+
+
+def unsourced_limits(site: SiteProfile) -> list[str]:
+    """Keys (`partitions.gh.max_running_jobs`) of limits the profile sets without a source: no
+    `sources` entry in their partition and not listed in `unverified`."""
+    out = []
+    for name, part in site.partitions.items():
+        for key in LIMIT_FIELDS:
+            full = f"partitions.{name}.{key}"
+            if getattr(part, key) is not None and not part.sources.get(key) and full not in site.unverified:
+                out.append(full)
+    return out
+
+
+def engine_problem(site: SiteProfile, partition: str, engine: str | None) -> str | None:
+    """Why `engine` cannot sample on `partition`, or None: vLLM's CUDA build on Intel xpu GPUs. (On
+    nodes without GPUs vLLM's CPU build runs, as in configs/demo-vllm.yaml.)"""
+    part = site.partitions.get(partition)
+    if part is None or engine not in CUDA_ENGINES or part.accel() != "xpu":
+        return None
+    return (
+        f"engine {engine} needs CUDA GPUs; partition {partition} of site {site.name} has Intel Data Center GPU Max "
+        "(xpu) GPUs: use engine: torch or a CUDA partition"
+    )
 
 
 def list_sites() -> list[str]:
@@ -235,6 +320,8 @@ def validate_request(
         raise UserError(f"{where}: {gpus_per_node} GPUs per node requested, nodes have {part.gpus_per_node}")
     if not 1 <= nodes <= part.max_nodes:
         raise UserError(f"{where}: {nodes} nodes requested, allowed 1..{part.max_nodes}")
+    if part.max_nodes_per_user is not None and nodes > part.max_nodes_per_user:
+        raise UserError(f"{where}: {nodes} nodes requested, a user may hold {part.max_nodes_per_user} (max_nodes_per_user)")
     if not 0 < time_min <= part.max_time_min:
         raise UserError(f"{where}: walltime {time_min} min requested, maximum {part.max_time_min} min")
     if array_size and not site.arrays_allowed:

@@ -252,7 +252,10 @@ class Parallelism:
         if self.backend == "torch" and self.zero_stage == 3:
             yield "zero_stage", "ZeRO-3 needs backend: fsdp or deepspeed"
         if self.backend == "deepspeed" and self.expert_parallel > 1:
-            yield "expert_parallel", "needs backend: torch, fsdp or megatron (DeepSpeed's ZeRO would treat the expert shards as replicated)"
+            yield (
+                "expert_parallel",
+                "needs backend: torch, fsdp or megatron (DeepSpeed's ZeRO would treat the expert shards as replicated)",
+            )
         for key in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, key) > 1 and self.backend != "megatron":
                 yield key, f"needs backend: megatron (got {self.backend})"
@@ -289,6 +292,11 @@ class SftConfig(Parallelism):
     eval_max_new_tokens: int = bounded(40, ge=1)  # a 3-digit arith worked solution is ~30 tokens
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # where repository tasks' demonstrations run
     traces: list[str] = field(default_factory=list)  # JSONL files of external agent traces (OpenAI-style messages)
+    # Where demonstrations come from, each with its weight (repeats per epoch; a fraction: a seeded share
+    # of them once more): `tasks` (the tasks stage's own, with their Relay variants), `traces` (the files
+    # above), `teacher:<stage>` (a teacher stage's verified successes; the stage must be in needs).
+    # Empty: {tasks: 1, traces: 1}. A source left out is not read.
+    mix: dict[str, float] = field(default_factory=dict)
 
     def checkpoint_names(self) -> tuple[str, ...]:
         """What this stage writes under checkpoints/ (`initial` only when it initialises the model)."""
@@ -303,6 +311,68 @@ class SftConfig(Parallelism):
         for domain, n in self.domain_repeats.items():
             if n < 0:
                 yield f"domain_repeats.{domain}", f"must be >= 0, got {n}"
+        for source, w in self.mix.items():
+            kind, _, stage = source.partition(":")
+            if source not in ("tasks", "traces") and not (kind == TEACHER_PREFIX and stage):
+                yield f"mix.{source}", "not a source: tasks, traces or teacher:<stage>"
+            elif kind == TEACHER_PREFIX and stage not in self.needs:
+                yield "needs", f"add {stage!r} (named in mix.{source})"
+            if not w >= 0:
+                yield f"mix.{source}", f"must be >= 0, got {w}"
+        if self.mix and not any(w > 0 for w in self.mix.values()):
+            yield "mix", "at least one source needs a weight > 0"
+
+    def run_problems(self, run) -> Iterator[Problem]:
+        """A `teacher:<stage>` source must name a teacher stage of the run."""
+        for source in self.mix:
+            kind, _, stage = source.partition(":")
+            if kind == TEACHER_PREFIX and stage in run.stages and run.stages[stage].kind != "teacher":
+                yield f"mix.{source}", f"stage {stage!r} is a {run.stages[stage].kind} stage, not a teacher stage"
+
+
+# ---------------------------------------------------------------- teacher
+
+TEACHER_PREFIX = "teacher"  # sft.mix names a teacher stage's demonstrations `teacher:<stage>`
+
+
+@dataclass
+class TeacherConfig:
+    """A teacher model plays the training tasks in the same agent loop, tools and sandboxes as the
+    policy; its verified successes become SFT demonstrations (stages/teacher.py, docs/recipes.md).
+    A job array: `fan_out: {shard: [0, 1, ..., N-1]}` gives element i the i-th of N blocks of the tasks."""
+
+    teacher: str = checkpoint_refs("")  # "<needed stage>:<checkpoint>" or "hf:<dir or org/name>" (staged)
+    tasks: str = stage_input("tasks")  # the tasks stage; its train split is played
+    limit: int = bounded(0, ge=0)  # the first N train tasks, taken from the domains in turn (0 = all)
+    shard: int = bounded(0, ge=0)  # this unit's share (set by fan_out: {shard: [0, ..., N-1]})
+    attempts: int = bounded(4, ge=1)  # episodes per task (k of best-of-k)
+    keep: Literal["all", "best"] = "all"  # every distinct verified success, or the first one per task
+    env: Env = "single"
+    require_tool: bool = True  # calculator env: answering an arith task without the tool scores 0
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(0, ge=0)
+    max_context: int = bounded(256, ge=1)
+    max_turn_tokens: int = bounded(48, ge=1)
+    max_turns: int = bounded(1, ge=1)
+    batch_size: int = bounded(64, ge=1)  # episodes advanced together; also the unit of resumption
+    infra_retries: int = bounded(1, ge=0)  # an episode that ended in infra_error is played again (same seeds)
+    verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
+    # a verification past this is killed and counts as infra_error; 0: in this process, unbounded (as RL verifies)
+    verifier_timeout_s: float = bounded(30.0, ge=0)
+    engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+    def problems(self) -> Iterator[Problem]:
+        if not self.teacher:
+            yield "teacher", "name the teacher model: '<needed stage>:<checkpoint>' or 'hf:<dir or org/name>'"
+        shards = self.fan_out.get("shard")
+        if shards is not None and sorted(shards) != list(range(len(shards))):
+            yield "fan_out.shard", f"must be the shards 0..N-1 once each, got {list(shards)}"
+        yield from _needs_problems(self.needs, ("tasks", self.tasks))
+        yield from _engine_problems(self.engine, self.image)
+        yield from _verifier_problems(self.verifier)
 
 
 # ---------------------------------------------------------------- probe and select
@@ -366,6 +436,13 @@ class RlConfig(Parallelism):
     tasks_input: str = stage_input("tasks")  # the tasks stage (train split fallback, val split for the quick eval)
     band_input: str = stage_input("select")  # the select stage's band.parquet, when that stage is needed
     domains: list[str] = field(default_factory=list)  # restrict training tasks to these domains (empty = all)
+    # Rehearsal (docs/recipes.md): every batch mixes these domains by weight (`stages/rl.py:
+    # domain_quotas`); only they are trained, and all of them, weight 0 included, are held out for the
+    # quick eval, so what was kept and what was lost shows per domain. Empty: the pool as it comes.
+    domain_weights: dict[str, float] = field(default_factory=dict)
+    # Prompted rollouts, unprompted updates (docs/recipes.md): a system message present when sampling
+    # and removed, token-exactly, from the context the update is computed on; "" = none
+    rollout_prompt: str = ""
     env: Env = "single"
     verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
     reward: Literal["pass", "score"] = "pass"  # pass: 1 if the verifier passes, else 0 | score: its partial credit
@@ -421,6 +498,31 @@ class RlConfig(Parallelism):
         yield from _engine_problems(self.engine, self.image or role_image)  # the rollout role's image carries vLLM
         if self.router_replay and self.engine == "vllm":  # `auto` is resolved to the site's engine by now
             yield "router_replay", "needs engine: torch (the vLLM engine does not return the experts it routed each token to)"
+        yield from self._recipe_problems()
+
+    def _recipe_problems(self) -> Iterator[Problem]:
+        if self.domain_weights and self.domains:
+            yield "domain_weights", "give domains (a filter) or domain_weights (a mix), not both"
+        for domain, w in self.domain_weights.items():
+            if not w >= 0:
+                yield f"domain_weights.{domain}", f"must be >= 0, got {w}"
+        if self.domain_weights and not any(w > 0 for w in self.domain_weights.values()):
+            yield "domain_weights", "at least one domain needs a weight > 0 (weight 0: held out, never trained)"
+        if self.rollout_prompt and self.router_replay:
+            yield "rollout_prompt", "cannot go with router_replay (the experts were routed with the prompt in context)"
+
+    def run_problems(self, run) -> Iterator[Problem]:
+        """Checks against the other stages of the run (pipeline.config calls it before anything is submitted)."""
+        tasks = run.stages.get(self.tasks_input.partition("[")[0])
+        if tasks is None or tasks.kind != "tasks" or not self.domain_weights:
+            return
+        known = sorted({*tasks.generated(), *(imp.domain for imp in tasks.imports)})
+        for domain in self.domain_weights:
+            if domain not in known:
+                yield (
+                    f"domain_weights.{domain}",
+                    f"stage {self.tasks_input!r} makes no such domain (its domains: {', '.join(known)})",
+                )
 
 
 # ---------------------------------------------------------------- evaluate and export
@@ -558,6 +660,7 @@ KINDS: dict[str, type] = {
     "validate": ValidateConfig,
     "tasks": TasksConfig,
     "sft": SftConfig,
+    "teacher": TeacherConfig,
     "probe": ProbeConfig,
     "select": SelectConfig,
     "rl": RlConfig,
@@ -568,7 +671,7 @@ KINDS: dict[str, type] = {
     "mpi_check": MpiCheckConfig,
 }
 # Kinds that run a model and so want GPUs by default; the others are CPU work (resources.gpus_per_node).
-GPU_KINDS = frozenset({"sft", "probe", "rl", "evaluate", "export"})
+GPU_KINDS = frozenset({"sft", "teacher", "probe", "rl", "evaluate", "export"})
 # Kinds that checkpoint on the preemption notice and continue from there; a walltime continuation of any
 # other kind would start from scratch and end the same way, so they get none (stages.X.resume).
-RESUMABLE_KINDS = frozenset({"validate", "sft", "probe", "rl"})  # validate: from the verdict cache
+RESUMABLE_KINDS = frozenset({"validate", "sft", "teacher", "probe", "rl"})  # validate: from the verdict cache

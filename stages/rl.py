@@ -25,8 +25,12 @@ its checkpoint while rollout ranks wait; they leave after it (`stages.rlcore.pre
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import time
+import zlib
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -69,10 +73,18 @@ def load_pool(ctx, cfg: Config):
         pool = [t for t in pool if t.domain in set(cfg.domains)]
         if not pool:
             raise UserError(f"rl.domains={list(cfg.domains)}: no training task in these domains")
+    domains = sorted({t.domain for t in pool})
+    if cfg.domain_weights:  # rehearsal: the weighted domains are trained, every named one is held out
+        for d, w in sorted(cfg.domain_weights.items()):
+            if w > 0 and not any(t.domain == d for t in pool):
+                raise UserError(
+                    f"stages.{ctx.name}.domain_weights.{d}: no training task of domain {d!r} (domains: {', '.join(domains)})"
+                )
+        pool = [t for t in pool if cfg.domain_weights.get(t.domain, 0) > 0]
+        domains = sorted(cfg.domain_weights)
     if len(pool) < cfg.tasks_per_update:
         raise UserError(f"rl.tasks_per_update={cfg.tasks_per_update} exceeds the {len(pool)} training tasks")
     val = load_tasks(tasks_dir, selection_split(tasks_dir))
-    domains = sorted({t.domain for t in pool})
     per = max(1, cfg.eval_tasks // max(1, len(domains)))
     held_out = [t for d in domains for t in [v for v in val if v.domain == d][:per]]
     return pool, held_out
@@ -88,6 +100,76 @@ def batch_tasks(pool: list, tasks_per_update: int, seed: int, batch_index: int) 
         epoch, i = divmod(pos, n)
         out.append(pool[int(np.random.default_rng([seed, 7, epoch]).permutation(n)[i])])
     return out
+
+
+def _mix(weights: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    """The trained domains (weight > 0) and their weights, in name order: the key of the memo below."""
+    return tuple(sorted((d, float(w)) for d, w in weights.items() if w > 0))
+
+
+def _shares(mix: tuple, per_batch: int) -> tuple[dict[str, int], dict[str, Fraction]]:
+    """floor(p·B) per domain and the fraction left over (exact: Fractions of the weights as given)."""
+    total = sum(Fraction(w) for _, w in mix)
+    exact = {d: Fraction(w) / total * per_batch for d, w in mix}
+    base = {d: math.floor(x) for d, x in exact.items()}
+    return base, {d: exact[d] - base[d] for d in exact}
+
+
+@functools.lru_cache(maxsize=8)
+def _ceilings(mix: tuple, per_batch: int) -> list[dict[str, int]]:
+    """Row k: how many of batches 0..k-1 gave each domain its ceiling (grown on demand by `_given`)."""
+    return [dict.fromkeys((d for d, _ in mix), 0)]
+
+
+def _given(mix: tuple, per_batch: int, batches: int) -> dict[str, int]:
+    table = _ceilings(mix, per_batch)
+    _, frac = _shares(mix, per_batch)
+    extra = int(sum(frac.values()))  # ceilings handed out per batch: B - sum of the floors
+    order = [d for d, _ in mix]
+    while len(table) <= batches:
+        k, given = len(table) - 1, dict(table[-1])
+        owed = {d: frac[d] * (k + 1) - given[d] for d in order}
+        for d in sorted(order, key=lambda d: (-owed[d], order.index(d)))[:extra]:
+            given[d] += 1
+        table.append(given)
+    return table[batches]
+
+
+def domain_quotas(weights: dict[str, float], per_batch: int, batch_index: int) -> dict[str, int]:
+    """Tasks of each trained domain (weight > 0, name order) in batch k. A domain of share
+    p = w / sum(w) gets floor(p·B) or ceil(p·B) tasks in every batch; the B - sum(floors) ceilings of
+    a batch go to the domains owed most (owed = frac(p·B)·(k+1) - ceilings so far; ties by name),
+    so over the first K batches a domain's total stays within one task of p·B·K. Exact (fractions),
+    a pure function of (weights, B, k)."""
+    mix = _mix(weights)
+    base, _ = _shares(mix, per_batch)
+    after, before = _given(mix, per_batch, batch_index + 1), _given(mix, per_batch, batch_index)
+    return {d: base[d] + after[d] - before[d] for d in base}
+
+
+def weighted_batch_tasks(pool: list, weights: dict[str, float], tasks_per_update: int, seed: int, batch_index: int) -> list:
+    """Batch k under `rl.domain_weights`: `domain_quotas` tasks of each domain, in name order, each
+    domain's tasks read on from its own endless sequence of seeded per-epoch permutations from where
+    its earlier batches stopped, so the order is a pure function of (seed, k)."""
+    mix = _mix(weights)
+    base, _ = _shares(mix, tasks_per_update)
+    before = _given(mix, tasks_per_update, batch_index)
+    out = []
+    for d, quota in domain_quotas(weights, tasks_per_update, batch_index).items():
+        tasks = [t for t in pool if t.domain == d]
+        n, tag = len(tasks), zlib.crc32(d.encode())
+        first = base[d] * batch_index + before[d]  # the domain's tasks drawn by the earlier batches
+        for pos in range(first, first + quota):
+            epoch, i = divmod(pos, n)
+            out.append(tasks[int(np.random.default_rng([seed, 7, tag, epoch]).permutation(n)[i])])
+    return out
+
+
+def tasks_of_batch(cfg: Config, pool: list, seed: int, batch_index: int) -> list:
+    """The tasks of batch k: mixed by `domain_weights` when given, else `batch_tasks`."""
+    if cfg.domain_weights:
+        return weighted_batch_tasks(pool, cfg.domain_weights, cfg.tasks_per_update, seed, batch_index)
+    return batch_tasks(pool, cfg.tasks_per_update, seed, batch_index)
 
 
 def batch_seed(seed: int, batch_index: int) -> int:
@@ -128,7 +210,7 @@ class Rollout:
         v = version_for_batch(k, self.cfg.lag)
         if v != self.version:
             self.load(v)
-        tasks = batch_tasks(self.pool, self.cfg.tasks_per_update, self.ctx.seed, k)
+        tasks = tasks_of_batch(self.cfg, self.pool, self.ctx.seed, k)
         trajs = generate_batch(self.engine, self.tok, tasks, self.cfg, self.params, batch_seed(self.ctx.seed, k), v)
         self.transport.send_batch(k, trajs)
 

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,7 +41,9 @@ from snowcat.pipeline.offline import load_index, staged_revision
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.pipeline.schema import HF_PREFIX, hub_id
 from snowcat.stages.agent import teacher_messages
+from snowcat.stages.agent.demos import read_demos
 from snowcat.stages.agent.traces import TraceError, import_traces
+from snowcat.stages.config import TEACHER_PREFIX
 from snowcat.stages.config import SftConfig as Config
 from snowcat.stages.model import PRESETS, MoEForCausalLM, count_params, hf, load_model_dir, open_model_dir, save_model_dir
 from snowcat.stages.model.io import copy_model_dir
@@ -167,6 +170,35 @@ def tokenizer_corpus(tasks, demos: dict | None = None) -> list[str]:
     demos = demos or {}
     texts = [message_text(m) for msgs in demos.values() for m in msgs]
     return [t.prompt for t in tasks] + [demonstration(t) for t in tasks if t.task_id not in demos] + texts + [RETRY_PROMPT]
+
+
+def weighted(conversations: list, weight: float, seed: int, source: str) -> list:
+    """A source's conversations `weight` times per epoch: each floor(weight) times, and a seeded share
+    frac(weight) of them once more (drawn by source name and seed; weight 1: each once, no draw)."""
+    whole, frac = int(weight), weight - int(weight)
+    out = [c for c in conversations for _ in range(whole)]
+    if frac > 0:
+        rng = np.random.default_rng([seed, 3, zlib.crc32(source.encode())])
+        n = int(round(frac * len(conversations)))
+        out += [conversations[int(i)] for i in sorted(rng.permutation(len(conversations))[:n])]
+    return out
+
+
+def teacher_conversations(ctx, cfg: Config, mix: dict) -> list[tuple[list[dict], str]]:
+    """(messages, "teacher:<stage>") of every `teacher:<stage>` source of `mix` with a weight > 0: the
+    stage's verified successes as text, rendered later through this model's chat template."""
+    out = []
+    for source, w in sorted(mix.items()):
+        kind, _, stage = source.partition(":")
+        if kind != TEACHER_PREFIX or w <= 0:
+            continue
+        if stage not in ctx.inputs:
+            raise UserError(f"stages.{ctx.name}.mix.{source}: stage {stage!r} is not in needs")
+        try:
+            out += [(d["messages"], source) for d in read_demos(ctx.inputs[stage])]
+        except FileNotFoundError as e:
+            raise UserError(f"stages.{ctx.name}.mix.{source}: {e}") from None
+    return out
 
 
 # ---------------------------------------------------------------- helpers
@@ -297,6 +329,8 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
     tasks_dir = _tasks_dir(ctx, cfg)
     train_tasks = load_tasks(tasks_dir, "train")
     domains = sorted({t.domain for t in train_tasks})
+    mix = dict(cfg.mix) or {"tasks": 1.0, "traces": 1.0}
+    sampled = teacher_conversations(ctx, cfg, mix)  # teacher:<stage> sources: (messages, source) per demonstration
     demos = shared_teacher_demos(
         out / DEMOS_FILE,
         train_tasks,
@@ -321,7 +355,8 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
             meta = {"stage": ctx.name, "seed": ctx.seed, "step": 0, "lineage": lineage(ctx, cfg)}
             copy_model_dir(source, ckpts / "initial", tok, meta=meta)
     else:
-        tok = train_tokenizer(tokenizer_corpus(train_tasks, demos), cfg.tokenizer_vocab_size)
+        extra = [message_text(m) for msgs, _ in sampled for m in msgs if m.get("content")]
+        tok = train_tokenizer(tokenizer_corpus(train_tasks, demos) + extra, cfg.tokenizer_vocab_size)
         mcfg = PRESETS[cfg.model]
         mcfg = dataclasses.replace(mcfg, vocab_size=tok.vocab_size)
         torch.manual_seed(ctx.seed)
@@ -343,14 +378,22 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
 
     # Data: deterministic from (tasks, tokenizer, seed); the loader's position is checkpointed.
     examples = []
-    conversations = build_conversations(train_tasks, cfg.relay_fraction, ctx.seed, demos)
-    for i, path in enumerate(cfg.traces):
+    conversations = []
+    if mix.get("tasks", 0) > 0:
+        own = build_conversations(train_tasks, cfg.relay_fraction, ctx.seed, demos)
+        conversations += weighted(own, mix["tasks"], ctx.seed, "tasks")
+    traces = []
+    for i, path in enumerate(cfg.traces if mix.get("traces", 0) > 0 else []):
         try:
-            conversations += [(msgs, "traces") for msgs in import_traces(path)]
+            traces += [(msgs, "traces") for msgs in import_traces(path)]
         except (OSError, TraceError) as e:
             raise UserError(f"stages.{ctx.name}.traces[{i}]: {e}") from None
-    if cfg.traces:
+    if traces:
+        conversations += weighted(traces, mix["traces"], ctx.seed, "traces")
         domains.append("traces")
+    for source in sorted({src for _, src in sampled}):
+        conversations += weighted([c for c in sampled if c[1] == source], mix[source], ctx.seed, source)
+        domains.append(source)
     dom_index = {d: i for i, d in enumerate(domains)}
     for msgs, dom in conversations:
         ids, mask = tok.encode_chat(msgs)

@@ -237,7 +237,10 @@ def test_scontrol_and_sacctmgr_output_parse_into_live_limits():
 
 
 def test_submit_limit_is_the_tightest_known_and_names_its_source():
-    vista = load_site("tacc-vista")  # gh: max_submit_jobs 40 in the profile
+    vista = load_site("tacc-vista")  # gh: max_submit_jobs 40 in the profile; gg: none here (the profile has 40)
+    vista = dataclasses.replace(
+        vista, partitions={**vista.partitions, "gg": dataclasses.replace(vista.partitions["gg"], max_submit_jobs=None)}
+    )
     live = limits.LiveLimits(
         account="A-ccsc",
         partitions={"gh": limits.PartitionLimits(qos="gh", max_submit=50), "gg": limits.PartitionLimits()},

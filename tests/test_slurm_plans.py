@@ -154,10 +154,11 @@ def test_submit_limit_refuses_before_anything_is_queued(snowcat, scheduler, tmp_
     proc = snowcat("run", demo, *vista, "--run-dir", run_dir)
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    assert "partition gh: this submission needs 19 jobs" in line and "limit 15" in line, line
+    # the plan's site check refuses first (pipeline/plan), naming the queue, the count and the key
+    assert "gh: 19 jobs, limit 15" in line and "partitions.gh.max_submit_jobs" in line, line
     assert "nothing was submitted" in line
     assert not _sbatch_calls(scheduler)
-    assert not any(r.get("job_ids") for r in RunDir.open(run_dir).state()["stages"].values())
+    assert not run_dir.exists()  # refused before the run directory was made: nothing half-written
 
     fewer = [f"stages.{s}.resume.max_continuations=0" for s in ("sft", "probe", "rl")]
     snowcat("run", demo, *fewer, *vista, "--run-dir", tmp_path / "r2", check=True)

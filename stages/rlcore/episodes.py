@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
+from snowcat.stages.agent.prompting import PromptedEnv
 from snowcat.stages.config import env_options
 from snowcat.stages.verifiers import load_verifier
 
@@ -27,6 +28,8 @@ def reward_verifier(spec: str, reward: str):
 
 def generate_batch(engine, tok, tasks, cfg, params, seed: int, policy_version: int):
     env = make_env(cfg.env, tok, **env_options(cfg.env, cfg))
+    if cfg.rollout_prompt:  # in the context sampled in; the trainer removes it from the update's (docs/recipes.md)
+        env = PromptedEnv(env, cfg.rollout_prompt)
     budget = Budget(max_context=cfg.max_total_tokens, max_turn_tokens=cfg.max_tokens, max_turns=cfg.max_turns)
     # group_id = position of the task in the batch: the attempts at one task form one group
     jobs = [EpisodeJob(task, group_id=g, attempt=a) for g, task in enumerate(tasks) for a in range(cfg.attempts)]

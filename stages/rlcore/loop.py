@@ -22,10 +22,11 @@ from torch.distributed.fsdp import FSDPModule
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.pipeline.retention import RetentionPolicy
-from snowcat.stages.agent import STATUSES
+from snowcat.stages.agent import STATUSES, make_env
 from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
+from snowcat.stages.agent.prompting import PromptError, PromptStripper
 from snowcat.stages.algorithms import PolicyLossConfig
-from snowcat.stages.config import keep_trajectories
+from snowcat.stages.config import env_options, keep_trajectories
 from snowcat.stages.evalstats import mean_se
 from snowcat.stages.model.io import copy_model_dir, empty_model
 from snowcat.stages.rlcore.handoff import HandoffError
@@ -100,6 +101,31 @@ def engine_counters(out: Path) -> dict[str, float]:
             if key != "version":
                 total[f"engine/{key}"] = total.get(f"engine/{key}", 0.0) + float(value)
     return total
+
+
+def prompt_gap_sums(trajs, prompted: dict, update: dict, with_prompt, without, turns: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sums `Trainer._prompt_gap` reports, over the rows of `trajs` (as sampled, prompted):
+    [gap sum of turn 1..turns, tokens of turn 1..turns, engine |dlogp| sum, engine k3 sum, tokens] and
+    [engine max |dlogp|]. `prompted` / `update` are `make_batch` of the trajectories with and without the
+    prompt, `with_prompt` / `without` their actions' logprobs [rows, L-1]: row b's trained tokens are
+    the same actions in the same order in both (the prompt precedes them all)."""
+    sums, peak = np.zeros(2 * turns + 3), np.zeros(1)
+    for b, t in enumerate(trajs):
+        mp, mu = prompted["mask"][b] > 0, update["mask"][b] > 0
+        if int(mp.sum()) != int(mu.sum()):
+            raise ValueError(
+                f"trajectory {t.task_id}/{t.attempt}: {int(mp.sum())} actions sampled, {int(mu.sum())} in the update"
+            )
+        ours = with_prompt[b][mp].double()
+        gap = (ours - without[b][mu].double()).numpy()
+        starts = [s for s, _ in t.turn_boundaries]
+        turn = np.searchsorted(starts, mp.nonzero()[:, 0].numpy() + 1, side="right") - 1  # target p is token p + 1
+        np.add.at(sums, turn, gap)
+        np.add.at(sums, turns + turn, 1.0)
+        delta = (ours - prompted["rollout_logprobs"][b][mp].double()).numpy()
+        sums[2 * turns :] += [np.abs(delta).sum(), (np.exp(delta) - delta - 1).sum(), len(delta)]
+        peak[0] = max(peak[0], float(np.abs(delta).max(initial=0.0)))
+    return sums, peak
 
 
 class Trainer(TrainLoop):
@@ -183,6 +209,8 @@ class Trainer(TrainLoop):
         keep = keep_trajectories(cfg.keep_trajectories) if self.lead else 0
         self.kept = TrajectoryWriter(self.out / DIRNAME, stage=ctx.name, env=cfg.env, keep=keep, seed=ctx.seed)
         self.tasks: dict = {}  # task id -> Task (rl.run sets it): the kept rows' answer keys and test paths
+        self.stripper = None  # rollout_prompt: removes the prompt's ids from each trajectory (made on first use)
+        self._gap: dict = {}  # rollout_prompt: this step's prompted-vs-unprompted likelihood gap
 
     # ---------------------------------------------------------------- TrainLoop parts
 
@@ -215,10 +243,62 @@ class Trainer(TrainLoop):
             self.save()
             raise self.ctx.Preempted(f"rl: checkpointed at step {self.step} while waiting for batch {k}")
         self._wait = time.perf_counter() - t1
-        self.kept.write(f"step_{k:06d}", self.trajs, self.tok, step=k, tasks=self.tasks)
-        batch = self._own_rows(make_batch(self.trajs, self.tok.pad_id, self.cfg.estimator))
+        self.kept.write(f"step_{k:06d}", self.trajs, self.tok, step=k, tasks=self.tasks)  # as sampled (prompted)
+        update = self._update_context(self.trajs)
+        batch = self._own_rows(make_batch(update, self.tok.pad_id, self.cfg.estimator))
         self._add_behaviour_logprobs(batch, {t.policy_version for t in self.trajs})
+        self._gap = self._prompt_gap(batch) if self.cfg.rollout_prompt else {}
         return [batch]
+
+    # ---------------------------------------------------------------- prompted rollouts, unprompted updates
+
+    def _update_context(self, trajs: list) -> list:
+        """The trajectories the update is computed on: as sampled, or with `rollout_prompt`'s ids
+        removed (stages/agent/prompting.py; token-exact, checked per trajectory)."""
+        if not self.cfg.rollout_prompt:
+            return trajs
+        if self.stripper is None:
+            env = make_env(self.cfg.env, self.tok, **env_options(self.cfg.env, self.cfg))
+            self.stripper = PromptStripper(env, self.cfg.rollout_prompt, self.tasks)
+        try:
+            return self.stripper(trajs)
+        except PromptError as e:
+            raise UserError(f"stages.{self.ctx.name}.rollout_prompt: {e}") from None
+
+    def _prompt_gap(self, batch: dict) -> dict[str, float]:
+        """Per turn, the mean log-probability of the actions taken with the prompt in context minus
+        without it, under the weights that sampled them (`prompt_gap/turn_<t>`, `prompt_gap/mean`);
+        and the engine-vs-trainer mismatch in the context the engine sampled in
+        (`mismatch_prompted/*`; `mismatch/*` then holds the prompt's effect too, which is what TIS
+        corrects). This rank's rows, summed over the trainer ranks (collective)."""
+        rows = batch["input_ids"].shape[0]
+        lo = self.group.Get_rank() * len(self.trajs) // self.group.Get_size() if self.group is not None else 0
+        trajs = self.trajs[lo : lo + rows]
+        prompted = make_batch(trajs, self.tok.pad_id, self.cfg.estimator)
+        stale = "logp_old" in batch  # the batch came from older weights: the behaviour copy holds them
+        model = self.behaviour if stale else self.model
+        with torch.no_grad():
+            on_device = {k: v.to(self.device) for k, v in prompted.items()}
+            with_prompt = sampled_logprobs(model, on_device, self.params)[0].double().cpu()
+            if stale:
+                without = batch["logp_old"].double().cpu()
+            else:
+                without = sampled_logprobs(model, {k: v.to(self.device) for k, v in batch.items()}, self.params)[0]
+                without = without.double().cpu()
+        turns = self.cfg.max_turns
+        sums, peak = prompt_gap_sums(trajs, prompted, batch, with_prompt, without, turns)
+        if self.group is not None:
+            from mpi4py import MPI  # noqa: PLC0415
+
+            self.group.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+            self.group.Allreduce(MPI.IN_PLACE, peak, op=MPI.MAX)
+        tokens = sums[2 * turns + 2]
+        rec = {f"prompt_gap/turn_{i + 1}": sums[i] / sums[turns + i] for i in range(turns) if sums[turns + i]}
+        rec["prompt_gap/mean"] = float(sums[:turns].sum() / tokens) if tokens else float("nan")
+        rec["mismatch_prompted/mean_abs_dlogp"] = float(sums[2 * turns] / tokens) if tokens else float("nan")
+        rec["mismatch_prompted/k3_kl"] = float(sums[2 * turns + 1] / tokens) if tokens else float("nan")
+        rec["mismatch_prompted/max_abs_dlogp"] = float(peak[0])
+        return {k: float(v) for k, v in rec.items()}
 
     def _receive(self, k: int):
         """Batch k on every trainer rank; None when rank 0's wait was interrupted by a notice."""
@@ -283,7 +363,10 @@ class Trainer(TrainLoop):
             "time/wait_batch_s": self._wait,
             "throughput/sampled_tokens_per_s": sampled / max(step_time, 1e-9),
         }
-        rec["alarm/mismatch_kl"] = float(self._mismatch_alarm(rec.get("mismatch/k3_kl", float("nan"))))
+        rec |= self._gap
+        # with a rollout prompt, mismatch/* holds the prompt's effect: the alarm reads the engine's own
+        kl_key = "mismatch_prompted/k3_kl" if self.cfg.rollout_prompt else "mismatch/k3_kl"
+        rec["alarm/mismatch_kl"] = float(self._mismatch_alarm(rec.get(kl_key, float("nan")), kl_key))
         return rec | engine_counters(self.out)
 
     def _over_trainer_ranks(self, stats: StepStats) -> StepStats:
@@ -306,11 +389,11 @@ class Trainer(TrainLoop):
             stats, tokens=float(sums[0]), input_tokens=float(sums[1]), entropy=float(sums[2]) / tokens, sums=merged
         )
 
-    def _mismatch_alarm(self, kl: float) -> bool:
+    def _mismatch_alarm(self, kl: float, key: str = "mismatch/k3_kl") -> bool:
         """On while the engine-vs-trainer k3 KL, averaged over the last `mismatch_kl_window` updates,
         is above `mismatch_kl_alarm`: the rollouts no longer come from the policy being trained."""
         window = self.cfg.mismatch_kl_window
-        recent = [r.get("mismatch/k3_kl", float("nan")) for r in self.log.records[-(window - 1) :]] if window > 1 else []
+        recent = [r.get(key, float("nan")) for r in self.log.records[-(window - 1) :]] if window > 1 else []
         values = [v for v in [*recent, kl] if v == v]  # NaN: a batch without trained tokens
         on = len(values) >= window and float(np.mean(values)) > self.cfg.mismatch_kl_alarm
         if on and not self.alarm_said and self.lead:

@@ -1,0 +1,190 @@
+"""Time per step: the trainer's compute and communication, a rollout's decode, the weight handoff.
+
+Training FLOPs per token: 6 x the active parameters a token multiplies with (forward 2, backward 4)
+plus causal attention, 6 x layers x heads x head_dim x sequence length (forward 2 x 2 x n·d·s/2);
+activation checkpointing adds one more forward (x 4/3). Compute time = FLOPs / (ranks x peak x MFU).
+
+Communication per step, never overlapped with compute (a conservative assumption), each volume
+over the bandwidth of the links it crosses (within a node or across nodes) x the achieved fraction:
+- data parallel: a ring all-reduce of the gradients, 2 (n-1)/n x their bytes (ZeRO's
+  reduce-scatter + all-gather is the same volume), ZeRO-3 also gathers the weights in forward and
+  backward (+ 2 (n-1)/n x weight bytes); experts are reduced over their own replicas only;
+- expert parallel: per MoE layer a dispatch and a combine all-to-all in forward and again in
+  backward, tokens x top-k x hidden x bytes x (EP-1)/EP each;
+- tensor parallel (Megatron): per layer two all-reduces of the activations in forward, two in
+  backward, 2 (TP-1)/TP x tokens x hidden x bytes each;
+- pipeline parallel: the bubble, (PP-1) / (micro-batches + PP-1) of the step idle.
+
+Decode (rollout) is bound by reading the weights and the KV cache from device memory each step, or
+by compute when the batch is large: per step max(bytes / (bandwidth x efficiency), FLOPs / (peak x MFU)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from snowcat.pipeline.errors import UserError
+
+from .memory import Layout, rank_params
+from .model import Arch
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One partition's facts and the planner's assumptions, with where each came from."""
+
+    site: str
+    partition: str
+    gpus_per_node: int
+    device_memory_gib: float | None
+    peak_tflops: float | None
+    memory_gbps: float | None
+    intra_node_gbps: float | None
+    inter_node_gbps: float | None
+    charge_per_node_hour: float | None
+    charge_unit: str
+    mfu: float
+    bandwidth_efficiency: float
+    memory_margin: float
+    filesystem_gbps: float
+    ranks_per_node: int = 1
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpus_per_node > 0
+
+    def need(self, key: str):
+        """A fact the plan needs; its absence is one line naming the key (exit 2)."""
+        value = getattr(self, key)
+        if value is None:
+            raise UserError(
+                f"site {self.site}: key planner.partitions.{self.partition}.{key} is not set; "
+                f"the plan needs it (docs/planning.md, 'Site fields')"
+            )
+        return value
+
+    def link_gbps(self, group: int, where: str) -> float:
+        """Bandwidth per rank of a collective over `group` consecutive ranks."""
+        per_node = max(1, self.ranks_per_node)
+        if group <= per_node:
+            if self.on_gpu and per_node > 1:
+                return self.need("intra_node_gbps")
+            return self.need("memory_gbps")  # ranks of one node on the CPU (or one GPU): shared memory
+        return self.need("inter_node_gbps") / per_node
+
+    def assumption(self, *, compute: bool = True, links: bool = False, hbm: bool = False, fs: bool = False) -> str:
+        parts = []
+        if compute:
+            parts.append(f"MFU {self.mfu:.0%} of {self.peak_tflops:g} TFLOP/s")
+        if hbm:
+            parts.append(f"memory {self.memory_gbps:g} GB/s x {self.bandwidth_efficiency:.0%}")
+        if links:
+            links_ = [f"{k} {v:g} GB/s" for k, v in (("intra", self.intra_node_gbps), ("inter", self.inter_node_gbps)) if v]
+            parts.append(f"links {', '.join(links_) or 'shared memory'} x {self.bandwidth_efficiency:.0%}")
+        if fs:
+            parts.append(f"filesystem {self.filesystem_gbps:g} GB/s")
+        return "; ".join(parts)
+
+
+def flops_per_token(arch: Arch, seq_len: int, checkpointing: bool) -> float:
+    c = arch.cfg
+    fwd = 2 * arch.matmul_active + 2 * c.num_layers * c.num_heads * c.head_dim * seq_len
+    return fwd * (4 if checkpointing else 3)
+
+
+def train_step(
+    arch: Arch, lay: Layout, hw: Hardware, *, tokens: int, seq_len: int, micro_batches: int, extra_forward: bool = False
+) -> dict:
+    """Seconds of one optimizer step over `tokens` tokens (all ranks), by part."""
+    peak = hw.need("peak_tflops") * 1e12
+    flops = tokens * flops_per_token(arch, seq_len, lay.activation_checkpointing)
+    if extra_forward:  # a reference model's forward (KL penalty)
+        flops += tokens * 2 * arch.matmul_active
+    compute = flops / (lay.ranks * peak * hw.mfu)
+    eff = hw.bandwidth_efficiency
+    p = rank_params(arch, lay)
+    gb = lay.master_bytes
+    ab = lay.compute_bytes
+    comm = {}
+    if lay.dp > 1:
+        expert_dp = max(1, (lay.dp * lay.tp if lay.backend == "megatron" else lay.dp) // lay.ep)
+        volume = 2 * (lay.dp - 1) / lay.dp * p.dense * gb
+        volume += 2 * (expert_dp - 1) / expert_dp * p.experts * gb if expert_dp > 1 else 0
+        if lay.shard >= 3:
+            volume += 2 * (lay.dp - 1) / lay.dp * p.total * ab
+        comm["data_parallel"] = volume / (hw.link_gbps(lay.ranks, "data_parallel") * 1e9 * eff)
+    tokens_rank = tokens / lay.dp  # each rank of a pipeline stage sees its data-parallel share of the tokens
+    layers = arch.cfg.num_layers / lay.pp
+    moe_layers = arch.moe_layers / lay.pp
+    if lay.ep > 1:
+        per_layer = 4 * tokens_rank * arch.cfg.experts_per_token * arch.cfg.hidden_size * ab * (lay.ep - 1) / lay.ep
+        comm["expert_parallel"] = moe_layers * per_layer / (hw.link_gbps(lay.ep * lay.tp, "expert_parallel") * 1e9 * eff)
+    if lay.tp > 1:
+        per_layer = 4 * 2 * (lay.tp - 1) / lay.tp * tokens_rank * arch.cfg.hidden_size * ab
+        comm["tensor_parallel"] = layers * per_layer / (hw.link_gbps(lay.tp, "tensor_parallel") * 1e9 * eff)
+    bubble = (lay.pp - 1) / (micro_batches + lay.pp - 1) if lay.pp > 1 else 0.0
+    compute_total = compute / (1 - bubble)
+    total = compute_total + sum(comm.values())
+    return {
+        "flops": flops,
+        "compute_s": compute,
+        "pipeline_bubble": round(bubble, 4),
+        "comm_s": comm,
+        "step_s": total,
+        "tokens": tokens,
+        "assumes": hw.assumption(links=bool(comm)),
+    }
+
+
+def decode(arch: Arch, hw: Hardware, *, seqs: int, prompt: int, generate: int, engines: int, batch: int, tp: int) -> dict:
+    """Seconds to sample `generate` tokens after a `prompt` for each of `seqs` sequences, spread over
+    `engines` engines of `tp` devices each, `batch` sequences at a time per engine."""
+    peak = hw.need("peak_tflops") * 1e12
+    hbm = hw.need("memory_gbps") * 1e9 * hw.bandwidth_efficiency
+    wb = 2 if hw.on_gpu else 4
+    c = arch.cfg
+    per_engine = math.ceil(seqs / max(1, engines))
+    batch = max(1, min(batch, per_engine))
+    waves = math.ceil(per_engine / batch)
+    touched = 1 - (1 - c.experts_per_token / c.num_experts) ** batch  # experts a decode step reads
+    weight_bytes = (arch.dense + arch.experts_total * touched) * wb / tp
+    kv_bytes = batch * (prompt + generate / 2) * arch.kv_bytes_per_token(wb) / tp
+    flops = 2 * arch.matmul_active * batch / tp
+    step = max((weight_bytes + kv_bytes) / hbm, flops / (peak * hw.mfu))
+    prefill = per_engine * prompt * 2 * arch.matmul_active / tp / (peak * hw.mfu)
+    total = waves * generate * step + prefill
+    return {
+        "sequences": seqs,
+        "engines": engines,
+        "batch": batch,
+        "waves": waves,
+        "decode_step_s": step,
+        "prefill_s": prefill,
+        "rollout_s": total,
+        "bound": "memory" if (weight_bytes + kv_bytes) / hbm >= flops / (peak * hw.mfu) else "compute",
+        "assumes": hw.assumption(hbm=True),
+    }
+
+
+def handoff(arch: Arch, hw: Hardware, *, storage_bytes: int, readers: int) -> dict:
+    """Seconds to publish a weight version through the shared filesystem and for `readers` engines to
+    load it (reads share the filesystem's bandwidth)."""
+    size = arch.total * storage_bytes
+    fs = hw.filesystem_gbps * 1e9
+    return {
+        "bytes": size,
+        "write_s": size / fs,
+        "read_s": size * max(1, readers) / fs,
+        "assumes": hw.assumption(compute=False, fs=True),
+    }
+
+
+def transport(hw: Hardware, *, seqs: int, tokens: int) -> dict:
+    """Seconds to move a batch of trajectories from rollout to trainer ranks (MPI): token ids,
+    logprobs, masks and a support set, about 16 bytes a token (an estimate)."""
+    size = seqs * tokens * 16
+    per_node = hw.inter_node_gbps or hw.memory_gbps or hw.intra_node_gbps
+    if per_node is None:
+        hw.need("inter_node_gbps")
+    return {"bytes": size, "transport_s": size / (per_node * 1e9 * hw.bandwidth_efficiency)}

@@ -1,0 +1,230 @@
+"""`teacher` stage: demonstrations by verified sampling (docs/recipes.md, "Teacher demonstrations").
+
+A teacher model (`teacher`: a checkpoint of a needed stage, or a staged Hugging Face checkpoint) plays
+the tasks stage's training tasks in the same agent loop, environment, tools and sandboxes as the
+policy, on the engine the config names (torch or vLLM). Every episode is verified by the task's
+verifier; a verified success (status ok, full credit) becomes an SFT demonstration, kept as chat
+messages: the opening as the environment renders it, each assistant turn's text as the teacher
+sampled it, each observation as the environment wrote it. The student's SFT renders them through its
+own chat template (`sft.mix: {teacher:<stage>: w}`): nothing claims token identity across
+tokenizers. An episode whose turn was cut by the turn budget (closed by the loop, not by the
+teacher) is not a demonstration.
+
+A job array: `fan_out: {shard: [0, ..., N-1]}`; element i plays the i-th of N contiguous blocks of
+the (limited) train split. Episodes are seeded by (stage seed, task index in the whole split, attempt, turn), so
+the union of the shards is what one unit would make, and a batch is the same whichever run makes it.
+Resumable: each finished batch's demonstrations are kept in `partial/` and reused; a preempted
+unit continues there, ending with the bytes of an uninterrupted one.
+
+Outputs per unit: `demos.jsonl` (one demonstration a line, with its provenance: the teacher's
+reference and manifest digest, tokenizer fingerprint, sampling parameters, budget, environment,
+seed, group and attempt, the verifier's verdict), deduplicated by content; `teacher.json` (counts:
+episodes, verified successes, kept, duplicates, cut turns, infra failures, per domain).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from snowcat.pipeline.context import Preempted
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text, build_manifest
+from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
+from snowcat.stages.agent.demos import DEMOS, ObservationLog, demo_id, demo_messages, domains_in_turn
+from snowcat.stages.config import TeacherConfig as Config
+from snowcat.stages.config import env_options
+from snowcat.stages.model.io import load_model_config
+from snowcat.stages.rollout import SamplingParams
+from snowcat.stages.scoring import serve_checkpoint
+from snowcat.stages.taskgen import load_tasks
+from snowcat.stages.verifiers import TimedVerifier, load_verifier
+
+
+def _key(cfg: Config, seed: int, teacher_digest: str, task_ids: list[str]) -> str:
+    """What a saved batch depends on: a batch saved under other settings is played again."""
+    what = [seed, cfg.teacher, teacher_digest, cfg.env, cfg.require_tool, cfg.temperature, cfg.top_p, cfg.top_k]
+    what += [cfg.max_context, cfg.max_turn_tokens, cfg.max_turns, cfg.attempts, cfg.infra_retries, cfg.verifier, task_ids]
+    return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()
+
+
+def play(
+    engine,
+    tok,
+    tasks: list[tuple[int, object]],
+    cfg: Config,
+    seed: int,
+    verifier,
+    provenance: dict,
+    partial: Path,
+    stop,
+    progress,
+):
+    """Every (task index, task)'s `attempts` episodes in batches of `batch_size` episodes; per batch the
+    episode records (verdict, and the messages of a verified success) saved in `partial/` and reused."""
+    observations = ObservationLog(tok)
+    env = make_env(cfg.env, observations, **env_options(cfg.env, cfg))
+    params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_turn_tokens, (tok.end_of_turn_id,))
+    budget = Budget(cfg.max_context, cfg.max_turn_tokens, cfg.max_turns)
+    # group id = the task's index in the whole split: a task's episodes do not depend on the sharding
+    jobs = [EpisodeJob(task, group_id=i, attempt=a) for i, task in tasks for a in range(cfg.attempts)]
+    key = _key(cfg, seed, provenance["teacher_sha256"], [t.task_id for _, t in tasks])
+    records: list[dict] = []
+    for b, start in enumerate(range(0, len(jobs), cfg.batch_size)):
+        path = partial / f"batch_{b:06d}.json"
+        saved = json.loads(path.read_text()) if path.is_file() else None
+        if saved is not None and saved.get("key") == key:
+            records += saved["episodes"]
+            continue
+        batch = jobs[start : start + cfg.batch_size]
+        out = run_episodes(engine, observations, batch, env, params, budget, seed, policy_version=0, verifier=verifier)
+        for _ in range(cfg.infra_retries):  # the same seeds: a retry samples what the first try would have
+            failed = [i for i, tr in enumerate(out) if tr.status == "infra_error"]
+            if not failed:
+                break
+            again = run_episodes(
+                engine, observations, [batch[i] for i in failed], env, params, budget, seed, 0, verifier=verifier
+            )
+            for i, tr in zip(failed, again):
+                out[i] = tr
+        episodes = []
+        for job, t in zip(batch, out):
+            rec = {
+                "task_id": t.task_id,
+                "domain": t.domain,
+                "group_id": t.group_id,
+                "attempt": t.attempt,
+                "status": t.status,
+                "reward": t.reward,
+                "passed": bool(t.status == "ok" and t.passed),
+                "detail": t.detail,
+                "turns": len(t.turn_boundaries),
+            }
+            if rec["passed"]:
+                rec["messages"] = demo_messages(t, job.task, env, tok, observations)
+            episodes.append(rec)
+        atomic_write_text(path, json.dumps({"key": key, "episodes": episodes}, ensure_ascii=False))
+        records += episodes
+        progress(len(records), len(jobs), unit="episodes", passed=sum(r["passed"] for r in records))
+        if stop() and start + cfg.batch_size < len(jobs):
+            raise Preempted(f"teacher: {b + 1} batches saved in {partial}")
+    return records
+
+
+def demonstrations(records: list[dict], keep: str, provenance: dict) -> tuple[list[dict], dict]:
+    """The demonstrations of the verified successes (`keep`: all distinct ones, or the first per task),
+    deduplicated by content, and the counts behind them."""
+    counts = {"episodes": len(records), "verified": 0, "kept": 0, "duplicates": 0, "cut_turns": 0, "infra_failures": 0}
+    seen: set[str] = set()
+    taken: set[str] = set()
+    demos = []
+    for r in records:
+        counts["infra_failures"] += r["status"] == "infra_error"
+        if not r["passed"]:
+            continue
+        counts["verified"] += 1
+        if r["messages"] is None:
+            counts["cut_turns"] += 1
+            continue
+        if keep == "best" and r["task_id"] in taken:
+            continue
+        ident = demo_id(r["messages"])
+        if ident in seen:
+            counts["duplicates"] += 1
+            continue
+        seen.add(ident)
+        taken.add(r["task_id"])
+        verdict = {k: r[k] for k in ("status", "reward", "passed", "detail")}
+        demos.append(
+            {
+                "id": ident,
+                "task_id": r["task_id"],
+                "domain": r["domain"],
+                "messages": r["messages"],
+                "provenance": {**provenance, "group_id": r["group_id"], "attempt": r["attempt"], "verdict": verdict},
+            }
+        )
+    counts["kept"] = len(demos)
+    return demos, counts
+
+
+def teacher_provenance(ctx, cfg: Config, path: Path, tok) -> dict:
+    """Who made a demonstration and how: the teacher (reference, digest of its files' manifest,
+    tokenizer), the sampling parameters, budget, environment, verifier and seed."""
+    manifest = json.dumps(build_manifest(path), sort_keys=True)
+    return {
+        "teacher": cfg.teacher,
+        "teacher_sha256": hashlib.sha256(manifest.encode()).hexdigest(),
+        "tokenizer": tok.fingerprint() if hasattr(tok, "fingerprint") else None,
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "engine": cfg.engine},
+        "budget": {"max_context": cfg.max_context, "max_turn_tokens": cfg.max_turn_tokens, "max_turns": cfg.max_turns},
+        "env": cfg.env,
+        "verifier": cfg.verifier,
+        "seed": ctx.seed,
+        "stage": ctx.name,
+    }
+
+
+def shard_tasks(tasks: list, cfg: Config) -> list[tuple[int, object]]:
+    """(index in the split, task) of this unit's share: the shard-th of N contiguous blocks (the played
+    tasks alternate between domains, so every block holds each domain)."""
+    shards = len(cfg.fan_out.get("shard", [0])) if hasattr(cfg, "fan_out") else 1
+    lo, hi = cfg.shard * len(tasks) // shards, (cfg.shard + 1) * len(tasks) // shards
+    return list(enumerate(tasks))[lo:hi]
+
+
+def run(ctx) -> dict:
+    cfg: Config = ctx.config
+    key = f"stages.{ctx.name}"
+    if cfg.tasks not in ctx.inputs:
+        raise UserError(f"{key}.tasks: stage {cfg.tasks!r} is not in needs")
+    tasks = load_tasks(ctx.inputs[cfg.tasks], "train")  # never a held-out split
+    tasks = domains_in_turn(tasks, cfg.limit) if cfg.limit > 0 else tasks
+    path = ctx.checkpoint(cfg.teacher, "teacher")
+    limit = load_model_config(path).max_position_embeddings
+    if cfg.max_context + cfg.max_turn_tokens > limit:
+        raise UserError(
+            f"{key}.max_context: max_context + max_turn_tokens ({cfg.max_context + cfg.max_turn_tokens}) "
+            f"exceeds the teacher's max_position_embeddings ({limit})"
+        )
+    engine, tok, _ = serve_checkpoint(ctx, cfg.teacher, "teacher", cfg.batch_size)
+    provenance = teacher_provenance(ctx, cfg, path, tok)
+    out = Path(ctx.out_dir)
+    partial = out / "partial"
+    partial.mkdir(exist_ok=True)
+    if cfg.verifier_timeout_s:
+        verifier = TimedVerifier(cfg.verifier, cfg.verifier_timeout_s)
+    else:
+        verifier = load_verifier(cfg.verifier, f"{key}.verifier")
+
+    def passed_only(task, text):  # full credit only: partial credit of 1.0 that did not pass is no success
+        verdict = verifier(task, text)
+        return dataclasses.replace(verdict, reward=float(verdict.passed))
+
+    try:
+        mine = shard_tasks(tasks, cfg)
+        records = play(engine, tok, mine, cfg, ctx.seed, passed_only, provenance, partial, ctx.checkpoint_due, ctx.progress)
+    finally:
+        getattr(verifier, "close", lambda: None)()
+    demos, counts = demonstrations(records, cfg.keep, provenance)
+    atomic_write_text(out / DEMOS, "".join(json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n" for d in demos))
+    domains = sorted({r["domain"] for r in records})
+    per_domain = {
+        d: {
+            "episodes": sum(r["domain"] == d for r in records),
+            "verified": sum(r["domain"] == d and r["passed"] for r in records),
+            "kept": sum(x["domain"] == d for x in demos),
+        }
+        for d in domains
+    }
+    summary = {"teacher": cfg.teacher, "shard": cfg.shard, "keep": cfg.keep, **counts, "domains": per_domain}
+    atomic_write_json(out / "teacher.json", summary)
+    shutil.rmtree(partial)  # everything it held is in demos.jsonl and teacher.json
+    return {
+        **counts,
+        "pass_rate": counts["verified"] / max(1, counts["episodes"] - counts["infra_failures"]),
+        **{f"{d}/kept": v["kept"] for d, v in per_domain.items()},
+    }
