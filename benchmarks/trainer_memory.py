@@ -1,7 +1,7 @@
 """Peak memory per rank of loading, training and checkpointing a model: DDP against ZeRO and expert parallelism, side by side.
 
     snowcat bench trainer-memory [--hidden 384 --layers 6 --experts 16 --vocab 16384]
-                                 [--modes ddp,zero2,zero3,ddp+ep2,fsdp,fsdp+ep2]
+                                 [--modes ddp,zero2,zero3,ddp+ep2,fsdp,fsdp+ep2,megatron,megatron+ep2,megatron+tp2,megatron+pp2]
                                  [--rows 2 --seq 256] [--shard-mib 16] [--json FILE]
 
 The model (seed 0) is written once as a model directory. Every mode runs as 2 gloo ranks on the
@@ -28,7 +28,9 @@ and gradients partitioned), `zero3` (ZeRO-3: the parameters too; the backend's D
 settings), `ddp+ep2` (DDP with each MoE layer's experts sharded over both ranks,
 `stages.model.expert_parallel`, the torch backend's `expert_parallel=2`), `fsdp` (torch FSDP2:
 ZeRO-3, the fsdp backend) and `fsdp+ep2` (ZeRO-3 + EP: the experts sharded over both ranks, the
-rest by FSDP). fp32 on CPU: parameters, gradients and the two Adam moments are 4 bytes per
+rest by FSDP), and megatron-core's `megatron` (data parallel), `megatron+ep2`, `megatron+tp2` (sequence
+parallel) and `megatron+pp2` (`snowcat bench trainer` runs these beside ddp and zero2, with each
+mode's step time: the slowest rank's one optimizer step). fp32 on CPU: parameters, gradients and the two Adam moments are 4 bytes per
 parameter each.
 
 Beside RSS, each rank counts the trained state it holds after the step, from the tensors
@@ -64,7 +66,14 @@ MODES: dict[str, dict] = {
     "ddp+ep2": {"backend": "torch", "zero_stage": 0, "expert_parallel": 2},
     "fsdp": {"backend": "fsdp", "zero_stage": 3, "expert_parallel": 1},
     "fsdp+ep2": {"backend": "fsdp", "zero_stage": 3, "expert_parallel": 2},
+    # megatron-core (stages/train/megatron): data parallel, experts over both ranks, every matrix
+    # split over both (sequence parallel), the layers in two pipeline stages
+    "megatron": {"backend": "megatron", "zero_stage": 0, "expert_parallel": 1},
+    "megatron+ep2": {"backend": "megatron", "zero_stage": 0, "expert_parallel": 2},
+    "megatron+tp2": {"backend": "megatron", "zero_stage": 0, "expert_parallel": 1, "tensor_parallel": 2},
+    "megatron+pp2": {"backend": "megatron", "zero_stage": 0, "expert_parallel": 1, "pipeline_parallel": 2},
 }
+DEFAULT_MODES = ("ddp", "zero2", "zero3", "ddp+ep2", "fsdp", "fsdp+ep2")
 
 # RSS counts freed memory that the allocator keeps: glibc raises its mmap threshold as large blocks
 # are freed (up to 32 MiB), so later tensors come from a heap it rarely gives back, and a rank's RSS
@@ -112,20 +121,23 @@ def reset_hwm():
 
 
 import deepspeed, torch  # every mode imports the same: one baseline
+import time
+spec = json.loads(sys.argv[1])
+if spec["backend"] == "megatron":  # before `start` too: memory is counted above what the imports hold
+    import snowcat.stages.train.megatron.backend
 from snowcat.stages.train import OptimConfig, load_for_training, save_checkpoint
 from snowcat.stages.train.backend import init_distributed, leave_distributed
 from snowcat.stages.train.loss import sft_loss
 
-spec = json.loads(sys.argv[1])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)  # two ranks on the same cores
 init_distributed(world)
 start = hwm_kib()
 optim = OptimConfig(lr=1e-4, warmup_steps=0, total_steps=10)
-options = {"zero_stage": spec["zero_stage"], "expert_parallel": spec["expert_parallel"]}
+options = {k: spec[k] for k in ("zero_stage", "expert_parallel", "tensor_parallel", "pipeline_parallel") if k in spec}
 backend, _ = load_for_training(spec["model_dir"], spec["backend"], optim, device="cpu", verify=False, **options)
 setup = hwm_kib()
-g = torch.Generator().manual_seed(1 + rank)
+g = torch.Generator().manual_seed(1 + backend.data_rank)  # ranks of one model replica see the same rows
 rows, seq = spec["rows"], spec["seq"]
 ids = torch.randint(0, backend.model.config.vocab_size, (rows, seq + 1), generator=g)
 batch = {
@@ -136,7 +148,9 @@ batch = {
 }
 reset_hwm()
 held = status_kib("VmRSS")
+t0 = time.perf_counter()
 stats = backend.train_step([batch], sft_loss)
+step_s = time.perf_counter() - t0
 step = hwm_kib()
 reset_hwm()
 trained = status_kib("VmRSS")
@@ -144,7 +158,7 @@ save_checkpoint(spec["save_to"], backend, max_shard_bytes=spec["shard_bytes"])
 saved = hwm_kib()
 loss = float(stats.sums["nll_sum"]) / stats.tokens
 masters, moments = state_bytes(backend)
-report = {"start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "trained_kib": trained, "save_kib": saved,
+report = {"step_s": step_s, "start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "trained_kib": trained, "save_kib": saved,
           "master_bytes": masters, "optimizer_bytes": moments, "master_dtype": str(next(backend.model.parameters()).dtype)}
 print(json.dumps({"rank": rank, **report, "local_nll": loss}), flush=True)
 leave_distributed(together=True)
@@ -217,11 +231,13 @@ def measure(modes: list[str], allocator_env: dict, model_dir: Path, params: int,
             **MODES[mode],
             "ranks": ranks,
             **{f"max_rank_{phase}_mib": max(r[f"{phase}_mib"] for r in ranks) for phase in (*PHASES, "peak", "save_added")},
+            "step_s": round(max(r["step_s"] for r in ranks), 3),  # the slowest rank sets the step's pace
         }
     ddp = results["ddp"]
     for res in results.values():
         for phase in (*PHASES, "peak"):
             res[f"{phase}_ratio_to_ddp"] = round(res[f"max_rank_{phase}_mib"] / ddp[f"max_rank_{phase}_mib"], 3)
+        res["step_time_ratio_to_ddp"] = round(res["step_s"] / ddp["step_s"], 3)
     return results
 
 
@@ -243,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=16384)
     ap.add_argument("--rows", type=int, default=2, help="sequences per rank in the step")
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}; ddp first")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, from {', '.join(MODES)}; ddp first")
     ap.add_argument("--shard-mib", type=float, default=16, help="safetensors shard size of the saved weights")
     ap.add_argument("--stored-dtype", choices=("float32", "bfloat16"), default="float32", help="what the model directory stores")
     ap.add_argument("--json", help="write the result here")
@@ -282,18 +298,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{allocator}")
         print(
             f"{'mode':<8} {'rank':>4} {'start MiB':>10} {'setup +MiB':>11} {'held +MiB':>10} {'step +MiB':>10}"
-            f" {'save +MiB':>10} {'(added)':>8} {'B/param':>8} {'state B/param':>14}"
+            f" {'save +MiB':>10} {'(added)':>8} {'B/param':>8} {'state B/param':>14} {'step s':>7}"
         )
         for mode, res in by_mode.items():
             for r in res["ranks"]:
                 print(
                     f"{mode:<8} {r['rank']:>4} {r['start_kib'] / 1024:>10.0f} {r['setup_mib']:>11.0f} {r['held_mib']:>10.0f}"
                     f" {r['step_mib']:>10.0f} {r['save_mib']:>10.0f} {r['save_added_mib']:>8.0f} {r['step_bytes_per_param']:>8.2f}"
-                    f" {r['state_bytes_per_param']:>14.2f}"
+                    f" {r['state_bytes_per_param']:>14.2f} {r['step_s']:>7.2f}"
                 )
         print("largest rank against ddp's:")
         for m, r in by_mode.items():
-            print(f"  {m:<8} " + "  ".join(f"{phase} {r[f'{phase}_ratio_to_ddp']:.2f}x" for phase in (*PHASES, "peak")))
+            phases = "  ".join(f"{phase} {r[f'{phase}_ratio_to_ddp']:.2f}x" for phase in (*PHASES, "peak"))
+            print(f"  {m:<12} {phases}  step time {r['step_time_ratio_to_ddp']:.2f}x")
     print(f"\nload average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} cpus)")
     if args.json:
         atomic_write_json(

@@ -397,6 +397,22 @@ def check_apptainer(site: SiteProfile) -> Check:
     )
 
 
+def check_megatron(have: Mapping[str, str] | None = None) -> Check:
+    """Whether `trainer.backend: megatron` can run here, and on which path: megatron-core and mbridge
+    installed (megatron-core 0.16.1 is the last release for Python 3.11), Transformer Engine for
+    the fused GPU path (without it the backend takes megatron's local layers, as on a CPU)."""
+    have = lock_mod.installed() if have is None else dict(have)
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    missing = [n for n in ("megatron-core", "mbridge") if n not in have]
+    if missing:
+        fix = "pip install 'snowcat[megatron]' (megatron-core 0.16.1 on Python 3.11; newer releases need 3.12)"
+        return Check("megatron", WARN, f"{' and '.join(missing)} not installed: trainer.backend megatron cannot run here", fix)
+    te = "transformer-engine" in have or "transformer_engine" in have
+    path = "Transformer Engine's fused layers" if te else "megatron's local layers (no Transformer Engine)"
+    detail = f"megatron-core {have['megatron-core']}, mbridge {have['mbridge']} on Python {python}; {path}"
+    return Check("megatron", PASS, detail, found={"megatron-core": have["megatron-core"], "transformer_engine": te})
+
+
 def check_packages(have: Mapping[str, str] | None = None, set_name: str | None = None) -> Check:
     """The installed versions of the key packages (torch, vLLM, transformers, Triton, DeepSpeed,
     Megatron-Core, mpi4py) against the lock of this environment's set (`lock.current_set`: cpu where
@@ -925,6 +941,7 @@ def run_doctor(
     checks.append(check_budget(site_profile))
     checks.append(check_apptainer(site_profile))
     checks.append(check_packages())
+    checks.append(check_megatron())
     checks += check_run_root(site_profile, run_root, home)
     if jobs and checks[0].status != FAIL:
         checks.append(check_internet(site_profile, job_args(site_profile, checks), wait_s=job_wait_s))

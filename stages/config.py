@@ -18,6 +18,7 @@ from typing import Literal
 
 from snowcat.pipeline.schema import HF_PREFIX, Problem, bounded, checkpoint_refs
 from snowcat.stages.model.config import PRESETS
+from snowcat.stages.model.layout import Layout
 from snowcat.stages.taskgen import DOMAINS, REPO_DOMAINS
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "rloo_n"]
@@ -256,8 +257,19 @@ class Parallelism:
                 "expert_parallel",
                 "needs backend: torch, fsdp or megatron (DeepSpeed's ZeRO would treat the expert shards as replicated)",
             )
-        if self.backend == "megatron":  # the backend is built and tested; the stages do not pass it their data split yet
-            yield "backend", "megatron: the SFT and RL stages do not build this backend yet (docs/megatron.md)"
+        if self.backend == "megatron":
+            yield from self._layout_problems()
+
+    def _layout_problems(self) -> Iterator[Problem]:
+        """The megatron layout against the trainer ranks the stage asks for (its resources, or its
+        `trainer` component) and, for a preset model, against the model: before anything is submitted."""
+        res = getattr(self, "resources", None)
+        if res is None:
+            return
+        trainer = res.components.get("trainer", res) if res.components else res
+        model = PRESETS.get(getattr(self, "model", "")) if not getattr(self, "init_from", "") else None
+        layout = Layout(self.tensor_parallel, self.pipeline_parallel, self.expert_parallel)
+        yield from layout.problems(model, trainer.nodes * trainer.tasks_per_node)
         for key in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, key) > 1 and self.backend != "megatron":
                 yield key, f"needs backend: megatron (got {self.backend})"
@@ -498,6 +510,10 @@ class RlConfig(Parallelism):
         roles = getattr(self, "resources", None)
         role_image = next((c.image for c in roles.components.values() if c.image), None) if roles else None
         yield from _engine_problems(self.engine, self.image or role_image)  # the rollout role's image carries vLLM
+        if self.backend == "megatron" and self.pipeline_parallel > 1:  # forwards outside the pipeline schedule
+            for key, on in (("kl_coef", self.kl_coef > 0), ("rollout_prompt", bool(self.rollout_prompt))):
+                if on:
+                    yield key, "not with backend megatron and pipeline_parallel > 1 (its extra forward runs outside the pipeline)"
         if self.router_replay and self.engine == "vllm":  # `auto` is resolved to the site's engine by now
             yield "router_replay", "needs engine: torch (the vLLM engine does not return the experts it routed each token to)"
         yield from self._recipe_problems()

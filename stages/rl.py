@@ -40,6 +40,8 @@ import torch
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.stages.config import RlConfig as Config
+from snowcat.stages.model import open_model_dir
+from snowcat.stages.model.layout import Layout as MegatronLayout
 from snowcat.stages.rlcore.episodes import generate_batch
 from snowcat.stages.rlcore.handoff import HandoffError, WeightHandoff, version_for_batch
 from snowcat.stages.rlcore.loop import Trainer
@@ -284,6 +286,10 @@ def run(ctx) -> dict:
             f"rl.tasks_per_update: {cfg.tasks_per_update} tasks x {cfg.attempts} attempts is fewer trajectories "
             f"per batch than the {lay.trainers} trainer ranks"
         )
+    if cfg.backend == "megatron":  # every rank refuses a layout that cannot hold the model, before any rank waits on another
+        model_cfg, _ = open_model_dir(ctx.checkpoint(cfg.init_from, "init_from"), verify=False)
+        for key, why in MegatronLayout.of(cfg).problems(model_cfg, lay.trainers):
+            raise UserError(f"stages.{ctx.name}.{key}: {why}")
     group, ctx = _trainer_group(ctx, cfg, comm, lay)
     # Preemption in a multi-rank run (stages/rlcore/preempt.py): trainer rank 0's notice is its own
     # or another rank's; the other ranks stop when they see one or rank 0 says so; trainer ranks

@@ -52,7 +52,7 @@ from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import demonstration, load_tasks, verify
 from snowcat.stages.tokenizer import message_text, train_tokenizer
 from snowcat.stages.train import Example, OptimConfig, PackedLoader, StepStats, latest_checkpoint, load_for_training, make_backend
-from snowcat.stages.train.backend import distributed, local_device, world
+from snowcat.stages.train.backend import distributed, local_device
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
 from snowcat.stages.train.loss import sft_loss
 from snowcat.stages.train.precision import resolve, stored_dtype, unchanged_fraction
@@ -272,11 +272,11 @@ def lineage(ctx, cfg: Config) -> dict:
     }
 
 
-def _summed_over_ranks(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
+def _summed_over_ranks(parts: list[torch.Tensor], backend) -> list[torch.Tensor]:
     """Each tensor summed over the data-parallel ranks (one all-reduce; float64)."""
-    flat = torch.cat([p.detach().double().reshape(-1).to(device) for p in parts])
-    if world()[1] > 1:
-        dist.all_reduce(flat)
+    flat = torch.cat([p.detach().double().reshape(-1).to(backend.device) for p in parts])
+    if backend.data_ranks > 1:
+        dist.all_reduce(flat, group=backend.data_group)
     return list(flat.cpu().split([p.numel() for p in parts]))
 
 
@@ -304,7 +304,7 @@ class SftLoop(TrainLoop):
         parts = [stats.sums["nll_sum"], torch.tensor(stats.tokens)]
         if "domain_nll" in stats.sums:
             parts += [stats.sums["domain_nll"], stats.sums["domain_tokens"]]
-        nll, tokens, *domain = _summed_over_ranks(parts, self.backend.device)
+        nll, tokens, *domain = _summed_over_ranks(parts, self.backend)
         rec = {"loss": float(nll) / max(float(tokens), 1), **stats.record(), "epoch": self.loader.epoch}
         if domain:
             nll, tokens = domain
@@ -358,7 +358,10 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
         extra = [message_text(m) for msgs, _ in sampled for m in msgs if m.get("content")]
         tok = train_tokenizer(tokenizer_corpus(train_tasks, demos) + extra, cfg.tokenizer_vocab_size)
         mcfg = PRESETS[cfg.model]
-        mcfg = dataclasses.replace(mcfg, vocab_size=tok.vocab_size)
+        vocab = tok.vocab_size
+        if cfg.backend == "megatron":  # rows split over TP ranks: padded as Megatron pads (unused ids, trained as any row)
+            vocab = -(-vocab // 128) * 128
+        mcfg = dataclasses.replace(mcfg, vocab_size=vocab)
         torch.manual_seed(ctx.seed)
         model = MoEForCausalLM(mcfg)
         if rank == 0:
@@ -398,7 +401,6 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
     for msgs, dom in conversations:
         ids, mask = tok.encode_chat(msgs)
         examples += [Example(ids, mask, dom_index[dom])] * int(cfg.domain_repeats.get(dom, 1))
-    loader = PackedLoader(examples, cfg.seq_len, tok.pad_id, cfg.batch_rows, ctx.seed, cfg.micro_batches, rank, world_size)
     optim = OptimConfig(
         lr=cfg.lr,
         min_lr_ratio=cfg.min_lr_ratio,
@@ -409,6 +411,8 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
         grad_clip=cfg.grad_clip,
     )
     layout = {"zero_stage": cfg.zero_stage, "expert_parallel": cfg.expert_parallel}
+    if cfg.backend == "megatron":
+        layout |= {"tensor_parallel": cfg.tensor_parallel, "pipeline_parallel": cfg.pipeline_parallel}
     if model is None:  # verified above
         backend, _ = load_for_training(
             source,
@@ -423,6 +427,10 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
     else:
         model.to(device).set_activation_checkpointing(cfg.activation_checkpointing)
         backend = make_backend(cfg.backend, model, optim, precision=precision, **layout)
+    # each data-parallel rank its rows (tensor- and pipeline-parallel ranks share a replica's)
+    loader = PackedLoader(
+        examples, cfg.seq_len, tok.pad_id, cfg.batch_rows, ctx.seed, cfg.micro_batches, backend.data_rank, backend.data_ranks
+    )
     # no metric during SFT: retention keeps the last `keep_last` (and records what it deletes)
     policy = RetentionPolicy(metric="val/pass@1", keep_best=1, keep_last=cfg.keep_last)
     checkpoints = Checkpoints(

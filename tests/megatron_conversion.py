@@ -20,7 +20,7 @@ import torch
 def main(model_dir: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from snowcat.stages.model.io import hf_state_dict, load_weights, open_model_dir
+    from snowcat.stages.model.io import distinct_tensors, load_weights, open_model_dir
     from snowcat.stages.train.megatron import Layout, MegatronBackend
     from snowcat.stages.train.optim import OptimConfig
 
@@ -44,7 +44,7 @@ def main(model_dir: Path, out: Path) -> None:
         m_forced = mega(ids, targets=targets, routes=forced)
         o_forced = ours(ids, targets=targets, routes=forced)
     exported = dict(backend.whole_tensors())
-    original = hf_state_dict(ours)
+    original = {name: t.detach() for name, t in distinct_tensors(ours)}  # our names: experts fused per layer
     result = {
         "logprob_vs_transformers": float((m.logprobs - ref).abs().max()),
         "logprob_vs_ours": float((m.logprobs - o.logprobs).abs().max()),

@@ -473,3 +473,12 @@ def test_submit_limits_read_from_a_qos_and_an_association(slurm_env):
         sacctmgr("delete", "qos", qos, check=False)
     left = subprocess.run(["sacctmgr", "-n", "-P", "show", "qos", "format=name"], capture_output=True, text=True, env=slurm_env)
     assert qos not in left.stdout.split()
+
+
+def test_megatron_check_says_whether_the_backend_can_run_and_on_which_layers():
+    present = doctor.check_megatron({"megatron-core": "0.16.1", "mbridge": "0.15.1"})
+    assert present.status == doctor.PASS and "megatron-core 0.16.1" in present.detail and "local layers" in present.detail
+    fused = doctor.check_megatron({"megatron-core": "0.16.1", "mbridge": "0.15.1", "transformer-engine": "2.8"})
+    assert "Transformer Engine's fused layers" in fused.detail
+    absent = doctor.check_megatron({"mbridge": "0.15.1"})
+    assert absent.status == doctor.WARN and "megatron-core not installed" in absent.detail and "snowcat[megatron]" in absent.fix

@@ -168,8 +168,16 @@ class Trainer(TrainLoop):
             activation_checkpointing=cfg.activation_checkpointing,
             zero_stage=cfg.zero_stage,
             expert_parallel=cfg.expert_parallel,
+            **(
+                {"tensor_parallel": cfg.tensor_parallel, "pipeline_parallel": cfg.pipeline_parallel}
+                if cfg.backend == "megatron"
+                else {}
+            ),
         )
         self.model = backend.model
+        # trainer ranks holding the same rows (megatron's tensor- and pipeline-parallel ranks): their
+        # numbers are one replica's, counted once when summed over the trainer ranks
+        self.replicas = (self.group.Get_size() if self.group is not None else 1) // backend.data_ranks
         if self.tok is None:
             raise UserError(f"{self.init_path}: checkpoint has no tokenizer.json")
         if self.lead and resume is None and not (ckpts / "initial").is_dir():
@@ -272,7 +280,7 @@ class Trainer(TrainLoop):
         (`mismatch_prompted/*`; `mismatch/*` then holds the prompt's effect too, which is what TIS
         corrects). This rank's rows, summed over the trainer ranks (collective)."""
         rows = batch["input_ids"].shape[0]
-        lo = self.group.Get_rank() * len(self.trajs) // self.group.Get_size() if self.group is not None else 0
+        lo = self.backend.data_rank * len(self.trajs) // self.backend.data_ranks
         trajs = self.trajs[lo : lo + rows]
         prompted = make_batch(trajs, self.tok.pad_id, self.cfg.estimator)
         stale = "logp_old" in batch  # the batch came from older weights: the behaviour copy holds them
@@ -287,6 +295,7 @@ class Trainer(TrainLoop):
                 without = without.double().cpu()
         turns = self.cfg.max_turns
         sums, peak = prompt_gap_sums(trajs, prompted, batch, with_prompt, without, turns)
+        sums /= self.replicas
         if self.group is not None:
             from mpi4py import MPI  # noqa: PLC0415
 
@@ -324,9 +333,9 @@ class Trainer(TrainLoop):
         gradients, so a rank's policy loss, a mean over its rows, is weighted by T x (its part of the
         normaliser) / (the batch's). (The router losses weigh their own share: the model's
         balance_router_over.)"""
-        if self.group is None:
+        rank, n = self.backend.data_rank, self.backend.data_ranks  # the ranks that split the rows
+        if n == 1:
             return batch
-        rank, n = self.group.Get_rank(), self.group.Get_size()
         rows = batch["input_ids"].shape[0]
         lo, hi = rank * rows // n, (rank + 1) * rows // n
         mask = batch["mask"]
@@ -379,7 +388,7 @@ class Trainer(TrainLoop):
 
         names = sorted(stats.sums)
         w = stats.tokens
-        sums = np.array([w, stats.input_tokens, w * stats.entropy, *(w * float(stats.sums[n]) for n in names)])
+        sums = np.array([w, stats.input_tokens, w * stats.entropy, *(w * float(stats.sums[n]) for n in names)]) / self.replicas
         maxima = np.array([float(stats.sums[n]) for n in names])
         self.group.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
         self.group.Allreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)
@@ -461,9 +470,18 @@ class Trainer(TrainLoop):
         if self.behaviour_version != version:
             if isinstance(self.behaviour, FSDPModule):  # each rank reads its rows of the verified version
                 load_rows(self.behaviour, self._verified_by_lead(version))
+            elif self.backend.name == "megatron":  # each rank its slices, through the bridge
+                self.backend.load_copy(self.behaviour, self._verified_by_lead(version))
             else:  # whole: hashed as it is read into the model
                 self.handoff.load_into(self.behaviour, version, timeout_s=self.cfg.timeout_s)
             self.behaviour_version = version
+        if self.backend.name == "megatron":  # through the pipeline: the value lands on the last stage, where the loss is
+            logp = self.backend.forward_only(
+                self.behaviour, batch, lambda m, b: sampled_logprobs(m, b, self.params, replay=self.cfg.router_replay)[0]
+            )
+            if logp is not None:
+                batch["logp_old"] = logp
+            return
         with torch.no_grad():
             on_device = {k: v.to(self.device) for k, v in batch.items()}
             batch["logp_old"], _, _ = sampled_logprobs(self.behaviour, on_device, self.params, replay=self.cfg.router_replay)

@@ -180,6 +180,16 @@ class TorchBackend:
     name = "torch"
     ep = None  # this rank's expert-parallel groups when the experts are sharded
     shards_parameters = False  # True: a forward needs every rank (each holds a slice of each weight)
+    data_group = None  # the ranks that split the data (None: all of them); megatron's TP/PP ranks share theirs
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the ranks that split each batch (here every rank is one)."""
+        return self.rank
+
+    @property
+    def data_ranks(self) -> int:
+        return self.world_size
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, expert_parallel: int = 1, device=None, precision=FP32):
         self.cfg, self.precision = cfg, precision
@@ -752,6 +762,8 @@ def make_backend(
     expert_parallel: int = 1,
     device=None,
     precision=FP32,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
     **options,
 ):
     """`options`: backend-specific keywords (DeepSpeedBackend's persistence_threshold). `precision`:
@@ -767,11 +779,10 @@ def make_backend(
         if expert_parallel > 1:  # ZeRO would treat the shards as replicated parameters
             raise UserError(f"expert_parallel={expert_parallel} needs backend: torch or fsdp (deepspeed shards differently)")
         backend = DeepSpeedBackend(model, cfg, zero_stage=zero_stage, precision=precision, **options)
-    elif name == "megatron":  # its layout splits the data differently: the stages must pass it (not yet)
-        raise UserError(
-            "trainer.backend megatron: the SFT and RL stages do not build it yet; it trains through "
-            "stages.train.megatron.MegatronBackend (docs/training.md)"
-        )
+    elif name == "megatron":
+        from .megatron import Layout, megatron_backend  # noqa: PLC0415 (megatron-core: only when asked for)
+
+        return megatron_backend(model, cfg, Layout(tensor_parallel, pipeline_parallel, expert_parallel), device, precision)
     else:
         raise UserError(f"train backend {name!r} is not one of: torch, fsdp, deepspeed, megatron")
     if backend.world_size > 1 and hasattr(model, "balance_router_over"):
@@ -796,6 +807,12 @@ def load_for_training(
     each rank reads only its rows of each weight; the replicated backends load it whole, then wrap
     it. The directory's sha256 manifest is checked first (`verify`)."""
     path = Path(path)
+    if name == "megatron":  # each rank reads its slices of the directory (through mbridge)
+        from .megatron import Layout, MegatronBackend  # noqa: PLC0415 (megatron-core: only when asked for)
+
+        opts = {k: backend_options.get(k, 1) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel")}
+        layout = Layout(opts["tensor_parallel"], opts["pipeline_parallel"], opts["expert_parallel"])
+        return MegatronBackend.from_model_dir(path, cfg, layout, device, precision, verify)
     mcfg, tokenizer = open_model_dir(path, verify)
     if name == "fsdp":
         model = skeleton(mcfg, precision.master)

@@ -20,17 +20,19 @@ is split over `data_rank` / `data_ranks`, not over the world.
 
 from __future__ import annotations
 
-import contextlib
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from snowcat.pipeline.errors import UserError
 from snowcat.stages.model.config import ModelConfig
 from snowcat.stages.model.io import hf_state_dict, open_model_dir
+from snowcat.stages.model.layout import Layout
 
 from .. import canonical
 from ..backend import StepStats, _merge_stats, world
@@ -38,7 +40,6 @@ from ..optim import OptimConfig, build_optimizer, lr_factor
 from ..precision import FP32
 from . import cpu
 from .bridge import build_gpt, make_bridge
-from .layout import Layout
 from .model import MegatronCausalLM
 
 DIST = "dist_optimizer"  # trainer_state/<this>: megatron's distributed checkpoint of AdamW's moments
@@ -51,6 +52,28 @@ class _StageCall(Exception):
     def __init__(self, args, kwargs):
         super().__init__("stage call")
         self.args, self.kwargs = args, kwargs
+
+
+def _initialize(layout: Layout) -> None:
+    """megatron-core's process groups for `layout` over the default group (collective)."""
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=1,  # experts are split over ranks (EP), not within them
+    )
+
+
+def _stage_call(model: MegatronCausalLM, uses_model):
+    """On a pipeline stage before the last: run `model` with the arguments `uses_model` (the loss,
+    a logprob function) calls it with, and stop there (the stage has no output layer)."""
+    try:
+        uses_model(_Capture(model.config))
+    except _StageCall as call:
+        return model(*call.args, **call.kwargs)
+    raise RuntimeError("the loss never called the model")
 
 
 class _Capture:
@@ -88,16 +111,16 @@ class MegatronBackend:
             key, why = problems[0]
             raise UserError(f"trainer.{key}: {why}")
         cpu.apply()
-        layout.initialize()
-        from megatron.core import parallel_state as ps
-
+        _initialize(layout)
         self.ps = ps
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.bridge = make_bridge(model_cfg, precision.master)
         self.model = MegatronCausalLM(build_gpt(self.bridge), model_cfg).to(self.device)
         self.load_weights(weights)
         self.data_rank, self.data_ranks = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.shards_parameters = layout.tensor * layout.pipeline * layout.expert > 1
+        self.data_group = ps.get_data_parallel_group()
+        # the model is megatron's, not ours: a quick evaluation samples from a plain copy of its weights
+        self.shards_parameters = True
         # routed experts: replicated over the expert-data-parallel ranks, not the data-parallel ones
         # (by name: only Transformer Engine's expert layers mark themselves)
         self.experts = {id(p) for name, p in self.model.named_parameters() if ".mlp.experts." in name}
@@ -113,8 +136,6 @@ class MegatronBackend:
     # ---------------------------------------------------------------- one optimizer step
 
     def train_step(self, micro_batches: list[dict], loss_fn) -> StepStats:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         t0 = time.perf_counter()
         lr = self.cfg.lr * lr_factor(self.step, self.cfg)
         n = len(micro_batches)
@@ -127,28 +148,14 @@ class MegatronBackend:
 
         def forward_step(data, _view):
             mb = next(data)
-            if not self.model.post_process:  # learn the loss's model call, run only the model
-                try:
-                    loss_fn(_Capture(self.model.config), mb, n_local, n)
-                except _StageCall as call:
-                    return self.model(*call.args, **call.kwargs), _no_loss
-                raise RuntimeError("the loss never called the model")
+            if not self.model.post_process:
+                return _stage_call(self.model, lambda m: loss_fn(m, mb, n_local, n)), _no_loss
             loss, stats = loss_fn(self.model, mb, n_local, n)
             _merge_stats(acc, stats)
             return loss, lambda out: (out * n, {})  # the schedule divides by the micro-batch count
 
         self.model.train()
-        first = micro_batches[0]["input_ids"]
-        with cpu.schedule_context(), self.precision.autocast(self.device):
-            get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=batches,
-                model=[_ScheduleView(self.model)],
-                num_microbatches=n,
-                seq_length=first.shape[1],
-                micro_batch_size=first.shape[0],
-                forward_only=False,
-            )
+        self._schedule(self.model, forward_step, batches, micro_batches, forward_only=False)
         self._reduce_grads()
         grad_norm = self._clip()
         self.optimizer.step()
@@ -169,6 +176,40 @@ class MegatronBackend:
             router={k: float(v) / n for k, v in acc.pop("router", {}).items() if torch.as_tensor(v).dim() == 0},
             sums=acc,
         )
+
+    def _schedule(self, model: MegatronCausalLM, forward_step, batches, micro_batches: list[dict], forward_only: bool):
+        """Megatron's schedule for the layout (1F1B across pipeline stages, or none) over `micro_batches`."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        first = micro_batches[0]["input_ids"]
+        with cpu.schedule_context(), self.precision.autocast(self.device):
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=batches,
+                model=[_ScheduleView(model)],
+                num_microbatches=len(micro_batches),
+                seq_length=first.shape[1],
+                micro_batch_size=first.shape[0],
+                forward_only=forward_only,
+            )
+
+    def forward_only(self, model: MegatronCausalLM, batch: dict, fn) -> torch.Tensor | None:
+        """`fn(model, batch)` (a tensor computed from the model's output, e.g. token logprobs) through
+        the pipeline, without gradients: its value on the last stage, None on the others. Collective
+        over every trainer rank (a forward of a sharded model needs them all)."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        out = {}
+
+        def forward_step(data, _view):
+            next(data)
+            if not model.post_process:
+                return _stage_call(model, lambda m: fn(m, batch)), _no_loss
+            out["value"] = fn(model, batch)
+            return out["value"].sum(), lambda o: (o, {})
+
+        with torch.no_grad():
+            self._schedule(model, forward_step, iter([batch]), [batch], forward_only=True)
+        return out.get("value")
 
     def _from_last_stage(self, acc: dict) -> dict:
         """The step's loss statistics, computed on the last pipeline stage, on every stage."""
@@ -241,15 +282,20 @@ class MegatronBackend:
             self.bridge.load_weights([self.model.gpt], weights)
 
     def whole_tensors(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(HF name, whole tensor) one weight at a time, on rank 0 (None on the others); collective."""
+        """(name, whole tensor) of our model's state dict (stages.model: routed experts fused per
+        layer), on rank 0 (None on the others); collective: every rank iterates to the end. No rank
+        holds more than one layer's experts at a time."""
+        seen = set()
         with torch.no_grad():
-            for name, t in self.bridge.export_weights([self.model.gpt]):
-                yield name, (t.detach().cpu() if self.rank == 0 else None)
+            for name, t in _fused(self.bridge.export_weights([self.model.gpt]), self.model.config.num_experts):
+                if name not in seen:  # a tied output weight comes back as the embedding a second time
+                    seen.add(name)
+                    yield name, (t.detach().cpu() if self.rank == 0 else None)
 
-    def full_params(self, modify: bool = False):
-        if self.shards_parameters:
-            raise NotImplementedError("megatron: a whole-model view on one rank is not offered; use whole_tensors")
-        return contextlib.nullcontext()
+    def load_copy(self, copy: MegatronCausalLM, path) -> None:
+        """The weights of model directory `path` into a `frozen_copy` (each rank its slices)."""
+        with torch.no_grad():
+            self.bridge.load_weights([copy.gpt], Path(path))
 
     def frozen_copy(self, path=None) -> MegatronCausalLM:
         """A forward-only model laid out as the trained one, with the weights of model directory `path`."""
@@ -305,6 +351,32 @@ class MegatronBackend:
         self.step = int(small["step"])
 
 
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused(tensors, num_experts: int):
+    """HF-named tensors with each layer's per-expert weights fused as our model stores them
+    (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), the rest as they come."""
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, t in tensors:
+        m = _PER_EXPERT.match(name)
+        if not m:
+            yield name, t
+            continue
+        prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
+        parts = pending.setdefault(prefix, {})
+        parts[(expert, kind)] = t
+        if len(parts) == 3 * num_experts:
+            del pending[prefix]
+            yield (
+                f"{prefix}.gate_up_proj",
+                torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(num_experts)]),
+            )
+            yield f"{prefix}.down_proj", torch.stack([parts[(e, "down_proj")] for e in range(num_experts)])
+    if pending:
+        raise RuntimeError(f"megatron export: experts of {sorted(pending)} incomplete")
+
+
 def _no_loss(output):
     return output, {}
 
@@ -312,4 +384,5 @@ def _no_loss(output):
 def megatron_backend(model, cfg: OptimConfig, layout: Layout, device=None, precision=FP32) -> MegatronBackend:
     """The megatron backend for an in-memory model of ours (a fresh, seeded init): its weights are
     handed over by name, and each rank keeps its slices."""
+    device = device if device is not None else next(model.parameters()).device
     return MegatronBackend(model.config, hf_state_dict(model), cfg, layout, device, precision)

@@ -187,7 +187,8 @@ def build_gpt(bridge):
     provider = bridge._model_provider([])
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    gpt = provider(pre_process=pre, post_process=post)
+    with cpu.construction_context():
+        gpt = provider(pre_process=pre, post_process=post)
     gpt.__class__ = _hidden_states_class(type(gpt))
     return gpt
 

@@ -34,6 +34,21 @@ class _CudaAsCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def construction_context():
+    """Around building a GPTModel: with a tied embedding split over pipeline stages, the last
+    stage's copy is moved with `.cuda()` before the stages agree on it; here it stays on the CPU."""
+    if torch.cuda.is_available():
+        yield
+        return
+    cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = cuda
+
+
 def schedule_context():
     """Around megatron's pipeline schedules, which count tokens in a tensor made on device "cuda" by
     name: that tensor on the CPU. Scoped to the schedule call (a function mode sees every torch call

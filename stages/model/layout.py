@@ -1,8 +1,8 @@
-"""How a Megatron trainer lays the model over its ranks, checked before anything is built or submitted.
+"""How a Megatron trainer lays the model over its ranks, checked before anything is built or submitted
+(torch-free: the configuration layer checks a layout at load).
 
     layout = Layout(tensor=2, pipeline=2, expert=2)
     problems = list(layout.problems(model_cfg, world_size=8))   # [(key, why)], empty when it fits
-    layout.initialize()                                        # megatron's process groups (collective)
 
 Ranks are ordered as megatron-core orders them (tp-cp-ep-dp-pp): tensor-parallel ranks are
 neighbours (one node), pipeline stages the farthest apart. Data parallelism is what is left:
@@ -36,12 +36,9 @@ class Layout:
         """(config key, why) for each way this layout cannot hold `model` on `world_size` ranks."""
         model_parallel = self.tensor * self.pipeline
         if world_size % model_parallel:
-            yield (
-                "tensor_parallel",
-                (
-                    f"tensor_parallel x pipeline_parallel = {self.tensor} x {self.pipeline} does not divide the {world_size} trainer ranks"
-                ),
-            )
+            key = "tensor_parallel" if world_size % self.tensor else "pipeline_parallel"
+            product = f"tensor_parallel x pipeline_parallel = {self.tensor} x {self.pipeline}"
+            yield key, f"{product} does not divide the {world_size} trainer ranks"
             return
         data = world_size // model_parallel
         if data % self.expert:
@@ -58,16 +55,3 @@ class Layout:
             yield "tensor_parallel", f"{self.tensor} does not divide the model's {model.num_kv_heads} key/value heads"
         if model.vocab_size % self.tensor:
             yield "tensor_parallel", f"{self.tensor} does not divide the vocabulary ({model.vocab_size})"
-
-    def initialize(self) -> None:
-        """megatron-core's process groups for this layout over the default group (collective)."""
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=self.tensor,
-            pipeline_model_parallel_size=self.pipeline,
-            expert_model_parallel_size=self.expert,
-            expert_tensor_parallel_size=1,  # experts are split over ranks (EP), not within them
-        )
