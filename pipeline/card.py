@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ import pyarrow.parquet as pq
 import yaml
 
 from snowcat.stages.agent.detectors import DETECTORS
+from snowcat.stages.config import prompt_stage
 
-from . import compare
+from . import compare, plot
 from . import config as config_mod
 from .dag import Unit, build
 from .errors import UserError
@@ -322,6 +324,13 @@ def _rl_recipe_lines(c) -> list[str]:
     else:
         mix = "  - task mix: the task pool as it comes (no `domain_weights`)"
     prompt = getattr(c, "rollout_prompt", "")
+    if prompt and (chooser := prompt_stage(prompt)) is not None:
+        return [
+            mix,
+            f"  - rollout prompt: the one prompt-selection stage `{chooser}` chose (its prompts.json: the candidates, "
+            "their paired statistics on development tasks, the choice and its sha256; an empty choice is ordinary RL): "
+            "in the context sampled in, removed from the update's context; gap per turn in the history (`prompt_gap/*`)",
+        ]
     if prompt:
         digest = hashlib.sha256(prompt.encode()).hexdigest()[:16]
         return [
@@ -1207,13 +1216,51 @@ def _checklist(f: Facts, export: dict | None, versus: list[str], limits: list[st
         "inference-equivalence test": (
             f"max abs Δlogit {eq.get('max_abs_dlogit')}, greedy {'match' if eq.get('greedy_match') else 'DIFFER'}" if eq else None
         ),
-        "license": f.cfg.get("license") or None,
-        "intended use": f.cfg.get("intended_use") or None,
+        "license": _license_text(f.cfg.card) or None,
+        "intended use": f.cfg.card.intended_use or None,
     }
     return ["| field | value |", "|---|---|"] + [f"| {k} | {_v(values[k])} |" for k in CHECKLIST]
 
 
-def build_card(run: RunDir) -> str:
+def _license_text(card) -> str:
+    """The config's `card.license` as a reader should see it ("" when unset)."""
+    if card.license == "other":
+        return f"other: {card.license_name} ({card.license_link})"
+    return card.license
+
+
+def _license_meta(card) -> dict:
+    """The model-card metadata the Hub reads for the license (nothing when unset: no guess)."""
+    if not card.license:
+        return {}
+    if card.license == "other":
+        return {"license": "other", "license_name": card.license_name, "license_link": card.license_link}
+    return {"license": card.license}
+
+
+def _curves(f: Facts, where: Path | None) -> list[str]:
+    """The figures `snowcat plot` draws from the units' per-step histories (the card stage draws
+    them into <run>/plots/), linked relative to where the card is written (None: the card stage's
+    directory). Listed from the histories, not from the files, so the text repeats exactly."""
+    found = plot.figures(f.run)
+    if not found:
+        return [f"Curves: {NR} (no unit recorded a per-step history)."]
+    root = f.run.path / plot.PLOTS_DIR
+    rel = Path("../..") / plot.PLOTS_DIR if where is None else Path(os.path.relpath(root, where))
+    lines = [
+        f"Drawn by `snowcat plot {f.run.path}` into `{plot.PLOTS_DIR}/` from each unit's `metrics_history.jsonl` "
+        f"(x: {plot.X_LABEL}); the pictures are not hashed (throughput is a timing).",
+        "",
+    ]
+    for concern, panels in found.items():
+        units = sorted({s.unit for series in panels for s in series})
+        lines += [f"![{concern.title}: {', '.join(units)}]({(rel / f'{concern.name}.png').as_posix()})", ""]
+    return lines
+
+
+def build_card(run: RunDir, where: Path | None = None) -> str:
+    """The card's text; `where`: the directory it is written to (the figures are linked relative to
+    it; None: the card stage's directory, <run>/stages/<name>/)."""
     f = Facts(run)
     init_lines, init_meta = _initializer(f)
     export_lines, export_record, export_limits = _export(f)
@@ -1222,7 +1269,7 @@ def build_card(run: RunDir) -> str:
     soft_lines, soft_meta = _software(f)
     origin = f.info.get("origin") or {}
 
-    limits = list(eval_limits)
+    limits = [f"{text} (stated in the config)" for text in f.cfg.card.limitations] + list(eval_limits)
     if f.nodes("evaluate"):
         limits.append(
             "Mean reward is the verifiers' reward, which may give partial credit: it is not the fraction of "
@@ -1248,6 +1295,7 @@ def build_card(run: RunDir) -> str:
     base_model = init_meta.pop("base_model", None)
     meta: dict[str, Any] = {
         **({"base_model": base_model} if base_model else {}),  # the Hugging Face model-card field for lineage
+        **_license_meta(f.cfg.card),
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
         "tags": _tags(f, export_record),
@@ -1275,6 +1323,8 @@ def build_card(run: RunDir) -> str:
         "exported_checkpoint": exported_ref,
         "model_manifest_sha256": export_record.get("model_manifest_sha256") if export_record else None,
         **init_meta,
+        "intended_use": f.cfg.card.intended_use or None,
+        "limitations": list(f.cfg.card.limitations),
     }
     stage_lines, totals = _stages(f)
     scan_lines, scan_summary, scan_limits = _credential_scan(f)
@@ -1314,6 +1364,9 @@ def build_card(run: RunDir) -> str:
         "",
         *_reward_hacks(f),
         "",
+        "## Curves",
+        "",
+        *_curves(f, where),
         "## Exported model",
         "",
         *export_lines,
@@ -1321,6 +1374,11 @@ def build_card(run: RunDir) -> str:
         "## Deleted checkpoints (retention)",
         "",
         *_retention(f),
+        "",
+        "## Intended use and license",
+        "",
+        f"- Intended use: {f.cfg.card.intended_use or NR}",
+        f"- License: {_license_text(f.cfg.card) or NR}",
         "",
         "## Known limitations",
         "",
@@ -1366,7 +1424,7 @@ def add_card_arguments(parser) -> None:
 
 
 def cmd_card(args) -> int:
-    text = build_card(RunDir.open(args.run))
+    text = build_card(RunDir.open(args.run), Path(args.output).resolve().parent if args.output else Path.cwd())
     if args.output:
         atomic_write_text(args.output, text)
     else:

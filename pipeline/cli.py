@@ -22,7 +22,7 @@ from snowcat.slurm import cluster
 from snowcat.slurm import site as site_mod
 from snowcat.stages.model import hf
 
-from . import audit, card, compare, doctor, lock, offline, reproduce, traces, tracking
+from . import audit, card, compare, doctor, lock, notify, offline, plot, reproduce, traces, tracking
 from . import config as config_mod
 from .dag import Dag, build
 from .errors import UserError
@@ -91,6 +91,7 @@ def drive(run: RunDir, dag: Dag, cfg) -> int:
     if cfg.executor.kind == "local":
         verdict = ("run finished", "green") if code == 0 else ("run stopped", "red")
         err.print(Text.assemble(verdict, f": snowcat status {run.path}"))
+        notify.quietly(run)  # the config's notifications of failures or the end (this is no compute node)
     return code
 
 
@@ -248,7 +249,8 @@ def status_record(run: RunDir) -> dict:
             "progress": progress_lines(run, dag, node.name) if status != "done" else [],
             "alarms": traces.stage_alarms(run, node),  # RL: entropy collapse, reward hacking
         } | ({"units": units} if units else {})
-    return {"run_id": run.run_id, "run_dir": str(run.path), "executor": cfg.executor.kind, "stages": stages}
+    record = {"run_id": run.run_id, "run_dir": str(run.path), "executor": cfg.executor.kind, "stages": stages}
+    return record | {"curves": plot.status_line(run, cfg)}
 
 
 _HEADLINE_HINTS = ("pass@1", "reward", "loss", "selected", "val", "train")
@@ -270,6 +272,7 @@ def _headline(metrics: dict, n: int = 3) -> str:
 def cmd_status(args) -> int:
     run = RunDir.open(args.run)
     record = status_record(run)
+    notify.quietly(run)  # on stderr; sends the config's notifications from the login node
     if args.json:
         print(json.dumps(record, indent=2, default=str))
         return 0
@@ -308,6 +311,8 @@ def cmd_status(args) -> int:
     for row in rows:
         table.add_row(*row)
     out.print(table)
+    if record["curves"]:
+        out.print(Text(record["curves"]))  # folded at the console's width, as the table
     return 0
 
 
@@ -445,9 +450,19 @@ def parser() -> argparse.ArgumentParser:
     tracking.add_track_arguments(tk)
     tk.set_defaults(func=tracking.cmd_track)
 
-    sy = sub.add_parser("sync", help="upload the run's offline W&B runs (wandb sync; login node) and record it in the run")
+    sy = sub.add_parser(
+        "sync", help="upload the run's offline W&B runs (wandb sync; login node), record it in the run; send notifications"
+    )
     tracking.add_sync_arguments(sy)
-    sy.set_defaults(func=tracking.cmd_sync)
+    sy.set_defaults(func=tracking.cmd_sync_and_notify)
+
+    pt = sub.add_parser("plot", help="the run's curves as PNGs (reward, pass@1, entropy, mismatch, staleness, tokens/s, loss)")
+    plot.add_plot_arguments(pt)
+    pt.set_defaults(func=plot.cmd_plot)
+
+    nt = sub.add_parser("notify", help="summary lines of failures and the run's end; deliver them (login node; cron)")
+    notify.add_notify_arguments(nt)
+    nt.set_defaults(func=notify.cmd_notify)
 
     rp = sub.add_parser("reproduce", help="re-run a run from its archived config and compare hashes and metrics")
     reproduce.add_reproduce_arguments(rp)

@@ -10,7 +10,15 @@ them. Per task first, then over tasks (stages/evalstats.py):
     Holm-adjusted one (many pairs: the family-wise error rate is what is controlled);
   - the mean gain over a base (the first variant unless `--base`), with an SE over shared tasks;
   - infrastructure failures: equal rates across variants (chi-square), and whether failing tasks
-    differ in outcome from the others (excluding them assumes they do not; Mann-Whitney U).
+    differ in outcome from the others (excluding them assumes they do not; Mann-Whitney U);
+  - per benchmark (task domain) x variant: pass@1 ± SE over the domain's tasks (the ablation's grid);
+  - what reward hacks were worth, from the kept trajectories (`<unit>/trajectories/`, when kept):
+    per detector the flagged episodes split by reward (rewarded: reward > 0) and by pass, and the
+    pass@1 and mean reward recomputed with every flagged-and-rewarded episode counted as a failure
+    (reward 0), beside the reported ones, with the paired SE over tasks of the difference;
+  - with `--grep PATTERN`: per variant, the kept attempts whose model turns (reasoning and actions,
+    not the prompt or tool output) match the regular expression: count, rate per task then mean ± SE
+    over tasks, the pass rate of matching attempts and of the others, up to 3 examples.
 compare.json ends with `per_task`: per variant and task, [scored attempts, passes, infra failures].
 """
 
@@ -18,14 +26,17 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
 import numpy as np
+import pyarrow.parquet as pq
 
 from snowcat.stages import evalstats
+from snowcat.stages.agent import dataset, detectors
 
 from .dag import build
 from .errors import UserError
@@ -44,8 +55,13 @@ class Variant:
     scored: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     passed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     infra: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    domain: dict[str, str] = field(default_factory=dict)  # task -> its domain (the benchmark)
+    checkpoint: str = ""  # the reference the evaluate unit scored
+    kept: Path | None = None  # the unit's kept trajectories (trajectories/), when it has them
 
-    def add(self, task: str, outcome: int) -> None:
+    def add(self, task: str, outcome: int, domain: str | None = None) -> None:
+        if domain is not None:
+            self.domain[task] = domain
         if outcome < 0:
             self.infra[task] += 1
             self.scored.setdefault(task, 0)
@@ -79,12 +95,19 @@ def load_variants(run_dirs: list[Path], stage: str | None = None) -> list[Varian
         with h5py.File(path, "r") as f:
             refs = [s.decode() for s in f["checkpoint"][:]]
             tasks = [s.decode() for s in f["task_id"][:]]
+            domains = [s.decode() for s in f["domain"][:]] if "domain" in f else [None] * len(tasks)
             outcomes = f["passed"][:].astype(int)
-        for ref, task, outcome in zip(refs, tasks, outcomes, strict=True):
+        kept = path.parent / dataset.DIRNAME
+        for ref, task, domain, outcome in zip(refs, tasks, domains, outcomes, strict=True):
             key = (run_name, unit_key, ref)
             if key not in variants:
-                variants[key] = Variant(label="", source=f"{run_name}/{unit_key}/{ref}")
-            variants[key].add(task, int(outcome))
+                variants[key] = Variant(
+                    label="",
+                    source=f"{run_name}/{unit_key}/{ref}",
+                    checkpoint=ref,
+                    kept=kept if dataset.read_manifest(kept) is not None else None,
+                )
+            variants[key].add(task, int(outcome), domain)
     keys = list(variants)
     for key in keys:  # the shortest label that still tells variants apart
         for width in (1, 2, 3):
@@ -95,8 +118,11 @@ def load_variants(run_dirs: list[Path], stage: str | None = None) -> list[Varian
     return [variants[k] for k in keys]
 
 
-def compare(variants: list[Variant], *, base: str | None = None, seed: int = 0, n_perm: int = 10000) -> dict:
+def compare(
+    variants: list[Variant], *, base: str | None = None, seed: int = 0, n_perm: int = 10000, grep: str | None = None
+) -> dict:
     """The report's numbers (see the module docstring)."""
+    pattern = compile_pattern(grep) if grep is not None else None
     if len(variants) < 2:
         raise UserError(f"compare needs at least 2 scored checkpoints, found {len(variants)}")
     by_label = {v.label: v for v in variants}
@@ -142,6 +168,10 @@ def compare(variants: list[Variant], *, base: str | None = None, seed: int = 0, 
     )
     out["gain_over_base"] = {"tasks": len(shared), "gain": gain, "se": gain_se, "variants": [v.label for v in others]}
     out["infra"] = infra_checks(variants)
+    out["grid"] = domain_grid(variants)
+    out["reward_hacks"] = [h for v in variants if (h := hack_worth(v)) is not None]
+    if pattern is not None:
+        out["grep"] = {"pattern": grep, "variants": [grep_attempts(v, pattern) for v in variants]}
     # what every number above is computed from, so the report can be checked on its own
     out["per_task"] = {
         v.label: {t: [v.scored[t], v.passed.get(t, 0), v.infra.get(t, 0)] for t in sorted(v.scored)} for v in variants
@@ -174,6 +204,131 @@ def infra_checks(variants: list[Variant]) -> dict:
             }
         )
     return {"equal_rates_p": equal_rates, "outcome_vs_failure": outcome}
+
+
+def domain_grid(variants: list[Variant]) -> dict:
+    """Per benchmark (task domain) x variant: pass@1 ± SE over the domain's tasks the variant scored."""
+    domains = sorted({v.domain.get(t, UNKNOWN) for v in variants for t in v.tasks})
+    cells: dict = {}
+    for v in variants:
+        row = cells[v.label] = {}
+        for d in domains:
+            values = [v.pass1(t) for t in v.tasks if v.domain.get(t, UNKNOWN) == d]
+            mean, se = evalstats.mean_se(values)
+            row[d] = {"tasks": len(values), "pass@1": mean, "se": se}
+    return {"domains": domains, "cells": cells}
+
+
+UNKNOWN = "(no domain)"
+
+
+def kept_rows(v: Variant) -> list[dict]:
+    """The variant's kept, scored episodes (what the detectors read), [] when none were kept."""
+    manifest = dataset.read_manifest(v.kept) if v.kept is not None else None
+    if manifest is None:
+        return []
+    columns = sorted({*_DETECTOR_COLUMNS, "checkpoint", "status"})
+    rows = []
+    for shard in manifest["shards"].values():
+        if shard.get("checkpoint") in (None, v.checkpoint):
+            rows += pq.read_table(v.kept / shard["file"], columns=columns).to_pylist()
+    return [r for r in rows if r["checkpoint"] == v.checkpoint and r["status"] != "infra_error"]
+
+
+# what the detectors read of a row (stages/agent/detectors.py)
+_DETECTOR_COLUMNS = ("id", "task_id", "domain", "passed", "reward", "detail", "turns", "tool_names", "tool_args")
+_DETECTOR_COLUMNS += ("tool_errors", "tool_results", "answer_key", "test_paths")
+
+
+def compile_pattern(text: str) -> re.Pattern:
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise UserError(f"--grep {text!r}: not a valid regular expression: {e}") from None
+
+
+def grep_attempts(v: Variant, pattern: re.Pattern) -> dict:
+    """The variant's kept attempts whose model turns match `pattern` (see the module docstring)."""
+    rows = kept_rows(v)
+    out: dict = {"label": v.label, "episodes": len(rows)}
+    if not rows:
+        return out | {"matched": None}
+    hits = [next(((turn, m) for turn in r["turns"] if (m := pattern.search(turn))), None) for r in rows]
+    by_task: dict[str, list[bool]] = defaultdict(list)
+    for r, hit in zip(rows, hits, strict=True):
+        by_task[r["task_id"]].append(hit is not None)
+    rate, se = evalstats.mean_se([float(np.mean(x)) for x in by_task.values()])
+    matched = [r for r, hit in zip(rows, hits, strict=True) if hit is not None]
+    others = [r for r, hit in zip(rows, hits, strict=True) if hit is None]
+    examples = [
+        {"id": r["id"], "task_id": r["task_id"], "excerpt": _excerpt(hit[0], hit[1].start(), hit[1].end())}
+        for r, hit in zip(rows, hits, strict=True)
+        if hit is not None
+    ][:3]
+    return out | {
+        "matched": len(matched),
+        "tasks": len(by_task),
+        "tasks_matched": sum(any(x) for x in by_task.values()),
+        "rate": rate,
+        "rate_se": se,
+        "pass_rate_matched": float(np.mean([r["passed"] == 1 for r in matched])) if matched else None,
+        "pass_rate_others": float(np.mean([r["passed"] == 1 for r in others])) if others else None,
+        "examples": examples,
+    }
+
+
+def _excerpt(text: str, start: int, end: int, margin: int = 60) -> str:
+    left, right = max(0, start - margin), min(len(text), end + margin)
+    return ("…" if left else "") + " ".join(text[left:right].split()) + ("…" if right < len(text) else "")
+
+
+def hack_worth(v: Variant) -> dict | None:
+    """What the reward hacks were worth to one variant, over its kept scored episodes (None: none
+    kept). Per detector: flagged episodes, of them rewarded (reward > 0) and not, and passed. Then,
+    with every episode that a detector flagged and that was rewarded counted as a failure with
+    reward 0: pass@1 (per task, then over tasks, as above) and mean reward beside the reported
+    ones, and the difference (what the hacks were worth) with its paired SE over tasks."""
+    rows = kept_rows(v)
+    if not rows:
+        return None
+    flags = [{name for name, (detect, _) in detectors.DETECTORS.items() if detect(r) is not None} for r in rows]
+    rewarded = [r["reward"] > 0 for r in rows]
+    hacked = [bool(f) and paid for f, paid in zip(flags, rewarded, strict=True)]
+    by_task: dict[str, list] = defaultdict(list)
+    for r, h in zip(rows, hacked, strict=True):
+        by_task[r["task_id"]].append((r["passed"] == 1, r["reward"], h))
+    tasks = sorted(by_task)
+    reported = [float(np.mean([p for p, _, _ in by_task[t]])) for t in tasks]
+    without = [float(np.mean([p and not h for p, _, h in by_task[t]])) for t in tasks]
+    reward = [float(np.mean([w for _, w, _ in by_task[t]])) for t in tasks]
+    reward_without = [float(np.mean([0.0 if h else w for _, w, h in by_task[t]])) for t in tasks]
+    worth, worth_se = evalstats.paired_difference(without, reported)
+    reward_worth, reward_worth_se = evalstats.paired_difference(reward_without, reward)
+    out = {
+        "label": v.label,
+        "episodes": len(rows),
+        "attempts": sum(v.scored.values()),
+        "tasks": len(tasks),
+        "pass@1": float(np.mean(reported)),
+        "pass@1_without_hacks": float(np.mean(without)),
+        "worth": worth,
+        "worth_se": worth_se,
+        "reward": float(np.mean(reward)),
+        "reward_without_hacks": float(np.mean(reward_without)),
+        "reward_worth": reward_worth,
+        "reward_worth_se": reward_worth_se,
+        "detectors": {},
+    }
+    for name in detectors.DETECTORS:
+        hit = [i for i, f in enumerate(flags) if name in f]
+        out["detectors"][name] = {
+            "flagged": len(hit),
+            "rewarded": sum(rewarded[i] for i in hit),
+            "unrewarded": sum(not rewarded[i] for i in hit),
+            "passed": sum(rows[i]["passed"] == 1 for i in hit),
+            "examples": [rows[i]["id"] for i in hit if rewarded[i]][:3],
+        }
+    return out
 
 
 # ---------------------------------------------------------------- the report
@@ -230,8 +385,76 @@ def render(result: dict, sources: list[str]) -> str:
             f"| {o['label']} | {o['tasks_with_failures']} | {_f(o['pass@1_with_failures'])} | {_f(o['pass@1_without'])} | "
             f"{_f(o['p'], '{:.4f}')} | {mark} |"
         )
+    lines += ["", *grid_table(result), "", *hacks_table(result)]
+    if "grep" in result:
+        lines += ["", *grep_table(result["grep"])]
     lines += ["", "![pass@1 and paired differences](compare.png)", ""]
     return "\n".join(lines)
+
+
+def grid_table(result: dict) -> list[str]:
+    grid = result["grid"]
+    lines = [
+        "## Per benchmark × variant",
+        "",
+        "pass@1 ± SE over each benchmark's (task domain's) tasks; its task count in brackets.",
+        "",
+        "| variant | " + " | ".join(grid["domains"]) + " |",
+        "|---|" + "---|" * len(grid["domains"]),
+    ]
+    for label, row in grid["cells"].items():
+        cells = [f"{_f(c['pass@1'])} ± {_f(c['se'])} ({c['tasks']})" if c["tasks"] else "-" for c in row.values()]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def grep_table(found: dict) -> list[str]:
+    lines = [
+        f"## Attempts whose model turns match `{found['pattern']}`",
+        "",
+        "Over the kept scored attempts (reasoning and actions; not the prompt or tool output). Rate: per task "
+        "the fraction of its attempts that match, then mean ± SE over tasks.",
+        "",
+        "| variant | matched / episodes | tasks with a match | rate ± SE | pass rate, matched | pass rate, others |",
+        "|---|---|---|---|---|---|",
+    ]
+    examples = []
+    for g in found["variants"]:
+        if g["matched"] is None:
+            lines.append(f"| {g['label']} | not recorded (no kept trajectories) | | | | |")
+            continue
+        lines.append(
+            f"| {g['label']} | {g['matched']} / {g['episodes']} | {g['tasks_matched']} / {g['tasks']} | "
+            f"{_f(g['rate'])} ± {_f(g['rate_se'])} | {_f(g['pass_rate_matched'])} | {_f(g['pass_rate_others'])} |"
+        )
+        examples += [f"- {g['label']} `{e['id']}` ({e['task_id']}): {e['excerpt']}" for e in g["examples"]]
+    return lines + (["", "Examples:", "", *examples] if examples else [])
+
+
+def hacks_table(result: dict) -> list[str]:
+    hacks = result["reward_hacks"]
+    lines = ["## What reward hacks were worth", ""]
+    if not hacks:
+        return lines + ["Not recorded: no variant's evaluate unit kept its trajectories (`keep_trajectories`)."]
+    names = list(detectors.DETECTORS)
+    lines += [
+        "Over the kept scored episodes (all of them unless `keep_trajectories` kept a sample). Per detector: "
+        "flagged episodes (rewarded / not rewarded; rewarded: reward > 0). *Without hacks*: every flagged "
+        "and rewarded episode counted as a failure with reward 0; *worth*: reported − without, ± its paired SE "
+        "over tasks. A flag is a lead to read (`snowcat traces`), not a verdict.",
+        "",
+        "| variant | episodes | pass@1 | without hacks | worth ± SE | reward | without hacks | " + " | ".join(names) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(names),
+    ]
+    for h in hacks:
+        per = [f"{d['flagged']} ({d['rewarded']}/{d['unrewarded']})" for d in h["detectors"].values()]
+        lines.append(
+            f"| {h['label']} | {h['episodes']} | {_f(h['pass@1'])} | {_f(h['pass@1_without_hacks'])} | "
+            f"{_f(h['worth'], '{:+.3f}')} ± {_f(h['worth_se'])} | {_f(h['reward'])} | {_f(h['reward_without_hacks'])} | "
+            + " | ".join(per)
+            + " |"
+        )
+    return lines
 
 
 def pairs_table(result: dict) -> list[str]:
@@ -304,11 +527,16 @@ def add_compare_arguments(parser) -> None:
     parser.add_argument("--base", help="the variant gains are measured against (default: the first)")
     parser.add_argument("-o", "--output", default="compare", help="directory for compare.md/.json/.png (default: ./compare)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the permutation test")
+    parser.add_argument(
+        "--grep", metavar="PATTERN", help="count the kept attempts whose model turns match this regular expression"
+    )
 
 
 def cmd_compare(args) -> int:
     runs = [Path(r) for r in args.runs]
-    result = compare(load_variants(runs, args.stage), base=args.base, seed=args.seed)
+    if args.grep is not None:
+        compile_pattern(args.grep)  # refused before anything is read
+    result = compare(load_variants(runs, args.stage), base=args.base, seed=args.seed, grep=args.grep)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "compare.json", nan_to_null(result))

@@ -29,6 +29,7 @@ from snowcat.pipeline import scrub, sweep
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.schema import (
     HF_PREFIX,
+    MOVED_KEYS,
     TRACKER_PACKAGES,
     Problem,
     RunConfig,
@@ -227,6 +228,8 @@ def compose(path: str | Path, overrides: list[str] = (), site: str | None = None
         sources.append(_site_source(site))
     sources = _site_run_root(sources) + sources
     sources += [_override_source(o) for o in overrides]
+    for label, src in sources:
+        _move_keys(label, src)
 
     # Which source defines each stage (for error messages) and the stage kinds, from a raw merge.
     label_of: dict[str, str] = {}
@@ -256,6 +259,21 @@ def compose(path: str | Path, overrides: list[str] = (), site: str | None = None
     except OmegaConfBaseException as e:
         raise UserError(f"{path}: {_key(e)}: bad interpolation: {_msg(e)}") from None
     return typed
+
+
+def _move_keys(label: str, src: DictConfig) -> None:
+    """Keys that moved (`schema.MOVED_KEYS`: top-level `license` is `card.license` now), read where
+    they were, so the frozen configs of older runs load: the value goes where the key lives now."""
+    for old, new in MOVED_KEYS.items():
+        if old not in src:
+            continue
+        value = src.pop(old)
+        current = OmegaConf.select(src, new, default=None)
+        if value in (None, "") or current == value:
+            continue
+        if current not in (None, ""):
+            raise UserError(f"{label}: {old}: the older spelling of {new}, which is set too, to another value; keep only {new}")
+        OmegaConf.update(src, new, value, force_add=True)
 
 
 def _resolve_engines(typed: DictConfig) -> None:
@@ -457,6 +475,8 @@ def tracking_package_problem(sinks, key: str = "tracking.sinks") -> Problem | No
 def _problems(cfg: RunConfig) -> Iterator[Problem]:
     yield from range_problems(cfg, "")
     yield from _tracking_problems(cfg)
+    yield from ((_join("card", key), why) for key, why in cfg.card.problems())
+    yield from ((_join("notify", key), why) for key, why in cfg.notify.problems(cfg.stages))
     if cfg.site is not None:
         yield from ((_join("site", key), why) for key, why in cfg.site.problems())
     staged = {a.name for s in cfg.stages.values() if s.kind == "prestage" for a in s.artefacts}

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from omegaconf import MISSING
 
@@ -203,15 +205,117 @@ class TrackingConfig:
             yield "mlflow.tracking_uri", f"{uri!r} is neither an absolute path nor a URI (file:///..., https://...)"
 
 
+_LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+\-]*")  # the Hub's identifiers: apache-2.0, cc-by-nc-4.0, llama3.1, openrail++
+
+
+@dataclass
+class CardConfig:
+    """What the provenance card states that the run cannot record itself (pipeline/card.py): the
+    license goes into the model-card metadata the Hugging Face Hub reads, intended use and
+    limitations into the card's text. Unset: the card says "not recorded"."""
+
+    license: str = ""  # a license identifier of the Hub (apache-2.0, mit, llama3.1, ...), or "other"
+    license_name: str = ""  # license: other: its short name (e.g. my-lab-research-1.0)
+    license_link: str = ""  # license: other: where its text is (a URL, or LICENSE in the repository)
+    intended_use: str = ""
+    limitations: list[str] = field(default_factory=list)  # listed before the limitations the run recorded
+
+    def problems(self) -> Iterator[Problem]:
+        if self.license and not _LICENSE_ID.fullmatch(self.license):
+            yield (
+                "license",
+                f"{self.license!r} is not a Hub license identifier (lower case, e.g. apache-2.0, mit, cc-by-4.0; "
+                "for any other license: other, with license_name and license_link)",
+            )
+        if self.license == "other" and not (self.license_name and self.license_link):
+            yield (
+                "license_name" if not self.license_name else "license_link",
+                "license: other needs license_name and license_link",
+            )
+        for key in ("license_name", "license_link"):
+            if getattr(self, key) and self.license != "other":
+                yield key, f"only with license: other (the Hub reads {key} for a license it does not know)"
+        for i, text in enumerate(self.limitations):
+            if not str(text).strip():
+                yield f"limitations[{i}]", "is empty"
+
+
+# Older spellings of keys that moved, still read so that the frozen configs of older runs load:
+# top-level key -> where it lives now (pipeline.config moves the value there when it composes).
+MOVED_KEYS = {"license": "card.license", "intended_use": "card.intended_use"}
+
+NOTIFY_EVENTS = ("failed", "finished")
+# sbatch --mail-type values (Slurm 23-24)
+SLURM_MAIL_TYPES = (
+    "NONE",
+    "BEGIN",
+    "END",
+    "FAIL",
+    "REQUEUE",
+    "ALL",
+    "INVALID_DEPEND",
+    "STAGE_OUT",
+    "TIME_LIMIT",
+    "TIME_LIMIT_90",
+    "TIME_LIMIT_80",
+    "TIME_LIMIT_50",
+    "ARRAY_TASKS",
+)
+_MAIL = re.compile(r"[^@\s,;]+@[^@\s,;]+")
+_LITERAL_URL = re.compile(r"[a-z][a-z0-9+.-]*://[^\s/'\"]+(?:/[^\s'\"]*[^\s'\"/]|[?#][^\s'\"]*)", re.I)
+
+
+@dataclass
+class NotifyConfig:
+    """Word when a run needs attention (pipeline/notify.py, docs/tracking.md "Notifications"). A
+    one-line summary file per event under <run>/notify/, delivered only from the login node (by
+    `snowcat status`, `sync`, `notify`, and the local executor when a run ends), never from a
+    compute node; and Slurm's own mail on the jobs of `slurm_stages`."""
+
+    events: list[str] = field(default_factory=lambda: ["failed", "finished"])  # any of NOTIFY_EVENTS
+    command: str = ""  # shell command run once per new summary: the line on stdin and in $SNOWCAT_NOTIFY_LINE
+    mail_to: str = ""  # the cluster's `mail -s SUBJECT ADDRESS`, the line as the body
+    slurm_mail_user: str = ""  # sbatch --mail-user: Slurm itself mails this address about the jobs below
+    slurm_mail_type: list[str] = field(default_factory=lambda: ["FAIL"])  # sbatch --mail-type values
+    slurm_stages: list[str] = field(default_factory=list)  # the jobs that matter ([]: every stage's)
+
+    def problems(self, stages: Iterable[str] = ()) -> Iterator[Problem]:
+        for i, event in enumerate(self.events):
+            if event not in NOTIFY_EVENTS:
+                yield f"events[{i}]", f"unknown event {event!r} (known: {', '.join(NOTIFY_EVENTS)})"
+        for i, kind in enumerate(self.slurm_mail_type):
+            if kind not in SLURM_MAIL_TYPES:
+                yield f"slurm_mail_type[{i}]", f"{kind!r} is not an sbatch --mail-type (known: {', '.join(SLURM_MAIL_TYPES)})"
+        for key in ("mail_to", "slurm_mail_user"):
+            value = getattr(self, key)
+            if value and not _MAIL.fullmatch(value):
+                yield key, f"{value!r} is not one mail address"
+        stages = list(stages)
+        for i, name in enumerate(self.slurm_stages):
+            if stages and name not in stages:
+                yield f"slurm_stages[{i}]", f"no stage {name!r} in this run (stages: {', '.join(stages)})"
+        url = _LITERAL_URL.search(self.command)
+        if url:
+            parts = urlsplit(url.group(0))
+            yield (
+                "command",
+                f"holds the URL {parts.scheme}://{parts.hostname}/...: "
+                "the config is frozen into the run, and a webhook's path is its secret. Put the URL in an "
+                "environment variable of the login node whose name says it is secret (e.g. SNOWCAT_WEBHOOK_SECRET) "
+                'and write "$SNOWCAT_WEBHOOK_SECRET"',
+            )
+
+
 @dataclass
 class RunConfig:
     name: str = "run"
     seed: int = bounded(0, ge=0)  # numpy's generators take no negative seed
     run_root: str = "logs"
     description: str = ""
-    license: str = ""  # of the weights this run publishes (the card says "not recorded" when unset)
-    intended_use: str = ""
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # license, intended use, limitations for the card (the older top-level license/intended_use: MOVED_KEYS)
+    card: CardConfig = field(default_factory=CardConfig)
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
     site: Any = None  # typed by slurm.site.SiteProfile when given
     stages: dict[str, Any] = field(default_factory=dict)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import notify
 from .config import tracking_package_problem, typed
 from .dag import StageNode, Unit, build
 from .errors import UserError
@@ -513,6 +514,14 @@ def cmd_sync(args) -> int:
         return 1
     print(f"synced {len(todo)} offline run(s); recorded in {record_path}")
     return 0
+
+
+def cmd_sync_and_notify(args) -> int:
+    """`snowcat sync`: the upload, then the config's notifications (both need the login node's network)."""
+    code = cmd_sync(args)
+    if not args.dry_run:
+        notify.quietly(RunDir.open(args.run))
+    return code
 
 
 def add_track_arguments(p) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 import submitit
 
 from snowcat.containers.wrap import SAFE_PATH, hetjob_step, role_images, site_mpi_plugin, wrap_command
+from snowcat.pipeline import notify
 from snowcat.pipeline.config import typed
 from snowcat.pipeline.context import PREEMPTED_EXIT_CODE, catch_notice_early, first_notice
 from snowcat.pipeline.dag import StageNode, Unit, build
@@ -383,6 +384,7 @@ class SlurmExecutor(Executor):
         # Requeue only what asks for it: otherwise a node failure ends the job (NODE_FAIL), the
         # stage shows failed, and `snowcat resume` resubmits it.
         options["requeue" if self.strategy(node) == "requeue" else "no-requeue"] = True
+        options |= notify.sbatch_options(typed(self.cfg).notify, node.name)  # Slurm's own mail, if asked for
         return site_mod.filter_sbatch_options(self.site, options)
 
     def _setup(self, node: StageNode) -> list[str]:

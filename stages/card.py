@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from snowcat.pipeline import plot
 from snowcat.pipeline.card import build_card
 from snowcat.pipeline.dag import build
 from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
@@ -30,6 +31,10 @@ def run(ctx) -> dict:
     high_entropy = next((n.config.high_entropy for n in dag if n.kind == "scan"), False)  # as the run's scan stage searches
     report = scan_report(run.path, exclude, high_entropy) | {"stages_after": [n for n in later if n != ctx.name]}
     atomic_write_json(Path(ctx.out_dir) / SCAN_FILE, report)
+    try:  # the curves the card links, into <run>/plots/ (not outputs of this stage: redrawn any time)
+        plot.draw(run)
+    except Exception as e:  # noqa: BLE001 (pictures never fail the card; `snowcat plot RUN` draws them)
+        print(f"[snowcat] {ctx.name}: curves not drawn: {type(e).__name__}: {e}", flush=True)
     text = build_card(run)
     atomic_write_text(Path(ctx.out_dir) / ctx.config.filename, text)
     return {"not_recorded": text.count("not recorded"), "scan_findings": len(report["findings"])}

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from snowcat.pipeline.schema import HF_PREFIX, Problem, bounded, checkpoint_refs
+from snowcat.pipeline.schema import HF_PREFIX, Problem, bounded, checkpoint_refs, parse_checkpoint_ref
 from snowcat.stages.model.config import PRESETS
-from snowcat.stages.model.layout import Layout
+from snowcat.stages.model.layout import Layout, unsupported
 from snowcat.stages.taskgen import DOMAINS, REPO_DOMAINS
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "rloo_n"]
@@ -81,6 +81,64 @@ def env_options(env: str, stage_cfg) -> dict:
     if env == "calculator" and hasattr(stage_cfg, "require_tool"):
         return {"require_tool": stage_cfg.require_tool}
     return {}
+
+
+SUMMARY_REQUEST = (
+    "Summarise the work on this task so far for whoever continues it: what was tried, what was found, "
+    "what remains to be done. Be brief. The transcript follows."
+)
+
+
+@dataclass
+class ContextConfig:
+    """What an agent episode's context holds as it grows (stages/agent/context.py, docs/agents.md,
+    "Context policies"): everything (cut at max_context), or a summary in place of older turns."""
+
+    policy: Literal["keep", "summarise"] = "keep"
+    at_tokens: int = bounded(0, ge=0)  # summarise before a turn once the context holds this many tokens
+    keep_turns: int = bounded(1, ge=0)  # the latest turns (and their tool results) kept verbatim after a summary
+    max_tokens: int = bounded(128, ge=1)  # of a summary
+    timeout_s: float = bounded(120.0, gt=0)  # a summary that takes longer is a failure: the attempt is infra
+    # who writes the summaries: "policy" (the model being run, its sampling), or a helper model,
+    # "<needed stage>:<checkpoint>" or "hf:<dir or org/name>" (staged), served by the stage's engine
+    summariser: str = "policy"
+    summariser_temperature: float = bounded(0.0, ge=0)  # the helper's sampling (0: greedy)
+    request: str = SUMMARY_REQUEST  # the instruction that opens a summary request (the transcript follows)
+
+    def problems(self, env: str, max_turns: int, max_context: int, needs: list[str]) -> Iterator[Problem]:
+        """(key under `context`, problem) for a policy that is malformed or could never act."""
+        if self.policy == "keep":
+            return
+        if env == "single":
+            yield (
+                "context.policy",
+                "summarise needs a multi-turn env (calculator or repo): a single answer has no turns to summarise",
+            )
+        if self.keep_turns + 2 > max_turns:
+            yield (
+                "context.keep_turns",
+                f"summaries come before a turn once more than keep_turns ({self.keep_turns}) turns are in context: "
+                f"max_turns ({max_turns}) leaves no such turn, so none would ever be written",
+            )
+        if not 1 <= self.at_tokens < max_context:
+            yield (
+                "context.at_tokens",
+                f"must be between 1 and max_context - 1 ({max_context - 1}), or summaries are never written",
+            )
+        if self.summariser == "policy" and self.max_tokens >= max_context:
+            yield "context.max_tokens", f"must be less than max_context ({max_context}): the request needs room too"
+        if self.summariser not in ("policy", "") and not self.summariser.startswith(HF_PREFIX):
+            try:
+                stage, _ = parse_checkpoint_ref(self.summariser)
+            except ValueError as e:
+                yield "context.summariser", f"not 'policy', '<stage>:<checkpoint>' or 'hf:...': {e}"
+            else:
+                if stage.partition("[")[0] not in needs:
+                    yield "needs", f"add {stage.partition('[')[0]!r} (named in context.summariser)"
+        if self.summariser == "":
+            yield "context.summariser", "name who writes the summaries: 'policy' or a helper checkpoint"
+        if not self.request.strip():
+            yield "context.request", "the instruction that asks for a summary must not be empty"
 
 
 def _engine_problems(engine: str, image: str | None) -> Iterator[Problem]:
@@ -257,6 +315,9 @@ class Parallelism:
                 "expert_parallel",
                 "needs backend: torch, fsdp or megatron (DeepSpeed's ZeRO would treat the expert shards as replicated)",
             )
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, key) > 1 and self.backend != "megatron":
+                yield key, f"needs backend: megatron (got {self.backend})"
         if self.backend == "megatron":
             yield from self._layout_problems()
 
@@ -268,11 +329,12 @@ class Parallelism:
             return
         trainer = res.components.get("trainer", res) if res.components else res
         model = PRESETS.get(getattr(self, "model", "")) if not getattr(self, "init_from", "") else None
+        why = unsupported(model) if model is not None else None
+        if why:
+            yield "backend", f"megatron: {why}"
+            return
         layout = Layout(self.tensor_parallel, self.pipeline_parallel, self.expert_parallel)
         yield from layout.problems(model, trainer.nodes * trainer.tasks_per_node)
-        for key in ("tensor_parallel", "pipeline_parallel"):
-            if getattr(self, key) > 1 and self.backend != "megatron":
-                yield key, f"needs backend: megatron (got {self.backend})"
 
 
 # ---------------------------------------------------------------- sft
@@ -347,6 +409,14 @@ class SftConfig(Parallelism):
 # ---------------------------------------------------------------- teacher
 
 TEACHER_PREFIX = "teacher"  # sft.mix names a teacher stage's demonstrations `teacher:<stage>`
+PROMPTS_PREFIX = "prompts"  # rl.rollout_prompt names a prompt-selection stage's choice `prompts:<stage>`
+
+
+def prompt_stage(value: str) -> str | None:
+    """The prompt-selection stage a `rollout_prompt` value names ("prompts:<stage>"), None for a
+    prompt text."""
+    m = re.fullmatch(rf"{PROMPTS_PREFIX}:([A-Za-z0-9_][A-Za-z0-9_.-]*)", value.strip())
+    return m.group(1) if m else None
 
 
 @dataclass
@@ -528,9 +598,15 @@ class RlConfig(Parallelism):
             yield "domain_weights", "at least one domain needs a weight > 0 (weight 0: held out, never trained)"
         if self.rollout_prompt and self.router_replay:
             yield "rollout_prompt", "cannot go with router_replay (the experts were routed with the prompt in context)"
+        chooser = prompt_stage(self.rollout_prompt)
+        if chooser is not None and chooser not in self.needs:
+            yield "needs", f"add {chooser!r} (named in rollout_prompt)"
 
     def run_problems(self, run) -> Iterator[Problem]:
         """Checks against the other stages of the run (pipeline.config calls it before anything is submitted)."""
+        chooser = prompt_stage(self.rollout_prompt)
+        if chooser in run.stages and run.stages[chooser].kind != "prompts":
+            yield "rollout_prompt", f"stage {chooser!r} is a {run.stages[chooser].kind} stage, not a prompts stage"
         tasks = run.stages.get(self.tasks_input.partition("[")[0])
         if tasks is None or tasks.kind != "tasks" or not self.domain_weights:
             return
@@ -551,7 +627,8 @@ class EvaluateConfig:
     checkpoints: list[str] = checkpoint_refs(["sft:initial", "sft:final"])  # "<stage>:<name>"
     tasks: str = stage_input("tasks")  # name of the tasks stage
     split: Literal["train", "val"] = "val"
-    limit: int = bounded(0, ge=0)  # evaluate only the first N tasks of the split (0 = all)
+    limit: int = bounded(0, ge=0)  # a random N tasks of the split, stratified by domain (0 = all; evaluate.sample_tasks)
+    limit_seed: int = bounded(0, ge=0)  # which N: the same tasks in every run of the same task set (not the run seed)
     attempts: int = bounded(4, ge=1)  # n attempts per task
     temperature: float = bounded(1.0, ge=0)
     top_p: float = bounded(1.0, gt=0, le=1)
@@ -561,6 +638,8 @@ class EvaluateConfig:
     max_turns: int = bounded(1, ge=1)  # model turns per episode (multi-turn envs)
     max_context: int = bounded(512, ge=1)  # prompt + all turns + observations (multi-turn envs)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    # multi-turn envs: older turns replaced by a summary past a threshold; a failed summary is infra
+    context: ContextConfig = field(default_factory=ContextConfig)
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4])
     # each: pass@k over the tasks with >= k scored attempts (task sets may differ by k; pass@k_tasks counts them)
     # common: every k over the tasks with >= max(pass_k) scored attempts
@@ -584,6 +663,68 @@ class EvaluateConfig:
         yield from _needs_problems(self.needs, ("tasks", self.tasks))
         yield from _verifier_problems(self.verifier)
         yield from _engine_problems(self.engine, self.image)
+        yield from self.context.problems(self.env, self.max_turns, self.max_context, self.needs)
+
+
+# ---------------------------------------------------------------- prompt selection
+
+
+@dataclass
+class PromptsConfig:
+    """Prompt selection (stages/prompts.py, docs/recipes.md): K candidate prompts scored on held-out
+    development tasks with a checkpoint, one chosen with evaluate's paired statistics; RL samples with
+    it through `rollout_prompt: "prompts:<stage>"`."""
+
+    checkpoint: str = checkpoint_refs("sft:final")  # the policy the prompts are for
+    tasks: str = stage_input("tasks")  # the tasks stage
+    split: Literal["dev", "val", "train"] = "dev"  # dev: held out for selection (tasks' dev_count > 0)
+    candidates: list[str] = field(default_factory=list)  # the prompts; "" = no prompt
+    baseline: int = bounded(0, ge=0)  # the candidate every other is compared with (paired, per task)
+    # significant: the best candidate whose gain over the baseline survives Holm's adjustment at alpha
+    # (else the baseline); best: the highest pass@1, whatever the statistics say
+    rule: Literal["significant", "best"] = "significant"
+    alpha: float = bounded(0.05, gt=0, le=0.5)  # the family-wise error rate of the comparisons with the baseline
+    limit: int = bounded(0, ge=0)  # the first N tasks of the split (0 = all)
+    attempts: int = bounded(4, ge=1)  # per task and candidate
+    env: Env = "single"
+    require_tool: bool = True  # calculator env: answering an arith task without the tool scores 0
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(0, ge=0)
+    max_tokens: int = bounded(48, ge=1)  # per model turn
+    max_turns: int = bounded(1, ge=1)
+    max_context: int = bounded(512, ge=1)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    infra_retries: int = bounded(2, ge=0)
+    verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
+    # a verification past this is killed and counts as infra_error; 0: in this process, unbounded
+    verifier_timeout_s: float = bounded(30.0, ge=0)
+    batch_size: int = bounded(64, ge=1)
+    bootstrap_samples: int = bounded(2000, ge=1)  # bootstrap resamples and permutations
+    engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+    def problems(self) -> Iterator[Problem]:
+        if len(self.candidates) < 2:
+            yield "candidates", f"name at least 2 prompts to choose between, got {len(self.candidates)}"
+        elif len(set(self.candidates)) < len(self.candidates):
+            yield "candidates", "a prompt is listed twice"
+        for i, prompt in enumerate(self.candidates):
+            if prompt_stage(prompt) is not None:
+                yield f"candidates[{i}]", f"{prompt!r} reads as a reference to a prompts stage, not a prompt"
+        if self.candidates and self.baseline >= len(self.candidates):
+            yield "baseline", f"{self.baseline} is not a candidate's index (0..{len(self.candidates) - 1})"
+        if self.split == "train":
+            yield "split", "the tasks RL trains on would choose its prompt: use dev (or val)"
+        yield from _needs_problems(self.needs, ("tasks", self.tasks))
+        yield from _verifier_problems(self.verifier)
+        yield from _engine_problems(self.engine, self.image)
+
+    def run_problems(self, run) -> Iterator[Problem]:
+        tasks = run.stages.get(self.tasks.partition("[")[0])
+        if self.split == "dev" and tasks is not None and tasks.kind == "tasks":
+            if tasks.imports or not any(spec.dev_count for spec in tasks.generated().values()):
+                yield "split", f"stage {self.tasks!r} holds out no dev split (set dev_count on its domains), or use split: val"
 
 
 @dataclass
@@ -679,6 +820,7 @@ KINDS: dict[str, type] = {
     "tasks": TasksConfig,
     "sft": SftConfig,
     "teacher": TeacherConfig,
+    "prompts": PromptsConfig,
     "probe": ProbeConfig,
     "select": SelectConfig,
     "rl": RlConfig,
@@ -689,7 +831,7 @@ KINDS: dict[str, type] = {
     "mpi_check": MpiCheckConfig,
 }
 # Kinds that run a model and so want GPUs by default; the others are CPU work (resources.gpus_per_node).
-GPU_KINDS = frozenset({"sft", "teacher", "probe", "rl", "evaluate", "export"})
+GPU_KINDS = frozenset({"sft", "teacher", "prompts", "probe", "rl", "evaluate", "export"})
 # Kinds that checkpoint on the preemption notice and continue from there; a walltime continuation of any
 # other kind would start from scratch and end the same way, so they get none (stages.X.resume).
-RESUMABLE_KINDS = frozenset({"validate", "sft", "teacher", "probe", "rl"})  # validate: from the verdict cache
+RESUMABLE_KINDS = frozenset({"validate", "sft", "teacher", "prompts", "probe", "rl"})  # validate: from the verdict cache

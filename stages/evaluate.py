@@ -15,7 +15,9 @@ stages/agent/dataset.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import io
 import math
 import time
@@ -32,21 +34,64 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json, nan_to_null
 from snowcat.stages import evalstats
 from snowcat.stages.agent import Budget, Trajectory, behaviour, make_env
+from snowcat.stages.agent.context import context_behaviour, is_failure, with_context
 from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
+from snowcat.stages.agent.summariser import context_policy
 from snowcat.stages.config import env_options, keep_trajectories
 from snowcat.stages.rollout import SamplingParams
 from snowcat.stages.scoring import Attempt, play_attempts, sample_attempts, serve_checkpoint, task_prompt
 from snowcat.stages.taskgen import load_tasks
 from snowcat.stages.verifiers import TimedVerifier
 
+# ---------------------------------------------------------------- which tasks
+
+
+def sample_tasks(tasks: list, n: int, seed: int) -> tuple[list, dict | None]:
+    """(a random `n` of the split's tasks, the record of how they were drawn); every task and None
+    when n is 0 or not less than the split.
+
+    Stratified by domain (a split file is grouped by domain: its first n tasks would be one or two
+    domains): each domain gets its share of n in proportion to its size, by largest remainder (ties
+    to the larger domain, then by name). Within a domain, the first k of a permutation drawn by a
+    generator seeded with (`seed`, the domain's name): the same tasks in every run with the same task
+    set and seed, whatever the run seed, so runs are compared on the same tasks; and a larger n keeps
+    the tasks of a smaller one. Returned in the split's order."""
+    if n <= 0 or n >= len(tasks):
+        return tasks, None
+    by_domain: dict[str, list[int]] = {}
+    for i, t in enumerate(tasks):
+        by_domain.setdefault(t.domain, []).append(i)
+    total = len(tasks)
+    quota = {d: n * len(ix) / total for d, ix in by_domain.items()}
+    counts = {d: math.floor(q) for d, q in quota.items()}
+    for d in sorted(by_domain, key=lambda d: (-(quota[d] - counts[d]), -len(by_domain[d]), d))[: n - sum(counts.values())]:
+        counts[d] += 1
+    chosen: list[int] = []
+    for d, ix in by_domain.items():
+        digest = int.from_bytes(hashlib.sha256(d.encode()).digest()[:8], "little")
+        order = np.random.default_rng([seed, digest]).permutation(len(ix))
+        chosen += [ix[j] for j in order[: counts[d]]]
+    picked = [tasks[i] for i in sorted(chosen)]
+    record = {
+        "limit": n,
+        "of": total,
+        "seed": seed,
+        "method": "stratified by domain, proportional (largest remainder); per domain a seeded permutation's first k",
+        "per_domain": {d: [counts[d], len(ix)] for d, ix in sorted(by_domain.items())},
+        "task_ids_sha256": hashlib.sha256("\n".join(t.task_id for t in picked).encode()).hexdigest(),
+    }
+    return picked, record
+
+
 # ---------------------------------------------------------------- sampling + verification
 
 
 def sample_and_verify(
-    cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier, writer: TrajectoryWriter
+    cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier, writer: TrajectoryWriter, context=None
 ) -> tuple[list[Attempt], dict | None]:
     """`cfg.attempts` verified answers per task from checkpoint `ref`, and (multi-turn envs) what the
-    agent did (`stages.agent.behaviour`); the episodes go to `writer` as shard `ref`."""
+    agent did (`stages.agent.behaviour`); the episodes go to `writer` as shard `ref`. `context`: the
+    episodes' context policy (stages/agent/context.py; a failed summary is an infra failure)."""
 
     engine, tok, _ = serve_checkpoint(ctx, ref, "checkpoints", cfg.batch_size)
     t0 = time.perf_counter()
@@ -69,11 +114,12 @@ def sample_and_verify(
             seconds=time.perf_counter() - t0,
         )
         return records, None
-    env = make_env(cfg.env, tok, **env_options(cfg.env, cfg))
+    env = with_context(make_env(cfg.env, tok, **env_options(cfg.env, cfg)), context)
     budget = Budget(cfg.max_context, cfg.max_tokens, cfg.max_turns)
     records, trajectories = play_attempts(engine, tok, tasks, env, params, budget, **common)
     keep([t for t in trajectories if t is not None], tok, seconds=time.perf_counter() - t0)
-    return records, behaviour([t for t in trajectories if t is not None and t.status != "infra_error"], tok)
+    agent = behaviour([t for t in trajectories if t is not None and t.status != "infra_error"], tok)
+    return records, agent | (context_behaviour(trajectories) if context is not None else {})
 
 
 def single_turn_trajectory(r: Attempt, prompt: list[int], group_id: int) -> Trajectory:
@@ -138,6 +184,8 @@ def summarize(records: list[Attempt], pass_k: list[int], common: bool = False) -
         "attempts": attempts,
         "infra_failures": infra,
         "infra_rate": infra / attempts if attempts else math.nan,
+        # of those, attempts whose transcript summary could not be written (context policy summarise)
+        "summary_failures": sum(not r.scored and bool(r.infra_causes) and is_failure(r.infra_causes[-1]) for r in records),
         "truncated_rate": _rate([r.status == "truncated" for r in records if r.scored]),
     }
     need = max(pass_k) if common else None
@@ -241,14 +289,14 @@ def run(ctx: StageContext) -> dict:
     pass_k = sorted(int(k) for k in cfg.pass_k)
     if cfg.tasks not in ctx.inputs:
         raise UserError(f"stages.{ctx.name}.tasks: stage {cfg.tasks!r} is not in needs")
-    tasks = load_tasks(ctx.inputs[cfg.tasks], cfg.split)
-    tasks = tasks[: cfg.limit] if cfg.limit > 0 else tasks
+    tasks, subset = sample_tasks(load_tasks(ctx.inputs[cfg.tasks], cfg.split), cfg.limit, cfg.limit_seed)
 
+    context = context_policy(ctx, cfg, f"stages.{ctx.name}.context")  # its helper model served once
     verifier = TimedVerifier(cfg.verifier, cfg.verifier_timeout_s)
     keep = keep_trajectories(cfg.keep_trajectories)
     writer = TrajectoryWriter(ctx.out_dir / DIRNAME, stage=ctx.name, env=cfg.env, keep=keep, seed=ctx.seed)
     try:
-        played = {ref: sample_and_verify(cfg, ctx, ref, tasks, verifier, writer) for ref in refs}
+        played = {ref: sample_and_verify(cfg, ctx, ref, tasks, verifier, writer, context) for ref in refs}
     finally:
         verifier.close()
     records = {ref: recs for ref, (recs, _) in played.items()}
@@ -274,6 +322,7 @@ def run(ctx: StageContext) -> dict:
             {
                 "split": cfg.split,
                 "tasks": len(tasks),
+                "subset": subset,
                 "attempts": cfg.attempts,
                 "pass_k": pass_k,
                 "pass_k_tasks": cfg.pass_k_tasks,
@@ -283,7 +332,8 @@ def run(ctx: StageContext) -> dict:
                     "top_p": cfg.top_p,
                     "max_tokens": cfg.max_tokens,
                 }
-                | ({"env": cfg.env, "max_turns": cfg.max_turns, "max_context": cfg.max_context} if cfg.env != "single" else {}),
+                | ({"env": cfg.env, "max_turns": cfg.max_turns, "max_context": cfg.max_context} if cfg.env != "single" else {})
+                | ({"context": dataclasses.asdict(cfg.context)} if cfg.context.policy != "keep" else {}),
                 "checkpoints": results,
                 "comparisons": comparisons,
             }
@@ -304,6 +354,9 @@ def headline(results: dict, comparisons: dict, pass_k: list[int]) -> dict[str, f
                 out[f"{ref}/{g}/pass@{k}"] = s[f"pass@{k}"]
             out[f"{ref}/{g}/reward"] = s["reward"]
         out[f"{ref}/infra_rate"] = res["groups"]["all"]["infra_rate"]
+        if "summaries_per_episode" in res.get("behaviour", {}):  # context policy summarise
+            out[f"{ref}/summary_failures"] = res["groups"]["all"]["summary_failures"]
+            out[f"{ref}/agent/summaries_per_episode"] = res["behaviour"]["summaries_per_episode"]
         for key in ("turns_mean", "invalid_actions_per_episode", "submitted_untested_frac", "claim_precision"):
             if key in res.get("behaviour", {}):
                 out[f"{ref}/agent/{key}"] = res["behaviour"][key]

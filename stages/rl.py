@@ -39,6 +39,7 @@ import torch
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, read_json
+from snowcat.stages.agent.prompting import resolve_rollout_prompt
 from snowcat.stages.config import RlConfig as Config
 from snowcat.stages.model import open_model_dir
 from snowcat.stages.model.layout import Layout as MegatronLayout
@@ -266,6 +267,8 @@ def _trainer_group(ctx, cfg: Config, comm, lay: Layout):
 
 def run(ctx) -> dict:
     cfg: Config = ctx.config
+    # `prompts:<stage>`: the prompt a prompt-selection stage chose (stages/prompts.py)
+    cfg.rollout_prompt = resolve_rollout_prompt(cfg.rollout_prompt, ctx.inputs, f"stages.{ctx.name}.rollout_prompt")
     torch.set_num_threads(cfg.threads or ctx.threads)
     out = Path(ctx.out_dir)
     role = _role(ctx)

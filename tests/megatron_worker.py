@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 
-def batches(vocab: int, step: int, rows: int = 4, T: int = 12) -> list[dict]:
-    """The step's two micro-batches of `rows` rows each (the same on every rank; sliced by DP rank)."""
+def batches(vocab: int, step: int, rows: int = 4, T: int = 13) -> list[dict]:
+    """The step's two micro-batches of `rows` rows each (the same on every rank; sliced by DP rank);
+    13 tokens: sequence parallelism over two ranks pads them."""
     g = torch.Generator().manual_seed(1000 + step)
     out = []
     for _ in range(2):

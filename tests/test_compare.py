@@ -115,3 +115,149 @@ def test_report_numbers_recomputed_from_the_kept_attempts(snowcat, full_run, tmp
     shared = sorted(set(per[pair["a"]]) & set(per[pair["b"]]))
     diff = np.mean([np.mean(per[pair["b"]][t]) - np.mean(per[pair["a"]][t]) for t in shared])
     assert pair["tasks"] == len(shared) and pair["diff"] == pytest.approx(diff)
+
+
+# --- a run's evaluate unit with kept trajectories: the grid and what reward hacks were worth ---------
+
+EVAL_CONFIG = """\
+name: cmp
+stages:
+  tasks: {kind: tasks}
+  sft: {kind: sft, needs: [tasks], model: test-micro}
+  eval: {kind: evaluate, needs: [tasks, sft], checkpoints: ["sft:initial", "sft:final"]}
+"""
+
+
+def _episodes(final: bool, arith, closure) -> list[tuple]:
+    """(task, response text, reward, passed) per attempt. sft:final answers one arith task with the bare
+    key (passed: the answer-key detector flags it) and one closure task with the key's closers then more
+    (reward 1 from partial credit, not passed: flagged too); sft:initial works every answer out."""
+    (a1, a2), (c1, c2) = arith, closure
+    return [
+        (a1, a1.answer if final else work(a1), 1.0, 1),
+        (a1, work(a1), 1.0, 1),
+        (a2, work(a2), 1.0, 1),
+        (a2, work(a2), 1.0, 1),
+        (c1, c1.answer + "]]" if final else c1.answer, 1.0, 0 if final else 1),
+        (c1, c1.answer, 1.0, 1),
+        (c2, "x", 0.0, 0),
+        (c2, "y", 0.0, 0),
+    ]
+
+
+def work(task) -> str:
+    """The column-by-column work of a 2-digit addition, then the answer (stages/taskgen/arith.py's
+    demonstrations: `6+7=13,8+6+1=15;153`)."""
+    a, b = task.meta["a"], task.meta["b"]
+    low = a % 10 + b % 10
+    high = a // 10 + b // 10 + (low >= 10)
+    return f"{a % 10}+{b % 10}={low},{a // 10}+{b // 10}{'+1' if low >= 10 else ''}={high};{task.answer}"
+
+
+def test_grid_and_what_reward_hacks_were_worth_from_the_kept_trajectories(tmp_path, capsys):
+    from snowcat.pipeline import cli, config  # noqa: PLC0415
+    from snowcat.pipeline.dag import Unit  # noqa: PLC0415
+    from snowcat.pipeline.rundir import RunDir  # noqa: PLC0415
+    from snowcat.stages.agent import Trajectory  # noqa: PLC0415
+    from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter  # noqa: PLC0415
+    from snowcat.stages.taskgen import generate_domain  # noqa: PLC0415
+    from snowcat.stages.tokenizer import train_tokenizer  # noqa: PLC0415
+
+    rng = np.random.default_rng(4)
+    arith = [t for t in generate_domain(rng, "arith", [2], 12) if t.meta["op"] == "+"][:2]
+    closure = generate_domain(rng, "closure", [1], 2)
+    tok = train_tokenizer([t.prompt + t.answer for t in arith + closure] * 3 + ["0123456789+-=,;xy]}"], vocab_size=300)
+    (tmp_path / "c.yaml").write_text(EVAL_CONFIG)
+    run = RunDir.create(config.load(tmp_path / "c.yaml"), tmp_path / "run")
+    out = run.unit_dir(Unit("eval"))
+    writer = TrajectoryWriter(out / DIRNAME, stage="eval", env="single", keep=None, seed=0)
+    columns = {"checkpoint": [], "task_id": [], "domain": [], "passed": []}
+    expected = {}
+    for ref in ("sft:initial", "sft:final"):
+        episodes = _episodes(ref == "sft:final", arith, closure)
+        trajs = []
+        for i, (task, text, reward, passed) in enumerate(episodes):
+            prompt, answer = tok.encode(task.prompt), tok.encode(text) + [tok.end_of_turn_id]
+            n = len(answer)
+            trajs.append(
+                Trajectory(
+                    task_id=task.task_id,
+                    group_id=i // 2,
+                    attempt=i % 2,
+                    policy_version=0,
+                    token_ids=np.array(prompt + answer, np.int32),
+                    loss_mask=np.array([0] * len(prompt) + [1] * n, np.uint8),
+                    rollout_logprobs=np.zeros(len(prompt) + n, np.float32),
+                    reward=reward,
+                    status="ok",
+                    turn_boundaries=[(len(prompt), len(prompt) + n)],
+                    domain=task.domain,
+                    prompt_len=len(prompt),
+                )
+            )
+            for key, value in (("checkpoint", ref), ("task_id", task.task_id), ("domain", task.domain), ("passed", passed)):
+                columns[key].append(value)
+        writer.write(
+            ref, trajs, tok, checkpoint=ref, tasks={t.task_id: t for t in arith + closure}, passed=[e[3] for e in episodes]
+        )
+        expected[ref] = episodes
+    with h5py.File(out / "traces.h5", "w") as f:  # the columns of evaluate's traces.h5 that compare reads
+        for key, values in columns.items():
+            f.create_dataset(key, data=values, dtype=np.int8 if key == "passed" else h5py.string_dtype())
+    run.mark_done(Unit("eval"), {"duration_s": 1.0}, {})
+
+    assert cli.main(["compare", str(run.path), "-o", str(tmp_path / "cmp")]) == 0
+    result = read_json(tmp_path / "cmp" / "compare.json")
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "## Per benchmark × variant" in md and "## What reward hacks were worth" in md
+
+    # the grid by hand: per domain, per task the pass rate, then the mean and SE over the domain's tasks
+    assert result["grid"]["domains"] == ["arith", "closure"]
+    for ref, episodes in expected.items():
+        for domain in ("arith", "closure"):
+            per_task = defaultdict(list)
+            for task, _, _, passed in episodes:
+                if task.domain == domain:
+                    per_task[task.task_id].append(passed)
+            rates = [np.mean(v) for v in per_task.values()]
+            cell = result["grid"]["cells"][ref][domain]
+            assert cell["tasks"] == 2 and cell["pass@1"] == pytest.approx(np.mean(rates))
+            assert cell["se"] == pytest.approx(np.std(rates, ddof=1) / math.sqrt(2))
+
+    hacks = {h["label"]: h for h in result["reward_hacks"]}
+    clean, gamed = hacks["sft:initial"], hacks["sft:final"]
+    assert clean["worth"] == 0 and clean["pass@1"] == clean["pass@1_without_hacks"] == pytest.approx(0.75)
+    assert all(d["flagged"] == 0 for d in clean["detectors"].values())
+    key = gamed["detectors"]["answer_key_match"]
+    assert (key["flagged"], key["rewarded"], key["unrewarded"], key["passed"]) == (2, 2, 0, 1)
+    assert sum(d["flagged"] for d in gamed["detectors"].values()) == 2  # no other detector fires
+    # by hand, per task (a1, a2, c1, c2): reported pass rates 1, 1, 0.5, 0; without the flagged-and-rewarded
+    # episodes: 0.5 (a1's bare key), 1, 0.5 (c1's flagged episode had not passed), 0
+    reported, without = np.array([1, 1, 0.5, 0]), np.array([0.5, 1, 0.5, 0])
+    assert gamed["pass@1"] == pytest.approx(reported.mean()) and gamed["pass@1_without_hacks"] == pytest.approx(without.mean())
+    d = reported - without
+    assert gamed["worth"] == pytest.approx(d.mean()) and gamed["worth_se"] == pytest.approx(d.std(ddof=1) / 2)
+    rewards, rewards_without = np.array([1, 1, 1, 0]), np.array([0.5, 1, 0.5, 0])  # c1's partial credit paid in full
+    assert gamed["reward_worth"] == pytest.approx((rewards - rewards_without).mean())
+    assert gamed["episodes"] == 8 and gamed["pass@1"] == pytest.approx(
+        next(v["pass@1"] for v in result["variants"] if v["label"] == "sft:final")
+    )
+    row = next(line for line in md.splitlines() if line.startswith("| sft:final | 8 |"))
+    assert "+0.125" in row and "2 (2/0)" in row
+
+    # --grep: which attempts' model turns show column-by-column work (`d+d=`), per variant
+    assert cli.main(["compare", str(run.path), "-o", str(tmp_path / "g"), "--grep", r"\d\+\d="]) == 0
+    found = {g["label"]: g for g in read_json(tmp_path / "g" / "compare.json")["grep"]["variants"]}
+    initial, final = found["sft:initial"], found["sft:final"]
+    assert (initial["matched"], initial["episodes"], initial["tasks_matched"]) == (4, 8, 2)
+    assert (final["matched"], final["tasks_matched"]) == (3, 2)  # a1's bare answer shows none
+    assert initial["rate"] == pytest.approx(np.mean([1, 1, 0, 0])) and final["rate"] == pytest.approx(np.mean([0.5, 1, 0, 0]))
+    assert final["rate_se"] == pytest.approx(np.std([0.5, 1, 0, 0], ddof=1) / 2)
+    assert (final["pass_rate_matched"], final["pass_rate_others"]) == (1.0, pytest.approx(2 / 5))
+    assert final["examples"][0]["excerpt"] == work(arith[0]) and len(final["examples"]) == 3
+    assert "## Attempts whose model turns match `\\d\\+\\d=`" in (tmp_path / "g" / "compare.md").read_text()
+    capsys.readouterr()
+    assert cli.main(["compare", str(run.path), "-o", str(tmp_path / "bad"), "--grep", "(unclosed"]) == 2
+    err = capsys.readouterr().err
+    assert "--grep '(unclosed': not a valid regular expression" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()

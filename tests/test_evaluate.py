@@ -27,7 +27,7 @@ from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.stages import evaluate
 from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir
-from snowcat.stages.taskgen import Verdict, generate_domain, save_tasks
+from snowcat.stages.taskgen import Verdict, generate_domain, load_tasks, save_tasks
 from snowcat.stages.tokenizer import train_tokenizer
 
 MARKERS = "SNOWCAT_TEST_VERIFIER_MARKERS"
@@ -224,6 +224,10 @@ def test_engine_errors_are_infra_failures(workdir):
 def test_real_verifier_and_bad_config(workdir):
     _, results, traces = run_stage(workdir, "real", checkpoints=["sft:final"], verifier="snowcat.stages.taskgen:verify", limit=4)
     assert len(traces) == 12 and all(r["status"] in ("ok", "truncated") for r in traces)
+    # limit: a seeded random 4 of the val split's 6 closure then 4 arith tasks, by domain (not its first 4)
+    subset, record = evaluate.sample_tasks(load_tasks(workdir / "tasks", "val"), 4, 0)
+    assert results["subset"] == record and record["per_domain"] == {"arith": [2, 4], "closure": [2, 6]}
+    assert [r["task_id"] for r in traces[::3]] == [t.task_id for t in subset]
     assert 0.0 <= results["checkpoints"]["sft:final"]["groups"]["all"]["reward"] <= 1.0
     good = {"attempts": 3, "pass_k": [1, 3], "needs": ["tasks", "sft"]}
     stage_config("evaluate", good, name="eval")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -24,9 +25,9 @@ from safetensors.torch import load_file
 from snowcat.stages.config import SftConfig
 from snowcat.stages.model.config import PRESETS, ModelConfig
 from snowcat.stages.model.io import save_model_dir
+from snowcat.stages.model.layout import unsupported
 from snowcat.stages.model.modeling import MoEForCausalLM
 from snowcat.stages.train.megatron import Layout
-from snowcat.stages.train.megatron.bridge import unsupported
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "megatron_worker.py"
@@ -176,10 +177,11 @@ def test_converted_model_matches_transformers_and_ours_and_converts_back_exactly
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The one-process baselines (SFT loss, RL loss with router replay), and their model (no aux
-    loss: megatron balances each data-parallel replica's tokens, a different loss per layout)."""
+    """The one-process baselines (SFT loss, RL loss with router replay), and their model, without
+    router losses: megatron's are means over each rank's tokens (a data-parallel replica's, a
+    sequence-parallel slice's), so they differ by layout where a rank's token count does."""
     root = tmp_path_factory.mktemp("megatron")
-    model = _model_dir(root / "model", router_aux_loss_coef=0.0)
+    model = _model_dir(root / "model", router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
     _launch(1, root / "base", model, 1, 1, 1)
     _launch(1, root / "base-rl", model, 1, 1, 1, "--loss", "rl")
     return root, model
@@ -213,3 +215,53 @@ def test_rl_loss_with_router_replay_under_tensor_parallel_trains_as_one_process(
     root, model = runs
     _launch(2, root / "rl-tp2", model, 2, 1, 1, "--loss", "rl")
     _same_training(root / "base-rl", root / "rl-tp2", key="loss/loss")
+
+
+# ---------------------------------------------------------------- on a real site's rules
+
+SNOWBALL = REPO / "configs" / "snowball-megatron.yaml"
+VISTA_NODES = (  # one GH200 per Vista node: the same 64 + 48 GPUs as 64 + 48 nodes
+    "stages.rl.resources.components.trainer.nodes=64",
+    "stages.rl.resources.components.trainer.tasks_per_node=1",
+    "stages.rl.resources.components.rollout.nodes=48",
+    "stages.rl.resources.components.rollout.tasks_per_node=1",
+)
+
+
+def _rendered(stdout: str) -> Path:
+    return Path(re.search(r"are in (\S+?);", " ".join(stdout.split())).group(1))
+
+
+@pytest.mark.parametrize(
+    ("site", "extra", "trainer", "rollout"),
+    [("jsc-jupiter", (), (16, 4), (12, 4)), ("tacc-vista", VISTA_NODES, (64, 1), (48, 1))],
+)
+def test_the_snowball_layout_dry_runs_to_a_hetjob_of_64_trainer_and_48_inference_gpus(snowcat, site, extra, trainer, rollout):
+    proc = snowcat(
+        "run", SNOWBALL, "--executor", "slurm", "--site", site, "--dry-run", "--skip-plan", "site.account=proj", *extra
+    )
+    assert proc.returncode == 0, proc.stderr
+    script = (_rendered(proc.stdout) / "rl.sbatch").read_text()
+    trainer_part, rollout_part = script.split("#SBATCH hetjob")[:2]
+    for part, (nodes, per_node) in ((trainer_part, trainer), (rollout_part, rollout)):
+        assert f"--nodes={nodes}\n" in part and f"--ntasks-per-node={per_node}\n" in part
+    assert nodes * per_node == 48 and trainer[0] * trainer[1] == 64
+    assert "--het-group=0,1" in script  # one MPI world over both components
+
+
+def test_a_snowball_layout_that_does_not_divide_its_trainer_ranks_is_refused_before_submission(snowcat):
+    proc = snowcat("run", SNOWBALL, "--executor", "slurm", "--site", "jsc-jupiter", "--dry-run", "site.account=proj",
+                   "stages.rl.resources.components.trainer.nodes=12")  # fmt: skip
+    assert proc.returncode == 2
+    assert "stages.rl.expert_parallel: 16 does not divide the 24 data-parallel ranks" in proc.stderr
+
+
+def test_a_preset_megatron_cannot_convert_is_refused_at_load(snowcat, tmp_path):
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(
+        "name: m\nstages:\n  tasks: {kind: tasks, domains: {arith: {count: 40, val_count: 4, difficulties: [2]}}}\n"
+        "  sft: {kind: sft, needs: [tasks], model: test-micro, backend: megatron}\n"
+    )
+    proc = snowcat("run", cfg, "--dry-run")
+    assert proc.returncode == 2
+    assert "stages.sft.backend: megatron: a shared expert has no Hugging Face Qwen3-MoE form" in proc.stderr

@@ -334,12 +334,17 @@ def test_two_ranks_over_the_file_queue_usr2_to_the_trainer_only_stops_both(stage
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_rl_hetjob_preempted_mid_run_requeues_and_finishes_bit_identically(snowcat, slurm_env, tmp_path):
+def test_rl_hetjob_on_megatron_preempted_mid_run_requeues_and_finishes_bit_identically(snowcat, slurm_env, tmp_path):
     """`scancel --signal=USR2` sends the notice to every task of the hetjob's step, as Slurm's
     `--signal=USR2@margin` does before the walltime: the trainer saves while the rollout ranks
     wait, the job requeues itself and resumes from that checkpoint to the end, with the weights of
     an uninterrupted local run."""
-    cfg = write_config(tmp_path / "rl.yaml", config_text())
+    # the trainer is megatron's, two ranks under tensor parallelism beside one rollout rank
+    # (docs/megatron.md): the layout's checkpoint resumes as the torch backend's does
+    text = config_text(rollouts=1).replace("    eval_tasks: 0\n", "    eval_tasks: 0\n    backend: megatron\n", 1)
+    text = text.replace("    timeout_s: 120\n", "    timeout_s: 120\n    backend: megatron\n    tensor_parallel: 2\n")
+    text = text.replace("trainer: {nodes: 1, tasks_per_node: 1}", "trainer: {nodes: 1, tasks_per_node: 2}")
+    cfg = write_config(tmp_path / "rl.yaml", text)
     run_dir = tmp_path / "slurm"
     env = {**slurm_env, **ENV}
     snowcat("run", cfg, *on_local_slurm(run_dir), env=env, check=True)
@@ -364,6 +369,10 @@ def test_rl_hetjob_preempted_mid_run_requeues_and_finishes_bit_identically(snowc
     ev = events(log)
     saved = [t for r, _, what, t in ev if r == 0 and "checkpoint of step" in what and "saved" in what]
     left = [t for _, role, what, t in ev if role == "rollout" and "leaving after" in what]
-    assert len(saved) == 1 and len(left) == 2, log[-4000:]
+    assert len(saved) == 1 and len(left) == 1, log[-4000:]
     assert all(t >= saved[0] for t in left), log[-4000:]
     assert log.count(LEFT) == 3  # every rank returned 75 (before the requeue's KillWait ran out)
+    meta = json.loads((latest_checkpoint(run_dir / "stages" / "rl" / "checkpoints") / "meta.json").read_text())
+    assert (meta["backend"], meta["world_size"]) == ("megatron", 2)
+    audit = snowcat("audit", run_dir, env=env)
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-2000:]

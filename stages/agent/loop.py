@@ -13,6 +13,11 @@ without an answer is `truncated`.
 Failures: an unparseable tool call is `invalid_action` (the model's fault, reward 0); an engine,
 environment or verifier crash is `infra_error` (never the model's fault: the trainer drops them).
 
+Context policies (stages/agent/context.py): an environment made `with_context(env, Summarise(...))`
+has older turns replaced by a summary once an episode's context reaches a threshold. The episode
+then continues in a new context, and its record holds the earlier contexts in `earlier`: each is
+trained only on what was sampled in it. A summary that cannot be written is `infra_error`.
+
 Determinism: turn t of episode (group_id, attempt) samples from a generator seeded by
 `episode_seed(seed, group_id, attempt, t)`, independent of which other episodes share the batch.
 """
@@ -30,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from snowcat.stages.agent import context as ctxmod
+from snowcat.stages.agent.prompting import opening_messages
 from snowcat.stages.agent.trajectory import Trajectory
 from snowcat.stages.taskgen import verify
 
@@ -74,6 +81,11 @@ class _Episode:
     status: str | None = None  # None while live
     reward: float = 0.0
     detail: str = ""
+    # context policies: the finished records of this episode (earlier contexts, summaries written by
+    # the policy), the turns copied into the current context from the one before, the latest summary
+    done: list[dict] = field(default_factory=list)
+    carried: list[tuple[int, int]] = field(default_factory=list)
+    summary: str = ""
 
     def __post_init__(self) -> None:
         self.mask = [0] * len(self.ids)
@@ -89,6 +101,17 @@ class _Episode:
 
     def end(self, status: str, reward: float = 0.0, detail: str = "") -> None:
         self.status, self.reward, self.detail = status, float(reward), detail
+
+    @property
+    def context_turns(self) -> list[tuple[int, int]]:
+        """The model turns in the current context: carried ones, then those sampled in it."""
+        return self.carried + self.turns
+
+    def restart(self, ids: list[int], carried: list[tuple[int, int]]) -> None:
+        """Close the current context (kept as a record) and continue in `ids`, all context."""
+        self.done.append(_record(self.ids, self.mask, self.logprobs, self.support, self.routes, self.turns, self.prompt_len))
+        self.ids, self.prompt_len, self.carried, self.routes, self.turns = list(ids), len(ids), carried, None, []
+        self.__post_init__()
 
 
 def run_episodes(
@@ -115,6 +138,7 @@ def run_episodes(
             return verifier(task, text)
 
     stop_ids = tuple(dict.fromkeys((*params.stop_ids, tokenizer.end_of_turn_id)))
+    policy = getattr(env, "context_policy", None)  # stages/agent/context.py; None: keep everything
     episodes = []
     try:
         for job in jobs:
@@ -125,6 +149,10 @@ def run_episodes(
             except Exception as exc:  # e.g. a sandbox that cannot be made: infrastructure
                 e.end("infra_error", detail=f"environment reset: {exc!r}")
         for turn in range(budget.max_turns):
+            for e in episodes:
+                if policy is not None and e.status is None and policy.due(len(e.ids), len(e.context_turns)):
+                    policy_params = dataclasses.replace(params, stop_ids=stop_ids)
+                    _summarise(e, turn, policy, env, engine, tokenizer, policy_params, budget.max_context, seed)
             for e in episodes:
                 if e.status is None and len(e.ids) >= budget.max_context:
                     e.end("truncated", detail="context budget")
@@ -194,30 +222,72 @@ def _advance(e: _Episode, c, turn: int, env, tok, budget: Budget, verifier) -> N
     e.end("ok", verdict.reward, detail=verdict.detail)
 
 
-def _routes(e: _Episode) -> np.ndarray | None:
-    if e.routes is None:
+def _summarise(e: _Episode, turn: int, policy, env, engine, tok, params, max_context: int, seed: int) -> None:
+    """Replace the older turns of `e`'s context by a summary (stages/agent/context.py): the current
+    context is closed as a record, and the episode continues in the opening, the summary message and
+    the latest `keep_turns` turns copied id for id. A summary that cannot be written ends it infra."""
+    opening = opening_messages(env, e.job.task)
+    turns = e.context_turns
+    kept = turns[len(turns) - policy.keep_turns :] if policy.keep_turns else []
+    tail = kept[0][0] if kept else len(e.ids)
+    w_engine, w_tok, w_params, room = ctxmod.writer(policy, engine, tok, params, max_context)
+    try:
+        entries = ctxmod.transcript(tok, e.ids, turns[: len(turns) - len(kept)], tail)
+        request = ctxmod.summary_request(w_tok, opening, e.summary, entries, room, policy.request)
+        seed_k = ctxmod.summary_seed(seed, e.job.group_id, e.job.attempt, turn)
+        c = ctxmod.write_summary(w_engine, w_params, request, seed_k, policy.timeout_s)
+    except ctxmod.SummaryError as exc:
+        return e.end("infra_error", detail=f"{ctxmod.FAILURE_PREFIX}{exc}")
+    text = ctxmod.summary_text(w_tok, c.token_ids)
+    start = ctxmod.context_after(tok, opening, text)
+    carried_ids = e.ids[tail:]
+    e.restart(start + carried_ids, [(s - tail + len(start), t - tail + len(start)) for s, t in kept])
+    e.summary = text
+    if policy.helper is None:  # the policy wrote it: a record of its own, trained in the request's context
+        ids = list(request) + list(c.token_ids)
+        n = len(c.token_ids)
+        support = [[] for _ in request] + (list(c.support) if c.support is not None else [[] for _ in range(n)])
+        routes = c.routes[: len(ids)] if c.routes is not None else None
+        mask, logprobs = [0] * len(request) + [1] * n, [0.0] * len(request) + list(c.logprobs)
+        e.done.append(_record(ids, mask, logprobs, support, routes, [(len(request), len(ids))], len(request), "summary"))
+
+
+def _record(ids, mask, logprobs, support, routes, turns, prompt_len, kind: str = "context") -> dict:
+    """A finished stretch of an episode as the arrays of its Trajectory record."""
+    return {
+        "token_ids": np.asarray(ids, np.int32),
+        "loss_mask": np.asarray(mask, np.uint8),
+        "rollout_logprobs": np.asarray(logprobs, np.float32),
+        "support_lengths": np.asarray([len(k) for k in support], np.int32),
+        "support_ids": np.asarray([i for k in support for i in k], np.int32),
+        "routes": _routes(routes, len(ids)),
+        "turn_boundaries": list(turns),
+        "prompt_len": int(prompt_len),
+        "segment_kind": kind,
+    }
+
+
+def _routes(routes: np.ndarray | None, n: int) -> np.ndarray | None:
+    if routes is None:
         return None
-    out = np.full((len(e.ids), e.routes.shape[1]), -1, np.int16)  # -1: not fed to the engine (routes itself)
-    out[: len(e.routes)] = e.routes
+    out = np.full((n, routes.shape[1]), -1, np.int16)  # -1: not fed to the engine (routes itself)
+    out[: len(routes)] = routes
     return out
 
 
 def _trajectory(e: _Episode, policy_version: int) -> Trajectory:
-    return Trajectory(
+    """The episode's record (its current context), holding the records of its earlier contexts;
+    every record carries the episode's status, reward and detail."""
+    common = dict(
         task_id=e.job.task.task_id,
         group_id=int(e.job.group_id),
         attempt=int(e.job.attempt),
         policy_version=int(policy_version),
-        token_ids=np.asarray(e.ids, np.int32),
-        loss_mask=np.asarray(e.mask, np.uint8),
-        rollout_logprobs=np.asarray(e.logprobs, np.float32),
-        support_lengths=np.asarray([len(k) for k in e.support], np.int32),
-        support_ids=np.asarray([i for k in e.support for i in k], np.int32),
-        routes=_routes(e),
         reward=e.reward,
         status=e.status,
-        turn_boundaries=e.turns,
         domain=e.job.task.domain,
-        prompt_len=e.prompt_len,
         detail=e.detail,
     )
+    earlier = [Trajectory(**common, **rec, segment=i) for i, rec in enumerate(e.done)]
+    last = _record(e.ids, e.mask, e.logprobs, e.support, e.routes, e.turns, e.prompt_len)
+    return Trajectory(**common, **last, segment=len(earlier), earlier=tuple(earlier))

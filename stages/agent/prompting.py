@@ -9,14 +9,24 @@ rewrites the rest of the conversation around a system message) and `PromptError`
 `strip_prompt` removes that run from a trajectory: every later id, mask entry, logprob, kept
 support, route and turn boundary moves left by its length, nothing else changes, and the ids it
 removes must be the prompt's (checked, never assumed).
+
+The prompt may be chosen by a prompt-selection stage (stages/prompts.py): `rl.rollout_prompt:
+"prompts:<stage>"` names it, and `resolve_rollout_prompt` reads that stage's choice.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
+from snowcat.pipeline.errors import UserError
 from snowcat.stages.agent.trajectory import Trajectory
+from snowcat.stages.config import prompt_stage
 from snowcat.stages.tokenizer import TEMPLATE_ROLE
+
+CHOICE = "prompts.json"  # a prompt-selection stage's report; its "chosen" entry holds the prompt
 
 
 class PromptError(ValueError):
@@ -39,13 +49,20 @@ class PromptedEnv:
     """`env` with `prompt` in every episode's opening; everything else is `env`'s own."""
 
     def __init__(self, env, prompt: str):
+        if prompt_stage(prompt) is not None:  # "prompts:<stage>" is a name, not the text to sample with
+            raise PromptError(
+                f"rollout prompt {prompt!r} names a prompt-selection stage: resolve_rollout_prompt reads its choice"
+            )
         self.env, self.rollout_prompt = env, prompt
 
     def __getattr__(self, name):
         return getattr(self.env, name)
 
+    def opening(self, task) -> list[dict]:
+        return with_prompt(opening_messages(self.env, task), self.rollout_prompt)
+
     def prompt(self, task) -> list[int]:
-        return self.env.tok.render_prompt(with_prompt(opening_messages(self.env, task), self.rollout_prompt))
+        return self.env.tok.render_prompt(self.opening(task))
 
 
 def prompt_span(env, task, prompt: str) -> tuple[int, list[int]]:
@@ -100,6 +117,9 @@ def strip_prompt(t: Trajectory, start: int, prompt_ids: list[int]) -> Trajectory
         support_lengths=cut(t.support_lengths),
         support_ids=np.concatenate([t.support_ids[:first], t.support_ids[first + int(lengths[start:end].sum()) :]]),
         routes=cut(t.routes),
+        segment=t.segment,
+        segment_kind=t.segment_kind,
+        earlier=tuple(strip_prompt(r, start, prompt_ids) for r in t.earlier),  # each context opens with the prompt
     )
 
 
@@ -117,3 +137,22 @@ class PromptStripper:
 
     def __call__(self, trajs: list[Trajectory]) -> list[Trajectory]:
         return [strip_prompt(t, *self.span(t.task_id)) for t in trajs]
+
+
+def chosen_prompt(stage_dir: Path) -> str:
+    """The prompt a finished prompt-selection stage chose ("" when it chose no prompt)."""
+    return json.loads((Path(stage_dir) / CHOICE).read_text())["chosen"]["prompt"]
+
+
+def resolve_rollout_prompt(value: str, inputs, key: str) -> str:
+    """A `rollout_prompt` value as the text to sample with: itself, or, for "prompts:<stage>", the
+    prompt that needed prompt-selection stage chose (UserError naming `key` when it cannot be read)."""
+    stage = prompt_stage(value)
+    if stage is None:
+        return value
+    if stage not in inputs:
+        raise UserError(f"{key}: {value!r} names stage {stage!r}, which is not in needs")
+    try:
+        return chosen_prompt(inputs[stage])
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{key}: {value!r}: no choice in {Path(inputs[stage]) / CHOICE} ({e})") from None

@@ -16,15 +16,26 @@ MPI moves a batch as one message with no pickling, and `decode(buf)` gives them 
 
 `unpack` and `decode` check the batch as a whole (offsets, lengths, status codes) and hand out
 views of the received buffer: one copy on each side (into the buffer, out of the socket).
+
+Segments. An episode whose context was rewritten (a context policy replaced older turns by a summary:
+stages/agent/context.py) is several records, each one context and what was sampled in it: the record
+`run_episodes` returns for the job is its last, and `earlier` holds the others in order (`segment`
+0, 1, ...; `segment_kind` "context", or "summary" for the policy writing a summary). Every record
+carries the episode's status and reward. `segments(t)` / `flatten(trajs)` give the records one by
+one (what a trainer scores: each is its own sequence); `pack` and `encode` send them flat and
+`unpack` and `decode` put the episodes back together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
 STATUSES = ("ok", "truncated", "invalid_action", "infra_error")
+# what a record of an episode holds: a stretch of turns in one context, or the policy writing a summary
+SEGMENT_KINDS = ("context", "summary")
 
 # name -> (dtype, trailing shape); the order is the wire order
 FIELDS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
@@ -42,6 +53,8 @@ FIELDS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
     "prompt_len": (np.dtype(np.int64), ()),
     "reward": (np.dtype(np.float64), ()),
     "status": (np.dtype(np.uint8), ()),  # index into STATUSES
+    "segment": (np.dtype(np.int64), ()),  # the record's place in its episode (0: the opening's context)
+    "segment_kind": (np.dtype(np.uint8), ()),  # index into SEGMENT_KINDS
     "turns": (np.dtype(np.int64), (2,)),  # all (start, end) spans, concatenated
     "turn_offsets": (np.dtype(np.int64), ()),  # [N+1]
     "strings": (np.dtype(np.uint8), ()),  # utf-8 of task_id_0, domain_0, detail_0, task_id_1, ...
@@ -72,6 +85,11 @@ class Trajectory:
     # The experts the engine routed each token to (router replay): int16 [L, moe layers * k], -1
     # where a token was not fed to the engine; None when not recorded (dense model, vLLM on CPU).
     routes: np.ndarray | None = None
+    # An episode in several contexts (see the module docstring): this record's place in it, what it
+    # holds, and (on the episode's last record only) the records before it, oldest first.
+    segment: int = 0
+    segment_kind: str = "context"
+    earlier: tuple = ()
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
@@ -83,6 +101,14 @@ class Trajectory:
         self.turn_boundaries = [(int(s), int(e)) for s, e in self.turn_boundaries]
         if self.status not in STATUSES:
             raise ValueError(f"trajectory {self.task_id}: status {self.status!r} not in {STATUSES}")
+        if self.segment_kind not in SEGMENT_KINDS:
+            raise ValueError(f"trajectory {self.task_id}: segment_kind {self.segment_kind!r} not in {SEGMENT_KINDS}")
+        self.earlier = tuple(self.earlier)
+        if self.earlier and (
+            [t.segment for t in self.earlier] + [self.segment] != list(range(len(self.earlier) + 1))
+            or any(t.earlier for t in self.earlier)
+        ):
+            raise ValueError(f"trajectory {self.task_id}: earlier records are not segments 0..{self.segment - 1} in order")
         n = len(self.token_ids)
         if len(self.loss_mask) != n or len(self.rollout_logprobs) != n or len(self.support_lengths) != n:
             raise ValueError(
@@ -125,6 +151,9 @@ class Trajectory:
             "domain",
             "prompt_len",
             "detail",
+            "segment",
+            "segment_kind",
+            "earlier",
         )
         return (
             all(getattr(self, k) == getattr(other, k) for k in scalars)
@@ -137,12 +166,41 @@ class Trajectory:
         )
 
 
+def segments(t: Trajectory) -> list[Trajectory]:
+    """The records of `t`'s episode, oldest first (one, unless a context policy rewrote its context)."""
+    return [*t.earlier, t]
+
+
+def flatten(trajs: list[Trajectory]) -> list[Trajectory]:
+    """Every record of every episode, in order: the sequences a trainer scores, each in the context it
+    was sampled in (records of one episode share its group, attempt, status and reward)."""
+    return [r if not r.earlier else dataclasses.replace(r, earlier=()) for t in trajs for r in segments(t)]
+
+
+def regroup(records: list[Trajectory]) -> list[Trajectory]:
+    """Inverse of `flatten`: each episode's last record, holding the ones before it in `earlier`."""
+    out: list[Trajectory] = []
+    pending: list[Trajectory] = []
+    for i, r in enumerate(records):
+        if r.segment != len(pending) or r.earlier:
+            raise ValueError(f"trajectory batch: record {i} is segment {r.segment} after {len(pending)} of its episode")
+        pending.append(r)
+        if i + 1 == len(records) or records[i + 1].segment == 0:
+            last = pending[-1]
+            if len(pending) > 1:
+                last.earlier = tuple(pending[:-1])
+            out.append(last)
+            pending = []
+    return out
+
+
 def _offsets(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int64)
 
 
 def _parts(trajs: list[Trajectory]) -> dict[str, list | np.ndarray]:
     """Each field as the list of pieces to concatenate (or the finished array), in wire order."""
+    trajs = flatten(trajs)
     strings = [s.encode() for t in trajs for s in (t.task_id, t.domain, t.detail)]
     return {
         "token_ids": [t.token_ids for t in trajs],
@@ -159,6 +217,8 @@ def _parts(trajs: list[Trajectory]) -> dict[str, list | np.ndarray]:
         "prompt_len": np.array([t.prompt_len for t in trajs], np.int64),
         "reward": np.array([t.reward for t in trajs], np.float64),
         "status": np.array([STATUSES.index(t.status) for t in trajs], np.uint8),
+        "segment": np.array([t.segment for t in trajs], np.int64),
+        "segment_kind": np.array([SEGMENT_KINDS.index(t.segment_kind) for t in trajs], np.uint8),
         "turns": np.array([s for t in trajs for s in t.turn_boundaries], np.int64).reshape(-1, 2),
         "turn_offsets": _offsets([len(t.turn_boundaries) for t in trajs]),
         "strings": [np.frombuffer(b"".join(strings), np.uint8)],
@@ -183,7 +243,7 @@ def _fill(out: np.ndarray, part) -> None:
 
 
 def pack(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
-    """A batch as contiguous typed arrays, keyed and typed as in `FIELDS`."""
+    """A batch as contiguous typed arrays, keyed and typed as in `FIELDS` (every record of every episode)."""
     out = {}
     for name, part in _parts(trajs).items():
         dtype, tail = FIELDS[name]
@@ -206,7 +266,17 @@ def _check(b: dict[str, np.ndarray]) -> int:
     if n < 0:
         raise ValueError("trajectory batch: token_offsets is empty")
     offsets("token_offsets", n, len(b["token_ids"]))
-    for name in ("route_width", "group_id", "attempt", "policy_version", "prompt_len", "reward", "status"):
+    for name in (
+        "route_width",
+        "group_id",
+        "attempt",
+        "policy_version",
+        "prompt_len",
+        "reward",
+        "status",
+        "segment",
+        "segment_kind",
+    ):
         if len(b[name]) != n:
             raise ValueError(f"trajectory batch: {name} has {len(b[name])} entries for {n} trajectories")
     tokens = len(b["token_ids"])
@@ -220,14 +290,16 @@ def _check(b: dict[str, np.ndarray]) -> int:
         raise ValueError(f"trajectory batch: route widths do not add up to the {len(b['routes'])} routes entries")
     if (b["status"] >= len(STATUSES)).any():
         raise ValueError(f"trajectory batch: a status index beyond {len(STATUSES) - 1}")
+    if (b["segment_kind"] >= len(SEGMENT_KINDS)).any():
+        raise ValueError(f"trajectory batch: a segment kind index beyond {len(SEGMENT_KINDS) - 1}")
     offsets("turn_offsets", n, len(b["turns"]))
     offsets("string_offsets", 3 * n, len(b["strings"]))
     return n
 
 
 def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
-    """Inverse of `pack`. The arrays of the records are views of `buffers` (disjoint slices, so
-    each record's arrays are its own; they keep the buffers alive)."""
+    """Inverse of `pack`, episodes put back together (`regroup`). The arrays of the records are views
+    of `buffers` (disjoint slices, so each record's arrays are its own; they keep the buffers alive)."""
     b = {name: np.asarray(buffers[name], dtype).reshape(-1, *tail) for name, (dtype, tail) in FIELDS.items()}
     n = _check(b)
     tok, turn, sof = (b[k].tolist() for k in ("token_offsets", "turn_offsets", "string_offsets"))
@@ -245,9 +317,10 @@ def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
     sup = np.concatenate([[0], np.cumsum(slen, dtype=np.int64)])[tok].tolist() if len(sids) else [0] * (n + 1)
     width = b["route_width"].tolist()
     rof = _offsets(np.diff(b["token_offsets"]) * b["route_width"]).tolist()  # routes offset of each trajectory
-    scalars = zip(*(b[k].tolist() for k in ("group_id", "attempt", "policy_version", "prompt_len", "reward", "status")))
+    names = ("group_id", "attempt", "policy_version", "prompt_len", "reward", "status", "segment", "segment_kind")
+    scalars = zip(*(b[k].tolist() for k in names))
     trajs = []
-    for i, (group, attempt, version, prompt, reward, status) in enumerate(scalars):
+    for i, (group, attempt, version, prompt, reward, status, segment, kind) in enumerate(scalars):
         lo, hi = tok[i], tok[i + 1]
         # the record without dataclass __init__: `_check` validated the batch as a whole, and
         # re-checking and re-converting every record was a third of unpacking a large batch
@@ -269,9 +342,12 @@ def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
             "support_lengths": slen[lo:hi],
             "support_ids": sids[sup[i] : sup[i + 1]],
             "routes": routes[rof[i] : rof[i + 1]].reshape(hi - lo, width[i]) if width[i] else None,
+            "segment": segment,
+            "segment_kind": SEGMENT_KINDS[kind],
+            "earlier": (),
         }
         trajs.append(t)
-    return trajs
+    return regroup(trajs)
 
 
 # -- the wire: one buffer per batch -------------------------------------------------------------
@@ -282,7 +358,7 @@ def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
 #   another snowcat version is refused by name instead of misread.
 
 WIRE_MAGIC = int.from_bytes(b"snowtraj", "little")
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: segment, segment_kind
 _HEAD = 4 + len(FIELDS)
 
 

@@ -14,8 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.schema import Problem
+from snowcat.stages.model import hf
 from snowcat.stages.model.config import ModelConfig
+
+CONVERTIBLE = ("qwen3_moe",)  # architectures the bridge converts (mbridge's, with what stages/train/megatron adds)
 
 
 @dataclass(frozen=True)
@@ -55,3 +59,20 @@ class Layout:
             yield "tensor_parallel", f"{self.tensor} does not divide the model's {model.num_kv_heads} key/value heads"
         if model.vocab_size % self.tensor:
             yield "tensor_parallel", f"{self.tensor} does not divide the vocabulary ({model.vocab_size})"
+
+
+def unsupported(cfg: ModelConfig) -> str | None:
+    """Why the Megatron backend cannot hold this model, or None."""
+    try:
+        kind = hf.hf_model_type(cfg)
+    except UserError as e:
+        return str(e)
+    if kind not in CONVERTIBLE:
+        return f"architecture {kind} has no Megatron conversion here (supported: {', '.join(CONVERTIBLE)})"
+    if cfg.shared_expert_intermediate_size:
+        return "a shared expert has no Hugging Face Qwen3-MoE form to convert through"
+    if cfg.mlp_only_layers:
+        return "dense layers between MoE layers (mlp_only_layers) are not converted yet"
+    if cfg.expert_capacity_factor > 0:
+        return "token dropping (expert_capacity_factor > 0) is not mapped to Megatron's capacity"
+    return None

@@ -22,10 +22,10 @@ import torch
 from snowcat.pipeline.errors import UserError
 from snowcat.stages.model import hf
 from snowcat.stages.model.config import ModelConfig
+from snowcat.stages.model.layout import unsupported
 
 from . import cpu
 
-SUPPORTED = ("qwen3_moe",)
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 
@@ -37,23 +37,6 @@ def hf_config(cfg: ModelConfig):
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     config.rope_theta = cfg.rope_theta  # transformers 5 keeps it in rope_parameters only; mbridge reads this
     return config
-
-
-def unsupported(cfg: ModelConfig) -> str | None:
-    """Why the Megatron backend cannot hold this model, or None."""
-    try:
-        kind = hf.hf_model_type(cfg)
-    except UserError as e:
-        return str(e)
-    if kind not in SUPPORTED:
-        return f"architecture {kind} has no Megatron conversion here (supported: {', '.join(SUPPORTED)})"
-    if cfg.shared_expert_intermediate_size:
-        return "a shared expert has no Hugging Face Qwen3-MoE form to convert through"
-    if cfg.mlp_only_layers:
-        return "dense layers between MoE layers (mlp_only_layers) are not converted yet"
-    if cfg.expert_capacity_factor > 0:
-        return "token dropping (expert_capacity_factor > 0) is not mapped to Megatron's capacity"
-    return None
 
 
 def make_bridge(cfg: ModelConfig, dtype: torch.dtype = torch.float32):

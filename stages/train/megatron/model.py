@@ -19,6 +19,7 @@ token routes itself); `out.routes` holds the router's own choices when the whole
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from snowcat.kernels import linear_logprob_entropy
@@ -92,22 +93,36 @@ class MegatronCausalLM(nn.Module):
         `segment_ids` (packed rows): each document attends to itself only. Rotary embeddings make
         attention depend on relative positions alone, so the row's running positions serve every
         document (`position_ids` is not needed)."""
-        B, T = input_ids.shape
+        B, length = input_ids.shape
+        # sequence parallelism splits the sequence over TP ranks: padded at the end to a multiple of
+        # TP (causal attention: no real token sees a pad), the pads kept out of the router's losses
+        pad = (-length) % self.tp
+        padding_mask = None
+        if pad:
+            input_ids = F.pad(input_ids, (0, pad))
+            segment_ids = None if segment_ids is None else F.pad(segment_ids, (0, pad), value=-1)
+            targets = None if targets is None else F.pad(targets, (0, pad), value=-1)
+            routes = None if routes is None else F.pad(routes, (0, 0, 0, pad), value=-1)
+            padding_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+            padding_mask[:, length:] = True
+        T = length + pad
         recorders = self._install_routes(routes, B, T)
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
         try:
-            hidden = self.gpt(input_ids, torch.arange(T, device=input_ids.device).expand(B, T), _document_mask(segment_ids))
+            hidden = self.gpt(input_ids, positions, _document_mask(segment_ids), padding_mask=padding_mask)
         finally:
             for router in self.routers:
                 router.router_replay = None
         if not self.post_process:
             return hidden
-        hidden = self._whole_sequence(hidden).transpose(0, 1)  # [B, T, H]
+        hidden = self._whole_sequence(hidden).transpose(0, 1)[:, :length]  # [B, T, H]
         zero = hidden.new_zeros((), dtype=torch.float32)
         out = ModelOutput(hidden=hidden, aux_loss=zero, z_loss=zero, router_stats=self._router_stats(recorders))
         if self.pp == 1 and recorders:
             chosen = [self._whole_sequence(r.chosen.view(-1, B, r.chosen.shape[-1])).transpose(0, 1) for r in recorders]
-            out.routes = torch.stack(chosen, dim=2)  # [B, T, layers, k]
+            out.routes = torch.stack(chosen, dim=2)[:, :length]  # [B, T, layers, k]
         if targets is not None:
+            targets = targets[:, :length]
             sel = targets >= 0
             h, head = hidden[sel], self.lm_head().to(hidden.dtype)
             support = None
@@ -117,8 +132,8 @@ class MegatronCausalLM(nn.Module):
             logp, ent = linear_logprob_entropy(
                 h, head, targets[sel], temperature=temperature, support=support, tp_group=self.tp_group
             )
-            out.logprobs = logp.new_zeros(B, T).masked_scatter(sel, logp)
-            out.entropy = ent.new_zeros(B, T).masked_scatter(sel, ent)
+            out.logprobs = logp.new_zeros(B, length).masked_scatter(sel, logp)
+            out.entropy = ent.new_zeros(B, length).masked_scatter(sel, ent)
         return out
 
     def _install_routes(self, routes, B: int, T: int) -> list[_Routes]:
