@@ -319,6 +319,8 @@ class Parallelism:
             if getattr(self, key) > 1 and self.backend != "megatron":
                 yield key, f"needs backend: megatron (got {self.backend})"
         if self.backend == "megatron":
+            if self.activation_checkpointing:  # not silently ignored: megatron's recompute is not wired yet
+                yield "activation_checkpointing", "not with backend megatron yet (its recompute settings are not passed)"
             yield from self._layout_problems()
 
     def _layout_problems(self) -> Iterator[Problem]:

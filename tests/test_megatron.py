@@ -137,6 +137,8 @@ def test_config_refuses_tensor_and_pipeline_parallel_without_megatron():
     assert [k for k, _ in SftConfig(tensor_parallel=2).parallelism_problems()] == ["tensor_parallel"]
     assert [k for k, _ in SftConfig(pipeline_parallel=2, backend="fsdp").parallelism_problems()] == ["pipeline_parallel"]
     assert list(SftConfig(tensor_parallel=2, pipeline_parallel=2, backend="megatron").parallelism_problems()) == []
+    recompute = SftConfig(backend="megatron", activation_checkpointing=True)
+    assert [k for k, _ in recompute.parallelism_problems()] == ["activation_checkpointing"]
 
 
 def test_a_bad_layout_is_refused_before_megatron_builds_anything(tmp_path):

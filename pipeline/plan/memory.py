@@ -59,14 +59,12 @@ class Layout:
 
     @property
     def shard(self) -> int:
-        """The effective ZeRO stage: FSDP is ZeRO-3; DeepSpeed its own; Megatron's distributed optimizer
-        shards the optimizer state (stage 1, an assumption); torch/DDP nothing."""
+        """The effective ZeRO stage: FSDP is ZeRO-3; DeepSpeed its own; torch/DDP and megatron nothing
+        (snowcat's megatron backend keeps AdamW whole on every data-parallel replica: docs/megatron.md)."""
         if self.backend == "fsdp":
             return 3
         if self.backend == "deepspeed":
             return self.zero_stage
-        if self.backend == "megatron":
-            return 1
         return 0
 
     def describe(self) -> str:
@@ -89,9 +87,8 @@ def make_layout(stage, ranks: int, where: str, arch: Arch, on_gpu: bool) -> Layo
     dp = ranks // (tp * pp)
     if c.num_experts % ep:
         raise UserError(f"{where}.expert_parallel: {ep} does not divide num_experts={c.num_experts} of {arch.source}")
-    group = dp * tp if stage.backend == "megatron" else dp
-    if group % ep:
-        raise UserError(f"{where}.expert_parallel: {ep} does not divide the {group} ranks of a pipeline stage")
+    if dp % ep:  # the experts split over data-parallel replicas (stages/model/layout.py)
+        raise UserError(f"{where}.expert_parallel: {ep} does not divide the {dp} data-parallel ranks")
     if tp > 1 and (c.num_heads % tp or c.num_kv_heads % tp):
         raise UserError(
             f"{where}.tensor_parallel: {tp} does not divide the attention heads ({c.num_heads}) and KV heads ({c.num_kv_heads})"
@@ -162,7 +159,7 @@ def trainer_memory(arch: Arch, lay: Layout, tokens_per_micro: int, micro_batches
     p = rank_params(arch, lay)
     m = lay.master_bytes
     dp, z = lay.dp, lay.shard
-    expert_dp = max(1, (dp * lay.tp if lay.backend == "megatron" else dp) // lay.ep)
+    expert_dp = max(1, dp // lay.ep)
     # ZeRO shards each group over the ranks that hold a replica of it
     sharded = p.dense / dp + p.experts / expert_dp
 

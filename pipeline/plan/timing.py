@@ -108,6 +108,7 @@ def train_step(
     ab = lay.compute_bytes
     comm = {}
     if lay.dp > 1:
+        # megatron keeps an expert whole on each tensor-parallel rank: its replicas span TP too
         expert_dp = max(1, (lay.dp * lay.tp if lay.backend == "megatron" else lay.dp) // lay.ep)
         volume = 2 * (lay.dp - 1) / lay.dp * p.dense * gb
         volume += 2 * (expert_dp - 1) / expert_dp * p.experts * gb if expert_dp > 1 else 0
