@@ -202,7 +202,7 @@ def test_bad_notify_config_exits_2_with_one_line(tmp_path, capsys):
 def test_slurm_mail_lands_in_the_batch_scripts_of_the_stages_asked_for(snowcat):
     demo = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
     proc = snowcat(
-        "run", demo, "--executor", "slurm", "--site", "local", "--dry-run", "--skip-plan",
+        "run", demo, "--executor", "slurm", "--site", "jsc-juwels-booster", "site.account=proj", "--dry-run", "--skip-plan",
         "notify.slurm_mail_user=me@example.org", "notify.slurm_stages=[rl]",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
