@@ -95,7 +95,7 @@ def main() -> None:
         key = "nll_sum" if a.loss == "sft" else "loss/loss"  # RL's: a mean, compared at one data-parallel rank
         summed = torch.tensor([float(stats.sums[key]), stats.tokens], dtype=torch.float64)
         if a.loss == "sft":
-            torch.distributed.all_reduce(summed, group=backend.ps.get_data_parallel_group())  # the whole batch's
+            torch.distributed.all_reduce(summed, group=backend.data_group)  # the whole batch's
         losses.append({"step": stats.step, key: float(summed[0]), "grad_norm": stats.grad_norm, "tokens": float(summed[1])})
         if backend.step == a.save_at:
             save_checkpoint(a.out / "ckpt", backend, tok)

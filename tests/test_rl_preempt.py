@@ -341,7 +341,7 @@ def test_rl_hetjob_on_megatron_preempted_mid_run_requeues_and_finishes_bit_ident
     an uninterrupted local run."""
     # the trainer is megatron's, two ranks under tensor parallelism beside one rollout rank
     # (docs/megatron.md): the layout's checkpoint resumes as the torch backend's does
-    text = config_text(rollouts=1).replace("    eval_tasks: 0\n", "    eval_tasks: 0\n    backend: megatron\n", 1)
+    text = config_text(updates=6, rollouts=1).replace("    eval_tasks: 0\n", "    eval_tasks: 0\n    backend: megatron\n", 1)
     text = text.replace("    timeout_s: 120\n", "    timeout_s: 120\n    backend: megatron\n    tensor_parallel: 2\n")
     text = text.replace("trainer: {nodes: 1, tasks_per_node: 1}", "trainer: {nodes: 1, tasks_per_node: 2}")
     cfg = write_config(tmp_path / "rl.yaml", text)

@@ -38,6 +38,7 @@ from .. import canonical
 from ..backend import StepStats, _merge_stats, world
 from ..optim import OptimConfig, build_optimizer, lr_factor
 from ..precision import FP32
+from ..rendezvous import init_process_group, rendezvous
 from . import cpu
 from .bridge import build_gpt, make_bridge
 from .model import MegatronCausalLM
@@ -102,8 +103,6 @@ class MegatronBackend:
         """`weights`: a model directory, or {HF name: tensor} of the whole model (a fresh init)."""
         self.cfg, self.layout, self.precision = cfg, layout, precision
         if not dist.is_initialized():  # megatron's groups need a process group, even on one rank
-            from ..rendezvous import init_process_group, rendezvous
-
             init_process_group(rendezvous())
         self.rank, self.world_size = world()
         problems = list(layout.problems(model_cfg, self.world_size))
@@ -112,7 +111,6 @@ class MegatronBackend:
             raise UserError(f"trainer.{key}: {why}")
         cpu.apply()
         _initialize(layout)
-        self.ps = ps
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.bridge = make_bridge(model_cfg, precision.master)
         self.model = MegatronCausalLM(build_gpt(self.bridge), model_cfg).to(self.device)
@@ -140,7 +138,7 @@ class MegatronBackend:
         lr = self.cfg.lr * lr_factor(self.step, self.cfg)
         n = len(micro_batches)
         n_tokens = torch.tensor(sum(int((b["targets"] >= 0).sum()) for b in micro_batches), dtype=torch.float64)
-        dist.all_reduce(n_tokens, group=self.ps.get_data_parallel_group())
+        dist.all_reduce(n_tokens, group=ps.get_data_parallel_group())
         # gradients are averaged over the data-parallel replicas (as DDP does): a mean over all tokens
         n_local = max(1.0, float(n_tokens)) / self.data_ranks
         acc: dict = {}
@@ -217,7 +215,7 @@ class MegatronBackend:
             return acc
         box = [acc if self.model.post_process else None]
         dist.broadcast_object_list(
-            box, src=self.ps.get_pipeline_model_parallel_last_rank(), group=self.ps.get_pipeline_model_parallel_group()
+            box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
         )
         return box[0]
 
@@ -226,7 +224,6 @@ class MegatronBackend:
 
     def _reduce_grads(self) -> None:
         """What megatron's DDP and finalize_model_grads would do, on plain gradients."""
-        ps = self.ps
         for p in self._params():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -246,7 +243,6 @@ class MegatronBackend:
 
     def _clip(self) -> float:
         """Global gradient norm over the whole model (each weight counted once), clipped to cfg.grad_clip."""
-        ps = self.ps
         dense = torch.zeros((), dtype=torch.float64)
         experts = torch.zeros((), dtype=torch.float64)
         tp_rank = ps.get_tensor_model_parallel_rank()
