@@ -40,7 +40,7 @@ def hf_config(cfg: ModelConfig):
 
 
 def make_bridge(cfg: ModelConfig, dtype: torch.dtype = torch.float32):
-    """An mbridge bridge for `cfg` over megatron's current process groups (Layout.initialize first)."""
+    """An mbridge bridge for `cfg` over megatron's current process groups (made by the backend first)."""
     why = unsupported(cfg)
     if why:
         raise UserError(f"trainer.backend megatron: {why}")
