@@ -407,30 +407,29 @@ def _tightest(found: list[tuple[int, str]]) -> tuple[int | None, str]:
     return min(found) if found else (None, "")
 
 
+def _partition_limit(site: Any, partition: str, live: LiveLimits | None, qos_field: str, qos_label: str, profile_key: str):
+    """(limit, source): the tightest of the partition QoS's `qos_field` (live, named `qos_label`)
+    and the profile's `partitions.<partition>.<profile_key>`."""
+    found = []
+    part = live.partitions.get(partition) if live is not None else None
+    if part is not None and getattr(part, qos_field) is not None:
+        found.append((getattr(part, qos_field), f"sacctmgr: QoS {part.qos} of partition {partition} {qos_label}"))
+    prof = site.partitions.get(partition)
+    if prof is not None and getattr(prof, profile_key) is not None:
+        found.append((int(getattr(prof, profile_key)), f"site profile {site.name}: partitions.{partition}.{profile_key}"))
+    return _tightest(found)
+
+
 def running_limit(site: Any, partition: str, live: LiveLimits | None) -> tuple[int | None, str]:
     """(limit, source): the most jobs this user may have running at once on `partition`, the
     tightest of the partition QoS's MaxJobsPU (live) and the profile's `max_running_jobs`."""
-    found = []
-    part = live.partitions.get(partition) if live is not None else None
-    if part is not None and part.max_jobs is not None:
-        found.append((part.max_jobs, f"sacctmgr: QoS {part.qos} of partition {partition} MaxJobsPU"))
-    prof = site.partitions.get(partition)
-    if prof is not None and prof.max_running_jobs is not None:
-        found.append((int(prof.max_running_jobs), f"site profile {site.name}: partitions.{partition}.max_running_jobs"))
-    return _tightest(found)
+    return _partition_limit(site, partition, live, "max_jobs", "MaxJobsPU", "max_running_jobs")
 
 
 def node_limit(site: Any, partition: str, live: LiveLimits | None) -> tuple[int | None, str]:
     """(limit, source): the most nodes this user's running jobs on `partition` may hold together,
     the tightest of the partition QoS's MaxTRESPU node= (live) and the profile's `max_nodes_per_user`."""
-    found = []
-    part = live.partitions.get(partition) if live is not None else None
-    if part is not None and part.max_nodes_per_user is not None:
-        found.append((part.max_nodes_per_user, f"sacctmgr: QoS {part.qos} of partition {partition} MaxTRESPU node"))
-    prof = site.partitions.get(partition)
-    if prof is not None and prof.max_nodes_per_user is not None:
-        found.append((int(prof.max_nodes_per_user), f"site profile {site.name}: partitions.{partition}.max_nodes_per_user"))
-    return _tightest(found)
+    return _partition_limit(site, partition, live, "max_nodes_per_user", "MaxTRESPU node", "max_nodes_per_user")
 
 
 def corun_problem(site: Any, components: list[tuple[str, int]], live: LiveLimits | None = None) -> str | None:
