@@ -222,6 +222,12 @@ def _read_chunks(path: Path) -> Iterable[bytes]:
     yield b""
 
 
+def _numeric_rows(dtype) -> bool:
+    """A variable-length numeric dataset (token ids, logprobs per row): nothing there is text."""
+    base = h5py.check_vlen_dtype(dtype)
+    return isinstance(base, np.dtype) and base.kind not in "SUO"
+
+
 def _scan_hdf5(path: Path, needles: list[Needle]) -> list[Finding]:
     """Strings stored compressed/filtered inside HDF5 are invisible to a byte scan: walk them."""
 
@@ -232,13 +238,15 @@ def _scan_hdf5(path: Path, needles: list[Needle]) -> list[Finding]:
         if arr.dtype.kind not in "SUO":
             return
         for item in arr.ravel():
+            if isinstance(item, np.ndarray) and item.dtype.kind not in "SUO":
+                continue  # a variable-length numeric row (token ids): no text, and str() of it is slow
             data = item if isinstance(item, bytes) else str(item).encode(errors="replace")
             found.extend(Finding(path, 0, kind, where) for kind, rx, b in needles if any(_starts(rx, data, b)))
 
     def visit(name: str, obj) -> None:
         for key, val in obj.attrs.items():
             check(f"/{name}@{key}", val)
-        if isinstance(obj, h5py.Dataset) and obj.dtype.kind in "SUO":
+        if isinstance(obj, h5py.Dataset) and obj.dtype.kind in "SUO" and not _numeric_rows(obj.dtype):
             check(f"/{name}", obj[()])
 
     try:

@@ -151,11 +151,16 @@ def test_scan_tree_finds_planted_values_in_text_binary_and_hdf5(tmp_path):
     with h5py.File(tmp_path / "history.h5", "w") as f:  # compressed: invisible to a byte scan
         f.create_dataset("notes", data=np.array([("cfg " + DAYTONA).encode()] * 200), compression="gzip")
         f.attrs["cmd"] = "train"
+    with h5py.File(tmp_path / "traces.h5", "w") as f:  # as the traces are kept: variable-length rows
+        rows = f.create_dataset("token_ids", (2,), dtype=h5py.vlen_dtype(np.int32), compression="gzip")
+        rows[0], rows[1] = np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32)
+        f.create_dataset("text", data=["ok", "export HF_TOKEN=" + HF], dtype=h5py.string_dtype(), compression="gzip")
     findings = scan_tree(tmp_path, known_secrets=known)
     got = {(f.path.relative_to(tmp_path).as_posix(), f.kind) for f in findings}
     assert ("stages/rl/logs/leak.log", "known:DAYTONA_API_KEY") in got
     assert ("stages/weights.bin", "known:HF_TOKEN") in got and ("stages/weights.bin", "huggingface_token") in got
     assert ("history.h5", "known:DAYTONA_API_KEY") in got
+    assert ("traces.h5", "known:HF_TOKEN") in got  # in a variable-length string row, compressed
     assert not any(f.path.name == "clean.log" for f in findings)
     leak = next(f for f in findings if f.path.name == "leak.log")
     assert leak.line == 3
