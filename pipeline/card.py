@@ -21,6 +21,7 @@ import yaml
 
 from snowcat.stages.agent.detectors import DETECTORS
 from snowcat.stages.config import prompt_stage
+from snowcat.stages.taskgen.rows import SOURCES
 
 from . import compare, plot
 from . import config as config_mod
@@ -191,6 +192,7 @@ def _data(f: Facts) -> list[str]:
     if len(rows) == 2:
         return [f"Training data: {NR} (no tasks stage outputs)."]
     rows.append("")
+    rows += _task_sources(f)
     for node in f.nodes("tasks"):
         for label, _, unit in f.units(node):
             m = f.run.metrics(unit) if f.run.is_done(unit) else {}
@@ -231,6 +233,20 @@ def _data(f: Facts) -> list[str]:
         for (label, _, unit), seed in zip(f.units(node), seeds, strict=True):
             rows.append(f"  - `{label}`: seed {_v(seed)}; exposure {_v(_exposure_text(_unit_exposure(f, unit)))}")
     return rows
+
+
+def _task_sources(f: Facts) -> list[str]:
+    """One line per imported task set: its format, file and sha256 as the tasks stage read it."""
+    lines = []
+    for node in f.nodes("tasks"):
+        for label, _, unit in f.units(node):
+            recorded = read_json(f.unit_dir(unit) / SOURCES) if f.run.is_done(unit) else None
+            for s in (recorded or {}).get("imports", []):
+                lines.append(
+                    f"- Imported task set (`{label}`, `{s.get('format')}`, domain {_v(s.get('domain'))}): `{s.get('path')}`, "
+                    f"sha256 `{_v(s.get('sha256'))}`; {_v(s.get('train'))} train, {_v(s.get('val'))} val tasks"
+                )
+    return lines
 
 
 def _unit_exposure(f: Facts, unit, through: int | None = None) -> tuple[Counter, int | None]:

@@ -172,6 +172,11 @@ def _run_locked(run: RunDir, cfg, dag, node: StageNode, unit: Unit) -> int:
             tracking.after_unit(run, node, unit, ctx.run_config)  # what it recorded so far; never raises
         print(f"[snowcat] {unit.key}: checkpointed before the end of the job; continue with the next one", flush=True)
         return PREEMPTED_EXIT_CODE
+    except UserError as e:  # bad input the stage found (a row without its answer): one line, as the CLI says it
+        if lead:
+            run.update_stage(unit.key, status="failed", ended=now(), error=f"UserError: {e}"[:500])
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     except Exception as e:
         traceback.print_exc()
         if lead:

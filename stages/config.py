@@ -20,6 +20,7 @@ from snowcat.pipeline.schema import HF_PREFIX, Problem, bounded, checkpoint_refs
 from snowcat.stages.model.config import PRESETS
 from snowcat.stages.model.layout import Layout, unsupported
 from snowcat.stages.taskgen import DOMAINS, REPO_DOMAINS
+from snowcat.stages.taskgen.checkers import CHECKERS
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "rloo_n"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_over_const"]
@@ -209,13 +210,38 @@ class TaskValidation:
     cache_dir: str = ""  # verdicts by task hash; "" = <run>/cache/task-validation (share one across runs)
 
 
+AnswerKind = Literal["", "exact", "choice", "numeric", "checker", "code"]
+ANSWER_FORMATS = ("answers", "ifeval")
+
+
+@dataclass
+class AnswerFields:
+    """`format: answers`: which columns of a prompt-and-answer file hold what, and how an answer is
+    judged (stages/taskgen/answer_sets.py, answer_kinds.py; docs/task-sets.md)."""
+
+    prompt: str = "question"  # the prompt column (MATH: problem)
+    answer: str = "answer"  # the reference answer column (MATH: solution); a list = accepted aliases (exact)
+    kind: AnswerKind = ""  # exact | choice | numeric | checker | code; "" = each row's `kind_field`
+    kind_field: str = "answer_kind"  # the per-row kind column, read where `kind` is ""
+    id: str = ""  # a column of row ids for the task ids; "" = a hash of the prompt
+    instruction: str = ""  # appended to every prompt (e.g. how to mark the final answer)
+    choices: str = "choices"  # choice: the column listing the choices (rendered A., B., ... after the question)
+    checker: str = ""  # checker: a name in stages/taskgen/checkers.py; "" = each row's metadata.source_dataset
+    tests: str = "input_output"  # code: the hidden cases {"inputs": [...], "outputs": [...]} (APPS, TACO)
+    solutions: str = "solutions"  # code: published solutions (the first is the SFT demonstration)
+    rel_tol: float = bounded(0.0, ge=0)  # numeric: |got - want| <= max(abs_tol, rel_tol * |want|)
+    abs_tol: float = bounded(0.0, ge=0)
+    time_limit_s: float = bounded(4.0, gt=0)  # code: wall time per case (keep verifier_timeout_s above cases x this)
+
+
 @dataclass
 class TaskImport:
-    """Repository tasks from files on the shared filesystem (stages/taskgen/importers.py, docs/agents.md)."""
+    """Tasks from files on the shared filesystem: repository tasks (stages/taskgen/importers.py,
+    docs/agents.md) and prompt-and-answer sets (stages/taskgen/answer_sets.py, docs/task-sets.md)."""
 
-    format: Literal["swebench", "swegym", "r2egym", "swesmith", "harbor"] = "swebench"
+    format: Literal["swebench", "swegym", "r2egym", "swesmith", "harbor", "answers", "ifeval"] = "swebench"
     path: str = ""  # a .jsonl/.json/.parquet row file; harbor: a directory of task directories (or one task)
-    repos_dir: str = ""  # local clones (<owner>__<name>; swesmith: <owner>__<name>.<commit8>); all but harbor
+    repos_dir: str = ""  # local clones (<owner>__<name>; swesmith: <owner>__<name>.<commit8>); repository rows only
     domain: str = "swe"
     # swebench, swegym, r2egym; `{tests}` becomes the test ids. "" (swebench, swegym): SWE-bench's own
     # harness where it specifies the row's repository/version (the `swe` extra), else
@@ -230,14 +256,19 @@ class TaskImport:
     # each task's meta["image"] (a Docker reference) as staged by the prestage stage (an `image`
     # artefact named docker://<image>) becomes its sandbox_image; a task without one is refused
     staged_images: bool = False
+    answers: AnswerFields = field(default_factory=AnswerFields)  # format answers: the columns and the answer kind
 
 
 def _import_problems(key: str, imp: TaskImport) -> Iterator[Problem]:
     rows = imp.format != "harbor"
-    if rows and not imp.repos_dir:
+    if imp.format not in ANSWER_FORMATS and rows and not imp.repos_dir:
         yield f"{key}.repos_dir", f"required for {imp.format} (local clones: compute nodes have no network)"
     if rows and imp.path and not imp.path.endswith((".jsonl", ".json", ".parquet")):
         yield f"{key}.path", f"{imp.format} reads a .jsonl, .json or .parquet file"
+    if imp.format in ANSWER_FORMATS:
+        yield from _answer_problems(key, imp)
+    elif imp.answers != AnswerFields():
+        yield f"{key}.answers", "only format answers reads answers"
     if imp.test_command and "{tests}" not in imp.test_command:
         yield f"{key}.test_command", "must contain '{tests}'"
     if imp.staged_images and imp.build_images:
@@ -248,6 +279,21 @@ def _import_problems(key: str, imp: TaskImport) -> Iterator[Problem]:
         yield f"{key}.allow_internet", "only harbor tasks ask for the network"
     if imp.build_images and imp.format != "harbor":
         yield f"{key}.build_images", "only harbor tasks carry a Dockerfile"
+
+
+def _answer_problems(key: str, imp: TaskImport) -> Iterator[Problem]:
+    fields = imp.answers
+    if imp.format == "ifeval" and fields != AnswerFields():
+        yield f"{key}.answers", "ifeval reads IFEval's own columns (key, prompt, instruction_id_list, kwargs)"
+    if fields.checker and fields.checker not in CHECKERS:
+        yield f"{key}.answers.checker", f"unknown checker {fields.checker!r} (known: {', '.join(sorted(CHECKERS))})"
+    if fields.checker and fields.kind not in ("", "checker"):
+        yield f"{key}.answers.checker", f"only kind checker reads a checker (kind is {fields.kind})"
+    for name in ("repos_dir", "test_command", "staged_images"):
+        if getattr(imp, name):
+            yield f"{key}.{name}", f"{imp.format} tasks are not repositories: no {name}"
+    if imp.domain == "swe":  # the default, for repository tasks: a question set named so would mislead every report
+        yield f"{key}.domain", f"name the domain of the {imp.format} set (e.g. gsm8k, ifeval)"
 
 
 DEFAULT_DOMAINS = {

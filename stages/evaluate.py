@@ -88,10 +88,12 @@ def sample_tasks(tasks: list, n: int, seed: int) -> tuple[list, dict | None]:
 
 def sample_and_verify(
     cfg, ctx: StageContext, ref: str, tasks, verifier: TimedVerifier, writer: TrajectoryWriter, context=None
-) -> tuple[list[Attempt], dict | None]:
-    """`cfg.attempts` verified answers per task from checkpoint `ref`, and (multi-turn envs) what the
-    agent did (`stages.agent.behaviour`); the episodes go to `writer` as shard `ref`. `context`: the
-    episodes' context policy (stages/agent/context.py; a failed summary is an infra failure)."""
+) -> tuple[list[Attempt], dict | None, float]:
+    """`cfg.attempts` verified answers per task from checkpoint `ref`, (multi-turn envs) what the
+    agent did (`stages.agent.behaviour`), and the seconds sampling and verifying took; the episodes go
+    to `writer` as shard `ref`. `context`: the episodes' context policy (stages/agent/context.py; a
+    failed summary is an infra failure). The seconds are returned, not written beside the episodes:
+    the shard's card is hashed, and a timing there made every reproduction differ."""
 
     engine, tok, _ = serve_checkpoint(ctx, ref, "checkpoints", cfg.batch_size)
     t0 = time.perf_counter()
@@ -107,19 +109,20 @@ def sample_and_verify(
     )
     if cfg.env == "single":
         records = sample_attempts(engine, tok, tasks, params, **common)
+        seconds = time.perf_counter() - t0
         keep(
             [single_turn_trajectory(r, task_prompt(tok, r.task), i // cfg.attempts) for i, r in enumerate(records)],
             tok,
             passed=[r.passed for r in records],
-            seconds=time.perf_counter() - t0,
         )
-        return records, None
+        return records, None, seconds
     env = with_context(make_env(cfg.env, tok, **env_options(cfg.env, cfg)), context)
     budget = Budget(cfg.max_context, cfg.max_tokens, cfg.max_turns)
     records, trajectories = play_attempts(engine, tok, tasks, env, params, budget, **common)
-    keep([t for t in trajectories if t is not None], tok, seconds=time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    keep([t for t in trajectories if t is not None], tok)
     agent = behaviour([t for t in trajectories if t is not None and t.status != "infra_error"], tok)
-    return records, agent | (context_behaviour(trajectories) if context is not None else {})
+    return records, agent | (context_behaviour(trajectories) if context is not None else {}), seconds
 
 
 def single_turn_trajectory(r: Attempt, prompt: list[int], group_id: int) -> Trajectory:
@@ -299,7 +302,7 @@ def run(ctx: StageContext) -> dict:
         played = {ref: sample_and_verify(cfg, ctx, ref, tasks, verifier, writer, context) for ref in refs}
     finally:
         verifier.close()
-    records = {ref: recs for ref, (recs, _) in played.items()}
+    records = {ref: recs for ref, (recs, _, _) in played.items()}
 
     results = {
         ref: {
@@ -307,7 +310,7 @@ def run(ctx: StageContext) -> dict:
             "groups": {g: summarize(rs, pass_k, cfg.pass_k_tasks == "common") for g, rs in _groups(recs).items()},
         }
         | ({"behaviour": agent} if agent is not None else {})
-        for ref, (recs, agent) in played.items()
+        for ref, (recs, agent, _) in played.items()
     }
     comparisons = {}
     for ref in refs[1:]:
@@ -340,7 +343,9 @@ def run(ctx: StageContext) -> dict:
         ),
     )
     plot_pass_at_k(ctx.out_dir / "pass_at_k.png", results, pass_k)
-    return nan_to_null(headline(results, comparisons, pass_k))
+    # timings only in the metrics, named by their unit (volatile: left out of `snowcat reproduce`)
+    timings = {f"{ref}/sample_s": round(seconds, 3) for ref, (_, _, seconds) in played.items()}
+    return nan_to_null(headline(results, comparisons, pass_k) | timings)
 
 
 def headline(results: dict, comparisons: dict, pass_k: list[int]) -> dict[str, float]:

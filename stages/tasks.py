@@ -1,7 +1,9 @@
 """`tasks` stage: generate verifiable task sets, seeded, with a held-out validation split.
 
-Generated domains and imported repository tasks (`imports`: SWE-bench, SWE-Gym, R2E-Gym and SWE-smith
-rows, Harbor task directories; stages/taskgen/importers.py).
+Generated domains and imported tasks (`imports`: SWE-bench, SWE-Gym, R2E-Gym and SWE-smith rows,
+Harbor task directories, prompt-and-answer rows and IFEval; stages/taskgen/importers.py). Each
+import's source is recorded in `sources.json` (format, path, domain, the sha256 of the file or
+task directory as read, and the tasks it gave to each split), which the card's data section cites.
 Repository tasks are validated first (`validate`, stages/taskgen/validate.py: gold passes and
 empty fails, twice): imported ones by default, generated ones with `validate.tasks: all`; the
 excluded ones and why are in `validation.json`, the counts in the metrics (`validation/<status>`).
@@ -26,6 +28,7 @@ from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
 from snowcat.pipeline.offline import image_artefact, require_staged
 from snowcat.stages.taskgen import generate_domain, save_tasks, split_tasks, task_key
 from snowcat.stages.taskgen.importers import TaskImportError, import_tasks
+from snowcat.stages.taskgen.rows import SOURCES, source_sha256
 from snowcat.stages.taskgen.validate import summary, validate_tasks, validation_cache
 
 
@@ -129,8 +132,10 @@ def run(ctx: StageContext) -> dict:
     leaked = (keys[0] & keys[1]) | (keys[0] & keys[2]) | (keys[1] & keys[2])
     if leaked:
         raise RuntimeError(f"{len(leaked)} held-out tasks occur in two splits")
+    sources = []
     for i, imp in enumerate(ctx.config.imports):
         tasks = _import(imp, f"stages.{ctx.name}.imports[{i}]")
+        digest = source_sha256(imp.path)  # the file (or task directories) the tasks came from
         if imp.build_images:
             tasks = [_with_image(t, ctx.out_dir / "images", f"stages.{ctx.name}.imports[{i}]") for t in tasks]
         if imp.staged_images:
@@ -142,6 +147,12 @@ def run(ctx: StageContext) -> dict:
         val += d_val
         metrics[f"{imp.domain}/train"] = metrics.get(f"{imp.domain}/train", 0) + len(d_train)
         metrics[f"{imp.domain}/val"] = metrics.get(f"{imp.domain}/val", 0) + len(d_val)
+        sources.append(
+            {"format": imp.format, "path": imp.path, "domain": imp.domain, "sha256": digest}
+            | {"train": len(d_train), "val": len(d_val)}
+        )
+    if sources:
+        atomic_write_json(ctx.out_dir / SOURCES, {"imports": sources})
     save_tasks(ctx.out_dir, "train", train)
     save_tasks(ctx.out_dir, "val", val)
     if dev:

@@ -5,9 +5,12 @@ Layout of `<unit dir>/trajectories/` (docs/analysis.md):
                       per checkpoint; RL: one per update, `step_NNNNNN`)
     README.md         the dataset card, rewritten atomically after each shard: its YAML header holds
                       the `configs` that Hugging Face `datasets` reads and the manifest (`snowcat:`
-                      every shard with its rows, the episodes it was sampled from, checkpoint, step
-                      and seconds); the manifest is there and not in a JSON file beside the shards
-                      because `datasets` takes every other file of the directory for data
+                      every shard with its rows, the episodes it was sampled from, checkpoint and
+                      step); the manifest is there and not in a JSON file beside the shards
+                      because `datasets` takes every other file of the directory for data. The card
+                      is hashed with the unit's outputs, so it holds nothing volatile (no timings:
+                      a stage reports those as metrics named with a time unit, pipeline/volatile.py),
+                      and a reproduction writes it byte for byte again
 Every shard has the same schema, so the directory is one dataset:
     datasets.load_dataset(dir, split="train")                              # the card's configs
     datasets.load_dataset("parquet", data_dir=dir, split="train")          # the card is skipped
@@ -200,7 +203,6 @@ class TrajectoryWriter:
         step: int = -1,
         tasks: dict | None = None,
         passed: list[int] | None = None,
-        seconds: float | None = None,
     ) -> Path | None:
         """Shard `label` (a checkpoint or `step_N`) of these episodes, then the manifest; the shard's path.
         `passed`: the verifier's verdict per episode where the scorer has one (evaluate's single turn:
@@ -235,7 +237,6 @@ class TrajectoryWriter:
             "episodes": len(trajs),
             "checkpoint": checkpoint,
             "step": step,
-            "seconds": seconds,
         }
         manifest["keep"] = "all" if self.keep is None else f"sample:{self.keep}"
         atomic_write_bytes(self.root / CARD, dataset_card(manifest).encode())

@@ -6,6 +6,7 @@ Tasks are generated from a seed, stored as Parquet tables (`train.parquet`, `val
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 
 from snowcat.pipeline.fsio import atomic_write_bytes
 
-from . import arith, closure, repo, swe_mini
+from . import answer_kinds, arith, closure, ifeval, repo, swe_mini
 from .verdict import Verdict, VerifierError
 
 SPLITS = ("train", "dev", "val")  # dev: checkpoint selection; val: the held-out score
@@ -49,6 +50,9 @@ DOMAINS: dict[str, tuple[Callable, Callable]] = {
 }
 # domains whose tasks are repositories (verifier "repo": the completion is a patch judged by tests)
 REPO_DOMAINS: dict[str, Callable] = {"swe_mini": swe_mini.generate}
+# verifier id -> verifier(task, completion) of imported sets, judged by what each task's meta holds
+# (answer: its answer kind and reference, stages/taskgen/answer_sets.py; ifeval: its instructions)
+TASK_VERIFIERS: dict[str, Callable] = {"answer": answer_kinds.verify, "ifeval": ifeval.verify}
 
 
 # verifier id -> worked_solution(prompt, answer): what a teacher writes, where it is more than the answer
@@ -56,7 +60,10 @@ DEMONSTRATIONS: dict[str, Callable[[str, str], str]] = {"arith": arith.worked_so
 
 
 def demonstration(task: Task) -> str:
-    """The teacher's reply to `task` (SFT's target): its worked solution, or the bare answer."""
+    """The teacher's reply to `task` (SFT's target): its worked solution (generated, or the one an
+    imported set publishes: meta["solution"]), or the bare answer."""
+    if task.meta.get("solution") and task.verifier in TASK_VERIFIERS:
+        return task.meta["solution"]
     show = DEMONSTRATIONS.get(task.verifier)
     return show(task.prompt, task.answer) if show else task.answer
 
@@ -65,12 +72,16 @@ def verify(task: Task, completion: str) -> Verdict:
     if task.verifier == "repo":  # repository tasks: the completion is the agent's patch, judged by the task's tests
         reward, passed, detail = repo.verify_patch(task, completion)
         return Verdict(reward, passed, detail)
+    if task.verifier in TASK_VERIFIERS:
+        check = functools.partial(TASK_VERIFIERS[task.verifier], task)
+    elif task.verifier in DOMAINS:
+        check = functools.partial(DOMAINS[task.verifier][1], task.prompt, task.answer)
+    else:
+        raise VerifierError(f"task {task.task_id}: unknown verifier {task.verifier!r}")
     try:
-        _, check = DOMAINS[task.verifier]
-    except KeyError:
-        raise VerifierError(f"task {task.task_id}: unknown verifier {task.verifier!r}") from None
-    try:
-        reward, passed, detail = check(task.prompt, task.answer, completion)
+        reward, passed, detail = check(completion)
+    except VerifierError:
+        raise
     except Exception as e:  # a verifier bug is infrastructure, never the model's fault
         raise VerifierError(f"task {task.task_id}: verifier {task.verifier} crashed: {e!r}") from e
     return Verdict(float(reward), bool(passed), detail)

@@ -7,8 +7,11 @@
     r2egym     R2E-Gym (Lite, Subset, full): commit-derived tasks             `import_r2egym`
     swesmith   SWE-smith task instances over its mirror repositories          `import_swesmith`
     harbor     Harbor task directories (Terminal-Bench 2)                     `import_harbor`
+    answers    prompt-and-answer rows (GSM8K, MATH, MMLU, Reasoning Gym,     `answer_sets.import_answers`
+               APPS/TACO): no repository; judged by their answer kind
+    ifeval     IFEval rows: instructions with verifiable constraints          `answer_sets.import_ifeval`
 
-Row sets are JSONL, JSON (a list of rows) or parquet files (`read_rows`; parquet through `datasets`,
+Row sets are JSONL, JSON (a list of rows) or parquet files (`rows.read_rows`; parquet through `datasets`,
 from the local file only): compute nodes have no network, so everything a task needs must already be
 on the shared filesystem. Each row names a repository; the
 importer looks for a local clone of it under `repos_dir` (`<owner>__<name>`, `<owner>/<name>` or
@@ -30,21 +33,20 @@ An importer returns every task of its file or raises one `TaskImportError` namin
 from __future__ import annotations
 
 import ast
-import datetime
 import hashlib
 import json
-import shutil
 import subprocess
 import tempfile
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
 from snowcat.containers.images import dockerfile_definition
 from snowcat.stages.taskgen import Task, swebench_harness
+from snowcat.stages.taskgen.answer_sets import import_answers, import_ifeval
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, patched_paths, read_tree
+from snowcat.stages.taskgen.rows import TaskImportError, read_rows, require
 
 SWEBENCH_TEST_COMMAND = "python -m pytest -rA {tests}"  # rows SWE-bench has no specification for
 OFFICIAL = ""  # test_command: SWE-bench's own harness where it specifies the row's repository and version
@@ -52,12 +54,7 @@ SWESMITH_TEST_COMMAND = "pytest --disable-warnings --color=no --tb=no --verbose 
 R2E_TESTS_DIR = "r2e_tests"  # where R2E-Gym's images keep a task's tests (the repository's `r2e_tests/`)
 HARBOR_DIFFICULTY = {"easy": 1, "medium": 2, "hard": 3}
 SWEBENCH_DIFFICULTY = {"<15 min fix": 1, "15 min - 1 hour": 2, "1-4 hours": 3, ">4 hours": 4}
-FORMATS = ("swebench", "swegym", "r2egym", "swesmith", "harbor")
-ROW_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-class TaskImportError(ValueError):
-    """A task that cannot be imported; the message names the file (and row or task dir) and the field."""
+FORMATS = ("swebench", "swegym", "r2egym", "swesmith", "harbor", "answers", "ifeval")
 
 
 # ---------------------------------------------------------------- dispatch
@@ -68,6 +65,10 @@ def import_tasks(imp) -> list[Task]:
     path = Path(imp.path)
     if not path.exists():
         raise TaskImportError(f"{path}: does not exist")
+    if imp.format == "answers":
+        return import_answers(path, imp.answers, domain=imp.domain)
+    if imp.format == "ifeval":
+        return import_ifeval(path, domain=imp.domain)
     common = {"domain": imp.domain, "timeout_s": imp.timeout_s, "memory_mb": imp.memory_mb}
     if imp.format in ("swebench", "swegym"):
         return import_swebench(path, imp.repos_dir, test_command=imp.test_command, source_format=imp.format, **common)
@@ -83,83 +84,7 @@ def import_tasks(imp) -> list[Task]:
     raise TaskImportError(f"{path}: unknown format {imp.format!r} (known: {', '.join(FORMATS)})")
 
 
-# ---------------------------------------------------------------- rows
-
-
-def read_rows(path: str | Path) -> Iterator[tuple[str, dict]]:
-    """(where, row) for each row of a JSONL, JSON (a list of objects) or parquet file; `where` is
-    `<file>:<row>` (1-based; a JSONL file's line). Parquet is read offline with `datasets`
-    (`load_dataset("parquet", data_files=...)`); JSON and JSONL with `json`, because pyarrow's JSON
-    reader turns ISO dates (`created_at`) into datetimes without their zone and refuses a column
-    whose type differs between rows (FAIL_TO_PASS as a list in one row, a JSON string in another)."""
-    path = Path(path)
-    if path.suffix not in ROW_SUFFIXES:
-        raise TaskImportError(f"{path}: not a row file (expected {', '.join(ROW_SUFFIXES)})")
-    if path.suffix == ".parquet":
-        yield from ((f"{path}:{n}", row) for n, row in enumerate(_load_parquet(path), 1))
-        return
-    text = _text(path)
-    if path.suffix == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                yield f"{path}:{n}", _object(line, f"{path}:{n}")
-        return
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TaskImportError(f"{path}: not JSON: {e.msg} (line {e.lineno})") from None
-    if not isinstance(rows, list):
-        raise TaskImportError(f"{path}: not a JSON list of rows")
-    for n, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            raise TaskImportError(f"{path}:{n}: not a JSON object")
-        yield f"{path}:{n}", row
-
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TaskImportError(f"{path}: unreadable: {e}") from None
-
-
-def _object(line: str, where: str) -> dict:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise TaskImportError(f"{where}: not JSON: {e.msg}") from None
-    if not isinstance(row, dict):
-        raise TaskImportError(f"{where}: not a JSON object")
-    return row
-
-
-def _load_parquet(path: Path) -> list[dict]:
-    import datasets  # noqa: PLC0415 (heavy: only where parquet is read)
-
-    cache = tempfile.mkdtemp(prefix="snowcat-import-")  # nothing left in the user's HF cache
-    bars = not datasets.utils.are_progress_bars_disabled()
-    datasets.utils.disable_progress_bars()
-    try:
-        ds = datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True)
-        return [{k: _plain(v) for k, v in row.items()} for row in ds.to_list()]
-    except Exception as e:  # datasets/pyarrow raise many kinds for a bad file
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TaskImportError(f"{path}: unreadable as parquet: {detail[:300]}") from None
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
-        if bars:
-            datasets.utils.enable_progress_bars()
-
-
-def _plain(value):
-    """A parquet timestamp as the ISO string the JSON form of the set carries."""
-    return value.isoformat() if isinstance(value, datetime.date) else value
-
-
-def _require(row: dict, fields: tuple[str, ...], where: str) -> None:
-    missing = [k for k in fields if row.get(k) in (None, "", [])]
-    if missing:
-        raise TaskImportError(f"{where}: missing {', '.join(missing)}")
+# ---------------------------------------------------------------- fields
 
 
 def _list(value, where: str) -> list[str]:
@@ -232,7 +157,7 @@ def import_swebench(
     repos_dir = Path(repos_dir)
     tasks = []
     for where, row in read_rows(path):
-        _require(row, ("instance_id", "repo", "base_commit", "problem_statement", "FAIL_TO_PASS"), where)
+        require(row, ("instance_id", "repo", "base_commit", "problem_statement", "FAIL_TO_PASS"), where)
         clone = _local_repo(repos_dir, row["repo"], row["base_commit"], where)
         fields, extra = _official(row, where) if test_command == OFFICIAL else ({"test_command": test_command}, {})
         spec = RepoSpec(
@@ -306,7 +231,7 @@ def import_r2egym(
     repos_dir = Path(repos_dir)
     tasks = []
     for where, row in read_rows(path):
-        _require(row, R2E_COLUMNS, where)
+        require(row, R2E_COLUMNS, where)
         commit = _json(row["parsed_commit_content"], f"{where}: parsed_commit_content")
         result = _json(row["execution_result_content"], f"{where}: execution_result_content")
         old = commit.get("old_commit_hash") if isinstance(commit, dict) else None
@@ -470,7 +395,7 @@ def import_swesmith(
     table = load_profiles(profiles) if profiles else {}
     tasks = []
     for where, row in read_rows(path):
-        _require(row, SWESMITH_COLUMNS, where)
+        require(row, SWESMITH_COLUMNS, where)
         mirror = row["repo"].rsplit("/", 1)[-1]
         clone = _find_clone(repos_dir, [mirror, row["repo"]], row["repo"], where)
         bug = _swesmith_bug_commit(clone, row, where)
