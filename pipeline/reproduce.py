@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -130,7 +131,8 @@ def _replace_paths(obj: Any, paths: tuple[str, str]) -> Any:
     if isinstance(obj, list):
         return [_replace_paths(v, paths) for v in obj]
     if isinstance(obj, str):
-        return obj.replace(paths[0], "<run>").replace(paths[1], "<run>")
+        # the id only as a whole name: a short one ("a", "run") is also a piece of other words
+        return re.sub(rf"(?<![\w.-]){re.escape(paths[1])}(?![\w.-])", "<run>", obj.replace(paths[0], "<run>"))
     return obj
 
 

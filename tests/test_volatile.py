@@ -49,3 +49,14 @@ def test_strip_removes_volatile_keys_at_any_depth_and_says_why():
     kept, removed = strip_volatile(record)
     assert kept == {"step": 3, "loss": 0.5, "nested": [{"value": 2}]}
     assert set(removed) == {"time/step_s", "registered_at"}
+
+
+def test_reproduce_replaces_a_short_run_id_only_as_a_whole_name():
+    from snowcat.pipeline.reproduce import _replace_paths  # noqa: PLC0415
+
+    recorded = {"log": "/scratch/r/a/stages/rl: run a", "metric": "grad_norm", "ids": ["a", "a-1", "a.json"]}
+    assert _replace_paths(recorded, ("/scratch/r/a", "a")) == {
+        "log": "<run>/stages/rl: run <run>",
+        "metric": "grad_norm",  # not gr<run>d_norm
+        "ids": ["<run>", "a-1", "a.json"],
+    }
