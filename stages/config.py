@@ -19,6 +19,7 @@ from typing import Literal
 from snowcat.pipeline.schema import HF_PREFIX, Problem, bounded, checkpoint_refs, parse_checkpoint_ref
 from snowcat.stages.model.config import PRESETS
 from snowcat.stages.model.layout import Layout, unsupported
+from snowcat.stages.procedure import DEFAULT_PROCEDURE, parse_rule
 from snowcat.stages.taskgen import DOMAINS, REPO_DOMAINS
 from snowcat.stages.taskgen.checkers import CHECKERS
 
@@ -457,6 +458,8 @@ class SftConfig(Parallelism):
 # ---------------------------------------------------------------- teacher
 
 TEACHER_PREFIX = "teacher"  # sft.mix names a teacher stage's demonstrations `teacher:<stage>`
+# Relay: where the teacher takes over a student's episode (stages/agent/relay.py, docs/recipes.md)
+TAKEOVER_POINTS = ("invalid_action", "context_margin", "completion_claim")
 PROMPTS_PREFIX = "prompts"  # rl.rollout_prompt names a prompt-selection stage's choice `prompts:<stage>`
 
 
@@ -495,6 +498,12 @@ class TeacherConfig:
     engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    # Relay SFT: a checkpoint of the run ("<needed stage>:<checkpoint>") starts each episode and the
+    # teacher takes over at the first of the `takeover` points; "" = the teacher plays whole episodes
+    student: str = checkpoint_refs("")
+    takeover: list[str] = field(default_factory=lambda: list(TAKEOVER_POINTS))
+    # context_margin fires before a student turn once the context holds max_context - this many tokens
+    context_margin_tokens: int = bounded(64, ge=0)
 
     def problems(self) -> Iterator[Problem]:
         if not self.teacher:
@@ -505,6 +514,30 @@ class TeacherConfig:
         yield from _needs_problems(self.needs, ("tasks", self.tasks))
         yield from _engine_problems(self.engine, self.image)
         yield from _verifier_problems(self.verifier)
+        if self.student:
+            yield from self.relay_problems()
+
+    def relay_problems(self) -> Iterator[Problem]:
+        """Take-over points that can never fire, or a relay whose student's turns could never be the
+        teacher's context."""
+        for point in self.takeover:
+            if point not in TAKEOVER_POINTS:
+                yield "takeover", f"unknown take-over point {point!r}; expected some of {', '.join(TAKEOVER_POINTS)}"
+        if not self.takeover:
+            yield "takeover", f"no take-over point: the teacher would never play; name some of {', '.join(TAKEOVER_POINTS)}"
+        if self.env == "single":
+            yield "env", "single: the student's one turn is its answer, never the teacher's context (use calculator or repo)"
+        if self.max_turns < 2:
+            yield "max_turns", "Relay needs at least 2 turns: with 1 no turn of the student's is ever the teacher's context"
+        if "context_margin" in self.takeover:
+            if self.context_margin_tokens < 1:
+                yield "context_margin_tokens", "must be >= 1 for context_margin to fire (a live episode always has room left)"
+            elif self.context_margin_tokens >= self.max_context:
+                yield (
+                    "context_margin_tokens",
+                    f"{self.context_margin_tokens} >= max_context ({self.max_context}): the teacher would take over "
+                    "before the student's first turn",
+                )
 
 
 # ---------------------------------------------------------------- probe and select
@@ -700,9 +733,17 @@ class EvaluateConfig:
     engine: EngineKind = "auto"  # torch | vllm | auto (the site's rollout_engine)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     keep_trajectories: str = "all"  # episodes kept in trajectories/: all | none | sample:<n> per checkpoint
+    # the working procedure each kept episode's behaviour record is checked against ("test before
+    # submit", ...: stages/procedure.py); the records are in behaviour/ beside trajectories/
+    procedure: list[str] = field(default_factory=lambda: list(DEFAULT_PROCEDURE))
 
     def problems(self) -> Iterator[Problem]:
         yield from _keep_problems(self.keep_trajectories)
+        for rule in self.procedure:
+            try:
+                parse_rule(rule)
+            except ValueError as e:
+                yield "procedure", str(e)
         if not self.checkpoints and "checkpoint" not in self.fan_out:
             yield "checkpoints", "name at least one checkpoint, e.g. 'sft:final'"
         bad = [k for k in self.pass_k if not 1 <= k <= self.attempts]

@@ -16,10 +16,19 @@ the union of the shards is what one unit would make, and a batch is the same whi
 Resumable: each finished batch's demonstrations are kept in `partial/` and reused; a preempted
 unit continues there, ending with the bytes of an uninterrupted one.
 
+Relay (`student: "<stage>:<checkpoint>"`, docs/recipes.md "Relay SFT with a real student"): the
+student starts each episode and the teacher takes over at the first of the `takeover` points
+(stages/agent/relay.py), in the same episode. The demonstration keeps the student's turns as context
+(`train: False`: SFT masks them) and the teacher's as targets; only a verified episode the teacher
+played in is kept. The episodes are the student's transcripts, in its tokenizer; a teacher with
+another tokenizer reads them as text (`TextTeacher`).
+
 Outputs per unit: `demos.jsonl` (one demonstration a line, with its provenance: the teacher's
 reference and manifest digest, tokenizer fingerprint, sampling parameters, budget, environment,
-seed, group and attempt, the verifier's verdict), deduplicated by content; `teacher.json` (counts:
-episodes, verified successes, kept, duplicates, cut turns, infra failures, per domain).
+seed, group and attempt, the verifier's verdict; with a student, its reference and digest, the
+take-over points and where this episode's take-over happened), deduplicated by content;
+`teacher.json` (counts: episodes, verified successes, kept, duplicates, cut turns, infra failures,
+per domain; with a student, the take-overs per point).
 """
 
 from __future__ import annotations
@@ -35,8 +44,9 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text, build_manifest
 from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
 from snowcat.stages.agent.demos import DEMOS, ObservationLog, demo_id, demo_messages, domains_in_turn
+from snowcat.stages.agent.relay import RelayEngine, TextTeacher, relay_messages
+from snowcat.stages.config import TAKEOVER_POINTS, env_options
 from snowcat.stages.config import TeacherConfig as Config
-from snowcat.stages.config import env_options
 from snowcat.stages.model.io import load_model_config
 from snowcat.stages.rollout import SamplingParams
 from snowcat.stages.scoring import serve_checkpoint
@@ -44,11 +54,25 @@ from snowcat.stages.taskgen import load_tasks
 from snowcat.stages.verifiers import TimedVerifier, load_verifier
 
 
-def _key(cfg: Config, seed: int, teacher_digest: str, task_ids: list[str]) -> str:
+def _key(cfg: Config, seed: int, provenance: dict, task_ids: list[str]) -> str:
     """What a saved batch depends on: a batch saved under other settings is played again."""
-    what = [seed, cfg.teacher, teacher_digest, cfg.env, cfg.require_tool, cfg.temperature, cfg.top_p, cfg.top_k]
+    what = [seed, cfg.teacher, provenance["teacher_sha256"], cfg.env, cfg.require_tool, cfg.temperature, cfg.top_p, cfg.top_k]
     what += [cfg.max_context, cfg.max_turn_tokens, cfg.max_turns, cfg.attempts, cfg.infra_retries, cfg.verifier, task_ids]
+    if "relay" in provenance:
+        what.append(provenance["relay"])
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()
+
+
+def play_batch(engine, observations, batch, env, params, budget: Budget, seed: int, verifier, relay) -> tuple[list, list]:
+    """(trajectories, take-overs) of a batch: played by the teacher alone, or with `relay` (the
+    student engine, the teacher engine or TextTeacher, the take-over points and margin) by both."""
+    if relay is None:
+        out = run_episodes(engine, observations, batch, env, params, budget, seed, 0, verifier=verifier)
+        return out, [None] * len(batch)
+    student, teacher, points, margin = relay
+    player = RelayEngine(student, teacher, env=env, jobs=batch, seed=seed, budget=budget, points=points, margin=margin)
+    out = run_episodes(player, observations, batch, env, params, budget, seed, 0, verifier=verifier)
+    return out, player.takeovers()
 
 
 def play(
@@ -62,16 +86,19 @@ def play(
     partial: Path,
     stop,
     progress,
+    make_relay=None,
 ):
     """Every (task index, task)'s `attempts` episodes in batches of `batch_size` episodes; per batch the
-    episode records (verdict, and the messages of a verified success) saved in `partial/` and reused."""
+    episode records (verdict, and the messages of a verified success) saved in `partial/` and reused.
+    With `make_relay` (`relay_player`), `tok` is the student's and the student starts each episode."""
     observations = ObservationLog(tok)
     env = make_env(cfg.env, observations, **env_options(cfg.env, cfg))
+    relay = make_relay(observations, env) if make_relay is not None else None
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_turn_tokens, (tok.end_of_turn_id,))
     budget = Budget(cfg.max_context, cfg.max_turn_tokens, cfg.max_turns)
     # group id = the task's index in the whole split: a task's episodes do not depend on the sharding
     jobs = [EpisodeJob(task, group_id=i, attempt=a) for i, task in tasks for a in range(cfg.attempts)]
-    key = _key(cfg, seed, provenance["teacher_sha256"], [t.task_id for _, t in tasks])
+    key = _key(cfg, seed, provenance, [t.task_id for _, t in tasks])
     records: list[dict] = []
     for b, start in enumerate(range(0, len(jobs), cfg.batch_size)):
         path = partial / f"batch_{b:06d}.json"
@@ -80,18 +107,16 @@ def play(
             records += saved["episodes"]
             continue
         batch = jobs[start : start + cfg.batch_size]
-        out = run_episodes(engine, observations, batch, env, params, budget, seed, policy_version=0, verifier=verifier)
+        out, handed = play_batch(engine, observations, batch, env, params, budget, seed, verifier, relay)
         for _ in range(cfg.infra_retries):  # the same seeds: a retry samples what the first try would have
             failed = [i for i, tr in enumerate(out) if tr.status == "infra_error"]
             if not failed:
                 break
-            again = run_episodes(
-                engine, observations, [batch[i] for i in failed], env, params, budget, seed, 0, verifier=verifier
-            )
-            for i, tr in zip(failed, again):
-                out[i] = tr
+            again = play_batch(engine, observations, [batch[i] for i in failed], env, params, budget, seed, verifier, relay)
+            for i, tr, h in zip(failed, *again):
+                out[i], handed[i] = tr, h
         episodes = []
-        for job, t in zip(batch, out):
+        for job, t, h in zip(batch, out, handed):
             rec = {
                 "task_id": t.task_id,
                 "domain": t.domain,
@@ -103,8 +128,12 @@ def play(
                 "detail": t.detail,
                 "turns": len(t.turn_boundaries),
             }
+            if relay is not None:
+                rec["takeover"] = dataclasses.asdict(h) if h is not None else None
             if rec["passed"]:
                 rec["messages"] = demo_messages(t, job.task, env, tok, observations)
+                if h is not None and rec["messages"] is not None:
+                    rec["messages"] = relay_messages(rec["messages"], h.turn)
             episodes.append(rec)
         atomic_write_text(path, json.dumps({"key": key, "episodes": episodes}, ensure_ascii=False))
         records += episodes
@@ -118,14 +147,22 @@ def demonstrations(records: list[dict], keep: str, provenance: dict) -> tuple[li
     """The demonstrations of the verified successes (`keep`: all distinct ones, or the first per task),
     deduplicated by content, and the counts behind them."""
     counts = {"episodes": len(records), "verified": 0, "kept": 0, "duplicates": 0, "cut_turns": 0, "infra_failures": 0}
+    relay = "relay" in provenance
+    if relay:  # Relay: the take-overs per point, and the verified episodes the student played alone
+        counts |= {"takeovers": dict.fromkeys(TAKEOVER_POINTS, 0), "student_alone": 0}
     seen: set[str] = set()
     taken: set[str] = set()
     demos = []
     for r in records:
         counts["infra_failures"] += r["status"] == "infra_error"
+        if relay and r["takeover"] is not None:
+            counts["takeovers"][r["takeover"]["point"]] += 1
         if not r["passed"]:
             continue
         counts["verified"] += 1
+        if relay and r["takeover"] is None:  # no teacher turn: nothing to train on
+            counts["student_alone"] += 1
+            continue
         if r["messages"] is None:
             counts["cut_turns"] += 1
             continue
@@ -138,26 +175,33 @@ def demonstrations(records: list[dict], keep: str, provenance: dict) -> tuple[li
         seen.add(ident)
         taken.add(r["task_id"])
         verdict = {k: r[k] for k in ("status", "reward", "passed", "detail")}
+        episode = {"group_id": r["group_id"], "attempt": r["attempt"], "verdict": verdict}
+        if relay:
+            episode["takeover"] = r["takeover"]
         demos.append(
             {
                 "id": ident,
                 "task_id": r["task_id"],
                 "domain": r["domain"],
                 "messages": r["messages"],
-                "provenance": {**provenance, "group_id": r["group_id"], "attempt": r["attempt"], "verdict": verdict},
+                "provenance": {**provenance, **episode},
             }
         )
     counts["kept"] = len(demos)
     return demos, counts
 
 
+def _digest(path: Path) -> str:
+    """The sha256 of a checkpoint's files' manifest."""
+    return hashlib.sha256(json.dumps(build_manifest(path), sort_keys=True).encode()).hexdigest()
+
+
 def teacher_provenance(ctx, cfg: Config, path: Path, tok) -> dict:
     """Who made a demonstration and how: the teacher (reference, digest of its files' manifest,
     tokenizer), the sampling parameters, budget, environment, verifier and seed."""
-    manifest = json.dumps(build_manifest(path), sort_keys=True)
     return {
         "teacher": cfg.teacher,
-        "teacher_sha256": hashlib.sha256(manifest.encode()).hexdigest(),
+        "teacher_sha256": _digest(path),
         "tokenizer": tok.fingerprint() if hasattr(tok, "fingerprint") else None,
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "engine": cfg.engine},
         "budget": {"max_context": cfg.max_context, "max_turn_tokens": cfg.max_turn_tokens, "max_turns": cfg.max_turns},
@@ -176,6 +220,42 @@ def shard_tasks(tasks: list, cfg: Config) -> list[tuple[int, object]]:
     return list(enumerate(tasks))[lo:hi]
 
 
+def _fits(path: Path, cfg: Config, key: str, who: str) -> None:
+    limit = load_model_config(path).max_position_embeddings
+    if cfg.max_context + cfg.max_turn_tokens > limit:
+        raise UserError(
+            f"{key}.max_context: max_context + max_turn_tokens ({cfg.max_context + cfg.max_turn_tokens}) "
+            f"exceeds the {who}'s max_position_embeddings ({limit})"
+        )
+
+
+def relay_player(ctx, cfg: Config, teacher_engine, teacher_tok, provenance: dict):
+    """With a student: (its tokenizer, which the episodes are rendered in, and a function of the
+    loop's (observations, env) giving `play`'s relay), with the student's provenance added."""
+    path = ctx.checkpoint(cfg.student, "student")
+    _fits(path, cfg, f"stages.{ctx.name}", "student")
+    engine, tok, _ = serve_checkpoint(ctx, cfg.student, "student", cfg.batch_size)
+    same = tok.fingerprint() == teacher_tok.fingerprint()
+    provenance["relay"] = {
+        "student": cfg.student,
+        "student_sha256": _digest(path),
+        "student_tokenizer": tok.fingerprint(),
+        "takeover_points": list(cfg.takeover),
+        "context_margin_tokens": cfg.context_margin_tokens,
+        "teacher_reads": "ids" if same else "text",  # the teacher shares the student's tokenizer, or reads text
+    }
+
+    def relay(observations, env):
+        teacher = (
+            teacher_engine
+            if same
+            else TextTeacher(teacher_engine, teacher_tok, student_tok=tok, observations=observations, env=env)
+        )
+        return engine, teacher, tuple(cfg.takeover), cfg.context_margin_tokens
+
+    return tok, relay
+
+
 def run(ctx) -> dict:
     cfg: Config = ctx.config
     key = f"stages.{ctx.name}"
@@ -184,14 +264,12 @@ def run(ctx) -> dict:
     tasks = load_tasks(ctx.inputs[cfg.tasks], "train")  # never a held-out split
     tasks = domains_in_turn(tasks, cfg.limit) if cfg.limit > 0 else tasks
     path = ctx.checkpoint(cfg.teacher, "teacher")
-    limit = load_model_config(path).max_position_embeddings
-    if cfg.max_context + cfg.max_turn_tokens > limit:
-        raise UserError(
-            f"{key}.max_context: max_context + max_turn_tokens ({cfg.max_context + cfg.max_turn_tokens}) "
-            f"exceeds the teacher's max_position_embeddings ({limit})"
-        )
+    _fits(path, cfg, key, "teacher")
     engine, tok, _ = serve_checkpoint(ctx, cfg.teacher, "teacher", cfg.batch_size)
     provenance = teacher_provenance(ctx, cfg, path, tok)
+    relay = None
+    if cfg.student:  # the episodes are the student's: rendered in its tokenizer
+        tok, relay = relay_player(ctx, cfg, engine, tok, provenance)
     out = Path(ctx.out_dir)
     partial = out / "partial"
     partial.mkdir(exist_ok=True)
@@ -206,7 +284,9 @@ def run(ctx) -> dict:
 
     try:
         mine = shard_tasks(tasks, cfg)
-        records = play(engine, tok, mine, cfg, ctx.seed, passed_only, provenance, partial, ctx.checkpoint_due, ctx.progress)
+        records = play(
+            engine, tok, mine, cfg, ctx.seed, passed_only, provenance, partial, ctx.checkpoint_due, ctx.progress, relay
+        )
     finally:
         getattr(verifier, "close", lambda: None)()
     demos, counts = demonstrations(records, cfg.keep, provenance)
@@ -221,10 +301,14 @@ def run(ctx) -> dict:
         for d in domains
     }
     summary = {"teacher": cfg.teacher, "shard": cfg.shard, "keep": cfg.keep, **counts, "domains": per_domain}
+    if cfg.student:
+        summary["student"] = cfg.student
     atomic_write_json(out / "teacher.json", summary)
     shutil.rmtree(partial)  # everything it held is in demos.jsonl and teacher.json
+    takeovers = counts.pop("takeovers", {})
     return {
         **counts,
         "pass_rate": counts["verified"] / max(1, counts["episodes"] - counts["infra_failures"]),
         **{f"{d}/kept": v["kept"] for d, v in per_domain.items()},
+        **{f"takeover/{p}": n for p, n in takeovers.items()},
     }

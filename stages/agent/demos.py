@@ -57,6 +57,24 @@ def demo_messages(t, task, env, tok, observations: ObservationLog) -> list[dict]
     return messages
 
 
+def transcript_messages(task, ids: list[int], turns: list[tuple[int, int]], env, tok, observations: ObservationLog) -> list[dict]:
+    """An episode in progress as chat messages: the opening, each turn's text and what followed it
+    (an observation the environment rendered; after a turn cut by the budget, the note that
+    follows the end-of-turn the loop closed it with). A stretch that is neither is a bug: raised."""
+    messages = list(opening_messages(env, task))
+    ids = list(ids)
+    for k, (s, e) in enumerate(turns):
+        messages.append({"role": "assistant", "content": tok.decode(_strip_stop(tok, ids[s:e]))})
+        after = ids[e : turns[k + 1][0] if k + 1 < len(turns) else len(ids)]
+        if after[:1] == [tok.end_of_turn_id]:  # the loop closed a cut turn
+            after = after[1:]
+        seen = observations.seen.get(tuple(after))
+        if seen is None:
+            raise ValueError(f"task {task.task_id}: the ids after turn {k} are not an observation the environment rendered")
+        messages.append(dict(seen))
+    return messages
+
+
 def demo_id(messages: list[dict]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# What a model turn is to its environment, read without acting on it (`turn_kind`; Relay's take-over
+# points, stages/agent/relay.py): a final answer or submission (the episode ends on it: a completion
+# claim), a tool call the environment would run, or a turn it cannot parse (an invalid action).
+ANSWER, ACTION, INVALID = "answer", "action", "invalid"
+
 
 @dataclass
 class Step:
@@ -31,6 +36,8 @@ class SingleTurnEnv:
 
     name = "single"
     parallel = False  # whether the loop may run step() of different episodes at once
+    # whether an invalid action gets an error observation and the episode goes on (else it ends the episode)
+    answers_invalid_actions = False
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -46,6 +53,11 @@ class SingleTurnEnv:
 
     def finish(self, state: dict) -> None:
         """Release what reset() acquired (the loop calls it once per episode, however it ended)."""
+
+    def turn_kind(self, task, turn_ids: list[int]) -> str:
+        """What step() would make of this turn (ANSWER, ACTION or INVALID), without doing it: every
+        turn is the answer here."""
+        return ANSWER
 
     def answer_text(self, turn_ids: list[int]) -> str:
         return self.tok.decode(_strip_stop(self.tok, turn_ids), skip_special_tokens=True)
@@ -77,20 +89,34 @@ class CalculatorEnv(SingleTurnEnv):
             if self.require_tool and task.domain in self.tool_domains and state["calls"] == 0:
                 return Step(done=True, answer=self.answer_text(turn_ids), reward=0.0)
             return Step(done=True, answer=self.answer_text(turn_ids))
+        value = self._call_value(body)
+        if value is None:
+            return Step(done=True, status="invalid_action")
+        state["calls"] += 1
+        return Step(done=False, observation=tool_message_ids(tok, str(value)))
+
+    def turn_kind(self, task, turn_ids: list[int]) -> str:
+        body = _strip_stop(self.tok, turn_ids)
+        if self.tok.tool_call_start_id not in body:
+            return ANSWER
+        return ACTION if self._call_value(body) is not None else INVALID
+
+    def _call_value(self, body: list[int]) -> int | None:
+        """The value of the turn's calculator call (`body` holds its start id); None when the call is
+        malformed: no end, special ids inside, or not an expression the calculator takes."""
+        tok = self.tok
         start = body.index(tok.tool_call_start_id) + 1
         try:
             end = body.index(tok.tool_call_end_id, start)
         except ValueError:
-            return Step(done=True, status="invalid_action")
+            return None
         expr_ids = body[start:end]
         if set(expr_ids) & set(tok.special_ids.values()):
-            return Step(done=True, status="invalid_action")
+            return None
         try:
-            value = calculate(tok.decode(expr_ids))
+            return calculate(tok.decode(expr_ids))
         except CalcError:
-            return Step(done=True, status="invalid_action")
-        state["calls"] += 1
-        return Step(done=False, observation=tool_message_ids(tok, str(value)))
+            return None
 
 
 def tool_message_ids(tok, text: str) -> list[int]:

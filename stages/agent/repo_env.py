@@ -42,7 +42,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from snowcat.stages.agent.envs import SingleTurnEnv, Step, _strip_stop
+from snowcat.stages.agent.envs import ACTION, ANSWER, INVALID, SingleTurnEnv, Step, _strip_stop
 from snowcat.stages.sandbox import WORKSPACE, Limits, open_sandbox, write_files
 from snowcat.stages.taskgen.repo import RepoSpec, make_patch, patched_paths, read_tree, snapshot_files, verify_patch
 from snowcat.stages.tokenizer import TEMPLATE_ROLE, render_tool_call
@@ -178,6 +178,7 @@ def clip(text: str, chars: int) -> str:
 
 class RepoEnv(SingleTurnEnv):
     name = "repo"
+    answers_invalid_actions = True  # an unparseable call gets an error message; the model may recover
 
     def __init__(
         self,
@@ -228,6 +229,13 @@ class RepoEnv(SingleTurnEnv):
         if name == "submit":
             return self.submit(task, state)
         return Step(done=False, observation=self.note(self.run_tool(state, name, args)))
+
+    def turn_kind(self, task, turn_ids: list[int]) -> str:
+        try:
+            name, _ = parse_tool_call(self.tok.decode(_strip_stop(self.tok, turn_ids)))
+        except ToolCallError:
+            return INVALID
+        return ANSWER if name == "submit" else ACTION
 
     def submit(self, task, state: dict) -> Step:
         patch = make_patch(state["base"], read_tree(state["sandbox"].workdir))
