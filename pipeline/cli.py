@@ -22,7 +22,7 @@ from snowcat.slurm import cluster
 from snowcat.slurm import site as site_mod
 from snowcat.stages.model import hf
 
-from . import audit, card, compare, doctor, lock, notify, offline, plot, reproduce, traces, tracking
+from . import audit, behaviour, card, compare, doctor, lock, notify, offline, plot, reproduce, scan_data, traces, tracking
 from . import config as config_mod
 from .dag import Dag, build
 from .errors import UserError
@@ -441,6 +441,16 @@ def parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("traces", help="what agents did: behaviour, reward-hack detectors with examples, weight drift")
     traces.add_traces_arguments(tr)
     tr.set_defaults(func=traces.cmd_traces)
+
+    bh = sub.add_parser(
+        "behaviour", help="two checkpoints compared by what their agents did (files, tests, claims, tokens; Markdown + plots)"
+    )
+    behaviour.add_behaviour_arguments(bh)
+    bh.set_defaults(func=behaviour.cmd_behaviour)
+
+    sd = sub.add_parser("scan-data", help="how many SFT demonstrations match a pattern, by source, with examples")
+    scan_data.add_scan_data_arguments(sd)
+    sd.set_defaults(func=scan_data.cmd_scan_data)
 
     ca = sub.add_parser("card", help="the provenance card (Markdown with model-card metadata) from recorded facts")
     card.add_card_arguments(ca)

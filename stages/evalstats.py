@@ -115,3 +115,40 @@ def gain_over_base(base: Sequence[float], others: np.ndarray) -> tuple[float, fl
     the variants' mean minus the base, then mean and SE over tasks (the tasks and the base are common
     to every variant, so their gains are not independent). `others` [tasks, variants]."""
     return mean_se(np.asarray(others, dtype=float).mean(axis=1) - np.asarray(base, dtype=float))
+
+
+def bootstrap_ci(task_values: Sequence[float], *, seed: int, n_boot: int = 2000, confidence: float = 0.95) -> tuple[float, float]:
+    """Percentile interval for the mean of per-task values, resampling tasks with replacement (the
+    attempts of a task stay together in its value). NaN below 2 tasks, as the standard error is."""
+    x = np.asarray(task_values, dtype=float)
+    if x.size < 2:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
+    tail = (1.0 - confidence) / 2
+    lo, hi = np.quantile(means, [tail, 1.0 - tail])
+    return float(lo), float(hi)
+
+
+EXACT_SIGN_FLIPS = 16  # tasks that differ, up to which every sign assignment is enumerated (2^16)
+
+
+def paired_permutation_p(a: Sequence[float], b: Sequence[float], *, seed: int, n_perm: int = 10000) -> float:
+    """Two-sided p of "b and a are exchangeable within each task": the sign of each task's difference
+    b - a is flipped at random, and p is the share of flips whose |sum| reaches the observed one.
+    Exact (every assignment) when at most `EXACT_SIGN_FLIPS` tasks differ, else `n_perm` seeded draws,
+    p = (1 + #{null >= observed}) / (1 + n_perm). With one 0/1 outcome per task this is McNemar's
+    exact test on the discordant tasks. 1.0 when no task differs; NaN without tasks."""
+    d = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
+    if d.size == 0:
+        return float("nan")
+    d = d[np.abs(d) > 1e-12]
+    if d.size == 0:
+        return 1.0
+    observed = abs(d.sum()) - 1e-9  # sums that tie with the observed one count as reaching it
+    if d.size <= EXACT_SIGN_FLIPS:
+        signs = 1 - 2 * ((np.arange(2**d.size)[:, None] >> np.arange(d.size)) & 1)
+        return float(np.mean(np.abs(signs @ d) >= observed))
+    rng = np.random.default_rng(seed)
+    null = np.abs(rng.choice([-1.0, 1.0], size=(n_perm, d.size)) @ d)
+    return float((1 + np.sum(null >= observed)) / (1 + n_perm))

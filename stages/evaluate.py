@@ -10,7 +10,9 @@ excluded from every denominator: never counted as model failures. See docs/evalu
 
 Outputs in the stage dir: `traces.h5` (one row per attempt), `results.json`, `pass_at_k.png`, and
 the episodes kept as a dataset in `trajectories/`, a shard per checkpoint (`keep_trajectories`;
-stages/agent/dataset.py).
+stages/agent/dataset.py), with each kept episode's behaviour record in `behaviour/` (files opened and
+edited against the gold patch's, test runs before the completion claim, tokens by kind, the
+configured `procedure`: stages/agent/behaviour_records.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json, nan_to_null
 from snowcat.stages import evalstats
 from snowcat.stages.agent import Budget, Trajectory, behaviour, make_env
+from snowcat.stages.agent.behaviour_records import write_records
 from snowcat.stages.agent.context import context_behaviour, is_failure, with_context
 from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
 from snowcat.stages.agent.summariser import context_policy
@@ -97,7 +100,14 @@ def sample_and_verify(
 
     engine, tok, _ = serve_checkpoint(ctx, ref, "checkpoints", cfg.batch_size)
     t0 = time.perf_counter()
-    keep = functools.partial(writer.write, ref, checkpoint=ref, tasks={t.task_id: t for t in tasks})
+
+    def keep(trajectories: list[Trajectory], tokenizer, passed: list[int] | None = None) -> None:
+        """The shard, then the behaviour records read from it (none when nothing is kept)."""
+        by_id = {t.task_id: t for t in tasks}
+        shard = writer.write(ref, trajectories, tokenizer, checkpoint=ref, tasks=by_id, passed=passed)
+        if shard is not None:
+            write_records(shard, cfg.procedure)
+
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (tok.end_of_turn_id,))
     common = dict(
         attempts=cfg.attempts,

@@ -1,5 +1,6 @@
 """Records stay reproducible: a small run that keeps trajectories (evaluate, single-turn and through the
-agent loop), run twice from the same config, gives byte-identical hashed outputs; its timings are
+agent loop), run twice from the same config, gives byte-identical hashed outputs (the shards, their
+card and the behaviour records beside them); its timings are
 metrics named with a time unit, the only fields `snowcat reproduce` leaves out.
 
 The run is made in this process through the real stage runner (seconds, not the minutes of the
@@ -18,6 +19,7 @@ from snowcat.pipeline.reproduce import compare_runs
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.runner import run_unit
 from snowcat.pipeline.volatile import strip_volatile
+from snowcat.stages.agent import behaviour_records
 from snowcat.stages.agent.dataset import CARD, DIRNAME, read_manifest
 
 CONFIG = """\
@@ -102,6 +104,8 @@ def test_the_card_holds_nothing_volatile_and_the_timings_are_metrics(report):
         assert manifest["shards"] and strip_volatile(manifest)[1] == {}
         hashed = read_json(original.unit_dir(Unit(stage)) / "manifest.json")["files"]
         assert f"{DIRNAME}/{CARD}" in hashed and f"{DIRNAME}/sft_final.parquet" in hashed
+        # the behaviour records beside the shards are hashed too (and equal in the reproduction above)
+        assert f"{behaviour_records.DIRNAME}/sft_final.parquet" in hashed
         metrics = original.metrics(Unit(stage))
         refs = original.config().stages[stage].checkpoints
         assert {f"{ref}/sample_s" for ref in refs} <= set(metrics)

@@ -130,7 +130,8 @@ def _words(command: str) -> list[str]:
 def written_paths(command: str) -> list[str]:
     """The files a bash command writes, as far as its words say: redirection targets (`>`, `>>`),
     every file argument of rm, mv, tee, truncate, patch, `sed -i` and git checkout/restore, cp's
-    destination, and a path opened for writing in inline Python (`open('p', 'w')`)."""
+    destination, and a path opened for writing in inline Python (`open('p', 'w')`). sed's script is
+    not a path (its first word, unless -e or -f names the script)."""
     out = re.findall(r">>?\s*([^\s;&|]+)", command)
     out += re.findall(r"open\(\s*['\"]([^'\"]+)['\"]\s*,\s*['\"][wax]", command)
     for segment in re.split(r"&&|\|\||[;|\n]", command):
@@ -138,8 +139,10 @@ def written_paths(command: str) -> list[str]:
         if not words:
             continue
         tool, args = words[0], words[1:]
-        if tool in ("rm", "mv", "tee", "truncate", "patch") or (tool == "sed" and "-i" in segment):
+        if tool in ("rm", "mv", "tee", "truncate", "patch"):
             out += args
+        elif tool == "sed" and "-i" in segment:  # its first word is the script, unless -e or -f gave it
+            out += args if re.search(r"(^|\s)-[ef]\b", segment) else args[1:]
         elif tool == "cp" and args:
             out.append(args[-1])
         elif tool == "git" and args[:1] in (["checkout"], ["restore"]):
