@@ -2,13 +2,15 @@
 
     snowcat bench trainer-memory [--hidden 384 --layers 6 --experts 16 --vocab 16384]
                                  [--modes ddp,zero2,zero3,ddp+ep2,fsdp,fsdp+ep2,megatron,megatron+ep2,megatron+tp2,megatron+pp2]
-                                 [--rows 2 --seq 256] [--shard-mib 16] [--json FILE]
+                                 [--rows 2 --seq 256] [--steps 1] [--allocator both|default|fixed]
+                                 [--shard-mib 16] [--json FILE]
 
 The model (seed 0) is written once as a model directory. Every mode runs as 2 gloo ranks on the
 CPU, each rank a fresh process (so no two measurements share a high-water mark), one mode after
 the other. A rank loads the directory into the mode's train-step backend
-(`stages.train.load_for_training`), takes one optimizer step (AdamW) of `--rows` x `--seq` random
-tokens through the SFT loss, and writes a resumable checkpoint (`stages.train.save_checkpoint`:
+(`stages.train.load_for_training`), takes `--steps` optimizer steps (AdamW) of `--rows` x `--seq`
+random tokens through the SFT loss (the last one is measured: from the second on, AdamW's moments
+are held through forward and backward, as in every step of a run), and writes a resumable checkpoint (`stages.train.save_checkpoint`:
 the weights whole, as `final/` and a weight version have them too, and the trainer state; rank 0
 writes the weights in shards of `--shard-mib`, so that this model spans several shards as a large
 one spans its 256 MiB shards). Memory is the resident high-water mark (VmHWM) above `start` (torch,
@@ -21,7 +23,7 @@ pages of the memory-mapped files a rank read (page cache, reclaimable) beside wh
 The ratios compare each mode's largest rank with DDP's (< 1: less memory), for setup, step, save
 and the whole run (`peak`, the largest of the three). Every mode is measured twice: with glibc's
 allocator as a run has it, and with its mmap threshold fixed, so that RSS follows the live tensors
-rather than what the allocator kept of freed ones (see ALLOCATORS).
+rather than what the allocator kept of freed ones (see ALLOCATORS; `--allocator` picks one).
 
 Modes: `ddp` (torch backend: DistributedDataParallel), `zero2` (DeepSpeed ZeRO-2: optimizer state
 and gradients partitioned), `zero3` (ZeRO-3: the parameters too; the backend's DeepSpeed
@@ -146,19 +148,22 @@ batch = {
     "segment_ids": torch.zeros(rows, seq, dtype=torch.long),
     "position_ids": torch.arange(seq).expand(rows, seq).contiguous(),
 }
-reset_hwm()
-held = status_kib("VmRSS")
-t0 = time.perf_counter()
-stats = backend.train_step([batch], sft_loss)
-step_s = time.perf_counter() - t0
-step = hwm_kib()
+steps_kib = []
+for _ in range(spec["steps"]):  # the mark restarts before each step: the last one is measured
+    reset_hwm()
+    held = status_kib("VmRSS")
+    t0 = time.perf_counter()
+    stats = backend.train_step([batch], sft_loss)
+    step_s = time.perf_counter() - t0
+    steps_kib.append(hwm_kib())
+step = steps_kib[-1]
 reset_hwm()
 trained = status_kib("VmRSS")
 save_checkpoint(spec["save_to"], backend, max_shard_bytes=spec["shard_bytes"])
 saved = hwm_kib()
 loss = float(stats.sums["nll_sum"]) / stats.tokens
 masters, moments = state_bytes(backend)
-report = {"step_s": step_s, "start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "trained_kib": trained, "save_kib": saved,
+report = {"step_s": step_s, "start_kib": start, "setup_kib": setup, "held_kib": held, "step_kib": step, "steps_kib": steps_kib, "trained_kib": trained, "save_kib": saved,
           "master_bytes": masters, "optimizer_bytes": moments, "master_dtype": str(next(backend.model.parameters()).dtype)}
 print(json.dumps({"rank": rank, **report, "local_nll": loss}), flush=True)
 leave_distributed(together=True)
@@ -214,12 +219,14 @@ def run_mode(spec: dict, allocator_env: dict) -> list[dict]:
 PHASES = ("setup", "step", "save")
 
 
-def measure(modes: list[str], allocator_env: dict, model_dir: Path, params: int, rows: int, seq: int, shard_bytes: int) -> dict:
+def measure(
+    modes: list[str], allocator_env: dict, model_dir: Path, params: int, rows: int, seq: int, shard_bytes: int, steps: int = 1
+) -> dict:
     results = {}
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix="snowcat-bench-save-") as tmp:
             spec = {"mode": mode, **MODES[mode], "model_dir": str(model_dir), "save_to": f"{tmp}/step_000001"}
-            ranks = run_mode(spec | {"rows": rows, "seq": seq, "shard_bytes": shard_bytes}, allocator_env)
+            ranks = run_mode(spec | {"rows": rows, "seq": seq, "steps": steps, "shard_bytes": shard_bytes}, allocator_env)
         for r in ranks:
             for phase in ("held", *PHASES):
                 r[f"{phase}_mib"] = round((r[f"{phase}_kib"] - r["start_kib"]) / 1024, 1)
@@ -241,6 +248,22 @@ def measure(modes: list[str], allocator_env: dict, model_dir: Path, params: int,
     return results
 
 
+def bench_model(hidden: int, layers: int, experts: int, vocab: int, seq: int) -> ModelConfig:
+    """The benchmark's MoE: 8 heads (2 KV), top-2 routing, experts as wide as the hidden size."""
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=hidden // 8,
+        num_experts=experts,
+        experts_per_token=2,
+        moe_intermediate_size=hidden,
+        max_position_embeddings=max(1024, seq),
+    )
+
+
 def write_model(cfg: ModelConfig, path: Path, dtype: str = "float32") -> None:
     """The benchmark's model (seed 0) as a model directory, its weights stored in `dtype`: what every mode loads."""
     import torch  # noqa: PLC0415 (the parent needs torch only here)
@@ -259,40 +282,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=16384)
     ap.add_argument("--rows", type=int, default=2, help="sequences per rank in the step")
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help="optimizer steps; the last is measured (2: a step with AdamW's moments held throughout, as every later one)",
+    )
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, from {', '.join(MODES)}; ddp first")
     ap.add_argument("--shard-mib", type=float, default=16, help="safetensors shard size of the saved weights")
     ap.add_argument("--stored-dtype", choices=("float32", "bfloat16"), default="float32", help="what the model directory stores")
+    ap.add_argument(
+        "--allocator",
+        choices=("both", "default", "fixed"),
+        default="both",
+        help="measure with glibc's default allocator, with the fixed mmap threshold (what plan-validation reads), or both",
+    )
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
+    allocators = {
+        name: env
+        for i, (name, env) in enumerate(ALLOCATORS.items())
+        if args.allocator == "both" or (args.allocator == "default") == (i == 0)
+    }
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = [m for m in modes if m not in MODES]
     if unknown or modes[0] != "ddp":
         raise UserError(f"--modes: {', '.join(unknown) or modes[0]} (choose from {', '.join(MODES)}; ddp first, the reference)")
-    model = ModelConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=args.hidden // 8,
-        num_experts=args.experts,
-        experts_per_token=2,
-        moe_intermediate_size=args.hidden,
-        max_position_embeddings=max(1024, args.seq),
-    )
+    model = bench_model(args.hidden, args.layers, args.experts, args.vocab, args.seq)
     params = count_params(model)[0]
     shard_bytes = int(args.shard_mib * 2**20)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="snowcat-bench-model-") as tmp:
         write_model(model, Path(tmp) / "model", args.stored_dtype)
         results = {
-            name: measure(modes, env, Path(tmp) / "model", params, args.rows, args.seq, shard_bytes)
-            for name, env in ALLOCATORS.items()
+            name: measure(modes, env, Path(tmp) / "model", params, args.rows, args.seq, shard_bytes, args.steps)
+            for name, env in allocators.items()
         }
     load_after = os.getloadavg()
     print(
         f"model: {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB fp32), {WORLD} gloo ranks,"
-        f" one step of {args.rows}x{args.seq} tokens per rank, saved in {args.shard_mib:g} MiB shards"
+        f" {args.steps} step(s) of {args.rows}x{args.seq} tokens per rank (the last measured), saved in {args.shard_mib:g} MiB shards"
     )
     for allocator, by_mode in results.items():
         print(f"\n{allocator}")
@@ -321,11 +350,19 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
                 "load_average_1min": {"before": load_before[0], "after": load_after[0]},
                 "model": model.to_dict() | {"params": params},
-                "step": {"ranks": WORLD, "rows_per_rank": args.rows, "seq": args.seq, "optimizer": "AdamW", "dtype": "fp32"},
+                "step": {
+                    "ranks": WORLD,
+                    "rows_per_rank": args.rows,
+                    "seq": args.seq,
+                    "optimizer": "AdamW",
+                    "dtype": "fp32",
+                    "steps": args.steps,
+                    "measured_step": args.steps,
+                },
                 "stored_dtype": args.stored_dtype,
                 "save": {"shard_bytes": shard_bytes},
                 "peak_unit": "MiB of VmHWM above the rank's start (after imports and joining the process group)",
-                "allocators": {name: env or "glibc's defaults" for name, env in ALLOCATORS.items()},
+                "allocators": {name: env or "glibc's defaults" for name, env in allocators.items()},
                 "results": results,
                 "command": " ".join(["snowcat", "bench", "trainer-memory", *(argv if argv is not None else sys.argv[1:])]),
             },

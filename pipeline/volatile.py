@@ -6,10 +6,12 @@ time or speed, or lies in a timing namespace.
     unit      the last word of the name (after the last "/", words split at "_"):
               `s`, `seconds`   a duration (`duration_s`, `wait_seconds`); `per_s` a rate (`tokens_per_s`)
               `at`, `time`     a wall-clock stamp (`registered_at`, `time`)
-    namespace the first component of a path-like name: `time/…`, `throughput/…`, and `engine/…`
+    namespace the first component of a path-like name: `time/…`, `throughput/…`, `engine/…`
               (the rollout engines' load and rebuild counts: a process history, as a duration
               is: a rank restarted after a preemption builds a fresh engine, so a resumed run
-              counts more of them than an uninterrupted one with the same results)
+              counts more of them than an uninterrupted one with the same results), and
+              `memory/…` (a process's peak memory: it depends on the allocator and what else the
+              process did, e.g. a resumed one loaded a checkpoint)
 
 Stages name what they measure accordingly; everything else a run records must repeat exactly.
 """
@@ -24,10 +26,15 @@ UNITS = {
     "at": "a wall-clock stamp",
     "time": "a wall-clock stamp",
 }
-NAMESPACES = {"time": "a timing", "throughput": "a speed", "engine": "the rollout engines' process history"}
+NAMESPACES = {
+    "time": "a timing",
+    "throughput": "a speed",
+    "engine": "the rollout engines' process history",
+    "memory": "a process's memory use",
+}
 RULE = (
     "fields whose last word (after '/', split at '_') is a unit of time: s, seconds (durations), "
-    "per_s (rates), at, time (wall-clock stamps); and fields under time/, throughput/ or engine/"
+    "per_s (rates), at, time (wall-clock stamps); and fields under time/, throughput/, engine/ or memory/"
 )
 
 

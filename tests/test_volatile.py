@@ -17,6 +17,7 @@ def test_timings_speeds_and_stamps_are_volatile_by_their_unit():
         "seconds",
         "engine/reload_s",
         "engine/rebuilds",  # a requeued rollout rank builds a fresh engine: more rebuilds, same results
+        "memory/peak_rss_gib",  # the training loop's peak memory: the allocator's and the process's history
         "registered_at",
         "time",
     ):

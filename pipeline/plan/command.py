@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import sys
 
+from omegaconf import OmegaConf
+
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import read_json
 from snowcat.slurm import site as site_mod
 
 from . import compare, proposal, report, search
@@ -15,7 +18,9 @@ from .core import make_plan
 def add_arguments(p) -> None:
     p.add_argument("config", nargs="?", help="run config (not with --compare)")
     p.add_argument("overrides", nargs="*", help="key=value overrides (dot paths)")
-    p.add_argument("--site", help="site profile: NAME or a YAML file (default: $SNOWCAT_SITE)")
+    p.add_argument(
+        "--site", help="site profile: NAME or a YAML file (default: $SNOWCAT_SITE); --compare: for a run that has none"
+    )
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     p.add_argument(
         "--model-config",
@@ -57,8 +62,14 @@ def cmd_plan(args) -> int:
 
         run = RunDir.open(args.compare)
         frozen = run.config()
+        site = site_mod.default_site(args.site)
+        if frozen.get("site") is None and site:  # a run without a site (executor local): plan it on the one named
+            _, profile = site_mod.site_config(site)
+            frozen.site = OmegaConf.merge(OmegaConf.structured(site_mod.SiteProfile), profile)
         plan = make_plan(config_mod.typed(frozen), configs)
         result = compare.compare(run, build(frozen), plan)
+        result["command"] = " ".join(["snowcat", "plan", "--compare", str(run.path), *(["--site", site] if site else [])])
+        result["run_origin"] = (read_json(run.path / "run.json") or {}).get("origin")  # the config and overrides it ran
         path = compare.write(run, result)
         print(
             report.to_json(result) if args.json else compare.text(result) + f"\n(recorded in {path}; `snowcat card` includes it)"

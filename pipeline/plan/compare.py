@@ -1,8 +1,9 @@
 """Plan against measurement, after a run: the plan computed from the run's frozen config (and the
 site profile frozen in it) beside what the run recorded — step time (SFT: train_seconds / steps;
-RL: the mean of `time/step_s`), peak memory where a stage recorded one, and node-hours (each
-unit's wall-clock from its provenance x the stage's nodes). Written to `<run>/plan/compare.json`,
-which `snowcat card` includes."""
+RL: the mean of `time/step_s`), peak memory (the largest of the training loop's per-step
+`memory/peak_*_gib`: GPU memory allocated, or on the CPU the process's peak resident set), and
+node-hours (each unit's wall-clock from its provenance x the stage's nodes). Written to
+`<run>/plan/compare.json`, which `snowcat card` includes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.pipeline.provenance import record_path
 
 COMPARE = Path("plan") / "compare.json"
-MEMORY_KEYS = ("memory/peak_gib", "peak_memory_gib", "gpu/peak_gib")  # what a stage may record (none does yet)
+# what the training loop records per step (stages/train/loop.py `peak_memory`), by what it counts
+MEMORY_KEYS = {
+    "memory/peak_gpu_allocated_gib": "GPU memory torch allocated at most (the largest rank)",
+    "memory/peak_rss_gib": "peak resident set of the process, interpreter and libraries included (the largest rank)",
+}
 
 
 def _seconds(times: dict) -> float | None:
@@ -24,9 +29,9 @@ def _seconds(times: dict) -> float | None:
         return None
 
 
-def _history_mean(path: Path, key: str) -> float | None:
+def _history(path: Path, key: str) -> list[float]:
     if not path.is_file():
-        return None
+        return []
     values = []
     for line in path.read_text().splitlines():
         try:
@@ -35,13 +40,25 @@ def _history_mean(path: Path, key: str) -> float | None:
             continue
         if isinstance(row.get(key), (int, float)):
             values.append(float(row[key]))
+    return values
+
+
+def _history_mean(path: Path, key: str) -> float | None:
+    values = _history(path, key)
     return sum(values) / len(values) if values else None
 
 
 def measured(run, dag, name: str) -> dict:
     """What the run recorded of stage `name` (None where it recorded nothing)."""
     node = dag[name]
-    out: dict = {"step_s": None, "peak_memory_gib": None, "hours": None, "node_hours": None, "done": False}
+    out: dict = {
+        "step_s": None,
+        "peak_memory_gib": None,
+        "memory_measure": None,
+        "hours": None,
+        "node_hours": None,
+        "done": False,
+    }
     units = node.units
     out["done"] = all(run.is_done(u) for u in units)
     secs = [
@@ -59,10 +76,11 @@ def measured(run, dag, name: str) -> dict:
         out["step_s"] = metrics["train_seconds"] / max(1, node.config.steps)
     elif node.kind == "rl":
         out["step_s"] = _history_mean(run.unit_dir(units[0]) / "metrics_history.jsonl", "time/step_s")
-    for key in MEMORY_KEYS:
-        if isinstance(metrics.get(key), (int, float)):
-            out["peak_memory_gib"] = float(metrics[key])
-            break
+    if node.kind in ("sft", "rl"):  # the largest of the per-step peaks the training loop logged
+        for key, what in MEMORY_KEYS.items():
+            if values := _history(run.unit_dir(units[0]) / "metrics_history.jsonl", key):
+                out["peak_memory_gib"], out["memory_measure"] = max(values), f"{key}: {what}"
+                break
     return out
 
 
@@ -81,7 +99,12 @@ def compare(run, dag, plan: dict) -> dict:
                 "kind": rec["kind"],
                 "done": m["done"],
                 "step_s": {"plan": rec.get("step_s"), "measured": m["step_s"], "ratio": _ratio(rec.get("step_s"), m["step_s"])},
-                "peak_memory_gib": {"plan": peak, "measured": m["peak_memory_gib"], "ratio": _ratio(peak, m["peak_memory_gib"])},
+                "peak_memory_gib": {
+                    "plan": peak,
+                    "measured": m["peak_memory_gib"],
+                    "ratio": _ratio(peak, m["peak_memory_gib"]),
+                    "measure": m["memory_measure"],
+                },
                 "node_hours": {
                     "plan": rec["node_hours"],
                     "measured": m["node_hours"],
@@ -123,6 +146,8 @@ def text(result: dict) -> str:
             f"{_v(r['peak_memory_gib']['plan'], '{:.2f}'):>9} {_v(r['peak_memory_gib']['measured'], '{:.2f}'):>12} "
             f"{_v(r['node_hours']['plan'], '{:.3f}'):>12} {_v(r['node_hours']['measured'], '{:.3f}'):>12}"
         )
+    measures = sorted({m for r in result["stages"] if (m := r["peak_memory_gib"].get("measure"))})
+    lines += [f"memory measured: {m}" for m in measures]
     return "\n".join(lines)
 
 
@@ -145,4 +170,5 @@ def card_lines(run_path: Path) -> list[str]:
             f"{_v(r['peak_memory_gib']['plan'], '{:.2f}')} / {_v(r['peak_memory_gib']['measured'], '{:.2f}')} | "
             f"{_v(r['node_hours']['plan'], '{:.3f}')} / {_v(r['node_hours']['measured'], '{:.3f}')} |"
         )
-    return lines
+    measures = sorted({m for r in result.get("stages", []) if (m := r["peak_memory_gib"].get("measure"))})
+    return lines + ([""] + [f"Memory measured as {m}." for m in measures] if measures else [])

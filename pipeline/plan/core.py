@@ -86,16 +86,21 @@ def _task_count(run, tasks_stage: str, split: str) -> int | None:
     return sum(d.count - d.val_count - d.dev_count for d in domains.values())
 
 
+def _extra_forwards(stage) -> int:
+    """Forwards an RL update runs beside its step: the behaviour policy's logprobs under the
+    weights that sampled the batch when they lag the trained ones (stages/rlcore/loop.py
+    `_add_behaviour_logprobs`), and a reference model's for a KL penalty."""
+    return int(getattr(stage, "lag", 0) >= 1) + int(getattr(stage, "kl_coef", 0) > 0)
+
+
 def _trainer(
     run, name: str, stage, arch: Arch, hw: Hardware, ranks: int, *, tokens: int, seq_len: int, micro: int, rows: int
 ) -> dict:
     where = f"stages.{name}"
     lay = make_layout(stage, ranks, where, arch, hw.on_gpu)
     rows_rank = math.ceil(rows / lay.dp / micro)
-    mem = trainer_memory(arch, lay, rows_rank * seq_len, micro, hw.on_gpu)
-    step = train_step(
-        arch, lay, hw, tokens=tokens, seq_len=seq_len, micro_batches=micro, extra_forward=getattr(stage, "kl_coef", 0) > 0
-    )
+    mem = trainer_memory(arch, lay, rows_rank * seq_len, micro, hw.on_gpu, frozen_copies=_extra_forwards(stage), seq_len=seq_len)
+    step = train_step(arch, lay, hw, tokens=tokens, seq_len=seq_len, micro_batches=micro, extra_forwards=_extra_forwards(stage))
     return {
         "role": "trainer",
         "ranks": ranks,

@@ -4,24 +4,37 @@ backend adds) and a rollout engine (weights, KV cache, CUDA graphs).
 The formulas, in bytes (P = parameters a rank holds, before sharding):
 
 - weights P·m, gradients P·m, AdamW moments 2·P·m, with m the master dtype's bytes (4 for
-  float32, 2 for bfloat16), divided by the data-parallel degree as ZeRO shards them (stage 1:
-  moments, 2: and gradients, 3 / FSDP: and weights);
+  float32, 2 for bfloat16; DeepSpeed's module holds weights and gradients in the compute dtype),
+  divided by the data-parallel degree as ZeRO shards them (stage 1: moments, 2: and gradients,
+  3 / FSDP: and weights);
 - P itself: the dense part (attention, norms, routers, embeddings) over tensor parallelism, the
   routed experts over expert parallelism, both over pipeline stages (the first/last stage holds the
   embedding/head);
-- activations kept for backward: per token and layer, the norms' inputs, normalised values and
-  outputs (6H), q/k/v and their normed and rotated copies, the attention output (on the CPU's
-  packed path q/k/v/output once more, padded), and per routed copy the expert's input,
-  gate/up/activation/product and output (2H + 4I) — all in the compute dtype, split by TP where the
-  matrices are; with activation checkpointing only each layer's input (H) plus one layer's full set;
-  with pipeline parallelism the first stage holds min(PP, micro-batches) micro-batches in flight;
-- the LM head's logits chunk (kernels/reference.py: 64 Mi float32 logits at most, three live copies);
-- transients: DDP's gradient buckets (torch backend, DP > 1: one more copy of the dense gradients),
-  FSDP/ZeRO-3's gathered layer (weights and gradients of two layers, prefetch), autocast's bf16
-  copies of float32 weights on GPUs, and AdamW's foreach temporary (one moment's size) in the
-  optimizer step. Peak = the state + the larger of the forward/backward transients and the
-  optimizer's.
-"""
+- activations kept for backward, per token and layer, as autograd saves them in
+  stages/model/modeling.py (counted tensor by tensor with `snowcat bench activation-count`): the
+  norms' inputs, normalised values and outputs (6H), the q/k norms' inputs and normalised values,
+  the attention's own copies (flash-attn: rotated q/k and v; the CPU's packed path: q/k/v gathered
+  per document, SDPA's output and index_copy's source) and its output, the router's logits and
+  probabilities, and per routed copy the expert's gathered input, gate/up, activation, product,
+  output and weighted output (3H + 4I: index_add_ keeps its source) — in the compute dtype, split
+  by TP where the matrices are; with activation checkpointing only each layer's input (H) plus one
+  layer's full set; with pipeline parallelism the first stage holds min(PP, micro-batches)
+  micro-batches in flight; plus the final norm's (3H);
+- the fused logprob kernel's buffers at the start of backward (kernels/): on the CPU five float32
+  [chunk, V] blocks and a boolean one per chunk of at most 64 Mi logits, on a GPU one [N, vocabulary
+  chunk] block of about 256 MiB; and its gradients dh [N, H] and dW [V, H];
+- what backends add: DDP's gradient buckets (torch backend, DP > 1: one more copy of the dense
+  gradients), FSDP's gathered layer (weights and gradients of two layers, prefetch), DeepSpeed's
+  float32 master partition, its gradient partition (kept between steps), its contiguous gradient
+  bucket (`reduce_bucket_size`, 5e8 elements: allocated whole on a GPU, on the CPU the pages
+  written) and, ZeRO-3, the parameters it keeps gathered within `stage3_max_reuse_distance` (1e9
+  elements: at the forward/backward turn the model's last 5e8 elements); autocast's bf16 copies of
+  float32 weights on GPUs; forward-only model copies (RL's behaviour policy and KL reference); and
+  AdamW's foreach temporary (one moment's size) in the optimizer step;
+- on the CPU the rank's process itself (`runtime`: the interpreter and libraries, measured).
+
+Peak = what is held + the larger of the forward/backward transients and the optimizer step's, in
+a step after the first (AdamW's moments exist)."""
 
 from __future__ import annotations
 
@@ -34,6 +47,16 @@ from .model import Arch
 
 GIB = 2**30
 LOGIT_CHUNK_ELEMS = 1 << 26  # kernels/reference.py: _DEFAULT_CHUNK_ELEMS
+TRITON_DZ_BYTES = 256 << 20  # kernels/triton_fused.py: default_vocab_chunk's buffer
+# A CPU rank's process beside its tensors (on a GPU this is host memory, not the device's), as
+# `snowcat bench trainer-memory` measures it on the CPU: the interpreter with torch, deepspeed and
+# snowcat imported (its `start`: 413-417 MiB; 582-590 MiB with megatron-core), and what the first
+# steps add beyond the tensors (code pages, thread stacks, the allocator: 80-135 MiB over the modes).
+CPU_IMPORTS_BYTES = {"megatron": 590 << 20, "default": 417 << 20}
+CPU_STEP_RUNTIME_BYTES = 110 << 20
+# DeepSpeed's defaults (deepspeed/runtime/zero/config.py, 0.19), which stages/train/backend.py keeps
+DS_REDUCE_BUCKET_ELEMS = 500_000_000  # reduce_bucket_size: the contiguous gradient bucket (ZeRO 1-3)
+DS_REUSE_DISTANCE_ELEMS = 1_000_000_000  # stage3_max_reuse_distance
 # vLLM: what a plan adds for CUDA graphs and the engine's workspace beyond weights and KV cache
 # (an assumption, not measured here: vLLM's CUDA graphs typically take one to a few GiB).
 VLLM_GRAPHS_GIB = 2.0
@@ -133,71 +156,162 @@ def rank_params(arch: Arch, lay: Layout) -> Params:
     return Params(dense=dense, experts=experts, largest_layer=max(layer, outer / lay.tp))
 
 
-def activation_bytes_per_token_layer(arch: Arch, lay: Layout, on_gpu: bool = True) -> float:
-    """Bytes one token keeps for backward in one decoder layer (no checkpointing)."""
+def activation_bytes_per_token_layer(arch: Arch, lay: Layout, on_gpu: bool = True, seq_len: int = 0) -> float:
+    """Bytes one token keeps for backward in one decoder layer (no checkpointing): what autograd
+    saves, counted tensor by tensor (`snowcat bench activation-count`; the validation record has
+    the CPU's count beside this one). snowcat's model (stages/model/modeling.py) for the torch,
+    fsdp and deepspeed backends; megatron-core's layers for the megatron backend."""
     c = arch.cfg
-    H, D, tp = c.hidden_size, c.head_dim, lay.tp
-    replicated = 6 * H  # the two RMSNorms: input, normalised (float32), output
-    qkv = (c.num_heads + 2 * c.num_kv_heads) * D  # projections
-    normed_rotated = 2 * (c.num_heads + c.num_kv_heads) * D  # q/k after norm and after rope
-    attn = c.num_heads * D  # attention output (flash/SDPA: no score matrix kept)
-    if not on_gpu:  # the CPU's packed path pads documents into batches: q, k, v and the output once more
-        attn += (2 * c.num_heads + 2 * c.num_kv_heads) * D
-    router = 2 * c.num_experts + c.experts_per_token
-    routed = c.experts_per_token * (2 * H + 4 * c.moe_intermediate_size)  # per copy: input, gate/up, act, product, output
-    shared = (2 * H + 4 * c.shared_expert_intermediate_size) if c.shared_expert_intermediate_size else 0
-    split = (qkv + normed_rotated + attn + shared) / tp + routed + router
+    H, I, k, tp = c.hidden_size, c.moe_intermediate_size, c.experts_per_token, lay.tp
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    router = 2 * c.num_experts + k  # logits (logsumexp), probabilities, top-k
+    if lay.backend == "megatron":
+        return _megatron_bytes_per_token_layer(arch, lay, on_gpu, seq_len, q, kv, router)
+    norms = 6 * H  # the layer's two RMSNorms: input, normalised values (float32), output
+    qk_norms = 2 * (q + kv)  # the q/k norms' inputs (the projections) and normalised values
+    attn = q  # the attention output: o_proj's input
+    if on_gpu:  # flash-attn varlen keeps the rotated q and k and v itself
+        attn += q + 2 * kv
+    else:  # the CPU's packed path: q/k/v gathered into per-document batches, SDPA's output, and
+        attn += (q + 2 * kv) + q + q  # index_copy's source (it keeps it) before o_proj's input
+    # per routed copy: the gathered input x[token], gate/up, the activation, the product, the
+    # experts' output (kept by the routing weight's product) and the weighted output (index_add_ keeps its source)
+    routed = k * (3 * H + 4 * I)
+    # the shared expert's gate/up, activation, product, and its output (kept by its sigmoid gate)
+    shared = (H + 4 * c.shared_expert_intermediate_size) if c.shared_expert_intermediate_size else 0
+    split = (qk_norms + attn + shared) / tp + routed + router
     if c.mlp_only_layers:  # dense layers in place of experts, averaged over the layers
         frac = len(c.mlp_only_layers) / c.num_layers
         split += frac * ((4 * c.dense_intermediate_size) / tp - routed - router)
-    return (replicated + split) * lay.compute_bytes
+    return (norms + split) * lay.compute_bytes
 
 
-def trainer_memory(arch: Arch, lay: Layout, tokens_per_micro: int, micro_batches: int, on_gpu: bool) -> dict:
-    """Bytes per trainer rank, by part, and the peak. `tokens_per_micro`: tokens one rank computes
-    in one micro-batch (rows x sequence length)."""
+def _megatron_bytes_per_token_layer(arch: Arch, lay: Layout, on_gpu: bool, seq_len: int, q: int, kv: int, router: int) -> float:
+    """megatron-core's layers as snowcat builds them (stages/train/megatron/bridge.py; counted on
+    the CPU in megatron-core 0.16): sequence parallel whenever TP > 1 (mbridge), so every part is
+    split over TP. Per token: each RMSNorm's input and normalised values, the inputs of the
+    qkv, output, router, fc1 and fc2 linears, the q/k norms', and per routed copy fc1's output
+    (kept twice by SwiGLU), its activation and the routing weight's product. Attention: on the
+    CPU megatron's own DotProductAttention (no Transformer Engine) keeps q, k and v expanded to
+    every head and the softmax probabilities, heads x sequence length per token; on GPUs Transformer
+    Engine's flash attention keeps q, k, v and its output."""
+    c = arch.cfg
+    H, I, k = c.hidden_size, c.moe_intermediate_size, c.experts_per_token
+    norms = 4 * H + 2 * (q + kv)
+    linears = H + q + H  # qkv's input, the output projection's, the router's
+    attn = (q + 2 * kv) if on_gpu else 3 * q + c.num_heads * seq_len
+    routed = k * (H + I) + k * 5 * I  # fc1/fc2 inputs; SwiGLU's and the routing product's
+    shared = (H + 4 * c.shared_expert_intermediate_size) if c.shared_expert_intermediate_size else 0
+    per_token = norms + linears + attn + routed + shared + router
+    if c.mlp_only_layers:
+        frac = len(c.mlp_only_layers) / c.num_layers
+        per_token += frac * (H + 5 * c.dense_intermediate_size - routed - router)
+    return per_token / lay.tp * lay.compute_bytes
+
+
+def logprob_kernel_bytes(arch: Arch, lay: Layout, tokens: int, on_gpu: bool) -> float:
+    """What the fused LM head -> logprob kernel (kernels/) holds at the start of backward, beyond
+    its saved inputs, for `tokens` tokens: its gradients dh [N, H] (float32) and dW [V, H].
+
+    - CPU (kernels/reference.py): per chunk of tokens (64 Mi logits at most), five [chunk, V]
+      float32 blocks live at once (the logits, their probabilities, the masked logits and the two
+      temporaries of the logit gradient's product) plus a boolean one (the target mask);
+    - GPU (kernels/triton_fused.py): one [N, vocabulary chunk] buffer of the logit gradient in the
+      compute dtype, its chunk sized to 256 MiB."""
+    vocab = arch.cfg.vocab_size / lay.tp
+    H = arch.cfg.hidden_size
+    grads = tokens * H * 4 + vocab * H * (lay.compute_bytes if on_gpu else 4)
+    if on_gpu:
+        return min(TRITON_DZ_BYTES, tokens * vocab * lay.compute_bytes) + grads
+    chunk = min(tokens, max(1, LOGIT_CHUNK_ELEMS // max(1, int(vocab))))
+    return chunk * vocab * (5 * 4 + 1) + grads
+
+
+def cpu_imports_bytes(backend: str) -> int:
+    """What a CPU rank's interpreter holds once its libraries are imported (part of `runtime`)."""
+    return CPU_IMPORTS_BYTES.get(backend, CPU_IMPORTS_BYTES["default"])
+
+
+def trainer_memory(
+    arch: Arch,
+    lay: Layout,
+    tokens_per_micro: int,
+    micro_batches: int,
+    on_gpu: bool,
+    frozen_copies: int = 0,
+    seq_len: int | None = None,
+) -> dict:
+    """Bytes per trainer rank, by part, and the peak, in a step after the first (AdamW's moments
+    exist). `tokens_per_micro`: tokens one rank computes in one micro-batch (rows x `seq_len`, the
+    row length: one row when not given); `frozen_copies`: forward-only copies of the model the
+    trainer holds (RL: the behaviour policy when lag >= 1, the KL reference)."""
+    seq_len = seq_len or tokens_per_micro
     p = rank_params(arch, lay)
     m = lay.master_bytes
     dp, z = lay.dp, lay.shard
     expert_dp = max(1, dp // lay.ep)
     # ZeRO shards each group over the ranks that hold a replica of it
     sharded = p.dense / dp + p.experts / expert_dp
+    deepspeed = lay.backend == "deepspeed"
+    # DeepSpeed's bf16 mode casts the module itself (weights and gradients in the compute dtype)
+    # and keeps the float32 masters in its own partition (below)
+    module = lay.compute_bytes if deepspeed else m
 
     def over(stage: int) -> float:
         return sharded if z >= stage else p.total
 
-    weights = over(3) * m
-    grads = over(2) * m
+    weights = over(3) * module
+    grads = over(2) * module
     optimizer = over(1) * 2 * m
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer}
     layers = arch.cfg.num_layers / lay.pp
-    per_token_layer = activation_bytes_per_token_layer(arch, lay, on_gpu)
+    per_token_layer = activation_bytes_per_token_layer(arch, lay, on_gpu, seq_len)
     if lay.activation_checkpointing:
         acts = tokens_per_micro * (layers * arch.cfg.hidden_size * lay.compute_bytes + per_token_layer)
     else:
         acts = tokens_per_micro * layers * per_token_layer
     if lay.pp > 1:
         acts *= min(lay.pp, micro_batches)
+    # after the layers: the final norm's input, normalised values and output (the LM head's input)
+    acts += tokens_per_micro * 3 * arch.cfg.hidden_size * lay.compute_bytes
+    if lay.backend == "megatron" and not on_gpu:  # DotProductAttention's score buffer: one layer's, reused
+        acts += tokens_per_micro * arch.cfg.num_heads / lay.tp * seq_len * lay.compute_bytes
     parts["activations"] = acts
-    vocab = arch.cfg.vocab_size / lay.tp
-    chunk = min(tokens_per_micro, max(1, LOGIT_CHUNK_ELEMS // max(1, int(vocab))))
-    parts["logits"] = 3 * chunk * vocab * 4
-    transient = {}
+    parts["logits"] = logprob_kernel_bytes(arch, lay, tokens_per_micro, on_gpu)
+    kept = {}  # held through the whole step, beside weights and optimizer state
+    if not on_gpu:
+        kept["runtime"] = cpu_imports_bytes(lay.backend) + CPU_STEP_RUNTIME_BYTES
+    transient = {}  # forward/backward only
     if lay.backend == "torch" and dp > 1:  # DDP's bucket copy of the gradients it reduces (experts under EP excluded)
-        transient["ddp_buckets"] = (p.dense + (p.experts if lay.ep == 1 else 0)) * m
-    if lay.backend == "deepspeed":  # ZeRO keeps its own float32 partition of the masters
-        transient["fp32_partition"] = sharded * 4
-    if z >= 3:  # the unit being computed (weights and gradients whole) and the next one prefetched
+        kept["ddp_buckets"] = (p.dense + (p.experts if lay.ep == 1 else 0)) * m
+    if frozen_copies:  # the torch backends hold them whole (stages/train/backend.py frozen_copy), fsdp sharded
+        kept["frozen_copies"] = frozen_copies * (weights if lay.backend in ("fsdp", "megatron") else arch.total * module)
+    if deepspeed:
+        kept["fp32_partition"] = sharded * 4  # ZeRO's float32 masters
+        if z >= 1:
+            # the contiguous bucket backward copies gradients into (reduce_bucket_size elements):
+            # a GPU allocates all of it; on the CPU only the pages written count, at most every gradient
+            bucket = DS_REDUCE_BUCKET_ELEMS if on_gpu else min(DS_REDUCE_BUCKET_ELEMS, p.total)
+            kept["ds_gradient_bucket"] = bucket * lay.compute_bytes
+    if z >= 3 and deepspeed:
+        # from the second step on (a complete trace) a parameter whose next use comes within
+        # stage3_max_reuse_distance elements stays gathered: at the forward/backward turn the
+        # model's last reuse_distance / 2 elements, whole, in the compute dtype
+        transient["gathered_layers"] = min(p.total, DS_REUSE_DISTANCE_ELEMS / 2) * lay.compute_bytes
+    elif z >= 3:  # FSDP: the unit being computed (weights and gradients whole) and the next one prefetched
         transient["gathered_layers"] = p.largest_layer * 2 * m + p.total / max(1.0, layers) * m
-    if on_gpu and lay.compute_bytes < m:
+    if on_gpu and lay.compute_bytes < m and not deepspeed:
         transient["autocast_copies"] = (p.largest_layer * 2 if z >= 3 else p.total) * lay.compute_bytes
+    parts.update(kept)
     parts.update(transient)
     parts["optimizer_step_temp"] = over(1) * m  # AdamW foreach: one moment-sized temporary
-    kept = weights + optimizer + transient.get("ddp_buckets", 0) + transient.get("fp32_partition", 0)
-    # forward/backward: activations at their largest when backward starts, gradients not yet made
-    # (zero_grad frees them); optimizer step: every gradient, no activations
-    fwd_bwd = kept + acts + parts["logits"] + transient.get("gathered_layers", 0) + transient.get("autocast_copies", 0)
-    step = kept + grads + parts["optimizer_step_temp"]
+    # DeepSpeed's gradient partition stays allocated between steps; other backends' gradients are
+    # freed by zero_grad and made again in backward
+    held = weights + optimizer + sum(kept.values()) + (grads if deepspeed else 0)
+    # forward/backward: activations at their largest when backward starts; optimizer step: every
+    # gradient, no activations
+    fwd_bwd = held + acts + parts["logits"] + sum(transient.values())
+    step = held + (0 if deepspeed else grads) + parts["optimizer_step_temp"]
     peak = max(fwd_bwd, step)
     return {
         "parts": parts,
@@ -235,9 +349,12 @@ def rollout_memory(arch: Arch, *, engine: str, device_bytes: float | None, seqs:
     weights = arch.total * wb
     kv = seqs * context * arch.kv_bytes_per_token(wb)
     logits = seqs * arch.cfg.vocab_size * 4 * 2
+    parts = {"weights": weights, "kv_cache": kv, "logits": logits}
+    if not on_gpu:  # the engine's process (the torch engine imports what a trainer does)
+        parts["runtime"] = cpu_imports_bytes("torch") + CPU_STEP_RUNTIME_BYTES
     return {
-        "parts": {"weights": weights, "kv_cache": kv, "logits": logits},
-        "peak": weights + kv + logits,
+        "parts": parts,
+        "peak": sum(parts.values()),
         "batch": seqs,
         "tp": 1,
     }

@@ -2,7 +2,9 @@
 
 Training FLOPs per token: 6 x the active parameters a token multiplies with (forward 2, backward 4)
 plus causal attention, 6 x layers x heads x head_dim x sequence length (forward 2 x 2 x n·d·s/2);
-activation checkpointing adds one more forward (x 4/3). Compute time = FLOPs / (ranks x peak x MFU).
+activation checkpointing adds one more forward (x 4/3); RL's forward-only passes (behaviour policy,
+KL reference) one forward each. Compute time = FLOPs / (ranks x peak per rank x MFU), a CPU rank's
+peak being its share of the node's.
 
 Communication per step, never overlapped with compute (a conservative assumption), each volume
 over the bandwidth of the links it crosses (within a node or across nodes) x the achieved fraction:
@@ -64,6 +66,12 @@ class Hardware:
             )
         return value
 
+    def rank_flops(self) -> float:
+        """Peak FLOP/s of one rank: a GPU's, or on CPU nodes (whose peak is the node's) its share
+        of the node among the ranks placed there."""
+        peak = self.need("peak_tflops") * 1e12
+        return peak if self.on_gpu else peak / max(1, self.ranks_per_node)
+
     def link_gbps(self, group: int, where: str) -> float:
         """Bandwidth per rank of a collective over `group` consecutive ranks."""
         per_node = max(1, self.ranks_per_node)
@@ -94,13 +102,14 @@ def flops_per_token(arch: Arch, seq_len: int, checkpointing: bool) -> float:
 
 
 def train_step(
-    arch: Arch, lay: Layout, hw: Hardware, *, tokens: int, seq_len: int, micro_batches: int, extra_forward: bool = False
+    arch: Arch, lay: Layout, hw: Hardware, *, tokens: int, seq_len: int, micro_batches: int, extra_forwards: int = 0
 ) -> dict:
-    """Seconds of one optimizer step over `tokens` tokens (all ranks), by part."""
-    peak = hw.need("peak_tflops") * 1e12
+    """Seconds of one optimizer step over `tokens` tokens (all ranks), by part. `extra_forwards`:
+    forwards without backward beside the step (RL: the behaviour policy's logprobs when lag >= 1,
+    a reference model's for a KL penalty)."""
+    peak = hw.rank_flops()
     flops = tokens * flops_per_token(arch, seq_len, lay.activation_checkpointing)
-    if extra_forward:  # a reference model's forward (KL penalty)
-        flops += tokens * 2 * arch.matmul_active
+    flops += extra_forwards * tokens * flops_per_token(arch, seq_len, False) / 3
     compute = flops / (lay.ranks * peak * hw.mfu)
     eff = hw.bandwidth_efficiency
     p = rank_params(arch, lay)
@@ -141,7 +150,7 @@ def train_step(
 def decode(arch: Arch, hw: Hardware, *, seqs: int, prompt: int, generate: int, engines: int, batch: int, tp: int) -> dict:
     """Seconds to sample `generate` tokens after a `prompt` for each of `seqs` sequences, spread over
     `engines` engines of `tp` devices each, `batch` sequences at a time per engine."""
-    peak = hw.need("peak_tflops") * 1e12
+    peak = hw.rank_flops()
     hbm = hw.need("memory_gbps") * 1e9 * hw.bandwidth_efficiency
     wb = 2 if hw.on_gpu else 4
     c = arch.cfg

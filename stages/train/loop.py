@@ -16,6 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from snowcat.pipeline.fsio import atomic_write_text
 from snowcat.pipeline.history import History
 from snowcat.pipeline.retention import Retention, RetentionPolicy
@@ -104,6 +107,36 @@ class MetricsLog:
 
 def _is_number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+GPU_PEAK = "memory/peak_gpu_allocated_gib"
+CPU_PEAK = "memory/peak_rss_gib"
+
+
+def _peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark: VmHWM where /proc has it, since Linux keeps
+    getrusage's ru_maxrss across exec (a stage would inherit its launcher's); else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration):
+        import resource  # noqa: PLC0415 (the fallback only)
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def peak_memory(device) -> dict[str, float]:
+    """The largest rank's peak memory so far, in GiB, named for what it counts (collective: every
+    rank of the backend's group calls it after the same step). On a GPU the device memory torch
+    allocated at most (torch.cuda.max_memory_allocated: tensors, not the allocator's cache or the
+    CUDA context); on the CPU the process's peak resident set, which also counts the interpreter,
+    libraries and whatever the allocator kept. `snowcat plan --compare` puts it beside the plan."""
+    on_gpu = getattr(device, "type", "cpu") == "cuda"
+    peak = torch.cuda.max_memory_allocated(device) if on_gpu else _peak_rss_bytes()
+    value = torch.tensor(float(peak), dtype=torch.float64, device=device if on_gpu else "cpu")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return {GPU_PEAK if on_gpu else CPU_PEAK: round(float(value) / 2**30, 3)}
 
 
 class TrainLoop:
@@ -207,7 +240,7 @@ class TrainLoop:
                 stats = self.backend.train_step(batch, self.loss_fn)
                 self.tokens_processed += stats.input_tokens
                 self.after_step()
-                rec = {"step": self.step, **self.record(stats, batch)}
+                rec = {"step": self.step, **self.record(stats, batch), **peak_memory(getattr(self.backend, "device", "cpu"))}
                 evaluated = self._eval_due()
                 if evaluated:
                     rec.update(self.evaluate())
