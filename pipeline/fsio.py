@@ -16,8 +16,9 @@ import math
 import os
 import shutil
 import tempfile
+import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,30 +131,35 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up: a directory entry is durable only once
-    the directory holding it is synced, nested ones included."""
+def _fsync_tree(root: Path, synced: Collection[str] = ()) -> None:
+    """fsync every file (but those in `synced`, relative paths its writer fsynced already), then
+    every directory bottom-up: a directory entry is durable only once the directory holding it is
+    synced, nested ones included."""
     for dirpath, _dirs, files in os.walk(root, topdown=False):
         for name in files:
+            if os.path.relpath(os.path.join(dirpath, name), root) in synced:
+                continue
             with open(os.path.join(dirpath, name), "rb") as fh:
                 _fsync(fh.fileno())
         _fsync_dir(Path(dirpath))
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, synced: Collection[str] = ()) -> Iterator[Path]:
     """Build a directory under a temp name; put it at `path` only if the block succeeds.
 
     An existing `path` is swapped with the new one in a single rename (readers see old or new,
     never a mix or nothing); where the filesystem cannot swap, the old one is moved aside to
     `.<name>.old` first, which `remove_leftovers` puts back if a kill falls between the two renames.
+    `synced`: relative paths the block's writers fsync themselves (a set it may fill as it goes),
+    which are not fsynced a second time before the rename.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temp_dir(path.parent, f".{path.name}.", ".tmp")
     try:
         yield tmp
-        _fsync_tree(tmp)
+        _fsync_tree(tmp, synced)
         if path.exists() and _exchange(tmp, path):
             _fsync_dir(path.parent)
             shutil.rmtree(tmp, ignore_errors=True)  # now the old content
@@ -219,6 +225,83 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# -- manifest entries: {"sha256", "size"}, or {"crc32", "crc32_chunk", "size"} -------------------
+#
+# SHA-256 is what model directories, checkpoints and a unit's outputs record: their provenance
+# (`snowcat audit`, the card) rests on it. The weight handoff's shards record a CRC-32 of every
+# `crc32_chunk` bytes instead: that manifest only guards a transient copy between a trainer and
+# its rollout ranks against torn, stale or damaged files (a CRC catches every burst of up to 32
+# bits and other damage but for 1 in 2^32 per chunk, as HDFS and Btrfs check their blocks), and at
+# ~7 GB/s on one core (zlib) against SHA-256's ~2 GB/s it costs a fraction of the copy rather than
+# more than the copy (benchmarks/results/README.md, handoff). Neither is a defence against someone
+# who can write the directory: the manifest beside the files is not signed.
+
+CRC32_CHUNK = 16 << 20
+
+
+class Sha256:
+    """SHA-256 of a byte stream fed to `update`; `fields()` the manifest entry's part."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+
+    def update(self, data) -> None:
+        self._h.update(data)
+
+    def fields(self) -> dict:
+        return {"sha256": self._h.hexdigest()}
+
+
+class Crc32Chunks:
+    """CRC-32 of each `chunk` bytes of a byte stream fed to `update` (the last chunk may be short)."""
+
+    def __init__(self, chunk: int = CRC32_CHUNK):
+        self.chunk, self._done, self._crc, self._filled = chunk, [], 0, 0
+
+    def update(self, data) -> None:
+        data = memoryview(data).cast("B")
+        while data:
+            n = min(len(data), self.chunk - self._filled)
+            self._crc = zlib.crc32(data[:n], self._crc)  # releases the GIL on large buffers, as hashlib does
+            self._filled += n
+            data = data[n:]
+            if self._filled == self.chunk:
+                self._done.append(self._crc)
+                self._crc = self._filled = 0
+
+    def fields(self) -> dict:
+        return {"crc32": self._done + ([self._crc] if self._filled else []), "crc32_chunk": self.chunk}
+
+
+def checksum(like: dict | None = None) -> Sha256 | Crc32Chunks:
+    """A fresh checksum of the kind manifest entry `like` records (SHA-256 when `like` is None or
+    names no CRC). ValueError for a CRC entry without a positive chunk length."""
+    if like is None or "crc32" not in like:
+        return Sha256()
+    chunk = like.get("crc32_chunk")
+    if type(chunk) is not int or chunk <= 0:
+        raise ValueError(f"crc32_chunk {chunk!r} is not a byte count")
+    return Crc32Chunks(chunk)
+
+
+def checksum_kind(entry: dict) -> str:
+    return "crc32" if "crc32" in entry else "sha256"
+
+
+def file_entry(path: str | os.PathLike, like: dict | None = None) -> dict:
+    """The manifest entry of the file at `path` as it is now, with the checksum `like` records: one
+    read, into one reused buffer."""
+    check, size, buf = checksum(like), 0, bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            check.update(view[:n])
+            size += n
+    IO["files_hashed"] += 1
+    IO["bytes_hashed"] += size
+    return {**check.fields(), "size": size}
+
+
 def _is_hidden(rel: Path) -> bool:
     return any(part.startswith(".") for part in rel.parts)
 
@@ -239,8 +322,9 @@ def build_manifest(
 ) -> dict[str, dict]:
     """{relative path: {sha256, size}} of every file under `root`. `hashed`: entries the writer
     computed from the very bytes it wrote (one pass over them instead of writing, then reading
-    back); each is taken once the file on disk has that size, the rest are hashed here. Readers
-    re-hash what they read, so an entry that did not match the disk would be refused, not trusted."""
+    back), with the checksum it chose (see `checksum`); each is taken as it is once the file on
+    disk has that size, the rest are hashed here. Readers re-hash what they read, so an entry that
+    did not match the disk would be refused, not trusted."""
     root = Path(root)
     hashed = hashed or {}
     out = {}
@@ -248,7 +332,7 @@ def build_manifest(
         size, known = (root / rel).stat().st_size, hashed.get(str(rel))
         if known is not None and known["size"] != size:
             raise OSError(f"{root / rel}: {size} bytes on disk, {known['size']} written")
-        out[str(rel)] = {"sha256": known["sha256"] if known is not None else sha256_file(root / rel), "size": size}
+        out[str(rel)] = dict(known) if known is not None else {"sha256": sha256_file(root / rel), "size": size}
     if set(hashed) - set(out):
         raise OSError(f"{root / sorted(set(hashed) - set(out))[0]}: written, but not there")
     return out
@@ -260,6 +344,15 @@ def write_manifest(
     files = build_manifest(root, exclude, hashed)
     atomic_write_json(Path(root) / MANIFEST, {"files": files})
     return files
+
+
+def _differs(path: Path, meta: dict) -> bool:
+    if "crc32" not in meta:
+        return sha256_file(path) != meta["sha256"]
+    try:
+        return file_entry(path, meta) != meta
+    except ValueError:  # a CRC entry without its chunk length: nothing can match it
+        return True
 
 
 def verify_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -277,8 +370,8 @@ def verify_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> l
         p = root / rel
         if not p.is_file():
             problems.append(f"{p}: missing")
-        elif p.stat().st_size != meta["size"] or sha256_file(p) != meta["sha256"]:
-            problems.append(f"{p}: sha256 differs from manifest")
+        elif p.stat().st_size != meta["size"] or _differs(p, meta):
+            problems.append(f"{p}: {checksum_kind(meta)} differs from manifest")
     for rel in list_files(root, exclude + (MANIFEST,)):
         if str(rel) not in recorded:
             problems.append(f"{root / rel}: not in manifest")

@@ -7,9 +7,12 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
+import zlib
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,7 @@ from safetensors.torch import save_file
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import IO, sha256_bytes, verify_manifest, write_manifest
-from snowcat.stages.model import PRESETS, MoEForCausalLM, save_model_dir, shards
+from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir, shards
 from snowcat.stages.model.io import INDEX, hf_state_dict
 from snowcat.stages.rlcore.handoff import STABLE, HandoffError, WeightHandoff, version_for_batch
 from tests.conftest import mpirun
@@ -77,7 +80,7 @@ def test_corrupted_shard_is_never_loaded(tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(HandoffError, match="sha256 differs from manifest"):
+    with pytest.raises(HandoffError, match=r"model.safetensors: crc32 of bytes \d+-\d+ differs from manifest"):
         h.load_into(_model(2), 2, timeout_s=0.2)
 
 
@@ -158,15 +161,29 @@ def sharded(monkeypatch):
     monkeypatch.setattr(shards, "SHARD_BYTES", 64 << 10)
 
 
-def test_manifest_hashed_while_writing_is_the_sha256_of_the_files_on_disk(tmp_path, sharded):
+def test_manifest_checked_while_writing_matches_the_files_on_disk(tmp_path, sharded):
     h = WeightHandoff(tmp_path / "weights")
     src = _model(1)
     before = dict(IO)
     path = h.publish(0, src)
-    assert IO["files_hashed"] == before.get("files_hashed", 0)  # the publisher read nothing back to hash it
+    assert IO["files_hashed"] == before.get("files_hashed", 0)  # the publisher read nothing back to check it
     names = sorted(p.name for p in path.glob("*.safetensors"))
     assert len(names) > 2 and (path / INDEX).is_file()
-    assert verify_manifest(path, exclude=(STABLE,)) == []  # every entry equals a fresh sha256 of the file
+    assert verify_manifest(path, exclude=(STABLE,)) == []  # every entry equals a fresh checksum of the file
+    manifest = json.loads((path / "manifest.json").read_text())["files"]
+    # the shards: a CRC-32 per chunk, each that of the file's bytes; the small files keep SHA-256
+    for name in names:
+        data, entry = (path / name).read_bytes(), manifest[name]
+        chunk = entry["crc32_chunk"]
+        assert entry == {
+            "crc32": [zlib.crc32(data[i : i + chunk]) for i in range(0, len(data), chunk)],
+            "crc32_chunk": chunk,
+            "size": len(data),
+        }
+    assert all(
+        manifest[n] == {"sha256": sha256_bytes((path / n).read_bytes()), "size": (path / n).stat().st_size}
+        for n in (INDEX, "model_config.json")
+    )
     # ordinary safetensors: the library reads them, and they hold the model's HF-named tensors
     expected = hf_state_dict(src)
     found = {}
@@ -199,9 +216,9 @@ def test_a_shard_altered_after_publish_is_refused(tmp_path, sharded, where):
     size = shard.stat().st_size
     _flip(shard, size - 3 if where == "tensor data" else 20)  # same size: only the hash can tell
     assert shard.stat().st_size == size
-    with pytest.raises(HandoffError, match=f"{shard.name}: sha256 differs from manifest"):
+    with pytest.raises(HandoffError, match=f"{shard.name}: crc32 of bytes 0-{size} differs from manifest"):
         h.load_into(_model(2), 2, timeout_s=0.2)
-    with pytest.raises(HandoffError, match=f"{shard.name}: sha256 differs from manifest"):
+    with pytest.raises(HandoffError, match=f"{shard.name}: crc32 of bytes 0-{size} differs from manifest"):
         h.wait_verified(2, timeout_s=0.2)  # what a reader that loads the files itself (vLLM) checks
 
 
@@ -219,9 +236,12 @@ def test_damage_found_before_reading_tensors_leaves_the_model_as_it_was(tmp_path
         _flip(shard, 8)  # the header's opening brace: the JSON no longer parses
     dst = _model(2)
     before = {k: v.clone() for k, v in dst.state_dict().items()}
-    with pytest.raises(HandoffError, match="torn or corrupt version"):
+    named = "model_config.json" if damage == "config altered" else shard.name
+    with pytest.raises(HandoffError, match=f"{named}: .*torn or corrupt version"):
         h.load_into(dst, 1, timeout_s=0.2)
     assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items())
+    with pytest.raises(HandoffError, match=f"{named}: .*torn or corrupt version"):
+        h.wait_verified(1, timeout_s=0.2)
 
 
 def test_a_damaged_manifest_is_refused_not_a_crash(tmp_path):
@@ -229,10 +249,16 @@ def test_a_damaged_manifest_is_refused_not_a_crash(tmp_path):
     h.publish(3, _model(1))
     manifest = h.path(3) / "manifest.json"
     entries = json.loads(manifest.read_text())
-    entries["files"]["model.safetensors"]["sha256"] = "0" * 64
+    entries["files"]["model.safetensors"]["crc32"][-1] ^= 1
     manifest.write_text(json.dumps(entries))
-    with pytest.raises(HandoffError, match="model.safetensors: sha256 differs from manifest"):
+    with pytest.raises(HandoffError, match="model.safetensors: crc32 of bytes 0-.* differs from manifest"):
         h.load_into(_model(2), 3, timeout_s=0.2)
+    for damage in ({"crc32_chunk": 0}, {"crc32_chunk": None}, {"size": "12"}):
+        manifest.write_text(
+            json.dumps({"files": entries["files"] | {"model.safetensors": entries["files"]["model.safetensors"] | damage}})
+        )
+        with pytest.raises(HandoffError, match="manifest.json damaged"):
+            h.load_into(_model(2), 3, timeout_s=0.2)
     manifest.write_text("{not json")
     with pytest.raises(HandoffError, match="manifest.json damaged"):
         h.load_into(_model(2), 3, timeout_s=0.2)
@@ -348,4 +374,90 @@ def test_trainer_ranks_take_rank_0s_verification(tmp_path):
     said = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     assert said[0] == said[1], said
     assert said[0]["verified"] == str(h.path(1))
-    assert "sha256 differs from manifest" in said[0]["refused"]
+    assert "model.safetensors: crc32 of bytes" in said[0]["refused"]
+
+
+# -- what a publish and a load cost: one fsync and one read per file ------------------------------
+
+
+def _read_so_far() -> int:
+    """Bytes this process (all its threads) has read through read calls (Linux's rchar)."""
+    return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").is_file(), reason="needs Linux's /proc/self/io")
+def test_a_load_reads_each_file_once(tmp_path, sharded):
+    """The small files, the manifest and every shard (header and tensors) are read once: the
+    checksums are taken of the bytes as they land in the model, never of a second read."""
+    h = WeightHandoff(tmp_path / "weights")
+    src, dst = _model(1), _model(2)
+    path = h.publish(1, src)
+    h.load_into(dst, 1, timeout_s=1)  # a first load: whatever a lazy import reads is read now
+    files = sum(p.stat().st_size for p in path.iterdir() if p.name != STABLE)
+    dst = _model(2)
+    before = _read_so_far()
+    h.load_into(dst, 1, timeout_s=1)
+    read = _read_so_far() - before
+    assert _same(src, dst)
+    assert files <= read <= files + 4096, f"{read} bytes read for {files} bytes of files"  # + the /proc read above
+
+
+def test_a_publish_fsyncs_each_file_once(tmp_path, sharded, monkeypatch):
+    """Each file (STABLE included) is fsynced by its writer, not again before the version's rename."""
+    real, synced = os.fsync, Counter()
+
+    def fsync(fd):
+        if stat.S_ISREG((st := os.fstat(fd)).st_mode):
+            synced[st.st_ino] += 1  # files are fsynced under temp names: the inode outlives the rename
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = WeightHandoff(tmp_path / "weights").publish(1, _model(1))
+    assert synced == Counter(p.stat().st_ino for p in path.iterdir()), sorted(p.name for p in path.iterdir())
+
+
+def test_a_stale_shard_of_the_same_size_is_refused(tmp_path, sharded):
+    """Another version's shard where this one's should be (a stale copy, same size and header):
+    every chunk's CRC differs; the reader names the file and the first bytes that differ."""
+    h = WeightHandoff(tmp_path / "weights")
+    h.publish(1, _model(1))
+    h.publish(2, _model(2))
+    shard = sorted(h.path(2).glob("*.safetensors"))[1]
+    shutil.copyfile(h.path(1) / shard.name, shard)
+    with pytest.raises(HandoffError, match=f"{shard.name}: crc32 of bytes 0-{shard.stat().st_size} differs from manifest"):
+        h.load_into(_model(3), 2, timeout_s=0.2)
+    with pytest.raises(HandoffError, match=f"{shard.name}: crc32 of bytes 0-"):
+        h.wait_verified(2, timeout_s=0.2)
+
+
+def test_a_chunk_past_the_first_is_named(tmp_path, monkeypatch):
+    """A flip in the third CRC chunk of a shard is reported with that chunk's byte range."""
+    monkeypatch.setattr(shards, "CRC32_CHUNK", 4096)  # a test-micro shard has dozens of chunks
+    h = WeightHandoff(tmp_path / "weights")
+    h.publish(1, _model(1))
+    shard = h.path(1) / "model.safetensors"
+    _flip(shard, 2 * 4096 + 5)
+    with pytest.raises(HandoffError, match=f"{shard.name}: crc32 of bytes 8192-12288 differs from manifest"):
+        h.load_into(_model(2), 1, timeout_s=0.2)
+
+
+def test_a_version_loads_in_transformers_as_the_model_it_was_published_from(tmp_path):
+    """A version of a model with a Hugging Face form is a checkpoint transformers loads by itself,
+    computing what the model computes."""
+    import transformers  # noqa: PLC0415 (this test only)
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    model, _, _ = load_model_dir(tmp_path / "hf")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)  # weights of its own, not the checkpoint's
+    path = WeightHandoff(tmp_path / "weights").publish(0, model)
+    served = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # transformers fuses the experts as it loads: compare what the weights compute
+        torch.testing.assert_close(served(ids).logits, model.logits(model(ids).hidden), rtol=1e-5, atol=1e-5)

@@ -11,22 +11,25 @@ directory under fsdp (+ EP=2) and writes it back.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tracemalloc
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import save as safetensors_save
 from test_train import MICRO, toy_examples
 from test_train_distributed import join_gloo
 from test_zero3 import CFG, OPTIM, PARAMS, WEIGHT_ATOL, one_and_two_ranks, rl_batch
 from torch.distributed.tensor import DTensor
 
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_dir, read_json
-from snowcat.stages.model import MoEForCausalLM, load_model_dir, save_model_dir
+from snowcat.pipeline.fsio import atomic_dir, file_entry, read_json, sha256_file, verify_manifest, write_manifest
+from snowcat.stages.model import MoEForCausalLM, load_model_dir, save_model_dir, shards
 from snowcat.stages.model.io import WeightReader, copy_model_dir, hf_state_dict, stream_tensors
 from snowcat.stages.model.shards import write_shards
 from snowcat.stages.rlcore.trainer import sampled_logprobs
@@ -123,6 +126,59 @@ def test_copy_writes_the_bytes_a_loaded_model_would(tmp_path):
     copy_model_dir(src, tmp_path / "copied")
     assert _weight_hashes(tmp_path / "copied") == _weight_hashes(tmp_path / "from_model")
     assert (tmp_path / "copied" / "model_config.json").read_text() == (tmp_path / "from_model" / "model_config.json").read_text()
+
+
+@pytest.mark.parametrize("check", ["sha256", "crc32"])
+def test_a_shard_is_byte_for_byte_what_safetensors_writes(tmp_path, check):
+    """Given the tensors in the order safetensors' own writer lays them out (its header lists
+    them in that order), the writer's file is that library's, byte for byte, whichever checksum."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "b.weight": torch.randn(3, 5, generator=g),
+        "a.weight": torch.randn(7, generator=g),
+        "norm": torch.randn(2, 2, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(5),
+        "mask": torch.ones(3, dtype=torch.bool),
+        "expert": torch.randn(3, 2, generator=g).double().t(),  # not contiguous: written from a contiguous copy
+    }
+    want = safetensors_save({k: t.contiguous() for k, t in tensors.items()}, metadata={"format": "pt"})
+    order = [k for k in json.loads(want[8 : 8 + int.from_bytes(want[:8], "little")]) if k != "__metadata__"]
+    with atomic_dir(tmp_path / "m") as tmp:
+        entries = write_shards(tmp, [(k, tensors[k]) for k in order], check=check)
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == want
+    assert entries["model.safetensors"] == file_entry(tmp_path / "m" / "model.safetensors", entries["model.safetensors"])
+    assert ("crc32" in entries["model.safetensors"]) == (check == "crc32")
+
+
+def test_crc32_entries_are_a_crc_per_chunk_and_model_directories_keep_sha256(tmp_path, monkeypatch):
+    """The handoff's shards carry a CRC-32 of every chunk (the last one short); a model directory
+    (a checkpoint, an export: provenance) keeps SHA-256 of every file."""
+    monkeypatch.setattr(shards, "CRC32_CHUNK", 1000)
+    model = MoEForCausalLM(MICRO)
+    with atomic_dir(tmp_path / "m") as tmp:
+        entries = write_shards(tmp, hf_state_dict(model).items(), shard_bytes=SHARD, check="crc32")
+    assert len(entries) > 3
+    for name, entry in entries.items():
+        data = (tmp_path / "m" / name).read_bytes()
+        if name.endswith(".safetensors"):
+            assert entry == {
+                "crc32": [zlib.crc32(data[i : i + 1000]) for i in range(0, len(data), 1000)],
+                "crc32_chunk": 1000,
+                "size": len(data),
+            }
+        else:  # the index
+            assert entry == {"sha256": sha256_file(tmp_path / "m" / name), "size": len(data)}
+    path = save_model_dir(tmp_path / "dir", model, max_shard_bytes=SHARD)
+    files = read_json(path / "manifest.json")["files"]
+    assert all(set(e) == {"sha256", "size"} and e["sha256"] == sha256_file(path / n) for n, e in files.items())
+    # a manifest of CRC entries verifies as one of SHA-256 entries does (a version loaded as a model directory)
+    write_manifest(tmp_path / "m", hashed=entries)
+    assert verify_manifest(tmp_path / "m") == []
+    shard = tmp_path / "m" / sorted(n for n in entries if n.endswith(".safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    assert verify_manifest(tmp_path / "m") == [f"{shard}: crc32 differs from manifest"]
 
 
 # ---------------------------------------------------------------- 1 process beside 2 gloo ranks
