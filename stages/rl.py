@@ -39,6 +39,7 @@ import torch
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, read_json
+from snowcat.stages.agent import BatchBuffers
 from snowcat.stages.agent.prompting import resolve_rollout_prompt
 from snowcat.stages.config import RlConfig as Config
 from snowcat.stages.model import open_model_dir
@@ -195,6 +196,7 @@ class Rollout:
         self.version: int | None = None
         self.stats_path = Path(ctx.out_dir) / f"engine_rank{ctx.rank}.json"
         self.earlier = read_json(self.stats_path) or {}  # counters of this rank before a restart
+        self.buffers = BatchBuffers()  # each batch is written into the memory of one already sent
 
     def load(self, v: int) -> None:
         wait = {"timeout_s": self.cfg.timeout_s, "should_stop": self.should_stop}
@@ -214,8 +216,9 @@ class Rollout:
         if v != self.version:
             self.load(v)
         tasks = tasks_of_batch(self.cfg, self.pool, self.ctx.seed, k)
-        trajs = generate_batch(self.engine, self.tok, tasks, self.cfg, self.params, batch_seed(self.ctx.seed, k), v)
-        self.transport.send_batch(k, trajs)
+        seed = batch_seed(self.ctx.seed, k)
+        batch = generate_batch(self.engine, self.tok, tasks, self.cfg, self.params, seed, v, k, self.buffers)
+        self.transport.send_batch(k, batch)
 
 
 def _role(ctx) -> str:

@@ -37,7 +37,7 @@ import numpy as np
 
 from snowcat.stages.agent import context as ctxmod
 from snowcat.stages.agent.prompting import opening_messages
-from snowcat.stages.agent.trajectory import Trajectory
+from snowcat.stages.agent.trajectory import BatchBuffers, Trajectory, TrajectoryBatch
 from snowcat.stages.taskgen import verify
 
 TRUNCATION_NOTE = "turn cut at {n} tokens; answer briefly"
@@ -130,6 +130,32 @@ def run_episodes(
     `params` are the sampling parameters (its `max_tokens` is replaced by the budget; the
     end-of-turn id is always a stop id). `verifier(task, text) -> Verdict` defaults to
     `stages.taskgen.verify`; raising is an infrastructure failure."""
+    return [_trajectory(e, policy_version) for e in _play(engine, tokenizer, jobs, env, params, budget, seed, verifier)]
+
+
+def run_batch(
+    batch_index: int,
+    engine,
+    tokenizer,
+    jobs: list[EpisodeJob],
+    env,
+    params,
+    budget: Budget,
+    seed: int,
+    policy_version: int,
+    verifier: Callable | None = None,
+    buffers: BatchBuffers | None = None,
+) -> TrajectoryBatch:
+    """`run_episodes` as batch `batch_index` of the RL transport: every record's token lists are
+    converted straight into the batch's columns (the one conversion `run_episodes` makes into each
+    record's own arrays), so the batch goes out as it is, with no pass over the records to send it.
+    `buffers`: memory of the rollout's earlier batches, used again once they are gone."""
+    episodes = _play(engine, tokenizer, jobs, env, params, budget, seed, verifier)
+    return TrajectoryBatch.write(batch_index, [r for e in episodes for r in _records(e, policy_version)], buffers)
+
+
+def _play(engine, tokenizer, jobs: list[EpisodeJob], env, params, budget: Budget, seed: int, verifier) -> list[_Episode]:
+    """Every job's episode, played to the end (`run_episodes`)."""
     verifier = verifier or verify
     lock = threading.Lock()
 
@@ -181,7 +207,7 @@ def run_episodes(
     for e in episodes:
         if e.status is None:
             e.end("truncated", detail=f"no answer in {budget.max_turns} turns")
-    return [_trajectory(e, policy_version) for e in episodes]
+    return episodes
 
 
 def _advance(e: _Episode, c, turn: int, env, tok, budget: Budget, verifier) -> None:
@@ -253,13 +279,14 @@ def _summarise(e: _Episode, turn: int, policy, env, engine, tok, params, max_con
 
 
 def _record(ids, mask, logprobs, support, routes, turns, prompt_len, kind: str = "context") -> dict:
-    """A finished stretch of an episode as the arrays of its Trajectory record."""
+    """A finished stretch of an episode as the fields of its record, the per-token ones as lists: a
+    Trajectory converts them into arrays of its own, a TrajectoryBatch into its columns."""
     return {
-        "token_ids": np.asarray(ids, np.int32),
-        "loss_mask": np.asarray(mask, np.uint8),
-        "rollout_logprobs": np.asarray(logprobs, np.float32),
-        "support_lengths": np.asarray([len(k) for k in support], np.int32),
-        "support_ids": np.asarray([i for k in support for i in k], np.int32),
+        "token_ids": ids,
+        "loss_mask": mask,
+        "rollout_logprobs": logprobs,
+        "support_lengths": [len(k) for k in support],
+        "support_ids": [i for k in support for i in k],
         "routes": _routes(routes, len(ids)),
         "turn_boundaries": list(turns),
         "prompt_len": int(prompt_len),
@@ -275,9 +302,9 @@ def _routes(routes: np.ndarray | None, n: int) -> np.ndarray | None:
     return out
 
 
-def _trajectory(e: _Episode, policy_version: int) -> Trajectory:
-    """The episode's record (its current context), holding the records of its earlier contexts;
-    every record carries the episode's status, reward and detail."""
+def _records(e: _Episode, policy_version: int) -> list[dict]:
+    """The fields of the episode's records, oldest first: those of its earlier contexts, then its
+    current one; every record carries the episode's status, reward and detail."""
     common = dict(
         task_id=e.job.task.task_id,
         group_id=int(e.job.group_id),
@@ -288,6 +315,11 @@ def _trajectory(e: _Episode, policy_version: int) -> Trajectory:
         domain=e.job.task.domain,
         detail=e.detail,
     )
-    earlier = [Trajectory(**common, **rec, segment=i) for i, rec in enumerate(e.done)]
     last = _record(e.ids, e.mask, e.logprobs, e.support, e.routes, e.turns, e.prompt_len)
-    return Trajectory(**common, **last, segment=len(earlier), earlier=tuple(earlier))
+    return [{**common, **rec, "segment": i} for i, rec in enumerate([*e.done, last])]
+
+
+def _trajectory(e: _Episode, policy_version: int) -> Trajectory:
+    """The episode's record (its current context), holding the records of its earlier contexts."""
+    *earlier, last = _records(e, policy_version)
+    return Trajectory(**last, earlier=tuple(Trajectory(**r) for r in earlier))

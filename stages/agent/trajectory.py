@@ -4,18 +4,23 @@
 so the trainer scores the very ids the rollout logprobs belong to. `loss_mask` is 1 only on
 model-sampled tokens; `rollout_logprobs` is 0 wherever the mask is 0.
 
-`pack(trajs)` turns a batch into a few flat, typed numpy arrays (concatenated tokens + offsets +
-per-trajectory scalars + one utf-8 byte buffer for the strings): every field has a fixed dtype and
-trailing shape (`FIELDS`), only the leading lengths vary (`np.savez` stores them as they are).
-`encode(k, trajs)` lays the same fields out in one buffer behind a typed, versioned header, so
-MPI moves a batch as one message with no pickling, and `decode(buf)` gives them back:
+A batch travels as its columns (`TrajectoryBatch`): every field of `FIELDS` one flat, typed array
+for the whole batch (concatenated tokens + offsets + per-trajectory scalars + one utf-8 byte
+buffer for the strings; each field has a fixed dtype and trailing shape, only the leading lengths
+vary), all of them in one buffer behind a typed, versioned header: the wire. MPI moves a batch as
+that one message, with no pickling and no pass over the records at send time:
 
-    sender:   comm.Send(encode(k, trajs), dest)
-    receiver: msg = comm.Mprobe(src, status=st); buf = np.empty(st.Get_count(MPI.BYTE), np.uint8)
-              msg.Recv(buf); k, trajs = decode(buf)
+    rollout:  batch = TrajectoryBatch.write(k, records)  # each record's lists straight into the columns
+              comm.Send(batch.buffer, dest)
+    trainer:  msg = comm.Mprobe(src, status=st); buf = np.empty(st.Get_count(MPI.BYTE), np.uint8)
+              msg.Recv(buf); batch = TrajectoryBatch.read(buf)  # checked; batch[i]: a Trajectory of views
 
-`unpack` and `decode` check the batch as a whole (offsets, lengths, status codes) and hand out
-views of the received buffer: one copy on each side (into the buffer, out of the socket).
+The agent loop writes its episodes into a batch as it makes their records (`run_batch`), so the
+rollout side's one conversion of each episode's token lists is the writing itself. The reader
+checks the batch as a whole (header, offsets, counts, status codes) and makes a record only when
+it is asked for: one copy of the bytes on each side (out of the rollout's lists, out of the socket).
+`pack`/`unpack` (the columns as separate arrays, e.g. for `np.savez`) and `encode`/`decode` (a
+list of Trajectory objects to a message and back) are the same batch for callers with records.
 
 Segments. An episode whose context was rewritten (a context policy replaced older turns by a summary:
 stages/agent/context.py) is several records, each one context and what was sampled in it: the record
@@ -29,6 +34,10 @@ one (what a trainer scores: each is its own sequence); `pack` and `encode` send 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -194,176 +203,23 @@ def regroup(records: list[Trajectory]) -> list[Trajectory]:
     return out
 
 
-def _offsets(lengths) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int64)
-
-
-def _parts(trajs: list[Trajectory]) -> dict[str, list | np.ndarray]:
-    """Each field as the list of pieces to concatenate (or the finished array), in wire order."""
-    trajs = flatten(trajs)
-    strings = [s.encode() for t in trajs for s in (t.task_id, t.domain, t.detail)]
-    return {
-        "token_ids": [t.token_ids for t in trajs],
-        "loss_mask": [t.loss_mask for t in trajs],
-        "rollout_logprobs": [t.rollout_logprobs for t in trajs],
-        "support_lengths": [t.support_lengths for t in trajs],
-        "support_ids": [t.support_ids for t in trajs],
-        "route_width": np.array([0 if t.routes is None else t.routes.shape[1] for t in trajs], np.int64),
-        "routes": [t.routes for t in trajs if t.routes is not None],
-        "token_offsets": _offsets([len(t) for t in trajs]),
-        "group_id": np.array([t.group_id for t in trajs], np.int64),
-        "attempt": np.array([t.attempt for t in trajs], np.int64),
-        "policy_version": np.array([t.policy_version for t in trajs], np.int64),
-        "prompt_len": np.array([t.prompt_len for t in trajs], np.int64),
-        "reward": np.array([t.reward for t in trajs], np.float64),
-        "status": np.array([STATUSES.index(t.status) for t in trajs], np.uint8),
-        "segment": np.array([t.segment for t in trajs], np.int64),
-        "segment_kind": np.array([SEGMENT_KINDS.index(t.segment_kind) for t in trajs], np.uint8),
-        "turns": np.array([s for t in trajs for s in t.turn_boundaries], np.int64).reshape(-1, 2),
-        "turn_offsets": _offsets([len(t.turn_boundaries) for t in trajs]),
-        "strings": [np.frombuffer(b"".join(strings), np.uint8)],
-        "string_offsets": _offsets([len(s) for s in strings]),
-    }
-
-
-def _length(name: str, part) -> int:
-    """Leading length of a field once its pieces are concatenated (flattened to its trailing shape)."""
-    if isinstance(part, np.ndarray):
-        return len(part)
-    tail = int(np.prod(FIELDS[name][1], dtype=np.int64))
-    return sum(p.size for p in part) // tail
-
-
-def _fill(out: np.ndarray, part) -> None:
-    """Concatenate a field's pieces straight into `out` (one copy, no intermediate array)."""
-    if isinstance(part, np.ndarray):
-        out[...] = part
-    elif len(out):
-        np.concatenate(part, axis=None, out=out.reshape(-1))
-
-
-def pack(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
-    """A batch as contiguous typed arrays, keyed and typed as in `FIELDS` (every record of every episode)."""
-    out = {}
-    for name, part in _parts(trajs).items():
-        dtype, tail = FIELDS[name]
-        out[name] = np.empty((_length(name, part), *tail), dtype)
-        _fill(out[name], part)
-    return out
-
-
-def _check(b: dict[str, np.ndarray]) -> int:
-    """Number of trajectories in `b` once every offset and length is consistent (ValueError
-    naming the field otherwise): checked for the batch at once, so `unpack` need not re-check
-    each record."""
-    n = len(b["token_offsets"]) - 1
-
-    def offsets(name: str, count: int, total: int) -> None:
-        off = b[name]
-        if len(off) != count + 1 or off[0] != 0 or off[-1] != total or (np.diff(off) < 0).any():
-            raise ValueError(f"trajectory batch: {name} is not {count + 1} non-decreasing offsets from 0 to {total}")
-
-    if n < 0:
-        raise ValueError("trajectory batch: token_offsets is empty")
-    offsets("token_offsets", n, len(b["token_ids"]))
-    for name in (
-        "route_width",
-        "group_id",
-        "attempt",
-        "policy_version",
-        "prompt_len",
-        "reward",
-        "status",
-        "segment",
-        "segment_kind",
-    ):
-        if len(b[name]) != n:
-            raise ValueError(f"trajectory batch: {name} has {len(b[name])} entries for {n} trajectories")
-    tokens = len(b["token_ids"])
-    for name in ("loss_mask", "rollout_logprobs", "support_lengths"):
-        if len(b[name]) != tokens:
-            raise ValueError(f"trajectory batch: {name} has {len(b[name])} entries for {tokens} tokens")
-    if (b["support_lengths"] < 0).any() or int(b["support_lengths"].sum(dtype=np.int64)) != len(b["support_ids"]):
-        raise ValueError(f"trajectory batch: support_lengths do not add up to the {len(b['support_ids'])} support ids")
-    width = b["route_width"]
-    if (width < 0).any() or int((np.diff(b["token_offsets"]) * width).sum()) != len(b["routes"]):
-        raise ValueError(f"trajectory batch: route widths do not add up to the {len(b['routes'])} routes entries")
-    if (b["status"] >= len(STATUSES)).any():
-        raise ValueError(f"trajectory batch: a status index beyond {len(STATUSES) - 1}")
-    if (b["segment_kind"] >= len(SEGMENT_KINDS)).any():
-        raise ValueError(f"trajectory batch: a segment kind index beyond {len(SEGMENT_KINDS) - 1}")
-    offsets("turn_offsets", n, len(b["turns"]))
-    offsets("string_offsets", 3 * n, len(b["strings"]))
-    return n
-
-
-def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
-    """Inverse of `pack`, episodes put back together (`regroup`). The arrays of the records are views
-    of `buffers` (disjoint slices, so each record's arrays are its own; they keep the buffers alive)."""
-    b = {name: np.asarray(buffers[name], dtype).reshape(-1, *tail) for name, (dtype, tail) in FIELDS.items()}
-    n = _check(b)
-    tok, turn, sof = (b[k].tolist() for k in ("token_offsets", "turn_offsets", "string_offsets"))
-    raw = b["strings"].tobytes()
-    chars = raw.decode()
-    if len(chars) == len(raw):  # ASCII: byte offsets are character offsets
-        text = [chars[sof[j] : sof[j + 1]] for j in range(3 * n)]
-    else:
-        text = [raw[sof[j] : sof[j + 1]].decode() for j in range(3 * n)]
-    spans = list(zip(b["turns"][:, 0].tolist(), b["turns"][:, 1].tolist()))
-    ids, mask, lps, slen, sids, routes = (
-        b[k] for k in ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths", "support_ids", "routes")
-    )
-    # support_ids offset of each trajectory's first token (none at all: sampled from the full distribution)
-    sup = np.concatenate([[0], np.cumsum(slen, dtype=np.int64)])[tok].tolist() if len(sids) else [0] * (n + 1)
-    width = b["route_width"].tolist()
-    rof = _offsets(np.diff(b["token_offsets"]) * b["route_width"]).tolist()  # routes offset of each trajectory
-    names = ("group_id", "attempt", "policy_version", "prompt_len", "reward", "status", "segment", "segment_kind")
-    scalars = zip(*(b[k].tolist() for k in names))
-    trajs = []
-    for i, (group, attempt, version, prompt, reward, status, segment, kind) in enumerate(scalars):
-        lo, hi = tok[i], tok[i + 1]
-        # the record without dataclass __init__: `_check` validated the batch as a whole, and
-        # re-checking and re-converting every record was a third of unpacking a large batch
-        t = object.__new__(Trajectory)
-        t.__dict__ = {
-            "task_id": text[3 * i],
-            "group_id": group,
-            "attempt": attempt,
-            "policy_version": version,
-            "token_ids": ids[lo:hi],
-            "loss_mask": mask[lo:hi],
-            "rollout_logprobs": lps[lo:hi],
-            "reward": reward,
-            "status": STATUSES[status],
-            "turn_boundaries": spans[turn[i] : turn[i + 1]],
-            "domain": text[3 * i + 1],
-            "prompt_len": prompt,
-            "detail": text[3 * i + 2],
-            "support_lengths": slen[lo:hi],
-            "support_ids": sids[sup[i] : sup[i + 1]],
-            "routes": routes[rof[i] : rof[i + 1]].reshape(hi - lo, width[i]) if width[i] else None,
-            "segment": segment,
-            "segment_kind": SEGMENT_KINDS[kind],
-            "earlier": (),
-        }
-        trajs.append(t)
-    return regroup(trajs)
-
-
-# -- the wire: one buffer per batch -------------------------------------------------------------
+# -- a batch: every field one typed column, all of them in one buffer (the wire) -----------------
 #
 #   int64 [WIRE_MAGIC, WIRE_VERSION, batch index, len(FIELDS), leading length of each field]
-#   then each field's bytes in FIELDS order, each starting on an 8-byte boundary; the whole is a
-#   multiple of 8 bytes. A change to FIELDS or to this layout bumps WIRE_VERSION, so a rank of
-#   another snowcat version is refused by name instead of misread.
+#   then each field's column in FIELDS order, each starting on an 8-byte boundary, the padding
+#   zeroed; the whole is a multiple of 8 bytes. A change to FIELDS or to this layout bumps
+#   WIRE_VERSION, so a rank of another snowcat version is refused by name instead of misread.
 
 WIRE_MAGIC = int.from_bytes(b"snowtraj", "little")
 WIRE_VERSION = 2  # 2: segment, segment_kind
 _HEAD = 4 + len(FIELDS)
+_UNIT = [dtype.itemsize * int(np.prod(tail, dtype=np.int64)) for dtype, tail in FIELDS.values()]  # bytes per entry
 
-
-# bytes per unit of leading length, per field
-_UNIT = [dtype.itemsize * int(np.prod(tail, dtype=np.int64)) for dtype, tail in FIELDS.values()]
+_PER_TOKEN = ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths")
+_SCALARS = ("group_id", "attempt", "policy_version", "prompt_len", "reward", "status", "segment", "segment_kind")
+# the fields with one entry per record and those with one per token (as many as token_ids)
+_COUNTED = (*((k, "trajectories") for k in ("route_width", *_SCALARS)), *((k, "tokens") for k in _PER_TOKEN[1:]))
+_CODES = {"status": {s: i for i, s in enumerate(STATUSES)}, "segment_kind": {s: i for i, s in enumerate(SEGMENT_KINDS)}}
 
 
 def _layout(lengths) -> tuple[list[int], int]:
@@ -371,48 +227,342 @@ def _layout(lengths) -> tuple[list[int], int]:
     offsets, at = [], 8 * _HEAD
     for unit, n in zip(_UNIT, lengths):
         offsets.append(at)
-        at += (int(n) * unit + 7) // 8 * 8
+        at += (n * unit + 7) // 8 * 8
     return offsets, at
 
 
-def _views(buf: np.ndarray, lengths, offsets) -> dict[str, np.ndarray]:
-    """Each field as a typed view of its bytes in `buf` (no copy)."""
-    return {
-        name: buf[off : off + int(n) * unit].view(dtype).reshape(int(n), *tail)
-        for (name, (dtype, tail)), unit, n, off in zip(FIELDS.items(), _UNIT, lengths, offsets)
-    }
+def _offsets(lengths) -> list[int]:
+    return [0, *itertools.accumulate(lengths)]
+
+
+def _check_offsets(off: np.ndarray, name: str, count: int, total: int) -> None:
+    """ValueError unless `off` is `count + 1` non-decreasing positions from 0 to `total`."""
+    if len(off) != count + 1 or off[0] != 0 or off[-1] != total or (off[1:] < off[:-1]).any():
+        raise ValueError(f"trajectory batch: {name} is not {count + 1} non-decreasing offsets from 0 to {total}")
+
+
+def _fill(column: np.ndarray, pieces: list, at: list[int]) -> None:
+    """Each record's piece into its place, column[at[i] : at[i + 1]]: arrays in one concatenation,
+    lists one by one, each converted straight into the column (no array of its own)."""
+    if pieces and all(isinstance(p, np.ndarray) for p in pieces):
+        np.concatenate(pieces, axis=None, out=column, casting="unsafe")  # the dtype conversion Trajectory makes
+    else:
+        for piece, lo, hi in zip(pieces, at, at[1:]):
+            column[lo:hi] = piece
+
+
+class BatchBuffers:
+    """Memory for batches' buffers (written on the rollout side, received on the trainer side),
+    handed out again once nothing refers to it. Fresh memory costs a page fault per 4 KiB page on
+    first touch, and glibc maps every allocation over 32 MiB anew (`bench transport`, 33 MiB
+    batches: 0.69-0.91x of a raw transfer with a fresh receive buffer per batch, 0.81-0.99x
+    reused; writing a 66 MiB batch: 19.5 ms into fresh memory, 16.2 ms into memory used before).
+    A batch, and every trajectory taken from it, holds views of its buffer, so a buffer is reused
+    only when no view of it is alive (CPython's reference count says so; a live view only costs
+    new memory, never an overwrite). The trainer holds batch k while it receives k+1, the rollout
+    side drops a batch once it is sent: two buffers serve either."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._kept: list[np.ndarray] = []
+
+    def take(self, units: int) -> np.ndarray:
+        """An uninitialised int64 array of `units`."""
+        for buf in self._kept:
+            # references: the list, `buf` and getrefcount's argument; any more are views in use
+            if len(buf) >= units and sys.getrefcount(buf) == 3:
+                return buf[:units]
+        # room to grow (episodes vary in length); the slack's pages are touched only by a larger batch
+        fresh = np.empty(units + units // 4, np.int64)
+        self._kept = [*self._kept, fresh][-self.keep :]
+        return fresh[:units]
+
+
+class TrajectoryBatch(Sequence):
+    """A batch of episodes as its columns: each field of `FIELDS` one typed array for the whole
+    batch (`column(name)`), all of them in one buffer laid out as the wire (`buffer`: the message
+    the transport moves as it is). A sequence of the batch's episodes: `batch[i]` is a Trajectory
+    whose arrays are views of the columns, made when first asked for.
+
+    `write` puts records in (the rollout side: each list of an episode's ids converts straight
+    into its place in the column, so no pass over the records is left for the send); `read` takes
+    a message as it arrived (the header, the offsets and the counts checked for the batch as a
+    whole, the columns views of the message). Both give the same records back."""
+
+    def __init__(
+        self,
+        columns: dict[str, np.ndarray] | Callable[[str], np.ndarray],
+        lengths: dict[str, int],
+        index: int = 0,
+        buffer: np.ndarray | None = None,
+    ):
+        """The batch of these columns (arrays by field name, or a function making one), after
+        checking that they fit together (ValueError naming the field otherwise)."""
+        self.index, self.buffer = index, buffer
+        self._columns, self._make = (columns, None) if isinstance(columns, dict) else ({}, columns)
+        column = self.column
+        n = lengths["token_offsets"] - 1
+        if n < 0:
+            raise ValueError("trajectory batch: token_offsets is empty")
+        tokens = lengths["token_ids"]
+        for name, per in _COUNTED:
+            want = n if per == "trajectories" else tokens
+            if lengths[name] != want:
+                raise ValueError(f"trajectory batch: {name} has {lengths[name]} entries for {want} {per}")
+        # the batch as a whole, in a few numpy calls whatever its size (what reading costs for a small batch)
+        tok = column("token_offsets")
+        _check_offsets(tok, "token_offsets", n, tokens)
+        _check_offsets(column("turn_offsets"), "turn_offsets", n, lengths["turns"])
+        _check_offsets(column("string_offsets"), "string_offsets", 3 * n, lengths["strings"])
+        slen, n_support = column("support_lengths"), lengths["support_ids"]
+        # all >= 0, and they add up (none at all, the common case: all 0, which max says faster than sum)
+        if slen.min(initial=0) < 0 or (int(slen.sum(dtype=np.int64)) if n_support else slen.max(initial=0)) != n_support:
+            raise ValueError(f"trajectory batch: support_lengths do not add up to the {n_support} support ids")
+        width = column("route_width")
+        if width.min(initial=0) < 0 or int(np.dot(tok[1:] - tok[:-1], width)) != lengths["routes"]:
+            raise ValueError(f"trajectory batch: route widths do not add up to the {lengths['routes']} routes entries")
+        for name, names in (("status", STATUSES), ("segment_kind", SEGMENT_KINDS)):
+            if column(name).max(initial=0) >= len(names):
+                raise ValueError(f"trajectory batch: a {name.replace('_', ' ')} index beyond {len(names) - 1}")
+        self._starts = self._episode_starts(n)
+        raw = column("strings").tobytes()
+        try:
+            text = raw.decode()
+            if len(text) != len(raw):  # not ASCII: byte offsets are not character offsets, so each string alone
+                at = column("string_offsets").tolist()
+                text = [raw[a:b].decode() for a, b in zip(at, at[1:])]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"trajectory batch: the strings are not utf-8 where cut at their offsets ({e.reason})") from None
+        self._text, self._tokens = text, tokens
+        self._episodes: list[Trajectory | None] = [None] * (len(self._starts) - 1)
+        self._at: dict[str, list] | None = None  # positions and per-record values as lists, made with the first record
+
+    def _episode_starts(self, n: int):
+        """Index of each episode's first record, and n: every record is segment 0 of its episode or
+        the one after the record before it."""
+        segment = self.column("segment")
+        if not segment.any():  # no context was rewritten: one record per episode
+            return range(n + 1)
+        starts = []
+        for j, s in enumerate(segment.tolist()):
+            if s == 0:
+                starts.append(j)
+            elif not starts or s != j - starts[-1]:
+                raise ValueError(
+                    f"trajectory batch: record {j} is segment {s} after {j - starts[-1] if starts else 0} of its episode"
+                )
+        return [*starts, n]
+
+    # -- making a batch
+
+    @classmethod
+    def read(cls, buf) -> TrajectoryBatch:
+        """The batch in message `buf` (any buffer: the columns are views of it); ValueError naming what
+        does not fit (another format version, a truncated or padded buffer, inconsistent offsets)."""
+        buf = buf.view(np.uint8).reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+        if len(buf) < 8 * _HEAD:
+            raise ValueError(f"trajectory batch: {len(buf)} bytes, shorter than its {8 * _HEAD}-byte header")
+        magic, version, index, n_fields, *lengths = buf[: 8 * _HEAD].view(np.int64).tolist()
+        if magic != WIRE_MAGIC:
+            raise ValueError("trajectory batch: not a snowcat trajectory batch (no magic number)")
+        if version != WIRE_VERSION or n_fields != len(FIELDS):
+            raise ValueError(
+                f"trajectory batch: wire format version {version} with {n_fields} fields;"
+                f" this snowcat reads version {WIRE_VERSION} with {len(FIELDS)} (ranks of different snowcat versions?)"
+            )
+        offsets, total = _layout(lengths) if min(lengths) >= 0 else ([], -1)
+        if total != len(buf):
+            raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {total}")
+        at = {name: (off, n) for name, off, n in zip(FIELDS, offsets, lengths)}
+
+        def view(name: str) -> np.ndarray:  # made when first used: checking the batch needs only some
+            off, n = at[name]
+            dtype, tail = FIELDS[name]
+            return np.ndarray((n, *tail), dtype, buf, off)
+
+        return cls(view, dict(zip(FIELDS, lengths)), index, buf)
+
+    @classmethod
+    def columns_of(cls, buffers: dict[str, np.ndarray]) -> TrajectoryBatch:
+        """The batch of these arrays, keyed and typed as in `FIELDS` (what `pack` gives, e.g. from an npz file)."""
+        columns = {name: np.asarray(buffers[name], dtype).reshape(-1, *tail) for name, (dtype, tail) in FIELDS.items()}
+        return cls(columns, {name: len(a) for name, a in columns.items()})
+
+    @classmethod
+    def write(cls, index: int, records: Sequence[dict], buffers: BatchBuffers | None = None) -> TrajectoryBatch:
+        """Batch `index` of these records, in order, each a Trajectory's fields by name (`vars(t)`,
+        or the agent loop's lists: arrays and lists alike), every one written straight into its
+        place in the buffer (memory from `buffers`, else fresh). An episode's records are its
+        segments 0, 1, ... in turn. ValueError naming the record that does not fit (as Trajectory
+        would refuse it)."""
+        records = list(records)
+        tokens = [len(r["token_ids"]) for r in records]
+        routes = [None if r["routes"] is None else np.asarray(r["routes"]) for r in records]
+        for r, length, route in zip(records, tokens, routes):
+            got = [len(r[k]) for k in _PER_TOKEN[1:]]
+            if got != [length] * 3:
+                raise ValueError(
+                    f"trajectory {r['task_id']}: {length} tokens but {got[0]} mask entries, {got[1]} logprobs and {got[2]} support lengths"
+                )
+            if route is not None and (route.ndim != 2 or len(route) != length):
+                raise ValueError(f"trajectory {r['task_id']}: routes of shape {route.shape} for {length} tokens")
+        width = [0 if route is None else route.shape[1] for route in routes]
+        support = [len(r["support_ids"]) for r in records]
+        turns = [s for r in records for s in r["turn_boundaries"]]
+        strings = [s.encode() for r in records for s in (r["task_id"], r["domain"], r["detail"])]
+        lengths = dict.fromkeys(FIELDS, len(records))
+        lengths.update(dict.fromkeys(_PER_TOKEN, sum(tokens)), token_offsets=len(records) + 1, turn_offsets=len(records) + 1)
+        lengths.update(support_ids=sum(support), routes=sum(map(operator.mul, tokens, width)), turns=len(turns))
+        lengths.update(strings=sum(map(len, strings)), string_offsets=len(strings) + 1)
+        offsets, total = _layout(lengths.values())
+        buf = (np.empty(total // 8, np.int64) if buffers is None else buffers.take(total // 8)).view(np.uint8)
+        buf[: 8 * _HEAD].view(np.int64)[:] = [WIRE_MAGIC, WIRE_VERSION, index, len(FIELDS), *lengths.values()]
+        for name, unit, off, end in zip(FIELDS, _UNIT, offsets, [*offsets[1:], total]):
+            buf[off + lengths[name] * unit : end] = 0  # the padding: no stale memory on the wire
+        batch = {
+            name: np.ndarray((lengths[name], *tail), dtype, buf, off)
+            for (name, (dtype, tail)), off in zip(FIELDS.items(), offsets)
+        }
+        tok = _offsets(tokens)
+        for name in _PER_TOKEN:
+            _fill(batch[name], [r[name] for r in records], tok)
+        _fill(batch["support_ids"], [r["support_ids"] for r in records], _offsets(support))
+        _fill(
+            batch["routes"], [route for route in routes if route is not None], _offsets(n * w for n, w in zip(tokens, width) if w)
+        )
+        batch["route_width"][:] = width
+        batch["token_offsets"][:] = tok
+        for name in _SCALARS:
+            codes = _CODES.get(name)
+            values = [r[name] for r in records]
+            if codes is not None:
+                unknown = [v for v in values if v not in codes]
+                if unknown:
+                    raise ValueError(f"trajectory batch: {name} {unknown[0]!r} not in {tuple(codes)}")
+                values = [codes[v] for v in values]
+            batch[name][:] = values
+        if turns:
+            batch["turns"][:] = turns
+        batch["turn_offsets"][:] = _offsets(len(r["turn_boundaries"]) for r in records)
+        batch["strings"][:] = np.frombuffer(b"".join(strings), np.uint8)
+        batch["string_offsets"][:] = _offsets(map(len, strings))
+        if any(support):  # each record's support lengths add up to its own ids (reading checks only the total)
+            sums = np.diff(np.concatenate([[0], np.cumsum(batch["support_lengths"], dtype=np.int64)])[tok])
+            bad = np.flatnonzero(sums != support)
+            if len(bad):
+                r = records[bad[0]]
+                raise ValueError(f"trajectory {r['task_id']}: support lengths sum to {sums[bad[0]]}, {support[bad[0]]} ids")
+        return cls(batch, lengths, index, buf)
+
+    @classmethod
+    def of(cls, index: int, trajs: Sequence[Trajectory], buffers: BatchBuffers | None = None) -> TrajectoryBatch:
+        """Batch `index` of these episodes (every record of each, `segments`)."""
+        return cls.write(index, [vars(r) for t in trajs for r in segments(t)], buffers)
+
+    # -- reading it
+
+    def column(self, name: str) -> np.ndarray:
+        """Field `name` for the whole batch (every record's entries, in order): a view of the buffer."""
+        out = self._columns.get(name)
+        if out is None:
+            out = self._columns[name] = self._make(name)
+        return out
+
+    @property
+    def columns(self) -> dict[str, np.ndarray]:
+        """Every field's column, keyed and typed as in `FIELDS`."""
+        return {name: self.column(name) for name in FIELDS}
+
+    @property
+    def n_records(self) -> int:
+        return len(self.column("token_offsets")) - 1
+
+    def __len__(self) -> int:
+        return len(self._episodes)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # IndexError beyond the end, negative from the end
+        t = self._episodes[i]
+        if t is None:
+            first, last = self._starts[i], self._starts[i + 1] - 1
+            t = self._episodes[i] = self._record(last, tuple(self._record(j) for j in range(first, last)))
+        return t
+
+    def __eq__(self, other) -> bool:  # as the list of its episodes
+        if not isinstance(other, (TrajectoryBatch, list, tuple)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"TrajectoryBatch(index={self.index}, episodes={len(self)}, records={self.n_records}, tokens={self._tokens})"
+
+    def _record(self, j: int, earlier: tuple = ()) -> Trajectory:
+        """Record j, its arrays views of the columns (disjoint slices: each record's arrays are its
+        own). Without dataclass __init__: the batch was checked as a whole."""
+        column = self.column
+        if self._at is None:
+            tok = column("token_offsets").tolist()
+            width = column("route_width").tolist()
+            support = column("support_lengths")
+            self._at = at = {name: column(name).tolist() for name in _SCALARS}
+            at.update(tok=tok, turn=column("turn_offsets").tolist(), strings=column("string_offsets").tolist(), width=width)
+            at["routes"] = _offsets(map(operator.mul, map(operator.sub, tok[1:], tok), width))
+            # where each record's support ids start (none at all: every token sampled from the full distribution)
+            at["support"] = (
+                np.concatenate([[0], np.cumsum(support, dtype=np.int64)])[tok].tolist() if len(column("support_ids")) else None
+            )
+        v = self._at
+        lo, hi, w, sof = v["tok"][j], v["tok"][j + 1], v["width"][j], v["strings"]
+        if isinstance(self._text, str):  # ASCII: byte offsets are character offsets
+            task_id, domain, detail = (self._text[a:b] for a, b in zip(sof[3 * j : 3 * j + 3], sof[3 * j + 1 : 3 * j + 4]))
+        else:
+            task_id, domain, detail = self._text[3 * j : 3 * j + 3]
+        sup = (0, 0) if v["support"] is None else v["support"][j : j + 2]
+        t = object.__new__(Trajectory)
+        t.__dict__ = {
+            "task_id": task_id,
+            "group_id": v["group_id"][j],
+            "attempt": v["attempt"][j],
+            "policy_version": v["policy_version"][j],
+            "token_ids": column("token_ids")[lo:hi],
+            "loss_mask": column("loss_mask")[lo:hi],
+            "rollout_logprobs": column("rollout_logprobs")[lo:hi],
+            "reward": v["reward"][j],
+            "status": STATUSES[v["status"][j]],
+            "turn_boundaries": list(map(tuple, column("turns")[v["turn"][j] : v["turn"][j + 1]].tolist())),
+            "domain": domain,
+            "prompt_len": v["prompt_len"][j],
+            "detail": detail,
+            "support_lengths": column("support_lengths")[lo:hi],
+            "support_ids": column("support_ids")[sup[0] : sup[1]],
+            "routes": column("routes")[v["routes"][j] : v["routes"][j + 1]].reshape(hi - lo, w) if w else None,
+            "segment": v["segment"][j],
+            "segment_kind": SEGMENT_KINDS[v["segment_kind"][j]],
+            "earlier": earlier,
+        }
+        return t
+
+
+def pack(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
+    """A batch as contiguous typed arrays, keyed and typed as in `FIELDS` (every record of every episode)."""
+    return TrajectoryBatch.of(0, trajs).columns
+
+
+def unpack(buffers: dict[str, np.ndarray]) -> list[Trajectory]:
+    """Inverse of `pack`: the episodes, their arrays views of `buffers`."""
+    return list(TrajectoryBatch.columns_of(buffers))
 
 
 def encode(batch_index: int, trajs: list[Trajectory]) -> np.ndarray:
     """Batch `batch_index` as one uint8 buffer (the layout above): what one MPI message carries."""
-    parts = _parts(trajs)
-    lengths = [_length(name, part) for name, part in parts.items()]
-    offsets, total = _layout(lengths)
-    buf = np.empty(total, np.uint8)
-    buf[: 8 * _HEAD].view(np.int64)[:] = [WIRE_MAGIC, WIRE_VERSION, batch_index, len(FIELDS), *lengths]
-    for out, part, off, end in zip(_views(buf, lengths, offsets).values(), parts.values(), offsets, [*offsets[1:], total]):
-        _fill(out, part)
-        buf[off + out.nbytes : end] = 0  # the padding: no stale memory on the wire
-    return buf
+    return TrajectoryBatch.of(batch_index, trajs).buffer
 
 
 def decode(buf) -> tuple[int, list[Trajectory]]:
-    """(batch index, trajectories) of a buffer `encode` made; ValueError naming what does not fit
-    (another format version, a truncated or padded buffer, inconsistent offsets)."""
-    buf = buf.view(np.uint8).reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
-    if len(buf) < 8 * _HEAD:
-        raise ValueError(f"trajectory batch: {len(buf)} bytes, shorter than its {8 * _HEAD}-byte header")
-    head = buf[: 8 * _HEAD].view(np.int64)
-    magic, version, batch_index, n_fields = (int(x) for x in head[:4])
-    if magic != WIRE_MAGIC:
-        raise ValueError("trajectory batch: not a snowcat trajectory batch (no magic number)")
-    if version != WIRE_VERSION or n_fields != len(FIELDS):
-        raise ValueError(
-            f"trajectory batch: wire format version {version} with {n_fields} fields;"
-            f" this snowcat reads version {WIRE_VERSION} with {len(FIELDS)} (ranks of different snowcat versions?)"
-        )
-    lengths = head[4:]
-    offsets, total = _layout(lengths) if (lengths >= 0).all() else ([], -1)
-    if total != len(buf):
-        raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {total}")
-    return batch_index, unpack(_views(buf, lengths, offsets))
+    """(batch index, episodes) of a buffer `encode` made (`TrajectoryBatch.read`)."""
+    batch = TrajectoryBatch.read(buf)
+    return batch.index, list(batch)

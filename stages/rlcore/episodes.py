@@ -1,4 +1,5 @@
-"""Batch k's episodes: `tasks_per_update` tasks x `attempts`, played by `stages.agent.run_episodes`."""
+"""Batch k's episodes: `tasks_per_update` tasks x `attempts`, played by `stages.agent.run_batch`
+straight into the columns of the batch the transport sends."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 
 import torch
 
-from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
+from snowcat.stages.agent import BatchBuffers, Budget, EpisodeJob, TrajectoryBatch, make_env, run_batch
 from snowcat.stages.agent.prompting import PromptedEnv
 from snowcat.stages.config import env_options
 from snowcat.stages.verifiers import load_verifier
@@ -26,7 +27,9 @@ def reward_verifier(spec: str, reward: str):
     return passed
 
 
-def generate_batch(engine, tok, tasks, cfg, params, seed: int, policy_version: int):
+def generate_batch(
+    engine, tok, tasks, cfg, params, seed: int, policy_version: int, batch_index: int, buffers: BatchBuffers | None = None
+) -> TrajectoryBatch:
     env = make_env(cfg.env, tok, **env_options(cfg.env, cfg))
     if cfg.rollout_prompt:  # in the context sampled in; the trainer removes it from the update's (docs/recipes.md)
         env = PromptedEnv(env, cfg.rollout_prompt)
@@ -34,6 +37,5 @@ def generate_batch(engine, tok, tasks, cfg, params, seed: int, policy_version: i
     # group_id = position of the task in the batch: the attempts at one task form one group
     jobs = [EpisodeJob(task, group_id=g, attempt=a) for g, task in enumerate(tasks) for a in range(cfg.attempts)]
     with torch.no_grad():  # sampling needs no graph (and a kept graph grows memory every batch)
-        return run_episodes(
-            engine, tok, jobs, env, params, budget, seed, policy_version, verifier=reward_verifier(cfg.verifier, cfg.reward)
-        )
+        verifier = reward_verifier(cfg.verifier, cfg.reward)
+        return run_batch(batch_index, engine, tok, jobs, env, params, budget, seed, policy_version, verifier, buffers)

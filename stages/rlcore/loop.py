@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.pipeline.retention import RetentionPolicy
-from snowcat.stages.agent import STATUSES, make_env
+from snowcat.stages.agent import STATUSES, BatchBuffers, make_env
 from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
 from snowcat.stages.agent.prompting import PromptError, PromptStripper
 from snowcat.stages.algorithms import PolicyLossConfig
@@ -32,7 +32,7 @@ from snowcat.stages.model.io import copy_model_dir, empty_model
 from snowcat.stages.rlcore.handoff import HandoffError
 from snowcat.stages.rlcore.preempt import FAILED, log
 from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logprobs
-from snowcat.stages.rlcore.transport import ReceiveBuffers, TransportError, broadcast_message, read_batch
+from snowcat.stages.rlcore.transport import TransportError, broadcast_message, read_batch
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import selection_split
@@ -137,7 +137,7 @@ class Trainer(TrainLoop):
         self.cfg, self.held_out = cfg, held_out
         self.handoff, self.transport, self.comm = handoff, transport, comm
         self.group = group  # the trainer ranks' MPI communicator (None: one trainer rank)
-        self._broadcast_buffers = ReceiveBuffers()  # trainer ranks 1..T-1: where rank 0's batches land
+        self._broadcast_buffers = BatchBuffers()  # trainer ranks 1..T-1: where rank 0's batches land
         self.local_rollout = None  # a `Rollout` producing batches in this process (world size 1)
         self.control = None  # trainer rank 0 of a multi-rank run: `preempt.TrainerControl`, the other ranks' way out
         self.peer = None  # trainer ranks 1..T-1: `preempt.RolloutControl` (role trainer), rank 0's words

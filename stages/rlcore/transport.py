@@ -1,13 +1,15 @@
-"""Trajectory transport, rollout ranks -> trainer: `send_batch(k, trajs)` / `recv_batch(k) -> trajs`.
+"""Trajectory transport, rollout ranks -> trainer: `send_batch(k, batch)` / `recv_batch(k) -> batch`.
 
-Each transport moves messages, `send_message(k, buf)` / `recv_message(k) -> buf`: the one buffer
-`stages.agent.encode` makes of batch k (a typed, versioned header and every field's array, no
-pickling). `send_batch`/`recv_batch` are that codec around them (`read_batch` checks the batch
-index and gives the trajectories as views of the buffer); the trainer ranks pass the received
-message on as it is (`broadcast_message`) rather than encoding the batch a second time.
+A batch is a `stages.agent.TrajectoryBatch`: every field one typed column, all of them in one
+buffer behind a typed, versioned header (no pickling). The rollout side writes its episodes into
+it as it makes their records (`stages.agent.run_batch`), so `send_batch` sends that buffer as it
+is; the receiving side reads the message in place (`read_batch` checks it and the batch index;
+the columns, and the Trajectory records taken from them, are views of the message). Each
+transport moves messages, `send_message(k, buf)` / `recv_message(k) -> buf`; the trainer ranks pass
+the received message on as it is (`broadcast_message`) and each reads it.
 
 `MPITransport`: one MPI message per batch. The receiver probes for it, learns its size from the
-probe and receives it into one buffer (`ReceiveBuffers`: memory of an earlier batch once nothing
+probe and receives it into one buffer (`BatchBuffers`: memory of an earlier batch once nothing
 refers to that batch any more).
 Batch k is produced by rollout rank `first_rollout + k % n_rollout` and received by the trainer
 (rank 0) in order, which MPI's non-overtaking rule guarantees per sender.
@@ -37,7 +39,6 @@ until the trainer has checkpointed past them (`discard_below`), so a resumed tra
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,11 +47,11 @@ from typing import Protocol
 import numpy as np
 
 from snowcat.pipeline.fsio import atomic_write_bytes
-from snowcat.stages.agent import Trajectory, decode, encode
+from snowcat.stages.agent import BatchBuffers, Trajectory, TrajectoryBatch
 
 _TAG = 17  # a batch
 _READY = 18  # int64 [k]: the trainer is receiving batch k now
-_UNIT = 8  # the message counts 8-byte units (encode pads to them): Open MPI 4's int counts reach 16 GiB, not 2
+_UNIT = 8  # the message counts 8-byte units (a batch's buffer is padded to them): Open MPI 4's int counts reach 16 GiB, not 2
 _SPIN_S = 2e-3  # how long a wait polls without sleeping before it backs off
 _CHECK_S = 1e-3  # how often a wait checks the preemption notice and its timeout
 
@@ -66,30 +67,35 @@ class Transport(Protocol):
 
     def recv_message(self, batch_index: int) -> np.ndarray: ...
 
-    def send_batch(self, batch_index: int, trajs: list[Trajectory]) -> None: ...
+    def send_batch(self, batch_index: int, batch: TrajectoryBatch | list[Trajectory]) -> None: ...
 
-    def recv_batch(self, batch_index: int) -> list[Trajectory]: ...
+    def recv_batch(self, batch_index: int) -> TrajectoryBatch: ...
 
 
-def read_batch(batch_index: int, buf: np.ndarray, where: str) -> list[Trajectory]:
-    """The trajectories of message `buf`, which must be batch `batch_index` (TransportError naming
-    `where` it came from otherwise)."""
+def read_batch(batch_index: int, buf: np.ndarray, where: str) -> TrajectoryBatch:
+    """The batch in message `buf`, which must be batch `batch_index` (TransportError naming `where`
+    it came from otherwise)."""
     try:
-        got, trajs = decode(buf)
+        batch = TrajectoryBatch.read(buf)
     except ValueError as e:
         raise TransportError(f"batch {batch_index} from {where}: {e}") from e
-    if got != batch_index:
-        raise TransportError(f"expected batch {batch_index} from {where}, got batch {got}")
-    return trajs
+    if batch.index != batch_index:
+        raise TransportError(f"expected batch {batch_index} from {where}, got batch {batch.index}")
+    return batch
 
 
 class _Codec:
     """`send_batch`/`recv_batch` over a transport's `send_message`/`recv_message`."""
 
-    def send_batch(self, batch_index: int, trajs: list[Trajectory]) -> None:
-        self.send_message(batch_index, encode(batch_index, trajs))
+    def send_batch(self, batch_index: int, batch: TrajectoryBatch | list[Trajectory]) -> None:
+        """Batch `batch_index`: its buffer as it is, or, given Trajectory records, written into one first."""
+        if not isinstance(batch, TrajectoryBatch):
+            batch = TrajectoryBatch.of(batch_index, batch)
+        elif batch.index != batch_index:
+            raise ValueError(f"send batch {batch_index}: the batch was written as batch {batch.index}")
+        self.send_message(batch_index, batch.buffer)
 
-    def recv_batch(self, batch_index: int) -> list[Trajectory]:
+    def recv_batch(self, batch_index: int) -> TrajectoryBatch:
         return read_batch(batch_index, self.recv_message(batch_index), self.source(batch_index))
 
 
@@ -128,31 +134,6 @@ def _as_units(buf: np.ndarray, what: str) -> np.ndarray:
     return buf.view(np.int64)
 
 
-class ReceiveBuffers:
-    """Memory for incoming messages, handed out again once nothing refers to it. Fresh memory costs
-    a page fault per 4 KiB page on first touch, and glibc maps every allocation over 32 MiB anew
-    (`bench transport`, 33 MiB batches: 0.69-0.91x of a raw transfer with a fresh buffer per batch,
-    0.81-0.99x reused). The trajectories
-    decoded from a message are views of its buffer, so a buffer is reused only when no view of it
-    is alive (CPython's reference count says so; a live view only costs new memory, never an
-    overwrite). The trainer holds batch k while it receives k+1: two buffers serve it."""
-
-    def __init__(self, keep: int = 2):
-        self.keep = keep
-        self._kept: list[np.ndarray] = []
-
-    def take(self, units: int) -> np.ndarray:
-        """An uninitialised int64 array of `units`."""
-        for buf in self._kept:
-            # references: the list, `buf` and getrefcount's argument; any more are views in use
-            if len(buf) >= units and sys.getrefcount(buf) == 3:
-                return buf[:units]
-        # room to grow (episodes vary in length); the slack's pages are touched only by a larger batch
-        fresh = np.empty(units + units // 4, np.int64)
-        self._kept = [*self._kept, fresh][-self.keep :]
-        return fresh[:units]
-
-
 def rollout_owner(batch_index: int, first_rollout: int, n_rollout: int) -> int:
     """Rollout rank that produces batch `batch_index` (round robin over the rollout ranks)."""
     return first_rollout + batch_index % n_rollout
@@ -185,7 +166,7 @@ class MPITransport(_Codec):
         self._status = MPI.Status()
         self._ready = np.empty(1, np.int64)
         self._hello = None
-        self.buffers = ReceiveBuffers()
+        self.buffers = BatchBuffers()  # where received batches land
 
     def owner(self, batch_index: int) -> int:
         return rollout_owner(batch_index, self.first_rollout, self.n_rollout)
@@ -237,7 +218,7 @@ def broadcast_message(
     *,
     timeout_s: float,
     abort: Callable[[], bool] | None = None,
-    buffers: ReceiveBuffers,
+    buffers: BatchBuffers,
 ) -> np.ndarray | None:
     """Rank 0 of `group` (the trainer ranks' communicator) gives its message to every rank of it:
     its size (0: none), then the buffer in one Bcast (the other ranks receive into `buffers`). None
