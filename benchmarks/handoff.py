@@ -33,7 +33,6 @@ import os
 import pstats
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from snowcat.benchmarks import run_python
+from snowcat.benchmarks import revision, run_python
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.pipeline.provenance import host_state
 from snowcat.stages.model import ModelConfig, MoEForCausalLM
@@ -88,7 +87,6 @@ def filesystem(path: Path) -> str:
     return kind
 
 
-REPO = Path(__file__).resolve().parent.parent
 # the code this benchmark measures: the record says whether it differs from the commit named
 MEASURED = ("stages/rlcore/handoff.py", "stages/model/shards.py", "pipeline/fsio.py", "benchmarks/handoff.py")
 ROWS = ("handoff", "handoff-sha256", "raw")
@@ -216,17 +214,6 @@ print(json.dumps(run(**json.loads(sys.argv[1]))))
 """
 
 
-def revision() -> dict:
-    """The commit measured, and which of the files that make the measured code differ from it."""
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    changed = git("diff", "--name-only", "HEAD", "--", *MEASURED)
-    return {"commit": git("rev-parse", "HEAD") or None, "uncommitted": changed.split()}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="snowcat bench handoff", description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -267,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  one pass over the same bytes on one core: sha256 {r['sha256_one_core_s']:.3f} s, crc32 {r['crc32_one_core_s']:.3f} s"
             " (the handoff takes two: publish and load)"
         )
-    host, rev = host_state(probe_gpu=False), revision()
+    host, rev = host_state(probe_gpu=False), revision(MEASURED)
     machine = {k: host[k] for k in ("hostname", "platform", "cpu_model", "memory_bytes")}
     machine |= {"cpus": host["cpu_count"], "torch": measured["torch"]}
     print(

@@ -44,10 +44,10 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 
+from snowcat.benchmarks import revision
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.pipeline.provenance import host_state
@@ -55,7 +55,6 @@ from snowcat.stages.agent import Trajectory
 
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
 ROUTE_WIDTH = 4 * 2  # demo-tiny: 4 MoE layers x top-2 experts
-REPO = Path(__file__).resolve().parents[1]
 # the code the judged row runs: the batch format, the transport, the agent loop writing batches, this benchmark
 MEASURED = ("stages/agent/trajectory.py", "stages/rlcore/transport.py", "stages/agent/loop.py", "benchmarks/transport.py")
 
@@ -224,17 +223,6 @@ def run_ranks(sizes: list[int], repeats: int) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def revision() -> dict:
-    """The commit measured, and which of the files that make the measured code differ from it."""
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    changed = git("diff", "--name-only", "HEAD", "--", *MEASURED)
-    return {"commit": git("rev-parse", "HEAD") or None, "uncommitted": changed.split()}
-
-
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
 
@@ -249,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     rows = run_ranks(sizes, args.repeats)
     load_after = os.getloadavg()
-    host, rev = host_state(probe_gpu=False), revision()
+    host, rev = host_state(probe_gpu=False), revision(MEASURED)
     machine = {k: host[k] for k in ("hostname", "platform", "cpu_model", "memory_bytes")} | {"cpus": host["cpu_count"]}
     print(f"2 ranks under mpirun, {MPI_ENV['OMPI_MCA_btl']} transport, median of {args.repeats} (ms; ratio: raw / row)")
     print(

@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from snowcat.benchmarks import revision
+
 SECTIONS = ("kernel", "vllm_logprobs", "reload", "router_replay")
 SCHEMA_VERSION = 1
 KERNEL_SHAPE = {"n": 32768, "h": 2048, "v": 128256, "dtype": "bf16"}
@@ -351,11 +353,6 @@ def _machine() -> dict:
     return {"gpu": gpu, "platform": platform.platform(), "cpus": os.cpu_count(), "versions": versions}
 
 
-def _commit() -> str | None:
-    proc = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return proc.stdout.strip() or None
-
-
 def run(only: list[str], dry: bool, budget_s: float) -> dict:
     """Each section in turn, in its own process, within `budget_s` seconds together: a section that
     finds too little time left is an error saying so, never a silent gap."""
@@ -382,7 +379,7 @@ def run(only: list[str], dry: bool, budget_s: float) -> dict:
         "benchmark": "gpu-acceptance",
         "schema": SCHEMA_VERSION,
         "dry_run": dry,
-        "commit": _commit(),
+        "commit": revision()["commit"],
         "machine": _machine(),
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "sections": sections,
