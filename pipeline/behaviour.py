@@ -113,12 +113,7 @@ def load_sides(run_dir: str | Path, refs: list[str], stage: str | None = None) -
     """(the evaluate stage, a Side per checkpoint of `refs`); UserError naming what is missing."""
     run = RunDir.open(run_dir)
     dag = build(run.config())
-    if stage is not None:
-        if stage not in dag.nodes:
-            raise UserError(f"--stage {stage!r}: no such stage in {run.path}")
-        if dag[stage].kind != "evaluate":
-            raise UserError(f"--stage {stage!r}: a {dag[stage].kind} stage; behaviour compares what an evaluate stage kept")
-    nodes = [dag[stage]] if stage is not None else [n for n in dag if n.kind == "evaluate"]
+    nodes = dag.of_kind("evaluate", stage, run.path, "behaviour compares what an evaluate stage kept")
     held = {n.name: _kept_shards(run, n) for n in nodes}
     if not any(held.values()):
         where = f"stage {stage!r} kept no" if stage is not None else "no evaluate stage kept"

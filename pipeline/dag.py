@@ -61,6 +61,17 @@ class Dag:
     def units(self) -> list[Unit]:
         return [u for node in self for u in node.units]
 
+    def of_kind(self, kind: str, stage: str | None, where, reads: str) -> list[StageNode]:
+        """The stage a command's `--stage` names, checked to be a `kind` stage (UserError naming it,
+        with what the command `reads` from one), else every `kind` stage of the run at `where`."""
+        if stage is None:
+            return [n for n in self if n.kind == kind]
+        if stage not in self.nodes:
+            raise UserError(f"--stage {stage!r}: no such stage in {where}")
+        if self.nodes[stage].kind != kind:
+            raise UserError(f"--stage {stage!r}: a {self.nodes[stage].kind} stage; {reads}")
+        return [self.nodes[stage]]
+
     def downstream(self, name: str) -> set[str]:
         """Every stage that (transitively) needs `name`."""
         out: set[str] = set()

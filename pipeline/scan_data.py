@@ -125,12 +125,7 @@ def scan(run_dir: str | Path, pattern_text: str, stage: str | None = None) -> di
     pattern = compile_pattern(pattern_text)  # refused before anything is read
     run = RunDir.open(run_dir)
     dag = build(run.config())
-    if stage is not None:
-        if stage not in dag.nodes:
-            raise UserError(f"--stage {stage!r}: no such stage in {run.path}")
-        if dag[stage].kind != "sft":
-            raise UserError(f"--stage {stage!r}: a {dag[stage].kind} stage; scan-data reads what an sft stage trained on")
-    nodes = [dag[stage]] if stage is not None else [n for n in dag if n.kind == "sft"]
+    nodes = dag.of_kind("sft", stage, run.path, "scan-data reads what an sft stage trained on")
     if not nodes:
         raise UserError(f"{run.path}: no sft stage")
     composed = run.config()
