@@ -15,7 +15,7 @@ from snowcat.stages.algorithms.advantages import (
     rloo_n_advantages,
     valid_from_status,
 )
-from snowcat.stages.algorithms.loss import AGGREGATIONS, PolicyLossConfig, aggregate, mismatch_stats, policy_loss
+from snowcat.stages.algorithms.loss import AGGREGATIONS, PolicyLossConfig, aggregate, masked_mean, mismatch_stats, policy_loss
 
 __all__ = [
     "AGGREGATIONS",
@@ -25,6 +25,7 @@ __all__ = [
     "compute_advantages",
     "dr_grpo_advantages",
     "grpo_advantages",
+    "masked_mean",
     "mismatch_stats",
     "policy_loss",
     "rloo_advantages",

@@ -88,7 +88,7 @@ def policy_loss(
     if cfg.clip_low is not None:
         high = cfg.clip_high if cfg.clip_high is not None else cfg.clip_low
         pg_clipped = -adv * ratio.clamp(1 - cfg.clip_low, 1 + high)
-        clipped_frac = _masked_mean((pg_clipped > pg).to(logp.dtype), mask)
+        clipped_frac = masked_mean((pg_clipped > pg).to(logp.dtype), mask)
         pg = torch.maximum(pg, pg_clipped)
     weight = torch.ones_like(logp)
     if cfg.tis_cap is not None:
@@ -100,18 +100,19 @@ def policy_loss(
             raise UserError("kl_coef > 0 needs reference-model logprobs (logp_ref)")
         kl = k3_kl(logp, logp_ref)
         per_token = per_token + cfg.kl_coef * kl
-        stats["kl"] = _masked_mean(kl, mask).item()
+        stats["kl"] = masked_mean(kl, mask).item()
     if cfg.entropy_coef:
         if entropy is None:
             raise UserError("entropy_coef > 0 needs per-token entropy")
         per_token = per_token - cfg.entropy_coef * entropy
-        stats["entropy"] = _masked_mean(entropy, mask).item()
+        stats["entropy"] = masked_mean(entropy, mask).item()
     loss = aggregate(per_token, mask, cfg.aggregation, cfg.length_const)
-    stats.update(loss=loss.item(), ppo_clip_frac=float(clipped_frac), tis_weight_mean=_masked_mean(weight, mask).item())
+    stats.update(loss=loss.item(), ppo_clip_frac=float(clipped_frac), tis_weight_mean=masked_mean(weight, mask).item())
     return loss, stats
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of `x` over the tokens `mask` keeps, detached: a statistic, never a loss term."""
     return (x.detach() * mask).sum() / mask.sum().clamp(min=1)
 
 

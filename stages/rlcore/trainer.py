@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from snowcat.stages.agent import Trajectory
-from snowcat.stages.algorithms import PolicyLossConfig, compute_advantages, mismatch_stats, policy_loss
+from snowcat.stages.algorithms import PolicyLossConfig, compute_advantages, masked_mean, mismatch_stats, policy_loss
 from snowcat.stages.rollout import SamplingParams, support_ids
 
 
@@ -173,10 +173,6 @@ def support_rebuilt_frac(batch: dict) -> float:
     return float((recorded[sel] < 0).all(dim=1).float().mean())
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=None, replay: bool = False):
     """loss_fn(model, batch, n_tokens, n_micro) for `stages.train` backends: the TIS policy loss
     (+ router losses); its stats include the engine-vs-trainer mismatch of this very batch.
@@ -207,7 +203,7 @@ def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=N
         tokens = mask.sum()
         res = {f"loss/{k}": torch.tensor(float(v)) for k, v in stats.items()}
         res |= {f"mismatch/{k}": torch.tensor(float(v)) for k, v in mism.items()}
-        res["staleness/mean_abs_dlogp"] = _masked_mean((logp.detach() - logp_old).abs(), mask)
+        res["staleness/mean_abs_dlogp"] = masked_mean((logp.detach() - logp_old).abs(), mask)
         if not params.is_full_distribution:
             res["mismatch/support_rebuilt_frac"] = torch.tensor(support_rebuilt_frac(batch))
         if "routes" in batch and out.routes is not None:  # measured with and without replay
