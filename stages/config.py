@@ -667,7 +667,30 @@ class RlConfig(Parallelism):
                     yield key, "not with backend megatron and pipeline_parallel > 1 (its extra forward runs outside the pipeline)"
         if self.router_replay and self.engine == "vllm":  # `auto` is resolved to the site's engine by now
             yield "router_replay", "needs engine: torch (the vLLM engine does not return the experts it routed each token to)"
+        yield from self._rank_problems()
         yield from self._recipe_problems()
+
+    def _rank_problems(self) -> Iterator[Problem]:
+        """What the ranks the stage asks for can do, known from its resources before anything runs
+        (stages/rl.py checks the ranks it got again): rank 0 trains and the others roll out, or the
+        `trainer` component's ranks train."""
+        res = getattr(self, "resources", None)
+        if res is None:
+            return
+        if res.components:
+            world = sum(c.nodes * c.tasks_per_node for c in res.components.values())
+            trainer = res.components.get("trainer")
+            trainers = trainer.nodes * trainer.tasks_per_node if trainer else 1
+        else:
+            world, trainers = res.nodes * res.tasks_per_node, 1
+        if self.transport == "mpi" and world < 2:
+            yield "transport", "mpi needs a world of at least 2 ranks (1 trainer + rollout ranks)"
+        if trainers > self.tasks_per_update * self.attempts:
+            yield (
+                "tasks_per_update",
+                f"{self.tasks_per_update} tasks x {self.attempts} attempts is fewer trajectories per batch than the "
+                f"{trainers} trainer ranks",
+            )
 
     def _recipe_problems(self) -> Iterator[Problem]:
         if self.domain_weights and self.domains:

@@ -80,3 +80,17 @@ def test_stage_seeds_are_stable_and_distinct():
     assert (
         len({config.stage_seed(1, "a"), config.stage_seed(1, "b"), config.stage_seed(2, "a"), config.stage_seed(1, "a", 0)}) == 4
     )
+
+
+def test_rl_rank_layout_problems_are_found_at_load_not_on_the_ranks():
+    from snowcat.pipeline.config import stage_config  # noqa: PLC0415
+
+    with pytest.raises(UserError, match=r"^stages\.rl\.transport: mpi needs a world of at least 2 ranks"):
+        stage_config("rl", {"transport": "mpi"})
+    four_trainers = {"components": {"trainer": {"nodes": 1, "tasks_per_node": 4}, "rollout": {"nodes": 1, "tasks_per_node": 1}}}
+    with pytest.raises(
+        UserError, match=r"^stages\.rl\.tasks_per_update: 1 tasks x 2 attempts is fewer trajectories .* 4 trainer ranks"
+    ):
+        stage_config("rl", {"resources": four_trainers, "tasks_per_update": 1, "attempts": 2})
+    assert stage_config("rl", {"resources": four_trainers, "tasks_per_update": 2, "attempts": 2}).tasks_per_update == 2
+    assert stage_config("rl", {"transport": "mpi", "resources": {"tasks_per_node": 2}}).transport == "mpi"
