@@ -53,13 +53,7 @@ def paired_bootstrap_ci(
     """Percentile interval for mean(b - a), resampling tasks with replacement (pairs stay together).
     Undefined (NaN) below 2 tasks, as the standard error is: one task resamples to itself."""
     d = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
-    if d.size < 2:
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, d.size, size=(n_boot, d.size))].mean(axis=1)
-    tail = (1.0 - confidence) / 2
-    lo, hi = np.quantile(means, [tail, 1.0 - tail])
-    return float(lo), float(hi)
+    return bootstrap_ci(d, seed=seed, n_boot=n_boot, confidence=confidence)
 
 
 def mean_outcome_reward(task_rewards: Sequence[float | None]) -> float:
