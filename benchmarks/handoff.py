@@ -43,9 +43,10 @@ import numpy as np
 import torch
 
 from snowcat.benchmarks import revision, run_python
+from snowcat.benchmarks.trainer_memory import bench_model
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.pipeline.provenance import host_state
-from snowcat.stages.model import ModelConfig, MoEForCausalLM
+from snowcat.stages.model import MoEForCausalLM
 from snowcat.stages.rlcore.handoff import WeightHandoff
 
 # (label, file suffix, function name) of the profiled phases; cumulative seconds, so nested phases
@@ -60,20 +61,6 @@ PHASES = (
     ("load: read + crc32 the shards into the model", "stages/model/shards.py", "read_shards_into"),
     ("load: the shards' headers", "stages/model/shards.py", "_plan"),
 )
-
-
-def model_config(hidden: int, layers: int, experts: int) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=32768,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=hidden // 8,
-        num_experts=experts,
-        experts_per_token=2,
-        moe_intermediate_size=hidden,
-    )
 
 
 def filesystem(path: Path) -> str:
@@ -197,7 +184,7 @@ def measure(base: Path, model, target, repeats: int) -> dict:
 
 def run(shape: dict, dirs: list[str], repeats: int) -> dict:
     """The measurements, in the child process (see CHILD)."""
-    cfg = model_config(shape["hidden"], shape["layers"], shape["experts"])
+    cfg = bench_model(shape["hidden"], shape["layers"], shape["experts"], vocab=32768, seq=2048)  # as trainer-memory's
     torch.manual_seed(0)
     model, target = MoEForCausalLM(cfg), MoEForCausalLM(cfg)
     results = [measure(Path(d), model, target, repeats) for d in dirs]
