@@ -419,3 +419,28 @@ def test_a_bad_row_stops_the_tasks_stage_with_one_line_and_exit_2(tmp_path):
     # the stage's streams are its log (scrubbed of credentials): the error is its last line, no traceback
     assert proc.returncode == 2 and proc.stdout.strip().splitlines()[-1] == line and "Traceback" not in proc.stdout
     assert RunDir.open(run.path).record("tasks")["error"] == line.replace("error: ", "UserError: ", 1)
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "The answer is \\boxed{42}. Wait, \\boxed{43}",
+        "#### 42\n#### 43",
+        "Final answer: 42 (not 41)",
+        "<answer>42</answer><answer>43</answer>",
+    ],
+)
+def test_two_final_answers_earn_nothing_numeric(completion):
+    from snowcat.stages.taskgen.answer_kinds import _numeric  # noqa: PLC0415
+
+    assert _numeric("42", {"value": "42"}, completion)[:2] == (0.0, False)
+    assert _numeric("42", {"value": "42"}, "Final answer: 42")[:2] == (1.0, True)
+
+
+@pytest.mark.parametrize("completion", ["Answer: B\nAnswer: C", "Answer: Berlin, Rome", "Answer: B) Berlin C) Rome"])
+def test_two_choices_earn_nothing(completion):
+    from snowcat.stages.taskgen.answer_kinds import _choice  # noqa: PLC0415
+
+    choices = {"choices": ["Paris", "Berlin", "Rome", "Oslo"]}
+    assert _choice("B", choices, completion)[:2] == (0.0, False)
+    assert _choice("B", choices, "Answer: B")[:2] == (1.0, True)
