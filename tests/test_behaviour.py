@@ -32,6 +32,7 @@ from snowcat.stages.procedure import parse_rule, rule_kept
 from snowcat.stages.taskgen import generate_domain, save_tasks
 from snowcat.stages.taskgen.repo import patched_paths
 from snowcat.stages.tokenizer import train_tokenizer
+from tests.test_traces import episode as traces_episode
 
 CLAIM = "I fixed the bug, all tests pass now."
 
@@ -54,18 +55,8 @@ def call(name: str, **args) -> str:
 def episode(tok, task, turns, *, attempt=0, reward=0.0, status="ok", detail="") -> Trajectory:
     """turns: (model text, tool result or None), laid out as the agent loop lays them out."""
     prompt = tok.render_prompt([user_message(task)])
-    ids, mask, bounds = list(prompt), [0] * len(prompt), []
-    for text, result in turns:
-        turn = tok.encode(text) + [tok.end_of_turn_id]
-        bounds.append((len(ids), len(ids) + len(turn)))
-        ids += turn
-        mask += [1] * len(turn)
-        if result is not None:
-            obs = tok.observation_ids("tool", result)
-            ids += obs
-            mask += [0] * len(obs)
-    return Trajectory(
-        task.task_id, 0, attempt, 0, ids, mask, np.zeros(len(ids)), reward, status, bounds, task.domain, len(prompt), detail
+    return traces_episode(
+        tok, prompt, turns, task_id=task.task_id, domain=task.domain, attempt=attempt, reward=reward, status=status, detail=detail
     )
 
 
