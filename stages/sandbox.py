@@ -48,7 +48,8 @@ LocalSandbox, what it guarantees when running as root (the isolating mode, `isol
   * resources, for the call as a whole where a cgroup can be made (`stages.cgroup`: v2 with
     delegation, or v1 as root): memory incl. swap, process count, CPU seconds summed over every
     process of the call. Per process, always (setrlimit before exec): CPU seconds, address
-    space, file size, process count; the parent caps stdout+stderr and kills the command when it
+    space, file size; process count only where no cgroup caps the call (RLIMIT_NPROC counts the
+    uid's processes host-wide, so calls running side by side would share it); the parent caps stdout+stderr and kills the command when it
     writes more. Where no cgroup can be made (`Sandbox.caps == "rlimit"`), a call of N processes
     may hold N times the memory limit.
 Without root (`os.geteuid() != 0`) the same namespaces are made inside an unprivileged user
@@ -379,7 +380,10 @@ class Sandbox:
         resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_bytes, lim.file_bytes))
-        resource.setrlimit(resource.RLIMIT_NPROC, (lim.nproc, lim.nproc))
+        if group is None:
+            # RLIMIT_NPROC counts every process of the uid on the host, so it couples calls that run
+            # side by side as nobody: only the fallback when no group caps this call's own pids.
+            resource.setrlimit(resource.RLIMIT_NPROC, (lim.nproc, lim.nproc))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     def _env(self) -> dict[str, str]:

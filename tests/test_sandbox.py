@@ -161,6 +161,22 @@ def test_fork_and_allocate_bomb_is_held_by_the_call_cap():
 
 
 @needs_root
+@needs_cgroup
+def test_calls_side_by_side_do_not_share_a_process_count():
+    # Other sandboxes' commands also run as nobody: 70 of them alive on the host must not make this
+    # call's forks fail under its own cap of 64 (RLIMIT_NPROC would count them all together).
+    others = [subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"]) for _ in range(70)]
+    try:
+        with LocalSandbox(limits=Limits(nproc=64)) as sb:
+            r = sb.run("for i in $(seq 10); do sleep 0.2 & done; wait; echo forked", timeout_s=60)
+        assert (r.status, r.exit_code, r.stdout) == ("ok", 0, "forked\n"), r
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()
+
+
+@needs_root
 def test_wall_time_kills_everything(sandbox):
     # A background child that would outlive its parent is killed with the tool call's namespace.
     r = sandbox.run("(sleep 2; touch late) & sleep 30", timeout_s=1)
