@@ -14,8 +14,10 @@ attempt per task). The report also holds:
   - winners and losers: on each task one checkpoint passed at least once and the other never, whether
     the loser opened or edited the files the winner's passing attempts edited (the seed's "reached
     the same file");
-  - wall time: not recorded per episode; each checkpoint's sampling seconds (evaluate's
-    `<checkpoint>/sample_s`) are shown as they are;
+  - wall time: each episode's seconds from the start of play to its end (batch-mates' turns
+    included: the agent loop advances a batch together) and its own environment and verifier
+    seconds, from the timings beside the records (stages/agent/behaviour_records.py), as measures;
+    each checkpoint's sampling seconds (evaluate's `<checkpoint>/sample_s`) beside them;
   - with `--grep PATTERN`: per checkpoint the attempts whose reasoning or actions (the model's turns,
     not the prompt or tool output) match the regular expression, as a behaviour, with examples.
 The Markdown and the figures are pipeline/behaviour_report.py's.
@@ -86,6 +88,9 @@ MEASURES: dict[str, tuple[str, object]] = {
     "action_tokens_est": ("action tokens (est.)", lambda r: r["action_tokens_est"]),
     "tool_output_tokens": ("tool output tokens", lambda r: r["tool_output_tokens"]),
     "reasoning_share": ("reasoning share of the model's characters", lambda r: _share(r)),
+    # from the timings beside the records (None where a shard has none: kept before they were written)
+    "wall_s": ("wall seconds to the episode's end (batch-mates' turns included)", lambda r: r.get("wall_s")),
+    "env_s": ("its own tool and verifier seconds", lambda r: r.get("env_s")),
 }
 
 
@@ -138,6 +143,8 @@ def load_sides(run_dir: str | Path, refs: list[str], stage: str | None = None) -
             path = behaviour_records.records_path(root, entry["file"])
             if path.is_file():
                 records, side.procedure = behaviour_records.read_records(path)
+                timings = behaviour_records.read_timings(path) or {}
+                records = [r | {k: v for k, v in timings.get(r["id"], {}).items() if k != "id"} for r in records]
             else:  # kept before behaviour records were written: the same function, here
                 rows = pq.read_table(shard, columns=behaviour_records.ROW_COLUMNS).to_pylist()
                 records, side.procedure, side.computed = [behaviour_records.record(r, procedure) for r in rows], procedure, True

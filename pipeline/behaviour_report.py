@@ -66,16 +66,18 @@ def render(report: dict, figures: list[str] = ()) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for key, row in report["measures"].items():
-        spec = "{:.3f}" if key == "reasoning_share" else "{:.1f}"
-        diff, p = _paired(row["paired"], "{:+.3f}" if key == "reasoning_share" else "{:+.1f}")
+        precise = key == "reasoning_share" or key.endswith("_s")
+        spec = "{:.3f}" if precise else "{:.1f}"
+        diff, p = _paired(row["paired"], "{:+.3f}" if precise else "{:+.1f}")
         lines.append(
             f"| {row['label']} | {_interval(row['a'], spec)} | {_f(row['a']['mean_passed'], spec)} | "
             f"{_interval(row['b'], spec)} | {_f(row['b']['mean_passed'], spec)} | {diff} | {p} |"
         )
     lines += ["", *winners_table(report["winners_and_losers"]), "", "## Wall time", ""]
     lines.append(
-        "Not recorded per attempt: the agent loop advances all episodes together. Sampling and verifying every "
-        "episode took "
+        "Per attempt in the table above (wall seconds to the episode's end count its batch-mates' turns: the agent "
+        "loop advances a batch together; where a shard was kept without timings those rows are empty). Sampling and "
+        "verifying every episode took "
         + "; ".join(f"{s['checkpoint']}: {_f(s['sample_s'], '{:.1f} s')}" for s in (a, b))
         + " (evaluate's `<checkpoint>/sample_s`, with the attempts a sample kept or not)."
     )

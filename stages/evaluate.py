@@ -12,7 +12,7 @@ Outputs in the stage dir: `traces.h5` (one row per attempt), `results.json`, `pa
 the episodes kept as a dataset in `trajectories/`, a shard per checkpoint (`keep_trajectories`;
 stages/agent/dataset.py), with each kept episode's behaviour record in `behaviour/` (files opened and
 edited against the gold patch's, test runs before the completion claim, tokens by kind, the
-configured `procedure`: stages/agent/behaviour_records.py).
+configured `procedure`: stages/agent/behaviour_records.py) and its seconds beside it (`.timing.jsonl`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json, nan_to_null
 from snowcat.stages import evalstats
 from snowcat.stages.agent import Budget, Trajectory, behaviour, make_env
-from snowcat.stages.agent.behaviour_records import write_records
+from snowcat.stages.agent.behaviour_records import write_records, write_timings
 from snowcat.stages.agent.context import context_behaviour, is_failure, with_context
 from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
 from snowcat.stages.agent.summariser import context_policy
@@ -107,6 +107,7 @@ def sample_and_verify(
         shard = writer.write(ref, trajectories, tokenizer, checkpoint=ref, tasks=by_id, passed=passed)
         if shard is not None:
             write_records(shard, cfg.procedure)
+            write_timings(shard, trajectories)  # the loop's episodes only (single-turn ones are not timed)
 
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (tok.end_of_turn_id,))
     common = dict(

@@ -24,7 +24,15 @@ from snowcat.pipeline.fsio import read_json
 from snowcat.pipeline.rundir import RunDir
 from snowcat.stages import evalstats
 from snowcat.stages.agent import Trajectory
-from snowcat.stages.agent.behaviour_records import DIRNAME, read_paths, read_records, record, repo_path, write_records
+from snowcat.stages.agent.behaviour_records import (
+    DIRNAME,
+    read_paths,
+    read_records,
+    record,
+    repo_path,
+    write_records,
+    write_timings,
+)
 from snowcat.stages.agent.dataset import DIRNAME as KEPT
 from snowcat.stages.agent.dataset import TrajectoryWriter
 from snowcat.stages.agent.repo_env import tool_call_text, user_message
@@ -222,7 +230,12 @@ def behaviour_run(tmp_path_factory, tok, tasks):
     unit = run.unit_dir(Unit("eval"))
     for ref, plan in PLAN.items():
         trajs = [make[kind](tok, task, i) for task, kinds in zip(tasks, plan) for i, kind in enumerate(kinds)]
-        write_records(kept(unit, tok, tasks, ref, trajs))
+        shard = kept(unit, tok, tasks, ref, trajs)
+        write_records(shard)
+        if ref == "sft:final":  # as the agent loop times its episodes: episode j took j + 1 s, half of it tools
+            for j, t in enumerate(trajs):
+                t.timing = {"wall_s": j + 1.0, "generate_s": (j + 1.0) / 2, "env_s": (j + 1.0) / 2}
+            write_timings(shard, trajs)
     run.mark_done(Unit("eval"), {"duration_s": 1.0, "sft:initial/sample_s": 2.5, "sft:final/sample_s": 3.0}, {})
     return run
 
@@ -257,7 +270,13 @@ def test_rates_intervals_paired_test_and_winners(behaviour_run, tasks, tmp_path,
         "tasks": 1, "loser_reached": 1, "loser_edited": 0, "loser_opened_gold": 1, "winner_edited_nothing": 0
     }  # fmt: skip
     md = out.read_text()
-    assert "| edited a relevant file | 3/8 |" in md and "## Winners and losers" in md and "Not recorded per attempt" in md
+    assert "| edited a relevant file | 3/8 |" in md and "## Winners and losers" in md and "## Wall time" in md
+    # wall seconds per task (B's episodes 1..8 s, two per task): 1.5, 3.5, 5.5, 7.5; A kept none
+    wall = report["measures"]["wall_s"]
+    assert wall["b"]["mean"] == pytest.approx(4.5) and wall["b"]["episodes"] == 8 and wall["a"]["episodes"] == 0
+    assert wall["b"]["mean_passed"] == pytest.approx(np.mean([1, 2, 3, 4, 5]))  # the fixers: episodes 1-5
+    assert report["measures"]["env_s"]["b"]["mean"] == pytest.approx(2.25)
+    assert "| wall seconds to the episode's end (batch-mates' turns included) | n/a [n/a, n/a] |" in md
     for figure in ("b-rates.png", "b-tokens.png"):
         assert (out.parent / figure).read_bytes()[:4] == b"\x89PNG" and f"]({figure})" in md
     assert capsys.readouterr().out == md

@@ -1,7 +1,8 @@
 """Records stay reproducible: a small run that keeps trajectories (evaluate, single-turn and through the
 agent loop), run twice from the same config, gives byte-identical hashed outputs (the shards, their
-card and the behaviour records beside them); its timings are
-metrics named with a time unit, the only fields `snowcat reproduce` leaves out.
+card and the behaviour records beside them); its timings are metrics and the agent loop's
+per-episode seconds (JSON Lines beside the records), named with a time unit: the only fields
+`snowcat reproduce` leaves out.
 
 The run is made in this process through the real stage runner (seconds, not the minutes of the
 shared CLI runs in tests/test_reproduce.py, which cover the subprocess and code-restoring side)."""
@@ -89,11 +90,12 @@ def test_a_run_with_trajectories_reproduces_identically(report):
     assert rep["ok"], {k: s["problems"] for k, s in rep["stages"].items() if s["problems"]}
     for stage in EVALS:
         s = rep["stages"][stage]
-        # the dataset card and the shards are equal byte for byte (only JSON may be compared narrowed)
-        assert all(rel.endswith(".json") for rel in s["files_equal_narrowed"])
-        # only timings were left out, and only from the metrics
-        assert set(s["excluded_fields"]) == {"metrics.json"}
-        assert all(why.startswith("a duration") for why in s["excluded_fields"]["metrics.json"].values())
+        # the dataset card, the shards and the records are equal byte for byte (only JSON may be compared narrowed)
+        assert all(rel.endswith((".json", ".timing.jsonl")) for rel in s["files_equal_narrowed"])
+        # only timings were left out: from the metrics, and the agent loop's per-episode seconds
+        timed = {"metrics.json"} | ({f"{behaviour_records.DIRNAME}/sft_final.timing.jsonl"} if stage == "eval_calc" else set())
+        assert set(s["excluded_fields"]) == timed, s["excluded_fields"]
+        assert all(why.startswith("a duration") for f in timed for why in s["excluded_fields"][f].values())
 
 
 def test_the_card_holds_nothing_volatile_and_the_timings_are_metrics(report):
@@ -110,3 +112,17 @@ def test_the_card_holds_nothing_volatile_and_the_timings_are_metrics(report):
         refs = original.config().stages[stage].checkpoints
         assert {f"{ref}/sample_s" for ref in refs} <= set(metrics)
         assert all(metrics[f"{ref}/sample_s"] >= 0 for ref in refs)
+
+
+def test_episodes_the_agent_loop_played_have_their_seconds_beside_their_records(report):
+    original, _ = report
+    single = original.unit_dir(Unit("eval")) / behaviour_records.DIRNAME
+    assert not list(single.glob("*.timing.jsonl"))  # single-turn attempts are not played by the loop
+    records = original.unit_dir(Unit("eval_calc")) / behaviour_records.DIRNAME / "sft_final.parquet"
+    rows, _ = behaviour_records.read_records(records)
+    timings = behaviour_records.read_timings(records)
+    assert list(timings) == [r["id"] for r in rows]  # one line per record, in the records' order
+    for t in timings.values():
+        assert set(t) == {"id", "wall_s", "generate_s", "env_s"}
+        # the episode's own parts lie within its wall time (one batch: generate calls and its tool calls)
+        assert 0 < t["generate_s"] <= t["wall_s"] and 0 <= t["env_s"] <= t["wall_s"]

@@ -4,9 +4,14 @@ model, no tokenizer, no sandbox), stored as Parquet beside the kept trajectories
 Layout: `<unit dir>/behaviour/<shard>.parquet` beside `<unit dir>/trajectories/<shard>.parquet`, one
 record per kept episode in the same order. Not inside `trajectories/`: `datasets` reads every Parquet
 file there as rows of one schema. Written atomically, a pure function of the shard and the procedure,
-so a reproduction writes it byte for byte again (nothing timed: per-episode wall time is not recorded
-at all, the loop advances all episodes together; evaluate's `<checkpoint>/sample_s` metric is the
-shard's). The procedure's rules are in the file's metadata (`snowcat.procedure`).
+so a reproduction writes it byte for byte again (nothing timed). The procedure's rules are in the
+file's metadata (`snowcat.procedure`).
+
+Timings: `<unit dir>/behaviour/<shard>.timing.jsonl`, one line per record in the same order, `{"id",
+"wall_s", "generate_s", "env_s"}` (stages/agent/loop.py, "Timing": wall seconds from the start of
+play to the episode's end, batch-mates' turns included; the seconds of the batched generate calls it
+was live in; its own environment and verifier seconds). JSON Lines whose only values besides the id
+are durations, so `snowcat reproduce` compares the ids and leaves the seconds out (pipeline/volatile.py).
 
 Columns (`SCHEMA`; the rules in docs/analysis.md, "Behaviour records"):
     id .. reward           the episode, as in the trajectory row (env: the environment that played it)
@@ -272,6 +277,35 @@ def write_records(shard: str | Path, procedure: tuple[str, ...] | list[str] = DE
     path = records_path(shard.parent, shard.name)
     atomic_write_bytes(path, buf.getvalue())
     return path
+
+
+def timings_path(records: str | Path) -> Path:
+    """The timings beside a records file (`behaviour/<shard>.parquet` -> `behaviour/<shard>.timing.jsonl`)."""
+    return Path(records).with_suffix(".timing.jsonl")
+
+
+def write_timings(shard: str | Path, trajectories: list) -> Path | None:
+    """The kept episodes' seconds (their `Trajectory.timing`), beside the shard's records; None when
+    the episodes were not timed (not played by the agent loop)."""
+    shard = Path(shard)
+    ids = pq.read_table(shard, columns=["id"]).column("id").to_pylist()
+    lines = []
+    for row_id in ids:  # "<shard>/<index into the episodes written>"
+        timing = trajectories[int(row_id.rsplit("/", 1)[1])].timing
+        if timing is None:
+            return None
+        lines.append(json.dumps({"id": row_id, **{k: round(v, 6) for k, v in timing.items()}}))
+    path = timings_path(records_path(shard.parent, shard.name))
+    atomic_write_bytes(path, "".join(line + "\n" for line in lines).encode())
+    return path
+
+
+def read_timings(records: str | Path) -> dict[str, dict] | None:
+    """{record id: its seconds} from the timings beside a records file; None when there are none."""
+    path = timings_path(records)
+    if not path.exists():
+        return None
+    return {t["id"]: t for t in map(json.loads, path.read_text().splitlines())}
 
 
 def read_records(path: str | Path) -> tuple[list[dict], list[str]]:

@@ -20,6 +20,11 @@ trained only on what was sampled in it. A summary that cannot be written is `inf
 
 Determinism: turn t of episode (group_id, attempt) samples from a generator seeded by
 `episode_seed(seed, group_id, attempt, t)`, independent of which other episodes share the batch.
+
+Timing: each trajectory's `timing` holds the episode's wall seconds from the start of play to its
+end (batch-mates' turns included: episodes advance together), the seconds of the batched `generate`
+calls of the turns it was live in, and its own environment and verifier seconds. Volatile by name
+(pipeline/volatile.py) and outside every hashed record: the trainer and the kept shards never see it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import dataclasses
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -86,6 +92,11 @@ class _Episode:
     done: list[dict] = field(default_factory=list)
     carried: list[tuple[int, int]] = field(default_factory=list)
     summary: str = ""
+    # seconds (see the module docstring): play's start, when it ended, generate calls, own tool time
+    started: float = field(default_factory=time.perf_counter)
+    ended: float | None = None
+    generate_s: float = 0.0
+    env_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.mask = [0] * len(self.ids)
@@ -101,6 +112,11 @@ class _Episode:
 
     def end(self, status: str, reward: float = 0.0, detail: str = "") -> None:
         self.status, self.reward, self.detail = status, float(reward), detail
+        self.ended = time.perf_counter()
+
+    @property
+    def timing(self) -> dict[str, float]:
+        return {"wall_s": (self.ended or time.perf_counter()) - self.started, "generate_s": self.generate_s, "env_s": self.env_s}
 
     @property
     def context_turns(self) -> list[tuple[int, int]]:
@@ -166,14 +182,17 @@ def _play(engine, tokenizer, jobs: list[EpisodeJob], env, params, budget: Budget
     stop_ids = tuple(dict.fromkeys((*params.stop_ids, tokenizer.end_of_turn_id)))
     policy = getattr(env, "context_policy", None)  # stages/agent/context.py; None: keep everything
     episodes = []
+    start = time.perf_counter()
     try:
         for job in jobs:
             prompt = env.prompt(job.task)
-            episodes.append(e := _Episode(job, list(prompt), len(prompt), {}))
+            episodes.append(e := _Episode(job, list(prompt), len(prompt), {}, started=start))
+            t0 = time.perf_counter()
             try:
                 e.state = env.reset(job.task)
             except Exception as exc:  # e.g. a sandbox that cannot be made: infrastructure
                 e.end("infra_error", detail=f"environment reset: {exc!r}")
+            e.env_s += time.perf_counter() - t0
         for turn in range(budget.max_turns):
             for e in episodes:
                 if policy is not None and e.status is None and policy.due(len(e.ids), len(e.context_turns)):
@@ -188,12 +207,16 @@ def _play(engine, tokenizer, jobs: list[EpisodeJob], env, params, budget: Budget
             room = max(budget.max_context - len(e.ids) for e in live)
             turn_params = dataclasses.replace(params, max_tokens=min(budget.max_turn_tokens, room), stop_ids=stop_ids)
             seeds = [episode_seed(seed, e.job.group_id, e.job.attempt, turn) for e in live]
+            t0 = time.perf_counter()
             try:
                 completions = engine.generate_seeded([e.ids for e in live], turn_params, seeds)
             except Exception as exc:  # any engine failure is infrastructure
                 for e in live:
                     e.end("infra_error", detail=f"engine: {exc}")
                 break
+            finally:
+                for e in live:
+                    e.generate_s += time.perf_counter() - t0
             advance = functools.partial(_advance, turn=turn, env=env, tok=tokenizer, budget=budget, verifier=locked)
             workers = min(len(live), len(os.sched_getaffinity(0))) if env.parallel else 1
             if workers > 1:  # a parallel env's tool calls (sandboxed processes) of different episodes at once
@@ -211,6 +234,14 @@ def _play(engine, tokenizer, jobs: list[EpisodeJob], env, params, budget: Budget
 
 
 def _advance(e: _Episode, c, turn: int, env, tok, budget: Budget, verifier) -> None:
+    t0 = time.perf_counter()
+    try:
+        _take_turn(e, c, turn, env, tok, budget, verifier)
+    finally:
+        e.env_s += time.perf_counter() - t0
+
+
+def _take_turn(e: _Episode, c, turn: int, env, tok, budget: Budget, verifier) -> None:
     room = budget.max_context - len(e.ids)
     ids, logprobs = list(c.token_ids[:room]), list(c.logprobs[:room])
     start = len(e.ids)
@@ -322,4 +353,4 @@ def _records(e: _Episode, policy_version: int) -> list[dict]:
 def _trajectory(e: _Episode, policy_version: int) -> Trajectory:
     """The episode's record (its current context), holding the records of its earlier contexts."""
     *earlier, last = _records(e, policy_version)
-    return Trajectory(**last, earlier=tuple(Trajectory(**r) for r in earlier))
+    return Trajectory(**last, earlier=tuple(Trajectory(**r) for r in earlier), timing=e.timing)

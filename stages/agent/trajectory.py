@@ -99,6 +99,9 @@ class Trajectory:
     segment: int = 0
     segment_kind: str = "context"
     earlier: tuple = ()
+    # The episode's seconds as the agent loop played it (stages/agent/loop.py, "Timing"): volatile,
+    # so never sent, compared or written with the record; None where not played here.
+    timing: dict[str, float] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
