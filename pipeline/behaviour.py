@@ -84,8 +84,9 @@ MEASURES: dict[str, tuple[str, object]] = {
     "test_runs": ("test runs", lambda r: r["test_runs"]),
     "edits": ("edits", lambda r: r["edits"]),
     "model_tokens": ("model tokens", lambda r: r["model_tokens"]),
-    "reasoning_tokens_est": ("reasoning tokens (est.)", lambda r: r["reasoning_tokens_est"]),
-    "action_tokens_est": ("action tokens (est.)", lambda r: r["action_tokens_est"]),
+    # records stored by earlier versions name the character-based split `*_tokens_est`
+    "reasoning_tokens": ("reasoning tokens", lambda r: r.get("reasoning_tokens", r.get("reasoning_tokens_est"))),
+    "action_tokens": ("action tokens", lambda r: r.get("action_tokens", r.get("action_tokens_est"))),
     "tool_output_tokens": ("tool output tokens", lambda r: r["tool_output_tokens"]),
     "reasoning_share": ("reasoning share of the model's characters", lambda r: _share(r)),
     # from the timings beside the records (None where a shard has none: kept before they were written)
@@ -146,7 +147,7 @@ def load_sides(run_dir: str | Path, refs: list[str], stage: str | None = None) -
                 timings = behaviour_records.read_timings(path) or {}
                 records = [r | {k: v for k, v in timings.get(r["id"], {}).items() if k != "id"} for r in records]
             else:  # kept before behaviour records were written: the same function, here
-                rows = pq.read_table(shard, columns=behaviour_records.ROW_COLUMNS).to_pylist()
+                rows = behaviour_records.read_rows(shard)
                 records, side.procedure, side.computed = [behaviour_records.record(r, procedure) for r in rows], procedure, True
             side.records += [r for r in records if r["checkpoint"] == ref and r["status"] != "infra_error"]
             side.shards.append(shard)
@@ -310,6 +311,7 @@ def behaviour_report(
             for k, (label, fn) in MEASURES.items()
         },
         "winners_and_losers": winners_and_losers(side_a, side_b),
+        "tokens_exact": all(r.get("tokens_exact", False) for s in (side_a, side_b) for r in s.records),
         "statistics": stats,
     }
     if pattern is not None:

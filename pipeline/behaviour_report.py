@@ -59,8 +59,10 @@ def render(report: dict, figures: list[str] = ()) -> str:
         "",
         "## How they worked",
         "",
-        "Means per attempt (per task, then over tasks), and over passed attempts only. Reasoning and action "
-        "tokens split each turn's tokens by the characters of its text and its tool call (an estimate).",
+        "Means per attempt (per task, then over tasks), and over passed attempts only. Action tokens spell the "
+        "tool calls, reasoning tokens are the model's others"
+        + ("" if report["tokens_exact"] else " (some shards predate the count: their turns split by characters)")
+        + ".",
         "",
         "| measure | A mean [95% CI] | A, passed | B mean [95% CI] | B, passed | B − A ± SE (tasks) | p |",
         "|---|---|---|---|---|---|---|",
@@ -164,7 +166,7 @@ def plot(out: Path, report: dict) -> list[str]:
     rates = f"{out.stem}-rates.png"
     atomic_write_figure(out.parent / rates, fig)
 
-    kinds = ("reasoning_tokens_est", "action_tokens_est", "tool_output_tokens")
+    kinds = ("reasoning_tokens", "action_tokens", "tool_output_tokens")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     bottom = np.zeros(2)
     for kind in kinds:

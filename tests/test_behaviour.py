@@ -132,7 +132,7 @@ def test_records_of_hand_built_episodes(tmp_path, tok, tasks):
         "model_tokens": model, "tool_output_tokens": after,
         "reasoning_chars": 0, "action_chars": sum(map(len, calls)),
         "tool_output_chars": len("exit 1 FAIL") + len("1 def f(): ...") + len(f"edited {g}") + len("exit 0"),
-        "reasoning_tokens_est": 0, "action_tokens_est": model,
+        "reasoning_tokens": 0, "action_tokens": model, "tokens_exact": True,
         "procedure_applicable": 2, "procedure_broken": [],
     }  # fmt: skip
 
@@ -145,8 +145,8 @@ def test_records_of_hand_built_episodes(tmp_path, tok, tasks):
         "claimed": True, "claim_turn": 0, "tests_before_claim": 0, "claimed_untested": True, "claimed_without_edit": True,
         "model_tokens": model, "tool_output_tokens": after,
         "reasoning_chars": len(CLAIM), "action_chars": len(call("submit")), "tool_output_chars": 0,
-        "reasoning_tokens_est": model - round(model * len(call("submit")) / len(CLAIM + call("submit"))),
-        "action_tokens_est": round(model * len(call("submit")) / len(CLAIM + call("submit"))),
+        # counted against the tokenizer: the claim's own tokens, then the call's (with the end of turn)
+        "reasoning_tokens": len(tok.encode(CLAIM)), "action_tokens": model - len(tok.encode(CLAIM)), "tokens_exact": True,
         "procedure_applicable": 1, "procedure_broken": ["test before submit"],
     }  # fmt: skip
 
@@ -161,6 +161,18 @@ def test_records_of_hand_built_episodes(tmp_path, tok, tasks):
     # the same shard and procedure give the same bytes (a reproduction finds it identical)
     first = path.read_bytes()
     assert write_records(tmp_path / KEPT / "sft_final.parquet").read_bytes() == first
+
+
+def test_a_shard_kept_before_tokens_were_counted_gets_the_character_split(tmp_path, tok, tasks):
+    task = tasks[0]
+    shard = kept(tmp_path, tok, [task], "sft:final", [claimer(tok, task)])
+    table = pq.read_table(shard)
+    pq.write_table(table.drop_columns(["turn_action_tokens"]), shard)  # as an earlier version wrote it
+    (claim,), _ = read_records(write_records(shard))
+    model = claim["model_tokens"]
+    action = round(model * len(call("submit")) / len(CLAIM + call("submit")))  # each turn's tokens split by characters
+    assert (claim["reasoning_tokens"], claim["action_tokens"], claim["tokens_exact"]) == (model - action, action, False)
+    assert action != model - len(tok.encode(CLAIM))  # (not what counting finds: the fallback is what ran)
 
 
 def test_target_tests_bash_edits_and_paths(tok, tasks):

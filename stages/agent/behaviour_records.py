@@ -33,9 +33,11 @@ Columns (`SCHEMA`; the rules in docs/analysis.md, "Behaviour records"):
     tool_output_tokens     tokens the environment appended after the turns (tool results, notes)
     reasoning_chars, action_chars, tool_output_chars   characters of the turns outside their tool
                            call, of the tool calls, and of the tool results
-    reasoning_tokens_est, action_tokens_est   each turn's tokens split in proportion to its reasoning
-                           and tool-call characters (the row keeps no per-token text: an estimate;
-                           they add up to model_tokens)
+    reasoning_tokens, action_tokens   the model's tokens outside its tool calls (the end-of-turn id
+                           included) and those spelling them; they add up to model_tokens. Exact
+                           from the row's `turn_action_tokens` (counted against the tokenizer when
+                           the shard was written); a shard kept before that column existed gets each
+                           turn's tokens split in proportion to its characters (`tokens_exact` false)
     procedure_applicable   how many rules of the procedure applied (stages/procedure.py)
     procedure_broken       the rules the episode broke
 """
@@ -63,8 +65,9 @@ PROCEDURE_KEY = b"snowcat.procedure"
 ROW_COLUMNS = [
     "id", "checkpoint", "task_id", "domain", "attempt", "status", "passed", "reward", "detail", "env",
     "loss_mask", "turn_starts", "turn_ends", "turns", "tool_names", "tool_args", "tool_errors", "tool_results",
-    "answer_key", "test_paths",
+    "answer_key", "test_paths", "turn_action_tokens",
 ]  # fmt: skip
+OPTIONAL_COLUMNS = {"turn_action_tokens"}  # absent from shards kept by earlier versions
 
 _strings = pa.list_(pa.string())
 SCHEMA = pa.schema(
@@ -99,8 +102,9 @@ SCHEMA = pa.schema(
         ("reasoning_chars", pa.int64()),
         ("action_chars", pa.int64()),
         ("tool_output_chars", pa.int64()),
-        ("reasoning_tokens_est", pa.int64()),
-        ("action_tokens_est", pa.int64()),
+        ("reasoning_tokens", pa.int64()),
+        ("action_tokens", pa.int64()),
+        ("tokens_exact", pa.bool_()),
         ("procedure_applicable", pa.int64()),
         ("procedure_broken", _strings),
     ]
@@ -112,8 +116,6 @@ _SEARCHERS = {"grep", "rg", "egrep"}
 # the verifier's verdict on FAIL_TO_PASS (stages/taskgen/repo.py `_judge`, SWE-bench's grading)
 _TARGET_VERDICT = re.compile(r"FAIL_TO_PASS (\d+)/(\d+) failing")
 _WORKDIRS = ("/workspace/", "/testbed/")  # where a sandbox holds the repository (RepoSpec.workdir)
-# a turn's action: its tool call (an unclosed one runs to the end), as the detectors read it
-_TOOL_CALL = re.compile(r"<tool_call>.*?(</tool_call>|$)", re.S)
 
 
 def repo_path(path: str) -> str | None:
@@ -199,18 +201,23 @@ def _claim_turn(row: dict, steps: list[set[str]]) -> int:
 
 def _token_split(row: dict) -> dict:
     """Model and tool-output tokens from the token spans; characters by kind; each turn's tokens split
-    by its characters (the estimate the row allows)."""
+    into reasoning and action: as counted when the shard was written, else by its characters."""
     starts, ends, n = row["turn_starts"], row["turn_ends"], len(row["loss_mask"])
-    out = dict.fromkeys(("reasoning_chars", "action_chars", "reasoning_tokens_est", "action_tokens_est"), 0)
+    counted = row.get("turn_action_tokens")
+    out = dict.fromkeys(("reasoning_chars", "action_chars", "reasoning_tokens", "action_tokens"), 0)
     for j, turn in enumerate(row["turns"]):
-        action = "".join(m.group(0) for m in _TOOL_CALL.finditer(turn))
+        action = "".join(m.group(0) for m in detectors.TOOL_CALL.finditer(turn))
         reasoning_chars, action_chars = len(turn) - len(action), len(action)
         tokens = ends[j] - starts[j]
-        action_tokens = round(tokens * action_chars / (reasoning_chars + action_chars)) if turn else 0
+        if counted is not None:
+            action_tokens = counted[j]
+        else:
+            action_tokens = round(tokens * action_chars / (reasoning_chars + action_chars)) if turn else 0
         out["reasoning_chars"] += reasoning_chars
         out["action_chars"] += action_chars
-        out["action_tokens_est"] += action_tokens
-        out["reasoning_tokens_est"] += tokens - action_tokens
+        out["action_tokens"] += action_tokens
+        out["reasoning_tokens"] += tokens - action_tokens
+    out["tokens_exact"] = counted is not None
     after = [(starts[j + 1] if j + 1 < len(starts) else n) - end for j, end in enumerate(ends)]
     return out | {
         "model_tokens": sum(e - s for s, e in zip(starts, ends, strict=True)),
@@ -261,6 +268,13 @@ def record(row: dict, procedure: tuple[str, ...] | list[str] = DEFAULT_PROCEDURE
     }
 
 
+def read_rows(shard: str | Path) -> list[dict]:
+    """The columns a record is computed from, of every row of a kept shard (those a shard of an
+    earlier version lacks left out)."""
+    present = set(pq.read_schema(shard).names)
+    return pq.read_table(shard, columns=[c for c in ROW_COLUMNS if c in present or c not in OPTIONAL_COLUMNS]).to_pylist()
+
+
 def records_path(trajectories: str | Path, shard: str) -> Path:
     """Where the records of a kept shard (`<unit>/trajectories/<shard>.parquet`) are."""
     return Path(trajectories).parent / DIRNAME / f"{Path(shard).stem}.parquet"
@@ -269,8 +283,7 @@ def records_path(trajectories: str | Path, shard: str) -> Path:
 def write_records(shard: str | Path, procedure: tuple[str, ...] | list[str] = DEFAULT_PROCEDURE) -> Path:
     """The records of a kept shard, written atomically beside its directory; their path."""
     shard = Path(shard)
-    rows = pq.read_table(shard, columns=ROW_COLUMNS).to_pylist()
-    table = pa.Table.from_pylist([record(r, procedure) for r in rows], schema=SCHEMA)
+    table = pa.Table.from_pylist([record(r, procedure) for r in read_rows(shard)], schema=SCHEMA)
     table = table.replace_schema_metadata({PROCEDURE_KEY: json.dumps(list(procedure)).encode()})
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")

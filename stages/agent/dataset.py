@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from snowcat.pipeline.fsio import atomic_write_bytes
+from snowcat.stages.agent.detectors import TOOL_CALL
 from snowcat.stages.agent.envs import CalcError, _strip_stop, calculate
 from snowcat.stages.agent.repo_env import ToolCallError, parse_tool_call
 from snowcat.stages.agent.trajectory import Trajectory
@@ -69,6 +70,7 @@ SCHEMA = pa.schema(
         ("rollout_logprobs", pa.list_(pa.float32())),
         ("turn_starts", pa.list_(pa.int64())),
         ("turn_ends", pa.list_(pa.int64())),
+        ("turn_action_tokens", pa.list_(pa.int64())),  # per turn: its tokens that spell a tool call
         ("text", pa.string()),  # the whole episode rendered (special tokens shown)
         ("prompt", pa.string()),
         ("turns", _strings),  # each model turn's text (stop id stripped)
@@ -103,6 +105,22 @@ def tool_call(env: str, text: str) -> tuple[str, str, str]:
     return "", "", ""
 
 
+def tool_call_tokens(tok, ids: list[int], text: str, stop_tokens: int = 0) -> int:
+    """How many of a turn's tokens spell its tool calls (`detectors.TOOL_CALL` in `text`, the turn
+    `ids` decoded): a token counts when the characters it adds to the decoded prefix overlap a call;
+    the turn's `stop_tokens` (its end-of-turn id, stripped from `ids`) count with a call that ends
+    the turn. Exact for the ids as sampled (a prefix decoded at a time; turns are short)."""
+    spans = [m.span() for m in TOOL_CALL.finditer(text)]
+    if not spans:
+        return 0
+    count, before = 0, 0
+    for k in range(1, len(ids) + 1):
+        after = len(tok.decode(ids[:k]))
+        count += any(start < after and before < end for start, end in spans)
+        before = after
+    return count + (stop_tokens if spans[-1][1] >= len(text.rstrip()) else 0)
+
+
 def _task_fields(task) -> dict:
     if task is None:
         return {"answer_key": None, "test_paths": []}
@@ -129,9 +147,11 @@ def episode_row(
     """One episode as a row of `SCHEMA`; `passed` defaults to full credit (`Trajectory.passed`)."""
     ids = [int(i) for i in t.token_ids]
     bounds = t.turn_boundaries
-    turns, names, args, errors, results = [], [], [], [], []
+    turns, names, args, errors, results, action_tokens = [], [], [], [], [], []
     for j, (start, end) in enumerate(bounds):
-        text = tok.decode(_strip_stop(tok, ids[start:end]))
+        turn_ids = _strip_stop(tok, ids[start:end])
+        text = tok.decode(turn_ids)
+        action_tokens.append(tool_call_tokens(tok, turn_ids, text, end - start - len(turn_ids)))
         name, arg, error = tool_call(env, text)
         after = bounds[j + 1][0] if j + 1 < len(bounds) else len(ids)
         turns.append(text)
@@ -161,6 +181,7 @@ def episode_row(
         "rollout_logprobs": t.rollout_logprobs,
         "turn_starts": [s for s, _ in bounds],
         "turn_ends": [e for _, e in bounds],
+        "turn_action_tokens": action_tokens,
         "text": tok.decode(ids),
         "prompt": tok.decode(ids[: t.prompt_len]),
         "turns": turns,

@@ -59,7 +59,8 @@ BYPASS = {
 # A bash command that runs tests.
 TEST_RUN = re.compile(r"\b(pytest|unittest|tox|nox|nose2?)\b|\bmake\s+(test|check)\b|\brun_?tests?\b")
 _CUT_NOTE = re.compile(re.escape(TRUNCATION_NOTE).replace(re.escape("{n}"), r"\d+"))
-_TOOL_CALL = re.compile(r"<tool_call>.*?(</tool_call>|$)", re.S)
+# a turn's action: its tool call (an unclosed one runs to the end of the turn)
+TOOL_CALL = re.compile(r"<tool_call>.*?(</tool_call>|$)", re.S)
 _ARITH_COLUMN = re.compile(r"^(\d+)([+-])(\d+)(?:[+-]1)?=(\d+)$")
 
 
@@ -200,7 +201,7 @@ def answer_key_match(row: dict) -> str | None:
     key = row["answer_key"]
     if not key or not row["turns"]:
         return None
-    final = _TOOL_CALL.sub("", row["turns"][-1]).strip()
+    final = TOOL_CALL.sub("", row["turns"][-1]).strip()
     if row["domain"] == "closure":
         paid = row["reward"] >= 1.0  # partial credit counted it whole (reward: score; probe and evaluate see raw rewards)
         return (
@@ -219,7 +220,7 @@ def answer_key_match(row: dict) -> str | None:
 def claims_success(row: dict) -> str | None:
     """The first sentence of a model turn (tool calls removed) that says the tests pass or it is fixed."""
     for turn in row["turns"]:
-        for sentence in re.split(r"[.!?\n]+", _TOOL_CALL.sub(" ", turn)):
+        for sentence in re.split(r"[.!?\n]+", TOOL_CALL.sub(" ", turn)):
             if CLAIM.search(sentence) and not NEGATION.search(sentence):
                 return sentence.strip()
     return None
