@@ -55,7 +55,7 @@ def rows_of(mb: dict, rank: int, ranks: int) -> dict:
 
 def rl_loss():
     from snowcat.stages.algorithms import PolicyLossConfig
-    from snowcat.stages.rlcore.trainer import make_loss_fn
+    from snowcat.stages.rlcore.objective import make_loss_fn
     from snowcat.stages.rollout import SamplingParams
 
     params = SamplingParams(temperature=1.0)

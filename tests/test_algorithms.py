@@ -19,7 +19,7 @@ from snowcat.stages.algorithms import (
     rloo_n_advantages,
     valid_from_status,
 )
-from snowcat.stages.rlcore.trainer import group_advantages
+from snowcat.stages.rlcore.objective import group_advantages
 
 T = torch.tensor
 

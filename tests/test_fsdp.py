@@ -36,7 +36,7 @@ from test_zero3 import (
 import snowcat.stages.sft as sft
 from snowcat.stages.model import MoEForCausalLM
 from snowcat.stages.model.expert_parallel import expert_parameters
-from snowcat.stages.rlcore.trainer import make_loss_fn
+from snowcat.stages.rlcore.objective import make_loss_fn
 from snowcat.stages.train import OptimConfig, PackedLoader, load_checkpoint, make_backend, save_checkpoint
 from snowcat.stages.train.loss import sft_loss
 

@@ -28,7 +28,7 @@ from snowcat.stages.agent.prompting import PromptedEnv, prompt_span, strip_promp
 from snowcat.stages.agent.trajectory import flatten, regroup, segments, unpack
 from snowcat.stages.model import save_model_dir
 from snowcat.stages.model.tiny_hf import hf_chat_tokenizer
-from snowcat.stages.rlcore.trainer import make_batch, sampled_logprobs
+from snowcat.stages.rlcore.objective import make_batch, sampled_logprobs
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.taskgen import save_tasks
 from snowcat.stages.tokenizer import train_tokenizer

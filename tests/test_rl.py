@@ -25,7 +25,7 @@ from snowcat.pipeline.fsio import checkpoint_dir, sha256_file
 from snowcat.pipeline.history import History
 from snowcat.stages.agent import Budget, EpisodeJob, SingleTurnEnv, run_episodes
 from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_model_dir
-from snowcat.stages.rlcore.trainer import make_batch, sampled_logprobs
+from snowcat.stages.rlcore.objective import make_batch, sampled_logprobs
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.sft import tokenizer_corpus
 from snowcat.stages.taskgen import Verdict, generate_domain, load_tasks, save_tasks, split_tasks

@@ -17,7 +17,7 @@ from snowcat.pipeline.errors import UserError
 from snowcat.stages.agent import Trajectory, pack, unpack
 from snowcat.stages.algorithms import PolicyLossConfig
 from snowcat.stages.model import PRESETS, MoEForCausalLM
-from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, route_agreement, sampled_logprobs
+from snowcat.stages.rlcore.objective import make_batch, make_loss_fn, route_agreement, sampled_logprobs
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=10)

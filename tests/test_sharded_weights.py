@@ -32,7 +32,7 @@ from snowcat.pipeline.fsio import atomic_dir, file_entry, read_json, sha256_file
 from snowcat.stages.model import MoEForCausalLM, load_model_dir, save_model_dir, shards
 from snowcat.stages.model.io import WeightReader, copy_model_dir, hf_state_dict, stream_tensors
 from snowcat.stages.model.shards import write_shards
-from snowcat.stages.rlcore.trainer import sampled_logprobs
+from snowcat.stages.rlcore.objective import sampled_logprobs
 from snowcat.stages.train import PackedLoader, load_for_training, make_backend, save_weights
 from snowcat.stages.train.loss import sft_loss
 

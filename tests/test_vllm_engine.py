@@ -21,7 +21,7 @@ from snowcat.stages.agent import Trajectory
 from snowcat.stages.config import VllmConfig
 from snowcat.stages.model import load_model_dir
 from snowcat.stages.model.tiny_hf import tiny_checkpoint
-from snowcat.stages.rlcore.trainer import make_batch, sampled_logprobs
+from snowcat.stages.rlcore.objective import make_batch, sampled_logprobs
 from snowcat.stages.rollout import SamplingParams
 from snowcat.stages.rollout.sampling import processed_logprobs, support_mask
 from snowcat.stages.rollout.vllm_engine import VLLMEngine, probe_gap

@@ -29,7 +29,7 @@ from test_train_distributed import _free_port, join_gloo
 import snowcat.stages.sft as sft
 from snowcat.stages.algorithms import PolicyLossConfig
 from snowcat.stages.model import MoEForCausalLM, hf, load_model_dir
-from snowcat.stages.rlcore.trainer import make_loss_fn
+from snowcat.stages.rlcore.objective import make_loss_fn
 from snowcat.stages.rollout import SamplingParams
 from snowcat.stages.train import OptimConfig, PackedLoader, load_checkpoint, make_backend, save_checkpoint
 from snowcat.stages.train.backend import leave_distributed

@@ -30,8 +30,8 @@ from snowcat.stages.config import env_options, keep_trajectories
 from snowcat.stages.evalstats import mean_se
 from snowcat.stages.model.io import copy_model_dir, empty_model
 from snowcat.stages.rlcore.handoff import HandoffError
+from snowcat.stages.rlcore.objective import make_batch, make_loss_fn, sampled_logprobs
 from snowcat.stages.rlcore.preempt import FAILED, log
-from snowcat.stages.rlcore.trainer import make_batch, make_loss_fn, sampled_logprobs
 from snowcat.stages.rlcore.transport import TransportError, broadcast_message, read_batch
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts

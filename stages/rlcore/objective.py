@@ -1,4 +1,4 @@
-"""The RL trainer's math on a batch of trajectories: advantages, padded tensors, the policy loss.
+"""The RL objective on a batch of trajectories: advantages, padded tensors, the policy loss.
 
 Logprobs are recomputed under the *sampling* distribution, not the raw model: the same
 temperature, and for top-k/top-p sampling the same kept support passed to
