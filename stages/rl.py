@@ -46,8 +46,8 @@ from snowcat.stages.model import open_model_dir
 from snowcat.stages.model.layout import Layout as MegatronLayout
 from snowcat.stages.rlcore.episodes import generate_batch
 from snowcat.stages.rlcore.handoff import HandoffError, WeightHandoff, version_for_batch
-from snowcat.stages.rlcore.loop import Trainer
 from snowcat.stages.rlcore.preempt import BYE, FAILED, RolloutControl, TrainerControl, TrainerSignal, log
+from snowcat.stages.rlcore.trainer import Trainer
 from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport, TransportError, rollout_owner
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import serve_checkpoint

@@ -339,7 +339,7 @@ _VERIFIED_BY_LEAD = textwrap.dedent("""
     from pathlib import Path
     from mpi4py import MPI
     from snowcat.stages.rlcore.handoff import HandoffError, WeightHandoff
-    from snowcat.stages.rlcore.loop import Trainer
+    from snowcat.stages.rlcore.trainer import Trainer
 
     comm = MPI.COMM_WORLD
     handoff = WeightHandoff(sys.argv[1])

@@ -54,7 +54,7 @@ def sft_rows(n: int = 8) -> list[dict]:
 
 
 def rl_rows(shift: float, n: int = 12) -> list[dict]:
-    """Keys as the RL loop records them (stages/rlcore/loop.py record): a held-out evaluation every 4 updates."""
+    """Keys as the RL loop records them (stages/rlcore/trainer.py record): a held-out evaluation every 4 updates."""
     rows = []
     for s in range(1, n + 1):
         row = {

@@ -23,8 +23,8 @@ from snowcat.stages.agent import Budget, CalculatorEnv, EpisodeJob, RepoEnv, Sin
 from snowcat.stages.agent.prompting import PromptedEnv, PromptError, prompt_span, strip_prompt
 from snowcat.stages.config import RlConfig
 from snowcat.stages.model.tiny_hf import hf_chat_tokenizer
-from snowcat.stages.rlcore.loop import prompt_gap_sums
 from snowcat.stages.rlcore.objective import make_batch, sampled_logprobs
+from snowcat.stages.rlcore.trainer import prompt_gap_sums
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.taskgen import generate_domain, load_tasks, save_tasks
 from tests.conftest import write_config

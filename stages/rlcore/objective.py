@@ -195,7 +195,7 @@ def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=N
         loss, stats = policy_loss(
             logp, logp_old, batch["rollout_logprobs"], batch["advantages"], mask, loss_cfg, logp_ref=logp_ref, entropy=ent
         )
-        # policy_share: this trainer rank's share of the batch's loss normaliser (stages.rlcore.loop)
+        # policy_share: this trainer rank's share of the batch's loss normaliser (stages.rlcore.trainer)
         loss = loss * batch.get("policy_share", 1.0) / num_micro
         loss = loss + (cfg.router_aux_loss_coef * out.aux_loss + cfg.router_z_loss_coef * out.z_loss) / num_micro
         # (on the CPU: mismatch_stats builds its quantile points there)
