@@ -19,7 +19,7 @@ from snowcat.stages.algorithms import (
     rloo_n_advantages,
     valid_from_status,
 )
-from snowcat.stages.rlcore.objective import group_advantages
+from snowcat.stages.rlcore.objective import trajectory_advantages
 
 T = torch.tensor
 
@@ -194,9 +194,9 @@ def test_ragged_groups_are_not_padded_with_zero_rewards(estimator):
     full = [traj(0, a, r) for a, r in enumerate([1.0, 1.0, 0.0])]
     short = [traj(1, a, r) for a, r in enumerate([1.0, 1.0])]  # lost its third attempt
     single = [traj(2, 0, 1.0)]
-    adv, _ = group_advantages(full + short + single, estimator)
-    alone_full, _ = group_advantages(full, estimator)
-    alone_short, _ = group_advantages(short, estimator)
+    adv, _ = trajectory_advantages(full + short + single, estimator)
+    alone_full, _ = trajectory_advantages(full, estimator)
+    alone_short, _ = trajectory_advantages(short, estimator)
     assert torch.allclose(adv[:3], alone_full) and torch.allclose(adv[3:5], alone_short)
     assert torch.all(adv[3:5] == 0)  # two equal rewards: nothing to prefer (padding with 0 made them positive)
     assert adv[5] == 0

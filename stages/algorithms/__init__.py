@@ -1,6 +1,7 @@
 """RL estimators and losses as pure torch functions (no model, no I/O), unit-tested by hand.
 
-`advantages`: per-attempt advantages for a batch of groups (GRPO, Dr. GRPO, RLOO, RLOO-N).
+`advantages`: per-attempt advantages for a batch of groups (GRPO, Dr. GRPO, RLOO, RLOO-N), padded
+or as columns of possibly ragged groups (`group_advantages`).
 `loss`: the policy loss with truncated importance sampling, optional PPO clipping, KL (k3) and
 entropy terms, three aggregation modes; `mismatch_stats` for the engine-vs-trainer check.
 Definitions and choices: docs/rl-algorithms.md.
@@ -10,6 +11,7 @@ from snowcat.stages.algorithms.advantages import (
     ESTIMATORS,
     compute_advantages,
     dr_grpo_advantages,
+    group_advantages,
     grpo_advantages,
     rloo_advantages,
     rloo_n_advantages,
@@ -24,6 +26,7 @@ __all__ = [
     "aggregate",
     "compute_advantages",
     "dr_grpo_advantages",
+    "group_advantages",
     "grpo_advantages",
     "masked_mean",
     "mismatch_stats",

@@ -1,10 +1,13 @@
 """Group-relative advantages. `rewards` is [groups, attempts]: row g holds the attempts at one task.
 
 Every estimator returns a tensor of the same shape. Rewards are treated as constants (no grad).
+`group_advantages` takes a batch as columns (group id, reward, valid per attempt), groups possibly
+ragged.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import get_args
 
@@ -78,3 +81,39 @@ def compute_advantages(
     if estimator == "rloo_n":
         return rloo_n_advantages(rewards, valid if valid is not None else torch.ones_like(rewards, dtype=torch.bool))
     raise UserError(f"unknown advantage estimator {estimator!r}; expected one of {', '.join(ESTIMATORS)}")
+
+
+def group_advantages(
+    group_ids: Sequence[int], rewards: Sequence[float], valid: Sequence[bool], estimator: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantage [N], valid [N] as a bool tensor) for N attempts given as columns (their group, reward,
+    and whether they are valid: not an infrastructure failure), in their order; 0 where not valid.
+
+    Groups may be ragged (a lost attempt). `rloo_n` takes them padded with invalid attempts, which
+    it ignores; the other estimators are computed group by group at each group's own size (padding
+    with reward 0 would enter their group means); a group of one attempt gets advantage 0."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, gid in enumerate(group_ids):
+        groups[gid].append(i)
+    ids = sorted(groups)
+    width = max(len(v) for v in groups.values())
+    padded = torch.zeros(len(ids), width, dtype=torch.float64)
+    mask = torch.zeros(len(ids), width, dtype=torch.bool)
+    for g, gid in enumerate(ids):
+        for a, i in enumerate(groups[gid]):
+            padded[g, a] = rewards[i]
+            mask[g, a] = valid[i]
+    if estimator == "rloo_n":
+        adv = compute_advantages(estimator, padded, mask)
+    else:
+        adv = torch.zeros_like(padded)
+        for g, gid in enumerate(ids):
+            n = len(groups[gid])
+            if n > 1:
+                adv[g, :n] = compute_advantages(estimator, padded[g : g + 1, :n])[0]
+    out = torch.zeros(len(group_ids), dtype=torch.float64)
+    for g, gid in enumerate(ids):
+        for a, i in enumerate(groups[gid]):
+            out[i] = adv[g, a]
+    trainable = torch.tensor(list(valid))
+    return torch.where(trainable, out, torch.zeros_like(out)).float(), trainable

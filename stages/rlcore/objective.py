@@ -12,52 +12,24 @@ not report are rebuilt, and `mismatch/support_rebuilt_frac` counts them.
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 
 import numpy as np
 import torch
 
 from snowcat.stages.agent import Trajectory
-from snowcat.stages.algorithms import PolicyLossConfig, compute_advantages, masked_mean, mismatch_stats, policy_loss
+from snowcat.stages.algorithms import PolicyLossConfig, group_advantages, masked_mean, mismatch_stats, policy_loss
 from snowcat.stages.rollout import SamplingParams, support_ids
 
 
-def group_advantages(trajs: list[Trajectory], estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantage [N], trainable [N]) in the order of `trajs`, grouped by `group_id`.
-
-    Groups may be ragged (a lost attempt). `rloo_n` takes them padded with invalid attempts, which
-    it ignores; the other estimators are computed group by group at each group's own size (padding
-    with reward 0 would enter their group means); a group of one attempt gets advantage 0."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajs):
-        groups[t.group_id].append(i)
-    ids = sorted(groups)
-    width = max(len(v) for v in groups.values())
-    rewards = torch.zeros(len(ids), width, dtype=torch.float64)
-    valid = torch.zeros(len(ids), width, dtype=torch.bool)
-    for g, gid in enumerate(ids):
-        for a, i in enumerate(groups[gid]):
-            rewards[g, a] = trajs[i].reward
-            valid[g, a] = trajs[i].trainable
-    if estimator == "rloo_n":
-        adv = compute_advantages(estimator, rewards, valid)
-    else:
-        adv = torch.zeros_like(rewards)
-        for g, gid in enumerate(ids):
-            n = len(groups[gid])
-            if n > 1:
-                adv[g, :n] = compute_advantages(estimator, rewards[g : g + 1, :n])[0]
-    out = torch.zeros(len(trajs), dtype=torch.float64)
-    for g, gid in enumerate(ids):
-        for a, i in enumerate(groups[gid]):
-            out[i] = adv[g, a]
-    trainable = torch.tensor([t.trainable for t in trajs])
-    return torch.where(trainable, out, torch.zeros_like(out)).float(), trainable
+def trajectory_advantages(trajs: list[Trajectory], estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantage [N], trainable [N]) in the order of `trajs`, grouped by `group_id`
+    (`algorithms.group_advantages` on their columns)."""
+    return group_advantages([t.group_id for t in trajs], [t.reward for t in trajs], [t.trainable for t in trajs], estimator)
 
 
 def make_batch(trajs: list[Trajectory], pad_id: int, estimator: str) -> dict[str, torch.Tensor]:
     """Right-padded [B, L-1] tensors: next-token targets where the model sampled, -1 elsewhere."""
-    adv, trainable = group_advantages(trajs, estimator)
+    adv, trainable = trajectory_advantages(trajs, estimator)
     length = max(len(t) for t in trajs)
     B = len(trajs)
     ids = np.full((B, length), pad_id, np.int64)
