@@ -11,6 +11,7 @@ login node without importing torch.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -595,6 +596,21 @@ class SelectConfig:
 # ---------------------------------------------------------------- rl
 
 
+def rl_role(component: str | None, rank: int) -> str:
+    """An RL rank's role in a world of several ranks (stages/rl.py): its component's name where that
+    is `trainer` or `rollout`, else `trainer` for rank 0 and `rollout` for the others."""
+    if component in ("trainer", "rollout"):
+        return component
+    return "trainer" if rank == 0 else "rollout"
+
+
+def rl_roles_ok(roles: list[str]) -> bool:
+    """Whether ranks of these roles, in rank order, can run RL: trainer ranks first, then at least one
+    rollout rank."""
+    trainers = roles.count("trainer")
+    return roles == ["trainer"] * trainers + ["rollout"] * (len(roles) - trainers) and 0 < trainers < len(roles)
+
+
 @dataclass
 class RlConfig(Parallelism):
     init_from: str = checkpoint_refs("sft:final")  # "<needed stage>:<checkpoint>"
@@ -691,6 +707,16 @@ class RlConfig(Parallelism):
                 f"{self.tasks_per_update} tasks x {self.attempts} attempts is fewer trajectories per batch than the "
                 f"{trainers} trainer ranks",
             )
+        if res.components:  # rank order is component order (pipeline/runner.py)
+            names = [name for name, c in res.components.items() for _ in range(c.nodes * c.tasks_per_node)]
+            roles = [rl_role(name, rank) for rank, name in enumerate(names)]
+            if len(roles) > 1 and not rl_roles_ok(roles):
+                runs = [(role, len(list(run))) for role, run in itertools.groupby(roles)]
+                given = ", then ".join(f"{n} {role} rank{'s' if n > 1 else ''}" for role, n in runs)
+                yield (
+                    "resources.components",
+                    f"rank order is component order: trainer ranks first, then at least one rollout rank; got {given}",
+                )
 
     def _recipe_problems(self) -> Iterator[Problem]:
         if self.domain_weights and self.domains:

@@ -42,6 +42,7 @@ from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.stages.agent import BatchBuffers
 from snowcat.stages.agent.prompting import resolve_rollout_prompt
 from snowcat.stages.config import RlConfig as Config
+from snowcat.stages.config import rl_role, rl_roles_ok
 from snowcat.stages.model import open_model_dir
 from snowcat.stages.model.layout import Layout as MegatronLayout
 from snowcat.stages.rlcore.episodes import generate_batch
@@ -224,9 +225,7 @@ class Rollout:
 def _role(ctx) -> str:
     if ctx.world_size == 1:
         return "both"
-    if ctx.role in ("trainer", "rollout"):
-        return ctx.role
-    return "trainer" if ctx.rank == 0 else "rollout"
+    return rl_role(ctx.role, ctx.rank)
 
 
 @dataclass(frozen=True)
@@ -244,13 +243,12 @@ class Layout:
 def layout(comm, role: str) -> Layout:
     """Every rank's role, gathered (collective over the world): trainer ranks must come first."""
     roles = comm.allgather(role)
-    trainers = roles.count("trainer")
-    if roles != ["trainer"] * trainers + ["rollout"] * (len(roles) - trainers) or not 0 < trainers < len(roles):
+    if not rl_roles_ok(roles):  # refused at load where the components say so (stages/config.py)
         raise UserError(
             f"rl: ranks must be trainer ranks first, then at least one rollout rank (resources.components: "
             f"trainer, then rollout); got {roles}"
         )
-    return Layout(trainers, len(roles))
+    return Layout(roles.count("trainer"), len(roles))
 
 
 def _trainer_group(ctx, cfg: Config, comm, lay: Layout):

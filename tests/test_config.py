@@ -94,3 +94,51 @@ def test_rl_rank_layout_problems_are_found_at_load_not_on_the_ranks():
         stage_config("rl", {"resources": four_trainers, "tasks_per_update": 1, "attempts": 2})
     assert stage_config("rl", {"resources": four_trainers, "tasks_per_update": 2, "attempts": 2}).tasks_per_update == 2
     assert stage_config("rl", {"transport": "mpi", "resources": {"tasks_per_node": 2}}).transport == "mpi"
+
+
+RL_COMPONENTS = """
+name: roles
+stages:
+  tasks: {kind: tasks}
+  sft: {kind: sft, needs: [tasks]}
+  rl:
+    kind: rl
+    needs: [tasks, sft]
+    resources:
+      components:
+"""
+
+
+@pytest.mark.parametrize(
+    "components, given",
+    [
+        ("        rollout: {tasks_per_node: 1}\n        trainer: {tasks_per_node: 1}\n", "1 rollout rank, then 1 trainer rank"),
+        ("        trainer: {tasks_per_node: 2}\n", "2 trainer ranks"),  # no rollout rank
+        (
+            "        other: {tasks_per_node: 2}\n        trainer: {tasks_per_node: 1}\n",
+            "1 trainer rank, then 1 rollout rank, then 1 trainer rank",
+        ),
+    ],
+)
+def test_rl_component_order_is_refused_by_snowcat_config(components, given, tmp_path, capsys):
+    """Rank order is component order, and the RL stage's ranks must be trainers first, then rollouts:
+    `snowcat config` (and so the dry run) refuses the order stages/rl.py would refuse on the ranks."""
+    from snowcat.pipeline import cli  # noqa: PLC0415
+
+    path = write_config(tmp_path / "roles.yaml", RL_COMPONENTS + components)
+    assert cli.main(["config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "stages.rl.resources.components: rank order is component order" in err and err.endswith(f"got {given}")
+
+
+@pytest.mark.parametrize(
+    "components",
+    [
+        "        trainer: {tasks_per_node: 1}\n        rollout: {tasks_per_node: 2}\n",
+        "        trainer: {tasks_per_node: 1}\n",  # one rank plays both roles
+        "        a: {tasks_per_node: 1}\n        b: {tasks_per_node: 2}\n",  # other names: rank 0 trains
+    ],
+)
+def test_rl_components_that_can_run_load(components, tmp_path):
+    config.load(write_config(tmp_path / "roles.yaml", RL_COMPONENTS + components))
