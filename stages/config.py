@@ -734,6 +734,7 @@ class RlConfig(Parallelism):
 
     def run_problems(self, run) -> Iterator[Problem]:
         """Checks against the other stages of the run (pipeline.config calls it before anything is submitted)."""
+        yield from _needs_problems(self.needs, ("tasks_input", self.tasks_input))  # the task pool (stages/rl.py)
         chooser = prompt_stage(self.rollout_prompt)
         if chooser in run.stages and run.stages[chooser].kind != "prompts":
             yield "rollout_prompt", f"stage {chooser!r} is a {run.stages[chooser].kind} stage, not a prompts stage"

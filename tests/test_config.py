@@ -142,3 +142,15 @@ def test_rl_component_order_is_refused_by_snowcat_config(components, given, tmp_
 )
 def test_rl_components_that_can_run_load(components, tmp_path):
     config.load(write_config(tmp_path / "roles.yaml", RL_COMPONENTS + components))
+
+
+def test_an_rl_stage_without_its_tasks_stage_in_needs_is_refused_by_snowcat_config(tmp_path, capsys):
+    """The task pool comes from the tasks stage (stages/rl.py); without it in `needs` the stage would
+    fail on its ranks after the jobs before it ran: `snowcat config` (and the dry run) refuse it."""
+    from snowcat.pipeline import cli  # noqa: PLC0415
+
+    text = RL_COMPONENTS.replace("needs: [tasks, sft]", "needs: [sft]") + "        trainer: {tasks_per_node: 1}\n"
+    path = write_config(tmp_path / "no-tasks.yaml", text)
+    assert cli.main(["config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "stages.rl.needs: add 'tasks' (named in tasks_input)" in err, err

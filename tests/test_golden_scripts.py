@@ -45,7 +45,7 @@ stages:
     resume: {strategy: none}
   rl:
     kind: rl
-    needs: [sft]
+    needs: [tasks, sft]
     init_from: sft:final
     resources:
       time_min: 60
