@@ -492,6 +492,14 @@ def _evaluations(f: Facts, export: dict | None) -> tuple[list[str], list[str], l
     return lines, limits, index, versus
 
 
+def _further_scores(group: dict) -> dict[str, str]:
+    """A group's further verifier scores (IFEval's loose accuracy: stages/evaluate.py) as the card shows
+    them, those that cover every scored task of the group (not `all` where one domain has them)."""
+    scores = group.get("scores") or {}
+    names = [n for n in scores if not n.endswith(("_se", "_tasks")) and scores.get(f"{n}_tasks") == group.get("tasks_scored")]
+    return {n: _pct(scores[n], scores.get(f"{n}_se")) for n in names}
+
+
 def _evaluation(f: Facts, label: str, config, results: dict, source: dict, exported_dir, paired: bool):
     """One evaluate unit's table: its first checkpoint (the baseline) and the exported one, or every
     one when nothing exported was scored; the others named in a line (the paired tables hold them)."""
@@ -532,6 +540,9 @@ def _evaluation(f: Facts, label: str, config, results: dict, source: dict, expor
             if metric == "pass@1" and exported is not None:
                 s = results["checkpoints"][exported]["groups"].get(g) or {}
                 found["index"].append({"stage": label, "checkpoint": exported, "group": g, "pass@1": s.get("pass@1")})
+        for name in sorted({n for r in cols for n in _further_scores(results["checkpoints"][r]["groups"].get(g) or {})}):
+            vals = [_further_scores(results["checkpoints"][r]["groups"].get(g) or {}).get(name, "—") for r in cols]
+            lines.append(f"| {g} | {name} | " + " | ".join(vals) + " |")
     for key, name, fmt in AGENT_ROWS:  # multi-turn evaluations: what the agent did
         if any(key in results["checkpoints"][r].get("behaviour", {}) for r in cols):
             vals = [fmt(results["checkpoints"][r].get("behaviour", {}).get(key)) for r in cols]

@@ -168,10 +168,11 @@ def _groups(records: list[Attempt]) -> dict[str, list[Attempt]]:
 
 
 def per_task(records: list[Attempt], pass_k: list[int]) -> dict[str, dict]:
-    """task id -> n (scored attempts), c (passed), reward (mean over scored), pass@k (None if n < k)."""
+    """task id -> n (scored attempts), c (passed), reward (mean over scored), pass@k (None if n < k),
+    score (each further score the verifier gave, its mean over the scored attempts that have it)."""
     out: dict[str, dict] = {}
     for r in records:
-        t = out.setdefault(r.task.task_id, {"n": 0, "c": 0, "rewards": [], "attempts": 0, "infra": 0})
+        t = out.setdefault(r.task.task_id, {"n": 0, "c": 0, "rewards": [], "attempts": 0, "infra": 0, "scores": {}})
         t["attempts"] += 1
         if not r.scored:
             t["infra"] += 1
@@ -179,8 +180,11 @@ def per_task(records: list[Attempt], pass_k: list[int]) -> dict[str, dict]:
         t["n"] += 1
         t["c"] += int(r.passed == 1)
         t["rewards"].append(r.reward)
+        for name, x in r.scores.items():
+            t["scores"].setdefault(name, []).append(x)
     for t in out.values():
         t["reward"] = float(np.mean(t["rewards"])) if t["rewards"] else None
+        t["score"] = {name: float(np.mean(xs)) for name, xs in t["scores"].items()}
         t["pass"] = {k: (evalstats.pass_at_k(t["n"], t["c"], k) if t["n"] >= k else None) for k in pass_k}
     return out
 
@@ -210,6 +214,19 @@ def summarize(records: list[Attempt], pass_k: list[int], common: bool = False) -
     out["reward"], out["reward_se"] = evalstats.mean_se([t["reward"] for t in tasks.values() if t["reward"] is not None])
     # the model card's convention: unscored tasks count 0 in a fixed denominator (a lower bound)
     out["reward_fixed_denominator"] = evalstats.mean_outcome_reward([t["reward"] for t in tasks.values()])
+    if scores := further_scores(tasks):
+        out["scores"] = scores
+    return out
+
+
+def further_scores(tasks: dict[str, dict]) -> dict[str, float]:
+    """The verifier's further scores (IFEval's loose accuracy), each as the reward is: the mean over
+    tasks of its per-task mean, with the SE over tasks (`<name>_se`) and how many tasks had it."""
+    out: dict[str, float] = {}
+    for name in sorted({name for t in tasks.values() for name in t["score"]}):
+        values = [t["score"][name] for t in tasks.values() if name in t["score"]]
+        out[name], out[f"{name}_se"] = evalstats.mean_se(values)
+        out[f"{name}_tasks"] = len(values)
     return out
 
 
@@ -369,6 +386,10 @@ def headline(results: dict, comparisons: dict, pass_k: list[int]) -> dict[str, f
             for k in pass_k:
                 out[f"{ref}/{g}/pass@{k}"] = s[f"pass@{k}"]
             out[f"{ref}/{g}/reward"] = s["reward"]
+            scores = s.get("scores", {})
+            for name in [n for n in scores if not n.endswith(("_se", "_tasks"))]:
+                if scores[f"{name}_tasks"] == s["tasks_scored"]:  # not "all" where only ifeval's tasks have it
+                    out[f"{ref}/{g}/{name}"] = scores[name]
         out[f"{ref}/infra_rate"] = res["groups"]["all"]["infra_rate"]
         if "summaries_per_episode" in res.get("behaviour", {}):  # context policy summarise
             out[f"{ref}/summary_failures"] = res["groups"]["all"]["summary_failures"]

@@ -60,6 +60,7 @@ class Attempt:
     passed: int = -1  # 1 passed, 0 failed, -1 not scored (infra_error)
     status: Status = "infra_error"  # truncated: cut at max_tokens (still verified)
     infra_causes: list[str] = field(default_factory=list)
+    scores: dict[str, float] = field(default_factory=dict)  # the verifier's further scores (Verdict.scores)
 
     @property
     def scored(self) -> bool:
@@ -127,6 +128,7 @@ def _verify(r: Attempt, verifier: Callable, tries: int) -> None:
             r.infra_causes.append(f"verifier: {e}")
             continue
         r.reward, r.passed = float(v.reward), int(v.passed)
+        r.scores = dict(getattr(v, "scores", {}))
         r.status = "truncated" if r.finish_reason == "length" else "ok"
         return
 

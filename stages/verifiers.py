@@ -27,7 +27,8 @@ def _verifier_worker(spec: str, conn) -> None:
         task, text = msg
         try:
             v = verify(task, text)
-            conn.send(("ok", (float(v.reward), bool(v.passed), str(v.detail))))
+            scores = {str(k): float(x) for k, x in getattr(v, "scores", {}).items()}  # a custom verifier's Verdict may have none
+            conn.send(("ok", (float(v.reward), bool(v.passed), str(v.detail), scores)))
         except VerifierError as e:
             conn.send(("infra", str(e)))
         except Exception as e:  # a verifier bug is infrastructure, never the model's fault

@@ -25,9 +25,14 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.runner import run_unit
 from snowcat.stages.config import AnswerFields, TaskImport, TasksConfig
-from snowcat.stages.taskgen import demonstration, load_tasks, verify
+from snowcat.stages.evaluate import summarize
+from snowcat.stages.sandbox import SandboxResult
+from snowcat.stages.scoring import Attempt
+from snowcat.stages.taskgen import Task, demonstration, load_tasks, verify
 from snowcat.stages.taskgen.answer_sets import import_answers, import_ifeval
-from snowcat.stages.taskgen.ifeval import followed, parse_instructions
+from snowcat.stages.taskgen.call_harness import encode
+from snowcat.stages.taskgen.code_cases import Opaque, decode, judge_calls, read_outcomes, same_return
+from snowcat.stages.taskgen.ifeval import followed, loose_variants, parse_instructions
 from snowcat.stages.taskgen.rows import SOURCES, TaskImportError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "answer_sets"
@@ -172,6 +177,228 @@ def test_apps_code_runs_against_hidden_cases_and_attempts_to_fool_it(tmp_path):
     assert verify(patient, cheat).detail == "case 1 of 3: wrong answer"  # found nothing: no time-out, no output
 
 
+# ---------------------------------------------------------------- call-based code cases (fn_name)
+
+# Cheats on the call-based harness, each with what it tries. The program runs in the harness's own
+# process, so each can rewrite the harness; none may pass: the expected values never enter the
+# sandbox and are compared outside it, on plain data read back from the harness's channel.
+CALL_CHEATS = {  # what it tries: (the program, how it fails)
+    "a value equal to everything": (
+        "class Any:\n    def __eq__(self, other):\n        return True\ndef min_max(n):\n    return Any()\n",
+        "case 1 of 3: wrong answer",
+    ),
+    "a list equal to everything": (
+        "class L(list):\n    def __eq__(self, other):\n        return True\ndef min_max(n):\n    return L()\n",
+        "case 1 of 3: wrong answer",
+    ),
+    "builtins patched": (
+        "import builtins\nbuiltins.isinstance = lambda *a: True\nbuiltins.len = lambda *a: 0\ndef min_max(n):\n    return None\n",
+        "case 1 of 3: the program ended the harness (exit 0) TypeError",
+    ),
+    "a verdict printed": (
+        'print(\'3 cases passed\')\nprint(\'{"case": 0, "value": {"list": [1, 9]}}\')\n'
+        "def min_max(n):\n    print('PASS')\n    return None\n",
+        "case 1 of 3: wrong answer",
+    ),
+    # the harness's own encoder replaced: every case claims the value of the question's example
+    "the harness patched": (
+        "import __main__\n__main__.encode = lambda value: {'list': [1, 9]}\ndef min_max(n):\n    return None\n",
+        "case 2 of 3: wrong answer",
+    ),
+    "outcomes written to the harness's channel, then exit": (
+        "import os\nfor fd in range(3, 10):\n    try:\n"
+        '        os.write(fd, b\'\'.join(b\'{"case": %d, "value": {"other": "Any"}}\\n\' % i for i in range(3)))\n'
+        "    except OSError:\n        pass\nos._exit(0)\n",
+        "case 1 of 3: wrong answer",
+    ),
+    "an outcome nested past the verifier's stack": (
+        "import os\nfor fd in range(3, 10):\n    try:\n"
+        "        os.write(fd, b'{\"case\": 0, \"value\": ' + b'{\"list\": [' * 100000 + b']}' * 100000 + b'}\\n')\n"
+        "    except OSError:\n        pass\ndef min_max(n):\n    return [1, 9]\n",
+        "unreadable outcomes",
+    ),
+    "an outcome the verifier cannot hold (a list as a dict key)": (
+        "import os\nfor fd in range(3, 10):\n    try:\n"
+        '        os.write(fd, b\'{"case": 0, "value": {"dict": [[{"list": []}, 1]]}}\\n\')\n'
+        "    except OSError:\n        pass\nos._exit(0)\n",
+        "unreadable outcomes",
+    ),
+    "os._exit before any call": ("import os\nos._exit(0)\n", "case 1 of 3: the program ended the harness (exit 0)"),
+    "sys.exit in the call": ("import sys\ndef min_max(n):\n    sys.exit(0)\n", "case 1 of 3: raised SystemExit: 0"),
+    "the time-out swallowed": (
+        "import signal\nfor s in (signal.SIGALRM, signal.SIGTERM, signal.SIGINT):\n    signal.signal(s, signal.SIG_IGN)\n"
+        "def min_max(n):\n    while True:\n        try:\n            while True:\n                pass\n"
+        "        except BaseException:\n            pass\n",
+        "case 1 of 3: time limit 0.4s exceeded",
+    ),
+    "the watcher killed": (
+        "import os, signal\ndef min_max(n):\n    os.kill(os.getppid(), signal.SIGKILL)\n    while True:\n        pass\n",
+        "case 1 of 3: the program ended the harness",
+    ),
+    # the one signal the watcher cannot ignore: the sandbox's wall time ends the run, (cases + 1) limits
+    "the watcher stopped": (
+        "import os, signal\ndef min_max(n):\n    os.kill(os.getppid(), signal.SIGSTOP)\n    while True:\n        pass\n",
+        "case 1 of 3: time limit 0.4s exceeded",
+    ),
+}
+
+# reads the expected values wherever a set with its tests can be read: it finds them when they are
+# reachable (a directory holding the set), not in the sandbox, which holds only the arguments
+READ_EXPECTED = """\
+import json, os
+def min_max(numbers):
+    for top in ('.', '/tmp', '/workspace', '/work', '/root', '/home'):
+        for root, dirs, files in os.walk(top):
+            dirs[:] = [d for d in dirs if d not in ('.venv', '.pyenv', 'site-packages', '.git')]
+            for name in files:
+                try:
+                    lines = open(os.path.join(root, name), errors='ignore').read().splitlines()
+                except OSError:
+                    continue
+                for line in lines:
+                    try:
+                        row = json.loads(line)
+                        tests = json.loads(row['input_output']) if 'input_output' in row else row
+                        return tests['outputs'][tests['inputs'].index([numbers])][0]
+                    except Exception:
+                        continue
+"""
+
+
+def call_tasks(time_limit_s: float = 1.0) -> list:
+    return imported("apps_call.jsonl", "apps", kind="code", id="problem_id", time_limit_s=time_limit_s)
+
+
+@needs_sandbox
+def test_call_based_code_passes_as_apps_and_taco_grade_it():
+    min_max, pairs, lengths = call_tasks()
+    tests = rows_of("apps_call.jsonl")[0]["input_output"]
+    assert min_max.meta["answer"]["tests"] == json.loads(tests)  # fn_name, inputs (argument lists), outputs
+    assert "Define the function" not in min_max.prompt  # the starter code names it
+    assert lengths.prompt.endswith("Define the function `count_lengths`: the tests call it and check what it returns.")
+    assert [verify(t, demonstration(t)).detail for t in (min_max, pairs, lengths)] == ["3 cases passed"] * 2 + ["2 cases passed"]
+
+
+@needs_sandbox
+def test_call_based_code_takes_what_apps_and_taco_take():
+    """A tuple is a list, a list of tuples a list of lists; the expected dict's keys are ints again;
+    the program's prints do not matter."""
+    min_max, pairs, lengths = call_tasks()
+    as_tuple = "def min_max(n):\n    print('debugging', n)\n    return min(n), max(n)\n"
+    tuples = (
+        "class Solution:\n    def pairSums(self, nums, target):\n"
+        "        return [(i, j) for i in range(len(nums)) for j in range(i + 1, len(nums)) if nums[i] + nums[j] == target]\n"
+    )
+    assert verify(min_max, as_tuple).passed and verify(pairs, tuples).passed
+    assert not verify(lengths, "def count_lengths(words):\n    return {str(k): v for k, v in {3: 2, 5: 1}.items()}\n").passed
+
+
+CALL_FAILURES = {  # a program: how its verdict names its failure
+    "def min_max(n):\n    return [1, 9]\n": "case 2 of 3: wrong answer",  # the question's example hard-coded
+    "def min_max(n):\n    return {1, 9}\n": "case 1 of 3: wrong answer",  # a set is no list
+    "def min_max(n):\n    return 1 / 0\n": "case 1 of 3: raised ZeroDivisionError: division by zero",
+    "def min_max(n):\n    while True:\n        pass\n": "case 1 of 3: time limit 0.4s exceeded",
+    "def min_max(n):\n    n.append(n)\n    return n\n": "case 1 of 3: returned a value that cannot be written: RecursionError",
+    "x = = 1": "the program did not load: SyntaxError: invalid syntax (solution.py, line 1)",
+    "def max_min(n):\n    pass\n": "the program did not load: LookupError: no function 'min_max' in the program",
+    "input()": "the program did not load: EOFError: EOF when reading a line",
+    "": "no program in the completion",
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("program", list(CALL_FAILURES), ids=range(len(CALL_FAILURES)))
+def test_call_based_code_failures_named_per_case(program):
+    (min_max, *_) = call_tasks(time_limit_s=0.4)
+    assert verify(min_max, program).detail[: len(CALL_FAILURES[program])] == CALL_FAILURES[program]
+
+
+@needs_sandbox
+@pytest.mark.parametrize("cheat", sorted(CALL_CHEATS))
+def test_call_based_code_cannot_be_forged(cheat):
+    (min_max, *_) = call_tasks(time_limit_s=0.4)
+    program, failure = CALL_CHEATS[cheat]
+    v = verify(min_max, program)
+    assert (v.reward, v.passed, v.detail[: len(failure)]) == (0.0, False, failure)
+
+
+@needs_sandbox
+def test_call_based_code_cannot_read_the_expected_values(tmp_path):
+    shutil.copy(FIXTURES / "apps_call.jsonl", tmp_path / "apps_call.jsonl")
+    outside = subprocess.run(
+        [sys.executable, "-c", READ_EXPECTED + "print(min_max([3, 1, 9]))"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert outside.stdout == "[1, 9]\n"  # the cheat works where the set can be read
+    (min_max, *_) = call_tasks(time_limit_s=20)
+    assert verify(min_max, READ_EXPECTED).detail == "case 1 of 3: wrong answer"  # found nothing: None
+
+
+def test_call_based_outcomes_compared_as_apps_and_taco_do():
+    assert same_return([1, 9], [[1, 9]]) and same_return((1, 9), [[1, 9]]) and same_return([1, 9], [1, 9])
+    assert same_return([(0, 3), (1, 2)], [[[0, 3], [1, 2]]]) and same_return(5, [5]) and same_return(5.0, [5])
+    assert same_return({3: 2}, [{"3": 2}]) and same_return({3: 2}, {"3": 2}) and same_return(None, [None])
+    assert same_return(True, [1])  # Python's == as theirs: True == 1
+    assert not same_return({"3": 2}, [{"3": 2}])  # the expected keys read as ints: a str-keyed dict differs
+    assert not same_return([1, 9], [[9, 1]]) and not same_return({1, 9}, [[1, 9]]) and not same_return([1], [[[1]]])
+    assert not same_return(Opaque("Any"), [Opaque("Any")]) and not same_return(float("nan"), [float("nan")])
+
+
+def test_call_based_outcomes_read_strictly():
+    # what the harness writes keeps tuples, int keys and numbers apart; what is not data equals nothing
+    value = [(1, "a"), {2: [3.5, None]}, True, 7, {4}]
+    back = decode(json.loads(json.dumps(encode(value))))
+    assert back[:4] == [(1, "a"), {2: [3.5, None]}, True, 7] and type(back[3]) is int and isinstance(back[4], Opaque)
+    lines = lambda *outcomes: "".join(json.dumps(o) + "\n" for o in outcomes)  # noqa: E731
+    read = read_outcomes(lines({"case": 0, "value": {"tuple": [1, {"dict": [[3, "x"]]}]}}, {"case": 1, "error": "raised E"}))
+    assert read == [{"case": 0, "value": (1, {3: "x"})}, {"case": 1, "error": "raised E"}]
+    assert read_outcomes(lines({"load": "SyntaxError"})) == [{"load": "SyntaxError"}]
+    bad = [
+        lines({"case": 1, "value": 1}),  # out of order
+        lines({"case": 0, "value": 1}, {"case": 0, "value": 1}),  # a case twice
+        lines({"case": 0, "timeout": True}, {"case": 1, "value": 1}),  # a case after a failed one
+        lines({"case": 0, "value": 1}, {"load": "late"}),
+        lines({"case": True, "value": 1}),
+        lines({"case": 0, "value": 1, "passed": True}),  # a verdict is not an outcome
+        lines({"case": 0, "value": [1, 9]}),  # an untagged list
+        lines({"case": 0, "value": {"set": [1]}}),
+        lines({"case": 0, "timeout": False}),
+        "PASS\n",
+    ]
+    for text in bad:
+        with pytest.raises((ValueError, TypeError)):
+            read_outcomes(text)
+
+
+def test_call_based_verdicts_from_the_harness_run():
+    """What the sandbox's status says where the outcomes stop short (no sandbox needed)."""
+    line = lambda o: json.dumps(o) + "\n"  # noqa: E731
+    done = line({"case": 0, "value": {"list": [1, 9]}})
+
+    def run(stdout: str, status: str = "ok", detail: str = "", code: int = 0, stderr: str = "") -> SandboxResult:
+        return SandboxResult(status, code, stdout, stderr, detail=detail)
+
+    assert judge_calls(run(done), [[[1, 9]]], 1.0) == (1.0, True, "1 cases passed")
+    assert judge_calls(run(done, "timeout", "wall time 2s"), [[[1, 9]]], 1.0)[2] == "after the last case: wall time 2s"
+    assert judge_calls(run(done + '{"case": 1, "va', "timeout"), [[[1, 9]], [[2, 3]]], 1.0)[2] == "time limit 1s exceeded"
+    assert judge_calls(run(done, "limit", "memory for the call"), [[[1, 9]], [[2]]], 1.0)[2] == "case 2 of 2: memory for the call"
+    assert judge_calls(run(done, code=3, stderr="boom\n"), [[[1, 9]], [[2]]], 1.0)[2] == (
+        "case 2 of 2: the program ended the harness (exit 3) boom"
+    )
+    assert judge_calls(run(done + done.replace("0", "1")), [[[1, 9]]], 1.0)[2] == "unreadable outcomes: more than there are cases"
+
+
+def test_call_based_rows_checked_at_import(tmp_path):
+    cases = [
+        ({"fn_name": "f-1", "inputs": [[1]], "outputs": [1]}, r":1: input_output: fn_name 'f-1' is not a Python name"),
+        ({"fn_name": 3, "inputs": [[1]], "outputs": [1]}, r":1: input_output: fn_name 3 is not a Python name"),
+        ({"fn_name": "f", "inputs": [1, 2], "outputs": [1, 2]}, r":1: input_output: call-based inputs must each be a list"),
+    ]
+    for i, (tests, error) in enumerate(cases):
+        path = _rows(tmp_path / f"call{i}.jsonl", [{"question": "?", "input_output": json.dumps(tests)}])
+        with pytest.raises(TaskImportError, match=rf"^{path}{error}"):
+            import_answers(path, AnswerFields(kind="code"))
+
+
 def test_ifeval_instructions_as_ifeval_checks_them():
     note, tips, rainbow = import_ifeval(FIXTURES / "ifeval.jsonl")
     assert note.task_id == "ifeval-1001" and note.verifier == "ifeval" and note.answer == ""
@@ -186,6 +413,39 @@ def test_ifeval_instructions_as_ifeval_checks_them():
     assert verify(rainbow, '```json\n{"colours": 7}\n```').passed and not verify(rainbow, "A rainbow has seven colours.").passed
     empty = verify(tips, "  ")  # IFEval's strict test: an empty response follows nothing
     assert (empty.reward, empty.passed) == (0.0, False)
+    assert empty.scores == {"loose_pass@1": 0.0, "loose_reward": 0.0}
+
+
+def test_ifeval_loose_accuracy_beside_the_strict_reward():
+    """IFEval's loose test forgives a first or last line and markdown asterisks; the reward stays strict."""
+    note, tips, rainbow = import_ifeval(FIXTURES / "ifeval.jsonl")
+    tips_text = "* Focus on one thing\n* Take a break every hour\n* Silence your phone\n"
+    bold_end = verify(tips, tips_text + "**Is there anything else I can help with?**")  # asterisks
+    assert (bold_end.reward, bold_end.passed) == (2 / 3, False)
+    assert bold_end.scores == {"loose_pass@1": 1.0, "loose_reward": 1.0}
+    preamble = verify(rainbow, 'Here is the JSON:\n```json\n{"colours": 7}\n```')  # a first line
+    assert not preamble.passed and preamble.scores["loose_pass@1"] == 1.0
+    signed = verify(tips, tips_text + "Is there anything else I can help with?\nCheers, your assistant")  # a last line
+    assert not signed.passed and signed.scores["loose_pass@1"] == 1.0
+    # loose is no free pass: one line removed at a time, and only at either end
+    inside = verify(note, "Our cat is missing.\nShe is grey, and shy.\nPlease call.")
+    assert not inside.passed and inside.scores == {"loose_pass@1": 0.0, "loose_reward": 0.5}
+    assert verify(note, "Our cat is missing. Please call.").scores["loose_pass@1"] == 1.0  # strict implies loose
+    assert loose_variants("a\n*b*\nc") == ["a\n*b*\nc", "a\nb\nc", "*b*\nc", "a\n*b*", "*b*", "b\nc", "a\nb", "b"]
+
+
+def test_evaluate_averages_further_scores_as_it_does_the_reward():
+    """Per task over its scored attempts, then over tasks: loose_pass@1 beside pass@1 (strict)."""
+    one, two = (Task(f"ifeval-{i}", "ifeval", 1, f"prompt {i}", "", "ifeval") for i in (1, 2))
+    attempts = [
+        Attempt(one, 0, reward=1.0, passed=1, status="ok", scores={"loose_pass@1": 1.0}),
+        Attempt(one, 1, reward=0.5, passed=0, status="ok", scores={"loose_pass@1": 1.0}),
+        Attempt(two, 0, reward=0.0, passed=0, status="ok", scores={"loose_pass@1": 0.0}),
+        Attempt(two, 1),  # an infrastructure failure: no scores, in no denominator
+    ]
+    s = summarize(attempts, [1])
+    assert (s["pass@1"], s["scores"]["loose_pass@1"], s["scores"]["loose_pass@1_tasks"]) == (0.25, 0.5, 2)
+    assert "scores" not in summarize([Attempt(one, 0, reward=1.0, passed=1, status="ok")], [1])
 
 
 IFEVAL_CASES = [  # (instruction id, kwargs, a response that follows it, one that does not), as IFEval judges
@@ -276,11 +536,6 @@ def test_bad_input_names_file_row_and_field(tmp_path):
             [{"question": "?", "answer": "x", "metadata": {"source_dataset": "sudoku"}}],
             {"kind": "checker"},
             r":1: checker 'sudoku'",
-        ),
-        (
-            [{"question": "?", "input_output": json.dumps({"fn_name": "f", "inputs": [[1]], "outputs": [1]})}],
-            {"kind": "code"},
-            r":1: input_output: call-based tests \(fn_name\) are not supported",
         ),
         ([{"question": "?", "input_output": json.dumps({"inputs": ["1"], "outputs": []})}], {"kind": "code"}, "equal length"),
         ([{"question": "?"}], {"kind": "code"}, r":1: missing input_output$"),
@@ -400,6 +655,16 @@ def test_imported_sets_run_through_tasks_and_evaluate_with_their_sources_recorde
     results = json.loads((run.stage_dir("eval") / "results.json").read_text())
     groups = results["checkpoints"]["sft:final"]["groups"]
     assert {"gsm8k", "mmlu", "ifeval"} <= set(groups) and groups["all"]["infra_failures"] == 0
+    # IFEval's loose accuracy beside the strict one (pass@1), only where the verifier gives it
+    loose = groups["ifeval"]["scores"]
+    assert set(loose) == {f"{n}{tail}" for n in ("loose_pass@1", "loose_reward") for tail in ("", "_se", "_tasks")}
+    assert loose["loose_pass@1_tasks"] == 3 and loose["loose_pass@1"] >= groups["ifeval"]["pass@1"]
+    assert "scores" not in groups["gsm8k"]
+    metrics = json.loads((run.stage_dir("eval") / "metrics.json").read_text())
+    assert metrics["sft:final/ifeval/loose_pass@1"] == loose["loose_pass@1"] and "sft:final/ifeval/loose_pass@1_se" not in metrics
+    assert "sft:final/all/loose_pass@1" not in metrics  # "all" holds tasks without a loose score
+    assert list(card._further_scores(groups["ifeval"])) == ["loose_pass@1", "loose_reward"]  # rows of the card's table
+    assert card._further_scores(groups["all"]) == {}
     # the card's data section names each source with its sha256
     lines = card._task_sources(card.Facts(RunDir.open(run.path)))
     assert lines[0].startswith("- Imported task set (`tasks`, `answers`, domain gsm8k): ")

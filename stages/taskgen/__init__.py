@@ -50,8 +50,9 @@ DOMAINS: dict[str, tuple[Callable, Callable]] = {
 }
 # domains whose tasks are repositories (verifier "repo": the completion is a patch judged by tests)
 REPO_DOMAINS: dict[str, Callable] = {"swe_mini": swe_mini.generate}
-# verifier id -> verifier(task, completion) of imported sets, judged by what each task's meta holds
-# (answer: its answer kind and reference, stages/taskgen/answer_sets.py; ifeval: its instructions)
+# verifier id -> verifier(task, completion) -> (reward, passed, detail[, scores]) of imported sets, judged
+# by what each task's meta holds (answer: its answer kind and reference, stages/taskgen/answer_sets.py;
+# ifeval: its instructions, with IFEval's loose accuracy as scores)
 TASK_VERIFIERS: dict[str, Callable] = {"answer": answer_kinds.verify, "ifeval": ifeval.verify}
 
 
@@ -79,12 +80,12 @@ def verify(task: Task, completion: str) -> Verdict:
     else:
         raise VerifierError(f"task {task.task_id}: unknown verifier {task.verifier!r}")
     try:
-        reward, passed, detail = check(completion)
+        reward, passed, detail, *scores = check(completion)  # a fourth item: further scores (ifeval's loose ones)
     except VerifierError:
         raise
     except Exception as e:  # a verifier bug is infrastructure, never the model's fault
         raise VerifierError(f"task {task.task_id}: verifier {task.verifier} crashed: {e!r}") from e
-    return Verdict(float(reward), bool(passed), detail)
+    return Verdict(float(reward), bool(passed), detail, {k: float(v) for k, v in (scores[0] if scores else {}).items()})
 
 
 def content_key(prompt: str, answer: str, meta: dict) -> str:

@@ -10,7 +10,8 @@ A task's `meta["answer"]` says how its completion is judged:
     numeric  the final answer holds exactly one number (thousands separators, fractions, \\frac,
              scientific notation read), within `abs_tol` or `rel_tol` of the reference
     checker  a named checker function scores (answer, entry), Reasoning Gym style (checkers.py)
-    code     the program in the completion passes hidden stdin/stdout cases in the sandbox (code_cases.py)
+    code     the program in the completion passes hidden cases in the sandbox, stdin/stdout or calls of
+             the function `fn_name` compared by what it returns (code_cases.py)
 
 Each returns (reward, passed, detail) as the domain verifiers do. A final answer that holds several
 candidates ("A B C D", "42 or 43") is wrong, never matched against any one of them.

@@ -10,7 +10,7 @@ stages.config.AnswerFields) and makes one task per row, judged by its answer kin
     MMLU (cais/mmlu)    question, subject, choices, answer (index 0-3)              kind choice
     Reasoning Gym       question, answer, metadata (metadata.source_dataset)        kind checker
     APPS / TACO         problem_id, question, solutions, input_output, difficulty,  kind code
-                        url, starter_code
+                        url, starter_code (input_output's fn_name: call-based cases)
     IFEval (google)     key, prompt, instruction_id_list, kwargs                    `import_ifeval`
 
 A task keeps what judging it needs in `meta["answer"]` (its kind and the kind's parameters: the
@@ -137,18 +137,33 @@ def _code(row: dict, fields, question: str, where: str):
     tests = _json_field(row[fields.tests], f"{where}: {fields.tests}")
     if not isinstance(tests, dict):
         raise TaskImportError(f"{where}: {fields.tests}: expected {{inputs, outputs}}")
-    if tests.get("fn_name"):
-        raise TaskImportError(f"{where}: {fields.tests}: call-based tests (fn_name) are not supported, only stdin/stdout")
     inputs, outputs = tests.get("inputs"), tests.get("outputs")
     if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs or len(inputs) != len(outputs):
         raise TaskImportError(f"{where}: {fields.tests}: inputs and outputs must be non-empty lists of equal length")
+    cases = {"inputs": inputs, "outputs": outputs} | _call_based(tests, f"{where}: {fields.tests}")
     solutions = _json_field(row.get(fields.solutions) or [], f"{where}: {fields.solutions}")
     gold = solutions[0] if isinstance(solutions, list) and solutions and isinstance(solutions[0], str) else ""
     prompt = question
-    if (starter := row.get("starter_code")) and isinstance(starter, str) and starter.strip():
+    starter = row.get("starter_code") if isinstance(row.get("starter_code"), str) else ""
+    if starter.strip():
         prompt = f"{question.rstrip()}\n\nStarter code:\n```python\n{starter.rstrip()}\n```"
-    spec = {"tests": {"inputs": inputs, "outputs": outputs}, "time_limit_s": fields.time_limit_s or TIME_LIMIT_S}
+    if "fn_name" in cases and cases["fn_name"] not in starter:  # the name the tests call, where nothing shows it
+        prompt = f"{prompt.rstrip()}\n\nDefine the function `{cases['fn_name']}`: the tests call it and check what it returns."
+    spec = {"tests": cases, "time_limit_s": fields.time_limit_s or TIME_LIMIT_S}
     return gold, spec, prompt, f"```python\n{gold.rstrip()}\n```" if gold else ""
+
+
+def _call_based(tests: dict, where: str) -> dict:
+    """{"fn_name": name} where the cases call a function (APPS, TACO: each input a list of
+    arguments, each output the value returned), else {} (stdin/stdout cases)."""
+    name = tests.get("fn_name")
+    if name in (None, ""):
+        return {}
+    if not isinstance(name, str) or not name.isidentifier():
+        raise TaskImportError(f"{where}: fn_name {name!r} is not a Python name")
+    if not all(isinstance(args, list) for args in tests["inputs"]):
+        raise TaskImportError(f"{where}: call-based inputs must each be a list of arguments (fn_name {name!r})")
+    return {"fn_name": name}
 
 
 BUILDERS = {"exact": _exact, "numeric": _numeric, "choice": _choice, "checker": _checker, "code": _code}

@@ -5,11 +5,15 @@ follows each listed instruction; `kwargs[i]` holds instruction i's arguments. Ea
 here is checked as IFEval's `instructions.py` checks it (`check_following`), with its strict
 evaluation (`evaluation_lib.test_instruction_following_strict`): an empty response follows none.
 The verdict: reward = the share of the task's instructions followed (instruction level), passed =
-all of them (prompt level, IFEval's headline "prompt-level strict accuracy").
+all of them (prompt level, IFEval's headline "prompt-level strict accuracy"). IFEval's loose test
+(`evaluation_lib.test_instruction_following_loose`: the response also without its first or last
+line, and without asterisks) gives further scores, loose_pass@1 and loose_reward, that evaluate
+reports beside them; the reward stays strict.
 
-Instructions that need a language detector or NLTK's tokenizers (response language, all capitals
-or lowercase in English, capital-word frequency, number of sentences) are not implemented; a row
-with one is refused at import with its id (`UNSUPPORTED`), rather than judged differently.
+Instructions that need a language detector or NLTK (response language, all capitals or lowercase
+in English, capital-word frequency, number of sentences) are not implemented: neither langdetect
+nor NLTK is in the environment. A row with one is refused at import with its id (`UNSUPPORTED`),
+rather than judged differently.
 """
 
 from __future__ import annotations
@@ -160,7 +164,7 @@ UNSUPPORTED = {
     "change_case:english_capital": "needs a language detector (langdetect)",
     "change_case:english_lowercase": "needs a language detector (langdetect)",
     "change_case:capital_word_frequency": "needs NLTK's word tokenizer",
-    "length_constraints:number_sentences": "needs IFEval's sentence splitter",
+    "length_constraints:number_sentences": "needs NLTK's punkt sentence tokenizer",
 }
 _REGEX_ARGS = {"keywords", "forbidden_words", "keyword", "section_spliter"}  # IFEval uses them as patterns
 
@@ -217,9 +221,28 @@ def followed(response: str, instructions: list[dict]) -> list[bool]:
     return [INSTRUCTIONS[i["id"]].check(response, i["kwargs"]) for i in instructions]
 
 
-def verify(task, completion: str) -> tuple[float, bool, str]:
+def loose_variants(response: str) -> list[str]:
+    """The responses IFEval's loose test tries (`test_instruction_following_loose`): the response,
+    without its first line, its last line or both (those three stripped), and each of the four
+    with every `*` removed (markdown emphasis), so a preamble, a sign-off or bold text is forgiven."""
+    lines = response.split("\n")
+    cut = ["\n".join(lines[1:]).strip(), "\n".join(lines[:-1]).strip(), "\n".join(lines[1:-1]).strip()]
+    return [response, response.replace("*", ""), *cut, *(c.replace("*", "") for c in cut)]
+
+
+def followed_loosely(response: str, instructions: list[dict]) -> list[bool]:
+    """Per instruction, whether some loose variant of `response` follows it (IFEval's loose test)."""
+    variants = [v for v in loose_variants(response) if v.strip()]  # an empty variant follows nothing
+    return [any(INSTRUCTIONS[i["id"]].check(v, i["kwargs"]) for v in variants) for i in instructions]
+
+
+def verify(task, completion: str) -> tuple[float, bool, str, dict[str, float]]:
+    """Strict: the reward (the share of instructions followed) and passed (all of them); loose, as
+    further scores evaluate reports beside them: loose_pass@1 (all followed loosely) and loose_reward."""
     instructions = task.meta["ifeval"]["instructions"]
     flags = followed(completion, instructions)
+    loose = followed_loosely(completion, instructions)
     missed = [i["id"] for i, ok in zip(instructions, flags, strict=True) if not ok]
     detail = "all instructions followed" if not missed else f"not followed: {', '.join(missed)}"
-    return sum(flags) / len(flags), all(flags), detail
+    scores = {"loose_pass@1": float(all(loose)), "loose_reward": sum(loose) / len(loose)}
+    return sum(flags) / len(flags), all(flags), detail, scores

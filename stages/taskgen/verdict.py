@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -10,6 +10,9 @@ class Verdict:
     reward: float  # in [0, 1]; partial credit allowed
     passed: bool
     detail: str
+    # further scores beside the reward, which evaluate averages as it does the reward and reports by
+    # name (IFEval's loose accuracy: loose_pass@1, loose_reward); training reads only the reward
+    scores: dict[str, float] = field(default_factory=dict, hash=False)
 
 
 class VerifierError(Exception):
