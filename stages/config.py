@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
-from snowcat.pipeline.schema import HF_PREFIX, Problem, bounded, checkpoint_refs, parse_checkpoint_ref
+from snowcat.pipeline.schema import HF_PREFIX, Problem, bounded, checkpoint_refs, hub_id, parse_checkpoint_ref
 from snowcat.stages.model.config import PRESETS
 from snowcat.stages.model.layout import Layout, unsupported
 from snowcat.stages.procedure import DEFAULT_PROCEDURE, parse_rule
@@ -167,6 +169,41 @@ def keep_trajectories(spec: str) -> int | None:
     if m is None or int(m.group(1)) < 1:
         raise ValueError(f"{spec!r} is not {KEEP_TRAJECTORIES_HELP}")
     return int(m.group(1))
+
+
+def other_tokenizer(policy: str, teacher: str) -> str:
+    """The refusal of a teacher whose tokenizer is not the policy's (stages/rl.py says it too)."""
+    return (
+        f"{teacher!r} has another tokenizer than the policy ({policy!r}): its log-probabilities are of other "
+        "tokens and no estimator here does without them; use its demonstrations instead (a teacher stage, sft.mix)"
+    )
+
+
+def teacher_vocabulary_problem(policy: str, teacher: str) -> str | None:
+    """What can be known when the config loads: where both are local `hf:` directories, whether their
+    tokenizer.json files map ids to the same tokens (without loading a tokenizer: configuration stays
+    light). The full check, fingerprints of the loaded tokenizers (merges, template too), is made when
+    the stage starts (stages/rl.py), where run checkpoints and staged models exist."""
+    vocabularies = [_vocabulary(_local_hf_dir(ref)) for ref in (policy, teacher)]
+    if None in vocabularies or vocabularies[0] == vocabularies[1]:
+        return None
+    return other_tokenizer(policy, teacher)
+
+
+def _vocabulary(model_dir: Path | None) -> tuple | None:
+    """(vocabulary, added tokens) of a model directory's tokenizer.json; None where there is none."""
+    path = model_dir / "tokenizer.json" if model_dir is not None else None
+    if path is None or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    added = sorted((t.get("id"), t.get("content")) for t in data.get("added_tokens") or [])
+    return json.dumps((data.get("model") or {}).get("vocab"), sort_keys=True), added
+
+
+def _local_hf_dir(ref: str) -> Path | None:
+    if not ref.startswith(HF_PREFIX) or hub_id(ref) is not None:
+        return None
+    return Path(ref.removeprefix(HF_PREFIX)).expanduser()
 
 
 def _keep_problems(spec: str) -> Iterator[Problem]:
@@ -624,6 +661,11 @@ class RlConfig(Parallelism):
     # Prompted rollouts, unprompted updates (docs/recipes.md): a system message present when sampling
     # and removed, token-exactly, from the context the update is computed on; "" = none
     rollout_prompt: str = ""
+    # Teacher rollouts in RL groups (docs/recipes.md): a fixed teacher ("<needed stage>:<checkpoint>" or
+    # "hf:...", the policy's tokenizer) plays `teacher_rollouts` more episodes of each task per update on
+    # the rollout side; they join the task's group, off-policy, weighted by the TIS-capped π/π_teacher
+    teacher: str = checkpoint_refs("")
+    teacher_rollouts: int = bounded(0, ge=0)  # teacher episodes per task per update; 0 = off
     env: Env = "single"
     verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
     reward: Literal["pass", "score"] = "pass"  # pass: 1 if the verifier passes, else 0 | score: its partial credit
@@ -731,6 +773,28 @@ class RlConfig(Parallelism):
         chooser = prompt_stage(self.rollout_prompt)
         if chooser is not None and chooser not in self.needs:
             yield "needs", f"add {chooser!r} (named in rollout_prompt)"
+        if self.teacher_rollouts:
+            yield from self._teacher_problems()
+
+    def _teacher_problems(self) -> Iterator[Problem]:
+        """What teacher rollouts need: a teacher, the TIS weight that makes its episodes' gradient an
+        importance-weighted one, the policy's tokenizer (its logprobs are of the policy's ids)."""
+        if not self.teacher:
+            yield (
+                "teacher",
+                f"teacher_rollouts is {self.teacher_rollouts}: name the teacher, '<needed stage>:<checkpoint>' or 'hf:<dir or org/name>'",
+            )
+            return
+        if self.tis_cap is None:
+            yield (
+                "tis_cap",
+                "teacher_rollouts need a TIS cap: the teacher's episodes are off-policy, weighted by min(π/π_teacher, tis_cap)",
+            )
+        if self.router_replay:
+            yield "router_replay", "cannot go with teacher_rollouts (the teacher's episodes were routed by the teacher's experts)"
+        problem = teacher_vocabulary_problem(self.init_from, self.teacher)
+        if problem:
+            yield "teacher", problem
 
     def run_problems(self, run) -> Iterator[Problem]:
         """Checks against the other stages of the run (pipeline.config calls it before anything is submitted)."""

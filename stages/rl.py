@@ -42,7 +42,7 @@ from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.stages.agent import BatchBuffers
 from snowcat.stages.agent.prompting import resolve_rollout_prompt
 from snowcat.stages.config import RlConfig as Config
-from snowcat.stages.config import rl_role, rl_roles_ok
+from snowcat.stages.config import other_tokenizer, rl_role, rl_roles_ok
 from snowcat.stages.model import open_model_dir
 from snowcat.stages.model.layout import Layout as MegatronLayout
 from snowcat.stages.rlcore.episodes import generate_batch
@@ -53,6 +53,7 @@ from snowcat.stages.rlcore.transport import FileQueueTransport, MPITransport, Tr
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import serve_checkpoint
 from snowcat.stages.taskgen import load_tasks, selection_split
+from snowcat.stages.tokenizer import load_tokenizer
 from snowcat.stages.train.backend import leave_distributed
 from snowcat.stages.train.rendezvous import init_process_group, rendezvous
 
@@ -177,6 +178,18 @@ def tasks_of_batch(cfg: Config, pool: list, seed: int, batch_index: int) -> list
     return batch_tasks(pool, cfg.tasks_per_update, seed, batch_index)
 
 
+def check_teacher_tokenizer(ctx, cfg: Config) -> None:
+    """UserError naming `stages.<rl>.teacher` unless the teacher's tokenizer is the policy's: the same
+    fingerprint (vocabulary, merges, special tokens, chat template), as the teacher stage decides
+    whether a teacher reads the student's ids. What the config could not tell at load (run
+    checkpoints, staged hub models); every rank, before any rollout."""
+    toks = [load_tokenizer(ctx.checkpoint(ref, key)) for ref, key in ((cfg.init_from, "init_from"), (cfg.teacher, "teacher"))]
+    if toks[1] is None:
+        raise UserError(f"stages.{ctx.name}.teacher: {cfg.teacher!r} has no tokenizer")
+    if toks[0] is None or type(toks[0]) is not type(toks[1]) or toks[0].fingerprint() != toks[1].fingerprint():
+        raise UserError(f"stages.{ctx.name}.teacher: {other_tokenizer(cfg.init_from, cfg.teacher)}")
+
+
 def batch_seed(seed: int, batch_index: int) -> int:
     return int(np.random.SeedSequence([seed, 11, batch_index]).generate_state(1)[0])
 
@@ -192,6 +205,10 @@ class Rollout:
         self.ctx, self.cfg, self.pool = ctx, cfg, pool
         self.should_stop = should_stop or ctx.checkpoint_due
         self.engine, self.tok, _ = serve_checkpoint(ctx, cfg.init_from, "init_from", cfg.rollout_batch)
+        # the teacher: served once beside the policy, on the same engine kind, never reloaded (fixed weights)
+        self.teacher = None
+        if cfg.teacher_rollouts:
+            self.teacher, _, _ = serve_checkpoint(ctx, cfg.teacher, "teacher", cfg.rollout_batch)
         self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (self.tok.end_of_turn_id,))
         self.handoff, self.transport = handoff, transport
         self.version: int | None = None
@@ -218,7 +235,7 @@ class Rollout:
             self.load(v)
         tasks = tasks_of_batch(self.cfg, self.pool, self.ctx.seed, k)
         seed = batch_seed(self.ctx.seed, k)
-        batch = generate_batch(self.engine, self.tok, tasks, self.cfg, self.params, seed, v, k, self.buffers)
+        batch = generate_batch(self.engine, self.tok, tasks, self.cfg, self.params, seed, v, k, self.buffers, self.teacher)
         self.transport.send_batch(k, batch)
 
 
@@ -274,6 +291,8 @@ def run(ctx) -> dict:
     out = Path(ctx.out_dir)
     role = _role(ctx)
     pool, held_out = load_pool(ctx, cfg)
+    if cfg.teacher_rollouts:  # every rank, before any rollout: the run checkpoints exist by now
+        check_teacher_tokenizer(ctx, cfg)
     handoff = WeightHandoff(out / "weights")
 
     comm = None

@@ -84,6 +84,8 @@ def agent_records(k: int) -> list[dict]:
     ]
     for segment, (r, kind) in enumerate(zip(records[:3], ("context", "summary", "context"))):
         r.update(segment=segment, segment_kind=kind, group_id=0, attempt=0)
+    if len(records) > 3:  # a teacher rollout's episode (rl.teacher_rollouts): marked through the wire
+        records[-1]["source"] = "teacher"
     return records
 
 
@@ -119,6 +121,7 @@ def expected_columns(trajs: list[Trajectory]) -> dict[str, np.ndarray]:
         **{name: cat(v, FIELDS[name][0]) for name, v in per_record.items()},
         "status": cat([("ok", "truncated", "invalid_action", "infra_error").index(r.status) for r in records], np.uint8),
         "segment_kind": cat([("context", "summary").index(r.segment_kind) for r in records], np.uint8),
+        "source": cat([("policy", "teacher").index(r.source) for r in records], np.uint8),
         "turns": cat([r.turn_boundaries for r in records], np.int64).reshape(-1, 2),
         "turn_offsets": offsets([len(r.turn_boundaries) for r in records]),
         "strings": np.frombuffer(b"".join(strings), np.uint8),
@@ -150,6 +153,11 @@ def test_a_batch_written_from_the_agent_loops_lists_holds_what_the_records_built
     for batch in (written, read):
         assert batch.index == k and len(batch) == len(trajs) and batch.n_records == len(records)
         assert batch == trajs and list(batch) == trajs
+        assert (
+            [t.source for t in batch]
+            == [t.source for t in trajs]
+            == ["policy"] * (len(trajs) - 1) + ["teacher"] * (len(records) > 3)
+        )
 
 
 def test_reading_a_message_gives_views_of_it_and_makes_each_trajectory_when_asked():
@@ -205,6 +213,7 @@ def _cut_the_u_umlaut(buf, b):  # task ids end in "ü" (2 bytes): the first one'
         (_set("route_width", 0, 5), "route widths do not add up"),
         (_set("status", 3, 4), "a status index beyond 3"),
         (_set("segment_kind", 0, 2), "a segment kind index beyond 1"),
+        (_set("source", 1, 2), "a source index beyond 1"),
         (_set("segment", 0, 1), "record 0 is segment 1 after 0 of its episode"),
         (_set("segment", 2, 3), "record 2 is segment 3 after 2 of its episode"),
         (_set("strings", 0, 0xFF), "strings are not utf-8"),
@@ -236,6 +245,7 @@ def test_a_short_padded_or_misaligned_message_is_refused():
         (lambda r: r.update(loss_mask=r["loss_mask"][:-1]), "tokens but .* mask entries"),
         (lambda r: r.update(status="crashed"), "status 'crashed' not in"),
         (lambda r: r.update(segment_kind="notes"), "segment_kind 'notes' not in"),
+        (lambda r: r.update(source="oracle"), "source 'oracle' not in"),
         (lambda r: r.update(routes=np.zeros((2, 4), np.int16)), "routes of shape \\(2, 4\\)"),
         (lambda r: r.update(segment=1), "record 3 is segment 1 after 3 of its episode"),
     ],

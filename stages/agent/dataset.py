@@ -59,6 +59,7 @@ SCHEMA = pa.schema(
         ("group_id", pa.int64()),
         ("attempt", pa.int64()),
         ("policy_version", pa.int64()),
+        ("source", pa.string()),  # who sampled it: "policy", or "teacher" (RL's teacher rollouts)
         ("reward", pa.float64()),
         ("status", pa.string()),
         ("passed", pa.int8()),  # 1 passed, 0 not, -1 not scored (infra_error): the scorer's verdict
@@ -170,6 +171,7 @@ def episode_row(
         "group_id": t.group_id,
         "attempt": t.attempt,
         "policy_version": t.policy_version,
+        "source": t.source,
         "reward": float(t.reward),
         "status": t.status,
         "passed": -1 if t.status == "infra_error" else int(t.passed if passed is None else passed),
@@ -313,6 +315,7 @@ def trajectories(rows: list[dict]) -> list[Trajectory]:
             group_id=r["group_id"],
             attempt=r["attempt"],
             policy_version=r["policy_version"],
+            source=r.get("source") or "policy",  # shards written before the column: the policy's
             token_ids=np.asarray(r["token_ids"], np.int32),
             loss_mask=np.asarray(r["loss_mask"], np.uint8),
             rollout_logprobs=np.asarray(r["rollout_logprobs"], np.float32),

@@ -66,6 +66,7 @@ class EpisodeJob:
     task: Any  # stages.taskgen.Task
     group_id: int  # episodes of one task in one batch share a group (GRPO/RLOO baselines)
     attempt: int
+    source: str = "policy"  # who plays it (trajectory.SOURCES): run_batch gives "teacher" jobs to its teacher engine
 
 
 def episode_seed(seed: int, group_id: int, attempt: int, turn: int) -> int:
@@ -161,13 +162,31 @@ def run_batch(
     policy_version: int,
     verifier: Callable | None = None,
     buffers: BatchBuffers | None = None,
+    teacher=None,
 ) -> TrajectoryBatch:
     """`run_episodes` as batch `batch_index` of the RL transport: every record's token lists are
     converted straight into the batch's columns (the one conversion `run_episodes` makes into each
     record's own arrays), so the batch goes out as it is, with no pass over the records to send it.
-    `buffers`: memory of the rollout's earlier batches, used again once they are gone."""
-    episodes = _play(engine, tokenizer, jobs, env, params, budget, seed, verifier)
+    `buffers`: memory of the rollout's earlier batches, used again once they are gone.
+    `teacher`: the engine that plays the jobs whose source is "teacher" (same tokenizer, env,
+    budget and verifier; after the policy's jobs, each engine batching its own); records in job order."""
+    episodes = _play_by_source(engine, teacher, tokenizer, jobs, env, params, budget, seed, verifier)
     return TrajectoryBatch.write(batch_index, [r for e in episodes for r in _records(e, policy_version)], buffers)
+
+
+def _play_by_source(engine, teacher, tokenizer, jobs: list[EpisodeJob], env, params, budget: Budget, seed: int, verifier):
+    """Every job's episode in job order, the policy's jobs played by `engine`, the teacher's by `teacher`."""
+    theirs = [i for i, j in enumerate(jobs) if j.source == "teacher"]
+    if not theirs:
+        return _play(engine, tokenizer, jobs, env, params, budget, seed, verifier)
+    if teacher is None:
+        raise ValueError(f"{len(theirs)} teacher jobs and no teacher engine")
+    ours = [i for i, j in enumerate(jobs) if j.source != "teacher"]
+    out: list = [None] * len(jobs)
+    for player, picked in ((engine, ours), (teacher, theirs)):
+        for i, e in zip(picked, _play(player, tokenizer, [jobs[i] for i in picked], env, params, budget, seed, verifier)):
+            out[i] = e
+    return out
 
 
 def _play(engine, tokenizer, jobs: list[EpisodeJob], env, params, budget: Budget, seed: int, verifier) -> list[_Episode]:
@@ -345,6 +364,7 @@ def _records(e: _Episode, policy_version: int) -> list[dict]:
         status=e.status,
         domain=e.job.task.domain,
         detail=e.detail,
+        source=e.job.source,
     )
     last = _record(e.ids, e.mask, e.logprobs, e.support, e.routes, e.turns, e.prompt_len)
     return [{**common, **rec, "segment": i} for i, rec in enumerate([*e.done, last])]

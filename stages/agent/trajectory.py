@@ -45,6 +45,9 @@ import numpy as np
 STATUSES = ("ok", "truncated", "invalid_action", "infra_error")
 # what a record of an episode holds: a stretch of turns in one context, or the policy writing a summary
 SEGMENT_KINDS = ("context", "summary")
+# who played the episode: the policy being trained, or the fixed teacher of `rl.teacher_rollouts`
+# (its episodes join their task's group; docs/recipes.md "Teacher rollouts in RL groups")
+SOURCES = ("policy", "teacher")
 
 # name -> (dtype, trailing shape); the order is the wire order
 FIELDS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
@@ -64,6 +67,7 @@ FIELDS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
     "status": (np.dtype(np.uint8), ()),  # index into STATUSES
     "segment": (np.dtype(np.int64), ()),  # the record's place in its episode (0: the opening's context)
     "segment_kind": (np.dtype(np.uint8), ()),  # index into SEGMENT_KINDS
+    "source": (np.dtype(np.uint8), ()),  # index into SOURCES
     "turns": (np.dtype(np.int64), (2,)),  # all (start, end) spans, concatenated
     "turn_offsets": (np.dtype(np.int64), ()),  # [N+1]
     "strings": (np.dtype(np.uint8), ()),  # utf-8 of task_id_0, domain_0, detail_0, task_id_1, ...
@@ -99,6 +103,7 @@ class Trajectory:
     segment: int = 0
     segment_kind: str = "context"
     earlier: tuple = ()
+    source: str = "policy"  # one of SOURCES: who sampled the episode (its rollout_logprobs are that model's)
     # The episode's seconds as the agent loop played it (stages/agent/loop.py, "Timing"): volatile,
     # so never sent, compared or written with the record; None where not played here.
     timing: dict[str, float] | None = field(default=None, compare=False, repr=False)
@@ -115,6 +120,8 @@ class Trajectory:
             raise ValueError(f"trajectory {self.task_id}: status {self.status!r} not in {STATUSES}")
         if self.segment_kind not in SEGMENT_KINDS:
             raise ValueError(f"trajectory {self.task_id}: segment_kind {self.segment_kind!r} not in {SEGMENT_KINDS}")
+        if self.source not in SOURCES:
+            raise ValueError(f"trajectory {self.task_id}: source {self.source!r} not in {SOURCES}")
         self.earlier = tuple(self.earlier)
         if self.earlier and (
             [t.segment for t in self.earlier] + [self.segment] != list(range(len(self.earlier) + 1))
@@ -166,6 +173,7 @@ class Trajectory:
             "segment",
             "segment_kind",
             "earlier",
+            "source",
         )
         return (
             all(getattr(self, k) == getattr(other, k) for k in scalars)
@@ -214,15 +222,16 @@ def regroup(records: list[Trajectory]) -> list[Trajectory]:
 #   WIRE_VERSION, so a rank of another snowcat version is refused by name instead of misread.
 
 WIRE_MAGIC = int.from_bytes(b"snowtraj", "little")
-WIRE_VERSION = 2  # 2: segment, segment_kind
+WIRE_VERSION = 3  # 2: segment, segment_kind; 3: source
 _HEAD = 4 + len(FIELDS)
 _UNIT = [dtype.itemsize * int(np.prod(tail, dtype=np.int64)) for dtype, tail in FIELDS.values()]  # bytes per entry
 
 _PER_TOKEN = ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths")
-_SCALARS = ("group_id", "attempt", "policy_version", "prompt_len", "reward", "status", "segment", "segment_kind")
+_SCALARS = ("group_id", "attempt", "policy_version", "prompt_len", "reward", "status", "segment", "segment_kind", "source")
 # the fields with one entry per record and those with one per token (as many as token_ids)
 _COUNTED = (*((k, "trajectories") for k in ("route_width", *_SCALARS)), *((k, "tokens") for k in _PER_TOKEN[1:]))
-_CODES = {"status": {s: i for i, s in enumerate(STATUSES)}, "segment_kind": {s: i for i, s in enumerate(SEGMENT_KINDS)}}
+_NAMES = {"status": STATUSES, "segment_kind": SEGMENT_KINDS, "source": SOURCES}  # coded fields: their index's names
+_CODES = {field: {s: i for i, s in enumerate(names)} for field, names in _NAMES.items()}
 
 
 def _layout(lengths) -> tuple[list[int], int]:
@@ -324,7 +333,7 @@ class TrajectoryBatch(Sequence):
         width = column("route_width")
         if width.min(initial=0) < 0 or int(np.dot(tok[1:] - tok[:-1], width)) != lengths["routes"]:
             raise ValueError(f"trajectory batch: route widths do not add up to the {lengths['routes']} routes entries")
-        for name, names in (("status", STATUSES), ("segment_kind", SEGMENT_KINDS)):
+        for name, names in _NAMES.items():
             if column(name).max(initial=0) >= len(names):
                 raise ValueError(f"trajectory batch: a {name.replace('_', ' ')} index beyond {len(names) - 1}")
         self._starts = self._episode_starts(n)
@@ -546,6 +555,7 @@ class TrajectoryBatch(Sequence):
             "segment": v["segment"][j],
             "segment_kind": SEGMENT_KINDS[v["segment_kind"][j]],
             "earlier": earlier,
+            "source": SOURCES[v["source"][j]],
         }
         return t
 

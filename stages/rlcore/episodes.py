@@ -1,5 +1,5 @@
-"""Batch k's episodes: `tasks_per_update` tasks x `attempts`, played by `stages.agent.run_batch`
-straight into the columns of the batch the transport sends."""
+"""Batch k's episodes: `tasks_per_update` tasks x `attempts` (+ `teacher_rollouts` played by the
+teacher), by `stages.agent.run_batch` straight into the columns of the batch the transport sends."""
 
 from __future__ import annotations
 
@@ -27,15 +27,34 @@ def reward_verifier(spec: str, reward: str):
     return passed
 
 
+def batch_jobs(tasks, attempts: int, teacher_rollouts: int) -> list[EpisodeJob]:
+    """Each task's group: `attempts` policy episodes, then `teacher_rollouts` teacher episodes. group_id =
+    the task's position in the batch; the teacher's attempts are numbered on after the policy's, so
+    their seeds (`episode_seed(seed, group, attempt, turn)`) never collide with the policy's."""
+    return [
+        EpisodeJob(task, group_id=g, attempt=a, source="policy" if a < attempts else "teacher")
+        for g, task in enumerate(tasks)
+        for a in range(attempts + teacher_rollouts)
+    ]
+
+
 def generate_batch(
-    engine, tok, tasks, cfg, params, seed: int, policy_version: int, batch_index: int, buffers: BatchBuffers | None = None
+    engine,
+    tok,
+    tasks,
+    cfg,
+    params,
+    seed: int,
+    policy_version: int,
+    batch_index: int,
+    buffers: BatchBuffers | None = None,
+    teacher=None,
 ) -> TrajectoryBatch:
     env = make_env(cfg.env, tok, **env_options(cfg.env, cfg))
     if cfg.rollout_prompt:  # in the context sampled in; the trainer removes it from the update's (docs/recipes.md)
         env = PromptedEnv(env, cfg.rollout_prompt)
     budget = Budget(max_context=cfg.max_total_tokens, max_turn_tokens=cfg.max_tokens, max_turns=cfg.max_turns)
-    # group_id = position of the task in the batch: the attempts at one task form one group
-    jobs = [EpisodeJob(task, group_id=g, attempt=a) for g, task in enumerate(tasks) for a in range(cfg.attempts)]
+    jobs = batch_jobs(tasks, cfg.attempts, cfg.teacher_rollouts if teacher is not None else 0)
     with torch.no_grad():  # sampling needs no graph (and a kept graph grows memory every batch)
         verifier = reward_verifier(cfg.verifier, cfg.reward)
-        return run_batch(batch_index, engine, tok, jobs, env, params, budget, seed, policy_version, verifier, buffers)
+        return run_batch(batch_index, engine, tok, jobs, env, params, budget, seed, policy_version, verifier, buffers, teacher)

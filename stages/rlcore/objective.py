@@ -7,6 +7,13 @@ log(kept mass) (see /docs/rl.md). The support is the one the engine actually sam
 with each token: rebuilding it from the trainer's logits disagrees at ties (vLLM's top-p keeps tied
 tokens by sorted position) and needs fp32 [chunk, V] logits. Only tokens whose support the engine did
 not report are rebuilt, and `mismatch/support_rebuilt_frac` counts them.
+
+Teacher rollouts (`rl.teacher_rollouts`): the teacher's episodes share their task's group for the
+advantage; their `rollout_logprobs` are the teacher engine's, so the TIS weight of their tokens is
+min(π_old/π_teacher, tis_cap): off-policy importance sampling, capped. π is the policy's own sampling
+distribution: the teacher's kept supports are not used (rebuilt from the trainer's logits). The
+engine-vs-trainer mismatch and staleness are statistics of the policy's rows only (`teacher_rows`);
+the teacher's rows get `teacher/*` statistics of their own.
 """
 
 from __future__ import annotations
@@ -50,14 +57,17 @@ def make_batch(trajs: list[Trajectory], pad_id: int, estimator: str) -> dict[str
         **({"routes": routes_tensor(trajs, length)[:, :-1]} if any(t.routes is not None for t in trajs) else {}),
         "advantages": adv,
         "trainable": trainable,
+        "teacher_rows": torch.tensor([float(t.source == "teacher") for t in trajs]),
     }
 
 
 def support_tensor(trajs: list[Trajectory], length: int) -> torch.Tensor:
     """int64 [B, length, K]: each token's recorded kept ids, padded with -1 (K = 0 when none recorded)."""
-    width = max((int(t.support_lengths.max(initial=0)) for t in trajs), default=0)
+    width = max((int(t.support_lengths.max(initial=0)) for t in trajs if t.source != "teacher"), default=0)
     out = np.full((len(trajs), length, width), -1, np.int64)
     for b, t in enumerate(trajs):
+        if t.source == "teacher":  # the teacher's kept sets are not the policy's sampling distribution
+            continue
         n = t.support_lengths.astype(np.int64)
         rows = np.repeat(np.arange(len(t)), n)
         cols = np.arange(len(t.support_ids)) - np.repeat(np.cumsum(n) - n, n)
@@ -136,19 +146,36 @@ def kept_support(batch: dict, sel: torch.Tensor, h: torch.Tensor, head: torch.Te
     return torch.cat([support, torch.where(missing, targets, -1)[:, None]], dim=1)
 
 
+def policy_mask(batch: dict) -> torch.Tensor:
+    """The loss mask on the policy's own rows (the teacher's rows zeroed)."""
+    if "teacher_rows" not in batch:
+        return batch["mask"]
+    return batch["mask"] * (1 - batch["teacher_rows"].to(batch["mask"]))[:, None]
+
+
+def teacher_stats(logp_old: torch.Tensor, batch: dict, tis_cap: float | None) -> dict[str, torch.Tensor]:
+    """`teacher/*` of the teacher's rows: the log-ratio log π_old - log π_teacher (mean |.|, the ratio's
+    p50) and the share of their tokens whose importance weight the TIS cap truncates (NaN without
+    teacher tokens: every trainer rank reports the same keys)."""
+    mask = batch["mask"] * batch["teacher_rows"].to(batch["mask"])[:, None]
+    s = mismatch_stats(logp_old.cpu(), batch["rollout_logprobs"].cpu(), mask.cpu(), tis_cap)
+    return {f"teacher/{k}": torch.tensor(float(s[k])) for k in ("mean_abs_dlogp", "ratio_p50", "tis_clip_frac")}
+
+
 def support_rebuilt_frac(batch: dict) -> float:
-    """Share of trained tokens whose kept support the engine did not record."""
-    sel = batch["mask"] > 0
+    """Share of the policy's trained tokens whose kept support the engine did not record."""
+    sel = policy_mask(batch) > 0
     recorded = batch.get("support")
     if recorded is None or not recorded.shape[-1] or not sel.any():
         return float(sel.any())
     return float((recorded[sel] < 0).all(dim=1).float().mean())
 
 
-def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=None, replay: bool = False):
+def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=None, replay: bool = False, teacher: bool = False):
     """loss_fn(model, batch, n_tokens, n_micro) for `stages.train` backends: the TIS policy loss
     (+ router losses); its stats include the engine-vs-trainer mismatch of this very batch.
-    `replay`: router replay (see `sampled_logprobs`)."""
+    `replay`: router replay (see `sampled_logprobs`). `teacher`: the batches carry teacher rows
+    (`teacher/*` statistics every step)."""
 
     def loss_fn(model, batch, _n_tokens, num_micro):
         cfg = _unwrap(model).config
@@ -171,11 +198,15 @@ def make_loss_fn(params: SamplingParams, loss_cfg: PolicyLossConfig, ref_model=N
         loss = loss * batch.get("policy_share", 1.0) / num_micro
         loss = loss + (cfg.router_aux_loss_coef * out.aux_loss + cfg.router_z_loss_coef * out.z_loss) / num_micro
         # (on the CPU: mismatch_stats builds its quantile points there)
-        mism = mismatch_stats(logp_old.cpu(), batch["rollout_logprobs"].cpu(), mask.cpu(), loss_cfg.tis_cap)
+        # engine vs trainer and staleness: the policy's own rows (the teacher's ratio is not a mismatch)
+        own = policy_mask(batch)
+        mism = mismatch_stats(logp_old.cpu(), batch["rollout_logprobs"].cpu(), own.cpu(), loss_cfg.tis_cap)
         tokens = mask.sum()
         res = {f"loss/{k}": torch.tensor(float(v)) for k, v in stats.items()}
         res |= {f"mismatch/{k}": torch.tensor(float(v)) for k, v in mism.items()}
-        res["staleness/mean_abs_dlogp"] = masked_mean((logp.detach() - logp_old).abs(), mask)
+        res["staleness/mean_abs_dlogp"] = masked_mean((logp.detach() - logp_old).abs(), own)
+        if teacher:
+            res |= teacher_stats(logp_old, batch, loss_cfg.tis_cap)
         if not params.is_full_distribution:
             res["mismatch/support_rebuilt_frac"] = torch.tensor(support_rebuilt_frac(batch))
         if "routes" in batch and out.routes is not None:  # measured with and without replay

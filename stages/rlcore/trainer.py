@@ -44,7 +44,46 @@ from snowcat.stages.verifiers import load_verifier
 
 
 def batch_metrics(trajs) -> dict[str, float]:
-    """Reward by domain, pass rate, lengths, turns, statuses of one batch."""
+    """Reward by domain, pass rate, lengths, turns, statuses of the policy's own episodes; the share of
+    groups without signal and the trajectories that entered the loss count every row trained on (the
+    teacher's included); the teacher's episodes apart (`teacher_metrics`)."""
+    teacher = [t for t in trajs if t.source == "teacher"]
+    rec = _policy_metrics([t for t in trajs if t.source != "teacher"])
+    for d, n in Counter(t.domain for t in teacher if t.trainable).items():
+        rec[f"exposure/{d}"] = rec.get(f"exposure/{d}", 0) + n
+    rec["groups/no_signal_frac"] = _no_signal_frac([t for t in trajs if t.trainable])
+    if teacher:
+        rec |= teacher_metrics(trajs)
+    return rec
+
+
+def _no_signal_frac(ok) -> float:
+    """Share of groups whose attempts all agree: no signal for binary rewards."""
+    groups = defaultdict(list)
+    for t in ok:
+        groups[t.group_id].append(t.reward)
+    return float(np.mean([len(set(r)) <= 1 for r in groups.values()])) if groups else 1.0
+
+
+def teacher_metrics(trajs) -> dict[str, float]:
+    """The teacher's episodes of a batch: reward, pass rate, sampled tokens, and the share of groups
+    (tasks) that only the teacher passed, where its episodes are the whole signal."""
+    teacher = [t for t in trajs if t.source == "teacher" and t.trainable]
+    passed: dict[int, set[str]] = defaultdict(set)
+    for t in trajs:
+        if t.trainable and t.passed:
+            passed[t.group_id].add(t.source)
+    groups = {t.group_id for t in trajs}
+    return {
+        "teacher/episodes": float(sum(t.source == "teacher" for t in trajs)),
+        "teacher/reward_mean": float(np.mean([t.reward for t in teacher])) if teacher else float("nan"),
+        "teacher/pass_rate": float(np.mean([t.passed for t in teacher])) if teacher else float("nan"),
+        "teacher/tokens": float(sum(int(t.loss_mask.sum()) for t in trajs if t.source == "teacher")),
+        "teacher/only_teacher_passed_frac": sum(passed[g] == {"teacher"} for g in groups) / len(groups),
+    }
+
+
+def _policy_metrics(trajs) -> dict[str, float]:
     rec: dict[str, float] = {}
     by_dom = defaultdict(list)
     for t in trajs:
@@ -64,11 +103,6 @@ def batch_metrics(trajs) -> dict[str, float]:
 
     for s in STATUSES:
         rec[f"status/{s}"] = counts.get(s, 0) / len(trajs)
-    # groups whose attempts all agree carry no signal for binary rewards
-    groups = defaultdict(list)
-    for t in ok:
-        groups[t.group_id].append(t.reward)
-    rec["groups/no_signal_frac"] = float(np.mean([len(set(r)) <= 1 for r in groups.values()])) if groups else 1.0
     rec["policy_lag/mean"] = float("nan")
     return rec
 
@@ -108,9 +142,12 @@ def prompt_gap_sums(trajs, prompted: dict, update: dict, with_prompt, without, t
     [gap sum of turn 1..turns, tokens of turn 1..turns, engine |dlogp| sum, engine k3 sum, tokens] and
     [engine max |dlogp|]. `prompted` / `update` are `make_batch` of the trajectories with and without the
     prompt, `with_prompt` / `without` their actions' logprobs [rows, L-1]: row b's trained tokens are
-    the same actions in the same order in both (the prompt precedes them all)."""
+    the same actions in the same order in both (the prompt precedes them all). The teacher's rows are
+    left out: the gap and the engine's mismatch are the policy's."""
     sums, peak = np.zeros(2 * turns + 3), np.zeros(1)
     for b, t in enumerate(trajs):
+        if t.source == "teacher":
+            continue
         mp, mu = prompted["mask"][b] > 0, update["mask"][b] > 0
         if int(mp.sum()) != int(mu.sum()):
             raise ValueError(
@@ -197,7 +234,7 @@ class Trainer(TrainLoop):
         ref_model = None
         if cfg.kl_coef:
             ref_model = backend.frozen_copy(self.init_path)  # sharded as the trained model is
-        self.loss_fn = make_loss_fn(self.params, loss_cfg, ref_model, replay=cfg.router_replay)
+        self.loss_fn = make_loss_fn(self.params, loss_cfg, ref_model, replay=cfg.router_replay, teacher=cfg.teacher_rollouts > 0)
         self.split = selection_split(Path(ctx.inputs[cfg.tasks_input]))  # what checkpoints are selected on
         policy = RetentionPolicy(metric=f"{self.split}/pass@1", mode="max", keep_best=cfg.keep_best, keep_last=cfg.keep_last)
         checkpoints = Checkpoints(ckpts, backend, self.tok, policy, meta={"stage": ctx.name, "seed": ctx.seed}, seed=ctx.seed)
@@ -365,7 +402,7 @@ class Trainer(TrainLoop):
         self.sampled_tokens += sampled
         rec = {
             **batch_metrics(trajs),
-            "policy_lag/mean": float(np.mean([k - t.policy_version for t in trajs])),
+            "policy_lag/mean": float(np.mean([k - t.policy_version for t in trajs if t.source != "teacher"])),
             **stats.record(),
             **{name: float(v) for name, v in stats.sums.items()},
             "time/step_s": step_time,
