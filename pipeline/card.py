@@ -713,16 +713,24 @@ def _software(f: Facts) -> tuple[list[str], dict]:
         )
     hosts = sorted({r.get("host", {}).get("hostname") or NR for r in records})
     lines.append(f"- Hosts: {', '.join(hosts)}")
-    # The CPU decides which kernels ran, so whether a rerun elsewhere is bit-identical (docs/users.md).
-    cpus = sorted(
-        {
-            f"{_v(r.get('host', {}).get('cpu_model'))} (torch kernels: {_v(r.get('host', {}).get('cpu_capability'))})"
-            for r in records
-        }
-    )
-    lines.append(f"- CPUs: {'; '.join(cpus)}")
+    lines.append(f"- CPUs: {cpu_line(records)}")
     rev = next(iter(codes))[0] if len(codes) == 1 else None
     return lines, {"code_revision": rev}
+
+
+def cpu_line(records: list[dict]) -> str:
+    """The CPUs the units ran on, each with the kernels torch dispatched to there. The CPU decides which
+    kernels ran, so whether a rerun elsewhere is bit-identical (docs/users.md). A unit that never
+    loaded torch records no capability: its CPU is named by the units that did."""
+    seen = {(r.get("host", {}).get("cpu_model"), r.get("host", {}).get("cpu_capability")) for r in records}
+    kernels = {model for model, capability in seen if capability is not None}
+    return "; ".join(
+        sorted(
+            f"{_v(model)} (torch kernels: {_v(capability)})"
+            for model, capability in seen
+            if capability is not None or model not in kernels
+        )
+    )
 
 
 def _packages(records: list[dict]) -> str:

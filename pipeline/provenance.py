@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import glob
 import hashlib
 import importlib.metadata
 import json
@@ -255,6 +256,14 @@ def container_state(
 _ISA_FLAGS = ("sse4", "avx", "fma", "amx", "f16c", "asimd", "sve", "bf16", "i8mm")
 
 
+# Device nodes of the accelerators torch can use (NVIDIA, AMD's ROCm, Intel's GPUs through DRM render nodes)
+_ACCELERATOR_DEVICES = ("/dev/nvidia*", "/dev/kfd", "/dev/dri/renderD*")
+
+
+def _accelerator_devices() -> bool:
+    return any(glob.glob(pattern) for pattern in _ACCELERATOR_DEVICES)
+
+
 def host_state(probe_gpu: bool = True) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "hostname": platform.node(),
@@ -277,7 +286,11 @@ def host_state(probe_gpu: bool = True) -> dict[str, Any]:
                 rec["memory_bytes"] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    if probe_gpu:
+    if probe_gpu and "torch" not in sys.modules and not _accelerator_devices():
+        # A stage that never loaded torch (tasks, select, card...) on a host without accelerators:
+        # no GPU to find, and no torch kernel ran (importing torch to say so cost a second a job).
+        rec["gpus"], rec["cpu_capability"] = [], None
+    elif probe_gpu:
         try:
             import torch  # noqa: PLC0415 (lazily: the CLI must start fast, and most stages have it loaded by now)
 

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -201,3 +202,26 @@ def test_every_rank_of_a_multi_role_stage_records_what_it_ran_on(snowcat, tmp_pa
         card._role_hardware(facts, facts.dag["fabric"], "rollout")
         == f"fabric: 2 rollout rank(s) on {os.uname().nodename}; GPUs: none"
     )
+
+
+@pytest.mark.skipif(provenance._accelerator_devices(), reason="a host with accelerator device nodes probes them through torch")
+def test_a_unit_that_never_loaded_torch_records_no_gpu_without_importing_it():
+    # tasks, select, card...: the record says no GPU and no torch kernels, and loading torch just to
+    # say so (a second a job) is not done
+    code = "import sys; from snowcat.pipeline import provenance; h = provenance.host_state(); print(h['gpus'], h['cpu_capability'], 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "None", "False"], out
+    # a unit that has torch loaded records the kernels torch dispatches to
+    code = "import sys, torch; from snowcat.pipeline import provenance; print(provenance.host_state()['cpu_capability'])"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() not in (
+        "",
+        "None",
+    )
+
+
+def test_the_card_names_a_cpu_by_the_units_that_loaded_torch():
+    light = {"host": {"cpu_model": "EPYC", "cpu_capability": None}}
+    heavy = {"host": {"cpu_model": "EPYC", "cpu_capability": "AVX512"}}
+    other = {"host": {"cpu_model": "Grace", "cpu_capability": None}}  # only light units ran there
+    assert card.cpu_line([light, heavy, light]) == "EPYC (torch kernels: AVX512)"
+    assert card.cpu_line([light, heavy, other]) == "EPYC (torch kernels: AVX512); Grace (torch kernels: not recorded)"
