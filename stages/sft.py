@@ -394,9 +394,9 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
     if traces:
         conversations += weighted(traces, mix["traces"], ctx.seed, "traces")
         domains.append("traces")
-    for source in sorted({src for _, src in sampled}):
-        conversations += weighted([c for c in sampled if c[1] == source], mix[source], ctx.seed, source)
-        domains.append(source)
+    for name in sorted({src for _, src in sampled}):  # not `source`: that is the model directory loaded below
+        conversations += weighted([c for c in sampled if c[1] == name], mix[name], ctx.seed, name)
+        domains.append(name)
     dom_index = {d: i for i, d in enumerate(domains)}
     for msgs, dom in conversations:
         ids, mask = tok.encode_chat(msgs)

@@ -193,6 +193,29 @@ def test_sft_reads_teacher_demonstrations_by_weight_through_its_own_template(inp
     assert convs == sft.weighted([(d["messages"], "x") for d in demos], 2.5, 3, "teacher:teach")  # seeded
 
 
+def test_sft_from_a_checkpoint_reads_teacher_demonstrations(inputs, straight, tmp_path):
+    # configs/north-star.yaml's shape: the student starts from a checkpoint (init_from; `model: hf:...`
+    # takes the same path), not a fresh init — the mix's sources must not replace the directory it loads
+    ctx = StageContext.standalone(
+        "sft",
+        {
+            "init_from": "sft:final",
+            "seq_len": 96,
+            "batch_rows": 4,
+            "steps": 1,
+            "eval_tasks": 0,
+            "threads": 1,
+            "mix": {"tasks": 1, "teacher:teach": 1},
+        },
+        run_dir=tmp_path,
+        inputs={"tasks": inputs / "tasks", "sft": inputs / "sft", "teach": straight / "teacher"},
+        seed=3,
+    )
+    sft.run(ctx)
+    rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics_history.jsonl").read_text().splitlines()]
+    assert "loss/teacher:teach" in {k for r in rows for k in r}
+
+
 def test_bad_teacher_and_mix_configs_name_the_key(inputs, tmp_path):
     with pytest.raises(UserError, match=r"^stages\.teacher\.teacher: name the teacher model"):
         make_ctx(inputs, tmp_path, teacher="")
