@@ -2,7 +2,8 @@
 
     python3 .ci/report.py PHASES TIMINGS...
 
-PHASES: lines "<phase> <wall seconds>" (.ci/test.sh appends one per phase); TIMINGS: the
+PHASES: lines "<phase> <start> <end>", seconds into the run (.ci/test.sh appends one per phase;
+phases may overlap: the cluster tier runs in the background); TIMINGS: the
 `--timings` files of the pytest runs ({nodeid: [tier, seconds]}, tests/budget.py). Standard
 library only.
 """
@@ -22,16 +23,19 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print("usage: report.py PHASES [TIMINGS...]", file=sys.stderr)
         return 2
-    phases = [(name, float(s)) for name, s in (line.split() for line in Path(argv[1]).read_text().splitlines() if line.strip())]
+    phases = [
+        (name, float(start), float(end))
+        for name, start, end in (line.split() for line in Path(argv[1]).read_text().splitlines() if line.strip())
+    ]
     timings: dict[str, list] = {}
     for path in argv[2:]:
         if Path(path).is_file():
             timings.update(json.loads(Path(path).read_text()))
 
-    print("\n== CI phases (wall) ==")
-    for name, s in phases:
-        print(f"  {name:<16} {minutes(s):>7}")
-    print(f"  {'total':<16} {minutes(sum(s for _, s in phases)):>7}")
+    print("\n== CI phases (wall; from - to, minutes into the run) ==")
+    for name, start, end in phases:
+        print(f"  {name:<16} {minutes(end - start):>7}   {minutes(start):>5} - {minutes(end)}")
+    print(f"  {'total':<16} {minutes(max((end for *_, end in phases), default=0)):>7}")
 
     print("\n== tests per tier (seconds of test time; two workers run side by side) ==")
     for tier in ("unit", "cluster", "slow"):

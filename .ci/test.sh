@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Set up, lint, and run the suite in its tiers, each phase timed: the unit tier (pyproject's default
-# selection), then the cluster and slow tiers together, checked against their time budget
-# (tests/durations.json). The local Slurm cluster is started by the first test that needs it and
-# stopped by the last; at the end, a table of phase times and the 25 slowest tests, and a check that
-# the run left no process, port or temp directory behind (.ci/leftovers.py). Extra arguments go to
-# both pytest runs.
+# Set up, lint, and run the suite in its tiers, each phase timed: the cluster tier in the background
+# from the start (its tests wait on the scheduler much of the time), the unit tier (pyproject's
+# default selection) beside it, then the slow tier; the cluster and slow tiers are checked against
+# their time budget (tests/durations.json). The local Slurm cluster is started by the first test
+# that needs it and stopped by the last; at the end, a table of phase times and the 25 slowest
+# tests, and a check that the run left no process, port or temp directory behind
+# (.ci/leftovers.py). Extra arguments go to every pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +22,10 @@ phases="$ci_tmp/.phases"
 finish() {
   local rc=$?
   set +e
+  if [ -n "${cluster_pid:-}" ] && kill -0 "$cluster_pid" 2>/dev/null; then  # ended early: stop the cluster tier too
+    pkill -TERM -f -- "--timings $ci_tmp/.timings-cluster.json"
+    wait "$cluster_pid"
+  fi
   [ -x .venv/bin/python ] && .venv/bin/python -m snowcat.slurm.cluster down >/dev/null 2>&1
   python3 .ci/report.py "$phases" "$ci_tmp"/.timings-*.json
   local state
@@ -31,11 +36,11 @@ finish() {
 }
 trap finish EXIT
 
-phase() {  # phase NAME COMMAND...: run it, record its wall seconds
+phase() {  # phase NAME COMMAND...: run it, record when it started and ended (seconds into the run)
   local name=$1 start=$SECONDS rc=0
   shift
   "$@" || rc=$?
-  echo "$name $((SECONDS - start))" >>"$phases"
+  echo "$name $start $SECONDS" >>"$phases"
   return "$rc"
 }
 
@@ -47,13 +52,19 @@ export OMP_WAIT_POLICY=PASSIVE  # spinning OpenMP threads slow everything down w
 lint() { ruff check . && ruff format --check . && lint-imports; }
 phase lint lint
 
-# GPU tests skip here. The unit tier: pyproject's default selection (two workers). The cluster and
-# slow tiers together on three workers with --dist loadgroup: the cluster's tests one after another
-# on one worker (tests/conftest.py groups them), waiting on the scheduler much of the time, while the
-# slow CPU-bound tests keep both cores busy beside them.
-# Both tiers run whatever the first gives, so one CI run shows every failure.
+# GPU tests skip here. The cluster tier's tests run one after another (they share the cluster) in a
+# pytest of their own, started first, in the background: waiting on the scheduler much of the time,
+# it runs beside the unit tier (pyproject's default selection, two workers) and then beside the slow
+# tier (two workers, --dist loadgroup: a shared run's tests on one worker), which keep both cores busy.
+# Every tier runs whatever another gives, so one CI run shows every failure.
 failed=0
+phase cluster python -m pytest -ra -q -m "cluster and not gpu" -n 0 --budget --timings "$ci_tmp/.timings-cluster.json" "$@" \
+  >"$ci_tmp/.cluster.log" 2>&1 &
+cluster_pid=$!
 phase unit python -m pytest -ra -q --timings "$ci_tmp/.timings-unit.json" "$@" || failed=1
-phase cluster+slow python -m pytest -ra -q -m "(slow or cluster) and not gpu" -n 3 --dist loadgroup --budget \
+phase slow python -m pytest -ra -q -m "slow and not cluster and not gpu" -n 2 --dist loadgroup --budget \
   --timings "$ci_tmp/.timings-slow.json" "$@" || failed=1
+wait "$cluster_pid" || failed=1
+echo "== the cluster tier (it ran in the background) =="
+cat "$ci_tmp/.cluster.log"
 exit "$failed"
