@@ -68,3 +68,16 @@ def test_infrastructure_failures_are_unscored_never_failures(setup):
     assert all(not r.scored and r.passed == -1 and math.isnan(r.reward) for r in got)
     assert all(len(r.infra_causes) == 3 and r.infra_causes[0].startswith("engine:") for r in got)
     assert pass_rates(got) == {}
+
+
+def test_closure_partial_credit_never_reaches_a_pass():
+    """Probe, select and RL count full credit (reward 1) as a pass: every closer right and then more
+    text is not a pass, so its reward stays below 1; a right prefix keeps its fraction."""
+    from snowcat.stages.taskgen import closure  # noqa: PLC0415
+
+    prompt, answer = '{"a": [1, {"b": [2', "]}]}"
+    assert closure.verify(prompt, answer, answer) == (1.0, True, "closed")
+    reward, passed, detail = closure.verify(prompt, answer, answer + "]")
+    assert (reward, passed) == (4 / 5, False) and "then ']'" in detail
+    assert closure.verify(prompt, answer, answer + " " + answer)[:2] == (4 / 5, False)
+    assert closure.verify(prompt, answer, "]}")[:2] == (2 / 4, False)

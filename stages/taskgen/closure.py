@@ -64,8 +64,9 @@ def generate(rng: np.random.Generator, depth: int) -> tuple[str, str, dict]:
 def verify(prompt: str, answer: str, completion: str) -> tuple[float, bool, str]:
     """Full credit iff prompt+completion parses to the same document as prompt+answer.
 
-    Partial credit: the fraction of required closers emitted correctly before the first mistake
-    (reported as reward, never as a pass)."""
+    Partial credit: the fraction of required closers emitted correctly before the first mistake,
+    ending the text being the last step (so every closer right and then more text scores n/(n+1):
+    below full credit, which probe, select and RL count as a pass). Reported as reward, never a pass."""
     text = completion.strip()
     expected = json.loads(prompt + answer)
     try:
@@ -78,4 +79,6 @@ def verify(prompt: str, answer: str, completion: str) -> tuple[float, bool, str]
         if got != want:
             break
         correct += 1
+    if correct == len(answer):  # every closer right, then more than the document
+        return correct / (len(answer) + 1), False, f"{correct}/{len(answer)} closers correct, then {text[correct:][:20]!r}"
     return correct / len(answer), False, f"{correct}/{len(answer)} closers correct"
