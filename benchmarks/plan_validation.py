@@ -1,7 +1,7 @@
 """The planner's numbers beside measured ones: `snowcat bench plan-validation`.
 
     snowcat bench plan-validation --measured [LABEL=]FILE.json [...] [--activations FILE.json ...]
-                                  [--run-compare LABEL=RUN ...] [--json OUT]
+                                  [--calibrate RUN|POINTS.json] [--run-compare LABEL=RUN ...] [--json OUT]
 
 1. Memory on the CPU: for every mode of a `snowcat bench trainer-memory --json` result (2 gloo
    ranks, AdamW, fp32; `--steps 2` measures a step with the moments held, as the planner's is),
@@ -12,8 +12,13 @@
    (MODELLED: the torch backend's layouts, FSDP, DeepSpeed's ZeRO-2/3 and megatron's).
 2. Activations, tensor by tensor: `snowcat bench activation-count` results (what autograd saved,
    and the backward's high-water mark) beside the planner's `activations` (+ `logits`).
-3. A finished run: what `snowcat plan --compare RUN` recorded for SFT and RL (step time, peak
-   memory, node-hours, predicted and measured).
+3. Time on this machine: `--calibrate RUN` fits the local site's constants on one finished demo
+   run (CALIBRATION below: the job start cost, the short stages' own work, the engine's cost per
+   decode step and per sampled token); `--run-compare` puts what `snowcat plan --compare RUN`
+   recorded (every stage's step time, peak memory and node-hours, predicted and measured, and the
+   run's total) beside it, for the calibration run and for a validation run of other sizes: within
+   15% is the target for every modelled stage with a measured time and for the total; a stage that
+   misses is listed as missing, not tuned.
 4. Published peers: the planner's memory and step time for a published layout beside the published
    figures, each with its source (PEERS below; nothing here is measured by us).
 
@@ -181,27 +186,152 @@ def activation_row(counted: dict) -> dict:
     }
 
 
-# what a run comparison records of SFT and RL (the stages whose time the planner models from FLOPs)
-COMPARED = ("sft", "rl")
+CALIBRATION = (
+    "local site constants fitted on the calibration run's own records: mfu the planner's FLOPs per SFT step over the "
+    "rank's peak x the measured step (train_seconds / steps); job_start_s the median over its jobs of "
+    "(job start to end) - (the stage's duration_s); stage_work_s each short stage's duration_s; decode_step_s and "
+    "decode_token_s by least squares of (each evaluate checkpoint's sample_s - the planner's hardware-bound time "
+    "for its waves at that mfu) on (decode steps, sampled tokens), the waves as `snowcat plan --compare` builds them"
+)
 
 
-def run_compare(label: str, path: str) -> dict:
-    """What `snowcat plan --compare RUN` recorded (RUN/plan/compare.json, or a copy of it) for the
-    training stages of a finished run."""
+def calibration_points(run_path: str, site: str = "local") -> dict:
+    """What `--calibrate` fits, read from a finished run: each job's start-to-end seconds and its
+    stage's own `duration_s`; each evaluate checkpoint's `sample_s` beside the planner's waves for
+    it (decode steps, sampled tokens) and their time at the hardware bound alone."""
+    import dataclasses  # noqa: PLC0415
+
+    from snowcat.pipeline.plan import core  # noqa: PLC0415
+    from snowcat.pipeline.plan import lengths as lengths_mod  # noqa: PLC0415
+    from snowcat.pipeline.plan.command import open_run  # noqa: PLC0415
+    from snowcat.pipeline.plan.compare import finished, unit_seconds  # noqa: PLC0415
+    from snowcat.pipeline.plan.model import stage_arch  # noqa: PLC0415
+    from snowcat.pipeline.plan.timing import decode  # noqa: PLC0415
+
+    run, typed, dag, _ = open_run(run_path, site)
+    done = finished(run, dag)
+    jobs, training, sampling = [], [], []
+    for name, stage in typed.stages.items():
+        unit = dag[name].units[0]
+        metrics = run.metrics(unit)
+        jobs.append({"stage": name, "kind": stage.kind, "job_s": unit_seconds(run, unit), "work_s": metrics.get("duration_s")})
+        if stage.kind == "sft" and metrics.get("train_seconds"):
+            res = stage.resources
+            training.append(
+                {
+                    "stage": name,
+                    "flops_per_step": core.plan_stage(typed, name, {})["roles"][0]["step"]["flops"],
+                    "rank_peak_flops": core.hardware(typed.site, res.partition, res.tasks_per_node).rank_flops(),
+                    "measured_step_s": metrics["train_seconds"] / stage.steps,
+                }
+            )
+    mfu = calibrated_mfu(training)
+    for name, stage in typed.stages.items():
+        if stage.kind != "evaluate":
+            continue
+        metrics = run.metrics(dag[name].units[0])
+        inputs = lengths_mod.inputs_of(typed, name, done)
+        res = stage.resources
+        hw = dataclasses.replace(
+            core.hardware(typed.site, res.partition, res.tasks_per_node), mfu=mfu, decode_step_s=0.0, decode_token_s=0.0
+        )
+        arch = stage_arch(typed, name, {})
+        for ref in core._sampling_refs(stage):
+            waves = lengths_mod.ordered_waves(
+                lengths_mod.eval_lengths(typed, stage, ref, inputs, 1), stage.attempts, stage.batch_size
+            )
+            sampling.append(
+                {
+                    "stage": name,
+                    "checkpoint": ref,
+                    "steps": waves.steps,
+                    "sampled": waves.sampled,
+                    "hardware_s": decode(arch, hw, waves, engines=1, tp=1)["rollout_s"],
+                    "measured_s": metrics.get(f"{ref}/sample_s"),
+                }
+            )
+    origin = (json.loads((run.path / "run.json").read_text()) or {}).get("origin")
+    return {"run": str(run.path), "run_origin": origin, "site": site, "jobs": jobs, "training": training, "sampling": sampling}
+
+
+def calibrated_mfu(training: list[dict]) -> float:
+    """The fraction of a rank's peak SFT's steps reached: the planner's FLOPs per step over peak x
+    measured step (the median over the run's SFT stages)."""
+    import numpy as np  # noqa: PLC0415
+
+    return round(float(np.median([t["flops_per_step"] / (t["rank_peak_flops"] * t["measured_step_s"]) for t in training])), 3)
+
+
+def calibrate(points: dict) -> dict:
+    """The local site's constants from `calibration_points` (CALIBRATION says how)."""
+    import numpy as np  # noqa: PLC0415
+
+    from snowcat.pipeline.plan.core import SHORT  # noqa: PLC0415
+
+    jobs = [j for j in points["jobs"] if j["job_s"] is not None and j["work_s"] is not None]
+    start = float(np.median([j["job_s"] - j["work_s"] for j in jobs]))
+    work = {j["kind"]: round(j["work_s"], 2) for j in jobs if j["kind"] in SHORT}
+    rows = [r for r in points["sampling"] if r["measured_s"] is not None]
+    a = np.array([[r["steps"], r["sampled"]] for r in rows])
+    b = np.array([r["measured_s"] - r["hardware_s"] for r in rows])
+    (step, token), *_ = np.linalg.lstsq(a, b, rcond=None)
+    fit = [
+        {
+            "stage": r["stage"],
+            "checkpoint": r["checkpoint"],
+            "measured_s": r["measured_s"],
+            "fitted_s": round(float(r["hardware_s"] + step * r["steps"] + token * r["sampled"]), 3),
+        }
+        for r in rows
+    ]
+    return {
+        "how": CALIBRATION,
+        "run": points["run"],
+        "run_origin": points["run_origin"],
+        "mfu": calibrated_mfu(points["training"]),
+        "job_start_s": round(start, 2),
+        "stage_work_s": work,
+        "decode_step_s": round(float(step), 6),
+        "decode_token_s": round(float(token), 7),
+        "fit": fit,
+        "points": points,
+    }
+
+
+def _within(ratio) -> bool | None:
+    return None if ratio is None else abs(ratio - 1) <= TARGET
+
+
+def run_compare(label: str, path: str, conditions: str | None = None) -> dict:
+    """What `snowcat plan --compare RUN` recorded (RUN/plan/compare.json, or a copy of it): every
+    stage's step time, peak memory and node-hours, the run's total, and which modelled stages with
+    a measured time are within the target (node-hours; step time where both are recorded)."""
     path = Path(path)
     recorded = json.loads((path / "plan" / "compare.json" if path.is_dir() else path).read_text())
+    stages = [
+        {k: r.get(k) for k in ("stage", "kind", "step_s", "peak_memory_gib", "node_hours", "plan_basis", "lengths")}
+        for r in recorded["stages"]
+    ]
+    misses = []
+    for r in stages:
+        if r["plan_basis"] != "model":
+            continue
+        for what in ("node_hours", "step_s"):
+            if _within(r[what]["ratio"]) is False:
+                misses.append(f"{r['stage']} {what} x{r[what]['ratio']}")
+    total = recorded.get("total", {}).get("node_hours")
     return {
         "label": label,
         "recorded": str(path),
+        "conditions": conditions,  # what the machine was doing meanwhile (its load), as the caller measured it
         "site": recorded["site"],
         "command": recorded.get("command"),
         "run_origin": recorded.get("run_origin"),
         "assumptions": recorded["assumptions"],
-        "stages": [
-            {k: r[k] for k in ("stage", "step_s", "peak_memory_gib", "node_hours", "plan_basis")}
-            for r in recorded["stages"]
-            if r["stage"] in COMPARED
-        ],
+        "stages": stages,
+        "total_node_hours": total,
+        "total_within_15pct": _within(total["ratio"]) if total else None,
+        "misses": misses,
     }
 
 
@@ -297,6 +427,18 @@ def snowball() -> dict:
     return out
 
 
+def _calibration(source: str, site: str) -> dict:
+    """Fit on a run directory (its points kept beside it, in RUN/plan/calibration-points.json) or on
+    points saved from one."""
+    path = Path(source)
+    if path.is_dir():
+        points = calibration_points(str(path), site)
+        atomic_write_json(path / "plan" / "calibration-points.json", points)
+    else:
+        points = json.loads(path.read_text())
+    return calibrate(points)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="snowcat bench plan-validation", description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -310,10 +452,24 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LABEL=RUN",
         help="a finished run that `snowcat plan --compare RUN` has compared (the run, or its plan/compare.json)",
     )
+    ap.add_argument(
+        "--conditions",
+        action="append",
+        default=[],
+        metavar="LABEL=TEXT",
+        help="--run-compare LABEL: the conditions it ran under (e.g. the load average), recorded beside it",
+    )
+    ap.add_argument(
+        "--calibrate",
+        metavar="RUN|POINTS.json",
+        help="fit the local site's time constants on a finished run (its directory, or the points a run gave)",
+    )
+    ap.add_argument("--site", default="local", help="--calibrate: the site profile the run is planned on")
     ap.add_argument("--json", help="write the side-by-side here")
     args = ap.parse_args(argv)
     if not args.measured:
         raise UserError("--measured: give at least one trainer-memory result")
+    conditions = dict(item.split("=", 1) for item in args.conditions)
     cpu = []
     for item in args.measured:
         label, sep, path = item.partition("=")
@@ -325,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         "target": f"planned peak within {TARGET:.0%} of measured for the modes {', '.join(MODELLED)}",
         "cpu_memory": cpu,
         "activation_count": [activation_row(json.loads(Path(path).read_text())) for path in args.activations],
-        "run_compare": [run_compare(*item.split("=", 1)) for item in args.run_compare],
+        "calibration": _calibration(args.calibrate, args.site) if args.calibrate else None,
+        "run_compare": [run_compare(*item.split("=", 1), conditions.get(item.split("=", 1)[0])) for item in args.run_compare],
         "peers": peer_rows(),
         "snowball": snowball(),
         "command": " ".join(["snowcat", "bench", "plan-validation", *(argv if argv is not None else sys.argv[1:])]),
@@ -342,9 +499,15 @@ def main(argv: list[str] | None = None) -> int:
             f"activations at {a['tokens']} tokens: saved {a['saved_mib']} MiB, planned {a['planned_mib']} MiB (x{a['ratio']});"
             f" backward peak {a['backward_peak_mib']} MiB, planned {a['planned_backward_mib']} MiB (x{a['backward_ratio']})"
         )
+    if cal := result["calibration"]:
+        print(
+            f"calibrated on {cal['run']}: mfu {cal['mfu']}, job_start_s {cal['job_start_s']}, decode_step_s {cal['decode_step_s']}, "
+            f"decode_token_s {cal['decode_token_s']}, stage_work_s {cal['stage_work_s']}"
+        )
     for c in result["run_compare"]:
         for r in c["stages"]:
             print(f"{c['label']} {r['stage']}: step s {r['step_s']}, node-hours {r['node_hours']}")
+        print(f"{c['label']} total node-hours {c['total_node_hours']}; outside 15%: {', '.join(c['misses']) or 'none'}")
     for p in result["peers"]:
         print(
             f"{p['name']}: planned {p['planned']['peak_memory_gib']} GiB, published {p['published']['peak_memory_gib']:.2f} GiB"

@@ -270,6 +270,17 @@ class RunDir:
         values, _ = self._merge(self._layers(key))
         return NEW_RECORD | values if values else {}
 
+    def record_stamps(self, key: str) -> dict[str, int]:
+        """When each field of one record was last set, in ns since the epoch (the writer's clock):
+        finer than the ISO seconds `started`/`ended` hold (`snowcat plan --compare` times jobs of a
+        few seconds with it)."""
+        stamps: dict[str, int] = {}
+        for layer in self._layers(key):
+            for field in layer["record"]:
+                stamp = int(layer["set_ns"].get(field, -1))
+                stamps[field] = max(stamps.get(field, -1), stamp)
+        return {f: s for f, s in stamps.items() if s >= 0}
+
     def state(self) -> dict:
         """Every record, as one dict: {"stages": {key: record}} (plus fields set by `update_run`)."""
         legacy = self._legacy()

@@ -72,6 +72,16 @@ class Planner:
     bandwidth_efficiency: float = bounded(0.6, gt=0, le=1)  # achieved fraction of the links' bandwidth (assumption)
     memory_margin: float = bounded(0.1, ge=0, le=0.9)  # fraction of device memory a plan leaves free
     filesystem_gbps: float = bounded(2.0, gt=0)  # shared filesystem, one job's write or read (weight handoff)
+    # what a job costs beside its stage's work: the scheduler's start, the interpreter and imports,
+    # the run's records (provenance, DONE) -- an assumption where the profile does not measure it
+    job_start_s: float = bounded(60.0, ge=0)
+    # what a sampling engine spends beside the hardware bound: a decode step's framework overhead, and
+    # per sampled token the sampling, stop checks and episode bookkeeping (0: not known here)
+    decode_step_s: float = bounded(0.0, ge=0)
+    decode_token_s: float = bounded(0.0, ge=0)
+    # a short stage kind's own work in seconds (tasks, select, export, card, scan, ...): measured where
+    # given; a kind not named counts as nothing beside its job's start
+    stage_work_s: dict[str, float] = field(default_factory=dict)
     budget: Literal["none", "jutil", "taccinfo"] = "none"  # where the remaining allocation could be read (a stub)
     partitions: dict[str, NodeCost] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)

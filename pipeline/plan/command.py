@@ -13,6 +13,7 @@ from snowcat.slurm import site as site_mod
 
 from . import compare, proposal, report, search
 from .core import make_plan
+from .lengths import inputs_of
 
 
 def add_arguments(p) -> None:
@@ -54,20 +55,28 @@ def load_typed(config: str, overrides: list[str], site: str | None):
     return config_mod.typed(cfg)
 
 
+def open_run(path: str, site: str | None):
+    """(run, typed config, DAG, site name) of a run directory: its frozen config, planned on the
+    site profile frozen in it, or on `site` (default $SNOWCAT_SITE) for a run that has none."""
+    from snowcat.pipeline.dag import build  # noqa: PLC0415
+    from snowcat.pipeline.rundir import RunDir  # noqa: PLC0415
+
+    run = RunDir.open(path)
+    frozen = run.config()
+    site = site_mod.default_site(site)
+    if frozen.get("site") is None and site:  # a run without a site (executor local): plan it on the one named
+        _, profile = site_mod.site_config(site)
+        frozen.site = OmegaConf.merge(OmegaConf.structured(site_mod.SiteProfile), profile)
+    return run, config_mod.typed(frozen), build(frozen), site
+
+
 def cmd_plan(args) -> int:
     configs = model_configs(args.model_config)
     if args.compare:
-        from snowcat.pipeline.dag import build  # noqa: PLC0415
-        from snowcat.pipeline.rundir import RunDir  # noqa: PLC0415
-
-        run = RunDir.open(args.compare)
-        frozen = run.config()
-        site = site_mod.default_site(args.site)
-        if frozen.get("site") is None and site:  # a run without a site (executor local): plan it on the one named
-            _, profile = site_mod.site_config(site)
-            frozen.site = OmegaConf.merge(OmegaConf.structured(site_mod.SiteProfile), profile)
-        plan = make_plan(config_mod.typed(frozen), configs)
-        result = compare.compare(run, build(frozen), plan)
+        run, typed, dag, site = open_run(args.compare, args.site)
+        done_dir = compare.finished(run, dag)
+        plan = make_plan(typed, configs, inputs=lambda name: inputs_of(typed, name, done_dir))
+        result = compare.compare(run, dag, plan)
         result["command"] = " ".join(["snowcat", "plan", "--compare", str(run.path), *(["--site", site] if site else [])])
         result["run_origin"] = (read_json(run.path / "run.json") or {}).get("origin")  # the config and overrides it ran
         path = compare.write(run, result)

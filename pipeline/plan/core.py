@@ -5,16 +5,24 @@ profile; nothing is submitted or written."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from snowcat.pipeline.errors import UserError
-from snowcat.stages.config import GPU_KINDS
 
+from . import lengths as lengths_mod
 from . import sitecheck
+from .lengths import Inputs, Lengths
 from .memory import GIB, gib, make_layout, parts_gib, rollout_memory, trainer_memory
 from .model import Arch, stage_arch
-from .timing import Hardware, decode, handoff, train_step, transport
+from .timing import Hardware, Waves, decode, handoff, train_step, transport
 
 MODELLED = ("sft", "rl", "probe", "evaluate")
+# kinds whose work is short beside a job's start (or a size term below): modelled as the site's
+# job_start_s plus the kind's stage_work_s; validate (every imported task's verifier) and the GPU
+# kinds teacher and prompts keep their walltime, an upper bound
+SHORT = ("prestage", "tasks", "select", "export", "card", "scan", "mpi_check")
+QUICK_EVAL_BATCH = 128  # stages/rlcore/trainer.py: RL's quick eval samples at quick_eval's default batch
 
 
 def hardware(site, partition: str | None, ranks_per_node: int = 1) -> Hardware:
@@ -49,6 +57,8 @@ def hardware(site, partition: str | None, ranks_per_node: int = 1) -> Hardware:
         memory_margin=pl.memory_margin,
         filesystem_gbps=pl.filesystem_gbps,
         ranks_per_node=ranks_per_node,
+        decode_step_s=pl.decode_step_s,
+        decode_token_s=pl.decode_token_s,
     )
 
 
@@ -88,19 +98,33 @@ def _task_count(run, tasks_stage: str, split: str) -> int | None:
 
 def _extra_forwards(stage) -> int:
     """Forwards an RL update runs beside its step: the behaviour policy's logprobs under the
-    weights that sampled the batch when they lag the trained ones (stages/rlcore/loop.py
+    weights that sampled the batch when they lag the trained ones (stages/rlcore/trainer.py
     `_add_behaviour_logprobs`), and a reference model's for a KL penalty."""
     return int(getattr(stage, "lag", 0) >= 1) + int(getattr(stage, "kl_coef", 0) > 0)
 
 
 def _trainer(
-    run, name: str, stage, arch: Arch, hw: Hardware, ranks: int, *, tokens: int, seq_len: int, micro: int, rows: int
+    run,
+    name: str,
+    stage,
+    arch: Arch,
+    hw: Hardware,
+    ranks: int,
+    *,
+    tokens: float,
+    seq_len: int,
+    micro: int,
+    rows: int,
+    step_seq_len: float | None = None,
 ) -> dict:
+    """Memory at `seq_len` tokens a row (the limit: whether it fits), time for `tokens` at
+    `step_seq_len` a row (RL: the padded length its batches are expected to have)."""
     where = f"stages.{name}"
     lay = make_layout(stage, ranks, where, arch, hw.on_gpu)
     rows_rank = math.ceil(rows / lay.dp / micro)
     mem = trainer_memory(arch, lay, rows_rank * seq_len, micro, hw.on_gpu, frozen_copies=_extra_forwards(stage), seq_len=seq_len)
-    step = train_step(arch, lay, hw, tokens=tokens, seq_len=seq_len, micro_batches=micro, extra_forwards=_extra_forwards(stage))
+    step_len = round(step_seq_len) if step_seq_len else seq_len
+    step = train_step(arch, lay, hw, tokens=tokens, seq_len=step_len, micro_batches=micro, extra_forwards=_extra_forwards(stage))
     return {
         "role": "trainer",
         "ranks": ranks,
@@ -113,8 +137,21 @@ def _trainer(
 
 
 def _rollout(
-    arch: Arch, hw: Hardware, where: str, *, engine: str, vllm, ranks: int, seqs: int, prompt: int, generate: int, batch: int
+    arch: Arch,
+    hw: Hardware,
+    where: str,
+    *,
+    engine: str,
+    vllm,
+    ranks: int,
+    seqs: int,
+    prompt: int,
+    generate: int,
+    batch: int,
+    waves: Callable[[int], Waves],
 ) -> dict:
+    """Memory at the limits (`prompt` + `generate` tokens for `batch` sequences); sampling time for
+    the `waves(batch)` the engine's batch gives."""
     mem = rollout_memory(
         arch,
         engine=engine,
@@ -137,11 +174,18 @@ def _rollout(
                 f"{where}.vllm.gpu_memory_utilization: vLLM's share ({gib(mem['budget']):.1f} GiB) holds less than the weights, "
                 f"KV cache for {mem['batch']} sequences and CUDA graphs ({gib(mem['peak']):.1f} GiB)"
             )
-    d = decode(arch, hw, seqs=seqs, prompt=prompt, generate=generate, engines=max(1, ranks // tp), batch=mem["batch"], tp=tp)
+    d = decode(arch, hw, waves(mem["batch"]), engines=max(1, ranks // tp), tp=tp)
     return {"role": "rollout", "ranks": ranks, "engine": engine, "memory": {"parts_gib": parts_gib(mem), **fit}, "decode": d}
 
 
-def plan_stage(run, name: str, model_configs: dict) -> dict:
+def _nodes(stage) -> int:
+    comps = stage.resources.components
+    return sum(c.nodes for c in comps.values()) if comps else stage.resources.nodes
+
+
+def plan_stage(run, name: str, model_configs: dict, inputs: Inputs | None = None) -> dict:
+    """One stage's plan. `inputs`: what a run recorded before the stage started (None: a plan of
+    the config, nothing has run)."""
     stage = run.stages[name]
     kind = stage.kind
     site = run.site
@@ -149,52 +193,13 @@ def plan_stage(run, name: str, model_configs: dict) -> dict:
     units = _units(stage)
     rec: dict = {"name": name, "kind": kind, "units": units, "roles": [], "notes": []}
     comps = list(res.components.items())
-    nodes = sum(c.nodes for _, c in comps) if comps else res.nodes
+    nodes = _nodes(stage)
     rec["nodes"] = nodes
     rec["partition"] = (comps[0][1].partition if comps else res.partition) or site.default_partition
-    basis = "walltime"
-    hours = res.time_min / 60
-    if kind in MODELLED:
-        arch = stage_arch(run, name, model_configs)
-        rec["model"] = arch.describe()
-        if kind == "sft":
-            hw = hardware(site, res.partition, res.tasks_per_node)
-            ranks = res.nodes * res.tasks_per_node
-            tokens = stage.batch_rows * stage.seq_len
-            role = _trainer(
-                run,
-                name,
-                stage,
-                arch,
-                hw,
-                ranks,
-                tokens=tokens,
-                seq_len=stage.seq_len,
-                micro=stage.micro_batches,
-                rows=stage.batch_rows,
-            )
-            lay = role.pop("_layout")
-            saves = (stage.steps // stage.save_every if stage.save_every else 0) + 1
-            state = arch.total * lay.master_bytes * 3
-            save_s = state / (hw.filesystem_gbps * 1e9)
-            rec["roles"].append(role)
-            rec["steps"] = stage.steps
-            rec["step_s"] = role["step"]["step_s"]
-            seconds = stage.steps * role["step"]["step_s"] + saves * save_s
-            rec["checkpoints"] = {"count": saves, "each_s": save_s, "assumes": hw.assumption(compute=False, fs=True)}
-            rec["notes"].append("the end-of-stage greedy check (eval_tasks) is not modelled")
-        elif kind == "rl":
-            seconds = _plan_rl(run, name, stage, arch, rec)
-        else:
-            seconds = _plan_sampling(run, name, stage, arch, rec)
-        if seconds is not None:
-            hours, basis = seconds / 3600, "model"
-        else:
-            rec["notes"].append("time not modelled (task count not known before the tasks stage runs): the walltime stands in")
-    elif kind in GPU_KINDS:
-        rec["notes"].append(f"{kind}: time not modelled: its walltime ({res.time_min} min) stands in, an upper bound")
-    else:
-        rec["notes"].append(f"CPU stage: its walltime ({res.time_min} min) stands in, an upper bound")
+    seconds = _work_seconds(run, name, stage, model_configs, inputs, rec)
+    basis, hours = ("model", seconds / 3600) if seconds is not None else ("walltime", res.time_min / 60)
+    if basis == "model":
+        hours = _with_job_starts(stage, site, name, kind, seconds, rec)
     rec["hours"] = hours
     rec["hours_basis"] = basis
     rec["jobs"] = sitecheck.jobs_for(stage, site, name, kind, hours, modelled=basis == "model")
@@ -215,7 +220,132 @@ def plan_stage(run, name: str, model_configs: dict) -> dict:
     return rec
 
 
-def _plan_rl(run, name: str, stage, arch: Arch, rec: dict) -> float:
+def _work_seconds(run, name: str, stage, model_configs: dict, inputs: Inputs | None, rec: dict) -> float | None:
+    """Seconds of the stage's own work (None: not modelled, its walltime stands in)."""
+    kind = stage.kind
+    if kind in MODELLED:
+        arch = stage_arch(run, name, model_configs)
+        rec["model"] = arch.describe()
+        if kind == "sft":
+            seconds = _plan_sft(run, name, stage, arch, rec)
+        elif kind == "rl":
+            seconds = _plan_rl(run, name, stage, arch, rec, inputs)
+        else:
+            seconds = _plan_sampling(run, name, stage, arch, rec, inputs)
+        if seconds is None:
+            rec["notes"].append("time not modelled (task count not known before the tasks stage runs): the walltime stands in")
+        return seconds
+    if kind in SHORT:
+        return _plan_short(run, name, stage, rec, model_configs)
+    what = "its verifier runs are" if kind == "validate" else "its time is"
+    rec["notes"].append(f"{kind}: {what} not modelled: its walltime ({stage.resources.time_min} min) stands in, an upper bound")
+    return None
+
+
+def _with_job_starts(stage, site, name: str, kind: str, seconds: float, rec: dict) -> float:
+    """Hours of the stage's work plus the site's start cost for each of its jobs (a walltime
+    continuation starts again)."""
+    start = site.planner.job_start_s
+    jobs = sitecheck.jobs_for(stage, site, name, kind, (seconds + start) / 3600)["jobs"]
+    rec["job_start"] = {"jobs": jobs, "each_s": start, "assumes": f"job_start_s {start:g} s (site {site.name})"}
+    return (seconds + jobs * start) / 3600
+
+
+def _plan_sft(run, name: str, stage, arch: Arch, rec: dict) -> float:
+    site = run.site
+    res = stage.resources
+    hw = hardware(site, res.partition, res.tasks_per_node)
+    ranks = res.nodes * res.tasks_per_node
+    tokens = stage.batch_rows * stage.seq_len
+    role = _trainer(
+        run, name, stage, arch, hw, ranks, tokens=tokens, seq_len=stage.seq_len, micro=stage.micro_batches, rows=stage.batch_rows
+    )
+    lay = role.pop("_layout")
+    saves = (stage.steps // stage.save_every if stage.save_every else 0) + 1
+    state = arch.total * lay.master_bytes * 3
+    save_s = state / (hw.filesystem_gbps * 1e9)
+    rec["roles"].append(role)
+    rec["steps"] = stage.steps
+    rec["step_s"] = role["step"]["step_s"]
+    rec["checkpoints"] = {"count": saves, "each_s": save_s, "assumes": hw.assumption(compute=False, fs=True)}
+    rec["notes"].append("the end-of-stage greedy check (eval_tasks) is not modelled")
+    return stage.steps * role["step"]["step_s"] + saves * save_s
+
+
+def _plan_short(run, name: str, stage, rec: dict, model_configs: dict) -> float:
+    """A short stage: the kind's own work as the site measured it (`stage_work_s`), plus for an
+    export the model's bytes through the filesystem (written, then read back by the check)."""
+    pl = run.site.planner
+    work = float(pl.stage_work_s.get(stage.kind, 0.0))
+    parts = {"work_s": work}
+    if stage.kind == "export":
+        try:
+            arch = stage_arch(run, name, model_configs)
+        except UserError as e:  # the model's size is not known here: the export's bytes are left out
+            rec["notes"].append(f"the exported bytes are not counted: {e}")
+        else:
+            rec["model"] = arch.describe()
+            size = arch.total * (2 if stage.dtype in ("bfloat16", "float16") else 4)
+            parts["bytes_s"] = 2 * size / (pl.filesystem_gbps * 1e9)
+    rec["work"] = parts | {"assumes": f"stage_work_s.{stage.kind} {work:g} s (site {run.site.name})"}
+    if stage.kind not in pl.stage_work_s:
+        rec["notes"].append(
+            f"site {run.site.name} gives no stage_work_s.{stage.kind}: its work counts as nothing beside the job's start"
+        )
+    if stage.kind == "tasks" and stage.imports:
+        rec["notes"].append("imported tasks: their download and conversion are not modelled")
+    if stage.kind == "prestage":
+        rec["notes"].append("the artefacts' downloads are not modelled (their sizes are not known before)")
+    return sum(parts.values())
+
+
+def _dev_split(run, tasks_stage: str) -> str:
+    """The split RL's quick eval samples (stages/taskgen selection_split): dev when the tasks stage
+    holds one out."""
+    stage = run.stages.get(tasks_stage)
+    generated = stage.generated() if stage is not None and stage.kind == "tasks" else {}
+    return "dev" if any(d.dev_count for d in generated.values()) else "val"
+
+
+def _quick_evals(stage) -> int:
+    """RL's quick evals: the initial model's, every eval_every updates and the last (stages/train/loop.py)."""
+    if not (stage.eval_every and stage.eval_tasks):
+        return 0
+    return 1 + stage.updates // stage.eval_every + int(stage.updates % stage.eval_every != 0)
+
+
+def _quick_eval_lengths(run, stage, inputs: Inputs | None, domains: int) -> Lengths:
+    """The held-out tasks RL's quick eval samples: eval_tasks over the domains, the first of each
+    (stages/rl.py load_pool), through the evaluate stage's reader."""
+    split = _dev_split(run, stage.tasks_input)
+    per = max(1, stage.eval_tasks // max(1, domains))
+    view = _EvalView(stage.max_tokens, stage.max_turns, stage.max_total_tokens, stage.env, stage.tasks_input, split, 0)
+    return lengths_mod.eval_lengths(
+        run, view, stage.init_from, inputs, stage.eval_tasks, pick=lambda ts: _first_per_domain(ts, per)
+    )
+
+
+def _first_per_domain(tasks: list, per: int) -> list:
+    by: dict[str, list] = {}
+    for t in tasks:
+        by.setdefault(t.domain, []).append(t)
+    return [t for d in sorted(by) for t in by[d][:per]]
+
+
+@dataclass(frozen=True)
+class _EvalView:
+    """The keys `lengths.eval_lengths` reads, for RL's quick eval."""
+
+    max_tokens: int
+    max_turns: int
+    max_context: int
+    env: str
+    tasks: str
+    split: str
+    limit: int
+
+
+def _plan_rl(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs | None) -> float:
     res = stage.resources
     comps = list(res.components.items())
     where = f"stages.{name}"
@@ -235,8 +365,22 @@ def _plan_rl(run, name: str, stage, arch: Arch, rec: dict) -> float:
     seqs = stage.tasks_per_update * stage.attempts
     generate = min(stage.max_tokens * stage.max_turns, stage.max_total_tokens)
     prompt = max(1, stage.max_total_tokens - generate)
-    tokens = seqs * stage.max_total_tokens  # an upper bound: every episode at max_total_tokens
-    trainer = _trainer(run, name, stage, arch, hw_t, t_ranks, tokens=tokens, seq_len=stage.max_total_tokens, micro=1, rows=seqs)
+    episodes = lengths_mod.rl_lengths(run, stage, inputs)
+    padded = lengths_mod.padded_length(episodes, stage.tasks_per_update, stage.attempts)
+    tokens = seqs * padded  # every row padded to the batch's longest episode
+    trainer = _trainer(
+        run,
+        name,
+        stage,
+        arch,
+        hw_t,
+        t_ranks,
+        tokens=tokens,
+        seq_len=stage.max_total_tokens,
+        micro=1,
+        rows=seqs,
+        step_seq_len=padded,
+    )
     lay = trainer.pop("_layout")
     rec["roles"].append(trainer)
     batch = stage.vllm.max_num_seqs if stage.engine == "vllm" else stage.rollout_batch
@@ -251,31 +395,24 @@ def _plan_rl(run, name: str, stage, arch: Arch, rec: dict) -> float:
         prompt=prompt,
         generate=generate,
         batch=batch,
+        waves=lambda b: lengths_mod.drawn_waves(episodes, stage.tasks_per_update, stage.attempts, b),
     )
     rec["roles"].append(rollout)
     storage = 2 if hw_t.on_gpu else 4
     engines = rollout["decode"]["engines"]
-    tp = int(stage.vllm.tensor_parallel_size) if stage.engine == "vllm" and hw_r.on_gpu else 1
     ho = handoff(arch, hw_t, storage_bytes=storage, readers=engines)
-    tr = transport(hw_t, seqs=seqs, tokens=stage.max_total_tokens)
+    tr = transport(hw_t, seqs=seqs, tokens=padded)
     train_s, roll_s = trainer["step"]["step_s"], rollout["decode"]["rollout_s"]
     ho_s = ho["write_s"] + ho["read_s"]
     overlap = stage.lag >= 1
     update = (max(train_s, roll_s) if overlap else train_s + roll_s) + ho_s + tr["transport_s"]
-    evals = (stage.updates // stage.eval_every) if stage.eval_every else 0
-    eval_s = 0.0
-    if evals and stage.eval_tasks:
-        e = decode(
-            arch,
-            hw_r,
-            seqs=stage.eval_tasks * stage.eval_attempts,
-            prompt=prompt,
-            generate=generate,
-            engines=engines,
-            batch=batch,
-            tp=tp,
-        )
-        eval_s = evals * e["rollout_s"]
+    evals = _quick_evals(stage)
+    eval_s, held_out = 0.0, None
+    if evals:
+        domains = len({t.domain for t in episodes.tasks}) if not episodes.upper_bound else 1
+        held_out = _quick_eval_lengths(run, stage, inputs, domains)
+        waves = lengths_mod.ordered_waves(held_out, stage.eval_attempts, QUICK_EVAL_BATCH)
+        eval_s = evals * decode(arch, hw_t, waves, engines=1, tp=1)["rollout_s"]  # rank 0 samples with the trained model
     rec["steps"] = stage.updates
     rec["step_s"] = update
     rec["update"] = {
@@ -287,33 +424,50 @@ def _plan_rl(run, name: str, stage, arch: Arch, rec: dict) -> float:
         "update_s": update,
         "evals": evals,
         "eval_s": eval_s,
-        "tokens_upper_bound": tokens,
+        "padded_tokens_per_row": round(padded, 1),
+        "tokens": round(tokens),
     }
-    rec["notes"].append(f"episodes counted at max_total_tokens={stage.max_total_tokens} (an upper bound)")
+    rec["lengths"] = [episodes.describe() | {"for": "updates"}]
+    if held_out is not None:
+        rec["lengths"].append(held_out.describe() | {"for": "quick eval"})
+    _length_notes(rec)
     rec["_trainer_layout"] = lay
     return stage.updates * update + eval_s
 
 
-def _plan_sampling(run, name: str, stage, arch: Arch, rec: dict) -> float | None:
+def _length_notes(rec: dict) -> None:
+    """One note per distinct source of the stage's lengths, naming what it is for."""
+    by_source: dict[str, list[str]] = {}
+    for item in rec.get("lengths", []):
+        by_source.setdefault(item["source"], []).append(item["for"])
+    for source, what in by_source.items():
+        rec["notes"].append(f"lengths ({', '.join(what)}): {source}")
+
+
+def _sampling_refs(stage) -> list[str]:
+    if stage.kind == "probe":
+        return [stage.checkpoint]
+    return [str(r) for r in stage.checkpoints] or [str(c) for c in stage.fan_out.get("checkpoint", [])][:1]
+
+
+def _plan_sampling(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs | None) -> float | None:
     res = stage.resources
     hw = hardware(run.site, res.partition, res.tasks_per_node)
     ranks = res.nodes * res.tasks_per_node
-    if stage.kind == "probe":
-        n = _task_count(run, stage.tasks, "train")
-        if n is not None and stage.limit:
-            n = min(n, stage.limit)
-        generate, context, checkpoints = stage.max_turn_tokens * stage.max_turns, stage.max_context, 1
-        batch = stage.vllm.max_num_seqs if stage.engine == "vllm" else stage.batch_size
+    probe = stage.kind == "probe"
+    n = _task_count(run, stage.tasks, "train" if probe else stage.split)
+    if n is not None and stage.limit:
+        n = min(n, stage.limit)
+    per_turn = stage.max_turn_tokens if probe else stage.max_tokens
+    generate = min(per_turn * stage.max_turns, stage.max_context)
+    prompt = max(1, stage.max_context - generate)
+    batch = stage.vllm.max_num_seqs if stage.engine == "vllm" else stage.batch_size
+    refs = _sampling_refs(stage)
+    if probe:
+        per_ref = [lengths_mod.probe_lengths(run, stage, inputs, n or 1)]
     else:
-        n = _task_count(run, stage.tasks, stage.split)
-        if n is not None and stage.limit:
-            n = min(n, stage.limit)
-        generate, context = stage.max_tokens * stage.max_turns, stage.max_context
-        checkpoints = max(1, len(stage.checkpoints))
-        batch = stage.vllm.max_num_seqs if stage.engine == "vllm" else stage.batch_size
-    generate = min(generate, context)
-    prompt = max(1, context - generate)
-    seqs = (n or 0) * stage.attempts * checkpoints
+        per_ref = [lengths_mod.eval_lengths(run, stage, ref, inputs, n or 1) for ref in refs]
+    known = n is not None or all(e.counted for e in per_ref)  # the tasks it samples, or at least how many
     role = _rollout(
         arch,
         hw,
@@ -321,32 +475,56 @@ def _plan_sampling(run, name: str, stage, arch: Arch, rec: dict) -> float | None
         engine=stage.engine,
         vllm=stage.vllm,
         ranks=ranks,
-        seqs=max(1, seqs),
+        seqs=max(1, (n or 0) * stage.attempts * len(refs)),
         prompt=prompt,
         generate=generate,
         batch=batch,
+        waves=lambda b: _combined([lengths_mod.ordered_waves(e, stage.attempts, b) for e in per_ref]),
     )
     rec["roles"].append(role)
-    if n is None:
+    if not known:
         return None
+    rec["lengths"] = [e.describe() | {"for": ref} for e, ref in zip(per_ref, refs)]
+    _length_notes(rec)
     rec["steps"] = 1
     rec["step_s"] = role["decode"]["rollout_s"]
     return role["decode"]["rollout_s"]
+
+
+def _combined(waves: list[Waves]) -> Waves:
+    """Several checkpoints' waves, one after the other."""
+    seqs = sum(w.sequences for w in waves)
+    return Waves(
+        sequences=seqs,
+        batch=max(w.batch for w in waves),
+        count=sum(w.count for w in waves),
+        prefill_tokens=sum(w.prefill_tokens for w in waves),
+        steps=sum(w.steps for w in waves),
+        sampled=sum(w.sampled for w in waves),
+        context=sum(w.context * w.sequences for w in waves) / seqs if seqs else 0.0,
+    )
 
 
 def _expand(run) -> list[str]:
     return list(run.stages)
 
 
-def make_plan(run, model_configs: dict | None = None, budget: float | None = None) -> dict:
-    """The plan of a typed run config (RunConfig with a site). UserError for bad input (exit 2)."""
+def make_plan(
+    run,
+    model_configs: dict | None = None,
+    budget: float | None = None,
+    inputs: Callable[[str], Inputs] | None = None,
+) -> dict:
+    """The plan of a typed run config (RunConfig with a site). `inputs(stage)`: what a run had
+    recorded before that stage started (`lengths.inputs_of`); None: a plan of the config alone.
+    UserError for bad input (exit 2)."""
     if run.site is None:
         raise UserError("snowcat plan needs a site profile: --site NAME (or $SNOWCAT_SITE); its planner fields hold the hardware")
     site = run.site
     model_configs = model_configs or {}
     stages = []
     for name in _expand(run):
-        rec = plan_stage(run, name, model_configs)
+        rec = plan_stage(run, name, model_configs, inputs(name) if inputs else None)
         rec.pop("_trainer_layout", None)
         stages.append(rec)
     problems = []
@@ -392,6 +570,10 @@ def make_plan(run, model_configs: dict | None = None, budget: float | None = Non
             "bandwidth_efficiency": pl.bandwidth_efficiency,
             "memory_margin": pl.memory_margin,
             "filesystem_gbps": pl.filesystem_gbps,
+            "job_start_s": pl.job_start_s,
+            "decode_step_s": pl.decode_step_s,
+            "decode_token_s": pl.decode_token_s,
+            "stage_work_s": dict(pl.stage_work_s),
             "communication": "not overlapped with compute",
             "sources": list(pl.sources),
             "unverified": list(pl.unverified),
@@ -402,6 +584,7 @@ def make_plan(run, model_configs: dict | None = None, budget: float | None = Non
             "node_hours": sum(r["node_hours"] for r in stages),
             "charge": total_charge,
             "modelled_stages": [r["name"] for r in stages if r["hours_basis"] == "model"],
+            "lengths": "read from the run's finished inputs" if inputs else "upper bound: a plan of the config, nothing has run",
         },
         "checks": checks,
         "problems": problems,

@@ -108,7 +108,9 @@ def markdown(plan: dict, image: str | None = None, runs: int = 1) -> str:
         f"- Achieved model FLOPs utilisation {a['mfu']:.0%} of the devices' peak dense bf16 rate; links and device memory at "
         f"{a['bandwidth_efficiency']:.0%} of their peak bandwidth; communication not overlapped with compute (conservative).",
         f"- {a['memory_margin']:.0%} of device memory kept free; the shared filesystem at {a['filesystem_gbps']:g} GB/s for checkpoints and weight handoff.",
-        "- RL episodes counted at their maximum length; stages the planner does not model are counted at their requested walltime.",
+        f"- Episode lengths: {plan['total']['lengths']}; each job adds {a['job_start_s']:g} s of start-up; short stages "
+        "(tasks, select, export, card, ...) are that plus their own work; stages the planner does not model are counted at "
+        "their requested walltime.",
         "- Computed by `snowcat plan` (docs/planning.md) from the run configuration and the site profile; validated against measured "
         "memory in `benchmarks/results/plan-validation.json`.",
     ]

@@ -7,6 +7,8 @@ import json
 
 
 def _hours(h: float) -> str:
+    if h < 1 / 60:
+        return f"{h * 3600:.1f} s"
     return f"{h * 60:.1f} min" if h < 1 else f"{h:,.2f} h"
 
 
@@ -14,7 +16,8 @@ def _assumptions(plan: dict) -> str:
     a = plan["assumptions"]
     return (
         f"MFU {a['mfu']:.0%}, links and memory at {a['bandwidth_efficiency']:.0%} of peak, memory margin {a['memory_margin']:.0%}, "
-        f"filesystem {a['filesystem_gbps']:g} GB/s, communication {a['communication']}"
+        f"filesystem {a['filesystem_gbps']:g} GB/s, communication {a['communication']}, a job's start {a['job_start_s']:g} s, "
+        f"the engine {a['decode_step_s'] * 1e3:.3g} ms a decode step and {a['decode_token_s'] * 1e3:.3g} ms a sampled token"
     )
 
 
@@ -71,6 +74,10 @@ def stage_lines(rec: dict, unit: str) -> list[str]:
             f"weight handoff {u['handoff']['write_s'] + u['handoff']['read_s']:.3g} s ({u['handoff']['bytes'] / 2**30:.2f} GiB written, "
             f"read by each engine) [{u['handoff']['assumes']}], transport {u['transport']['transport_s']:.3g} s"
         )
+    if "job_start" in rec:
+        js, work = rec["job_start"], rec.get("work")
+        beside = f" + work {sum(v for k, v in work.items() if k.endswith('_s')):.3g} s [{work['assumes']}]" if work else ""
+        lines.append(f"  job start {js['each_s']:.3g} s x {js['jobs']} job(s) [{js['assumes']}]{beside}")
     j = rec["jobs"]
     basis = "modelled" if rec["hours_basis"] == "model" else "its walltime, not modelled"
     steps = f"{rec['steps']:,} steps of {rec['step_s']:.3g} s, " if rec.get("steps") else ""
@@ -92,7 +99,7 @@ def text(plan: dict) -> str:
     lines += [
         "",
         f"total: {_hours(t['hours'])} of stage time, {t['node_hours']:,.2f} node-hours = {t['charge']:,.2f} {unit} "
-        f"(modelled: {', '.join(t['modelled_stages']) or 'none'}; the other stages at their walltime)",
+        f"(modelled: {', '.join(t['modelled_stages']) or 'none'}; the other stages at their walltime; episode lengths: {t['lengths']})",
         "site checks:",
     ]
     lines += [f"  {'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {c['detail']}" for c in plan["checks"]]

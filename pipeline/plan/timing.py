@@ -18,12 +18,16 @@ over the bandwidth of the links it crosses (within a node or across nodes) x the
 - pipeline parallel: the bubble, (PP-1) / (micro-batches + PP-1) of the step idle.
 
 Decode (rollout) is bound by reading the weights and the KV cache from device memory each step, or
-by compute when the batch is large: per step max(bytes / (bandwidth x efficiency), FLOPs / (peak x MFU)).
+by compute when the batch is large: per step max(bytes / (bandwidth x efficiency), FLOPs / (peak x MFU)),
+plus what the engine spends beside the hardware bound (the site's `decode_step_s` a step: the
+forward call's framework overhead; `decode_token_s` a sampled token: sampling, stop checks, the
+episode's bookkeeping and verification). An engine samples in waves of at most its batch: a wave
+prefills its prompts padded to its longest and runs until its longest response ends (`Waves`,
+built from the stage's episode lengths in `lengths.py`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from snowcat.pipeline.errors import UserError
@@ -51,6 +55,8 @@ class Hardware:
     memory_margin: float
     filesystem_gbps: float
     ranks_per_node: int = 1
+    decode_step_s: float = 0.0
+    decode_token_s: float = 0.0
 
     @property
     def on_gpu(self) -> bool:
@@ -87,6 +93,8 @@ class Hardware:
             parts.append(f"MFU {self.mfu:.0%} of {self.peak_tflops:g} TFLOP/s")
         if hbm:
             parts.append(f"memory {self.memory_gbps:g} GB/s x {self.bandwidth_efficiency:.0%}")
+            if self.decode_step_s or self.decode_token_s:
+                parts.append(f"engine {self.decode_step_s * 1e3:.3g} ms a step, {self.decode_token_s * 1e3:.3g} ms a token")
         if links:
             links_ = [f"{k} {v:g} GB/s" for k, v in (("intra", self.intra_node_gbps), ("inter", self.inter_node_gbps)) if v]
             parts.append(f"links {', '.join(links_) or 'shared memory'} x {self.bandwidth_efficiency:.0%}")
@@ -147,32 +155,50 @@ def train_step(
     }
 
 
-def decode(arch: Arch, hw: Hardware, *, seqs: int, prompt: int, generate: int, engines: int, batch: int, tp: int) -> dict:
-    """Seconds to sample `generate` tokens after a `prompt` for each of `seqs` sequences, spread over
-    `engines` engines of `tp` devices each, `batch` sequences at a time per engine."""
+@dataclass(frozen=True)
+class Waves:
+    """What the engines do to sample a stage's episodes: `count` waves of at most `batch` sequences;
+    in all, the prompt tokens prefilled (each wave padded to its longest prompt), the decode steps
+    (each wave runs until its longest response ends), the tokens sampled, and the mean tokens in
+    context while a step reads the KV cache."""
+
+    sequences: int
+    batch: int
+    count: int
+    prefill_tokens: float
+    steps: float
+    sampled: float
+    context: float
+
+
+def decode(arch: Arch, hw: Hardware, waves: Waves, *, engines: int, tp: int) -> dict:
+    """Seconds for `engines` engines of `tp` devices each to sample `waves` (spread evenly over them)."""
     peak = hw.rank_flops()
     hbm = hw.need("memory_gbps") * 1e9 * hw.bandwidth_efficiency
     wb = 2 if hw.on_gpu else 4
     c = arch.cfg
-    per_engine = math.ceil(seqs / max(1, engines))
-    batch = max(1, min(batch, per_engine))
-    waves = math.ceil(per_engine / batch)
-    touched = 1 - (1 - c.experts_per_token / c.num_experts) ** batch  # experts a decode step reads
+    rows = waves.sampled / waves.steps if waves.steps else 1.0  # sequences a decode step advances, on average
+    touched = 1 - (1 - c.experts_per_token / c.num_experts) ** rows  # experts a decode step reads
     weight_bytes = (arch.dense + arch.experts_total * touched) * wb / tp
-    kv_bytes = batch * (prompt + generate / 2) * arch.kv_bytes_per_token(wb) / tp
-    flops = 2 * arch.matmul_active * batch / tp
-    step = max((weight_bytes + kv_bytes) / hbm, flops / (peak * hw.mfu))
-    prefill = per_engine * prompt * 2 * arch.matmul_active / tp / (peak * hw.mfu)
-    total = waves * generate * step + prefill
+    kv_bytes = rows * waves.context * arch.kv_bytes_per_token(wb) / tp
+    flops = 2 * arch.matmul_active * rows / tp
+    memory_s, compute_s = (weight_bytes + kv_bytes) / hbm, flops / (peak * hw.mfu)
+    step = max(memory_s, compute_s) + hw.decode_step_s
+    prefill = waves.prefill_tokens * 2 * arch.matmul_active / tp / (peak * hw.mfu)
+    engines = max(1, engines)
+    total = (waves.steps * step + waves.sampled * hw.decode_token_s + prefill) / engines
     return {
-        "sequences": seqs,
+        "sequences": waves.sequences,
         "engines": engines,
-        "batch": batch,
-        "waves": waves,
+        "batch": waves.batch,
+        "waves": waves.count,
+        "decode_steps": round(waves.steps, 1),
+        "sampled_tokens": round(waves.sampled, 1),
+        "prefill_tokens": round(waves.prefill_tokens, 1),
         "decode_step_s": step,
-        "prefill_s": prefill,
+        "prefill_s": prefill / engines,
         "rollout_s": total,
-        "bound": "memory" if (weight_bytes + kv_bytes) / hbm >= flops / (peak * hw.mfu) else "compute",
+        "bound": "memory" if memory_s >= compute_s else "compute",
         "assumes": hw.assumption(hbm=True),
     }
 
