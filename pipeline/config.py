@@ -41,7 +41,7 @@ from snowcat.pipeline.schema import (
 )
 from snowcat.slurm import site as site_mod
 from snowcat.slurm.site import SiteProfile
-from snowcat.stages.config import GPU_KINDS, KINDS
+from snowcat.stages.registry import GPU_KINDS, KINDS
 
 # --- stage kinds ---------------------------------------------------------------------------
 

@@ -32,10 +32,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.schema import StageCommon, parse_checkpoint_ref
-from snowcat.stages.config import KINDS
+from snowcat.stages.registry import ITEM_KEYS, KINDS
 
 REPLICA = "replica"
-ITEM_KEYS = {"evaluate": ("checkpoint",), "validate": ("shard",)}  # read by the stage itself from ctx.item
 _COMMON = {f.name for f in dataclasses.fields(StageCommon)}  # one job array shares them: not sweepable
 _ABSENT = object()
 

@@ -48,7 +48,7 @@ from snowcat.pipeline.runner import launcher_rank, run_unit
 from snowcat.slurm import site as site_mod
 from snowcat.slurm.limits import cached_live_limits, stage_problem, submit_limit
 from snowcat.slurm.site import SiteProfile, use_local_cluster
-from snowcat.stages.config import RESUMABLE_KINDS
+from snowcat.stages.registry import RESUMABLE_KINDS
 
 from .hetjob import HetjobExecutor, parse_job_id, sbatch_flag
 

@@ -5,7 +5,8 @@ A stage section of a run config is typed by its kind's class here plus the commo
 refuses a bad value when the config loads; `problems()` adds the few checks across fields. The
 stage modules (`stages/<kind>.py`) import their class from here as `Config`; keeping the classes
 apart from the code that runs them is what lets `snowcat config`, `status` and submission run on a
-login node without importing torch.
+login node without importing torch. The kinds themselves, with their classes, are listed in
+`stages/registry.py`.
 """
 
 from __future__ import annotations
@@ -1014,27 +1015,3 @@ class ScanConfig:
 class MpiCheckConfig:
     buffer_elements: int = bounded(1 << 16, ge=1)  # float64 elements exchanged between role leaders
     require_roles_on_distinct_hosts: bool = False
-
-
-# Stage kinds, in pipeline order: the kind names a run config may use, and their sections.
-KINDS: dict[str, type] = {
-    "prestage": PrestageConfig,
-    "validate": ValidateConfig,
-    "tasks": TasksConfig,
-    "sft": SftConfig,
-    "teacher": TeacherConfig,
-    "prompts": PromptsConfig,
-    "probe": ProbeConfig,
-    "select": SelectConfig,
-    "rl": RlConfig,
-    "evaluate": EvaluateConfig,
-    "export": ExportConfig,
-    "card": CardConfig,
-    "scan": ScanConfig,
-    "mpi_check": MpiCheckConfig,
-}
-# Kinds that run a model and so want GPUs by default; the others are CPU work (resources.gpus_per_node).
-GPU_KINDS = frozenset({"sft", "teacher", "prompts", "probe", "rl", "evaluate", "export"})
-# Kinds that checkpoint on the preemption notice and continue from there; a walltime continuation of any
-# other kind would start from scratch and end the same way, so they get none (stages.X.resume).
-RESUMABLE_KINDS = frozenset({"validate", "sft", "teacher", "prompts", "probe", "rl"})  # validate: from the verdict cache

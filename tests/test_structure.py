@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from snowcat.stages.config import KINDS
+from snowcat.stages.registry import KINDS
 
 GENERIC = ("pipeline", "stages", "slurm", "containers", "kernels", "benchmarks")
 
@@ -74,7 +74,7 @@ def test_every_login_node_module_imports_alone_without_torch():
         for package in LOGIN_NODE_PACKAGES
         for p in (REPO / package).rglob("*.py")
         if p.name != "__main__.py"
-    ) + ["snowcat.stages.config"]
+    ) + ["snowcat.stages.config", "snowcat.stages.registry"]
     code = (
         "import importlib, subprocess, sys\n"
         f"for m in {modules!r}:\n"

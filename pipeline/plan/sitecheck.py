@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from snowcat.slurm import limits as limits_mod
-from snowcat.stages.config import RESUMABLE_KINDS
+from snowcat.stages.registry import RESUMABLE_KINDS
 
 BUDGET_HOW = {
     "jutil": "`jutil user cpuquota -p <project>` on a JSC login node",
