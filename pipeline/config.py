@@ -49,15 +49,13 @@ from snowcat.stages.registry import GPU_KINDS, KINDS
 def stage_module(kind: str) -> ModuleType:
     """The module that runs a kind (`stages/<kind>.py`, with `run(ctx)`): imported only to run a unit,
     since it pulls in torch."""
-    if kind not in KINDS:
-        raise KeyError(kind)
-    return importlib.import_module(f"snowcat.stages.{kind}")
+    return importlib.import_module(KINDS[kind].module)
 
 
 @functools.cache
 def stage_schema(kind: str) -> type:
     """The typed schema of a stage section: the kind's own config class plus the common keys."""
-    return dataclasses.make_dataclass(f"{kind.title()}Stage", [], bases=(KINDS[kind], StageCommon))
+    return dataclasses.make_dataclass(f"{kind.title()}Stage", [], bases=(KINDS[kind].config, StageCommon))
 
 
 def stage_config(kind: str, values: dict | None = None, *, name: str | None = None):

@@ -32,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.schema import StageCommon, parse_checkpoint_ref
-from snowcat.stages.registry import ITEM_KEYS, KINDS
+from snowcat.stages.registry import KINDS
 
 REPLICA = "replica"
 _COMMON = {f.name for f in dataclasses.fields(StageCommon)}  # one job array shares them: not sweepable
@@ -63,7 +63,7 @@ def key_kind(section, key: str) -> str | None:
     reach into its maps, e.g. `domains.arith.count`); None if nothing reads it."""
     if key == REPLICA:
         return "replica"
-    if key in ITEM_KEYS.get(section.kind, ()):
+    if key in KINDS[section.kind].item_keys:
         return "item"
     if key.split(".")[0] in _COMMON:
         return None
@@ -79,8 +79,8 @@ def fan_out_problem(section, key: str) -> str | None:
         return None
     if key.split(".")[0] in _COMMON:
         return f"{key!r} is shared by the whole fan-out (one job array): it cannot vary between units"
-    example = next(f.name for f in dataclasses.fields(KINDS[section.kind]))
-    reads = "".join(f" or {k!r}" for k in ITEM_KEYS.get(section.kind, ()))
+    example = next(f.name for f in dataclasses.fields(KINDS[section.kind].config))
+    reads = "".join(f" or {k!r}" for k in KINDS[section.kind].item_keys)
     return (
         f"{key!r} is not a key of a {section.kind} stage, so every unit would run the same: fan out over the stage's "
         f"own keys (a sweep, e.g. {example}), {REPLICA!r} (repeats it with another seed){reads}"

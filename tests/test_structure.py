@@ -136,7 +136,7 @@ def test_the_quick_tier_reaches_every_module():
     todo = [m for p in [*quick, REPO / "tests" / "conftest.py"] for m in _snowcat_imports(p) if m in modules]
     # the runner imports a stage kind's module by name (pipeline.config.stage_module), and the test
     # below imports every benchmark by its file name
-    kinds = {f"snowcat.stages.{kind}" for kind in KINDS}
+    kinds = {kind.module for kind in KINDS.values()}
     todo += [m for m in modules if m.startswith("snowcat.benchmarks.")]
     seen: set[str] = set()
     while todo:
