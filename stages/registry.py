@@ -30,6 +30,7 @@ from snowcat.stages.config import (
 class StageKind:
     name: str  # what `stages.<name>.kind` says
     config: type  # its section's class (stages/config.py), beneath the common keys
+    summary: str  # what it does, one line (docs/configuration.md's table of stage kinds)
     # runs a model and so wants GPUs by default; otherwise CPU work (resources.gpus_per_node)
     gpu: bool = False
     # checkpoints on the preemption notice and continues from there; a walltime continuation of any
@@ -44,24 +45,83 @@ class StageKind:
         return f"snowcat.stages.{self.name}"
 
 
-# Stage kinds, in pipeline order: the kind names a run config may use, and their sections.
+# Stage kinds, in pipeline order: the kind names a run config may use, and their sections. A summary is
+# what docs/configuration.md's table of stage kinds says (tests/test_config.py compares them).
 KINDS: dict[str, StageKind] = {
     k.name: k
     for k in (
-        StageKind("prestage", PrestageConfig),
-        StageKind("validate", ValidateConfig, resumable=True, item_keys=("shard",)),  # resumes from the verdict cache
-        StageKind("tasks", TasksConfig),
-        StageKind("sft", SftConfig, gpu=True, resumable=True),
-        StageKind("teacher", TeacherConfig, gpu=True, resumable=True),
-        StageKind("prompts", PromptsConfig, gpu=True, resumable=True),
-        StageKind("probe", ProbeConfig, gpu=True, resumable=True),
-        StageKind("select", SelectConfig),
-        StageKind("rl", RlConfig, gpu=True, resumable=True),
-        StageKind("evaluate", EvaluateConfig, gpu=True, item_keys=("checkpoint",)),
-        StageKind("export", ExportConfig, gpu=True),
-        StageKind("card", CardConfig),
-        StageKind("scan", ScanConfig),
-        StageKind("mpi_check", MpiCheckConfig),
+        StageKind(
+            "prestage",
+            PrestageConfig,
+            "stage models, tokenizers, datasets, wheels into shared storage with sha256 (login node)",
+        ),
+        StageKind(
+            "validate",
+            ValidateConfig,
+            "check a tasks stage's imported tasks before it runs, as a job array (`fan_out: {shard: [0, 1, ...]}`)",
+            resumable=True,  # from the verdict cache
+            item_keys=("shard",),
+        ),
+        StageKind(
+            "tasks",
+            TasksConfig,
+            "generate and import verifiable tasks (imported ones validated first) with a held-out split",
+        ),
+        StageKind(
+            "sft",
+            SftConfig,
+            "tokenizer, MoE model, supervised fine-tuning with Relay examples",
+            gpu=True,
+            resumable=True,
+        ),
+        StageKind(
+            "teacher",
+            TeacherConfig,
+            "a teacher model plays the training tasks in the agent loop; its verified successes become SFT demonstrations"
+            " (a job array over `shard`); with `student`, Relay: a checkpoint of the run starts each episode and the"
+            " teacher takes over",
+            gpu=True,
+            resumable=True,
+        ),
+        StageKind(
+            "prompts",
+            PromptsConfig,
+            "score candidate prompts on development tasks with a checkpoint; choose one with paired statistics"
+            ' (`rl.rollout_prompt: "prompts:<stage>"`)',
+            gpu=True,
+            resumable=True,
+        ),
+        StageKind(
+            "probe",
+            ProbeConfig,
+            "sample a checkpoint on the training tasks: pass counts per task",
+            gpu=True,
+            resumable=True,
+        ),
+        StageKind("select", SelectConfig, "keep the tasks in the useful band (solved `min_pass`..`max_pass` times)"),
+        StageKind(
+            "rl",
+            RlConfig,
+            "GRPO / Dr. GRPO / RLOO / RLOO-N with truncated importance sampling; trainer and rollout ranks",
+            gpu=True,
+            resumable=True,
+        ),
+        StageKind(
+            "evaluate",
+            EvaluateConfig,
+            "pass@k, standard errors over tasks, paired differences, infrastructure failures excluded",
+            gpu=True,
+            item_keys=("checkpoint",),
+        ),
+        StageKind(
+            "export",
+            ExportConfig,
+            "Hugging Face checkpoint plus an inference-equivalence check with `transformers`",
+            gpu=True,
+        ),
+        StageKind("card", CardConfig, "the provenance card"),
+        StageKind("scan", ScanConfig, "fail the run if a credential is anywhere in the run directory"),
+        StageKind("mpi_check", MpiCheckConfig, "prove a multi-role job is one MPI world (run it as a hetjob)"),
     )
 }
 GPU_KINDS = frozenset(name for name, k in KINDS.items() if k.gpu)

@@ -1,12 +1,14 @@
 """Config composition and validation: one schema, errors naming the source and the key."""
 
+import re
 from pathlib import Path
 
 import pytest
 
 from snowcat.pipeline import config
 from snowcat.pipeline.errors import UserError
-from tests.conftest import DEMO, write_config
+from snowcat.stages.registry import KINDS
+from tests.conftest import DEMO, REPO, write_config
 
 
 def test_demo_loads_typed_and_resolved():
@@ -50,6 +52,18 @@ def test_missing_required_kind(tmp_path):
     bad = write_config(tmp_path / "bad.yaml", "stages:\n  t:\n    needs: []\n")
     with pytest.raises(UserError, match=r"stages\.t\.kind: missing"):
         config.load(bad)
+
+
+def test_the_docs_table_of_stage_kinds_is_the_registry():
+    """docs/configuration.md's table of stage kinds lists the registry's kinds in its order, each with
+    its summary and whether it wants GPUs and resumes (stages/registry.py): a new kind is documented."""
+    section = (REPO / "docs" / "configuration.md").read_text().split("\n## Stage kinds\n", 1)[1].split("\n#", 1)[0]
+    rows = [
+        [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in section.splitlines() if line.startswith("| `")
+    ]
+    assert [(kind, summary, gpu, resumes) for kind, summary, gpu, resumes, _guide in rows] == [
+        (f"`{k.name}`", k.summary, "yes" if k.gpu else "", "yes" if k.resumable else "") for k in KINDS.values()
+    ]
 
 
 def test_missing_file():
