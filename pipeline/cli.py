@@ -21,6 +21,7 @@ from rich.text import Text
 from snowcat.slurm import cluster
 from snowcat.slurm import site as site_mod
 from snowcat.stages.model import hf
+from snowcat.stages.registry import KINDS
 
 from . import audit, behaviour, card, compare, doctor, lock, notify, offline, plot, reproduce, scan_data, traces, tracking
 from . import config as config_mod
@@ -424,7 +425,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("run")
     c.set_defaults(func=cmd_cancel)
 
-    cf = sub.add_parser("config", help="print the resolved config (validates it)")
+    cf = sub.add_parser(
+        "config",
+        help="print the resolved config (validates it)",
+        epilog="stage kinds (docs/configuration.md):\n" + "\n".join(f"  {k.name:<10} {k.summary}" for k in KINDS.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cf.add_argument("config")
     cf.add_argument("overrides", nargs="*")
     cf.add_argument("--site", help="as for run (default: $SNOWCAT_SITE)")

@@ -30,7 +30,7 @@ from snowcat.stages.config import (
 class StageKind:
     name: str  # what `stages.<name>.kind` says
     config: type  # its section's class (stages/config.py), beneath the common keys
-    summary: str  # what it does, one line (docs/configuration.md's table of stage kinds)
+    summary: str  # what it does, one line (docs/configuration.md's table of stage kinds, `snowcat config --help`)
     # runs a model and so wants GPUs by default; otherwise CPU work (resources.gpus_per_node)
     gpu: bool = False
     # checkpoints on the preemption notice and continues from there; a walltime continuation of any

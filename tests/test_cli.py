@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from snowcat.pipeline import cli
 from snowcat.pipeline.doctor import write_override
 from snowcat.pipeline.fsio import read_json, sha256_file
 from snowcat.pipeline.rundir import RunDir
+from snowcat.stages.registry import KINDS
 from tests.conftest import write_config
 
 SMALL = """
@@ -121,6 +123,14 @@ def test_user_errors_one_line_exit_2_nothing_written(snowcat, small, tmp_path, a
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run")]  # no half-built temp dir
+
+
+def test_config_help_lists_every_stage_kind(capsys):
+    # from the registry (stages/registry.py), one line each: name and what it does
+    with pytest.raises(SystemExit):
+        cli.main(["config", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [f"  {k.name:<10} {k.summary}" for k in KINDS.values()] == lines[-len(KINDS) :]
 
 
 def test_dry_run_writes_nothing(snowcat, small, tmp_path):
