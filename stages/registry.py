@@ -1,7 +1,8 @@
 """The stage kinds a run config may use, torch-free: what the config loader, the runner and the
 executors look a kind up in. A kind's section is its class in `stages/config.py`; the code that runs
 it is `stages/<kind>.py`, which nothing here imports. A new kind is one entry in `KINDS`, its config
-class and its module.
+class and its module (plus, as tests check, its row in docs/configuration.md and its module in the
+import contracts of pyproject.toml).
 """
 
 from __future__ import annotations

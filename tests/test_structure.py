@@ -47,6 +47,19 @@ def test_every_package_folder_is_in_the_snowcat_namespace():
     assert on_disk == set(setuptools["packages"])
 
 
+def test_the_import_contracts_name_every_stage_kind():
+    """pyproject.toml's import-linter contracts list the stage kinds' modules by hand: a list that
+    names one of them names every kind of the registry (stages/registry.py), so a new kind is held
+    to the same rules."""
+    kinds = {kind.module for kind in KINDS.values()}
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    for contract in contracts:
+        for key in ("source_modules", "forbidden_modules", "modules"):
+            named = set(contract.get(key, ()))
+            if named & kinds:
+                assert sorted(kinds - named) == [], f"{contract['name']}: {key}"
+
+
 def test_loading_every_config_imports_no_torch():
     configs = sorted(str(p) for p in (REPO / "configs").glob("*.yaml"))
     assert configs
