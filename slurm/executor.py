@@ -701,9 +701,14 @@ class SlurmExecutor(Executor):
         # squeue speaks only for jobs accounting does not know: a job sacct lists as CANCELLED may
         # still be in squeue a moment (COMPLETING), and resume took it for alive and queued nothing
         known = {parse_job_id(jid)["job"] for jid in rows}
-        unlisted = {
-            jid: row for jid, row in self._queued().items() if parse_job_id(jid)["job"] not in known and row["state"] in ALIVE
-        }
+        unknown = sorted({parse_job_id(jid)["job"] for jid in self.job_ids()} - known)
+        queued = self._queued() if unknown else {}
+        if queued is None:  # a busy controller: "no answer" is not "none queued", which resubmits the DAG
+            raise UserError(
+                f"squeue did not answer and accounting does not list jobs {', '.join(unknown)} of this run yet: "
+                "whether they are queued is not known, so nothing was submitted; run `snowcat resume` again"
+            )
+        unlisted = {jid: row for jid, row in queued.items() if parse_job_id(jid)["job"] not in known and row["state"] in ALIVE}
         return {**unlisted, **alive}
 
     def _wait_for_ending_jobs(self, limit_s: float = 120.0) -> None:
@@ -711,7 +716,7 @@ class SlurmExecutor(Executor):
         for the unit now would meet them holding it. Wait, up to `limit_s` (a node stuck in
         COMPLETING must not block every resume), until squeue lists none of the run's jobs COMPLETING."""
         deadline, said = time.monotonic() + limit_s, False
-        while ending := sorted(j for j, r in self._queued().items() if r["state"] == "COMPLETING"):
+        while ending := sorted(j for j, r in (self._queued() or {}).items() if r["state"] == "COMPLETING"):
             if time.monotonic() > deadline:
                 print(f"jobs {', '.join(ending)} still COMPLETING after {limit_s:.0f} s; going on", file=sys.stderr)
                 return
@@ -720,7 +725,9 @@ class SlurmExecutor(Executor):
                 said = True
             time.sleep(2)
 
-    def _queued(self) -> dict[str, dict]:
+    def _queued(self) -> dict[str, dict] | None:
+        """The run's jobs squeue lists, {job id: state and reason}; None when squeue gave no answer
+        (a controller under load times out now and then)."""
         ids = set(self.job_ids())
         user = os.environ.get("USER") or pwd.getpwuid(os.getuid()).pw_name
         try:
@@ -728,8 +735,10 @@ class SlurmExecutor(Executor):
                 ["squeue", "-h", "-r", "-u", user, "-o", "%i|%T|%r"], capture_output=True, text=True, timeout=60
             )
         except (OSError, subprocess.TimeoutExpired):
-            return {}
-        rows = [line.split("|") for line in proc.stdout.splitlines()] if proc.returncode == 0 else []
+            return None
+        if proc.returncode != 0:
+            return None
+        rows = [line.split("|") for line in proc.stdout.splitlines()]
         return {r[0]: {"state": r[1], "reason": r[2]} for r in rows if len(r) == 3 and parse_job_id(r[0])["job"] in ids}
 
     def launch(self, stages: list[str]) -> int:

@@ -449,6 +449,25 @@ def test_a_resume_before_accounting_lists_the_jobs_queues_nothing_twice(snowcat,
     assert set(_task_states(scheduler).values()) == {"PENDING"}  # nothing was replaced either
 
 
+def test_a_resume_that_cannot_tell_whether_jobs_are_queued_submits_nothing(snowcat, scheduler, tmp_path, monkeypatch):
+    """Right after `run`, accounting does not list the jobs yet and squeue may time out on a busy
+    controller (seen in CI at load 10): "no answer" was taken for "none queued" and the whole DAG
+    was queued a second time. Resume now says it cannot tell, exit 2, and submits nothing."""
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
+    calls = _sbatch_calls(scheduler)
+    monkeypatch.setenv("FAKE_SLURM_ACCOUNTING_LAG", "1")
+    monkeypatch.setenv("FAKE_SLURM_SQUEUE_DOWN", "1")
+    again = snowcat("resume", run_dir)
+    assert again.returncode == 2 and "squeue did not answer" in again.stderr and "nothing was submitted" in again.stderr, (
+        again.stderr
+    )
+    assert _sbatch_calls(scheduler) == calls
+    monkeypatch.delenv("FAKE_SLURM_SQUEUE_DOWN")  # once the controller answers, the jobs are found queued
+    snowcat("resume", run_dir, check=True)
+    assert _sbatch_calls(scheduler) == calls
+
+
 @pytest.mark.slow
 def test_a_resume_right_after_a_cancel_waits_for_the_job_to_end_and_queues_it_again(snowcat, scheduler, tmp_path):
     """After scancel, sacct says CANCELLED while squeue still lists the job COMPLETING (its processes

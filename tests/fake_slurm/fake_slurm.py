@@ -8,7 +8,8 @@ the JSON file $FAKE_SLURM_STATE. Like Slurm's QoS, sbatch refuses a job that wou
 past $FAKE_SLURM_MAX_SUBMIT queued jobs (array tasks and hetjob components count one each), and
 $FAKE_SLURM_REFUSE_AFTER=N refuses every sbatch call after the N-th (a limit hit mid-DAG).
 $FAKE_SLURM_ACCOUNTING_LAG=1 keeps jobs still PENDING out of sacct, as slurmdbd lists a submission
-a moment after sbatch returned; squeue (the controller) lists them.
+a moment after sbatch returned; squeue (the controller) lists them. $FAKE_SLURM_SQUEUE_DOWN=1 makes
+squeue fail as it does when the controller does not answer in time (exit 1, "Socket timed out").
 The real behaviour is tested against the local Slurm cluster (tests/test_slurm.py).
 """
 
@@ -165,6 +166,10 @@ def sacct(args: list[str]) -> int:
 def squeue(args: list[str]) -> int:
     state = load()
     state["calls"].append(["squeue"])
+    if os.environ.get("FAKE_SLURM_SQUEUE_DOWN") == "1":
+        save(state)
+        print("squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation", file=sys.stderr)
+        return 1
     fmt = args[args.index("-o") + 1] if "-o" in args else ""
     for key, t in tasks(state).items():
         shown = t["state"]
