@@ -4,7 +4,9 @@ There is no hub on a test machine or an offline compute node, so `snowcat tiny-h
 hub download looks like: `config.json` + safetensors from `transformers` (`<Arch>ForCausalLM(config)
 .save_pretrained`), and a byte-level BPE tokenizer (`tokenizers`) in `PreTrainedTokenizerFast` with a
 ChatML chat template that renders tool calls and results as Qwen3's does (`<tool_call>` JSON blocks,
-`<tool_response>`). head_dim is 32: vLLM's CPU attention rejects 16.
+`<tool_response>`). head_dim is 32: vLLM's CPU attention rejects 16. 2 attention heads sharing 1
+key/value head by default; `--kv-heads 2` (with `--heads`, a multiple of it) gives attention that
+Megatron can split over 2 tensor-parallel ranks (TP must divide both, stages/model/layout.py).
 """
 
 from __future__ import annotations
@@ -68,18 +70,24 @@ def tiny_checkpoint(
     vocab_size: int = 300,
     positions: int = 512,
     dtype: str = "float32",
+    heads: int = 2,
+    kv_heads: int = 1,
 ):
     """A random Hugging Face checkpoint (weights, config.json) with the tokenizer above: what a
     hub download looks like, small enough for a test. head_dim 32 (vLLM's CPU floor). `dtype`:
-    what the weights are stored in (bfloat16: as nearly every checkpoint on the hub)."""
+    what the weights are stored in (bfloat16: as nearly every checkpoint on the hub). `heads`
+    attention heads in groups over `kv_heads` key/value heads (a tensor-parallel degree must divide
+    both; OLMoE's head_dim is hidden / heads, so its hidden size grows with the heads)."""
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
     hf_tokenizer_files(texts, out_dir, vocab_size=vocab_size)
     tok = PreTrainedTokenizerFast.from_pretrained(str(out_dir))
     common = dict(
         vocab_size=len(tok),
-        hidden_size=64,
+        hidden_size=64 if arch != "olmoe" else 32 * heads,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=positions,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
@@ -126,14 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corpus", choices=sorted(CORPORA), default="arith", help="what the tokenizer is trained on (see corpus())")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="what the weights are stored in")
+    ap.add_argument("--heads", type=int, default=2, help="attention heads (a multiple of --kv-heads)")
+    ap.add_argument(
+        "--kv-heads", type=int, default=1, help="key/value heads; a Megatron tensor_parallel degree must divide it (2: TP2)"
+    )
     args = ap.parse_args(argv)
+    if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads:
+        ap.error(f"--heads {args.heads} must be a positive multiple of --kv-heads {args.kv_heads}")
     vocab, positions = CORPORA[args.corpus]
     texts = corpus(args.corpus, np.random.default_rng(args.seed))
     args.out.mkdir(parents=True, exist_ok=True)
-    model = tiny_checkpoint(args.out, texts, args.arch, args.seed, vocab, positions, args.dtype)
+    model = tiny_checkpoint(args.out, texts, args.arch, args.seed, vocab, positions, args.dtype, args.heads, args.kv_heads)
+    heads = "" if (args.heads, args.kv_heads) == (2, 1) else f", {args.heads} heads, {args.kv_heads} KV heads"
     (args.out / "README.md").write_text(
         f"---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n"
-        f"# tiny random {args.arch} (snowcat tiny-hf, seed {args.seed}, {args.corpus} tokenizer)\n"
+        f"# tiny random {args.arch} (snowcat tiny-hf, seed {args.seed}, {args.corpus} tokenizer{heads})\n"
     )
-    print(f"{args.out}: random {args.arch}, {sum(p.numel() for p in model.parameters()):,} parameters, {args.corpus} tokenizer")
+    print(
+        f"{args.out}: random {args.arch}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{args.heads} attention heads over {args.kv_heads} KV heads, {args.corpus} tokenizer"
+    )
     return 0
