@@ -100,9 +100,10 @@ def test_only_verified_successes_enter_with_complete_provenance(inputs, straight
     full = reward_verifier(DEFAULT_VERIFIER, "pass")  # reward 1 iff the verdict passed
     trajs = run_episodes(TorchEngine(model), tok, jobs, env, params, budget, 9, 0, verifier=full)
     passed = {(t.task_id, t.attempt) for t in trajs if t.status == "ok" and t.passed}
-    # partial credit of 1.0 that does not pass (a closure answer with junk after its closers) is no success
+    # full credit from the tasks' own verifiers is a pass: closure's partial credit for its closers and
+    # then junk stays below 1 (it reached 1 and the raw rewards counted more successes than passed)
     raw = run_episodes(TorchEngine(model), tok, jobs, env, params, budget, 9, 0, verifier=verify)
-    assert {(t.task_id, t.attempt) for t in raw if t.status == "ok" and t.reward >= 1} > passed
+    assert {(t.task_id, t.attempt) for t in raw if t.status == "ok" and t.reward >= 1} == passed
     assert 0 < len(passed) < len(trajs) and summary["verified"] == len(passed) and summary["episodes"] == len(trajs)
     assert summary["kept"] + summary["duplicates"] + summary["cut_turns"] == len(passed)
     kept = {(d["task_id"], d["provenance"]["attempt"]) for d in demos}
