@@ -696,6 +696,9 @@ class RlConfig(Parallelism):
     save_every: int = bounded(10, ge=0)  # resumable checkpoint period (also at every eval)
     keep_last: int = bounded(2, ge=0)
     keep_best: int = bounded(1, ge=1)  # the best by val/pass@1 is never deleted
+    # updates whose checkpoints retention never deletes, whatever it keeps otherwise (the ablation's
+    # fixed comparison points); each must be an update the stage saves (save_every, eval_every, the last)
+    pin_steps: list[int] = field(default_factory=list)
     transport: Literal["auto", "mpi", "file"] = "auto"  # auto: mpi when world > 1
     timeout_s: float = bounded(1800.0, gt=0)  # waiting for a batch or a weight version
     threads: int = bounded(0, ge=0)  # torch threads; 0 = the job's CPUs
@@ -728,6 +731,19 @@ class RlConfig(Parallelism):
             yield "router_replay", "needs engine: torch (the vLLM engine does not return the experts it routed each token to)"
         yield from self._rank_problems()
         yield from self._recipe_problems()
+        yield from self._pin_problems()
+
+    def _pin_problems(self) -> Iterator[Problem]:
+        """A pinned update must be one whose checkpoint the stage writes (train/loop.py saves every
+        save_every-th and every eval_every-th update, and the last)."""
+        for step in self.pin_steps:
+            saved = step == self.updates or any(every and step % every == 0 for every in (self.save_every, self.eval_every))
+            if not 1 <= step <= self.updates or not saved:
+                yield (
+                    "pin_steps",
+                    f"update {step} is never saved (updates {self.updates}, save_every {self.save_every}, "
+                    f"eval_every {self.eval_every}): pin one of those",
+                )
 
     def _rank_problems(self) -> Iterator[Problem]:
         """What the ranks the stage asks for can do, known from its resources before anything runs

@@ -19,6 +19,7 @@ import torch
 
 import snowcat.stages.rl as rl
 import snowcat.stages.tasks as tasks_stage
+from snowcat.pipeline.config import stage_config
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import checkpoint_dir, sha256_file
@@ -376,6 +377,24 @@ def test_with_a_dev_split_rl_selects_checkpoints_on_it_not_on_val(inputs, tmp_pa
     ledger = json.loads((tmp_path / "run" / "rl" / "checkpoints" / "retention.json").read_text())
     assert ledger["policy"]["metric"] == "dev/pass@1"
     assert "dev/pass@1" in metrics and "val/pass@1" not in metrics and metrics["dev/tasks"] == len(held_out)
+
+
+def test_pinned_updates_outlive_retention(inputs, tmp_path):
+    """rl.pin_steps: a pinned checkpoint is kept whatever retention drops; an unpinned one like it is
+    not (updates 2 and 4 are saved with no metric, neither last nor best)."""
+    ctx = make_ctx(inputs, tmp_path / "run", updates=6, pin_steps=[2])
+    rl.run(ctx)
+    ckpts = tmp_path / "run" / "rl" / "checkpoints"
+    ledger = json.loads((ckpts / "retention.json").read_text())
+    assert ledger["policy"]["pinned"] == [2] and (ckpts / "step_000002").is_dir()
+    assert 4 in {d["step"] for d in ledger["deleted"]} and not (ckpts / "step_000004").exists()
+    assert 2 not in {d["step"] for d in ledger["deleted"]}
+
+
+@pytest.mark.parametrize("pin", [5, 7, 0])
+def test_a_pinned_update_that_is_never_saved_is_refused(pin):
+    with pytest.raises(UserError, match=rf"pin_steps: update {pin} is never saved"):
+        stage_config("rl", {**SMALL, "pin_steps": [pin]})
 
 
 def test_each_update_records_how_many_trajectories_of_each_domain_entered_the_loss(baseline):

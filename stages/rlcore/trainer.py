@@ -236,7 +236,13 @@ class Trainer(TrainLoop):
             ref_model = backend.frozen_copy(self.init_path)  # sharded as the trained model is
         self.loss_fn = make_loss_fn(self.params, loss_cfg, ref_model, replay=cfg.router_replay, teacher=cfg.teacher_rollouts > 0)
         self.split = selection_split(Path(ctx.inputs[cfg.tasks_input]))  # what checkpoints are selected on
-        policy = RetentionPolicy(metric=f"{self.split}/pass@1", mode="max", keep_best=cfg.keep_best, keep_last=cfg.keep_last)
+        policy = RetentionPolicy(
+            metric=f"{self.split}/pass@1",
+            mode="max",
+            keep_best=cfg.keep_best,
+            keep_last=cfg.keep_last,
+            pinned=list(cfg.pin_steps),
+        )
         checkpoints = Checkpoints(ckpts, backend, self.tok, policy, meta={"stage": ctx.name, "seed": ctx.seed}, seed=ctx.seed)
         client = checkpoints.restore()
         self.eval_cache: dict = client.get("last_eval", {}) if client else {}  # the retention metric of the next checkpoint
