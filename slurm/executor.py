@@ -645,10 +645,12 @@ class SlurmExecutor(Executor):
         for node in self.dag:
             if node.name not in stages:
                 continue
+            pending = self.pending_units(node)
+            if not pending:  # it finished since the stages to run were listed (a job that ended as resume started)
+                continue
             record = state.get(node.name, {})
             ids = stage_job_ids(node, state)
             live = {k: r for k, r in self._live.items() if parse_job_id(k)["job"] in ids}
-            pending = self.pending_units(node)
             running = [u for u in pending if alive.of(self._own_ids(u, state))] if live else []
             gate = record.get("gate")
             replaced = any(n in records for n in node.needs) or any(

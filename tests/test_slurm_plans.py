@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from snowcat.pipeline import config
-from snowcat.pipeline.dag import Unit
+from snowcat.pipeline.dag import Unit, build
+from snowcat.pipeline.executors import make_executor
 from snowcat.pipeline.fsio import read_json
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.runner import run_unit
@@ -447,6 +448,26 @@ def test_a_resume_before_accounting_lists_the_jobs_queues_nothing_twice(snowcat,
     again = snowcat("resume", run_dir, check=True)
     assert _sbatch_calls(scheduler) == calls, again.stderr
     assert set(_task_states(scheduler).values()) == {"PENDING"}  # nothing was replaced either
+
+
+def test_a_stage_that_finishes_while_resume_plans_is_not_queued_again(snowcat, scheduler, tmp_path):
+    """A resume right after `run` lists the stages not done; the first may finish before the plan is
+    made (a tasks job takes a second). It was queued again, and the next stage replaced because its
+    input had been (the local cluster's resume-right-after-run test, in CI). A stage done by the time
+    of the plan is skipped: nothing queued, the next stage's jobs kept."""
+    run_dir = tmp_path / "run"
+    snowcat("run", _config(tmp_path), *JSC, "--run-dir", run_dir, check=True)
+    calls = _sbatch_calls(scheduler)
+    run = RunDir.open(run_dir)
+    cfg = config.load(run.path / "config.yaml")
+    dag = build(cfg)
+    executor = make_executor("slurm", run, dag, cfg)
+    first = next(iter(dag))
+    fake.set_state(run.record(first.name)["job_ids"][0], "COMPLETED")
+    run.mark_done(first.units[0], {"duration_s": 1.0}, {})  # it ended after the stages to run were listed
+    assert executor.launch([n.name for n in dag]) == 0
+    assert _sbatch_calls(scheduler) == calls
+    assert set(_task_states(scheduler).values()) <= {"PENDING", "COMPLETED"}  # nothing cancelled either
 
 
 def test_a_resume_that_cannot_tell_whether_jobs_are_queued_submits_nothing(snowcat, scheduler, tmp_path, monkeypatch):
