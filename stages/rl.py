@@ -15,6 +15,8 @@ Outputs in ctx.out_dir:
     metrics_history.jsonl, metrics.json; rows in the run's history.h5
     trajectories/         each batch trained on, step_<k>.parquet (rank 0; stages/agent/dataset.py)
     engine_rank<r>.json   a vLLM rollout rank's reload/check/rebuild counters (engine/* in the history)
+    teacher.json          with teacher rollouts: the teacher served (reference, digest of its files'
+                          manifest, tokenizer fingerprint, episodes per task), for the card
 Resume: the newest verified checkpoint holds policy, optimizer, RNG and the policy version; data
 order and sampling seeds are functions of (seed, batch index), so pending batches are simply
 regenerated, bit-identically (docs/rl.md).
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import math
 import time
 import zlib
@@ -38,7 +42,7 @@ import pyarrow.parquet as pq
 import torch
 
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_write_json, read_json
+from snowcat.pipeline.fsio import atomic_write_json, build_manifest, read_json
 from snowcat.stages.agent import BatchBuffers
 from snowcat.stages.agent.prompting import resolve_rollout_prompt
 from snowcat.stages.config import RlConfig as Config
@@ -190,6 +194,22 @@ def check_teacher_tokenizer(ctx, cfg: Config) -> None:
         raise UserError(f"stages.{ctx.name}.teacher: {other_tokenizer(cfg.init_from, cfg.teacher)}")
 
 
+TEACHER_FILE = "teacher.json"
+
+
+def record_teacher(ctx, cfg: Config) -> None:
+    """`teacher.json`: which teacher played the teacher rollouts, as the teacher stage records its
+    teacher (the sha256 of its files' manifest, its tokenizer's fingerprint); the card names it."""
+    path = ctx.checkpoint(cfg.teacher, "teacher")
+    record = {
+        "teacher": cfg.teacher,
+        "teacher_sha256": hashlib.sha256(json.dumps(build_manifest(path), sort_keys=True).encode()).hexdigest(),
+        "tokenizer": load_tokenizer(path).fingerprint(),  # check_teacher_tokenizer: there is one
+        "teacher_rollouts": cfg.teacher_rollouts,
+    }
+    atomic_write_json(Path(ctx.out_dir) / TEACHER_FILE, record)
+
+
 def batch_seed(seed: int, batch_index: int) -> int:
     return int(np.random.SeedSequence([seed, 11, batch_index]).generate_state(1)[0])
 
@@ -293,6 +313,8 @@ def run(ctx) -> dict:
     pool, held_out = load_pool(ctx, cfg)
     if cfg.teacher_rollouts:  # every rank, before any rollout: the run checkpoints exist by now
         check_teacher_tokenizer(ctx, cfg)
+        if ctx.rank == 0:
+            record_teacher(ctx, cfg)
     handoff = WeightHandoff(out / "weights")
 
     comm = None

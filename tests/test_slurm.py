@@ -68,7 +68,9 @@ def on_local_slurm(run_dir) -> tuple:
 
 
 # Big enough that the tasks stage runs for a while (seconds to minutes on 2 shared cores).
-SLOW_TASKS = ["stages.tasks.domains.closure.count=40000", "stages.tasks.domains.closure.val_count=50"]
+# ~10 s of work: a scancel right after the stage is seen running must land before it writes DONE
+# (at ~2 s it sometimes did not, and the unit cancelled then finished within KillWait was done)
+SLOW_TASKS = ["stages.tasks.domains.closure.count=200000", "stages.tasks.domains.closure.val_count=50"]
 
 
 def wait_status(snowcat, run_dir: Path, want: set[str], timeout: float = 300, stage: str | None = None) -> dict:
