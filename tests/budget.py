@@ -45,6 +45,19 @@ def pytest_addoption(parser):
     )
 
 
+def gone(declared: dict[str, float], root: Path = DURATIONS.parent.parent) -> list[str]:
+    """Entries whose test function is no longer in its file (read, not imported: cheap)."""
+    out, sources = [], {}
+    for nodeid in declared:
+        path, _, name = nodeid.partition("::")
+        function = name.split("[")[0].split("::")[-1]
+        if path not in sources:
+            sources[path] = (root / path).read_text() if (root / path).is_file() else ""
+        if not re.search(rf"\bdef {re.escape(function)}\(", sources[path]):
+            out.append(nodeid)
+    return out
+
+
 class Budget:
     """Collects each test's seconds on the controller (xdist's reports come back to it)."""
 
@@ -92,6 +105,8 @@ class Budget:
         undeclared = sorted(set(self.slow()) - set(declared))
         for nodeid in undeclared:
             self.problems.append(f"{nodeid} is in the slow tier but has no entry in tests/durations.json (--update-durations)")
+        for nodeid in sorted(gone(declared)):  # a renamed or deleted test would count against the budget forever
+            self.problems.append(f"tests/durations.json names {nodeid}, which no longer exists: remove its entry")
         total = sum(declared.values())
         if total > budget:
             self.problems.append(
