@@ -31,8 +31,9 @@ from pathlib import Path
 from snowcat.pipeline import config, dag
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.pipeline.rundir import RunDir
-from snowcat.slurm.executor import Job, SlurmExecutor
+from snowcat.slurm.executor import SlurmExecutor
 from snowcat.slurm.limits import LiveLimits, submit_limit
+from snowcat.slurm.plan import Job
 
 FAKE = Path(__file__).resolve().parent.parent / "tests" / "fake_slurm"
 # (profile, overrides): JSC as it is (a job queues its successor) and as if its compute nodes could not
@@ -72,14 +73,13 @@ def plan(root: Path, n: int, site: str, overrides: tuple[str, ...] = ()) -> dict
     cfg = _config(root, n, site, overrides)
     graph = dag.build(cfg)
     ex = SlurmExecutor(RunDir(root / f"plan-{site}-{n}"), graph, cfg)
-    ex._live = {}
     jobs: list[Job] = []
 
     def count(job: Job) -> str:
         jobs.append(job)
         return f"<job of {job.label}>"
 
-    ex._plan(list(graph.order), count)
+    ex.planner(live={}).plan(list(graph.order), count)
     per_partition: dict[str, int] = {}
     for job in jobs:
         for part, k in job.counts().items():
@@ -91,7 +91,7 @@ def plan(root: Path, n: int, site: str, overrides: tuple[str, ...] = ()) -> dict
     )
     return {
         "site": site + "".join(f" {o}" for o in overrides),
-        "chain": "continuations queued up front" if not ex.self_continuing(graph["sft"]) else "job queues its successor",
+        "chain": "continuations queued up front" if not ex.scripts.self_continuing(graph["sft"]) else "job queues its successor",
         "fan_out": n,
         "sbatch_calls": len(jobs),
         "jobs": sum(per_partition.values()),

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import getpass
 import os
-import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from snowcat.slurm import commands
 
 QUERY_TIMEOUT_S = 20.0  # a slurmdbd that does not answer must not hang a submission
 CACHE_S = 60.0  # live values are reused this long within one process (a submission asks per stage)
@@ -267,15 +268,10 @@ def parse_associations(text: str, cluster: str | None = None) -> tuple[Associati
 def _sh(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[int, str]:
     """(exit code, stdout) of a query; 127 when the program is missing, 124 on timeout (stderr in
     the text on failure)."""
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        return 127, f"{cmd[0]}: not found"
-    except subprocess.TimeoutExpired:
-        return 124, f"{' '.join(cmd[:3])}: no answer after {timeout:.0f}s"
-    if p.returncode != 0:
-        return p.returncode, (p.stderr or p.stdout).strip()
-    return 0, p.stdout
+    reply = commands.query(cmd, timeout=timeout)
+    if not reply.ok:
+        return reply.code, (reply.err or reply.out).strip()
+    return 0, reply.out
 
 
 def _last_line(text: str) -> str:

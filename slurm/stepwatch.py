@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+from . import commands
 from .hetjob import parse_job_id
 
 NOT_WORK_STEPS = {"batch", "extern", "interactive"}
@@ -37,11 +38,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 
 def _slurm(argv: list[str]) -> str | None:
     """stdout of a Slurm client command, or None when it fails (the controller may be busy)."""
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return p.stdout if p.returncode == 0 else None
+    reply = commands.query(argv)
+    return reply.out if reply.ok else None
 
 
 def _step(job_id: str) -> str | None:

@@ -20,7 +20,7 @@ from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_json, read_json, remove_leftovers, verify_manifest, write_manifest
 from snowcat.pipeline.rundir import RunDir
-from snowcat.slurm.executor import StageJob
+from snowcat.slurm.jobside import StageJob
 from tests.conftest import TINY, write_config
 from tests.test_cli import SLOW, SMALL, _wait_for
 

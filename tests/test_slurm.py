@@ -223,7 +223,7 @@ def _render(site: str, overrides: list[str], stage: str = "tasks") -> str:
     )
 
     run = RunDir.create(cfg, Path(tempfile.mkdtemp()) / "r")
-    return SlurmExecutor(run, dag.build(cfg), cfg).render(dag.build(cfg)[stage], "afterok:1")
+    return SlurmExecutor(run, dag.build(cfg), cfg).scripts.render(dag.build(cfg)[stage], "afterok:1")
 
 
 @pytest.mark.parametrize("site", list_sites())

@@ -19,7 +19,7 @@ from snowcat.pipeline.executors import make_executor
 from snowcat.pipeline.fsio import read_json
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.runner import run_unit
-from snowcat.slurm.executor import StageJob
+from snowcat.slurm.jobside import StageJob
 from tests.conftest import write_config
 
 FAKE = Path(__file__).parent / "fake_slurm"
