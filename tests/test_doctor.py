@@ -29,7 +29,7 @@ def local_profile():
     [("1:00:00", 60), ("2-00:00:00", 2880), ("30", 30), ("2-12", 3600), ("infinite", None), ("48:00:00", 2880), ("0:30", 1)],
 )
 def test_slurm_time_limits(text, minutes):
-    assert doctor._minutes(text) == minutes
+    assert limits.minutes(text) == minutes
 
 
 def test_run_root_under_home_fails_with_fix(tmp_path):
