@@ -82,6 +82,22 @@ class Planner:
     # a short stage kind's own work in seconds (tasks, select, export, card, scan, ...): measured where
     # given; a kind not named counts as nothing beside its job's start
     stage_work_s: dict[str, float] = field(default_factory=dict)
+    # per trainer backend (torch, fsdp, deepspeed, megatron), the achieved fraction of peak that
+    # replaces `mfu` for its stages: a backend's own overheads per layer (0 or absent: `mfu`)
+    backend_mfu: dict[str, float] = field(default_factory=dict)
+    # a sampling engine's start (load, compile, KV allocation) and the cost of serving a new weight
+    # version beyond reading its bytes (vLLM's in-place reload, or its rebuild where that is refused)
+    engine_start_s: float = bounded(0.0, ge=0)
+    engine_reload_s: float = bounded(0.0, ge=0)
+    # the agent loop's environment, seconds of one call as it runs beside the others of its turn: a
+    # tool call that runs a process in the sandbox (test, bash), one answered in-process (view, edit,
+    # an unparseable call), a submitted patch's verification, an episode's sandbox start; a turn's
+    # calls run `tool_workers` at a time (0: the partition's cpus_per_node, as the loop's pool does)
+    sandbox_call_s: float = bounded(0.0, ge=0)
+    tool_call_s: float = bounded(0.0, ge=0)
+    verify_s: float = bounded(0.0, ge=0)
+    sandbox_start_s: float = bounded(0.0, ge=0)
+    tool_workers: int = bounded(0, ge=0)
     budget: Literal["none", "jutil", "taccinfo"] = "none"  # where the remaining allocation could be read (a stub)
     partitions: dict[str, NodeCost] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)

@@ -8,6 +8,7 @@ import contracts of pyproject.toml).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from snowcat.stages.config import (
     CardConfig,
@@ -39,6 +40,9 @@ class StageKind:
     resumable: bool = False
     # fan-out keys it reads from its unit's element itself (ctx.item), not keys of its section
     item_keys: tuple[str, ...] = ()
+    # how `snowcat plan` counts its time (pipeline/plan/core.py): "model" (steps, sampling, episodes),
+    # "short" (a job's start plus the site's stage_work_s), "walltime" (not modelled: an upper bound)
+    plan: Literal["model", "short", "walltime"] = "walltime"
 
     @property
     def module(self) -> str:
@@ -55,6 +59,7 @@ KINDS: dict[str, StageKind] = {
             "prestage",
             PrestageConfig,
             "stage models, tokenizers, datasets, wheels into shared storage with sha256 (login node)",
+            plan="short",
         ),
         StageKind(
             "validate",
@@ -67,6 +72,7 @@ KINDS: dict[str, StageKind] = {
             "tasks",
             TasksConfig,
             "generate and import verifiable tasks (imported ones validated first) with a held-out split",
+            plan="short",
         ),
         StageKind(
             "sft",
@@ -74,6 +80,7 @@ KINDS: dict[str, StageKind] = {
             "tokenizer, MoE model, supervised fine-tuning with Relay examples",
             gpu=True,
             resumable=True,
+            plan="model",
         ),
         StageKind(
             "teacher",
@@ -83,6 +90,7 @@ KINDS: dict[str, StageKind] = {
             " teacher takes over",
             gpu=True,
             resumable=True,
+            plan="model",
         ),
         StageKind(
             "prompts",
@@ -98,14 +106,18 @@ KINDS: dict[str, StageKind] = {
             "sample a checkpoint on the training tasks: pass counts per task",
             gpu=True,
             resumable=True,
+            plan="model",
         ),
-        StageKind("select", SelectConfig, "keep the tasks in the useful band (solved `min_pass`..`max_pass` times)"),
+        StageKind(
+            "select", SelectConfig, "keep the tasks in the useful band (solved `min_pass`..`max_pass` times)", plan="short"
+        ),
         StageKind(
             "rl",
             RlConfig,
             "GRPO / Dr. GRPO / RLOO / RLOO-N with truncated importance sampling; trainer and rollout ranks",
             gpu=True,
             resumable=True,
+            plan="model",
         ),
         StageKind(
             "evaluate",
@@ -113,16 +125,18 @@ KINDS: dict[str, StageKind] = {
             "pass@k, standard errors over tasks, paired differences, infrastructure failures excluded",
             gpu=True,
             item_keys=("checkpoint",),
+            plan="model",
         ),
         StageKind(
             "export",
             ExportConfig,
             "Hugging Face checkpoint plus an inference-equivalence check with `transformers`",
             gpu=True,
+            plan="short",
         ),
-        StageKind("card", CardConfig, "the provenance card"),
-        StageKind("scan", ScanConfig, "fail the run if a credential is anywhere in the run directory"),
-        StageKind("mpi_check", MpiCheckConfig, "prove a multi-role job is one MPI world (run it as a hetjob)"),
+        StageKind("card", CardConfig, "the provenance card", plan="short"),
+        StageKind("scan", ScanConfig, "fail the run if a credential is anywhere in the run directory", plan="short"),
+        StageKind("mpi_check", MpiCheckConfig, "prove a multi-role job is one MPI world (run it as a hetjob)", plan="short"),
     )
 }
 GPU_KINDS = frozenset(name for name, k in KINDS.items() if k.gpu)
