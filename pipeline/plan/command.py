@@ -20,7 +20,8 @@ def add_arguments(p) -> None:
     p.add_argument("config", nargs="?", help="run config (not with --compare)")
     p.add_argument("overrides", nargs="*", help="key=value overrides (dot paths)")
     p.add_argument(
-        "--site", help="site profile: NAME or a YAML file (default: $SNOWCAT_SITE); --compare: for a run that has none"
+        "--site",
+        help="site profile: NAME or a YAML file (default: $SNOWCAT_SITE); --compare: instead of the run's own (e.g. one calibrated since)",
     )
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     p.add_argument(
@@ -57,16 +58,21 @@ def load_typed(config: str, overrides: list[str], site: str | None):
 
 def open_run(path: str, site: str | None):
     """(run, typed config, DAG, site name) of a run directory: its frozen config, planned on the
-    site profile frozen in it, or on `site` (default $SNOWCAT_SITE) for a run that has none."""
+    site profile frozen in it, or on `site` where one is named (a run without a site, executor local;
+    or a profile whose planner fields were calibrated since the run: its rules are the run's
+    anyway, so only the planner's figures differ). $SNOWCAT_SITE stands in only for a run without one."""
     from snowcat.pipeline.dag import build  # noqa: PLC0415
     from snowcat.pipeline.rundir import RunDir  # noqa: PLC0415
 
     run = RunDir.open(path)
     frozen = run.config()
+    named = site
     site = site_mod.default_site(site)
-    if frozen.get("site") is None and site:  # a run without a site (executor local): plan it on the one named
+    if site and (named or frozen.get("site") is None):
         _, profile = site_mod.site_config(site)
         frozen.site = OmegaConf.merge(OmegaConf.structured(site_mod.SiteProfile), profile)
+    elif frozen.get("site") is not None:
+        site = None  # the run's own profile
     return run, config_mod.typed(frozen), build(frozen), site
 
 
@@ -79,6 +85,7 @@ def cmd_plan(args) -> int:
         result = compare.compare(run, dag, plan)
         result["command"] = " ".join(["snowcat", "plan", "--compare", str(run.path), *(["--site", site] if site else [])])
         result["run_origin"] = (read_json(run.path / "run.json") or {}).get("origin")  # the config and overrides it ran
+        result["site_profile"] = site or "the run's own (frozen in its config)"
         path = compare.write(run, result)
         print(
             report.to_json(result) if args.json else compare.text(result) + f"\n(recorded in {path}; `snowcat card` includes it)"

@@ -2,14 +2,16 @@
 site profile frozen in it) beside what the run recorded — step time (SFT: train_seconds / steps;
 RL: the mean of `time/step_s`), peak memory (the largest of the training loop's per-step
 `memory/peak_*_gib`: GPU memory allocated, or on the CPU the process's peak resident set), and
-node-hours (each unit's job, start to end, x the stage's nodes: `unit_seconds`), per stage and for
-the run. The plan of stage X reads only what X's finished inputs recorded (`finished`,
+node-hours (on Slurm what sacct says each unit's jobs were allocated, ElapsedRaw x NNodes, the
+figure a site charges: `allocations`; else, or where sacct does not answer, each unit's job from
+start to end x the stage's nodes: `unit_seconds`, said so), per stage and for the run. The plan of stage X reads only what X's finished inputs recorded (`finished`,
 `lengths.inputs_of`). Written to `<run>/plan/compare.json`, which `snowcat card` includes."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import subprocess
 from pathlib import Path
 
 from snowcat.pipeline.fsio import atomic_write_json, read_json
@@ -63,6 +65,52 @@ def unit_seconds(run, unit) -> float | None:
     return _seconds((read_json(record_path(run.path, unit.stage, unit.index)) or {}).get("times") or {})
 
 
+RUNNER = "the runner's stamps, start to end (a Slurm job's start before the runner stamps `started` is not in them)"
+SACCT = "sacct's allocation: ElapsedRaw x NNodes of the unit's jobs (what the site charges)"
+
+
+def _unit_jobs(run, unit) -> list[str]:
+    """The Slurm jobs that ran a unit (its attempts and continuations); [] for another executor."""
+    record = run.record(unit.key)
+    if record.get("executor") != "slurm":
+        return []
+    return [str(j) for j in record.get("own_job_ids") or [] if not str(j).startswith("local:")]
+
+
+def allocations(run, dag) -> tuple[dict[str, tuple[float, float]], str | None]:
+    """Per unit run on Slurm, (seconds, node-seconds) its jobs were allocated, from one sacct call:
+    a job's seconds are its longest component's (hetjob components run together), node-seconds
+    every component's ElapsedRaw x NNodes. ({}, why) when sacct does not answer."""
+    jobs = {u.key: ids for node in dag for u in node.units if (ids := _unit_jobs(run, u))}
+    if not jobs:
+        return {}, None
+    every = sorted({j for ids in jobs.values() for j in ids})
+    cmd = ["sacct", "-n", "-P", "-X", "--duplicates", "-j", ",".join(every), "-o", "JobID,ElapsedRaw,NNodes"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {}, f"sacct did not run ({e.__class__.__name__}: {e})"
+    if proc.returncode != 0:
+        said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        return {}, f"sacct failed: {said[-1] if said else f'exit {proc.returncode}'}"
+    rows: dict[str, list[tuple[int, int]]] = {}  # job id (array task kept, hetjob component dropped) -> components
+    for line in proc.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) != 3 or "." in parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
+            continue
+        rows.setdefault(parts[0].split("+")[0], []).append((int(parts[1]), int(parts[2])))
+    out = {}
+    for key, ids in jobs.items():
+        found = [rows[j] for j in ids if j in rows]
+        if len(found) == len(ids):
+            out[key] = (
+                float(sum(max(e for e, _ in comps) for comps in found)),
+                float(sum(e * n for comps in found for e, n in comps)),
+            )
+    missing = len(jobs) - len(out)
+    return out, (f"sacct gave no allocation for {missing} of {len(jobs)} unit(s)" if missing else None)
+
+
 def finished(run, dag):
     """`done_dir(stage)` for `lengths.inputs_of`: a stage's directory once its one unit is done
     (None: not done, or fanned out over several units)."""
@@ -74,8 +122,9 @@ def finished(run, dag):
     return done_dir
 
 
-def measured(run, dag, name: str) -> dict:
-    """What the run recorded of stage `name` (None where it recorded nothing)."""
+def measured(run, dag, name: str, allocated: dict[str, tuple[float, float]] | None = None) -> dict:
+    """What the run recorded of stage `name` (None where it recorded nothing). `allocated`: per unit
+    on Slurm, (seconds, node-seconds) sacct reports (`allocations`)."""
     node = dag[name]
     out: dict = {
         "step_s": None,
@@ -85,15 +134,21 @@ def measured(run, dag, name: str) -> dict:
         "node_hours": None,
         "done": False,
         "lengths": {},
+        "time_measure": None,
     }
     units = node.units
     out["done"] = all(run.is_done(u) for u in units)
-    secs = [s for u in units if (s := unit_seconds(run, u)) is not None]
     res = node.config.resources
     nodes = sum(c.nodes for c in res.components.values()) if res.components else res.nodes
-    if secs:
+    allocated = allocated or {}
+    if units and all(u.key in allocated for u in units):
+        out["hours"] = max(allocated[u.key][0] for u in units) / 3600
+        out["node_hours"] = sum(allocated[u.key][1] for u in units) / 3600
+        out["time_measure"] = SACCT
+    elif secs := [s for u in units if (s := unit_seconds(run, u)) is not None]:
         out["hours"] = max(secs) / 3600
         out["node_hours"] = sum(secs) / 3600 * nodes
+        out["time_measure"] = RUNNER
     metrics = run.metrics(units[0]) if units else {}
     if node.kind == "sft" and metrics.get("train_seconds"):
         out["step_s"] = metrics["train_seconds"] / max(1, node.config.steps)
@@ -163,9 +218,10 @@ def _ratio(pred, meas):
 
 
 def compare(run, dag, plan: dict) -> dict:
+    allocated, why = allocations(run, dag)
     rows = []
     for rec in plan["stages"]:
-        m = measured(run, dag, rec["name"])
+        m = measured(run, dag, rec["name"], allocated)
         peak = max((role["memory"]["peak_gib"] for role in rec["roles"]), default=None)
         rows.append(
             {
@@ -185,6 +241,7 @@ def compare(run, dag, plan: dict) -> dict:
                     "ratio": _ratio(rec["node_hours"], m["node_hours"]),
                 },
                 "plan_basis": rec["hours_basis"],
+                "time_measure": m["time_measure"],
                 "lengths": _lengths_beside(rec, m["lengths"]),
             }
         )
@@ -195,7 +252,18 @@ def compare(run, dag, plan: dict) -> dict:
         "stages": rows,
         "total_plan": plan["total"],
         "total": _total(rows),
+        "time_measure": _time_note(rows, why),
     }
+
+
+def _time_note(rows: list[dict], why: str | None) -> str:
+    """What the measured node-hours are: sacct's allocation, or the runner's stamps and why."""
+    used = {r["time_measure"] for r in rows if r["time_measure"]}
+    if used == {SACCT}:
+        return SACCT
+    if SACCT in used:
+        return f"{SACCT}; the other stages: {RUNNER}" + (f" ({why})" if why else "")
+    return RUNNER + (f"; fell back from sacct: {why}" if why else "")
 
 
 def _total(rows: list[dict]) -> dict:
@@ -236,6 +304,8 @@ def text(result: dict) -> str:
     )
     measures = sorted({m for r in result["stages"] if (m := r["peak_memory_gib"].get("measure"))})
     lines += [f"memory measured: {m}" for m in measures]
+    if result.get("time_measure"):
+        lines.append(f"node-hours measured: {result['time_measure']}")
     for r in result["stages"]:
         for item in r.get("lengths", []):
             plan, meas = item["plan"], item["measured"]
@@ -269,4 +339,7 @@ def card_lines(run_path: Path) -> list[str]:
     if total := result.get("total", {}).get("node_hours"):
         lines.append(f"| the run | | | {_v(total['plan'], '{:.3g}')} / {_v(total['measured'], '{:.3g}')} |")
     measures = sorted({m for r in result.get("stages", []) if (m := r["peak_memory_gib"].get("measure"))})
-    return lines + ([""] + [f"Memory measured as {m}." for m in measures] if measures else [])
+    notes = [f"Memory measured as {m}." for m in measures]
+    if result.get("time_measure"):
+        notes.append(f"Node-hours measured as {result['time_measure']}.")
+    return lines + ([""] + notes if notes else [])

@@ -9,7 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from snowcat.pipeline.errors import UserError
+from snowcat.stages.registry import KINDS
+from snowcat.stages.taskgen import REPO_DOMAINS
 
+from . import agent as agent_mod
 from . import lengths as lengths_mod
 from . import sitecheck
 from .lengths import Inputs, Lengths
@@ -17,16 +20,20 @@ from .memory import GIB, gib, make_layout, parts_gib, rollout_memory, trainer_me
 from .model import Arch, stage_arch
 from .timing import Hardware, Waves, decode, handoff, train_step, transport
 
-MODELLED = ("sft", "rl", "probe", "evaluate")
-# kinds whose work is short beside a job's start (or a size term below): modelled as the site's
-# job_start_s plus the kind's stage_work_s; validate (every imported task's verifier) and the GPU
-# kinds teacher and prompts keep their walltime, an upper bound
-SHORT = ("prestage", "tasks", "select", "export", "card", "scan", "mpi_check")
+# how each kind's time is counted, from the registry (stages/registry.py `plan`): modelled (steps,
+# sampling, episodes); short beside a job's start (the site's job_start_s plus the kind's
+# stage_work_s, or a size term below); the rest (validate: every imported task's verifier; prompts)
+# keep their walltime, an upper bound
+MODELLED = tuple(name for name, k in KINDS.items() if k.plan == "model")
+SHORT = tuple(name for name, k in KINDS.items() if k.plan == "short")
+REPO_FORMATS = ("swebench", "swegym", "r2egym", "swesmith", "harbor")  # imports whose tasks are repositories
 QUICK_EVAL_BATCH = 128  # stages/rlcore/trainer.py: RL's quick eval samples at quick_eval's default batch
 
 
-def hardware(site, partition: str | None, ranks_per_node: int = 1) -> Hardware:
-    """The planner's view of a partition (facts from `planner.partitions`, assumptions from `planner`)."""
+def hardware(site, partition: str | None, ranks_per_node: int = 1, backend: str | None = None) -> Hardware:
+    """The planner's view of a partition (facts from `planner.partitions`, assumptions from `planner`).
+    `backend`: a trainer's, whose own efficiency (`planner.backend_mfu`) replaces `mfu` where the site
+    gives one."""
     name = partition or site.default_partition
     part = site.partitions.get(name)
     if part is None:
@@ -38,6 +45,11 @@ def hardware(site, partition: str | None, ranks_per_node: int = 1) -> Hardware:
             f"site {site.name}: key planner.partitions.{name} is not set; the plan needs the partition's "
             "charge rate and hardware (docs/planning.md, 'Site fields')"
         )
+    mfu = pl.mfu
+    if backend and pl.backend_mfu.get(backend):
+        mfu = float(pl.backend_mfu[backend])
+        if not 0 < mfu <= 1:
+            raise UserError(f"site {site.name}: key planner.backend_mfu.{backend}: {mfu:g} is not in (0, 1]")
     memory = cost.device_memory_gib
     if memory is None and not part.gpus_per_node and part.mem_gb:
         memory = part.mem_gb / max(1, ranks_per_node)  # CPU nodes: the node's memory over its ranks
@@ -52,7 +64,8 @@ def hardware(site, partition: str | None, ranks_per_node: int = 1) -> Hardware:
         inter_node_gbps=cost.inter_node_gbps,
         charge_per_node_hour=cost.charge_per_node_hour,
         charge_unit=pl.charge_unit,
-        mfu=pl.mfu,
+        mfu=mfu,
+        mfu_of=f"backend {backend}" if mfu != pl.mfu or (backend and backend in pl.backend_mfu) else "",
         bandwidth_efficiency=pl.bandwidth_efficiency,
         memory_margin=pl.memory_margin,
         filesystem_gbps=pl.filesystem_gbps,
@@ -85,12 +98,27 @@ def _fit(peak: float, hw: Hardware, where: str, role: str) -> dict:
     return out
 
 
-def _task_count(run, tasks_stage: str, split: str) -> int | None:
-    """Tasks of a split as the tasks stage's config generates them (None: imported, not known yet)."""
+def _task_count(run, tasks_stage: str, split: str, inputs: Inputs | None = None, *, repo_only: bool = False) -> int | None:
+    """Tasks of a split: the rows the tasks stage wrote when it is among the finished inputs, else as
+    its config generates them (None: imported, not known before it runs). `repo_only`: repository
+    tasks alone (what SFT's scripted expert plays)."""
+    done = inputs.get(tasks_stage) if inputs is not None else None
+    if done is not None and (done / f"{split}.parquet").is_file():
+        import pyarrow.parquet as pq  # noqa: PLC0415 (only where a run is read)
+
+        path = done / f"{split}.parquet"
+        if not repo_only:
+            return pq.ParquetFile(path).metadata.num_rows
+        table = pq.read_table(path, columns=["verifier"]) if "verifier" in pq.read_schema(path).names else None
+        return sum(v == "repo" for v in table.column("verifier").to_pylist()) if table is not None else None
     stage = run.stages.get(tasks_stage)
-    if stage is None or stage.kind != "tasks" or stage.imports:
+    if stage is None or stage.kind != "tasks":
         return None
-    domains = stage.generated()
+    if stage.imports and split == "val" and not repo_only and not stage.domains:
+        return sum(i.val_count for i in stage.imports) or None  # held out by count (an upper bound: validation drops rows)
+    if stage.imports and (not repo_only or any(i.format in REPO_FORMATS for i in stage.imports)):
+        return None
+    domains = {k: d for k, d in stage.generated().items() if not repo_only or k in REPO_DOMAINS}
     if split == "val":
         return sum(d.val_count for d in domains.values())
     return sum(d.count - d.val_count - d.dev_count for d in domains.values())
@@ -227,9 +255,11 @@ def _work_seconds(run, name: str, stage, model_configs: dict, inputs: Inputs | N
         arch = stage_arch(run, name, model_configs)
         rec["model"] = arch.describe()
         if kind == "sft":
-            seconds = _plan_sft(run, name, stage, arch, rec)
+            seconds = _plan_sft(run, name, stage, arch, rec, inputs)
         elif kind == "rl":
             seconds = _plan_rl(run, name, stage, arch, rec, inputs)
+        elif kind == "teacher":
+            seconds = _plan_teacher(run, name, stage, arch, rec, inputs)
         else:
             seconds = _plan_sampling(run, name, stage, arch, rec, inputs)
         if seconds is None:
@@ -251,10 +281,10 @@ def _with_job_starts(stage, site, name: str, kind: str, seconds: float, rec: dic
     return (seconds + jobs * start) / 3600
 
 
-def _plan_sft(run, name: str, stage, arch: Arch, rec: dict) -> float:
+def _plan_sft(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs | None) -> float:
     site = run.site
     res = stage.resources
-    hw = hardware(site, res.partition, res.tasks_per_node)
+    hw = hardware(site, res.partition, res.tasks_per_node, backend=stage.backend)
     ranks = res.nodes * res.tasks_per_node
     tokens = stage.batch_rows * stage.seq_len
     role = _trainer(
@@ -269,7 +299,23 @@ def _plan_sft(run, name: str, stage, arch: Arch, rec: dict) -> float:
     rec["step_s"] = role["step"]["step_s"]
     rec["checkpoints"] = {"count": saves, "each_s": save_s, "assumes": hw.assumption(compute=False, fs=True)}
     rec["notes"].append("the end-of-stage greedy check (eval_tasks) is not modelled")
-    return stage.steps * role["step"]["step_s"] + saves * save_s
+    return stage.steps * role["step"]["step_s"] + saves * save_s + _expert_seconds(run, stage, rec, inputs)
+
+
+def _expert_seconds(run, stage, rec: dict, inputs: Inputs | None) -> float:
+    """SFT demonstrates each repository task of its train split by the scripted expert before it
+    trains (stages/sft.py `teacher_demos`): real tool calls and a verification in sandboxes, side
+    by side over the job's cores, with no engine beside them."""
+    tasks = _task_count(run, stage.tasks_input, "train", inputs, repo_only=True)
+    if tasks is None:
+        rec["notes"].append("imported repository tasks, not counted yet: the scripted expert's demonstrations are left out")
+        return 0.0
+    if not tasks:
+        return 0.0
+    site = run.site
+    env = agent_mod.expert_seconds(site, tasks, agent_mod.workers(site, stage.resources.partition))
+    rec["expert"] = env
+    return env["env_s"]
 
 
 def _plan_short(run, name: str, stage, rec: dict, model_configs: dict) -> float:
@@ -354,12 +400,15 @@ def _plan_rl(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs | None
         t_ranks = t_comp.nodes * t_comp.tasks_per_node
         r_comps = comps[1:]
         r_ranks = sum(c.nodes * c.tasks_per_node for _, c in r_comps)
-        hw_t = hardware(run.site, t_comp.partition, t_comp.tasks_per_node)
-        hw_r = hardware(run.site, r_comps[0][1].partition, r_comps[0][1].tasks_per_node) if r_comps else hw_t
+        hw_t = hardware(run.site, t_comp.partition, t_comp.tasks_per_node, backend=stage.backend)
+        r_part = r_comps[0][1].partition if r_comps else t_comp.partition
+        hw_r = hardware(run.site, r_part, r_comps[0][1].tasks_per_node if r_comps else t_comp.tasks_per_node)
     else:
         world = res.nodes * res.tasks_per_node
         t_ranks, r_ranks = (1, 1) if world == 1 else (1, world - 1)
-        hw_t = hw_r = hardware(run.site, res.partition, res.tasks_per_node)
+        hw_t = hardware(run.site, res.partition, res.tasks_per_node, backend=stage.backend)
+        hw_r = hardware(run.site, res.partition, res.tasks_per_node)
+        r_part = res.partition
         if world == 1:
             rec["notes"].append("one process alternates both roles: its memory is the trainer's plus the engine's")
     seqs = stage.tasks_per_update * stage.attempts
@@ -383,26 +432,45 @@ def _plan_rl(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs | None
     )
     lay = trainer.pop("_layout")
     rec["roles"].append(trainer)
-    batch = stage.vllm.max_num_seqs if stage.engine == "vllm" else stage.rollout_batch
+    engine = _engine(run, stage)
+    batch = stage.vllm.max_num_seqs if engine == "vllm" else stage.rollout_batch
+    multi = stage.env != "single"
+    profile = _profile(run, stage, stage.init_from, inputs, stage.max_turns, stage.max_tokens) if multi else None
     rollout = _rollout(
         arch,
         hw_r,
         where,
-        engine=stage.engine,
+        engine=engine,
         vllm=stage.vllm,
         ranks=r_ranks,
         seqs=seqs,
         prompt=prompt,
         generate=generate,
         batch=batch,
-        waves=lambda b: lengths_mod.drawn_waves(episodes, stage.tasks_per_update, stage.attempts, b),
+        waves=(
+            (lambda b: _agent_waves(profile, seqs, min(b, stage.rollout_batch), prompt))
+            if multi
+            else (lambda b: lengths_mod.drawn_waves(episodes, stage.tasks_per_update, stage.attempts, b))
+        ),
     )
     rec["roles"].append(rollout)
+    env_s = 0.0
+    if multi:  # the rollout's episodes: tool calls and verifications between its decode steps (per batch)
+        engines_ = rollout["decode"]["engines"]
+        per_engine = math.ceil(seqs / engines_)
+        env_s = _agent_time(
+            run,
+            rec,
+            [(stage.init_from, profile, per_engine)],
+            batch=min(batch, stage.rollout_batch, per_engine),
+            partition=r_part,
+        )
+    reload_s = run.site.planner.engine_reload_s  # each weight version the rollout serves after its first
     storage = 2 if hw_t.on_gpu else 4
     engines = rollout["decode"]["engines"]
     ho = handoff(arch, hw_t, storage_bytes=storage, readers=engines)
     tr = transport(hw_t, seqs=seqs, tokens=padded)
-    train_s, roll_s = trainer["step"]["step_s"], rollout["decode"]["rollout_s"]
+    train_s, roll_s = trainer["step"]["step_s"], rollout["decode"]["rollout_s"] + env_s + reload_s
     ho_s = ho["write_s"] + ho["read_s"]
     overlap = stage.lag >= 1
     update = (max(train_s, roll_s) if overlap else train_s + roll_s) + ho_s + tr["transport_s"]
@@ -418,6 +486,8 @@ def _plan_rl(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs | None
     rec["update"] = {
         "train_s": train_s,
         "rollout_s": roll_s,
+        "env_s": env_s,
+        "engine_reload_s": reload_s,
         "overlapped": overlap,
         "handoff": ho,
         "transport": tr,
@@ -432,7 +502,10 @@ def _plan_rl(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs | None
         rec["lengths"].append(held_out.describe() | {"for": "quick eval"})
     _length_notes(rec)
     rec["_trainer_layout"] = lay
-    return stage.updates * update + eval_s
+    # the first batch is sampled by a started engine, every later one after a weight version's load;
+    # with lag the last batch's training follows its sampling, overlapped with nothing
+    tail = train_s if overlap and stage.updates else 0.0
+    return stage.updates * update + eval_s + _engine_starts(run, rec, 1) - (reload_s if stage.updates else 0.0) + tail
 
 
 def _length_notes(rec: dict) -> None:
@@ -450,19 +523,130 @@ def _sampling_refs(stage) -> list[str]:
     return [str(r) for r in stage.checkpoints] or [str(c) for c in stage.fan_out.get("checkpoint", [])][:1]
 
 
+def _sampled_tasks(run, stage, split: str, inputs: Inputs | None, rec: dict) -> int | None:
+    """How many tasks a sampling stage plays: its split's (from the finished tasks stage, else the
+    generated config, or for imported tasks' val split their `val_count`), at most `limit`; imported
+    tasks before the tasks stage ran: `limit` as an upper bound where there is one (None: not known)."""
+    n = _task_count(run, stage.tasks, split, inputs)
+    tasks = run.stages.get(stage.tasks)
+    if (
+        n is not None
+        and split == "val"
+        and tasks is not None
+        and tasks.imports
+        and (inputs is None or inputs.get(stage.tasks) is None)
+    ):
+        rec["notes"].append(f"imported tasks, not counted yet: the imports' val_count ({n}) stands in (an upper bound)")
+    if n is None and stage.limit:
+        rec["notes"].append(f"imported tasks, not counted yet: limit {stage.limit} stands in for their count (an upper bound)")
+        return stage.limit
+    return min(n, stage.limit) if n is not None and stage.limit else n
+
+
+def _engine(run, stage) -> str:
+    return run.site.rollout_engine if stage.engine == "auto" else stage.engine
+
+
+def _engine_starts(run, rec: dict, builds: int) -> float:
+    """Seconds of `builds` sampling engines built one after another in a stage's process: the first
+    the site's engine_start_s (the engine's imports too), each later one engine_reload_s (a build
+    with everything imported, as a weight version's rebuild is)."""
+    pl = run.site.planner
+    rec["engine"] = {
+        "builds": builds,
+        "first_s": pl.engine_start_s,
+        "later_s": pl.engine_reload_s,
+        "assumes": f"engine_start_s {pl.engine_start_s:g} s, engine_reload_s {pl.engine_reload_s:g} s (site {run.site.name})",
+    }
+    return (pl.engine_start_s + (builds - 1) * pl.engine_reload_s) if builds else 0.0
+
+
+def _profile(run, stage, ref: str, inputs: Inputs | None, max_turns: int, max_turn_tokens: int) -> agent_mod.Profile:
+    """What an episode of `stage` (a multi-turn env) played by checkpoint `ref` does: as a finished
+    input played the same env, else as the demonstrations `ref` was trained on, else the upper bound."""
+    if inputs is None:
+        return agent_mod.upper_bound(max_turns, max_turn_tokens, "a plan of the config (nothing has run)")
+    for kind in ("rl", "evaluate", "probe"):
+        for other in inputs.of_kind(kind):
+            where = inputs.get(other) / "trajectories"
+            if run.stages[other].env == stage.env and where.is_dir():
+                if found := agent_mod.from_episodes(where, max_turns, max_turn_tokens):
+                    return found
+    sft = lengths_mod._trained_on_demonstrations(run, ref)
+    if sft is not None and inputs.get(sft) is not None:
+        tok = lengths_mod.tokenizer(lengths_mod.checkpoint_dir(inputs, ref))
+        if found := agent_mod.from_demonstrations(inputs.get(sft) / "teacher_demos.json", tok, max_turns, max_turn_tokens):
+            return found
+    return agent_mod.upper_bound(
+        max_turns,
+        max_turn_tokens,
+        f"no finished input played env {stage.env}, and {ref} was not trained on the expert's episodes",
+    )
+
+
+def _agent_waves(profile: agent_mod.Profile, episodes: int, batch: int, prompt: int) -> Waves:
+    """The waves of `episodes` multi-turn episodes, `batch` at a time: each wave decodes the longest
+    turn of its episodes, turn after turn (the profile's `wave_steps`)."""
+    batch = max(1, min(batch, episodes))
+    count = math.ceil(episodes / batch)
+    return Waves(
+        sequences=episodes,
+        batch=batch,
+        count=count,
+        prefill_tokens=episodes * prompt,
+        steps=count * profile.wave_steps,
+        sampled=episodes * profile.response,
+        context=prompt + profile.response / 2,
+    )
+
+
+def _agent_time(run, rec: dict, profiles: list[tuple[str, agent_mod.Profile, int]], *, batch: int, partition) -> float:
+    """The environment's seconds for `profiles` ((checkpoint, profile, episodes) each), recorded."""
+    site = run.site
+    workers = agent_mod.workers(site, partition)
+    out, total = [], 0.0
+    for ref, prof, episodes in profiles:
+        env = agent_mod.env_seconds(site, prof, episodes=episodes, wave=batch, workers_=workers)
+        total += env["env_s"]
+        out.append(env | {"for": ref, "profile": prof.describe()})
+    rec["agent"] = out
+    sources = {p.source for _, p, _ in profiles}
+    rec["notes"] += [f"agent episodes: {src}" for src in sorted(sources)]
+    if not agent_mod.known(site):
+        rec["notes"].append(
+            f"site {site.name} gives no tool-call, verification or sandbox costs: the environment counts as nothing"
+        )
+    return total
+
+
 def _plan_sampling(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs | None) -> float | None:
     res = stage.resources
     hw = hardware(run.site, res.partition, res.tasks_per_node)
     ranks = res.nodes * res.tasks_per_node
     probe = stage.kind == "probe"
-    n = _task_count(run, stage.tasks, "train" if probe else stage.split)
-    if n is not None and stage.limit:
-        n = min(n, stage.limit)
+    n = _sampled_tasks(run, stage, "train" if probe else stage.split, inputs, rec)
     per_turn = stage.max_turn_tokens if probe else stage.max_tokens
     generate = min(per_turn * stage.max_turns, stage.max_context)
     prompt = max(1, stage.max_context - generate)
-    batch = stage.vllm.max_num_seqs if stage.engine == "vllm" else stage.batch_size
+    engine = _engine(run, stage)
+    batch = stage.vllm.max_num_seqs if engine == "vllm" else stage.batch_size
     refs = _sampling_refs(stage)
+    if stage.env != "single" and n is not None:
+        return _plan_episodes(
+            run,
+            name,
+            stage,
+            arch,
+            rec,
+            inputs,
+            hw=hw,
+            ranks=ranks,
+            refs=refs,
+            tasks=n,
+            per_turn=per_turn,
+            prompt=prompt,
+            batch=min(batch, stage.batch_size),  # the agent loop plays batch_size episodes at a time (stages/scoring.py)
+        )
     if probe:
         per_ref = [lengths_mod.probe_lengths(run, stage, inputs, n or 1)]
     else:
@@ -488,7 +672,84 @@ def _plan_sampling(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs 
     _length_notes(rec)
     rec["steps"] = 1
     rec["step_s"] = role["decode"]["rollout_s"]
-    return role["decode"]["rollout_s"]
+    return role["decode"]["rollout_s"] + _engine_starts(run, rec, len(refs))
+
+
+def _plan_episodes(
+    run,
+    name: str,
+    stage,
+    arch: Arch,
+    rec: dict,
+    inputs: Inputs | None,
+    *,
+    hw: Hardware,
+    ranks: int,
+    refs: list[str],
+    tasks: int,
+    per_turn: int,
+    prompt: int,
+    batch: int,
+) -> float:
+    """A sampling stage in a multi-turn env (evaluate, probe, teacher): per checkpoint an engine's
+    start, its waves' decode steps, and the environment's tool calls and verifications."""
+    engine = _engine(run, stage)
+    episodes = max(1, tasks * stage.attempts)
+    profiles = [(ref, _profile(run, stage, ref, inputs, stage.max_turns, per_turn), episodes) for ref in refs]
+    generate = min(per_turn * stage.max_turns, stage.max_context)
+    role = _rollout(
+        arch,
+        hw,
+        f"stages.{name}",
+        engine=engine,
+        vllm=stage.vllm,
+        ranks=ranks,
+        seqs=episodes * len(refs),
+        prompt=prompt,
+        generate=generate,
+        batch=batch,
+        waves=lambda b: _combined([_agent_waves(p, e, b, prompt) for _, p, e in profiles]),
+    )
+    rec["roles"].append(role)
+    env_s = _agent_time(run, rec, profiles, batch=min(batch, episodes), partition=stage.resources.partition)
+    rec["steps"] = 1
+    rec["step_s"] = role["decode"]["rollout_s"] + env_s
+    rec["tasks"] = tasks
+    return rec["step_s"] + _engine_starts(run, rec, len(refs))
+
+
+def _plan_teacher(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs | None) -> float | None:
+    """A teacher stage: its checkpoint plays its share of the training tasks (`shard` of the
+    fan-out), `attempts` episodes each, as a sampling stage does."""
+    res = stage.resources
+    hw = hardware(run.site, res.partition, res.tasks_per_node)
+    n = _sampled_tasks(run, stage, "train", inputs, rec)
+    if n is None:
+        return None
+    shards = len(stage.fan_out.get("shard", [])) or 1
+    share = math.ceil(n / shards)
+    if shards > 1:
+        rec["notes"].append(f"each of the {shards} shards plays {share} of the {n} tasks")
+    prompt = max(1, stage.max_context - min(stage.max_turn_tokens * stage.max_turns, stage.max_context))
+    engine = _engine(run, stage)
+    batch = stage.vllm.max_num_seqs if engine == "vllm" else stage.batch_size
+    if stage.student:
+        rec["notes"].append("Relay: the student's turns are counted as the teacher's (one engine)")
+    return _plan_episodes(
+        run,
+        name,
+        stage,
+        arch,
+        rec,
+        inputs,
+        hw=hw,
+        ranks=res.nodes * res.tasks_per_node,
+        refs=[str(stage.teacher)],
+        tasks=share,
+        per_turn=stage.max_turn_tokens,
+        prompt=prompt,
+        batch=min(batch, stage.batch_size),
+    )
 
 
 def _combined(waves: list[Waves]) -> Waves:

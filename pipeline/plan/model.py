@@ -158,6 +158,8 @@ def _source_of(stage, name: str) -> tuple[str, str]:
         return stage.init_from, f"{where}.init_from"
     if kind == "probe":
         return stage.checkpoint, f"{where}.checkpoint"
+    if kind == "teacher":
+        return stage.teacher, f"{where}.teacher"
     if kind == "evaluate":
         refs = list(stage.checkpoints) or [str(c) for c in stage.fan_out.get("checkpoint", [])]
         return (refs[0] if refs else ""), f"{where}.checkpoints"

@@ -74,6 +74,26 @@ def stage_lines(rec: dict, unit: str) -> list[str]:
             f"weight handoff {u['handoff']['write_s'] + u['handoff']['read_s']:.3g} s ({u['handoff']['bytes'] / 2**30:.2f} GiB written, "
             f"read by each engine) [{u['handoff']['assumes']}], transport {u['transport']['transport_s']:.3g} s"
         )
+    if "update" in rec and rec["update"].get("env_s") is not None and rec.get("agent"):
+        u = rec["update"]
+        lines.append(
+            f"  rollout per batch: tools and verification {u['env_s']:.3g} s, a weight version's load {u['engine_reload_s']:.3g} s"
+        )
+    for env in rec.get("agent", []):
+        p = env["profile"]
+        lines.append(
+            f"  episodes of {env['for']}: {env['episodes']} in waves of {env['wave']}, per episode {p['sandboxed_per_episode']:.3g} "
+            f"sandboxed call(s), {p['verified_per_episode']:.3g} verification(s), {p['in_process_per_episode']:.3g} in-process; "
+            f"tools {env['env_s']:.3g} s [{env['assumes']}]"
+        )
+    if "expert" in rec:
+        e = rec["expert"]
+        lines.append(
+            f"  scripted expert: {e['tasks']} tasks in {e['rounds']} round(s) of {e['episode_s']:.3g} s, {e['env_s']:.3g} s [{e['assumes']}]"
+        )
+    if "engine" in rec:
+        e = rec["engine"]
+        lines.append(f"  engine builds: {e['builds']} [{e['assumes']}]")
     if "job_start" in rec:
         js, work = rec["job_start"], rec.get("work")
         beside = f" + work {sum(v for k, v in work.items() if k.endswith('_s')):.3g} s [{work['assumes']}]" if work else ""

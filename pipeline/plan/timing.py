@@ -57,6 +57,7 @@ class Hardware:
     ranks_per_node: int = 1
     decode_step_s: float = 0.0
     decode_token_s: float = 0.0
+    mfu_of: str = ""  # whose efficiency `mfu` is: "" the site's one MFU, "backend megatron" its own
 
     @property
     def on_gpu(self) -> bool:
@@ -90,7 +91,9 @@ class Hardware:
     def assumption(self, *, compute: bool = True, links: bool = False, hbm: bool = False, fs: bool = False) -> str:
         parts = []
         if compute:
-            parts.append(f"MFU {self.mfu:.0%} of {self.peak_tflops:g} TFLOP/s")
+            whose = f" ({self.mfu_of})" if self.mfu_of else ""
+            share = f"{self.mfu:.0%}" if self.mfu >= 0.1 else f"{self.mfu:.1%}"
+            parts.append(f"MFU {share}{whose} of {self.peak_tflops:g} TFLOP/s")
         if hbm:
             parts.append(f"memory {self.memory_gbps:g} GB/s x {self.bandwidth_efficiency:.0%}")
             if self.decode_step_s or self.decode_token_s:

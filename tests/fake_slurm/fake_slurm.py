@@ -60,6 +60,15 @@ def set_state(job_id: str, new: str, exit_code: str = "0:0", completing: int = 0
     save(state)
 
 
+def set_allocation(job_id: str, elapsed_s: int, nodes: int = 1) -> None:
+    """Tests: what sacct reports a job (`1000`, `1000+1`, `1000_2`) was allocated: ElapsedRaw, NNodes."""
+    state = load()
+    for key, t in tasks(state).items():
+        if key == job_id:
+            t["elapsed"], t["nodes"] = elapsed_s, nodes
+    save(state)
+
+
 def _options(script: str) -> list[dict[str, str]]:
     comps: list[dict[str, str]] = [{}]
     for line in script.splitlines():
@@ -158,6 +167,9 @@ def sacct(args: list[str]) -> int:
             "ExitCode": t["exit"],
             "Reason": "Dependency" if t["state"] == "PENDING" else "None",
             "Partition": t["partition"],
+            # the allocation, where a test set it (`set_allocation`): what a site charges
+            "ElapsedRaw": str(t.get("elapsed", "")),
+            "NNodes": str(t.get("nodes", "")),
         }
         print("|".join(row.get(f, "") for f in fields))
     return 0
