@@ -5,7 +5,9 @@ against the Hugging Face model (transformers) and our own, on the same weights.
 
 Writes the largest differences it measured: logprobs vs transformers' log-softmax and vs our
 model's, entropies, the HF -> Megatron -> HF round trip (exact or not), and router replay (the
-same forced experts in both implementations) with the differences it makes.
+same forced experts in both implementations) with the differences it makes. A model with a shared
+expert has no single transformers architecture: it is compared with transformers' modules composed
+(`transformers_model`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,24 @@ import sys
 from pathlib import Path
 
 import torch
+
+
+def transformers_model(cfg, ours):
+    """transformers' own modules for a model with a shared expert, which no single architecture of
+    theirs has with Qwen3's attention (Qwen3-MoE has no shared expert; Qwen2-MoE, whose MoE block
+    ours follows, has no q/k norms and biases on q, k, v): Qwen3-MoE with every MoE block replaced
+    by Qwen2-MoE's, holding our weights (the same names: strict)."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
+
+    from snowcat.stages.train.megatron.bridge import hf_config
+
+    config = hf_config(cfg)
+    model = Qwen3MoeForCausalLM(config)
+    for layer in model.model.layers:
+        layer.mlp = Qwen2MoeSparseMoeBlock(config)
+    model.load_state_dict(ours.state_dict(), strict=True)
+    return model.float().eval()
 
 
 def main(model_dir: Path, out: Path) -> None:
@@ -28,7 +48,10 @@ def main(model_dir: Path, out: Path) -> None:
     ours = load_weights(model_dir, cfg)
     backend, _ = MegatronBackend.from_model_dir(model_dir, OptimConfig(), Layout())
     mega = backend.model.eval()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if cfg.shared_expert_intermediate_size:
+        hf = transformers_model(cfg, ours)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
@@ -43,6 +66,13 @@ def main(model_dir: Path, out: Path) -> None:
         forced = forced.view(2, 16, cfg.num_layers * cfg.experts_per_token)
         m_forced = mega(ids, targets=targets, routes=forced)
         o_forced = ours(ids, targets=targets, routes=forced)
+        shared = [layer.mlp.shared_expert.down_proj.weight for layer in ours.model.layers if hasattr(layer.mlp, "shared_expert")]
+        kept = [w.clone() for w in shared]
+        for w in shared:  # what the shared experts contribute: a model without them differs by this much
+            w.zero_()
+        o_unshared = ours(ids, targets=targets)
+        for w, k in zip(shared, kept, strict=True):
+            w.copy_(k)
     exported = dict(backend.whole_tensors())
     original = {name: t.detach() for name, t in distinct_tensors(ours)}  # our names: experts fused per layer
     result = {
@@ -52,6 +82,8 @@ def main(model_dir: Path, out: Path) -> None:
         "routes_agree": float((m.routes.sort(-1).values == o.routes.sort(-1).values).float().mean()),
         "round_trip_names_equal": sorted(exported) == sorted(original),
         "round_trip_exact": all(torch.equal(exported[k], original[k]) for k in original if k in exported),
+        "shared_experts": len(shared),
+        "shared_expert_changes_logprobs": float((o_unshared.logprobs - o.logprobs).abs().max()),
         "replay_vs_ours": float((m_forced.logprobs - o_forced.logprobs).abs().max()),
         "replay_changes_logprobs": float((m_forced.logprobs - m.logprobs).abs().max()),
         # under replay both report the router's own choice, as the engine-vs-trainer agreement needs

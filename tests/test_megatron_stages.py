@@ -1,7 +1,8 @@
 """The SFT and RL stages on trainer.backend megatron, run as a user runs them (`snowcat run`, the local
-executor): one rank each, then SFT under tensor parallelism and RL under pipeline parallelism
-(two trainer ranks beside the rollout rank). The layouts must train as one rank does: the data is
-split over data-parallel ranks only, and a replica's numbers are counted once."""
+executor): one rank each, then SFT under tensor x expert parallelism (TP2 x EP2, four ranks) and RL
+under pipeline parallelism (two trainer ranks beside the rollout rank). The layouts must train as
+one rank does: the data is split over data-parallel ranks only, and a replica's numbers are
+counted once."""
 
 from __future__ import annotations
 
@@ -66,19 +67,29 @@ def test_sft_and_rl_stages_train_on_megatron_layouts_as_on_one_rank(snowcat, tmp
     one, split = tmp_path / "one", tmp_path / "split"
     snowcat("run", cfg, "--run-dir", one, env=env, check=True)
     layouts = (
-        "stages.sft.resources.tasks_per_node=2",
+        "stages.sft.resources.tasks_per_node=4",
         "stages.sft.tensor_parallel=2",
+        "stages.sft.expert_parallel=2",
         "stages.rl.resources.components.trainer.tasks_per_node=2",
         "stages.rl.pipeline_parallel=2",
+        # RL from the one-rank run's SFT model, so that both RL runs start from the same weights
+        f"stages.rl.init_from=hf:{one / 'stages' / 'sft' / 'checkpoints' / 'final'}",
     )
     snowcat("run", cfg, *layouts, "--run-dir", split, env=env, check=True)
 
+    # SFT under TP2 x EP2 on four ranks: two data-parallel replicas, each a sequence-parallel pair,
+    # the experts split over the replicas. The first step sees the one-rank weights: its loss is
+    # the whole batch's (each row counted once) and its gradient the same but for the router's aux
+    # and z losses, which megatron takes over each replica's tokens (2e-6 of the norm here). The
+    # runs then part a little (5e-4 of the loss at step 3, measured; the same model under EP2 in
+    # tests/test_megatron.py parts by 2e-4 with router losses on and agrees to 1e-5 with them off).
     sft_one, sft_split = _history(one, "sft"), _history(split, "sft")
     assert [r["step"] for r in sft_split] == [1, 2, 3]
-    assert [r["loss"] for r in sft_split] == pytest.approx([r["loss"] for r in sft_one], rel=1e-6)
-    assert [r["grad_norm"] for r in sft_split] == pytest.approx([r["grad_norm"] for r in sft_one], rel=1e-5)
+    assert sft_split[0]["loss"] == pytest.approx(sft_one[0]["loss"], rel=1e-6)
+    assert sft_split[0]["grad_norm"] == pytest.approx(sft_one[0]["grad_norm"], rel=2e-5)
+    assert [r["loss"] for r in sft_split] == pytest.approx([r["loss"] for r in sft_one], rel=3e-3)
     meta = json.loads((split / "stages" / "sft" / "checkpoints" / "step_000003" / "meta.json").read_text())
-    assert meta["backend"] == "megatron" and meta["world_size"] == 2
+    assert meta["backend"] == "megatron" and meta["world_size"] == 4
     # the trained model is an ordinary model directory: the stage's own greedy check read it
     assert "val_greedy_pass@1/arith" in json.loads((split / "stages" / "sft" / "metrics.json").read_text())
 

@@ -69,8 +69,6 @@ def unsupported(cfg: ModelConfig) -> str | None:
         return str(e)
     if kind not in CONVERTIBLE:
         return f"architecture {kind} has no Megatron conversion here (supported: {', '.join(CONVERTIBLE)})"
-    if cfg.shared_expert_intermediate_size:
-        return "a shared expert has no Hugging Face Qwen3-MoE form to convert through"
     if cfg.mlp_only_layers:
         return "dense layers between MoE layers (mlp_only_layers) are not converted yet"
     if cfg.expert_capacity_factor > 0:

@@ -9,12 +9,16 @@ mbridge maps names and layouts (fused QKV, gate/up, TP/EP/PP slices) for Qwen3-M
 What it lacks is written here: its names assume Transformer Engine's grouped experts
 (`experts.linear_fc1.weight<e>`), while without TE (the CPU, a site without it) megatron-core
 builds one module per expert (`experts.local_experts.<e>.linear_fc1.weight`); a model whose
-input embedding is tied to its output reads the output weight from the embedding; and the model
-configuration comes from the run's own ModelConfig, made CPU-safe where no GPU is present.
+input embedding is tied to its output reads the output weight from the embedding; a shared expert
+(Qwen2-MoE's form, on a model otherwise Qwen3-MoE) is declared to megatron; a model directory is
+read without a config.json (none where no Hugging Face architecture expresses the model); and the
+model configuration comes from the run's own ModelConfig, made CPU-safe where no GPU is present.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 
 import torch
@@ -30,12 +34,17 @@ _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12
 
 
 def hf_config(cfg: ModelConfig):
-    """The transformers config of the architecture `cfg` exports as."""
+    """The transformers config of the architecture `cfg` exports as. A shared expert (ours is
+    Qwen2-MoE's: a SwiGLU MLP behind a sigmoid gate, under Qwen2-MoE's weight names) is carried as
+    Qwen2-MoE's `shared_expert_intermediate_size` on the Qwen3-MoE config: Qwen3-MoE has no field
+    for it, and mbridge's Qwen3-MoE bridge inherits Qwen2-MoE's names for its weights."""
     from transformers import AutoConfig
 
-    fields = hf.hf_config_dict(cfg)
+    fields = hf.hf_config_dict(dataclasses.replace(cfg, shared_expert_intermediate_size=0))
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     config.rope_theta = cfg.rope_theta  # transformers 5 keeps it in rope_parameters only; mbridge reads this
+    if cfg.shared_expert_intermediate_size:
+        config.shared_expert_intermediate_size = cfg.shared_expert_intermediate_size
     return config
 
 
@@ -80,6 +89,9 @@ def _overrides(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "gradient_accumulation_fusion": False,
         "use_cpu_initialization": not gpu,
         "moe_shared_expert_overlap": False,
+        # our shared expert: a SwiGLU MLP beside the routed experts, scaled by sigmoid(x . gate)
+        "moe_shared_expert_intermediate_size": cfg.shared_expert_intermediate_size or None,
+        "moe_shared_expert_gate": bool(cfg.shared_expert_intermediate_size),
     }
 
 
@@ -103,6 +115,12 @@ class _Adapted:
         if isinstance(weights, dict):  # a model in memory (a fresh init), by HF name
             return _InMemory(weights)
         return super()._get_safetensor_io(str(weights))
+
+    def _get_actual_hf_path(self, weight_path: str) -> str:
+        # a local model directory as it is: mbridge finds one by its config.json, which ours lacks
+        # where no Hugging Face architecture expresses the model (a shared expert); it reads the
+        # safetensors only
+        return weight_path if os.path.isdir(weight_path) else super()._get_actual_hf_path(weight_path)
 
     def _weight_name_mapping_mcore_to_hf(self, name: str) -> list[str]:
         if name == "output_layer.weight" and self.hf_config.tie_word_embeddings:
