@@ -16,7 +16,8 @@ MODES = "ddp,zero2,megatron,megatron+ep2,megatron+tp2,megatron+pp2"
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    return trainer_memory.main(argv if "--modes" in argv else ["--modes", MODES, *argv])
+    command = " ".join(["snowcat", "bench", "trainer", *argv])
+    return trainer_memory.main(argv if "--modes" in argv else ["--modes", MODES, *argv], command=command)
 
 
 if __name__ == "__main__":
