@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 from collections import Counter
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+from snowcat.stages.agent.demos import read_demos
 from snowcat.stages.agent.detectors import DETECTORS
 from snowcat.stages.config import prompt_stage
 from snowcat.stages.taskgen.rows import SOURCES
@@ -299,6 +301,8 @@ def _unit_recipe(f: Facts, node, label: str, c, unit) -> list[str]:
                 else ""
             )
         )
+        teachers = [src for src, w in sorted(mix.items()) if src.startswith("teacher:") and w > 0]
+        lines += [line for src in teachers for line in _teacher_demos(f, src)]
         lines.append(f"  - batch: {_v(c.batch_rows)} packed rows × {_v(c.seq_len)} tokens, {_v(c.micro_batches)} micro-batch(es)")
         lines.append(
             f"  - lr {_v(c.lr)} ({_v(c.schedule)}, warmup {_v(c.warmup_steps)}, "
@@ -313,6 +317,8 @@ def _unit_recipe(f: Facts, node, label: str, c, unit) -> list[str]:
         lines.append(f"  - batch: {_v(c.tasks_per_update)} tasks × {_v(c.attempts)} attempts per update")
         lines.append(f"  - lr {_v(c.lr)}, KL coef {_v(c.kl_coef)}")
         lines += _rl_recipe_lines(c)
+        if getattr(c, "teacher_rollouts", 0):
+            lines.append(_teacher_rollouts(f, c, unit))
         lines.append(f"  - updates: {_v(metrics.get('updates', metrics.get('steps')))} completed of {_v(c.updates)} configured")
     meta = _checkpoint_meta(f.run.unit_dir(unit))
     name = meta.get("backend") or getattr(c, "backend", None)  # what the checkpoint says ran, else the config
@@ -355,6 +361,63 @@ def _rl_recipe_lines(c) -> list[str]:
             "the update's context; gap per turn in the history (`prompt_gap/*`)",
         ]
     return [mix]
+
+
+def _teacher_demos(f: Facts, source: str) -> list[str]:
+    """An SFT source `teacher:<stage>`: which teacher made its demonstrations (the stage's teacher.json,
+    else each demonstration's provenance), how many distinct ones SFT read, and the teacher's pass rate
+    over the stage's episodes."""
+    stage = source.partition(":")[2]
+    head = f"  - `{source}`:"
+    if stage not in f.dag.nodes or not f.done(stage):
+        return [f"{head} {NR} (stage `{stage}` not finished)"]
+    try:
+        demos = read_demos(f.stage_dir(stage))
+    except FileNotFoundError:
+        return [f"{head} {NR} (no demos.jsonl)"]
+    summaries = [read_json(f.unit_dir(u) / "teacher.json") or {} for u in f.dag[stage].units]
+    line = f"{head} teacher {_named(summaries + [d['provenance'] for d in demos], 'teacher')}"
+    students = summaries + [d["provenance"]["relay"] for d in demos if "relay" in d["provenance"]]
+    relay = any(r.get("student") for r in students)  # the student started each episode; its turns are context
+    if relay:
+        line += f"; Relay student {_named(students, 'student')}"
+    episodes, verified, infra = (sum(s.get(k, 0) for s in summaries) for k in ("episodes", "verified", "infra_failures"))
+    scored = episodes - infra
+    whose = "the Relay episodes' pass rate" if relay else "the teacher's pass rate"
+    line += (
+        f"; {len(demos)} distinct verified demonstrations read; {whose} "
+        f"{_percent(verified / scored) if scored else NR} ({verified} verified of {scored} scored episodes, "
+        f"{infra} infrastructure failures left out; `{stage}`'s teacher.json)"
+    )
+    return [line]
+
+
+def _named(records: list[dict], key: str) -> str:
+    """A teacher's (`key`) or Relay student's reference and files' manifest sha256, from the first
+    records that name them (a teacher stage's units and its demonstrations agree on both)."""
+    ref = next((r[key] for r in records if r.get(key)), None)
+    digest = next((r[f"{key}_sha256"] for r in records if r.get(f"{key}_sha256")), None)
+    return f"`{_v(ref)}`, files' manifest sha256 `{_v(digest)}`"
+
+
+def _teacher_rollouts(f: Facts, c, unit) -> str:
+    """An RL unit's teacher rollouts: the teacher it served (its teacher.json), the episodes the teacher
+    played and its pass rate, summed over the updates of the history (`teacher/*`)."""
+    record = read_json(f.unit_dir(unit) / "teacher.json") or {}
+    ref = record.get("teacher") or c.teacher
+    rows = [r for r in _unit_history(f, unit) if "step" in r and "teacher/episodes" in r]
+    episodes = sum(r["teacher/episodes"] for r in rows)
+    line = (
+        f"  - teacher rollouts (`teacher_rollouts` {c.teacher_rollouts} per task per update, in the task's group, "
+        f"weighted by min(π/π_teacher, {_v(c.tis_cap)})): teacher `{_v(ref)}`, files' manifest sha256 "
+        f"`{_v(record.get('teacher_sha256'))}`"
+    )
+    if not rows:
+        return f"{line}; episodes {NR}"
+    passed = sum(r.get("teacher/passed", math.nan) for r in rows)  # counted since the card names the teacher
+    scored = episodes - sum(r.get("teacher/infra_failures", math.nan) for r in rows)
+    rate = f"{_percent(passed / scored)} ({passed:g} passed of {scored:g} scored)" if scored > 0 else NR
+    return f"{line}; {episodes:g} teacher episodes over {len(rows)} updates, the teacher's pass rate {rate}"
 
 
 def _precision_lines(metrics: dict) -> list[str]:

@@ -27,8 +27,9 @@ Outputs per unit: `demos.jsonl` (one demonstration a line, with its provenance: 
 reference and manifest digest, tokenizer fingerprint, sampling parameters, budget, environment,
 seed, group and attempt, the verifier's verdict; with a student, its reference and digest, the
 take-over points and where this episode's take-over happened), deduplicated by content;
-`teacher.json` (counts: episodes, verified successes, kept, duplicates, cut turns, infra failures,
-per domain; with a student, the take-overs per point).
+`teacher.json` (the teacher's reference and digest; counts: episodes, verified successes, kept,
+duplicates, cut turns, infra failures, per domain; with a student, its reference and digest and the
+take-overs per point).
 """
 
 from __future__ import annotations
@@ -300,9 +301,11 @@ def run(ctx) -> dict:
         }
         for d in domains
     }
-    summary = {"teacher": cfg.teacher, "shard": cfg.shard, "keep": cfg.keep, **counts, "domains": per_domain}
+    # the teacher's digest here too, not only in each demonstration: a stage that kept none still says whose
+    summary = {"teacher": cfg.teacher, "teacher_sha256": provenance["teacher_sha256"], "shard": cfg.shard, "keep": cfg.keep}
+    summary |= {**counts, "domains": per_domain}
     if cfg.student:
-        summary["student"] = cfg.student
+        summary |= {"student": cfg.student, "student_sha256": provenance["relay"]["student_sha256"]}
     atomic_write_json(out / "teacher.json", summary)
     shutil.rmtree(partial)  # everything it held is in demos.jsonl and teacher.json
     takeovers = counts.pop("takeovers", {})

@@ -109,6 +109,7 @@ def test_only_verified_successes_enter_with_complete_provenance(inputs, straight
     kept = {(d["task_id"], d["provenance"]["attempt"]) for d in demos}
     assert kept <= passed and len(kept) == summary["kept"] > 0
     digest = hashlib.sha256(json.dumps(build_manifest(inputs / "sft" / "checkpoints" / "final"), sort_keys=True).encode())
+    assert summary["teacher"] == "sft:final" and summary["teacher_sha256"] == digest.hexdigest()  # the card names it
     by_id = {t.task_id: t for t in tasks}
     for d in demos:
         p = d["provenance"]
@@ -166,23 +167,22 @@ def test_keep_best_is_one_demonstration_per_task_and_greedy_repeats_are_duplicat
     assert set(Counter(d["task_id"] for d in demos).values()) == {1}
 
 
+def sft_ctx(inputs: Path, straight: Path, run_dir: Path, **values) -> StageContext:
+    """A small SFT stage reading the tasks, the teacher stage `teach` (the `straight` run's) and, for an
+    `init_from`, the `sft` checkpoint."""
+    return StageContext.standalone(
+        "sft",
+        {"seq_len": 96, "batch_rows": 4, "eval_tasks": 0, "threads": 1, **values},
+        run_dir=run_dir,
+        inputs={"tasks": inputs / "tasks", "sft": inputs / "sft", "teach": straight / "teacher"},
+        seed=3,
+    )
+
+
 def test_sft_reads_teacher_demonstrations_by_weight_through_its_own_template(inputs, straight, tmp_path):
     demos = demos_mod.read_demos(straight / "teacher")
-    ctx = StageContext.standalone(
-        "sft",
-        {
-            "model": "test-micro",
-            "tokenizer_vocab_size": 300,
-            "seq_len": 96,
-            "batch_rows": 4,
-            "steps": 2,
-            "eval_tasks": 0,
-            "threads": 1,
-            "mix": {"tasks": 0, "teacher:teach": 2.5},
-        },
-        run_dir=tmp_path,
-        inputs={"tasks": inputs / "tasks", "teach": straight / "teacher"},
-        seed=3,
+    ctx = sft_ctx(
+        inputs, straight, tmp_path, model="test-micro", tokenizer_vocab_size=300, steps=2, mix={"tasks": 0, "teacher:teach": 2.5}
     )
     metrics = sft.run(ctx)
     student = load_model_dir(tmp_path / "sft" / "checkpoints" / "final")[2]
@@ -197,21 +197,7 @@ def test_sft_reads_teacher_demonstrations_by_weight_through_its_own_template(inp
 def test_sft_from_a_checkpoint_reads_teacher_demonstrations(inputs, straight, tmp_path):
     # configs/north-star.yaml's shape: the student starts from a checkpoint (init_from; `model: hf:...`
     # takes the same path), not a fresh init — the mix's sources must not replace the directory it loads
-    ctx = StageContext.standalone(
-        "sft",
-        {
-            "init_from": "sft:final",
-            "seq_len": 96,
-            "batch_rows": 4,
-            "steps": 1,
-            "eval_tasks": 0,
-            "threads": 1,
-            "mix": {"tasks": 1, "teacher:teach": 1},
-        },
-        run_dir=tmp_path,
-        inputs={"tasks": inputs / "tasks", "sft": inputs / "sft", "teach": straight / "teacher"},
-        seed=3,
-    )
+    ctx = sft_ctx(inputs, straight, tmp_path, init_from="sft:final", steps=1, mix={"tasks": 1, "teacher:teach": 1})
     sft.run(ctx)
     rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics_history.jsonl").read_text().splitlines()]
     assert "loss/teacher:teach" in {k for r in rows for k in r}

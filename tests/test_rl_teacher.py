@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from snowcat.stages.rlcore.trainer import batch_metrics
 from snowcat.stages.sft import tokenizer_corpus
 from snowcat.stages.taskgen import load_tasks
 from snowcat.stages.tokenizer import train_tokenizer
+from tests.conftest import mpirun
 from tests.test_rl import SMALL, build_inputs, final_sha
 
 
@@ -132,6 +134,7 @@ def test_batch_metrics_report_the_policy_and_the_teacher_apart():
     assert rec["reward/mean"] == pytest.approx(1 / 4) and rec["pass_rate"] == pytest.approx(1 / 4)  # the policy's 4
     assert rec["teacher/reward_mean"] == pytest.approx(2 / 3) and rec["teacher/episodes"] == 4
     assert rec["teacher/tokens"] == 3 + 1 + 1 + 1
+    assert rec["teacher/passed"] == 2 and rec["teacher/infra_failures"] == 1  # the pass rate's parts: 2 of 3 scored
     assert rec["teacher/only_teacher_passed_frac"] == 0.5  # group 0
     assert rec["status/infra_error"] == 0  # the teacher's infra failure is not the policy's
     assert rec["exposure/"] == 7  # every row that entered the loss
@@ -158,11 +161,21 @@ def inputs(tmp_path_factory) -> Path:
     return root
 
 
-def make_ctx(inputs: Path, run_dir: Path, stage: str = "tsft", **over) -> StageContext:
-    """The RL stage with `stage`'s final checkpoint as its teacher ("" none), 2 teacher episodes per task."""
+def make_ctx(inputs: Path, run_dir: Path, stage: str = "tsft", *, rank: int = 0, role: str | None = None, world: int = 1, **over):
+    """The RL stage with `stage`'s final checkpoint as its teacher ("" none), 2 teacher episodes per task
+    (`rank`, `role`, `world`: one rank of a world under mpirun)."""
     names = {"tasks", "sft", stage} if stage else {"tasks", "sft"}
     values = {**SMALL, "teacher_rollouts": 2, **({"teacher": f"{stage}:final"} if stage else {}), **over}
-    return StageContext.standalone("rl", values, run_dir=run_dir, inputs={n: inputs / n for n in sorted(names)}, seed=5)
+    return StageContext.standalone(
+        "rl",
+        values,
+        run_dir=run_dir,
+        inputs={n: inputs / n for n in sorted(names)},
+        seed=5,
+        rank=rank,
+        world_size=world,
+        role=role,
+    )
 
 
 def test_bad_teacher_configs_are_refused_at_load_naming_the_key(inputs, tmp_path):
@@ -196,11 +209,23 @@ def kept_rows(run_dir: Path) -> list[dict]:
     ]
 
 
+def updates(run_dir: Path) -> list[dict]:
+    """The history's update rows (the first row is the initial evaluation)."""
+    return [json.loads(line) for line in (run_dir / "rl" / "metrics_history.jsonl").read_text().splitlines()][1:]
+
+
+@pytest.fixture(scope="module")
+def one_rank(inputs, tmp_path_factory) -> Path:
+    """An uninterrupted run in one process (trainer and rollout alternating)."""
+    run_dir = tmp_path_factory.mktemp("rl_teacher_one_rank")
+    rl.run(make_ctx(inputs, run_dir, timeout_s=120))
+    return run_dir
+
+
 @pytest.mark.slow
-def test_a_run_with_teacher_rollouts_trains_on_them_and_resumes_bit_identically(inputs, tmp_path):
-    rl.run(make_ctx(inputs, tmp_path / "a"))
-    rows = [json.loads(line) for line in (tmp_path / "a" / "rl" / "metrics_history.jsonl").read_text().splitlines()][1:]
-    kept = kept_rows(tmp_path / "a")
+def test_a_run_with_teacher_rollouts_trains_on_them_and_resumes_bit_identically(inputs, one_rank, tmp_path):
+    rows = updates(one_rank)
+    kept = kept_rows(one_rank)
     # present and marked: 4 tasks x (4 policy + 2 teacher) episodes per update, the teacher's attempts 4 and 5
     assert len(kept) == 6 * 24
     assert {(r["attempt"], r["source"]) for r in kept} == {(a, "policy") for a in range(4)} | {(4, "teacher"), (5, "teacher")}
@@ -214,11 +239,55 @@ def test_a_run_with_teacher_rollouts_trains_on_them_and_resumes_bit_identically(
     assert any(r["teacher/reward_mean"] != r["reward/mean"] for r in rows)
     assert all(sum(v for k, v in r.items() if k.startswith("exposure/")) > 16 for r in rows)  # more than the policy's 16
     # the same seed gives the same run; a preempted and resumed run ends where the uninterrupted one does
-    preempt = make_ctx(inputs, tmp_path / "b")
+    preempt = make_ctx(inputs, tmp_path / "b", timeout_s=120)
     polls = iter(range(1000))
     preempt.checkpoint_due = lambda: next(polls) == 3
     with pytest.raises(StageContext.Preempted):
         rl.run(preempt)
-    rl.run(make_ctx(inputs, tmp_path / "b"))
-    assert final_sha(tmp_path / "b") == final_sha(tmp_path / "a")
+    rl.run(make_ctx(inputs, tmp_path / "b", timeout_s=120))
+    assert final_sha(tmp_path / "b") == final_sha(one_rank)
     assert kept_rows(tmp_path / "b") == kept
+
+
+# ---------------------------------------------------------------- several trainer ranks
+
+_CHILD = """
+import json, os, sys
+from pathlib import Path
+sys.path.insert(0, os.environ["PYTHONPATH"])
+import snowcat.stages.rl as rl
+from tests.test_rl_teacher import make_ctx
+inputs, run_dir, trainers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+role = "trainer" if rank < trainers else "rollout"
+print(json.dumps(rl.run(make_ctx(inputs, run_dir, rank=rank, role=role, world=world, timeout_s=120))), flush=True)
+"""
+
+# the teacher's episodes, counted by rank 0 on the whole batch: the same batches give the same numbers
+EPISODE_KEYS = ("teacher/episodes", "teacher/passed", "teacher/infra_failures", "teacher/tokens", "teacher/pass_rate")
+EPISODE_KEYS += ("teacher/reward_mean", "teacher/only_teacher_passed_frac", "reward/mean", "pass_rate")
+# means over one source's trained tokens, each rank's slice merged by that source's token count
+TOKEN_MEANS = ("teacher/mean_abs_dlogp", "teacher/tis_clip_frac", "mismatch/mean_abs_dlogp", "mismatch/k3_kl")
+
+
+@pytest.mark.slow  # with its fixture: a 1-rank run, then 2 trainer ranks + 1 rollout rank under mpirun
+def test_two_trainer_ranks_report_the_teacher_figures_of_one(inputs, one_rank, tmp_path):
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs OpenMPI's mpirun")
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    proc = mpirun(3, script, inputs, tmp_path, 2, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    one, two = updates(one_rank), updates(tmp_path)
+    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, 7))
+    # rows 0-11 to trainer rank 0, 12-23 to rank 1: both hold teacher rows, in other shares of their tokens
+    for r1, r2 in zip(one, two):
+        assert {k: r2[k] for k in EPISODE_KEYS} == {k: r1[k] for k in EPISODE_KEYS}
+        for k in TOKEN_MEANS:
+            assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-7), k
+        # counts are summed over the ranks: each source's trained tokens, together every trained token
+        assert r2["teacher/trained_tokens"] == r1["teacher/trained_tokens"] > 0
+        assert r2["mismatch/tokens"] == r1["mismatch/tokens"] > 0
+        assert r2["teacher/trained_tokens"] + r2["mismatch/tokens"] == r2["tokens"] == r1["tokens"]
+        assert math.isfinite(r2["teacher/ratio_p50"])  # a weighted mean of the ranks' medians: not the median
+    assert kept_rows(tmp_path) == kept_rows(one_rank)

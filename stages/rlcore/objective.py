@@ -159,7 +159,10 @@ def teacher_stats(logp_old: torch.Tensor, batch: dict, tis_cap: float | None) ->
     teacher tokens: every trainer rank reports the same keys)."""
     mask = batch["mask"] * batch["teacher_rows"].to(batch["mask"])[:, None]
     s = mismatch_stats(logp_old.cpu(), batch["rollout_logprobs"].cpu(), mask.cpu(), tis_cap)
-    return {f"teacher/{k}": torch.tensor(float(s[k])) for k in ("mean_abs_dlogp", "ratio_p50", "tis_clip_frac")}
+    out = {f"teacher/{k}": torch.tensor(float(s[k])) for k in ("mean_abs_dlogp", "ratio_p50", "tis_clip_frac")}
+    # what they are means over (the policy's: mismatch/tokens), their weight when merged over trainer ranks
+    out["teacher/trained_tokens"] = torch.tensor(float(s["tokens"]))
+    return out
 
 
 def support_rebuilt_frac(batch: dict) -> float:

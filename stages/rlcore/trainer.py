@@ -76,6 +76,9 @@ def teacher_metrics(trajs) -> dict[str, float]:
     groups = {t.group_id for t in trajs}
     return {
         "teacher/episodes": float(sum(t.source == "teacher" for t in trajs)),
+        # counts, so that a run's pass rate is a ratio of sums (the card's), not a mean of rates
+        "teacher/passed": float(sum(t.passed for t in teacher)),
+        "teacher/infra_failures": float(sum(t.source == "teacher" and not t.trainable for t in trajs)),
         "teacher/reward_mean": float(np.mean([t.reward for t in teacher])) if teacher else float("nan"),
         "teacher/pass_rate": float(np.mean([t.passed for t in teacher])) if teacher else float("nan"),
         "teacher/tokens": float(sum(int(t.loss_mask.sum()) for t in trajs if t.source == "teacher")),
@@ -423,23 +426,54 @@ class Trainer(TrainLoop):
 
     def _over_trainer_ranks(self, stats: StepStats) -> StepStats:
         """The step's numbers for the whole batch: token counts summed over the trainer ranks, the
-        loss's means and the engine-vs-trainer mismatch weighted by each rank's trained tokens
-        (quantiles too: an approximation), maxima the largest (collective)."""
+        loss's means weighted by each rank's trained tokens, those of one source's rows by that
+        source's (with teacher rows: `mismatch/*` and `staleness/*` by the policy's, `teacher/*` by
+        the teacher's; a rank without them adds nothing), quantiles too (an approximation), maxima
+        the largest (collective)."""
         if self.group is None:
             return stats
         from mpi4py import MPI  # noqa: PLC0415
 
         names = sorted(stats.sums)
-        w = stats.tokens
-        sums = np.array([w, stats.input_tokens, w * stats.entropy, *(w * float(stats.sums[n]) for n in names)]) / self.replicas
-        maxima = np.array([float(stats.sums[n]) for n in names])
-        self.group.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        values = np.array([float(stats.sums[n]) for n in names])
+        weights = np.array([self._merge_weight(stats, n) for n in names])
+        counts = np.array([n.endswith("tokens") for n in names])  # mismatch/tokens, teacher/trained_tokens
+        tokens = np.array([stats.tokens, stats.input_tokens, stats.tokens * stats.entropy])
+        # each a sum over ranks: a count itself, a mean as weight x value (0 where the rank has no weight)
+        parts = np.concatenate([tokens, np.where(counts, values, np.where(weights > 0, weights * values, 0.0)), weights])
+        parts /= self.replicas
+        maxima = values.copy()
+        self.group.Allreduce(MPI.IN_PLACE, parts, op=MPI.SUM)
         self.group.Allreduce(MPI.IN_PLACE, maxima, op=MPI.MAX)
-        tokens = max(float(sums[0]), 1.0)
-        merged = {n: torch.tensor(maxima[i] if "max" in n else sums[3 + i] / tokens) for i, n in enumerate(names)}
+        summed, weight = parts[3 : 3 + len(names)], parts[3 + len(names) :]
+        merged = {}
+        for i, n in enumerate(names):
+            if "max" in n:
+                merged[n] = maxima[i]
+            elif counts[i]:
+                merged[n] = summed[i]
+            else:
+                merged[n] = summed[i] / weight[i] if weight[i] > 0 else float("nan")
+        total = max(float(parts[0]), 1.0)
         return dataclasses.replace(
-            stats, tokens=float(sums[0]), input_tokens=float(sums[1]), entropy=float(sums[2]) / tokens, sums=merged
+            stats,
+            tokens=float(parts[0]),
+            input_tokens=float(parts[1]),
+            entropy=float(parts[2]) / total,
+            sums={n: torch.tensor(v) for n, v in merged.items()},
         )
+
+    @staticmethod
+    def _merge_weight(stats: StepStats, name: str) -> float:
+        """What a statistic of this rank is a mean over: its source's trained tokens where the batch
+        has teacher rows and the statistic is of one source's, else every trained token."""
+        if "teacher/trained_tokens" not in stats.sums:
+            return stats.tokens
+        if name.startswith("teacher/"):
+            return float(stats.sums["teacher/trained_tokens"])
+        if name.startswith(("mismatch/", "staleness/")):  # the policy's own rows
+            return float(stats.sums["mismatch/tokens"])
+        return stats.tokens
 
     def _mismatch_alarm(self, kl: float, key: str = "mismatch/k3_kl") -> bool:
         """On while the engine-vs-trainer k3 KL, averaged over the last `mismatch_kl_window` updates,
