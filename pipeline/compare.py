@@ -164,7 +164,8 @@ def compare(
     others = [v for v in variants if v is not base_v]
     shared = sorted(set(base_v.tasks).intersection(*(set(v.tasks) for v in others)))
     gain, gain_se = evalstats.gain_over_base(
-        [base_v.pass1(t) for t in shared], np.array([[v.pass1(t) for v in others] for t in shared]).reshape(len(shared), -1)
+        [base_v.pass1(t) for t in shared],
+        np.array([[v.pass1(t) for v in others] for t in shared]).reshape(len(shared), len(others)),  # none: NaN
     )
     out["gain_over_base"] = {"tasks": len(shared), "gain": gain, "se": gain_se, "variants": [v.label for v in others]}
     out["infra"] = infra_checks(variants)

@@ -76,6 +76,20 @@ def test_exchangeable_variants_are_not_called_distinguishable():
     assert not any(p["significant"] for p in result["pairs"])
 
 
+def test_variants_with_no_task_in_common_are_compared_pair_by_pair():
+    """Runs on other benchmarks (a recipe on repository tasks beside ones on arith): the pairs that share
+    tasks are compared, the tests over the tasks every variant scored have none and say so."""
+    arith = {f"a{i}": [i % 2, 1] for i in range(10)}
+    variants = [_variant("x", arith), _variant("y", {t: [1, 1] for t in arith}), _variant("repo", {"r0": [0], "r1": [1]})]
+    result = compare(variants, seed=1, n_perm=100)
+    by_pair = {(p["a"], p["b"]): p for p in result["pairs"]}
+    assert by_pair[("x", "y")]["tasks"] == 10 and by_pair[("x", "y")]["diff"] == pytest.approx(0.25)
+    assert by_pair[("x", "repo")]["tasks"] == 0 and math.isnan(by_pair[("x", "repo")]["diff"])
+    assert result["homogeneity"]["tasks"] == 0 and math.isnan(result["homogeneity"]["p"])
+    assert result["gain_over_base"]["tasks"] == 0 and math.isnan(result["gain_over_base"]["gain"])
+    assert "cannot be tested (fewer than 2 shared tasks)" in render(result, ["run"])
+
+
 def test_failures_related_to_outcome_are_flagged():
     """Infrastructure failures only on tasks the model otherwise fails: excluding them inflates the
     score, and the report says so; failures spread evenly are not flagged."""
