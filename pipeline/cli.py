@@ -23,14 +23,15 @@ from snowcat.slurm import site as site_mod
 from snowcat.stages.model import hf
 from snowcat.stages.registry import KINDS
 
-from . import audit, behaviour, card, compare, doctor, lock, notify, offline, plot, reproduce, scan_data, traces, tracking
 from . import config as config_mod
+from . import doctor, lock, notify, offline, reproduce, tracking
 from .dag import Dag, build
 from .errors import UserError
 from .executors import make_executor
 from .fsio import remove_leftovers
 from .plan import command as plan_cmd
 from .progress import progress_lines, styled
+from .reports import audit, behaviour, card, compare, plot, scan_data, traces
 from .rundir import RunDir, new_run_id
 from .schema import hf_sources, resolve_hf
 from .scrub import scrub_text

@@ -210,7 +210,7 @@ _LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+\-]*")  # the Hub's identifiers: apa
 
 @dataclass
 class CardConfig:
-    """What the provenance card states that the run cannot record itself (pipeline/card.py): the
+    """What the provenance card states that the run cannot record itself (pipeline/reports/card/): the
     license goes into the model-card metadata the Hugging Face Hub reads, intended use and
     limitations into the card's text. Unset: the card says "not recorded"."""
 

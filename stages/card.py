@@ -1,4 +1,4 @@
-"""`card` stage: write the run's provenance card, `card.md` (see `pipeline.card`), from recorded facts.
+"""`card` stage: write the run's provenance card, `card.md` (see `pipeline.reports.card`), from recorded facts.
 
 It should need the stages it describes (training, evaluate, export); facts of stages that have not
 finished are reported as "not recorded", never guessed.
@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from snowcat.pipeline import plot
-from snowcat.pipeline.card import build_card
 from snowcat.pipeline.dag import build
 from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text
+from snowcat.pipeline.reports import plot
+from snowcat.pipeline.reports.card import build_card
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.scrub import scan_report
 
-SCAN_FILE = "scan.json"  # pipeline.card reads it from the card stage's directory
+SCAN_FILE = "scan.json"  # pipeline.reports.card reads it from the card stage's directory
 
 
 def run(ctx) -> dict:

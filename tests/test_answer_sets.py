@@ -18,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from snowcat.pipeline import card
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.dag import Unit
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.reports import card
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.runner import run_unit
 from snowcat.stages.config import AnswerFields, TaskImport, TasksConfig
@@ -663,10 +663,10 @@ def test_imported_sets_run_through_tasks_and_evaluate_with_their_sources_recorde
     metrics = json.loads((run.stage_dir("eval") / "metrics.json").read_text())
     assert metrics["sft:final/ifeval/loose_pass@1"] == loose["loose_pass@1"] and "sft:final/ifeval/loose_pass@1_se" not in metrics
     assert "sft:final/all/loose_pass@1" not in metrics  # "all" holds tasks without a loose score
-    assert list(card._further_scores(groups["ifeval"])) == ["loose_pass@1", "loose_reward"]  # rows of the card's table
-    assert card._further_scores(groups["all"]) == {}
+    assert list(card.results._further_scores(groups["ifeval"])) == ["loose_pass@1", "loose_reward"]  # rows of the card's table
+    assert card.results._further_scores(groups["all"]) == {}
     # the card's data section names each source with its sha256
-    lines = card._task_sources(card.Facts(RunDir.open(run.path)))
+    lines = card.training._task_sources(card.facts.Facts(RunDir.open(run.path)))
     assert lines[0].startswith("- Imported task set (`tasks`, `answers`, domain gsm8k): ")
     assert all(s["sha256"] in line for s, line in zip(sources, lines, strict=True))
     assert run.is_done(Unit("eval"))

@@ -1,6 +1,6 @@
 """Behaviour records per episode (stages/agent/behaviour_records.py), `snowcat behaviour` (two
-checkpoints compared by what their agents did: pipeline/behaviour.py) and `snowcat scan-data` (a
-pattern traced to the SFT demonstrations: pipeline/scan_data.py).
+checkpoints compared by what their agents did: pipeline/reports/behaviour.py) and `snowcat scan-data` (a
+pattern traced to the SFT demonstrations: pipeline/reports/scan_data.py).
 
 Episodes are built token by token as the agent loop builds them, written with the real trajectory
 writer and read back from Parquet, so the records see only what a run keeps."""
@@ -17,10 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from snowcat import stages as sft_module
-from snowcat.pipeline import cli, config, scan_data
+from snowcat.pipeline import cli, config
 from snowcat.pipeline.dag import Unit
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import read_json
+from snowcat.pipeline.reports import scan_data
 from snowcat.pipeline.rundir import RunDir
 from snowcat.stages import evalstats
 from snowcat.stages.agent import Trajectory

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import yaml
 
-from snowcat.pipeline import card as card_mod
 from snowcat.pipeline import config as config_mod
-from snowcat.pipeline.card import CHECKLIST
 from snowcat.pipeline.dag import build
 from snowcat.pipeline.fsio import sha256_file
+from snowcat.pipeline.reports import card as card_mod
+from snowcat.pipeline.reports.card.checklist import CHECKLIST
 from snowcat.pipeline.rundir import RunDir
 from tests.conftest import DEMO, SHARED_RUN_TIMEOUT_S, Snowcat, runner_context, snowcat_in_repo
 
@@ -233,14 +233,14 @@ def test_rl_layout_and_backend_are_the_recorded_ones(tmp_path):
         "    resources: {components: {trainer: {tasks_per_node: 2}, rollout: {tasks_per_node: 3}}}\n"
     )
     node = build(config_mod.load(cfg_file))["rl"]
-    layout = card_mod._layout(node, 5, {"world_size": 2, "backend": "torch"})
+    layout = card_mod.training._layout(node, 5, {"world_size": 2, "backend": "torch"})
     assert layout == (
         "2 data-parallel trainer rank(s) (checkpoint meta); ranks per role trainer 2, rollout 3 (config); "
         "one world of 5 rank(s) (recorded by rank 0)"
     )
-    assert "not recorded data-parallel trainer rank(s)" in card_mod._layout(node, None, {})
+    assert "not recorded data-parallel trainer rank(s)" in card_mod.training._layout(node, None, {})
     # each component's tasks, not only its nodes (a 2-rank trainer read "trainer: 1×0 GPU")
-    assert card_mod._shapes(node.config.resources) == (
+    assert card_mod.training._shapes(node.config.resources) == (
         "trainer: 1 node(s) × 2 task(s) × 0 GPU, rollout: 1 node(s) × 3 task(s) × 0 GPU"
     )
 

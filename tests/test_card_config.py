@@ -11,9 +11,9 @@ import pytest
 from huggingface_hub import ModelCard
 
 from snowcat.pipeline import cli, config
-from snowcat.pipeline.card import build_card
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import sha256_file
+from snowcat.pipeline.reports.card import build_card
 from snowcat.pipeline.rundir import RunDir
 
 CONFIG = """\

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from snowcat.pipeline.compare import Variant, compare, render
 from snowcat.pipeline.fsio import read_json
+from snowcat.pipeline.reports.compare import Variant, compare, render
 from snowcat.stages import evalstats
 
 

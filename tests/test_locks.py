@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from snowcat.pipeline import card as card_mod
 from snowcat.pipeline import doctor
 from snowcat.pipeline import lock as lock_mod
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.reports import card as card_mod
 
 REPO = Path(__file__).resolve().parent.parent
 LOCKS = sorted(p for p in lock_mod.LOCKS_DIR.glob("*-py*-*.txt"))
@@ -204,7 +204,7 @@ def test_the_card_records_the_installed_set_its_lock_and_the_mismatches():
         },
         {"stage": "old"},
     ]
-    lines = card_mod._installs(records)
+    lines = card_mod.hardware._installs(records)
     text = "\n".join(lines)
     assert f"sha256 `{'a' * 64}` (2 packages; stages sft): lock `containers/locks/cpu-py3.11-x86_64.txt`" in text
     assert f"(sha256 `{'b' * 64}`), every locked package as pinned" in text

@@ -11,9 +11,10 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from snowcat.pipeline import cli, config, plot
-from snowcat.pipeline.card import build_card
+from snowcat.pipeline import cli, config
 from snowcat.pipeline.dag import Unit
+from snowcat.pipeline.reports import plot
+from snowcat.pipeline.reports.card import build_card
 from snowcat.pipeline.rundir import RunDir
 
 CONFIG = """\

@@ -196,7 +196,7 @@ def test_every_backend_trains_a_bf16_checkpoint_on_fp32_masters(hub, sft_runs, t
 
 
 def test_the_card_states_the_dtypes_and_how_much_of_the_model_moved(sft_runs):
-    from snowcat.pipeline.card import _precision_lines  # noqa: PLC0415 (the card's one renderer of it)
+    from snowcat.pipeline.reports.card.training import _precision_lines  # noqa: PLC0415 (the card's one renderer of it)
 
     _, metrics = sft_runs
     lines = _precision_lines(metrics["bf16"])

@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from snowcat.pipeline import card, provenance
+from snowcat.pipeline import provenance
 from snowcat.pipeline.fsio import atomic_write_text, sha256_file, write_manifest
 from snowcat.pipeline.provenance import REQUIRED_FIELDS, capture, check_complete, code_state, container_state, record_unit, write
+from snowcat.pipeline.reports import card
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.scrub import scan_tree
 
@@ -197,9 +198,9 @@ def test_every_rank_of_a_multi_role_stage_records_what_it_ran_on(snowcat, tmp_pa
     records = [json.loads(p.read_text()) for p in ranks]
     assert {(r["rank"], r["role"], r["world_size"]) for r in records} == {(1, "rollout", 3), (2, "rollout", 3)}
     assert all(r["host"]["hostname"] == os.uname().nodename and r["host"]["gpus"] == [] for r in records)
-    facts = card.Facts(RunDir.open(tmp_path / "run"))
+    facts = card.facts.Facts(RunDir.open(tmp_path / "run"))
     assert (
-        card._role_hardware(facts, facts.dag["fabric"], "rollout")
+        card.hardware.role_hardware(facts, facts.dag["fabric"], "rollout")
         == f"fabric: 2 rollout rank(s) on {os.uname().nodename}; GPUs: none"
     )
 
@@ -223,5 +224,5 @@ def test_the_card_names_a_cpu_by_the_units_that_loaded_torch():
     light = {"host": {"cpu_model": "EPYC", "cpu_capability": None}}
     heavy = {"host": {"cpu_model": "EPYC", "cpu_capability": "AVX512"}}
     other = {"host": {"cpu_model": "Grace", "cpu_capability": None}}  # only light units ran there
-    assert card.cpu_line([light, heavy, light]) == "EPYC (torch kernels: AVX512)"
-    assert card.cpu_line([light, heavy, other]) == "EPYC (torch kernels: AVX512); Grace (torch kernels: not recorded)"
+    assert card.hardware.cpu_line([light, heavy, light]) == "EPYC (torch kernels: AVX512)"
+    assert card.hardware.cpu_line([light, heavy, other]) == "EPYC (torch kernels: AVX512); Grace (torch kernels: not recorded)"

@@ -16,9 +16,9 @@ import torch
 from test_agent import tiny_model, tiny_tasks, tiny_tokenizer
 
 import snowcat.stages.rl as rl
-from snowcat.pipeline import card as card_mod
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.reports import card as card_mod
 from snowcat.stages.agent import Budget, CalculatorEnv, EpisodeJob, RepoEnv, SingleTurnEnv, Trajectory, run_episodes
 from snowcat.stages.agent.prompting import PromptedEnv, PromptError, prompt_span, strip_prompt
 from snowcat.stages.config import RlConfig
@@ -110,10 +110,10 @@ def test_a_weight_on_a_domain_the_tasks_stage_does_not_make_is_refused_at_load(t
 
 def test_the_card_records_the_mix_and_the_prompt():
     cfg = RlConfig(domain_weights={"closure": 3, "arith": 1, "swe_mini": 0}, rollout_prompt=PROMPT)
-    mix, prompt = card_mod._rl_recipe_lines(cfg)
+    mix, prompt = card_mod.training._rl_recipe_lines(cfg)
     assert "every batch arith 0.25, closure 0.75 of its tasks" in mix and "held out, not trained: swe_mini" in mix
     assert f"{len(PROMPT)} characters" in prompt and "removed from the update's context" in prompt
-    assert card_mod._rl_recipe_lines(RlConfig()) == ["  - task mix: the task pool as it comes (no `domain_weights`)"]
+    assert card_mod.training._rl_recipe_lines(RlConfig()) == ["  - task mix: the task pool as it comes (no `domain_weights`)"]
 
 
 # ---------------------------------------------------------------- prompted rollouts, unprompted updates

@@ -18,10 +18,10 @@ import torch
 from test_agent import assert_same_episodes, overfit, tiny_model, tiny_tasks
 
 import snowcat.stages.evaluate as evaluate
-from snowcat.pipeline import compare as compare_mod
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.reports import compare as compare_mod
 from snowcat.stages.agent import Budget, CalculatorEnv, EpisodeJob, decode, encode, pack, run_episodes, teacher_messages
 from snowcat.stages.agent import context as ctxmod
 from snowcat.stages.agent.prompting import PromptedEnv, prompt_span, strip_prompt

@@ -13,10 +13,10 @@ import torch
 from test_agent import overfit, tiny_model
 
 import snowcat.stages.prompts as prompts
-from snowcat.pipeline import card as card_mod
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.context import Preempted, StageContext
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.reports import card as card_mod
 from snowcat.stages import evalstats
 from snowcat.stages.agent import Budget, SingleTurnEnv
 from snowcat.stages.agent.prompting import PromptedEnv, PromptError, resolve_rollout_prompt
@@ -142,7 +142,7 @@ def test_rl_rollout_prompt_names_the_choice_by_reference(straight):
     assert resolve_rollout_prompt(P, {}, "stages.rl.rollout_prompt") == P  # a text is itself
     with pytest.raises(UserError, match=r"^stages\.rl\.rollout_prompt: 'prompts:other' names stage 'other'"):
         resolve_rollout_prompt("prompts:other", {"pick": straight / "pick"}, "stages.rl.rollout_prompt")
-    card = card_mod._rl_recipe_lines(RlConfig(rollout_prompt="prompts:pick"))[-1]
+    card = card_mod.training._rl_recipe_lines(RlConfig(rollout_prompt="prompts:pick"))[-1]
     assert "prompt-selection stage `pick` chose" in card  # the card names the chooser, not a digest of the reference
     # an unresolved reference is never sampled with as if it were the prompt's text
     with pytest.raises(PromptError, match="names a prompt-selection stage"):

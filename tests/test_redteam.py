@@ -15,8 +15,8 @@ import pytest
 from test_traces import call, episode  # the planted-episode builder of the trajectory tests
 
 from snowcat.pipeline import config as config_mod
-from snowcat.pipeline.card import build_card
 from snowcat.pipeline.dag import Unit
+from snowcat.pipeline.reports.card import build_card
 from snowcat.pipeline.rundir import RunDir
 from snowcat.stages.agent import detectors
 from snowcat.stages.agent.dataset import TrajectoryWriter

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from snowcat.pipeline import audit as audit_mod
 from snowcat.pipeline.cli import status_record
 from snowcat.pipeline.dag import Unit
 from snowcat.pipeline.fsio import IO, read_json
+from snowcat.pipeline.reports import audit as audit_mod
 from snowcat.pipeline.rundir import RunDir
 from tests.conftest import Snowcat, write_config
 from tests.test_cli import SMALL

@@ -14,11 +14,11 @@ import pytest
 import yaml
 from scipy import stats
 
-from snowcat.pipeline import compare as compare_mod
 from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import read_json, sha256_file
+from snowcat.pipeline.reports import compare as compare_mod
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.runner import make_context
 from tests.conftest import TINY, write_config

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from snowcat.pipeline import config as config_mod
-from snowcat.pipeline import traces
 from snowcat.pipeline.dag import Unit
-from snowcat.pipeline.drift import weight_drift
 from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.reports import traces
+from snowcat.pipeline.reports.drift import weight_drift
 from snowcat.pipeline.rundir import RunDir
 from snowcat.stages.agent import Trajectory
 from snowcat.stages.agent.dataset import SCHEMA, TrajectoryWriter, read_manifest, read_rows, sample_indices, trajectories

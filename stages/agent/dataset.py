@@ -18,7 +18,7 @@ Every shard has the same schema, so the directory is one dataset:
 
 Rows hold the exact token ids, mask and rollout logprobs, and their readings: each model turn's
 text, the tool call it made (parsed as its environment parses it) and the tool result that
-followed, so trace analytics (`pipeline/traces.py`) need no tokenizer. A shard rewritten under the
+followed, so trace analytics (`pipeline/reports/traces.py`) need no tokenizer. A shard rewritten under the
 same name (an RL update replayed after a resume) replaces the old one.
 """
 

@@ -1,4 +1,4 @@
-"""`snowcat behaviour`'s Markdown report and figures, from the numbers pipeline/behaviour.py computes."""
+"""`snowcat behaviour`'s Markdown report and figures, from the numbers pipeline/reports/behaviour.py computes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .fsio import atomic_write_figure
+from snowcat.pipeline.fsio import atomic_write_figure
 
 WINNER_ROWS = 20  # tasks listed in the Markdown (the JSON has them all)
 

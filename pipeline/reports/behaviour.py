@@ -20,7 +20,7 @@ attempt per task). The report also holds:
     each checkpoint's sampling seconds (evaluate's `<checkpoint>/sample_s`) beside them;
   - with `--grep PATTERN`: per checkpoint the attempts whose reasoning or actions (the model's turns,
     not the prompt or tool output) match the regular expression, as a behaviour, with examples.
-The Markdown and the figures are pipeline/behaviour_report.py's.
+The Markdown and the figures are pipeline/reports/behaviour_report.py's.
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from snowcat.pipeline.dag import build
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text, nan_to_null
+from snowcat.pipeline.rundir import RunDir
 from snowcat.stages import evalstats
 from snowcat.stages.agent import behaviour_records, dataset
 from snowcat.stages.procedure import DEFAULT_PROCEDURE
 
 from .behaviour_report import plot, render
 from .compare import compile_pattern
-from .dag import build
-from .errors import UserError
-from .fsio import atomic_write_json, atomic_write_text, nan_to_null
-from .rundir import RunDir
 
 EXAMPLES = 3
 

@@ -23,18 +23,18 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from snowcat.pipeline import config as config_mod
+from snowcat.pipeline.dag import build
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text, nan_to_null
+from snowcat.pipeline.rundir import RunDir
 from snowcat.stages.agent.demos import read_demos
 from snowcat.stages.agent.traces import TraceError, import_traces
 from snowcat.stages.config import TEACHER_PREFIX
 from snowcat.stages.taskgen import load_tasks
 from snowcat.stages.tokenizer import message_text
 
-from . import config as config_mod
 from .compare import compile_pattern
-from .dag import build
-from .errors import UserError
-from .fsio import atomic_write_json, atomic_write_text, nan_to_null
-from .rundir import RunDir
 
 EXAMPLES = 3
 # stages/sft.py `DEMOS_FILE`, named here because the CLI may not import a stage kind (tested equal)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
-from .fsio import read_json
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import read_json
 
 _BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")

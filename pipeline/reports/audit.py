@@ -25,12 +25,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import provenance
-from .dag import build
-from .fsio import read_json, sha256_file, verify_manifest
-from .history import FILENAME, History, check_gaps
-from .rundir import RunDir
-from .scrub import env_secrets, scan_tree
+from snowcat.pipeline import provenance
+from snowcat.pipeline.dag import build
+from snowcat.pipeline.fsio import read_json, sha256_file, verify_manifest
+from snowcat.pipeline.history import FILENAME, History, check_gaps
+from snowcat.pipeline.rundir import RunDir
+from snowcat.pipeline.scrub import env_secrets, scan_tree
 
 STEP_KEYS = ("steps", "updates")  # metrics.json keys that say how far a unit's history must reach
 

@@ -13,7 +13,7 @@ go into `history.h5`). Nothing else is read, so it can be drawn at any time, dur
 
 One line per unit (`rl`, `rl[1]`) and metric; a concern no unit recorded is not drawn. What each
 figure holds (units, metrics, points, last step) is in `<run>/plots/plots.json`. The card links the
-figures (pipeline/card.py), the card stage draws them, `snowcat status` points to them.
+figures (pipeline/reports/card/), the card stage draws them, `snowcat status` points to them.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .dag import build
-from .errors import UserError
-from .fsio import atomic_write_figure, atomic_write_json, read_json
-from .rundir import RunDir, now
-from .tracking import HISTORY_FILE, read_history
+from snowcat.pipeline.dag import build
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, read_json
+from snowcat.pipeline.rundir import RunDir, now
+from snowcat.pipeline.tracking import HISTORY_FILE, read_history
 
 PLOTS_DIR = "plots"
 INDEX = "plots.json"

@@ -35,13 +35,12 @@ import h5py
 import numpy as np
 import pyarrow.parquet as pq
 
+from snowcat.pipeline.dag import build
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, atomic_write_text, nan_to_null
+from snowcat.pipeline.rundir import RunDir
 from snowcat.stages import evalstats
 from snowcat.stages.agent import dataset, detectors
-
-from .dag import build
-from .errors import UserError
-from .fsio import atomic_write_figure, atomic_write_json, atomic_write_text, nan_to_null
-from .rundir import RunDir
 
 ALPHA = 0.05
 

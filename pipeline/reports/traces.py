@@ -23,15 +23,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from snowcat.pipeline import config as config_mod
+from snowcat.pipeline import sweep
+from snowcat.pipeline.dag import build
+from snowcat.pipeline.errors import UserError
+from snowcat.pipeline.fsio import checkpoint_dir, nan_to_null
+from snowcat.pipeline.rundir import RunDir
 from snowcat.stages.agent import dataset, detectors
 
-from . import config as config_mod
-from . import sweep
-from .dag import build
 from .drift import weight_drift
-from .errors import UserError
-from .fsio import checkpoint_dir, nan_to_null
-from .rundir import RunDir
 
 WINDOW = 5
 ENTROPY_FRACTION = 0.5
