@@ -111,8 +111,11 @@ class ContextConfig:
     summariser_temperature: float = bounded(0.0, ge=0)  # the helper's sampling (0: greedy)
     request: str = SUMMARY_REQUEST  # the instruction that opens a summary request (the transcript follows)
 
-    def problems(self, env: str, max_turns: int, max_context: int, needs: list[str]) -> Iterator[Problem]:
-        """(key under `context`, problem) for a policy that is malformed or could never act."""
+    def problems(
+        self, env: str, max_turns: int, max_context: int, needs: list[str], budget_key: str = "max_context"
+    ) -> Iterator[Problem]:
+        """(key under `context`, problem) for a policy that is malformed or could never act;
+        `budget_key`: the stage's name for `max_context` (RL's is max_total_tokens)."""
         if self.policy == "keep":
             return
         if env == "single":
@@ -129,10 +132,10 @@ class ContextConfig:
         if not 1 <= self.at_tokens < max_context:
             yield (
                 "context.at_tokens",
-                f"must be between 1 and max_context - 1 ({max_context - 1}), or summaries are never written",
+                f"must be between 1 and {budget_key} - 1 ({max_context - 1}), or summaries are never written",
             )
         if self.summariser == "policy" and self.max_tokens >= max_context:
-            yield "context.max_tokens", f"must be less than max_context ({max_context}): the request needs room too"
+            yield "context.max_tokens", f"must be less than {budget_key} ({max_context}): the request needs room too"
         if self.summariser not in ("policy", "") and not self.summariser.startswith(HF_PREFIX):
             try:
                 stage, _ = parse_checkpoint_ref(self.summariser)
@@ -668,6 +671,9 @@ class RlConfig(Parallelism):
     teacher: str = checkpoint_refs("")
     teacher_rollouts: int = bounded(0, ge=0)  # teacher episodes per task per update; 0 = off
     env: Env = "single"
+    # multi-turn envs: older turns replaced by a summary past a threshold (docs/recipes.md); an episode
+    # is then several records, trained each in its own context with the episode's one advantage
+    context: ContextConfig = field(default_factory=ContextConfig)
     verifier: str = DEFAULT_VERIFIER  # "module:function" (task, text) -> Verdict
     reward: Literal["pass", "score"] = "pass"  # pass: 1 if the verifier passes, else 0 | score: its partial credit
     tasks_per_update: int = bounded(16, ge=1)
@@ -792,6 +798,7 @@ class RlConfig(Parallelism):
             yield "needs", f"add {chooser!r} (named in rollout_prompt)"
         if self.teacher_rollouts:
             yield from self._teacher_problems()
+        yield from self.context.problems(self.env, self.max_turns, self.max_total_tokens, self.needs, "max_total_tokens")
 
     def _teacher_problems(self) -> Iterator[Problem]:
         """What teacher rollouts need: a teacher, the TIS weight that makes its episodes' gradient an

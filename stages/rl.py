@@ -45,6 +45,7 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, build_manifest, read_json
 from snowcat.stages.agent import BatchBuffers
 from snowcat.stages.agent.prompting import resolve_rollout_prompt
+from snowcat.stages.agent.summariser import context_policy
 from snowcat.stages.config import RlConfig as Config
 from snowcat.stages.config import other_tokenizer, rl_role, rl_roles_ok
 from snowcat.stages.model import open_model_dir
@@ -229,6 +230,8 @@ class Rollout:
         self.teacher = None
         if cfg.teacher_rollouts:
             self.teacher, _, _ = serve_checkpoint(ctx, cfg.teacher, "teacher", cfg.rollout_batch)
+        # rl.context: summarise past a threshold; a helper model that writes the summaries is served once
+        self.context = context_policy(ctx, cfg, f"stages.{ctx.name}.context")
         self.params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_tokens, (self.tok.end_of_turn_id,))
         self.handoff, self.transport = handoff, transport
         self.version: int | None = None
@@ -255,7 +258,9 @@ class Rollout:
             self.load(v)
         tasks = tasks_of_batch(self.cfg, self.pool, self.ctx.seed, k)
         seed = batch_seed(self.ctx.seed, k)
-        batch = generate_batch(self.engine, self.tok, tasks, self.cfg, self.params, seed, v, k, self.buffers, self.teacher)
+        batch = generate_batch(
+            self.engine, self.tok, tasks, self.cfg, self.params, seed, v, k, self.buffers, self.teacher, self.context
+        )
         self.transport.send_batch(k, batch)
 
 

@@ -1,7 +1,8 @@
 """RL estimators and losses as pure torch functions (no model, no I/O), unit-tested by hand.
 
 `advantages`: per-attempt advantages for a batch of groups (GRPO, Dr. GRPO, RLOO, RLOO-N), padded
-or as columns of possibly ragged groups (`group_advantages`).
+or as columns of possibly ragged groups (`group_advantages`), or of records several of which may
+be one episode (`episode_advantages`: a summarised episode).
 `loss`: the policy loss with truncated importance sampling, optional PPO clipping, KL (k3) and
 entropy terms, three aggregation modes; `mismatch_stats` for the engine-vs-trainer check.
 Definitions and choices: docs/rl-algorithms.md.
@@ -11,6 +12,7 @@ from snowcat.stages.algorithms.advantages import (
     ESTIMATORS,
     compute_advantages,
     dr_grpo_advantages,
+    episode_advantages,
     group_advantages,
     grpo_advantages,
     rloo_advantages,
@@ -26,6 +28,7 @@ __all__ = [
     "aggregate",
     "compute_advantages",
     "dr_grpo_advantages",
+    "episode_advantages",
     "group_advantages",
     "grpo_advantages",
     "masked_mean",

@@ -2,7 +2,8 @@
 
 Every estimator returns a tensor of the same shape. Rewards are treated as constants (no grad).
 `group_advantages` takes a batch as columns (group id, reward, valid per attempt), groups possibly
-ragged.
+ragged; `episode_advantages` takes records, several of which may be one attempt (an episode whose
+context a summary rewrote is one record per context: one member of its group, not several).
 """
 
 from __future__ import annotations
@@ -117,3 +118,26 @@ def group_advantages(
             out[i] = adv[g, a]
     trainable = torch.tensor(list(valid))
     return torch.where(trainable, out, torch.zeros_like(out)).float(), trainable
+
+
+def episode_advantages(
+    group_ids: Sequence[int], episodes: Sequence, rewards: Sequence[float], valid: Sequence[bool], estimator: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantage [N], valid [N]) for N records given as columns, `episodes[i]` naming record i's
+    episode within its group (its attempt). An episode is one attempt whatever its number of records:
+    its reward and validity enter `group_advantages` once, and every one of its records gets the
+    episode's advantage. ValueError where records of one episode disagree on the reward or validity."""
+    heads: dict[tuple, int] = {}  # (group, episode) -> its first record
+    of = []  # record -> its episode's first record
+    for i, key in enumerate(zip(group_ids, episodes)):
+        h = heads.setdefault(key, i)
+        if rewards[i] != rewards[h] or bool(valid[i]) != bool(valid[h]):
+            raise ValueError(f"records {h} and {i} of episode {key[1]} in group {key[0]} disagree on its reward or validity")
+        of.append(h)
+    place = {h: j for j, h in enumerate(heads.values())}
+    firsts = list(heads.values())
+    adv, trainable = group_advantages(
+        [group_ids[h] for h in firsts], [rewards[h] for h in firsts], [valid[h] for h in firsts], estimator
+    )
+    index = torch.tensor([place[h] for h in of], dtype=torch.long)
+    return adv[index], trainable[index]

@@ -1,5 +1,6 @@
 """Batch k's episodes: `tasks_per_update` tasks x `attempts` (+ `teacher_rollouts` played by the
-teacher), by `stages.agent.run_batch` straight into the columns of the batch the transport sends."""
+teacher), by `stages.agent.run_batch` straight into the columns of the batch the transport sends.
+Under a context policy (`rl.context`: summarise) an episode may be several records, sent in order."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import torch
 
 from snowcat.stages.agent import BatchBuffers, Budget, EpisodeJob, TrajectoryBatch, make_env, run_batch
+from snowcat.stages.agent.context import with_context
 from snowcat.stages.agent.prompting import PromptedEnv
 from snowcat.stages.config import env_options
 from snowcat.stages.verifiers import load_verifier
@@ -49,10 +51,14 @@ def generate_batch(
     batch_index: int,
     buffers: BatchBuffers | None = None,
     teacher=None,
+    context=None,
 ) -> TrajectoryBatch:
+    """Batch k's episodes; `context`: the context policy (`stages.agent.summariser.context_policy`,
+    served once per rollout rank), None to keep everything."""
     env = make_env(cfg.env, tok, **env_options(cfg.env, cfg))
     if cfg.rollout_prompt:  # in the context sampled in; the trainer removes it from the update's (docs/recipes.md)
         env = PromptedEnv(env, cfg.rollout_prompt)
+    env = with_context(env, context)
     budget = Budget(max_context=cfg.max_total_tokens, max_turn_tokens=cfg.max_tokens, max_turns=cfg.max_turns)
     jobs = batch_jobs(tasks, cfg.attempts, cfg.teacher_rollouts if teacher is not None else 0)
     with torch.no_grad():  # sampling needs no graph (and a kept graph grows memory every batch)

@@ -14,6 +14,9 @@ min(π_old/π_teacher, tis_cap): off-policy importance sampling, capped. π is t
 distribution: the teacher's kept supports are not used (rebuilt from the trainer's logits). The
 engine-vs-trainer mismatch and staleness are statistics of the policy's rows only (`teacher_rows`);
 the teacher's rows get `teacher/*` statistics of their own.
+
+Summarised episodes (`rl.context`): a row is a record, not an episode; an episode's records share the
+one advantage its reward earns in its group (`trajectory_advantages`).
 """
 
 from __future__ import annotations
@@ -24,19 +27,32 @@ import numpy as np
 import torch
 
 from snowcat.stages.agent import Trajectory
-from snowcat.stages.algorithms import PolicyLossConfig, group_advantages, masked_mean, mismatch_stats, policy_loss
+from snowcat.stages.agent.trajectory import flatten
+from snowcat.stages.algorithms import PolicyLossConfig, episode_advantages, masked_mean, mismatch_stats, policy_loss
 from snowcat.stages.rollout import SamplingParams, support_ids
 
 
+def update_rows(trajs: list[Trajectory]) -> list[Trajectory]:
+    """The records an update trains on, one row each, in order: every record of every episode (an
+    episode whose context a summary rewrote is several, each trained in the context it was sampled
+    in; stages/agent/context.py), none holding the others: update_rows(update_rows(x)) == update_rows(x)."""
+    return flatten(trajs)
+
+
 def trajectory_advantages(trajs: list[Trajectory], estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantage [N], trainable [N]) in the order of `trajs`, grouped by `group_id`
-    (`algorithms.group_advantages` on their columns)."""
-    return group_advantages([t.group_id for t in trajs], [t.reward for t in trajs], [t.trainable for t in trajs], estimator)
+    """(advantage [N], trainable [N]) of the N rows of `trajs` (`update_rows`), grouped by `group_id`:
+    an episode, (group_id, attempt), is one member of its group however many records it has, and its
+    records share its advantage (`algorithms.episode_advantages`)."""
+    rows = update_rows(trajs)
+    columns = ([t.group_id for t in rows], [t.attempt for t in rows], [t.reward for t in rows], [t.trainable for t in rows])
+    return episode_advantages(*columns, estimator)
 
 
 def make_batch(trajs: list[Trajectory], pad_id: int, estimator: str) -> dict[str, torch.Tensor]:
-    """Right-padded [B, L-1] tensors: next-token targets where the model sampled, -1 elsewhere."""
+    """Right-padded [B, L-1] tensors, one row per record (`update_rows`): next-token targets where the
+    model sampled, -1 elsewhere."""
     adv, trainable = trajectory_advantages(trajs, estimator)
+    trajs = update_rows(trajs)
     length = max(len(t) for t in trajs)
     B = len(trajs)
     ids = np.full((B, length), pad_id, np.int64)

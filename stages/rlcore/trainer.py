@@ -23,14 +23,16 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, read_json
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.stages.agent import STATUSES, BatchBuffers, make_env
+from snowcat.stages.agent.context import context_behaviour, is_failure
 from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
 from snowcat.stages.agent.prompting import PromptError, PromptStripper
+from snowcat.stages.agent.trajectory import segments
 from snowcat.stages.algorithms import PolicyLossConfig
 from snowcat.stages.config import env_options, keep_trajectories
 from snowcat.stages.evalstats import mean_se
 from snowcat.stages.model.io import copy_model_dir, empty_model
 from snowcat.stages.rlcore.handoff import HandoffError
-from snowcat.stages.rlcore.objective import make_batch, make_loss_fn, sampled_logprobs
+from snowcat.stages.rlcore.objective import make_batch, make_loss_fn, sampled_logprobs, update_rows
 from snowcat.stages.rlcore.preempt import FAILED, log
 from snowcat.stages.rlcore.transport import TransportError, broadcast_message, read_batch
 from snowcat.stages.rollout import SamplingParams, TorchEngine
@@ -43,10 +45,12 @@ from snowcat.stages.train.precision import resolve, stored_dtype, unchanged_frac
 from snowcat.stages.verifiers import load_verifier
 
 
-def batch_metrics(trajs) -> dict[str, float]:
+def batch_metrics(trajs, summarised: bool = False) -> dict[str, float]:
     """Reward by domain, pass rate, lengths, turns, statuses of the policy's own episodes; the share of
-    groups without signal and the trajectories that entered the loss count every row trained on (the
-    teacher's included); the teacher's episodes apart (`teacher_metrics`)."""
+    groups without signal and the episodes that entered the loss count every episode trained on (the
+    teacher's included); the teacher's episodes apart (`teacher_metrics`). `trajs` are episodes (each
+    its last record, the earlier ones in `earlier`): a summarised episode counts once, its lengths
+    and turns summed over its records; `summarised` (rl.context summarise): `context_metrics` too."""
     teacher = [t for t in trajs if t.source == "teacher"]
     rec = _policy_metrics([t for t in trajs if t.source != "teacher"])
     for d, n in Counter(t.domain for t in teacher if t.trainable).items():
@@ -54,7 +58,27 @@ def batch_metrics(trajs) -> dict[str, float]:
     rec["groups/no_signal_frac"] = _no_signal_frac([t for t in trajs if t.trainable])
     if teacher:
         rec |= teacher_metrics(trajs)
+    if summarised:
+        rec |= context_metrics(trajs)
     return rec
+
+
+def sampled_tokens(t) -> int:
+    """Tokens the model sampled in episode `t`, over all its records (summaries the policy wrote included)."""
+    return sum(int(r.loss_mask.sum()) for r in segments(t))
+
+
+def context_metrics(trajs) -> dict[str, float]:
+    """What the context policy did to the policy's episodes of a batch (stages/agent/context.py):
+    summaries per episode and the share summarised, over the scored ones; `context/summary_failures`
+    counts the episodes whose summary could not be written (infra: out of the pass rate and the loss)."""
+    own = [t for t in trajs if t.source != "teacher"]
+    stats = context_behaviour(own)
+    return {
+        "context/summaries_per_episode": stats["summaries_per_episode"],
+        "context/summarised_frac": stats["summarised_frac"],
+        "context/summary_failures": float(sum(t.status == "infra_error" and is_failure(t.detail) for t in own)),
+    }
 
 
 def _no_signal_frac(ok) -> float:
@@ -81,7 +105,7 @@ def teacher_metrics(trajs) -> dict[str, float]:
         "teacher/infra_failures": float(sum(t.source == "teacher" and not t.trainable for t in trajs)),
         "teacher/reward_mean": float(np.mean([t.reward for t in teacher])) if teacher else float("nan"),
         "teacher/pass_rate": float(np.mean([t.passed for t in teacher])) if teacher else float("nan"),
-        "teacher/tokens": float(sum(int(t.loss_mask.sum()) for t in trajs if t.source == "teacher")),
+        "teacher/tokens": float(sum(sampled_tokens(t) for t in trajs if t.source == "teacher")),
         "teacher/only_teacher_passed_frac": sum(passed[g] == {"teacher"} for g in groups) / len(groups),
     }
 
@@ -99,9 +123,11 @@ def _policy_metrics(trajs) -> dict[str, float]:
         rec[f"exposure/{d}"] = len(good)  # trajectories of the domain that entered this update's loss
         if good:
             rec[f"reward/{d}"] = float(np.mean([t.reward for t in good]))
-    rec["length/response_mean"] = float(np.mean([int(t.loss_mask.sum()) for t in trajs]))
-    rec["length/total_mean"] = float(np.mean([len(t) for t in trajs]))
-    rec["turns/mean"] = float(np.mean([len(t.turn_boundaries) for t in trajs]))
+    # per episode: over all its records (a summarised episode's contexts and the summaries it wrote)
+    rec["length/response_mean"] = float(np.mean([sampled_tokens(t) for t in trajs]))
+    rec["length/total_mean"] = float(np.mean([sum(len(r) for r in segments(t)) for t in trajs]))
+    turns = [sum(len(r.turn_boundaries) for r in segments(t) if r.segment_kind == "context") for t in trajs]
+    rec["turns/mean"] = float(np.mean(turns))
     counts = Counter(t.status for t in trajs)
 
     for s in STATUSES:
@@ -140,14 +166,31 @@ def engine_counters(out: Path) -> dict[str, float]:
     return total
 
 
-def prompt_gap_sums(trajs, prompted: dict, update: dict, with_prompt, without, turns: int) -> tuple[np.ndarray, np.ndarray]:
+def episode_turns(records) -> list[int | None]:
+    """Per record (`update_rows` order), the episode's number of its first turn: the turns sampled in
+    the episode's earlier contexts come first (a summarised episode's turns are spread over its
+    records); None for a summary the policy wrote, which is no turn."""
+    out, before = [], 0
+    for r in records:
+        before = 0 if r.segment == 0 else before
+        out.append(None if r.segment_kind == "summary" else before)
+        before += len(r.turn_boundaries) if r.segment_kind == "context" else 0
+    return out
+
+
+def prompt_gap_sums(
+    trajs, prompted: dict, update: dict, with_prompt, without, turns: int, first_turns: list[int | None] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The sums `Trainer._prompt_gap` reports, over the rows of `trajs` (as sampled, prompted):
-    [gap sum of turn 1..turns, tokens of turn 1..turns, engine |dlogp| sum, engine k3 sum, tokens] and
-    [engine max |dlogp|]. `prompted` / `update` are `make_batch` of the trajectories with and without the
-    prompt, `with_prompt` / `without` their actions' logprobs [rows, L-1]: row b's trained tokens are
-    the same actions in the same order in both (the prompt precedes them all). The teacher's rows are
-    left out: the gap and the engine's mismatch are the policy's."""
-    sums, peak = np.zeros(2 * turns + 3), np.zeros(1)
+    [gap sum of turn 1..turns, tokens of turn 1..turns, engine |dlogp| sum, engine k3 sum, tokens, gap
+    sum of the summaries the policy wrote] and [engine max |dlogp|]. `prompted` / `update` are
+    `make_batch` of the trajectories with and without the prompt, `with_prompt` / `without` their
+    actions' logprobs [rows, L-1]: row b's trained tokens are the same actions in the same order in
+    both (the prompt precedes them all). `first_turns` (`episode_turns`; default: every row's first
+    turn is its episode's first) numbers the turns of a summarised episode's records; a summary's gap
+    counts in the mean under no turn. The teacher's rows are left out: the gap and the engine's
+    mismatch are the policy's."""
+    sums, peak = np.zeros(2 * turns + 4), np.zeros(1)
     for b, t in enumerate(trajs):
         if t.source == "teacher":
             continue
@@ -158,12 +201,16 @@ def prompt_gap_sums(trajs, prompted: dict, update: dict, with_prompt, without, t
             )
         ours = with_prompt[b][mp].double()
         gap = (ours - without[b][mu].double()).numpy()
-        starts = [s for s, _ in t.turn_boundaries]
-        turn = np.searchsorted(starts, mp.nonzero()[:, 0].numpy() + 1, side="right") - 1  # target p is token p + 1
-        np.add.at(sums, turn, gap)
-        np.add.at(sums, turns + turn, 1.0)
+        first = 0 if first_turns is None else first_turns[b]
+        if first is None:  # a summary the policy wrote
+            sums[2 * turns + 3] += gap.sum()
+        else:
+            starts = [s for s, _ in t.turn_boundaries]
+            turn = first + np.searchsorted(starts, mp.nonzero()[:, 0].numpy() + 1, side="right") - 1  # target p: token p + 1
+            np.add.at(sums, turn, gap)
+            np.add.at(sums, turns + turn, 1.0)
         delta = (ours - prompted["rollout_logprobs"][b][mp].double()).numpy()
-        sums[2 * turns :] += [np.abs(delta).sum(), (np.exp(delta) - delta - 1).sum(), len(delta)]
+        sums[2 * turns : 2 * turns + 3] += [np.abs(delta).sum(), (np.exp(delta) - delta - 1).sum(), len(delta)]
         peak[0] = max(peak[0], float(np.abs(delta).max(initial=0.0)))
     return sums, peak
 
@@ -326,8 +373,9 @@ class Trainer(TrainLoop):
         (`mismatch_prompted/*`; `mismatch/*` then holds the prompt's effect too, which is what TIS
         corrects). This rank's rows, summed over the trainer ranks (collective)."""
         rows = batch["input_ids"].shape[0]
-        lo = self.backend.data_rank * len(self.trajs) // self.backend.data_ranks
-        trajs = self.trajs[lo : lo + rows]
+        records = update_rows(self.trajs)  # the rows: a summarised episode is several
+        lo = self.backend.data_rank * len(records) // self.backend.data_ranks
+        trajs, first_turns = records[lo : lo + rows], episode_turns(records)[lo : lo + rows]
         prompted = make_batch(trajs, self.tok.pad_id, self.cfg.estimator)
         stale = "logp_old" in batch  # the batch came from older weights: the behaviour copy holds them
         model = self.behaviour if stale else self.model
@@ -340,7 +388,7 @@ class Trainer(TrainLoop):
                 without = sampled_logprobs(model, {k: v.to(self.device) for k, v in batch.items()}, self.params)[0]
                 without = without.double().cpu()
         turns = self.cfg.max_turns
-        sums, peak = prompt_gap_sums(trajs, prompted, batch, with_prompt, without, turns)
+        sums, peak = prompt_gap_sums(trajs, prompted, batch, with_prompt, without, turns, first_turns)
         sums /= self.replicas
         if self.group is not None:
             from mpi4py import MPI  # noqa: PLC0415
@@ -349,7 +397,7 @@ class Trainer(TrainLoop):
             self.group.Allreduce(MPI.IN_PLACE, peak, op=MPI.MAX)
         tokens = sums[2 * turns + 2]
         rec = {f"prompt_gap/turn_{i + 1}": sums[i] / sums[turns + i] for i in range(turns) if sums[turns + i]}
-        rec["prompt_gap/mean"] = float(sums[:turns].sum() / tokens) if tokens else float("nan")
+        rec["prompt_gap/mean"] = float((sums[:turns].sum() + sums[2 * turns + 3]) / tokens) if tokens else float("nan")
         rec["mismatch_prompted/mean_abs_dlogp"] = float(sums[2 * turns] / tokens) if tokens else float("nan")
         rec["mismatch_prompted/k3_kl"] = float(sums[2 * turns + 1] / tokens) if tokens else float("nan")
         rec["mismatch_prompted/max_abs_dlogp"] = float(peak[0])
@@ -406,11 +454,11 @@ class Trainer(TrainLoop):
         k, trajs = self.step - 1, self.trajs
         stats = self._over_trainer_ranks(stats)
         step_time = time.perf_counter() - self._t0
-        sampled = float(sum(int(t.loss_mask.sum()) for t in trajs))
+        sampled = float(sum(sampled_tokens(t) for t in trajs))
         self.wait_seconds += self._wait
         self.sampled_tokens += sampled
         rec = {
-            **batch_metrics(trajs),
+            **batch_metrics(trajs, summarised=self.cfg.context.policy == "summarise"),
             "policy_lag/mean": float(np.mean([k - t.policy_version for t in trajs if t.source != "teacher"])),
             **stats.record(),
             **{name: float(v) for name, v in stats.sums.items()},
