@@ -2,7 +2,15 @@
 # Set up everything snowcat needs on a fresh Debian machine (as root): system packages for the
 # local Slurm test cluster and MPI, a virtual environment, and snowcat with its test extras, every
 # package at the version and hash of the CPU lock (containers/locks/, docs/installs.md).
+#   bash .ci/setup.sh          the checkout's .venv (README, CI)
+#   bash .ci/setup.sh DIR      a venv at DIR instead, the same way (the full tier's fresh-machine check)
 set -euo pipefail
+venv=.venv
+if [ $# -gt 1 ]; then
+  echo "[setup] error: at most one argument, the venv's directory (default: .venv in the checkout)" >&2
+  exit 2
+fi
+if [ $# -eq 1 ]; then venv="$(realpath -m -- "$1")"; fi  # before the cd: relative to where it was asked
 cd "$(dirname "$0")/.."
 
 # The lock for this Python and machine, checked before anything is installed or created.
@@ -29,16 +37,16 @@ made_venv=""
 remove_failed_venv() {
   local rc=$?
   if [ "$rc" -ne 0 ] && [ -n "$made_venv" ]; then
-    echo "[setup] install failed: removing the .venv it was making" >&2
-    rm -rf .venv
+    echo "[setup] install failed: removing the $venv it was making" >&2
+    rm -rf -- "$venv"
   fi
 }
 trap remove_failed_venv EXIT
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
   made_venv=1
 fi
-. .venv/bin/activate
+. "$venv/bin/activate"
 python -m pip install -q --upgrade pip
 # Every package pinned and hash-checked, no resolving (torch's CPU build among them, so nothing pulls
 # a CUDA build); then snowcat itself, editable.
@@ -73,4 +81,5 @@ PY
 python -c "from deepspeed.accelerator import get_accelerator
 b = get_accelerator().create_op_builder('ShareMemCommBuilder')
 b is not None and b.load()" >/dev/null
-echo "[setup] snowcat installed in $(pwd)/.venv"
+case $venv in /*) ;; *) venv="$(pwd)/$venv" ;; esac
+echo "[setup] snowcat installed in $venv"
