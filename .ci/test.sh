@@ -52,17 +52,18 @@ export OMP_WAIT_POLICY=PASSIVE  # spinning OpenMP threads slow everything down w
 lint() { ruff check . && ruff format --check . && lint-imports; }
 phase lint lint
 
-# GPU tests skip here. The cluster tier's tests run one after another (they share the cluster) in a
-# pytest of their own, started first, in the background: waiting on the scheduler much of the time,
-# it runs beside the unit tier (pyproject's default selection, two workers) and then beside the slow
-# tier (two workers, --dist loadgroup: a shared run's tests on one worker), which keep both cores busy.
-# Every tier runs whatever another gives, so one CI run shows every failure.
+# GPU tests skip here; the fresh-machine tests (`fresh`, minutes of installs) are the full tier's,
+# .ci/full.sh. The cluster tier's tests run one after another (they share the cluster) in a pytest of
+# their own, started first, in the background: waiting on the scheduler much of the time, it runs
+# beside the unit tier (pyproject's default selection, two workers) and then beside the slow tier (two
+# workers, --dist loadgroup: a shared run's tests on one worker), which keep both cores busy. Every
+# tier runs whatever another gives, so one CI run shows every failure.
 failed=0
-phase cluster python -m pytest -ra -q -m "cluster and not gpu" -n 0 --budget --timings "$ci_tmp/.timings-cluster.json" "$@" \
+phase cluster python -m pytest -ra -q -m "cluster and not gpu and not fresh" -n 0 --budget --timings "$ci_tmp/.timings-cluster.json" "$@" \
   >"$ci_tmp/.cluster.log" 2>&1 &
 cluster_pid=$!
 phase unit python -m pytest -ra -q --timings "$ci_tmp/.timings-unit.json" "$@" || failed=1
-phase slow python -m pytest -ra -q -m "slow and not cluster and not gpu" -n 2 --dist loadgroup --budget \
+phase slow python -m pytest -ra -q -m "slow and not cluster and not gpu and not fresh" -n 2 --dist loadgroup --budget \
   --timings "$ci_tmp/.timings-slow.json" "$@" || failed=1
 wait "$cluster_pid" || failed=1
 echo "== the cluster tier (it ran in the background) =="
