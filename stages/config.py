@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from snowcat.pipeline.schema import HF_PREFIX, Problem, bounded, checkpoint_refs, hub_id, parse_checkpoint_ref
 from snowcat.stages.model.config import PRESETS
@@ -512,6 +512,39 @@ def prompt_stage(value: str) -> str | None:
     return m.group(1) if m else None
 
 
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass
+class EndpointConfig:
+    """An OpenAI-compatible chat endpoint as the teacher (`teacher` stage; stages/rollout/endpoint.py):
+    a vLLM server inside the allocation or a site's inference service, reached over HTTP. It returns
+    text: the episodes are rendered in the student's tokenizer (`tokenizer`) and each reply is
+    re-tokenised by it. The API key is never in the config: `api_key_env` names the variable."""
+
+    url: str = ""  # the API's base, e.g. http://node42:8000/v1 (/chat/completions and /models are appended)
+    model: str = ""  # the served model name the requests ask for
+    api_key_env: str = ""  # the NAME of the environment variable holding the API key; "" = send none
+    timeout_s: float = bounded(120.0, gt=0)  # one request's wall time
+    retries: int = bounded(2, ge=0)  # a request that could not connect, timed out or got 429/5xx is sent again
+    backoff_s: float = bounded(1.0, ge=0)  # before the first retry, doubled at each further one
+    concurrency: int = bounded(8, ge=1)  # requests in flight at once
+    # further fields of each request's body, as the server reads them (vLLM: top_k is sent from
+    # top_k; {skip_special_tokens: false} keeps special tokens such as <tool_call> in the text)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def problems(self) -> Iterator[Problem]:
+        reserved = sorted(set(self.extra) & {"model", "messages", "temperature", "top_p", "top_k", "max_tokens", "seed", "n"})
+        if reserved:
+            yield "endpoint.extra", f"{', '.join(reserved)}: set by the stage (its own keys), not here"
+        if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", self.url):
+            yield "endpoint.url", f"{self.url!r}: an http(s) URL of the API's base, e.g. http://node42:8000/v1"
+        if not self.model:
+            yield "endpoint.model", "name the served model the requests ask for"
+        if self.api_key_env and not ENV_NAME.fullmatch(self.api_key_env):
+            yield "endpoint.api_key_env", "the name of an environment variable holding the key, never the key itself"
+
+
 @dataclass
 class TeacherConfig:
     """A teacher model plays the training tasks in the same agent loop, tools and sandboxes as the
@@ -546,10 +579,19 @@ class TeacherConfig:
     takeover: list[str] = field(default_factory=lambda: list(TAKEOVER_POINTS))
     # context_margin fires before a student turn once the context holds max_context - this many tokens
     context_margin_tokens: int = bounded(64, ge=0)
+    # the teacher as an OpenAI-compatible endpoint instead of `teacher` (endpoint.url set)
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    # with an endpoint: the checkpoint whose tokenizer renders the episodes and re-tokenises the
+    # endpoint's text (the student SFT will train): "<needed stage>:<checkpoint>" or "hf:..."
+    tokenizer: str = checkpoint_refs("")
 
     def problems(self) -> Iterator[Problem]:
-        if not self.teacher:
-            yield "teacher", "name the teacher model: '<needed stage>:<checkpoint>' or 'hf:<dir or org/name>'"
+        if self.endpoint.url or self.endpoint.model:
+            yield from self.endpoint_problems()
+        elif not self.teacher:
+            yield "teacher", "name the teacher model: '<needed stage>:<checkpoint>' or 'hf:<dir or org/name>', or an endpoint"
+        elif self.tokenizer:
+            yield "tokenizer", "only with an endpoint teacher (a checkpoint teacher renders the episodes in its own)"
         shards = self.fan_out.get("shard")
         if shards is not None and sorted(shards) != list(range(len(shards))):
             yield "fan_out.shard", f"must be the shards 0..N-1 once each, got {list(shards)}"
@@ -558,6 +600,17 @@ class TeacherConfig:
         yield from _verifier_problems(self.verifier)
         if self.student:
             yield from self.relay_problems()
+
+    def endpoint_problems(self) -> Iterator[Problem]:
+        """An endpoint teacher: the endpoint's own problems, a tokenizer to render the episodes in, and
+        nothing that needs the teacher's weights or our engines."""
+        yield from self.endpoint.problems()
+        if self.teacher:
+            yield "teacher", "name the teacher once: a checkpoint (teacher) or an endpoint (endpoint.url), not both"
+        if not self.tokenizer and not self.student:
+            yield "tokenizer", "an endpoint teacher returns text: name the checkpoint whose tokenizer renders the episodes"
+        if self.student:
+            yield "student", "Relay with an endpoint teacher is not supported yet (a checkpoint teacher is)"
 
     def relay_problems(self) -> Iterator[Problem]:
         """Take-over points that can never fire, or a relay whose student's turns could never be the

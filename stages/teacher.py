@@ -16,6 +16,13 @@ the union of the shards is what one unit would make, and a batch is the same whi
 Resumable: each finished batch's demonstrations are kept in `partial/` and reused; a preempted
 unit continues there, ending with the bytes of an uninterrupted one.
 
+An OpenAI-compatible endpoint (`endpoint: {url, model, api_key_env, ...}`, docs/recipes.md) can be
+the teacher instead: it plays the same loop turn by turn over HTTP (stages/rollout/endpoint.py),
+its replies are text, rendered in and re-tokenised by the tokenizer of `tokenizer` (the student's);
+the demonstrations' provenance says so (`tokens`), names the endpoint (URL, model, the identity it
+returns, the models that answered each episode) and has no files' digest. An endpoint that cannot be
+reached is refused before any episode; one that fails mid-stage makes its episodes infra failures.
+
 Relay (`student: "<stage>:<checkpoint>"`, docs/recipes.md "Relay SFT with a real student"): the
 student starts each episode and the teacher takes over at the first of the `takeover` points
 (stages/agent/relay.py), in the same episode. The demonstration keeps the student's turns as context
@@ -48,8 +55,9 @@ from snowcat.stages.agent.demos import DEMOS, ObservationLog, demo_id, demo_mess
 from snowcat.stages.agent.relay import RelayEngine, TextTeacher, relay_messages
 from snowcat.stages.config import TAKEOVER_POINTS, env_options
 from snowcat.stages.config import TeacherConfig as Config
-from snowcat.stages.model.io import load_model_config
+from snowcat.stages.model.io import load_model_config, open_model_dir
 from snowcat.stages.rollout import SamplingParams
+from snowcat.stages.rollout.endpoint import ChatEndpoint, EndpointEngine
 from snowcat.stages.scoring import serve_checkpoint
 from snowcat.stages.taskgen import load_tasks
 from snowcat.stages.verifiers import TimedVerifier, load_verifier
@@ -61,12 +69,22 @@ def _key(cfg: Config, seed: int, provenance: dict, task_ids: list[str]) -> str:
     what += [cfg.max_context, cfg.max_turn_tokens, cfg.max_turns, cfg.attempts, cfg.infra_retries, cfg.verifier, task_ids]
     if "relay" in provenance:
         what.append(provenance["relay"])
+    if "endpoint" in provenance:  # the model and what the endpoint says it is, not where it is (a requeued
+        what.append({k: v for k, v in provenance["endpoint"].items() if k != "url"})  # job's server may move)
+        what.append([provenance["tokenizer"], cfg.tokenizer, provenance["sampling"]["extra"]])
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()
 
 
 def play_batch(engine, observations, batch, env, params, budget: Budget, seed: int, verifier, relay) -> tuple[list, list]:
-    """(trajectories, take-overs) of a batch: played by the teacher alone, or with `relay` (the
-    student engine, the teacher engine or TextTeacher, the take-over points and margin) by both."""
+    """(trajectories, per episode what its record adds) of a batch: played by the teacher alone (an
+    endpoint: the models that answered), or with `relay` (the student engine, the teacher engine or
+    TextTeacher, the take-over points and margin) by both (where the teacher took over)."""
+    if isinstance(engine, ChatEndpoint):  # its turns re-tokenised by the loop's (the student's) tokenizer
+        player = EndpointEngine(
+            engine, student_tok=observations, observations=observations, env=env, jobs=batch, seed=seed, budget=budget
+        )
+        out = run_episodes(player, observations, batch, env, params, budget, seed, 0, verifier=verifier)
+        return out, player.answered_by()
     if relay is None:
         out = run_episodes(engine, observations, batch, env, params, budget, seed, 0, verifier=verifier)
         return out, [None] * len(batch)
@@ -131,9 +149,11 @@ def play(
             }
             if relay is not None:
                 rec["takeover"] = dataclasses.asdict(h) if h is not None else None
+            elif isinstance(engine, ChatEndpoint):
+                rec["answered_by"] = h
             if rec["passed"]:
                 rec["messages"] = demo_messages(t, job.task, env, tok, observations)
-                if h is not None and rec["messages"] is not None:
+                if relay is not None and h is not None and rec["messages"] is not None:
                     rec["messages"] = relay_messages(rec["messages"], h.turn)
             episodes.append(rec)
         atomic_write_text(path, json.dumps({"key": key, "episodes": episodes}, ensure_ascii=False))
@@ -179,6 +199,8 @@ def demonstrations(records: list[dict], keep: str, provenance: dict) -> tuple[li
         episode = {"group_id": r["group_id"], "attempt": r["attempt"], "verdict": verdict}
         if relay:
             episode["takeover"] = r["takeover"]
+        if "answered_by" in r:
+            episode["answered_by"] = r["answered_by"]
         demos.append(
             {
                 "id": ident,
@@ -211,6 +233,52 @@ def teacher_provenance(ctx, cfg: Config, path: Path, tok) -> dict:
         "seed": ctx.seed,
         "stage": ctx.name,
     }
+
+
+def endpoint_teacher(ctx, cfg: Config) -> tuple[ChatEndpoint, object, dict]:
+    """(the endpoint, the student's tokenizer, provenance) of an endpoint teacher; refused (UserError
+    naming the key) before any episode when it cannot be reached or does not serve the model."""
+    key = f"stages.{ctx.name}"
+    path = ctx.checkpoint(cfg.tokenizer, "tokenizer")
+    _fits(path, cfg, key, "student")  # the episodes are the student's to train on: its context counts
+    _, tok = open_model_dir(path)
+    if tok is None:
+        raise UserError(f"{key}.tokenizer: {cfg.tokenizer!r} has no tokenizer.json")
+    e = cfg.endpoint
+    endpoint = ChatEndpoint(
+        e.url,
+        e.model,
+        api_key_env=e.api_key_env,
+        timeout_s=e.timeout_s,
+        retries=e.retries,
+        backoff_s=e.backoff_s,
+        concurrency=e.concurrency,
+        extra=dict(e.extra),
+        key=f"{key}.endpoint",
+    )
+    identity = endpoint.check()
+    provenance = {
+        "teacher": f"{e.model} at {endpoint.url}",
+        "teacher_sha256": None,  # no files of ours: the endpoint's identity stands for them
+        "endpoint": {"url": endpoint.url, "model": e.model, "identity": identity},
+        # what the demonstration's tokens are: the endpoint's text encoded by the student's tokenizer
+        "tokens": "re-tokenised endpoint text",
+        "tokenizer": tok.fingerprint() if hasattr(tok, "fingerprint") else None,
+        "tokenizer_ref": cfg.tokenizer,
+        "sampling": {
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "top_k": cfg.top_k,
+            "engine": "endpoint",
+            "extra": dict(e.extra),
+        },
+        "budget": {"max_context": cfg.max_context, "max_turn_tokens": cfg.max_turn_tokens, "max_turns": cfg.max_turns},
+        "env": cfg.env,
+        "verifier": cfg.verifier,
+        "seed": ctx.seed,
+        "stage": ctx.name,
+    }
+    return endpoint, tok, provenance
 
 
 def shard_tasks(tasks: list, cfg: Config) -> list[tuple[int, object]]:
@@ -264,10 +332,13 @@ def run(ctx) -> dict:
         raise UserError(f"{key}.tasks: stage {cfg.tasks!r} is not in needs")
     tasks = load_tasks(ctx.inputs[cfg.tasks], "train")  # never a held-out split
     tasks = domains_in_turn(tasks, cfg.limit) if cfg.limit > 0 else tasks
-    path = ctx.checkpoint(cfg.teacher, "teacher")
-    _fits(path, cfg, key, "teacher")
-    engine, tok, _ = serve_checkpoint(ctx, cfg.teacher, "teacher", cfg.batch_size)
-    provenance = teacher_provenance(ctx, cfg, path, tok)
+    if cfg.endpoint.url:
+        engine, tok, provenance = endpoint_teacher(ctx, cfg)
+    else:
+        path = ctx.checkpoint(cfg.teacher, "teacher")
+        _fits(path, cfg, key, "teacher")
+        engine, tok, _ = serve_checkpoint(ctx, cfg.teacher, "teacher", cfg.batch_size)
+        provenance = teacher_provenance(ctx, cfg, path, tok)
     relay = None
     if cfg.student:  # the episodes are the student's: rendered in its tokenizer
         tok, relay = relay_player(ctx, cfg, engine, tok, provenance)
@@ -302,7 +373,14 @@ def run(ctx) -> dict:
         for d in domains
     }
     # the teacher's digest here too, not only in each demonstration: a stage that kept none still says whose
-    summary = {"teacher": cfg.teacher, "teacher_sha256": provenance["teacher_sha256"], "shard": cfg.shard, "keep": cfg.keep}
+    summary = {
+        "teacher": provenance["teacher"],
+        "teacher_sha256": provenance["teacher_sha256"],
+        "shard": cfg.shard,
+        "keep": cfg.keep,
+    }
+    if "endpoint" in provenance:
+        summary |= {"endpoint": provenance["endpoint"], "tokens": provenance["tokens"], "tokenizer_ref": cfg.tokenizer}
     summary |= {**counts, "domains": per_domain}
     if cfg.student:
         summary |= {"student": cfg.student, "student_sha256": provenance["relay"]["student_sha256"]}

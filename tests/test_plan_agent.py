@@ -177,6 +177,22 @@ def test_the_teacher_is_planned_from_its_config(files):
     assert halves["tasks"] == 16 and halves["units"] == 2 and halves["agent"][0]["episodes"] == 32
 
 
+def test_an_endpoint_teacher_is_planned_at_its_walltime(files):
+    """Its sampling runs on the service, at a speed this site's figures do not describe."""
+    cfg, site = files
+    t = typed(
+        cfg,
+        site,
+        "stages.teacher.teacher=''",
+        "stages.teacher.endpoint.url=http://node1:8000/v1",
+        "stages.teacher.endpoint.model=teacher",
+        "stages.teacher.tokenizer=sft:final",
+    )
+    rec = by_name(core.make_plan(t))["teacher"]
+    assert rec["hours_basis"] != "model" and any("endpoint" in n for n in rec["notes"])
+    assert rec["hours"] == pytest.approx(t.stages["teacher"].resources.time_min / 60, rel=0.01)
+
+
 def test_more_turns_or_dearer_calls_make_the_teacher_dearer_by_their_cost(files):
     cfg, site = files
     base = by_name(core.make_plan(typed(cfg, site)))["teacher"]

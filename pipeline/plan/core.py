@@ -251,6 +251,11 @@ def plan_stage(run, name: str, model_configs: dict, inputs: Inputs | None = None
 def _work_seconds(run, name: str, stage, model_configs: dict, inputs: Inputs | None, rec: dict) -> float | None:
     """Seconds of the stage's own work (None: not modelled, its walltime stands in)."""
     kind = stage.kind
+    if kind == "teacher" and stage.endpoint.url:
+        rec["notes"].append(
+            "teacher: an endpoint samples it (at the service's speed, not this site's): its walltime stands in, an upper bound"
+        )
+        return None
     if kind in MODELLED:
         arch = stage_arch(run, name, model_configs)
         rec["model"] = arch.describe()
