@@ -42,6 +42,8 @@ from snowcat.stages.taskgen import demonstration, generate_domain, load_tasks, s
 from snowcat.stages.tokenizer import message_text
 from tests.test_agent import tiny_model, tiny_tokenizer
 
+pytestmark = pytest.mark.xdist_group("teacher_endpoint")  # one worker starts the vLLM server once
+
 KEY_ENV = "SNOWCAT_TEST_TEACHER_KEY"
 MODEL = "tiny-teacher"
 SMALL = dict(
