@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard
 from snowcat.pipeline import cli, config
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import sha256_file
-from snowcat.pipeline.reports.card import build_card
+from snowcat.pipeline.reports.card import build_card, training
 from snowcat.pipeline.rundir import RunDir
 
 CONFIG = """\
@@ -106,3 +106,20 @@ def test_bad_card_config_is_one_line_naming_the_key(tmp_path, capsys):
     assert cli.main(["config", str(path), "card.license=GPL v3"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "card.license: 'GPL v3' is not a Hub license identifier" in err
+
+
+def test_an_endpoint_teacher_is_named_by_what_the_service_said_not_by_a_digest():
+    record = {
+        "teacher": "tiny-teacher at http://node1:8000/v1",
+        "teacher_sha256": None,
+        "endpoint": {
+            "url": "http://node1:8000/v1",
+            "model": "tiny-teacher",
+            "identity": {"id": "tiny-teacher", "owned_by": "vllm"},
+        },
+    }
+    line = training._named([record], "teacher")
+    assert "`tiny-teacher at http://node1:8000/v1`" in line and "OpenAI-compatible endpoint" in line
+    assert '{"id": "tiny-teacher", "owned_by": "vllm"}' in line and "re-tokenised" in line and "sha256" not in line
+    checkpoint = {"teacher": "sft:final", "teacher_sha256": "ab" * 32}
+    assert training._named([checkpoint], "teacher") == f"`sft:final`, files' manifest sha256 `{'ab' * 32}`"

@@ -4,6 +4,7 @@ of each training stage (its teachers, precision, layout)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -297,6 +298,13 @@ def _named(records: list[dict], key: str) -> str:
     records that name them (a teacher stage's units and its demonstrations agree on both)."""
     ref = next((r[key] for r in records if r.get(key)), None)
     digest = next((r[f"{key}_sha256"] for r in records if r.get(f"{key}_sha256")), None)
+    endpoint = next((r["endpoint"] for r in records if key == "teacher" and r.get("endpoint")), None)
+    if digest is None and endpoint:  # no files of ours: what the service said it serves stands for them
+        identity = json.dumps(endpoint.get("identity"), sort_keys=True)
+        return (
+            f"`{shown(ref)}`, an OpenAI-compatible endpoint (its /v1/models entry: `{identity}`; its text "
+            "re-tokenised by the student's tokenizer)"
+        )
     return f"`{shown(ref)}`, files' manifest sha256 `{shown(digest)}`"
 
 
