@@ -16,7 +16,11 @@ from snowcat.pipeline.fsio import build_manifest
 from snowcat.stages.agent.demos import read_demos
 from tests.conftest import REPO, SHARED_RUN_TIMEOUT_S, make_run, snowcat_in_repo
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(SHARED_RUN_TIMEOUT_S)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(SHARED_RUN_TIMEOUT_S),
+    pytest.mark.xdist_group("card_teacher"),  # one worker makes the module's run once
+]
 
 # tasks → sft (the teacher of all) → a teacher stage in two shards, and a Relay stage whose student is
 # sft_student → SFT on both stages' demonstrations, and RL with 1 teacher episode per task per update

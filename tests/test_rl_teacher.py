@@ -223,6 +223,7 @@ def one_rank(inputs, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("rl_teacher_one_rank")  # the worker that ran `one_rank` reuses it
 def test_a_run_with_teacher_rollouts_trains_on_them_and_resumes_bit_identically(inputs, one_rank, tmp_path):
     rows = updates(one_rank)
     kept = kept_rows(one_rank)
@@ -271,6 +272,7 @@ TOKEN_MEANS = ("teacher/mean_abs_dlogp", "teacher/tis_clip_frac", "mismatch/mean
 
 
 @pytest.mark.slow  # with its fixture: a 1-rank run, then 2 trainer ranks + 1 rollout rank under mpirun
+@pytest.mark.xdist_group("rl_teacher_one_rank")
 def test_two_trainer_ranks_report_the_teacher_figures_of_one(inputs, one_rank, tmp_path):
     if shutil.which("mpirun") is None:
         pytest.skip("needs OpenMPI's mpirun")
