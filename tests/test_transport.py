@@ -226,6 +226,31 @@ def test_a_damaged_message_is_refused_naming_what_does_not_fit(change, message):
         TrajectoryBatch.read(buf)
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (_set("token_offsets", 40, 10**6), "token_offsets is not 81 non-decreasing offsets"),
+        (_set("turn_offsets", 70, 0), "turn_offsets is not"),
+        (_set("string_offsets", 200, 0), "string_offsets is not"),
+        (_set("support_lengths", 7, -1), "support_lengths do not add up"),
+        (_set("route_width", 60, 5), "route widths do not add up"),
+        (_set("route_width", 60, -4), "route widths do not add up"),
+        (_set("status", 79, 9), "a status index beyond 3"),
+        (_set("segment_kind", 65, 2), "a segment kind index beyond 1"),
+        (_set("source", 64, 3), "a source index beyond 1"),
+        (_set("segment", 70, 2), "record 70 is segment 2 after 1 of its episode"),
+    ],
+)
+def test_a_damaged_large_batch_is_refused_as_a_small_one_is(change, message):
+    """From 64 records on a batch is checked in numpy calls, below in Python lists (cheaper for a few)."""
+    trajs = make_batch(6, n=80)
+    buf = TrajectoryBatch.of(6, trajs).buffer.copy()
+    assert TrajectoryBatch.read(buf) == trajs
+    change(buf, TrajectoryBatch.read(buf))
+    with pytest.raises(ValueError, match=message):
+        TrajectoryBatch.read(buf)
+
+
 def test_a_short_padded_or_misaligned_message_is_refused():
     buf = TrajectoryBatch.write(1, agent_records(1)).buffer
     with pytest.raises(ValueError, match="shorter than its"):

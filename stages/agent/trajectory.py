@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import struct
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -224,32 +225,78 @@ def regroup(records: list[Trajectory]) -> list[Trajectory]:
 WIRE_MAGIC = int.from_bytes(b"snowtraj", "little")
 WIRE_VERSION = 3  # 2: segment, segment_kind; 3: source
 _HEAD = 4 + len(FIELDS)
+_HEADER = struct.Struct(f"={_HEAD}q")  # native order as numpy's int64, any alignment
+_SPECS, _FIELD_INDEX = list(FIELDS.values()), {name: i for i, name in enumerate(FIELDS)}
+_N_OFFSETS = _FIELD_INDEX["token_offsets"]
+_BYTE = np.dtype(np.uint8)
 _UNIT = [dtype.itemsize * int(np.prod(tail, dtype=np.int64)) for dtype, tail in FIELDS.values()]  # bytes per entry
 
 _PER_TOKEN = ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths")
 _SCALARS = ("group_id", "attempt", "policy_version", "prompt_len", "reward", "status", "segment", "segment_kind", "source")
 # the fields with one entry per record and those with one per token (as many as token_ids)
-_COUNTED = (*((k, "trajectories") for k in ("route_width", *_SCALARS)), *((k, "tokens") for k in _PER_TOKEN[1:]))
+_PER_RECORD = ("route_width", *_SCALARS)
+_COUNTED = (*((k, "trajectories") for k in _PER_RECORD), *((k, "tokens") for k in _PER_TOKEN[1:]))
+_RECORD_COUNTS, _TOKEN_COUNTS = operator.itemgetter(*_PER_RECORD), operator.itemgetter(*_PER_TOKEN)
 _NAMES = {"status": STATUSES, "segment_kind": SEGMENT_KINDS, "source": SOURCES}  # coded fields: their index's names
 _CODES = {field: {s: i for i, s in enumerate(names)} for field, names in _NAMES.items()}
+# what checking a small batch reads as lists (int64 or uint8 columns): (name, field index, int64)
+_LISTED = [
+    (name, _FIELD_INDEX[name], FIELDS[name][0].itemsize == 8)
+    for name in ("token_offsets", "turn_offsets", "string_offsets", "route_width", "segment", *_NAMES)
+]
 
 
 def _layout(lengths) -> tuple[list[int], int]:
     """Byte offset of each field for these leading lengths, and the total size (8-byte aligned)."""
-    offsets, at = [], 8 * _HEAD
-    for unit, n in zip(_UNIT, lengths):
-        offsets.append(at)
-        at += (n * unit + 7) // 8 * 8
-    return offsets, at
+    ends = list(itertools.accumulate([(n * unit + 7) & -8 for unit, n in zip(_UNIT, lengths)], initial=8 * _HEAD))
+    return ends[:-1], ends[-1]
 
 
 def _offsets(lengths) -> list[int]:
     return [0, *itertools.accumulate(lengths)]
 
 
-def _check_offsets(off: np.ndarray, name: str, count: int, total: int) -> None:
-    """ValueError unless `off` is `count + 1` non-decreasing positions from 0 to `total`."""
-    if len(off) != count + 1 or off[0] != 0 or off[-1] != total or (off[1:] < off[:-1]).any():
+# Checking a batch: a column of up to _FEW entries is checked as a Python list, a longer one with
+# numpy. A numpy call costs about 1 us whatever the size, most of reading a small batch (a list of
+# a few ints: 0.1 us), while a list of 2049 offsets takes 17 us to make and 13 to check.
+_FEW = 64
+
+
+def _nondecreasing(v) -> bool:
+    return sorted(v) == v if isinstance(v, list) else not (v[1:] < v[:-1]).any()
+
+
+def _least(v) -> int:
+    if isinstance(v, list):
+        return min(v) if v else 0  # (min's default= costs more than the rest of it on a short list)
+    return int(np.minimum.reduce(v, initial=0))
+
+
+def _most(v) -> int:
+    if isinstance(v, list):
+        return max(v) if v else 0
+    return int(np.maximum.reduce(v, initial=0))
+
+
+def _all_zero(v: np.ndarray) -> bool:
+    # count_nonzero is the cheapest numpy call on a short array, min and max (SIMD) on a long one
+    return not np.count_nonzero(v) if len(v) < 1 << 16 else _least(v) == 0 == _most(v)
+
+
+def _any(v) -> bool:
+    return any(v) if isinstance(v, list) else bool(np.count_nonzero(v))
+
+
+def _route_entries(tok, width) -> int:
+    """How many routes entries records of these token offsets and route widths hold."""
+    if isinstance(tok, list):
+        return sum(map(operator.mul, map(operator.sub, tok[1:], tok), width))
+    return int(np.dot(tok[1:] - tok[:-1], width))
+
+
+def _check_offsets(off, name: str, count: int, total: int) -> None:
+    """ValueError unless `off` (a list or an array) is `count + 1` non-decreasing positions from 0 to `total`."""
+    if len(off) != count + 1 or off[0] != 0 or off[-1] != total or not _nondecreasing(off):
         raise ValueError(f"trajectory batch: {name} is not {count + 1} non-decreasing offsets from 0 to {total}")
 
 
@@ -307,41 +354,45 @@ class TrajectoryBatch(Sequence):
         lengths: dict[str, int],
         index: int = 0,
         buffer: np.ndarray | None = None,
+        lists: dict[str, list] | None = None,
     ):
-        """The batch of these columns (arrays by field name, or a function making one), after
-        checking that they fit together (ValueError naming the field otherwise)."""
+        """The batch of these columns (arrays by field name, or a function making one; `lists`: some of
+        them as lists already), after checking that they fit together (ValueError naming the field otherwise)."""
         self.index, self.buffer = index, buffer
         self._columns, self._make = (columns, None) if isinstance(columns, dict) else ({}, columns)
-        column = self.column
+        self._lists = {} if lists is None else lists  # columns as Python lists, made once (checking a small batch, records)
         n = lengths["token_offsets"] - 1
         if n < 0:
             raise ValueError("trajectory batch: token_offsets is empty")
         tokens = lengths["token_ids"]
-        for name, per in _COUNTED:
-            want = n if per == "trajectories" else tokens
-            if lengths[name] != want:
-                raise ValueError(f"trajectory batch: {name} has {lengths[name]} entries for {want} {per}")
-        # the batch as a whole, in a few numpy calls whatever its size (what reading costs for a small batch)
-        tok = column("token_offsets")
+        if _RECORD_COUNTS(lengths) != (n,) * len(_PER_RECORD) or _TOKEN_COUNTS(lengths) != (tokens,) * len(_PER_TOKEN):
+            for name, per in _COUNTED:
+                want = n if per == "trajectories" else tokens
+                if lengths[name] != want:
+                    raise ValueError(f"trajectory batch: {name} has {lengths[name]} entries for {want} {per}")
+        # the batch as a whole: a small one's per-record columns as lists (what its records are then
+        # made from), a large one's in a few numpy calls
+        values = (self._lists.__getitem__ if lists else self._list) if n < _FEW else self.column
+        tok = values("token_offsets")
         _check_offsets(tok, "token_offsets", n, tokens)
-        _check_offsets(column("turn_offsets"), "turn_offsets", n, lengths["turns"])
-        _check_offsets(column("string_offsets"), "string_offsets", 3 * n, lengths["strings"])
-        slen, n_support = column("support_lengths"), lengths["support_ids"]
-        # all >= 0, and they add up (none at all, the common case: all 0, which max says faster than sum)
-        if slen.min(initial=0) < 0 or (int(slen.sum(dtype=np.int64)) if n_support else slen.max(initial=0)) != n_support:
+        _check_offsets(values("turn_offsets"), "turn_offsets", n, lengths["turns"])
+        _check_offsets(values("string_offsets"), "string_offsets", 3 * n, lengths["strings"])
+        slen, n_support = self.column("support_lengths"), lengths["support_ids"]
+        # all >= 0, and they add up (none at all, the common case: all 0)
+        if (_least(slen) < 0 or int(slen.sum(dtype=np.int64)) != n_support) if n_support else not _all_zero(slen):
             raise ValueError(f"trajectory batch: support_lengths do not add up to the {n_support} support ids")
-        width = column("route_width")
-        if width.min(initial=0) < 0 or int(np.dot(tok[1:] - tok[:-1], width)) != lengths["routes"]:
+        width = values("route_width")
+        if _least(width) < 0 or _route_entries(tok, width) != lengths["routes"]:
             raise ValueError(f"trajectory batch: route widths do not add up to the {lengths['routes']} routes entries")
         for name, names in _NAMES.items():
-            if column(name).max(initial=0) >= len(names):
+            if _most(values(name)) >= len(names):
                 raise ValueError(f"trajectory batch: a {name.replace('_', ' ')} index beyond {len(names) - 1}")
-        self._starts = self._episode_starts(n)
-        raw = column("strings").tobytes()
+        self._starts = self._episode_starts(n, values("segment"))
+        raw = self.column("strings").tobytes()
         try:
             text = raw.decode()
             if len(text) != len(raw):  # not ASCII: byte offsets are not character offsets, so each string alone
-                at = column("string_offsets").tolist()
+                at = self._list("string_offsets")
                 text = [raw[a:b].decode() for a, b in zip(at, at[1:])]
         except UnicodeDecodeError as e:
             raise ValueError(f"trajectory batch: the strings are not utf-8 where cut at their offsets ({e.reason})") from None
@@ -349,14 +400,13 @@ class TrajectoryBatch(Sequence):
         self._episodes: list[Trajectory | None] = [None] * (len(self._starts) - 1)
         self._at: dict[str, list] | None = None  # positions and per-record values as lists, made with the first record
 
-    def _episode_starts(self, n: int):
+    def _episode_starts(self, n: int, segment):
         """Index of each episode's first record, and n: every record is segment 0 of its episode or
         the one after the record before it."""
-        segment = self.column("segment")
-        if not segment.any():  # no context was rewritten: one record per episode
+        if not _any(segment):  # no context was rewritten: one record per episode
             return range(n + 1)
         starts = []
-        for j, s in enumerate(segment.tolist()):
+        for j, s in enumerate(segment if isinstance(segment, list) else segment.tolist()):
             if s == 0:
                 starts.append(j)
             elif not starts or s != j - starts[-1]:
@@ -371,10 +421,13 @@ class TrajectoryBatch(Sequence):
     def read(cls, buf) -> TrajectoryBatch:
         """The batch in message `buf` (any buffer: the columns are views of it); ValueError naming what
         does not fit (another format version, a truncated or padded buffer, inconsistent offsets)."""
-        buf = buf.view(np.uint8).reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+        if not isinstance(buf, np.ndarray):
+            buf = np.frombuffer(buf, np.uint8)
+        elif buf.dtype is not _BYTE or buf.ndim != 1:  # (a received message is one already)
+            buf = buf.view(np.uint8).reshape(-1)
         if len(buf) < 8 * _HEAD:
             raise ValueError(f"trajectory batch: {len(buf)} bytes, shorter than its {8 * _HEAD}-byte header")
-        magic, version, index, n_fields, *lengths = buf[: 8 * _HEAD].view(np.int64).tolist()
+        magic, version, index, n_fields, *lengths = _HEADER.unpack_from(buf)
         if magic != WIRE_MAGIC:
             raise ValueError("trajectory batch: not a snowcat trajectory batch (no magic number)")
         if version != WIRE_VERSION or n_fields != len(FIELDS):
@@ -385,14 +438,21 @@ class TrajectoryBatch(Sequence):
         offsets, total = _layout(lengths) if min(lengths) >= 0 else ([], -1)
         if total != len(buf):
             raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {total}")
-        at = {name: (off, n) for name, off, n in zip(FIELDS, offsets, lengths)}
 
         def view(name: str) -> np.ndarray:  # made when first used: checking the batch needs only some
-            off, n = at[name]
-            dtype, tail = FIELDS[name]
-            return np.ndarray((n, *tail), dtype, buf, off)
+            i = _FIELD_INDEX[name]
+            dtype, tail = _SPECS[i]
+            return np.ndarray((lengths[i], *tail), dtype, buf, offsets[i])
 
-        return cls(view, dict(zip(FIELDS, lengths)), index, buf)
+        lists = None
+        if lengths[_N_OFFSETS] <= _FEW:  # a small batch is checked in lists: those columns' straight from the message
+            data = memoryview(buf)
+            words = data.cast("q")  # every column starts on an 8-byte boundary
+            lists = {}
+            for name, i, wide in _LISTED:
+                at, n = offsets[i], lengths[i]
+                lists[name] = (words[at // 8 : at // 8 + n] if wide else data[at : at + n]).tolist()
+        return cls(view, dict(zip(FIELDS, lengths)), index, buf, lists)
 
     @classmethod
     def columns_of(cls, buffers: dict[str, np.ndarray]) -> TrajectoryBatch:
@@ -480,6 +540,13 @@ class TrajectoryBatch(Sequence):
             out = self._columns[name] = self._make(name)
         return out
 
+    def _list(self, name: str) -> list:
+        """Column `name` as a Python list."""
+        out = self._lists.get(name)
+        if out is None:
+            out = self._lists[name] = self.column(name).tolist()
+        return out
+
     @property
     def columns(self) -> dict[str, np.ndarray]:
         """Every field's column, keyed and typed as in `FIELDS`."""
@@ -517,11 +584,10 @@ class TrajectoryBatch(Sequence):
         own). Without dataclass __init__: the batch was checked as a whole."""
         column = self.column
         if self._at is None:
-            tok = column("token_offsets").tolist()
-            width = column("route_width").tolist()
-            support = column("support_lengths")
-            self._at = at = {name: column(name).tolist() for name in _SCALARS}
-            at.update(tok=tok, turn=column("turn_offsets").tolist(), strings=column("string_offsets").tolist(), width=width)
+            listed = self._list
+            tok, width, support = listed("token_offsets"), listed("route_width"), column("support_lengths")
+            self._at = at = {name: listed(name) for name in _SCALARS}
+            at.update(tok=tok, turn=listed("turn_offsets"), strings=listed("string_offsets"), width=width)
             at["routes"] = _offsets(map(operator.mul, map(operator.sub, tok[1:], tok), width))
             # where each record's support ids start (none at all: every token sampled from the full distribution)
             at["support"] = (
