@@ -16,7 +16,8 @@ the trainer. For each batch size (trajectories per batch: the defaults are 85 Ki
     reads it (`TrajectoryBatch.read`: header, offsets and counts checked for the batch as a whole,
     every column a view of the message, every trajectory's fields views it can take);
   - `message`: the same buffer through `MPITransport`'s `send_message` / `recv_message` alone
-    (ready word, probe, receive into a reused buffer): what the transport adds to moving bytes;
+    (probe, receive into a reused buffer; the trainer's "receiving" word only where the sender may
+    be backing off): what the transport adds to moving bytes;
   - `raw`: one `comm.Send` of a uint8 buffer of the same byte count into a preallocated `Recv`.
 Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
 extra message in every row), and reports the median and `raw / typed`, `raw / message` (1.0: no
@@ -195,12 +196,12 @@ for n in sizes:
         "trajectories": n,
         "tokens": int(sum(len(t) for t in trajs)),
         "bytes": nbytes,
-        "median_s": {k: round(v, 6) for k, v in med.items()},
-        "times_s": {k: [round(x, 6) for x in times[k]] for k in kinds},
+        "median_s": {k: round(v, 7) for k, v in med.items()},  # 0.1 us: a small batch moves in 30
+        "times_s": {k: [round(x, 7) for x in times[k]] for k in kinds},
         **{f"{k}_gb_per_s": round(nbytes / med[k] / 1e9, 3) for k in kinds},
         "ratio_raw_over_typed": round(med["raw"] / med["typed"], 3),
         "ratio_raw_over_message": round(med["raw"] / med["message"], 3),
-        "min_s": {k: round(v, 6) for k, v in low.items()},
+        "min_s": {k: round(v, 7) for k, v in low.items()},
         "ratio_of_minimums_typed": round(low["raw"] / low["typed"], 3),
         "ratio_of_minimums_message": round(low["raw"] / low["message"], 3),
         "ratio_write_over_arrays": round(med["write"] / med["arrays"], 3),
@@ -239,18 +240,18 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     host, rev = host_state(probe_gpu=False), revision(MEASURED)
     machine = {k: host[k] for k in ("hostname", "platform", "cpu_model", "memory_bytes")} | {"cpus": host["cpu_count"]}
-    print(f"2 ranks under mpirun, {MPI_ENV['OMPI_MCA_btl']} transport, median of {args.repeats} (ms; ratio: raw / row)")
+    print(f"2 ranks under mpirun, {MPI_ENV['OMPI_MCA_btl']} transport, median of {args.repeats} (us; ratio: raw / row)")
     print(
-        f"{'trajs':>6} {'tokens':>8} {'MiB':>7} {'raw':>7} {'typed':>7} {'ratio':>6} {'message':>8} {'ratio':>6}"
-        f"  {'read':>6} {'decode':>7} {'encode':>7}  {'write':>7} {'arrays':>7}   fastest: {'raw':>6} {'typed':>7} {'ratio':>6}"
+        f"{'trajs':>6} {'tokens':>8} {'MiB':>7} {'raw':>8} {'typed':>8} {'ratio':>6} {'message':>8} {'ratio':>6}"
+        f"  {'read':>6} {'decode':>7} {'encode':>7}  {'write':>7} {'arrays':>7}   fastest: {'raw':>8} {'typed':>8} {'ratio':>6}"
     )
     for r in rows:
-        med, low = ({k: v * 1e3 for k, v in r[key].items()} for key in ("median_s", "min_s"))
+        med, low = ({k: v * 1e6 for k, v in r[key].items()} for key in ("median_s", "min_s"))
         print(
-            f"{r['trajectories']:>6} {r['tokens']:>8} {r['bytes'] / 2**20:>7.2f} {med['raw']:>7.2f} {med['typed']:>7.2f} "
-            f"{r['ratio_raw_over_typed']:>6.2f} {med['message']:>8.2f} {r['ratio_raw_over_message']:>6.2f}"
-            f"  {med['read']:>6.3f} {med['decode']:>7.2f} {med['encode']:>7.2f}  {med['write']:>7.1f} {med['arrays']:>7.1f}"
-            f"   {'':9}{low['raw']:>6.2f} {low['typed']:>7.2f} {r['ratio_of_minimums_typed']:>6.2f}"
+            f"{r['trajectories']:>6} {r['tokens']:>8} {r['bytes'] / 2**20:>7.2f} {med['raw']:>8.1f} {med['typed']:>8.1f} "
+            f"{r['ratio_raw_over_typed']:>6.2f} {med['message']:>8.1f} {r['ratio_raw_over_message']:>6.2f}"
+            f"  {med['read']:>6.1f} {med['decode']:>7.0f} {med['encode']:>7.0f}  {med['write']:>7.0f} {med['arrays']:>7.0f}"
+            f"   {'':9}{low['raw']:>8.1f} {low['typed']:>8.1f} {r['ratio_of_minimums_typed']:>6.2f}"
             + ("" if r["received_equal"] else "  RECEIVED BATCH DIFFERS")
         )
     print(
