@@ -219,6 +219,18 @@ def _typed_stage(name: str, raw: Any, label_of: dict) -> DictConfig:
     return OmegaConf.structured(schema)
 
 
+def _list_by_index(sources, path) -> str:
+    """The one line for a source that sets a list's element by its index (omegaconf merges a dotted
+    `key.0.field=v` as a mapping, which no list takes): the first source the merge fails at."""
+    merged = OmegaConf.create()
+    for label, src in sources:
+        try:
+            merged = OmegaConf.merge(merged, src)
+        except TypeError:
+            return f"{label}: sets part of a list by its index; give the whole list instead (key='[...]')"
+    return f"{path}: a list is set by its index somewhere; give whole lists (key='[...]')"
+
+
 def compose(path: str | Path, overrides: list[str] = (), site: str | None = None) -> DictConfig:
     """Load, compose and validate; returns the typed config (interpolations not yet resolved)."""
     sources = _sources(Path(path))
@@ -238,6 +250,8 @@ def compose(path: str | Path, overrides: list[str] = (), site: str | None = None
         raw = OmegaConf.merge(*(s for _, s in sources))
     except OmegaConfBaseException as e:
         raise UserError(f"{path}: {_key(e)}: {_msg(e)}") from None
+    except TypeError:  # omegaconf cannot merge a mapping into a list: `key.0.field=v` against a list
+        raise UserError(_list_by_index(sources, path)) from None
 
     typed = OmegaConf.structured(RunConfig)
     if raw.get("site") is not None:

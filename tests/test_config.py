@@ -168,3 +168,12 @@ def test_an_rl_stage_without_its_tasks_stage_in_needs_is_refused_by_snowcat_conf
     assert cli.main(["config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "stages.rl.needs: add 'tasks' (named in tasks_input)" in err, err
+
+
+def test_an_override_that_sets_a_list_element_by_index_is_one_line_naming_it():
+    # omegaconf merges `key.0.field=v` as a mapping, which a list cannot take (it raised a TypeError)
+    bad = "stages.prestage.artefacts.0.path=X"
+    with pytest.raises(UserError, match=re.escape(f"override '{bad}': sets part of a list by its index")):
+        config.load(REPO / "configs" / "hf-tiny.yaml", [bad])
+    whole = "stages.tasks.domains.closure.difficulties=[1,2]"  # a whole list is fine
+    assert list(config.load(DEMO, [whole]).stages.tasks.domains.closure.difficulties) == [1, 2]
