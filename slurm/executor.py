@@ -120,15 +120,16 @@ class SlurmExecutor(Executor):
         """This run's jobs that are still queued or running, by job id: sacct's rows, and squeue's for
         jobs accounting does not list yet (slurmdbd records a submission a moment after sbatch returns:
         a `resume` right after `run` saw none of them alive and queued the whole DAG again)."""
-        self._wait_for_ending_jobs()
+        queued = self._wait_for_ending_jobs()  # squeue's last answer: asked again, it cost a busy controller twice
         rows = self.sacct()
         alive = {jid: row for jid, row in rows.items() if row["state"].split()[0] in ALIVE}
         # squeue speaks only for jobs accounting does not know: a job sacct lists as CANCELLED may
         # still be in squeue a moment (COMPLETING), and resume took it for alive and queued nothing
         known = {parse_job_id(jid)["job"] for jid in rows}
         unknown = sorted({parse_job_id(jid)["job"] for jid in self.job_ids()} - known)
-        queued = self._queued() if unknown else {}
-        if queued is None:  # a busy controller: "no answer" is not "none queued", which resubmits the DAG
+        if not unknown:
+            queued = {}
+        elif queued is None:  # a busy controller: "no answer" is not "none queued", which resubmits the DAG
             raise UserError(
                 f"squeue did not answer and accounting does not list jobs {', '.join(unknown)} of this run yet: "
                 "whether they are queued is not known, so nothing was submitted; run `snowcat resume` again"
@@ -136,15 +137,20 @@ class SlurmExecutor(Executor):
         unlisted = {jid: row for jid, row in queued.items() if parse_job_id(jid)["job"] not in known and row["state"] in ALIVE}
         return {**unlisted, **alive}
 
-    def _wait_for_ending_jobs(self, limit_s: float = 120.0) -> None:
+    def _wait_for_ending_jobs(self, limit_s: float = 120.0) -> dict[str, dict] | None:
         """A cancelled job's processes may still be saving its checkpoint (SIGTERM): a job queued
         for the unit now would meet them holding it. Wait, up to `limit_s` (a node stuck in
-        COMPLETING must not block every resume), until squeue lists none of the run's jobs COMPLETING."""
+        COMPLETING must not block every resume), until squeue lists none of the run's jobs COMPLETING.
+        Returns squeue's last answer (`_queued`'s: None when it gave none)."""
         deadline, said = time.monotonic() + limit_s, False
-        while ending := sorted(j for j, r in (self._queued() or {}).items() if r["state"] == "COMPLETING"):
+        while True:
+            queued = self._queued()
+            ending = sorted(j for j, r in (queued or {}).items() if r["state"] == "COMPLETING")
+            if not ending:
+                return queued
             if time.monotonic() > deadline:
                 print(f"jobs {', '.join(ending)} still COMPLETING after {limit_s:.0f} s; going on", file=sys.stderr)
-                return
+                return queued
             if not said:
                 print(f"waiting for jobs {', '.join(ending)} to finish ending (COMPLETING)", file=sys.stderr)
                 said = True
