@@ -537,7 +537,9 @@ class EndpointConfig:
         reserved = sorted(set(self.extra) & {"model", "messages", "temperature", "top_p", "top_k", "max_tokens", "seed", "n"})
         if reserved:
             yield "endpoint.extra", f"{', '.join(reserved)}: set by the stage (its own keys), not here"
-        if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", self.url):
+        if "@" in self.url.split("//", 1)[-1].split("/", 1)[0]:  # user:password@host would be recorded with the URL
+            yield "endpoint.url", "holds credentials (user@ or user:password@): name the key's variable in api_key_env"
+        elif not re.fullmatch(r"https?://[^/\s]+(/\S*)?", self.url):
             yield "endpoint.url", f"{self.url!r}: an http(s) URL of the API's base, e.g. http://node42:8000/v1"
         if not self.model:
             yield "endpoint.model", "name the served model the requests ask for"

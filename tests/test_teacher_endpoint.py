@@ -391,11 +391,15 @@ def test_the_config_refuses_a_key_in_place_of_its_name_and_an_endpoint_without_a
         ({"endpoint": ok}, "tokenizer"),
         ({"endpoint": ok, "tokenizer": "sft:final", "teacher": "sft:final"}, "teacher"),
         ({"endpoint": {**ok, "url": "node1:8000"}, "tokenizer": "sft:final"}, "endpoint.url"),
+        # a key in the URL would be written into the provenance with it, and the message must not repeat it
+        ({"endpoint": {**ok, "url": "http://u:s3cret@node1:8000/v1"}, "tokenizer": "sft:final"}, "endpoint.url"),
+        ({"endpoint": {**ok, "url": "https://tok3n@node1/v1"}, "tokenizer": "sft:final"}, "endpoint.url"),
         ({"endpoint": {**ok, "extra": {"seed": 1}}, "tokenizer": "sft:final"}, "endpoint.extra"),
         ({"tokenizer": "sft:final", "teacher": "sft:final"}, "tokenizer"),
     ]:
-        with pytest.raises(UserError, match=rf"^stages\.teacher\.{key}: [^\n]*$"):
+        with pytest.raises(UserError, match=rf"^stages\.teacher\.{key}: [^\n]*$") as refused:
             stage_config("teacher", {"needs": ["tasks", "sft"], **over})
+        assert "s3cret" not in str(refused.value) and "tok3n" not in str(refused.value)
 
 
 CLI_CONFIG = """\
