@@ -98,6 +98,12 @@ class Planner:
     verify_s: float = bounded(0.0, ge=0)
     sandbox_start_s: float = bounded(0.0, ge=0)
     tool_workers: int = bounded(0, ge=0)
+    # SFT's scripted expert: one episode's wall as the workers play them side by side, measured (its
+    # sandboxes contend for the node's cores); 0: the sum of its calls' costs above
+    expert_episode_s: float = bounded(0.0, ge=0)
+    # an RL stage's seconds outside its updates: the job's MPI world, the trainer's start before it
+    # asks for the first batch, the final save and records
+    rl_start_s: float = bounded(0.0, ge=0)
     budget: Literal["none", "jutil", "taccinfo"] = "none"  # where the remaining allocation could be read (a stub)
     partitions: dict[str, NodeCost] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)

@@ -245,6 +245,18 @@ def test_sft_counts_the_scripted_experts_demonstrations(files):
     rec = by_name(core.make_plan(typed(cfg, site)))["sft"]
     # 32 repository train tasks, 4 workers: 8 rounds of one expert episode (start, 2 tests, view, edit, verify)
     assert rec["expert"]["env_s"] == pytest.approx(8 * (0.1 + 2 * 0.5 + 2 * 0.01 + 1.5))
+    # a measured episode (its sandboxes contending for the cores) replaces the sum of its calls
+    measured = by_name(core.make_plan(with_planner(typed(cfg, site), expert_episode_s=4.0)))["sft"]
+    assert measured["expert"]["env_s"] == pytest.approx(8 * 4.0) and "expert episode 4 s" in measured["expert"]["assumes"]
+
+
+def test_rl_adds_its_start_outside_the_updates_once(files):
+    cfg, site = files
+    base = by_name(core.make_plan(typed(cfg, site)))["rl"]
+    started = by_name(core.make_plan(with_planner(typed(cfg, site), rl_start_s=12.0)))["rl"]
+    assert (started["hours"] - base["hours"]) * 3600 == pytest.approx(12.0)  # once, not per update
+    assert started["start"]["assumes"] == "rl_start_s 12 s (site local)" and started["step_s"] == base["step_s"]
+    assert any("gives no rl_start_s" in n for n in base["notes"])
 
 
 # ------------------------------------------------------------------------------ a run that has started
@@ -263,9 +275,23 @@ def test_imported_tasks_are_counted_from_the_finished_tasks_stage(files, tmp_pat
     cfg, site = files
     t = typed(cfg, site, "stages.tasks.domains={}", "stages.tasks.imports=[{format: swebench, path: x.jsonl, repos_dir: repos}]")
     before = by_name(core.make_plan(t))
-    assert before["eval"]["hours_basis"] == "walltime"  # no limit and nothing imported yet: not known
+    assert before["eval"]["tasks"] == 8  # the generated val split: the import holds none out (val_count 0)
     assert before["teacher"]["tasks"] == 32 and any("limit 32 stands in" in n for n in before["teacher"]["notes"])
     assert any("scripted expert" in n for n in before["sft"]["notes"])  # not counted yet, said so
+    # the import file readable here: its rows less val_count stand in before the tasks stage runs
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"instance_id": f"r{i}"}) + "\n" for i in range(30)) + "\n")  # a blank line is no row
+    t_rows = typed(
+        cfg,
+        site,
+        "stages.tasks.domains={}",
+        f"stages.tasks.imports=[{{format: swebench, path: {rows}, repos_dir: repos, val_count: 5}}]",
+    )
+    counted = by_name(core.make_plan(t_rows))
+    # 25 imported beside the config's 32 generated training tasks; the teacher plays at most its limit
+    assert counted["sft"]["expert"]["tasks"] == 25 + 32 and counted["teacher"]["tasks"] == 32
+    assert any("rows less val_count (57) stands in" in n for n in counted["sft"]["notes"])
+    assert counted["eval"]["tasks"] == 5 + 8  # held out by count
     inputs = _done_tasks(tmp_path, t, train=20, val=6)
     after = by_name(core.make_plan(t, inputs=lambda name: inputs))
     assert after["eval"]["hours_basis"] == "model" and after["eval"]["tasks"] == 6
@@ -413,7 +439,17 @@ def test_calibration_reads_each_term_from_its_own_measurement():
             }
         ],
     }
+    points["rl_starts"] = [10.0, 12.0]
+    points["jobs"] = [
+        {"stage": "tasks", "kind": "tasks", "allocated_s": 23.0, "duration_s": 21.0},
+        {"stage": "sft", "kind": "sft", "allocated_s": 43.0, "duration_s": 39.5},
+        {"stage": "card", "kind": "card", "allocated_s": 4.0, "duration_s": 2.0},
+    ]
     fitted = calibrate.fit(points, workers=8)
+    assert fitted["expert_episode_s"] == pytest.approx(9.0 / 2)  # 16 tasks on 8 workers: 2 rounds
+    assert fitted["rl_start_s"] == pytest.approx(11.0)
+    assert fitted["job_start_s"] == pytest.approx(2.0)  # the median of 2.0, 3.5, 2.0: allocated less duration
+    assert fitted["stage_work_s"] == {"card": 2.0, "tasks": 21.0}  # the short kinds only
     assert fitted["sandbox_call_s"] == pytest.approx(0.5) and fitted["verify_s"] == pytest.approx(1.5)
     assert fitted["tool_call_s"] == pytest.approx(0.02)  # the episode without a sandboxed call or verification
     assert fitted["decode_step_s"] == pytest.approx(0.01)  # 4 s over 400 steps

@@ -207,9 +207,10 @@ def env_seconds(site, profile: Profile, *, episodes: int, wave: int, workers_: i
 
 def expert_seconds(site, tasks: int, workers_: int) -> dict:
     """SFT's scripted expert: each worker plays whole episodes (reset, test, view, edit, test, a
-    verified submit), ceil(tasks / workers) rounds of one."""
+    verified submit), ceil(tasks / workers) rounds of one: the site's measured episode where it
+    gives one, else the sum of the episode's calls."""
     pl = site.planner
-    episode = pl.sandbox_start_s + 2 * pl.sandbox_call_s + 2 * pl.tool_call_s + pl.verify_s
+    episode = pl.expert_episode_s or pl.sandbox_start_s + 2 * pl.sandbox_call_s + 2 * pl.tool_call_s + pl.verify_s
     rounds = math.ceil(tasks / max(1, workers_))
     return {
         "tasks": tasks,
@@ -217,7 +218,9 @@ def expert_seconds(site, tasks: int, workers_: int) -> dict:
         "rounds": rounds,
         "episode_s": episode,
         "env_s": rounds * episode,
-        "assumes": _assumes(site, workers_),
+        "assumes": f"expert episode {pl.expert_episode_s:g} s; {workers_} at a time (site {site.name})"
+        if pl.expert_episode_s
+        else _assumes(site, workers_),
     }
 
 

@@ -20,6 +20,13 @@ total:
   vLLM's imports with it; the stage's own reading and writing too: an upper bound).
 - `backend_mfu`: per trainer backend, an SFT stage's FLOPs per step over (ranks x peak x (its
   measured step less the plan's communication)).
+- `job_start_s`: on Slurm, the median over the run's stage jobs of what sacct says the job was
+  allocated (ElapsedRaw, whole seconds) less the stage's own `duration_s`: batch script, srun, the
+  interpreter and imports before the runner starts the stage, its records after.
+- `stage_work_s`: the short stages' own `duration_s` (their kind's mean where several ran).
+- `expert_episode_s`: SFT's scripted expert, its seconds (the checks' `expert`) over its rounds of
+  `workers` episodes side by side.
+- `rl_start_s`: an RL stage's duration less the seconds of its updates (`time/step_s`).
 
 Checks beside them, not fits (`checks`): SFT's scripted expert (the unit's start to its
 `teacher_demos.json`, the stage's own start included) and each evaluate wave's tool phase (its wall
@@ -34,6 +41,8 @@ import math
 import os
 import statistics
 from pathlib import Path
+
+from snowcat.stages.registry import KINDS
 
 from . import agent as agent_mod
 
@@ -154,6 +163,41 @@ def backend_points(run, dag, typed) -> list[dict]:
     return out
 
 
+def rl_start_points(run, dag, typed) -> list[float]:
+    """Per RL stage: its duration less its updates' seconds (`time/step_s`): what it spent before
+    the first update and after the last."""
+    out = []
+    for name, stage in typed.stages.items():
+        if stage.kind != "rl":
+            continue
+        unit = dag[name].units[0]
+        history = run.unit_dir(unit) / "metrics_history.jsonl"
+        rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()] if history.is_file() else []
+        steps = [r["time/step_s"] for r in rows if "time/step_s" in r]
+        duration = run.metrics(unit).get("duration_s")
+        if steps and duration:
+            out.append(round(duration - sum(steps), 3))
+    return out
+
+
+def job_points(run, dag, typed) -> list[dict]:
+    """Per stage run as one Slurm job: sacct's allocated seconds beside the stage's `duration_s`
+    (continued or retried units, and units sacct does not answer for, are left out)."""
+    from .compare import allocations  # noqa: PLC0415
+
+    allocated, _ = allocations(run, dag)
+    out = []
+    for name, stage in typed.stages.items():
+        units = dag[name].units
+        record = run.record(units[0].key) if len(units) == 1 else {}
+        duration = run.metrics(units[0]).get("duration_s") if record else None
+        if duration is None or units[0].key not in allocated or len(record.get("own_job_ids") or []) != 1:
+            continue
+        seconds = allocated[units[0].key][0]
+        out.append({"stage": name, "kind": stage.kind, "allocated_s": seconds, "duration_s": duration})
+    return out
+
+
 def fit(points: dict, workers: int) -> dict:
     """The planner fields from `points` (see the module docstring), and the checks beside them."""
     episodes = [e for p in points["episodes"] for e in p["episodes"]]
@@ -191,6 +235,21 @@ def fit(points: dict, workers: int) -> dict:
         "engine_reload_s": round(reload, 2),
         "backend_mfu": {k: round(statistics.mean(v), 4) for k, v in training.items()},
     }
+    if points["expert"]:
+        fitted["expert_episode_s"] = round(
+            statistics.mean(p["seconds"] / math.ceil(p["tasks"] / workers) for p in points["expert"]), 3
+        )
+    if points.get("rl_starts"):
+        fitted["rl_start_s"] = round(statistics.mean(points["rl_starts"]), 2)
+    jobs = points.get("jobs") or []
+    if jobs:
+        fitted["job_start_s"] = round(statistics.median(j["allocated_s"] - j["duration_s"] for j in jobs), 2)
+    short = {}
+    for j in jobs:
+        if KINDS[j["kind"]].plan == "short":
+            short.setdefault(j["kind"], []).append(j["duration_s"])
+    if short:
+        fitted["stage_work_s"] = {k: round(statistics.mean(v), 2) for k, v in sorted(short.items())}
     # checks, not fits: the expert's seconds and each wave's tool phase as the model then gives them
     expert = [
         {
@@ -226,6 +285,8 @@ def calibrate(run_path: str, site: str | None) -> dict:
         "expert": expert_points(run, dag, typed),
         "engine": engine_points(run, dag, typed),
         "backends": backend_points(run, dag, typed),
+        "jobs": job_points(run, dag, typed),
+        "rl_starts": rl_start_points(run, dag, typed),
     }
     brief = {
         **points,

@@ -4,9 +4,11 @@ profile; nothing is submitted or written."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from snowcat.pipeline.errors import UserError
 from snowcat.stages.registry import KINDS
@@ -114,14 +116,40 @@ def _task_count(run, tasks_stage: str, split: str, inputs: Inputs | None = None,
     stage = run.stages.get(tasks_stage)
     if stage is None or stage.kind != "tasks":
         return None
-    if stage.imports and split == "val" and not repo_only and not stage.domains:
-        return sum(i.val_count for i in stage.imports) or None  # held out by count (an upper bound: validation drops rows)
-    if stage.imports and (not repo_only or any(i.format in REPO_FORMATS for i in stage.imports)):
-        return None
+    imports = [i for i in stage.imports if not repo_only or i.format in REPO_FORMATS]
     domains = {k: d for k, d in stage.generated().items() if not repo_only or k in REPO_DOMAINS}
     if split == "val":
-        return sum(d.val_count for d in domains.values())
-    return sum(d.count - d.val_count - d.dev_count for d in domains.values())
+        if imports and not any(i.val_count for i in imports) and not domains:
+            return None
+        # imports hold out by count (an upper bound: validation drops rows)
+        return sum(i.val_count for i in imports) + sum(d.val_count for d in domains.values())
+    imported = 0
+    for imp in imports:  # the rows of the import files here, less those held out (an upper bound too)
+        rows = import_rows(imp)
+        if rows is None:
+            return None
+        imported += max(0, rows - imp.val_count)
+    return imported + sum(d.count - d.val_count - d.dev_count for d in domains.values())
+
+
+def import_rows(imp) -> int | None:
+    """Rows of an import's file as it lies here (harbor: its task directories), counted without
+    parsing them; None where it is not readable from here (the plan then says so)."""
+    path = Path(imp.path)
+    try:
+        if imp.format == "harbor":
+            return sum(1 for _ in path.glob("**/task.toml")) if path.is_dir() else None
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq  # noqa: PLC0415 (only where an import is planned)
+
+            return pq.ParquetFile(path).metadata.num_rows
+        if path.suffix == ".jsonl":
+            with path.open("rb") as f:
+                return sum(1 for line in f if line.strip())
+        rows = json.loads(path.read_text())
+        return len(rows) if isinstance(rows, list) else None
+    except (OSError, ValueError):
+        return None
 
 
 def _extra_forwards(stage) -> int:
@@ -312,6 +340,8 @@ def _expert_seconds(run, stage, rec: dict, inputs: Inputs | None) -> float:
     trains (stages/sft.py `teacher_demos`): real tool calls and a verification in sandboxes, side
     by side over the job's cores, with no engine beside them."""
     tasks = _task_count(run, stage.tasks_input, "train", inputs, repo_only=True)
+    if tasks:
+        _note_imported(run, stage.tasks_input, "train", tasks, inputs, rec)
     if tasks is None:
         rec["notes"].append("imported repository tasks, not counted yet: the scripted expert's demonstrations are left out")
         return 0.0
@@ -510,7 +540,12 @@ def _plan_rl(run, name: str, stage, arch: Arch, rec: dict, inputs: Inputs | None
     # the first batch is sampled by a started engine, every later one after a weight version's load;
     # with lag the last batch's training follows its sampling, overlapped with nothing
     tail = train_s if overlap and stage.updates else 0.0
-    return stage.updates * update + eval_s + _engine_starts(run, rec, 1) - (reload_s if stage.updates else 0.0) + tail
+    start = run.site.planner.rl_start_s
+    rec["start"] = {"each_s": start, "assumes": f"rl_start_s {start:g} s (site {run.site.name})"}
+    if not start:
+        rec["notes"].append(f"site {run.site.name} gives no rl_start_s: the MPI world's and trainer's start count as nothing")
+    updates = stage.updates * update + eval_s + _engine_starts(run, rec, 1) - (reload_s if stage.updates else 0.0)
+    return start + updates + tail
 
 
 def _length_notes(rec: dict) -> None:
@@ -533,19 +568,21 @@ def _sampled_tasks(run, stage, split: str, inputs: Inputs | None, rec: dict) -> 
     generated config, or for imported tasks' val split their `val_count`), at most `limit`; imported
     tasks before the tasks stage ran: `limit` as an upper bound where there is one (None: not known)."""
     n = _task_count(run, stage.tasks, split, inputs)
-    tasks = run.stages.get(stage.tasks)
-    if (
-        n is not None
-        and split == "val"
-        and tasks is not None
-        and tasks.imports
-        and (inputs is None or inputs.get(stage.tasks) is None)
-    ):
-        rec["notes"].append(f"imported tasks, not counted yet: the imports' val_count ({n}) stands in (an upper bound)")
+    if n is not None:
+        _note_imported(run, stage.tasks, split, n, inputs, rec)
     if n is None and stage.limit:
         rec["notes"].append(f"imported tasks, not counted yet: limit {stage.limit} stands in for their count (an upper bound)")
         return stage.limit
     return min(n, stage.limit) if n is not None and stage.limit else n
+
+
+def _note_imported(run, tasks_stage: str, split: str, n: int, inputs: Inputs | None, rec: dict) -> None:
+    """Say where a count of imported tasks came from before the tasks stage ran (an upper bound)."""
+    tasks = run.stages.get(tasks_stage)
+    if tasks is None or not tasks.imports or (inputs is not None and inputs.get(tasks_stage) is not None):
+        return
+    where = "the imports' val_count" if split == "val" else "the import files' rows less val_count"
+    rec["notes"].append(f"imported tasks, not counted yet: {where} ({n}) stands in (an upper bound: validation drops rows)")
 
 
 def _engine(run, stage) -> str:
