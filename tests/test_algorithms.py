@@ -12,6 +12,7 @@ from snowcat.stages.algorithms import (
     aggregate,
     compute_advantages,
     dr_grpo_advantages,
+    group_advantages,
     grpo_advantages,
     mismatch_stats,
     policy_loss,
@@ -72,6 +73,22 @@ def test_rloo_n_infra_errors_are_neutral_and_outside_baselines():
     close(compute_advantages("rloo_n", rewards, valid), adv)
     with pytest.raises(UserError, match="estimator"):
         compute_advantages("ppo", rewards)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "rloo_n"])
+def test_an_infra_failure_enters_no_estimators_group_statistics(estimator):
+    # group 7: two valid attempts and an infrastructure failure recorded with reward 0 (a harness
+    # time-out); group 3: one valid attempt left beside two failures has no baseline
+    group_ids, rewards = [7, 7, 7, 3, 3, 3], [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    valid = [True, True, False, True, False, False]
+    adv, trainable = group_advantages(group_ids, rewards, valid, estimator)
+    alone = compute_advantages(estimator, T([[1.0, 0.0]]), torch.ones(1, 2, dtype=torch.bool))[0]
+    close(adv[:2], alone)  # as if the failure had never been in the group
+    close(adv[2:], [0, 0, 0, 0])
+    assert trainable.tolist() == valid
+    # whatever reward the failure carries moves nobody's advantage
+    moved, _ = group_advantages(group_ids, [1.0, 0.0, 100.0, 1.0, -5.0, 3.0], valid, estimator)
+    close(moved, adv)
 
 
 # Batch used by the aggregation tests: 2 sequences x 2 tokens, last token of seq 1 masked out.

@@ -91,8 +91,9 @@ def group_advantages(
     and whether they are valid: not an infrastructure failure), in their order; 0 where not valid.
 
     Groups may be ragged (a lost attempt). `rloo_n` takes them padded with invalid attempts, which
-    it ignores; the other estimators are computed group by group at each group's own size (padding
-    with reward 0 would enter their group means); a group of one attempt gets advantage 0."""
+    it ignores; the other estimators are computed group by group over each group's valid attempts
+    alone (padding, or an infrastructure failure's reward, would enter their group means and
+    standard deviations); a group of fewer than two valid attempts gets advantage 0."""
     groups: dict[int, list[int]] = defaultdict(list)
     for i, gid in enumerate(group_ids):
         groups[gid].append(i)
@@ -109,9 +110,9 @@ def group_advantages(
     else:
         adv = torch.zeros_like(padded)
         for g, gid in enumerate(ids):
-            n = len(groups[gid])
-            if n > 1:
-                adv[g, :n] = compute_advantages(estimator, padded[g : g + 1, :n])[0]
+            members = [a for a, i in enumerate(groups[gid]) if valid[i]]
+            if len(members) > 1:
+                adv[g, members] = compute_advantages(estimator, padded[g, members].unsqueeze(0))[0]
     out = torch.zeros(len(group_ids), dtype=torch.float64)
     for g, gid in enumerate(ids):
         for a, i in enumerate(groups[gid]):
