@@ -367,6 +367,55 @@ def test_compare_puts_plan_and_measurement_side_by_side(files, tmp_path):
     assert any(line.startswith("| sft |") for line in lines) and "MFU" in lines[0]
 
 
+def test_a_runs_staged_models_are_found_from_any_working_directory(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    from snowcat.pipeline.plan import command  # noqa: PLC0415
+
+    checkout = tmp_path / "checkout"  # submitted from here: run_root `logs`, staging `logs/staged`
+    run = SimpleNamespace(path=checkout / "logs" / "r1")
+    run.path.mkdir(parents=True)
+    frozen = OmegaConf.create(
+        {
+            "run_root": "logs",
+            "stages": {
+                "prestage": {"kind": "prestage", "staging_dir": "logs/staged"},
+                "elsewhere": {"kind": "prestage", "staging_dir": "/abs/staged"},
+                "sft": {"kind": "sft"},
+            },
+        }
+    )
+    monkeypatch.chdir(tmp_path)  # not the checkout: `logs/staged` is not here
+    command._staging_from_anywhere(run, frozen)
+    assert frozen.stages.prestage.staging_dir == str(checkout / "logs" / "staged")
+    assert frozen.stages.elsewhere.staging_dir == "/abs/staged" and "staging_dir" not in frozen.stages.sft
+    # a run directory that is not under its run_root (moved, or given another run_root) is left as it was
+    moved = OmegaConf.create({"run_root": "runs", "stages": {"prestage": {"kind": "prestage", "staging_dir": "runs/staged"}}})
+    command._staging_from_anywhere(run, moved)
+    assert moved.stages.prestage.staging_dir == "runs/staged"
+
+
+def test_plan_compare_of_another_users_run_prints_it_and_says_it_was_not_recorded(files, tmp_path, monkeypatch, capsys):
+    from snowcat.pipeline.plan import command  # noqa: PLC0415
+
+    cfg, site = files
+    frozen = config_mod.load(cfg, [], site=str(site))
+    run = SimpleNamespace(path=tmp_path / "theirs")
+    monkeypatch.setattr(command, "open_run", lambda path, site: (run, config_mod.typed(frozen), None, None))
+    monkeypatch.setattr(command.compare, "finished", lambda run, dag: lambda name: None)
+    monkeypatch.setattr(command.compare, "compare", lambda run, dag, plan: {"stages": [], "total": {}, "site": "s"})
+    monkeypatch.setattr(command.compare, "text", lambda result: "the table")
+
+    def not_yours(run, result):  # what writing into a directory another user owns raises
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(command.compare, "write", not_yours)
+    args = SimpleNamespace(model_config=[], compare=str(run.path), site=None, json=False)
+    assert command.cmd_plan(args) == 0
+    out = capsys.readouterr().out
+    assert "the table" in out and f"not recorded: {run.path / 'plan' / 'compare.json'} is not writable by you" in out
+
+
 # ------------------------------------------------------------------------------ validation record
 
 

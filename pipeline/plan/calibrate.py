@@ -40,8 +40,10 @@ import json
 import math
 import os
 import statistics
+import sys
 from pathlib import Path
 
+from snowcat.pipeline.errors import UserError
 from snowcat.stages.registry import KINDS
 
 from . import agent as agent_mod
@@ -301,7 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run")
     p.add_argument("--site", help="the profile to plan the run's SFT steps on (default: the run's own)")
     args = p.parse_args(argv)
-    print(json.dumps(calibrate(args.run, args.site), indent=1))
+    try:
+        fitted = calibrate(args.run, args.site)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(fitted, indent=1))
     return 0
 
 

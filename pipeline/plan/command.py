@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -56,6 +57,21 @@ def load_typed(config: str, overrides: list[str], site: str | None):
     return config_mod.typed(cfg)
 
 
+def _staging_from_anywhere(run, frozen) -> None:
+    """A relative staging_dir is relative to where the run was submitted from (its jobs start
+    there): found from the run directory's place under a relative run_root, so that the plan of a
+    run reads its staged models from any working directory."""
+    root = Path(str(frozen.get("run_root") or ""))
+    parent = run.path.resolve().parent
+    if not root.parts or root.is_absolute() or parent.parts[len(parent.parts) - len(root.parts) :] != root.parts:
+        return
+    submitted = Path(*parent.parts[: len(parent.parts) - len(root.parts)])
+    for stage in (frozen.get("stages") or {}).values():
+        staging = stage.get("staging_dir") if stage.get("kind") == "prestage" else None
+        if staging and not Path(staging).is_absolute() and not Path(staging).exists():
+            stage.staging_dir = str(submitted / staging)
+
+
 def open_run(path: str, site: str | None):
     """(run, typed config, DAG, site name) of a run directory: its frozen config, planned on the
     site profile frozen in it, or on `site` where one is named (a run without a site, executor local;
@@ -66,6 +82,7 @@ def open_run(path: str, site: str | None):
 
     run = RunDir.open(path)
     frozen = run.config()
+    _staging_from_anywhere(run, frozen)
     named = site
     site = site_mod.default_site(site)
     if site and (named or frozen.get("site") is None):
@@ -86,10 +103,13 @@ def cmd_plan(args) -> int:
         result["command"] = " ".join(["snowcat", "plan", "--compare", str(run.path), *(["--site", site] if site else [])])
         result["run_origin"] = (read_json(run.path / "run.json") or {}).get("origin")  # the config and overrides it ran
         result["site_profile"] = site or "the run's own (frozen in its config)"
-        path = compare.write(run, result)
-        print(
-            report.to_json(result) if args.json else compare.text(result) + f"\n(recorded in {path}; `snowcat card` includes it)"
-        )
+        try:
+            recorded = f"recorded in {compare.write(run, result)}; `snowcat card` includes it"
+        except PermissionError:  # another user's run: compared all the same, recorded by its owner
+            recorded = (
+                f"not recorded: {run.path / compare.COMPARE} is not writable by you (its owner's `plan --compare` records it)"
+            )
+        print(report.to_json(result) if args.json else compare.text(result) + f"\n({recorded})")
         return 0
     if not args.config:
         raise UserError("snowcat plan: give a CONFIG (or --compare RUN)")

@@ -55,10 +55,18 @@ def role_lines(role: dict) -> list[str]:
     return lines
 
 
+def _params(n: float) -> str:
+    """A parameter count as people write it: 67B, 2.1B, 188k."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
 def stage_lines(rec: dict, unit: str) -> list[str]:
     model = rec.get("model")
     what = (
-        f", model {model['source']} {model['params_total'] / 1e9:.3g} B ({model['params_active'] / 1e9:.3g} B active)"
+        f", model {model['source']} {_params(model['params_total'])} parameters ({_params(model['params_active'])} active)"
         if model
         else ""
     )
