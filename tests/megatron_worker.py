@@ -2,27 +2,41 @@
 (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment):
 
     python tests/megatron_worker.py OUT MODEL_DIR TP PP EP STEPS [--save-at K] [--from CKPT] [--loss sft|rl]
+    python tests/megatron_worker.py --serve     # runs asked for on stdin (see serve)
 
 Trains STEPS optimizer steps of the shared SFT loss (or RL's TIS policy loss, router replay on)
 on fixed micro-batches (each data-parallel rank its own rows, as the trainers split them), and
 writes OUT/losses.json and, through the backend's checkpoint path, OUT/final (whole weights).
 --save-at K: also a resumable checkpoint OUT/ckpt after step K; --from CKPT: start from such a
 checkpoint (written under any layout), as a preempted run resumes.
+
+--serve: run after run, each on its ranks, forked from one process that imported megatron-core once
+(each rank then a process of its own, with its own gloo group, as torchrun's are): the import is
+most of a small run's time, and on a small machine every rank's import runs at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import multiprocessing.util
 import os
+import signal
+import socket
+import sys
+import traceback
 from pathlib import Path
 
-import torch
+# torch is imported where it is used: megatron's checkpoint writer starts a process (a "spawn"
+# multiprocessing Manager) that re-imports this file, and each rank that saves pays for that import
 
 
 def batches(vocab: int, step: int, rows: int = 4, T: int = 13) -> list[dict]:
     """The step's two micro-batches of `rows` rows each (the same on every rank; sliced by DP rank);
     13 tokens: sequence parallelism over two ranks pads them."""
+    import torch
+
     g = torch.Generator().manual_seed(1000 + step)
     out = []
     for _ in range(2):
@@ -62,7 +76,7 @@ def rl_loss():
     return make_loss_fn(params, PolicyLossConfig(), replay=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("model_dir", type=Path)
@@ -73,7 +87,9 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--from", dest="start", type=Path)
     ap.add_argument("--loss", choices=("sft", "rl"), default="sft")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    import torch
+
     torch.manual_seed(0)
     from snowcat.stages.train.checkpoint import load_checkpoint, save_checkpoint, save_weights
     from snowcat.stages.train.loss import sft_loss
@@ -106,6 +122,101 @@ def main() -> None:
     torch.distributed.destroy_process_group()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(args: list[str], rank: int, ranks: int, port: int, log: Path) -> None:
+    """In a forked child: rank `rank` of the run, its output to `log`; never returns."""
+    code = 1
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: not outlive a killed launcher
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        main(args)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        # what a process's normal exit does for its multiprocessing children: megatron's checkpoint
+        # writer started a Manager (and a resource tracker) that would otherwise outlive the rank
+        multiprocessing.util._exit_function()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _on_alarm(*_):
+    raise _Timeout
+
+
+def run(ranks: int, args: list[str], timeout_s: int) -> str | None:
+    """One run on `ranks` ranks forked from this process; None, or why it failed (the failed rank's
+    log). A failed or late rank ends the run's others (they would wait on it)."""
+    out = Path(args[0])
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    children = {}
+    for r in range(ranks):
+        pid = os.fork()
+        if pid == 0:
+            _rank(args, r, ranks, port, out / "logs" / f"rank{r}.txt")
+        children[pid] = r
+    failed, why = None, "failed"
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.alarm(timeout_s)
+    try:
+        while children and failed is None:
+            pid, status = os.wait()
+            rank = children.pop(pid)
+            if os.waitstatus_to_exitcode(status) != 0:
+                failed = rank
+    except _Timeout:
+        failed, why = min(children.values()), f"still running after {timeout_s} s"
+    finally:
+        signal.alarm(0)
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    if failed is None:
+        return None
+    log = (out / "logs" / f"rank{failed}.txt").read_text()
+    return f"rank {failed} of {ranks} ({' '.join(args[2:])}) {why}:\n{log[-3000:]}"
+
+
+def serve() -> None:
+    """Runs asked for on stdin, one JSON line each ({"ranks": N, "args": [OUT, MODEL_DIR, ...]}),
+    one after another; a JSON line on stdout for each: {"error": None or why}. Ends at end of input."""
+    # what every rank imports, once, before the fork (not cpu.apply(): each rank patches itself)
+    import mbridge  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    from megatron.core.dist_checkpointing.strategies import torch as _  # noqa: F401
+
+    import snowcat.stages.train.checkpoint  # noqa: F401
+    import snowcat.stages.train.loss  # noqa: F401
+    import snowcat.stages.train.megatron.backend  # noqa: F401
+
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stdout carries the replies only
+    for line in sys.stdin:
+        ask = json.loads(line)
+        error = run(ask["ranks"], [str(a) for a in ask["args"]], timeout_s=240)
+        replies.write(json.dumps({"error": error}) + "\n")
+        replies.flush()
+
+
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main()

@@ -1,8 +1,9 @@
 """trainer.backend megatron (stages/train/megatron): conversion, equivalence across layouts, resume on
 another layout, router replay, and the layout checks that run before anything is submitted.
 
-The multi-rank runs start tests/megatron_worker.py as torchrun would (one process per rank, gloo on
-the CPU) and compare what they wrote. Tolerances: losses to 1e-5 relative (sums of the same terms
+The multi-rank runs are tests/megatron_worker.py's, one process per rank as torchrun starts them (gloo
+on the CPU), forked from one worker process that imported megatron-core once for the module
+(`_Trainer`), and compare what they wrote. Tolerances: losses to 1e-5 relative (sums of the same terms
 in another order); weights after three AdamW steps at lr 1e-2 to 1e-3 absolute: Adam divides by the
 gradient's own scale, so a weight whose gradient is at rounding level moves by up to a whole step
 whichever way rounding tips it; a real fault (an unreduced gradient) moves weights by ~2e-2.
@@ -49,39 +50,44 @@ def _model_dir(path: Path, **changes) -> Path:
     return path
 
 
-def _launch(ranks: int, out: Path, model: Path, tp: int, pp: int, ep: int, *extra, steps: int = 3) -> list[dict]:
-    """Run the worker on `ranks` ranks; its losses.json."""
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_port()),
-        "WORLD_SIZE": str(ranks),
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("SLURM_JOB_ID", None)
-    args = [
-        sys.executable,
-        "-W",
-        "ignore",
-        str(WORKER),
-        str(out),
-        str(model),
-        str(tp),
-        str(pp),
-        str(ep),
-        str(steps),
-        *map(str, extra),
-    ]
-    procs = [
-        subprocess.Popen(
-            args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for r in range(ranks)
-    ]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {r} of tp={tp} pp={pp} ep={ep}:\n{log[-3000:]}"
-    return json.loads((out / "losses.json").read_text())
+class _Trainer:
+    """tests/megatron_worker.py --serve: runs the worker's runs on their ranks (started as torchrun
+    would start them: one process per rank, gloo on the CPU), forked from one process that imported
+    megatron-core once for the whole module."""
+
+    def __init__(self, log: Path):
+        env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT")}
+        self.log, self._log = log, log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-W", "ignore", str(WORKER), "--serve"],
+            env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+        )  # fmt: skip
+
+    def __call__(self, model: Path, *runs: dict) -> None:
+        """Each run (`_run`) of `model`, one after another; fails at the first that fails."""
+        for r in runs:
+            self.proc.stdin.write(
+                json.dumps({"ranks": r["ranks"], "args": [r["args"][0], model, *r["args"][1:]]}, default=str) + "\n"
+            )
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+            assert reply, f"the worker ended:\n{self.log.read_text()[-3000:]}"
+            assert json.loads(reply)["error"] is None, json.loads(reply)["error"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a run still going: its ranks end with it (PDEATHSIG)
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def _run(out: Path, tp: int = 1, pp: int = 1, ep: int = 1, *extra) -> dict:
+    """One run of the worker: three SFT steps (or `--loss rl`) under TP x PP x EP on as many ranks
+    (the data-parallel ranks are the EP ones), writing out/losses.json and out/final."""
+    return {"ranks": tp * pp * ep, "args": [out, tp, pp, ep, 3, *extra]}
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
@@ -189,6 +195,10 @@ def test_converted_model_matches_transformers_and_ours_and_converts_back_exactly
 # ---------------------------------------------------------------- layouts
 
 
+# one xdist worker runs the tests that share the baselines and the worker process (`runs`), once
+LAYOUTS = pytest.mark.xdist_group("megatron_layouts")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The one-process baselines (SFT loss, RL loss with router replay), and their model: with a
@@ -197,64 +207,127 @@ def runs(tmp_path_factory):
     replica's, a sequence-parallel slice's), so they differ by layout where a rank's token count does."""
     root = tmp_path_factory.mktemp("megatron")
     model = _model_dir(root / "model", shared_expert_intermediate_size=24, router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
-    _launch(1, root / "base", model, 1, 1, 1)
-    _launch(1, root / "base-rl", model, 1, 1, 1, "--loss", "rl")
-    return root, model
+    train = _Trainer(root / "worker.log")
+    try:
+        train(model, _run(root / "base"), _run(root / "base-rl", 1, 1, 1, "--loss", "rl"))
+        yield root, model, train
+    finally:
+        train.close()
 
 
 @pytest.mark.slow
+@LAYOUTS
 def test_tensor_parallel_trains_as_one_process_and_resumes_on_another_layout(runs):
-    """TP2 (pipeline parallelism: tests/test_megatron_stages.py) against one process; its checkpoint
-    after step 1 resumed on one rank equals the uninterrupted run. (Resumed on its own layout, bit
-    for bit: tests/test_rl_preempt.py, on the local cluster.)"""
-    root, model = runs
-    written = root / "tp2"
-    _launch(2, written, model, 2, 1, 1, "--save-at", 1)
-    _same_training(root / "base", written)
-    _launch(1, root / "resumed-tp1", model, 1, 1, 1, "--from", written / "ckpt")
+    """TP2 against one process; its checkpoint after step 1 resumed on one rank equals the
+    uninterrupted run. (Resumed on its own layout, bit for bit: tests/test_rl_preempt.py, on the
+    local cluster.)"""
+    root, model, train = runs
+    train(
+        model, _run(root / "tp2", 2, 1, 1, "--save-at", 1), _run(root / "resumed-tp1", 1, 1, 1, "--from", root / "tp2" / "ckpt")
+    )
+    _same_training(root / "base", root / "tp2")
     _same_training(root / "base", root / "resumed-tp1")
 
 
 @pytest.mark.slow
+@LAYOUTS
 def test_expert_parallel_over_data_parallel_ranks_trains_as_one_process_and_resumes_on_one_rank(runs):
     """EP2 over two data-parallel ranks: each holds half the experts and its own rows; tokens cross
     ranks in the all-to-all both ways. Its checkpoint after step 1 (each rank wrote the moments of
     its own experts) resumes on one rank holding all of them, as the uninterrupted run."""
-    root, model = runs
-    _launch(2, root / "ep2", model, 1, 1, 2, "--save-at", 1)
+    root, model, train = runs
+    train(
+        model, _run(root / "ep2", 1, 1, 2, "--save-at", 1), _run(root / "resumed-ep1", 1, 1, 1, "--from", root / "ep2" / "ckpt")
+    )
     _same_training(root / "base", root / "ep2")
-    _launch(1, root / "resumed-ep1", model, 1, 1, 1, "--from", root / "ep2" / "ckpt")
     _same_training(root / "base", root / "resumed-ep1")
 
 
 @pytest.mark.slow
+@LAYOUTS
 def test_pipeline_parallel_trains_as_one_process_and_resumes_on_one_rank(runs):
     """PP2: each rank holds one layer (1F1B over the two micro-batches); its checkpoint after step 1
     (each stage wrote its own layer's moments, under the layer's global number) resumes on one
     rank holding both layers, as the uninterrupted run."""
-    root, model = runs
-    _launch(2, root / "pp2", model, 1, 2, 1, "--save-at", 1)
+    root, model, train = runs
+    train(
+        model, _run(root / "pp2", 1, 2, 1, "--save-at", 1), _run(root / "resumed-pp1", 1, 1, 1, "--from", root / "pp2" / "ckpt")
+    )
     _same_training(root / "base", root / "pp2")
-    _launch(1, root / "resumed-pp1", model, 1, 1, 1, "--from", root / "pp2" / "ckpt")
     _same_training(root / "base", root / "resumed-pp1")
 
 
 @pytest.mark.slow
+@LAYOUTS
 def test_tensor_and_expert_parallel_over_four_ranks_train_as_one_process_and_resume_on_two(runs):
     """TP2 x EP2 over four ranks (two data-parallel replicas of a sequence-parallel pair, the
     experts split over the replicas); its checkpoint after step 1 resumes on two ranks under
     another layout altogether (PP2), as the uninterrupted run."""
-    root, model = runs
-    _launch(4, root / "tp2ep2", model, 2, 1, 2, "--save-at", 1)
+    root, model, train = runs
+    train(
+        model,
+        _run(root / "tp2ep2", 2, 1, 2, "--save-at", 1),
+        _run(root / "resumed-pp2", 1, 2, 1, "--from", root / "tp2ep2" / "ckpt"),
+    )
     _same_training(root / "base", root / "tp2ep2")
-    _launch(2, root / "resumed-pp2", model, 1, 2, 1, "--from", root / "tp2ep2" / "ckpt")
     _same_training(root / "base", root / "resumed-pp2")
 
 
 @pytest.mark.slow
+@LAYOUTS
+def test_tensor_and_pipeline_parallel_over_four_ranks_train_as_one_process_and_resume_on_two(runs):
+    """TP2 x PP2 over four ranks (one replica: each stage a sequence-parallel pair, activations
+    crossing stages as sequence slices); its checkpoint after step 1 (each rank wrote its slice of
+    its stage's layer) resumes on two ranks that split the model another way (EP2: whole layers,
+    half the experts each), as the uninterrupted run."""
+    root, model, train = runs
+    train(
+        model,
+        _run(root / "tp2pp2", 2, 2, 1, "--save-at", 1),
+        _run(root / "resumed-ep2", 1, 1, 2, "--from", root / "tp2pp2" / "ckpt"),
+    )
+    _same_training(root / "base", root / "tp2pp2")
+    _same_training(root / "base", root / "resumed-ep2")
+
+
+@pytest.mark.slow
+@LAYOUTS
+def test_expert_and_pipeline_parallel_over_four_ranks_train_as_one_process_and_resume_on_two(runs):
+    """EP2 x PP2 over four ranks (two data-parallel replicas of a two-stage pipeline, each stage's
+    experts split over the replicas: the all-to-all runs within a stage); its checkpoint after
+    step 1 (each rank wrote half of one layer's experts) resumes on two ranks under TP2, as the
+    uninterrupted run."""
+    root, model, train = runs
+    train(
+        model,
+        _run(root / "ep2pp2", 1, 2, 2, "--save-at", 1),
+        _run(root / "resumed-tp2", 2, 1, 1, "--from", root / "ep2pp2" / "ckpt"),
+    )
+    _same_training(root / "base", root / "ep2pp2")
+    _same_training(root / "base", root / "resumed-tp2")
+
+
+@pytest.mark.slow
+@LAYOUTS
+def test_tensor_pipeline_and_expert_parallel_over_eight_ranks_train_as_one_process_and_resume_on_one(runs):
+    """TP2 x PP2 x EP2 over eight ranks, the three at once as a large MoE is laid out (two replicas
+    of a two-stage pipeline of sequence-parallel pairs, the experts split over the replicas); its
+    checkpoint after step 1 resumes on one rank holding every slice, as the uninterrupted run."""
+    root, model, train = runs
+    train(
+        model,
+        _run(root / "tp2pp2ep2", 2, 2, 2, "--save-at", 1),
+        _run(root / "resumed-one", 1, 1, 1, "--from", root / "tp2pp2ep2" / "ckpt"),
+    )
+    _same_training(root / "base", root / "tp2pp2ep2")
+    _same_training(root / "base", root / "resumed-one")
+
+
+@pytest.mark.slow
+@LAYOUTS
 def test_rl_loss_with_router_replay_under_tensor_parallel_trains_as_one_process(runs):
-    root, model = runs
-    _launch(2, root / "rl-tp2", model, 2, 1, 1, "--loss", "rl")
+    root, model, train = runs
+    train(model, _run(root / "rl-tp2", 2, 1, 1, "--loss", "rl"))
     _same_training(root / "base-rl", root / "rl-tp2", key="loss/loss")
 
 
