@@ -108,10 +108,11 @@ def main(argv: list[str] | None = None) -> None:
             rows_of(mb, backend.data_rank, backend.data_ranks) for mb in batches(backend.model.config.vocab_size, backend.step)
         ]
         stats = backend.train_step(mbs, loss_fn)
-        key = "nll_sum" if a.loss == "sft" else "loss/loss"  # RL's: a mean, compared at one data-parallel rank
+        key = "nll_sum" if a.loss == "sft" else "loss/loss"
         summed = torch.tensor([float(stats.sums[key]), stats.tokens], dtype=torch.float64)
-        if a.loss == "sft":
-            torch.distributed.all_reduce(summed, group=backend.data_group)  # the whole batch's
+        torch.distributed.all_reduce(summed, group=backend.data_group)  # the whole batch's
+        if a.loss == "rl":  # RL's is a token mean per micro-batch: every rank's rows hold as many tokens here
+            summed[0] /= backend.data_ranks
         losses.append({"step": stats.step, key: float(summed[0]), "grad_norm": stats.grad_norm, "tokens": float(summed[1])})
         if backend.step == a.save_at:
             save_checkpoint(a.out / "ckpt", backend, tok)

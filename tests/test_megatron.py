@@ -325,10 +325,14 @@ def test_tensor_pipeline_and_expert_parallel_over_eight_ranks_train_as_one_proce
 
 @pytest.mark.slow
 @LAYOUTS
-def test_rl_loss_with_router_replay_under_tensor_parallel_trains_as_one_process(runs):
+def test_rl_loss_with_router_replay_under_each_layout_trains_as_one_process(runs):
+    """RL's TIS policy loss with the rollout's expert choices replayed, under TP2, PP2, EP2 (the
+    replayed choices then pick experts another rank holds) and the three at once over eight ranks."""
     root, model, train = runs
-    train(model, _run(root / "rl-tp2", 2, 1, 1, "--loss", "rl"))
-    _same_training(root / "base-rl", root / "rl-tp2", key="loss/loss")
+    layouts = {"rl-tp2": (2, 1, 1), "rl-pp2": (1, 2, 1), "rl-ep2": (1, 1, 2), "rl-tp2pp2ep2": (2, 2, 2)}
+    train(model, *(_run(root / name, *layout, "--loss", "rl") for name, layout in layouts.items()))
+    for name in layouts:
+        _same_training(root / "base-rl", root / name, key="loss/loss")
 
 
 # ---------------------------------------------------------------- on a real site's rules
