@@ -73,15 +73,27 @@ def on_local_slurm(run_dir) -> tuple:
 SLOW_TASKS = ["stages.tasks.domains.closure.count=200000", "stages.tasks.domains.closure.val_count=50"]
 
 
+def _recorded(run_dir: Path, graph, stage: str | None) -> set[str]:
+    """The stages' statuses as their jobs recorded them (no reconciliation with the scheduler)."""
+    run = RunDir.open(run_dir)
+    return {run.stage_status(graph, n, verify=False)[0] for n in graph.nodes if stage in (None, n)}
+
+
 def wait_status(snowcat, run_dir: Path, want: set[str], timeout: float = 300, stage: str | None = None) -> dict:
+    """`snowcat status` once every stage (or `stage`) is in `want`. The CLI (a second of CPU, and a
+    question to sacct) is asked when the records the jobs write say so, and every 5 s for what only
+    the scheduler knows (a job that died without a word); the records are read twice a second."""
     deadline = time.monotonic() + timeout
-    status = {}
+    graph = dag.build(RunDir.open(run_dir).config())
+    status, asked = {}, -1e9
     while time.monotonic() < deadline:
-        status = snowcat.status(run_dir)
-        states = {s["status"] for n, s in status["stages"].items() if stage in (None, n)}
-        if states <= want:
-            return status
-        time.sleep(2)
+        since = time.monotonic() - asked
+        if since >= 5 or (since >= 2 and _recorded(run_dir, graph, stage) <= want):
+            status, asked = snowcat.status(run_dir), time.monotonic()
+            states = {s["status"] for n, s in status["stages"].items() if stage in (None, n)}
+            if states <= want:
+                return status
+        time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {want}: {status}")
 
 
@@ -255,11 +267,11 @@ def test_oversized_requests_are_refused_before_submission(site):
 def test_killed_slurmd_fails_the_stage_promptly_and_resume_finishes(snowcat, slurm_env, slurm_cluster, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="nodefail"))
     run_dir = tmp_path / "run"
-    slower = ["stages.tasks.domains.closure.count=300000", "stages.tasks.domains.closure.val_count=50"]
+    # (SLOW_TASKS: the kill lands well within its ~10 s; the resume runs it all again)
     snowcat(
         "run",
         cfg,
-        *slower,
+        *SLOW_TASKS,
         "stages.tasks.resume.strategy=none",
         *on_local_slurm(run_dir),
         env=slurm_env,
@@ -318,18 +330,25 @@ def _final_weights(run_dir: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(snowcat, slurm_env, tmp_path):
-    """A stage with a 1-minute walltime and ~2 minutes of training completes through requeue and
-    through chained continuation jobs, with final weights identical to an uninterrupted run."""
+    """A stage with a 1-minute walltime and more than a minute of training completes through requeue
+    and through chained continuation jobs, with final weights identical to an uninterrupted run."""
     cfg = write_config(tmp_path / "sft.yaml", SFT.format(name="walltime"))
-    # Size the work for this machine: ~45 s of SFT steps (plus start-up in every job), measured
-    # on a short local run: more than a 1-minute job trains before its notice (15 s margin, and
-    # Slurm may send it earlier). CI runs other tests beside this one (two workers), so a job may
-    # train for only ~10 s: continuations to spare (the walltime is hit either way).
+    # When the notice comes: slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT, compiled
+    # in) and sends `--signal=USR2@m` at the first check at most m + 30 s before the end, so a
+    # 1-minute job gets it 30 - m to 60 - m s after it started, and the kill comes at a later check,
+    # at least 30 s after the notice. A continuation starts 3-14 s after the check that stopped its
+    # predecessor: with m = 15 its notice came at the next check, ~16-26 s later, and on a loaded
+    # machine each job trained a step or two (6 requeues for 56 steps); with m = 2, at the one after.
+    margin = "stages.sft.resume.signal_margin_s=2"
+    # Size the work for this machine: ~60 s of SFT steps (plus start-up in every job), measured on a
+    # short local run: more than a 1-minute job trains before its notice (at most 58 s after its
+    # start). CI runs other tests beside this one, so a job may train for much less: continuations
+    # to spare (the walltime is hit either way).
     probe = tmp_path / "probe"
     snowcat("run", cfg, "stages.sft.steps=8", "--run-dir", probe, check=True)
     rows = [json.loads(line) for line in (probe / "stages" / "sft" / "metrics_history.jsonl").read_text().splitlines()]
     step_s = sorted(r["step_time_s"] for r in rows)[len(rows) // 2]
-    steps = f"stages.sft.steps={max(40, int(45 / step_s))}"
+    steps = f"stages.sft.steps={max(50, int(60 / step_s))}"
 
     runs = {}
     for strategy in ("requeue", "chain"):
@@ -338,6 +357,7 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
             "run",
             cfg,
             steps,
+            margin,
             f"stages.sft.resume.strategy={strategy}",
             "stages.sft.resume.max_continuations=30",
             *on_local_slurm(runs[strategy]),
@@ -345,7 +365,7 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
             check=True,
         )
     straight = tmp_path / "straight"
-    snowcat("run", cfg, steps, "--run-dir", straight, check=True)
+    snowcat("run", cfg, steps, margin, "--run-dir", straight, check=True)
     reference = _final_weights(straight)
     assert reference
 
@@ -393,7 +413,7 @@ def test_chain_fan_out_with_one_element_preempted_completes_before_downstream_st
     snowcat(
         "run",
         cfg,
-        "stages.sft.steps=36",  # the notice comes after 3: element 1 is mid-run
+        "stages.sft.steps=16",  # the notice comes after 3: element 1 is mid-run (13 steps, seconds, to go)
         "stages.sft.resources.time_min=20",
         "stages.sft.resume.strategy=chain",
         "stages.sft.resume.max_continuations=2",
@@ -407,7 +427,7 @@ def test_chain_fan_out_with_one_element_preempted_completes_before_downstream_st
     deadline = time.monotonic() + 600
     while not (history.is_file() and len(history.read_text().splitlines()) >= 3):
         assert time.monotonic() < deadline, "element 1 never trained"
-        time.sleep(1)
+        time.sleep(0.2)
     own = run.state()["stages"]["sft[1]"]["own_job_ids"]
     subprocess.run(["scancel", "--signal=USR2", own[0]], env=slurm_env, check=True)
 
