@@ -32,7 +32,7 @@ stages:
     tokenizer_vocab_size: 300
     seq_len: 64
     batch_rows: 4
-    steps: 200
+    steps: 120         # the cancel (a CLI starting up) lands mid-run: ~20 steps in on a loaded machine
     save_every: 0      # the only step checkpoint is the one the cancel's SIGTERM makes
     threads: 1
     eval_tasks: 0
@@ -53,10 +53,19 @@ def test_snowcat_cancel_of_a_training_job_is_not_undone_by_a_requeue(snowcat, sl
     job = RunDir.open(run_dir).record("sft")["slurm_job_id"]
     snowcat("cancel", run_dir, env=slurm_env, check=True)
 
-    time.sleep(30)  # past the cluster's 10 s hold of a requeued job: a requeue would show by now
-    states = subprocess.run(
-        ["sacct", "-n", "-P", "-X", "--duplicates", "-j", job, "-o", "State"], env=slurm_env, capture_output=True, text=True
-    ).stdout.split()
+    # A requeue could only come from the job's own processes: once squeue lists the job no more (not
+    # running, ending, pending or requeued) none is left to requeue it, and accounting says how it ended.
+    deadline = time.monotonic() + 120
+    while True:
+        listed = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=slurm_env, capture_output=True, text=True)
+        states = subprocess.run(
+            ["sacct", "-n", "-P", "-X", "--duplicates", "-j", job, "-o", "State"], env=slurm_env, capture_output=True, text=True
+        ).stdout.split()
+        unlisted = not listed.stdout.strip() and (listed.returncode == 0 or "Invalid job id" in listed.stderr)
+        if unlisted and states and "RUNNING" not in states:  # (accounting hears of the end a moment later)
+            break
+        assert time.monotonic() < deadline, (listed.stdout, states)
+        time.sleep(1)
     assert states and not any(s.startswith(("REQUEUED", "PENDING", "RUNNING")) for s in states), states
     record = RunDir.open(run_dir).record("sft")
     assert record["status"] == "cancelled" and not record.get("continuations_used"), record
@@ -66,11 +75,11 @@ def test_snowcat_cancel_of_a_training_job_is_not_undone_by_a_requeue(snowcat, sl
     snowcat("resume", run_dir, env=slurm_env, check=True)
     status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=600)
     assert status["stages"]["sft"]["status"] == "done", status
-    assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == list(range(1, 201))
+    assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == list(range(1, 121))
 
 
 def test_a_resume_right_after_run_queues_nothing_twice(snowcat, slurm_env, tmp_path):
-    cfg = write_config(tmp_path / "c.yaml", SFT.replace("steps: 200", "steps: 4"))
+    cfg = write_config(tmp_path / "c.yaml", SFT.replace("steps: 120", "steps: 4"))
     run_dir = tmp_path / "run"
     snowcat("run", cfg, *on_local_slurm(run_dir), env=slurm_env, check=True)
     queued = RunDir.open(run_dir).state()["stages"]
