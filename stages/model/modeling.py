@@ -223,10 +223,16 @@ class DecoderLayer(nn.Module):
 class MoEModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # On the meta device (a skeleton that weights are loaded into) nothing is initialised: meta
+        # normal_ and arange import torch._dynamo, 0.5 s of CPU in processes that never train
+        skeleton = torch.empty(0).is_meta
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if skeleton else None
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        inv_freq = torch.empty((cfg.head_dim + 1) // 2) if skeleton else rope_inv_freq(cfg)  # computed at materialize
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -263,6 +269,8 @@ class MoEForCausalLM(nn.Module):
         # flat with depth (GPT-2); everything else N(0, std); norms 1.
         out_std = std / math.sqrt(2 * self.config.num_layers)
         for name, p in self.named_parameters():
+            if p.is_meta:  # a skeleton's: no values (see MoEModel)
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, read_json
@@ -39,7 +38,7 @@ from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.scoring import pass_rates, sample_attempts
 from snowcat.stages.taskgen import selection_split
 from snowcat.stages.train import OptimConfig, StepStats, latest_checkpoint, load_for_training, with_whole_tensors
-from snowcat.stages.train.backend import load_rows, local_device
+from snowcat.stages.train.backend import is_fsdp_module, load_rows, local_device
 from snowcat.stages.train.loop import Checkpoints, MetricsLog, TrainLoop
 from snowcat.stages.train.precision import resolve, stored_dtype, unchanged_fraction
 from snowcat.stages.verifiers import load_verifier
@@ -593,7 +592,7 @@ class Trainer(TrainLoop):
             self.behaviour = self.backend.frozen_copy()  # sharded as the trained model is
             self.behaviour_version = None
         if self.behaviour_version != version:
-            if isinstance(self.behaviour, FSDPModule):  # each rank reads its rows of the verified version
+            if is_fsdp_module(self.behaviour):  # each rank reads its rows of the verified version
                 load_rows(self.behaviour, self._verified_by_lead(version))
             elif self.backend.name == "megatron":  # each rank its slices, through the bridge
                 self.backend.load_copy(self.behaviour, self._verified_by_lead(version))

@@ -29,16 +29,15 @@ rank, as their ranks hold it whole anyway.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from snowcat.pipeline.errors import UserError
@@ -70,6 +69,25 @@ from . import canonical
 from .optim import OptimConfig, build_optimizer, lr_factor
 from .precision import FP32
 from .rendezvous import forget_process_group_env, init_process_group, rendezvous, will_export
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+# FSDP2 and DTensor are imported where a backend shards (0.6 s of CPU): a process that only samples,
+# scores or exports (rollout ranks, evaluate, teacher, export) never pays for them. No DTensor can
+# exist before torch.distributed.tensor is imported, so until then nothing is one.
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor (an FSDP2 shard), without importing torch's DTensor machinery."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def is_fsdp_module(m) -> bool:
+    """Whether module `m` is sharded by FSDP2 (`fully_shard`), without importing FSDP."""
+    module = sys.modules.get("torch.distributed.fsdp")
+    return module is not None and isinstance(m, module.FSDPModule)
 
 
 @dataclass(frozen=True)
@@ -325,8 +343,10 @@ class TorchBackend:
                 for key in keys:
                     local = moments.rows(f"{key}/{name}", start, stop).to(self.device)
                     state[i][key] = (
-                        DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                        if isinstance(p, DTensor)
+                        sys.modules["torch.distributed.tensor"].DTensor.from_local(
+                            local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                        )
+                        if is_dtensor(p)
                         else local
                     )
         self.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
@@ -338,7 +358,7 @@ class TorchBackend:
         others): gathered where ranks hold slices of it (collective then), on the CPU."""
         if name in experts:
             whole = gather_shards(t.detach(), experts[name][1].group)
-        elif isinstance(t, DTensor):
+        elif is_dtensor(t):
             whole = t.detach().full_tensor()
         else:
             whole = t.detach()
@@ -399,7 +419,7 @@ def _held(name: str, t: torch.Tensor, experts: dict) -> tuple[torch.Tensor, int,
     if name in experts:
         rows = experts[name][0]
         return t, rows.start, rows.stop
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         return t.to_local(), *_shard_rows(t)
     return t, 0, t.shape[0]
 
@@ -657,6 +677,8 @@ class FSDPBackend(TorchBackend):
         if expert_parallel > 1:
             check_expert_parallel(model.config, expert_parallel, self.world_size)
             self.ep = expert_parallel_groups(expert_parallel)
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 (see is_dtensor)
+
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self._shard(model)
         self.wrapped = model
@@ -667,6 +689,8 @@ class FSDPBackend(TorchBackend):
         """Shard `model` as this backend does: the experts over the EP group (cut from its weights),
         the rest by FSDP per decoder layer and at the root. Built on the meta device, only the
         shards are then allocated (uninitialised: load_rows fills them)."""
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 (see is_dtensor)
+
         if self.ep is not None:
             shard_experts(model, self.ep)
         ignored = set(expert_parameters(model).values())
@@ -699,7 +723,7 @@ class FSDPBackend(TorchBackend):
         for p in self.model.parameters():
             if p.grad is not None:
                 g = p.grad
-                (local if id(p) in experts else sharded).append(g.to_local() if isinstance(g, DTensor) else g)
+                (local if id(p) in experts else sharded).append(g.to_local() if is_dtensor(g) else g)
 
         def sq(grads):
             return sum(
@@ -719,13 +743,15 @@ class FSDPBackend(TorchBackend):
 
     def _sharded(self):
         """(module, name, DTensor parameter) of every parameter FSDP shards."""
-        return [(m, n, p) for m in self.model.modules() for n, p in m._parameters.items() if isinstance(p, DTensor)]
+        return [(m, n, p) for m in self.model.modules() for n, p in m._parameters.items() if is_dtensor(p)]
 
     @contextlib.contextmanager
     def _whole(self, modify: bool):
         """Each sharded parameter replaced by a plain one holding the whole tensor (all-gathered) for
         the block; with `modify`, what the block wrote is cut back into this rank's shard. FSDP's
         hooks on load_state_dict, which would take the plain tensors for its shards, are held off."""
+        from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415 (see is_dtensor)
+
         swapped = self._sharded()
         held = [(m, m._load_state_dict_post_hooks) for m in {id(m): m for m, _, _ in swapped}.values()]
         whole = {id(p): torch.nn.Parameter(p.full_tensor(), requires_grad=False) for _, _, p in swapped}  # tied: once
