@@ -25,7 +25,7 @@ pytestmark = [
 # tasks → sft (the teacher of all) → a teacher stage in two shards, and a Relay stage whose student is
 # sft_student → SFT on both stages' demonstrations, and RL with 1 teacher episode per task per update
 # → card. The verifier passes about half of an untrained
-# model's answers (tests.test_rl:parity_verify): every count on the card is some, not none.
+# model's answers (tests.rl_stage:parity_verify): every count on the card is some, not none.
 CONFIG = """\
 name: teacher-card
 seed: 7
@@ -54,7 +54,7 @@ stages:
     attempts: 2
     max_context: 64
     max_turn_tokens: 16
-    verifier: "tests.test_rl:parity_verify"
+    verifier: "tests.rl_stage:parity_verify"
     verifier_timeout_s: 0
     fan_out: {shard: [0, 1]}
   relay:                     # Relay: the student starts, the teacher takes over
@@ -69,7 +69,7 @@ stages:
     max_turn_tokens: 16
     max_turns: 2
     context_margin_tokens: 16
-    verifier: "tests.test_rl:parity_verify"
+    verifier: "tests.rl_stage:parity_verify"
     verifier_timeout_s: 0
   sft_student:
     kind: sft
@@ -101,7 +101,7 @@ stages:
     tasks_per_update: 4
     attempts: 2
     max_tokens: 16
-    verifier: "tests.test_rl:parity_verify"
+    verifier: "tests.rl_stage:parity_verify"
     eval_tasks: 0
     threads: 1
   card:

@@ -29,31 +29,12 @@ from snowcat.stages.model import PRESETS, MoEForCausalLM, load_model_dir, save_m
 from snowcat.stages.rlcore.objective import make_batch, sampled_logprobs
 from snowcat.stages.rollout import SamplingParams, TorchEngine
 from snowcat.stages.sft import tokenizer_corpus
-from snowcat.stages.taskgen import Verdict, generate_domain, load_tasks, save_tasks, split_tasks
+from snowcat.stages.taskgen import generate_domain, load_tasks, save_tasks, split_tasks
 from snowcat.stages.tokenizer import train_tokenizer
 from tests.conftest import mpirun
+from tests.rl_stage import SMALL, make_ctx, parity_verify
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = dict(
-    updates=6,
-    tasks_per_update=4,
-    attempts=4,
-    max_tokens=8,
-    lag=1,
-    eval_every=3,
-    eval_tasks=8,
-    eval_attempts=1,
-    save_every=2,
-    keep_last=1,
-    threads=1,
-    verifier="tests.test_rl:parity_verify",
-)
-
-
-def parity_verify(task, text: str) -> Verdict:
-    """A test reward that a random model earns about half the time, so advantages are not all zero."""
-    passed = len(text) % 2 == 0
-    return Verdict(float(passed), passed, "even length" if passed else "odd length")
 
 
 def build_inputs(root: Path, seed: int = 3) -> None:
@@ -78,22 +59,6 @@ def inputs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("rl_inputs")
     build_inputs(root)
     return root
-
-
-def make_ctx(
-    inputs: Path, run_dir: Path, *, rank: int = 0, world: int = 1, cls: type[StageContext] = StageContext, **over
-) -> StageContext:
-    role = None if world == 1 else ("trainer" if rank == 0 else "rollout")
-    return cls.standalone(
-        "rl",
-        {**SMALL, **over},
-        run_dir=run_dir,
-        inputs={"tasks": inputs / "tasks", "sft": inputs / "sft"},
-        seed=5,
-        rank=rank,
-        world_size=world,
-        role=role,
-    )
 
 
 def final_sha(run_dir: Path) -> str:
@@ -181,7 +146,7 @@ _CHILD = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, os.environ["PYTHONPATH"])
     import snowcat.stages.rlcore.handoff as handoff
-    from tests.test_rl import make_ctx
+    from tests.rl_stage import make_ctx
     import snowcat.stages.rl as rl
     inputs, run_dir, kill = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
     rank, world = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)), int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))

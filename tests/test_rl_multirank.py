@@ -26,6 +26,8 @@ from tests.conftest import MPI_ENV
 from tests.test_rl import build_inputs, final_sha, make_ctx, trained_rows
 from tests.test_rl_preempt import LEFT, events, rank_pids, wait_for_step
 
+# one worker builds the module's fixtures (the 1-rank reference run, the 2 + 1 run) once for its tests
+pytestmark = pytest.mark.xdist_group("rl_multirank")
 REPO = Path(__file__).resolve().parent.parent
 STAGE = {"timeout_s": 120}
 # Measured 0.0 on this machine (the batch's rows are split, each rank's loss weighted by its share
@@ -38,7 +40,7 @@ _CHILD = (
     from pathlib import Path
     sys.path.insert(0, os.environ["PYTHONPATH"])
     import snowcat.stages.rlcore.handoff as handoff
-    from tests.test_rl import make_ctx
+    from tests.rl_stage import make_ctx
     import snowcat.stages.rl as rl
     inputs, run_dir, trainers, kill = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
     rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])

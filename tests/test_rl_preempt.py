@@ -32,6 +32,9 @@ from tests.conftest import MPI_ENV, Snowcat, write_config
 from tests.test_rl import build_inputs, make_ctx
 from tests.test_slurm import on_local_slurm, wait_status
 
+# one worker builds each module fixture (the run before RL and its uninterrupted copy; the stage's
+# inputs) once for the two tests that share it; the cluster test is the Slurm group's (conftest)
+pytestmark = pytest.mark.xdist_group("rl_preempt")
 REPO = Path(__file__).resolve().parent.parent
 ENV = {"PYTHONPATH": str(REPO)}  # the stage processes import the test verifier (tests.test_rl)
 # Small and quick: a few SFT steps (the model only has to exist), RL with a reward a random model
@@ -60,7 +63,7 @@ stages:
     kind: rl
     needs: [tasks, sft]
     init_from: "sft:final"
-    verifier: "tests.test_rl:parity_verify"
+    verifier: "tests.rl_stage:parity_verify"
     tasks_per_update: 4
     attempts: 4
     updates: UPDATES
@@ -81,7 +84,10 @@ EVENT = re.compile(r"\[rl\] rank (\d+) (trainer|rollout): (.*?) \(t=(\d+\.\d+)\)
 LEFT = "checkpointed before the end of the job"  # the runner's line for a rank that returns 75
 
 
-def config_text(updates: int = 12, rollouts: int = 2) -> str:
+RUN_UPDATES = 6  # the notice comes after update 2, the trainer saves the step in progress: room to spare
+
+
+def config_text(updates: int = RUN_UPDATES, rollouts: int = 2) -> str:
     return CONFIG.replace("UPDATES", str(updates)).replace("ROLLOUTS", str(rollouts))
 
 
@@ -217,7 +223,7 @@ def resume_matches(run_dir: Path, straight: Path, tmp_path: Path) -> None:
 def test_usr2_to_every_rank_trainer_saves_first_all_exit_75_and_resume_is_bit_identical(before_rl, tmp_path):
     run_dir, log, code = preempt_local(before_rl, tmp_path, lambda world: range(world))
     assert code == PREEMPTED_EXIT_CODE, log[-4000:]
-    assert_coordinated_stop(run_dir, log, world=3, updates=12)
+    assert_coordinated_stop(run_dir, log, world=3, updates=RUN_UPDATES)
     assert RunDir.open(run_dir).record("rl")["status"] == "preempted"
     resume_matches(run_dir, before_rl[1], tmp_path)
 
@@ -228,7 +234,7 @@ def test_usr2_to_one_rollout_rank_only_stops_every_rank_cleanly(before_rl, tmp_p
     seen nothing; all three leave with 75 after the save, and the run resumes bit-identically."""
     run_dir, log, code = preempt_local(before_rl, tmp_path, lambda world: [1])
     assert code == PREEMPTED_EXIT_CODE, log[-4000:]
-    assert_coordinated_stop(run_dir, log, world=3, updates=12)
+    assert_coordinated_stop(run_dir, log, world=3, updates=RUN_UPDATES)
     ev = events(log)
     assert any(r == 0 and "rollout rank 1's notice" in what for r, _, what, _ in ev)
     assert not any(r == 2 and "notice" in what for r, _, what, _ in ev)  # rank 2 learnt it from the trainer
@@ -241,7 +247,7 @@ _CHILD = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
     sys.path.insert(0, os.environ["PYTHONPATH"])
-    from tests.test_rl import make_ctx
+    from tests.rl_stage import make_ctx
     import snowcat.stages.rl as rl
     inputs, run_dir, over = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
     rank, world = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)), int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))

@@ -123,7 +123,9 @@ def test_the_tasks_stage_keeps_only_valid_tasks_and_says_why(tmp_path, swebench)
 
 
 def test_generated_tasks_are_checked_when_asked_and_a_stopped_check_resumes(tmp_path, monkeypatch):
-    values = {"domains": {"swe_mini": {"count": 4, "val_count": 1, "difficulties": [1]}}, "validate": {"tasks": "all"}}
+    # one run per solution: what a second run adds (flakiness) is the two tests' above
+    validate = {"tasks": "all", "runs": 1}
+    values = {"domains": {"swe_mini": {"count": 4, "val_count": 1, "difficulties": [1]}}, "validate": validate}
     ctx = StageContext.standalone("tasks", values, run_dir=tmp_path, seed=3)
     due = iter([False, True])  # preempted after the first check
     monkeypatch.setattr(ctx, "checkpoint_due", lambda: next(due, True))
