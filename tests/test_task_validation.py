@@ -41,6 +41,7 @@ def _task(
     return Task(task_id, "swe", 1, "add() is wrong", patch, "repo", {"repo": spec.to_meta()})
 
 
+@pytest.mark.slow  # ~10 s on 2 cores: each kind of bad task verified in its own sandbox
 def test_each_kind_of_bad_task_is_named_for_what_is_wrong():
     assert check_task(_task("ok")).status == "valid"
     wrong_gold = check_task(_task("wrong-gold", gold="def add(a, b):\n    return a * b\n"))

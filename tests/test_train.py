@@ -128,6 +128,7 @@ RESUME_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~9 s on 2 cores: two fresh interpreters train
 def test_resume_in_a_new_process_is_bit_identical(tmp_path):
     total, k = 6, 3
     torch.manual_seed(0)
