@@ -29,8 +29,6 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -220,7 +218,12 @@ def greedy_pass_rate(model, tok, tasks, max_new_tokens: int) -> dict:
 
 
 def _plot(history: list[dict], path: Path) -> None:
+    # imported here, once at the end on one rank: pyplot costs every SFT process a second or more
+    # of start-up on a loaded node otherwise
+    import matplotlib  # noqa: PLC0415
+
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
