@@ -215,18 +215,26 @@ def runs(tmp_path_factory):
         train.close()
 
 
+def _trains_and_resumes(runs, name: str, layout: tuple, resumed: str, resumed_layout: tuple) -> None:
+    """Three SFT steps under `layout` (TP, PP, EP) equal the one-process run, and its checkpoint
+    after step 1 resumed under `resumed_layout` continues as the uninterrupted run."""
+    root, model, train = runs
+    train(
+        model,
+        _run(root / name, *layout, "--save-at", 1),
+        _run(root / resumed, *resumed_layout, "--from", root / name / "ckpt"),
+    )
+    _same_training(root / "base", root / name)
+    _same_training(root / "base", root / resumed)
+
+
 @pytest.mark.slow
 @LAYOUTS
 def test_tensor_parallel_trains_as_one_process_and_resumes_on_another_layout(runs):
     """TP2 against one process; its checkpoint after step 1 resumed on one rank equals the
     uninterrupted run. (Resumed on its own layout, bit for bit: tests/test_rl_preempt.py, on the
     local cluster.)"""
-    root, model, train = runs
-    train(
-        model, _run(root / "tp2", 2, 1, 1, "--save-at", 1), _run(root / "resumed-tp1", 1, 1, 1, "--from", root / "tp2" / "ckpt")
-    )
-    _same_training(root / "base", root / "tp2")
-    _same_training(root / "base", root / "resumed-tp1")
+    _trains_and_resumes(runs, "tp2", (2, 1, 1), "resumed-tp1", (1, 1, 1))
 
 
 @pytest.mark.slow
@@ -235,12 +243,7 @@ def test_expert_parallel_over_data_parallel_ranks_trains_as_one_process_and_resu
     """EP2 over two data-parallel ranks: each holds half the experts and its own rows; tokens cross
     ranks in the all-to-all both ways. Its checkpoint after step 1 (each rank wrote the moments of
     its own experts) resumes on one rank holding all of them, as the uninterrupted run."""
-    root, model, train = runs
-    train(
-        model, _run(root / "ep2", 1, 1, 2, "--save-at", 1), _run(root / "resumed-ep1", 1, 1, 1, "--from", root / "ep2" / "ckpt")
-    )
-    _same_training(root / "base", root / "ep2")
-    _same_training(root / "base", root / "resumed-ep1")
+    _trains_and_resumes(runs, "ep2", (1, 1, 2), "resumed-ep1", (1, 1, 1))
 
 
 @pytest.mark.slow
@@ -249,12 +252,7 @@ def test_pipeline_parallel_trains_as_one_process_and_resumes_on_one_rank(runs):
     """PP2: each rank holds one layer (1F1B over the two micro-batches); its checkpoint after step 1
     (each stage wrote its own layer's moments, under the layer's global number) resumes on one
     rank holding both layers, as the uninterrupted run."""
-    root, model, train = runs
-    train(
-        model, _run(root / "pp2", 1, 2, 1, "--save-at", 1), _run(root / "resumed-pp1", 1, 1, 1, "--from", root / "pp2" / "ckpt")
-    )
-    _same_training(root / "base", root / "pp2")
-    _same_training(root / "base", root / "resumed-pp1")
+    _trains_and_resumes(runs, "pp2", (1, 2, 1), "resumed-pp1", (1, 1, 1))
 
 
 @pytest.mark.slow
@@ -263,14 +261,7 @@ def test_tensor_and_expert_parallel_over_four_ranks_train_as_one_process_and_res
     """TP2 x EP2 over four ranks (two data-parallel replicas of a sequence-parallel pair, the
     experts split over the replicas); its checkpoint after step 1 resumes on two ranks under
     another layout altogether (PP2), as the uninterrupted run."""
-    root, model, train = runs
-    train(
-        model,
-        _run(root / "tp2ep2", 2, 1, 2, "--save-at", 1),
-        _run(root / "resumed-pp2", 1, 2, 1, "--from", root / "tp2ep2" / "ckpt"),
-    )
-    _same_training(root / "base", root / "tp2ep2")
-    _same_training(root / "base", root / "resumed-pp2")
+    _trains_and_resumes(runs, "tp2ep2", (2, 1, 2), "resumed-pp2", (1, 2, 1))
 
 
 @pytest.mark.slow
@@ -280,14 +271,7 @@ def test_tensor_and_pipeline_parallel_over_four_ranks_train_as_one_process_and_r
     crossing stages as sequence slices); its checkpoint after step 1 (each rank wrote its slice of
     its stage's layer) resumes on two ranks that split the model another way (EP2: whole layers,
     half the experts each), as the uninterrupted run."""
-    root, model, train = runs
-    train(
-        model,
-        _run(root / "tp2pp2", 2, 2, 1, "--save-at", 1),
-        _run(root / "resumed-ep2", 1, 1, 2, "--from", root / "tp2pp2" / "ckpt"),
-    )
-    _same_training(root / "base", root / "tp2pp2")
-    _same_training(root / "base", root / "resumed-ep2")
+    _trains_and_resumes(runs, "tp2pp2", (2, 2, 1), "resumed-ep2", (1, 1, 2))
 
 
 @pytest.mark.slow
@@ -297,14 +281,7 @@ def test_expert_and_pipeline_parallel_over_four_ranks_train_as_one_process_and_r
     experts split over the replicas: the all-to-all runs within a stage); its checkpoint after
     step 1 (each rank wrote half of one layer's experts) resumes on two ranks under TP2, as the
     uninterrupted run."""
-    root, model, train = runs
-    train(
-        model,
-        _run(root / "ep2pp2", 1, 2, 2, "--save-at", 1),
-        _run(root / "resumed-tp2", 2, 1, 1, "--from", root / "ep2pp2" / "ckpt"),
-    )
-    _same_training(root / "base", root / "ep2pp2")
-    _same_training(root / "base", root / "resumed-tp2")
+    _trains_and_resumes(runs, "ep2pp2", (1, 2, 2), "resumed-tp2", (2, 1, 1))
 
 
 @pytest.mark.slow
@@ -313,14 +290,7 @@ def test_tensor_pipeline_and_expert_parallel_over_eight_ranks_train_as_one_proce
     """TP2 x PP2 x EP2 over eight ranks, the three at once as a large MoE is laid out (two replicas
     of a two-stage pipeline of sequence-parallel pairs, the experts split over the replicas); its
     checkpoint after step 1 resumes on one rank holding every slice, as the uninterrupted run."""
-    root, model, train = runs
-    train(
-        model,
-        _run(root / "tp2pp2ep2", 2, 2, 2, "--save-at", 1),
-        _run(root / "resumed-one", 1, 1, 1, "--from", root / "tp2pp2ep2" / "ckpt"),
-    )
-    _same_training(root / "base", root / "tp2pp2ep2")
-    _same_training(root / "base", root / "resumed-one")
+    _trains_and_resumes(runs, "tp2pp2ep2", (2, 2, 2), "resumed-one", (1, 1, 1))
 
 
 @pytest.mark.slow
