@@ -35,7 +35,9 @@ def test_loading_a_model_to_sample_from_imports_no_training_machinery(tmp_path):
 def test_a_training_stage_imports_no_plotting_library_before_it_plots():
     # pyplot is imported where the loss curve is drawn, once at the end on rank 0, not by every
     # SFT process at its start (a second or more of CPU on a loaded node)
-    code = "import sys, snowcat.stages.sft, snowcat.stages.rl\nprint(sorted(m for m in sys.modules if m.startswith('matplotlib')))\n"
+    code = (
+        "import sys, snowcat.stages.sft, snowcat.stages.rl\nprint(sorted(m for m in sys.modules if m.startswith('matplotlib')))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -194,6 +194,7 @@ def test_django_style_task_is_graded_from_its_log(rows):
     assert verify_patch(missing, django["patch"])[:2] == (0.0, False)
 
 
+@pytest.mark.slow  # ~8 s on 2 cores: a repository's pytest run in a sandbox, twice
 @needs_sandbox
 def test_pytest_style_task_goes_through_the_observer(rows):
     path, repos, _, pyrow = rows
