@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from snowcat.pipeline import config as config_mod
-from snowcat.pipeline.plan import agent, calibrate, compare, core, lengths
+from snowcat.pipeline.plan import agent, calibrate, compare, core, lengths, report
 from snowcat.stages.registry import KINDS
 
 FAKE = Path(__file__).parent / "fake_slurm"
@@ -257,6 +257,7 @@ def test_rl_adds_its_start_outside_the_updates_once(files):
     assert (started["hours"] - base["hours"]) * 3600 == pytest.approx(12.0)  # once, not per update
     assert started["start"]["assumes"] == "rl_start_s 12 s (site local)" and started["step_s"] == base["step_s"]
     assert any("gives no rl_start_s" in n for n in base["notes"])
+    assert "start and end outside the updates: 12 s [rl_start_s 12 s" in "\n".join(report.stage_lines(started, "node-hours"))
 
 
 # ------------------------------------------------------------------------------ a run that has started

@@ -565,8 +565,9 @@ def _sampling_refs(stage) -> list[str]:
 
 def _sampled_tasks(run, stage, split: str, inputs: Inputs | None, rec: dict) -> int | None:
     """How many tasks a sampling stage plays: its split's (from the finished tasks stage, else the
-    generated config, or for imported tasks' val split their `val_count`), at most `limit`; imported
-    tasks before the tasks stage ran: `limit` as an upper bound where there is one (None: not known)."""
+    generated config, or for imported tasks the import files' rows, val: their `val_count`), at most
+    `limit`; imported tasks whose files are not readable here: `limit` as an upper bound where there
+    is one (None: not known)."""
     n = _task_count(run, stage.tasks, split, inputs)
     if n is not None:
         _note_imported(run, stage.tasks, split, n, inputs, rec)

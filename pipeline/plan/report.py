@@ -102,6 +102,8 @@ def stage_lines(rec: dict, unit: str) -> list[str]:
     if "engine" in rec:
         e = rec["engine"]
         lines.append(f"  engine builds: {e['builds']} [{e['assumes']}]")
+    if rec.get("start", {}).get("each_s"):
+        lines.append(f"  start and end outside the updates: {rec['start']['each_s']:.3g} s [{rec['start']['assumes']}]")
     if "job_start" in rec:
         js, work = rec["job_start"], rec.get("work")
         beside = f" + work {sum(v for k, v in work.items() if k.endswith('_s')):.3g} s [{work['assumes']}]" if work else ""
