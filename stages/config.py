@@ -15,6 +15,7 @@ import importlib.util
 import itertools
 import json
 import re
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -537,8 +538,10 @@ class EndpointConfig:
         reserved = sorted(set(self.extra) & {"model", "messages", "temperature", "top_p", "top_k", "max_tokens", "seed", "n"})
         if reserved:
             yield "endpoint.extra", f"{', '.join(reserved)}: set by the stage (its own keys), not here"
-        if "@" in self.url.split("//", 1)[-1].split("/", 1)[0]:  # user:password@host would be recorded with the URL
-            yield "endpoint.url", "holds credentials (user@ or user:password@): name the key's variable in api_key_env"
+        # the URL is recorded in the run's provenance: a key in it (user:password@host, ?key=...) would be too
+        parts = urllib.parse.urlsplit(self.url)
+        if "@" in parts.netloc or parts.query or parts.fragment:
+            yield "endpoint.url", "holds credentials or a query (user@, ?key=, #...): name the key's variable in api_key_env"
         elif not re.fullmatch(r"https?://[^/\s]+(/\S*)?", self.url):
             yield "endpoint.url", f"{self.url!r}: an http(s) URL of the API's base, e.g. http://node42:8000/v1"
         if not self.model:

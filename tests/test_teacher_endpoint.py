@@ -394,6 +394,8 @@ def test_the_config_refuses_a_key_in_place_of_its_name_and_an_endpoint_without_a
         # a key in the URL would be written into the provenance with it, and the message must not repeat it
         ({"endpoint": {**ok, "url": "http://u:s3cret@node1:8000/v1"}, "tokenizer": "sft:final"}, "endpoint.url"),
         ({"endpoint": {**ok, "url": "https://tok3n@node1/v1"}, "tokenizer": "sft:final"}, "endpoint.url"),
+        ({"endpoint": {**ok, "url": "http://node1:8000/v1?api_key=s3cret"}, "tokenizer": "sft:final"}, "endpoint.url"),
+        ({"endpoint": {**ok, "url": "http://node1:8000/v1#s3cret"}, "tokenizer": "sft:final"}, "endpoint.url"),
         ({"endpoint": {**ok, "extra": {"seed": 1}}, "tokenizer": "sft:final"}, "endpoint.extra"),
         ({"tokenizer": "sft:final", "teacher": "sft:final"}, "tokenizer"),
     ]:
