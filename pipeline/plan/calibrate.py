@@ -47,6 +47,7 @@ from snowcat.pipeline.errors import UserError
 from snowcat.stages.registry import KINDS
 
 from . import agent as agent_mod
+from . import compare
 
 
 def _lstsq(rows: list[tuple[list[float], float]]) -> list[float]:
@@ -173,9 +174,7 @@ def rl_start_points(run, dag, typed) -> list[float]:
         if stage.kind != "rl":
             continue
         unit = dag[name].units[0]
-        history = run.unit_dir(unit) / "metrics_history.jsonl"
-        rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()] if history.is_file() else []
-        steps = [r["time/step_s"] for r in rows if "time/step_s" in r]
+        steps = compare._history(run.unit_dir(unit) / "metrics_history.jsonl", "time/step_s")
         duration = run.metrics(unit).get("duration_s")
         if steps and duration:
             out.append(round(duration - sum(steps), 3))
@@ -185,9 +184,7 @@ def rl_start_points(run, dag, typed) -> list[float]:
 def job_points(run, dag, typed) -> list[dict]:
     """Per stage run as one Slurm job: sacct's allocated seconds beside the stage's `duration_s`
     (continued or retried units, and units sacct does not answer for, are left out)."""
-    from .compare import allocations  # noqa: PLC0415
-
-    allocated, _ = allocations(run, dag)
+    allocated, _ = compare.allocations(run, dag)
     out = []
     for name, stage in typed.stages.items():
         units = dag[name].units
