@@ -104,7 +104,7 @@ class Planner:
     # an RL stage's seconds outside its updates: the job's MPI world, the trainer's start before it
     # asks for the first batch, the final save and records
     rl_start_s: float = bounded(0.0, ge=0)
-    budget: Literal["none", "jutil", "taccinfo"] = "none"  # where the remaining allocation could be read (a stub)
+    budget: Literal["none", "jutil", "taccinfo"] = "none"  # the remaining allocation's tool (taccinfo read, jutil a stub)
     partitions: dict[str, NodeCost] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)  # keys below planner. whose values no document confirmed

@@ -3,7 +3,8 @@ submitted, checked against the site; the compute-time proposal; layout search; p
 finished run (docs/planning.md).
 
 Modules, one job each: `model` (the architecture a stage trains), `memory`, `timing`, `sitecheck`,
-`core` (the plan of a run), `report`, `proposal`, `search`, `compare`, `command` (the CLI).
+`budget` (the remaining allocation the site's tool reports), `core` (the plan of a run), `report`,
+`proposal`, `search`, `compare`, `command` (the CLI).
 Torch-free: it runs on a login node.
 """
 

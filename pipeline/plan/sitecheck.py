@@ -1,8 +1,11 @@
 """A plan against the site: walltime per job (continuation jobs), jobs in the queue against the submit
 limits, nodes against the partition's maximum, and the charge against the allocation.
 
-The allocation's remaining budget: JSC shows it with `jutil`, TACC with `taccinfo`; reading either
-is not implemented (a stub that says so). `snowcat plan --budget N` compares with a number you give.
+The allocation: `snowcat plan --budget N` compares the charge with a number you give; without it,
+the remaining budget the site's tool reports (`budget.remaining`: TACC's taccinfo, read) where the
+profile's `planner.budget` names one. JSC's `jutil` is not read (no published sample of its output)
+and `budget: none` sites expose nothing: both a stub that says so. A tool that cannot be read leaves
+the check unknown (ok, with the reason), never refused.
 """
 
 from __future__ import annotations
@@ -12,10 +15,7 @@ import math
 from snowcat.slurm import limits as limits_mod
 from snowcat.stages.registry import RESUMABLE_KINDS
 
-BUDGET_HOW = {
-    "jutil": "`jutil user cpuquota -p <project>` on a JSC login node",
-    "taccinfo": "`/usr/local/etc/taccinfo` on a TACC login node (printed at login)",
-}
+from . import budget as budget_mod
 
 
 def jobs_for(stage, site, name: str, kind: str, hours: float, modelled: bool = True) -> dict:
@@ -91,16 +91,30 @@ def node_checks(site, stage_nodes: list[tuple[str, str, int]]) -> list[dict]:
 
 
 def budget_check(site, charge: float | None, budget: float | None) -> dict:
+    """The plan's charge against `--budget N` where given, else against what the site's tool says is
+    left (refused when the charge is more); a stub line where the site's remaining budget is not read."""
     unit = site.planner.charge_unit
-    how = BUDGET_HOW.get(site.planner.budget)
-    stub = (
-        f"remaining allocation not read: a stub ({how} shows it; pass --budget N)"
-        if how
-        else f"site {site.name} exposes no remaining allocation to the planner (stub); pass --budget N"
+    if budget is not None:
+        if charge is None:
+            return {"check": "allocation", "ok": True, "detail": f"--budget {budget:g} {unit}: the plan's charge is not known"}
+        return {"check": "allocation", "ok": charge <= budget, "detail": f"{charge:,.1f} of --budget {budget:,.1f} {unit}"}
+    reading = budget_mod.remaining(site)
+    if reading is None:
+        why = budget_mod.UNREAD.get(site.planner.budget)
+        detail = (
+            f"remaining allocation not read: {why}; pass --budget N"
+            if why
+            else f"site {site.name} exposes no remaining allocation to the planner (stub); pass --budget N"
+        )
+        return {"check": "allocation", "ok": True, "detail": detail}
+    if reading.amount is None:
+        return {"check": "allocation", "ok": True, "detail": f"remaining allocation unknown: {reading.why}; pass --budget N"}
+    left = f"{reading.amount:,.0f} {unit} left on {reading.account} ({reading.source}" + (
+        f"; {reading.note})" if reading.note else ")"
     )
-    if budget is None:
-        return {"check": "allocation", "ok": True, "detail": stub}
+    found = {"amount": reading.amount, "unit": unit, "account": reading.account, "source": reading.source}
     if charge is None:
-        return {"check": "allocation", "ok": True, "detail": f"--budget {budget:g} {unit}: the plan's charge is not known"}
-    ok = charge <= budget
-    return {"check": "allocation", "ok": ok, "detail": f"{charge:,.1f} of --budget {budget:,.1f} {unit}"}
+        return {"check": "allocation", "ok": True, "detail": f"{left}: the plan's charge is not known", "remaining": found}
+    ok = charge <= reading.amount
+    detail = f"{charge:,.1f} of the {left}" if ok else f"{charge:,.1f} {unit} planned, more than the {left}"
+    return {"check": "allocation", "ok": ok, "detail": detail, "remaining": found}
