@@ -251,6 +251,8 @@ def positions_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
 
 
 class MoEForCausalLM(nn.Module):
+    packs_documents = True  # forward takes segment_ids: packed rows attend within each document
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg

@@ -30,6 +30,7 @@ from snowcat.stages.agent import Trajectory
 from snowcat.stages.agent.trajectory import flatten
 from snowcat.stages.algorithms import PolicyLossConfig, episode_advantages, masked_mean, mismatch_stats, policy_loss
 from snowcat.stages.rollout import SamplingParams, support_ids
+from snowcat.stages.train.packing import Repacked
 
 
 def update_rows(trajs: list[Trajectory]) -> list[Trajectory]:
@@ -66,6 +67,7 @@ def make_batch(trajs: list[Trajectory], pad_id: int, estimator: str) -> dict[str
     targets = torch.where(mask[:, 1:] > 0, ids[:, 1:], torch.full_like(ids[:, 1:], -1))
     return {
         "input_ids": ids[:, :-1],
+        "lengths": torch.tensor([min(len(t), length - 1) for t in trajs]),  # real input positions per row
         "targets": targets,
         "mask": mask[:, 1:],
         "rollout_logprobs": lp[:, 1:],
@@ -125,13 +127,26 @@ def sampled_logprobs(model, batch: dict, params: SamplingParams, chunk: int = 40
     support = None
     if not params.is_full_distribution:
         support = functools.partial(kept_support, batch, sel, params=params, chunk=chunk)
+    routes = batch.get("routes") if replay else None
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    if "lengths" not in batch or not getattr(_unwrap(model), "packs_documents", False):
+        out = model(batch["input_ids"], targets=batch["targets"], temperature=temperature, routes=routes, kept_support=support)
+        return out.logprobs, out.entropy, out
+    # the rows' real tokens back to back in one row for the forward (Repacked keeps their order, so
+    # the kept supports, selected row-major, still line up), the outputs read back in the batch's layout
+    pack = Repacked.of(batch["lengths"], batch["input_ids"].shape[1])
     out = model(
-        batch["input_ids"],
-        targets=batch["targets"],
-        temperature=params.temperature if params.temperature > 0 else 1.0,
-        routes=batch.get("routes") if replay else None,
+        pack.pack(batch["input_ids"]),
+        targets=pack.pack(batch["targets"]),
+        segment_ids=pack.segment_ids,
+        position_ids=pack.position_ids,
+        temperature=temperature,
+        routes=pack.pack(routes) if routes is not None else None,
         kept_support=support,
     )
+    out.logprobs, out.entropy = pack.unpack(out.logprobs, 0.0), pack.unpack(out.entropy, 0.0)
+    if out.routes is not None:
+        out.routes = pack.unpack(out.routes, -1)
     return out.logprobs, out.entropy, out
 
 

@@ -3,6 +3,9 @@
 An example is (ids, loss_mask, domain index). Rows hold whole examples back to back; segment ids
 keep attention inside each example, positions restart at 0 per example, and the target of the
 last token of an example is -1 (no loss across the boundary). Padding is its own segment.
+
+`Repacked` does the same for a batch that is already right-padded (RL's rows, one per episode
+record), for the forward pass only: the caller keeps its [B, T] layout and reads the outputs back in it.
 """
 
 from __future__ import annotations
@@ -123,3 +126,37 @@ class PackedLoader:
 
     def load_state_dict(self, sd: dict) -> None:
         self.epoch, self.index = int(sd["epoch"]), int(sd["index"])
+
+
+@dataclass(frozen=True)
+class Repacked:
+    """Right-padded rows [B, T] (row b real in its first `lengths[b]` positions) as one row of their
+    real tokens back to back, [1, N], and back. RL's episodes are padded to the longest in the batch:
+    about half of a demo batch is padding the forward would compute. One row has none, and costs
+    nothing more than several (attention runs per document, whatever the row's length); its tokens
+    keep the padded batch's row-major order, so a selection such as `x[mask]` picks them in the same
+    order either way."""
+
+    src: torch.Tensor  # int64 [N]: the real tokens' flat positions in [B * T]
+    segment_ids: torch.Tensor  # [1, N]: the padded row each token came from
+    position_ids: torch.Tensor  # [1, N]: the token's position in its padded row
+    shape: tuple[int, int]  # (B, T) of the padded batch
+
+    @classmethod
+    def of(cls, lengths: torch.Tensor, width: int) -> Repacked:
+        lengths = lengths.clamp(0, width)
+        real = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # [B, T]
+        src = real.reshape(-1).nonzero().squeeze(1)
+        rows, positions = src // width, src % width
+        return cls(src, rows[None], positions[None], (len(lengths), width))
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [1, N, ...]"""
+        B, T = self.shape
+        return x.reshape(B * T, *x.shape[2:]).index_select(0, self.src)[None]
+
+    def unpack(self, y: torch.Tensor, fill) -> torch.Tensor:
+        """[1, N, ...] -> [B, T, ...], differentiable; padding positions hold `fill`."""
+        B, T = self.shape
+        y = y[0]
+        return y.new_full((B * T, *y.shape[1:]), fill).index_copy(0, self.src, y).view(B, T, *y.shape[1:])
