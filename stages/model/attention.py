@@ -73,12 +73,14 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
     for size, group in groups.items():
         start, length = (torch.tensor(c, device=q.device) for c in zip(*group))
         offs = torch.arange(size, device=q.device)
-        # [documents, size] token indices; padding repeats a document's last token, and causality
-        # keeps every real query off the padding keys, which come after it
-        idx = start[:, None] + torch.minimum(offs, length[:, None] - 1)
-        qb, kb, vb = (t[idx].transpose(1, 2) for t in (q, k, v))  # [documents, heads, size, D]
+        # [documents * size] token indices; padding repeats a document's last token, and causality
+        # keeps every real query off the padding keys, which come after it. index_select, not
+        # advanced indexing: its backward is an index_add, not an accumulating index_put
+        idx = (start[:, None] + torch.minimum(offs, length[:, None] - 1)).reshape(-1)
+        n = len(group)
+        qb, kb, vb = (t.index_select(0, idx).view(n, size, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True).transpose(1, 2)
-        real = offs < length[:, None]
+        real = (offs < length[:, None]).reshape(-1).nonzero().squeeze(1)
         positions.append(idx[real])
-        outs.append(out[real])
+        outs.append(out.reshape(n * size, *q.shape[1:]).index_select(0, real))
     return q.new_empty(q.shape).index_copy(0, torch.cat(positions), torch.cat(outs))

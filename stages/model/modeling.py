@@ -189,7 +189,7 @@ class SparseMoeBlock(nn.Module):
             dropped = 1.0 - keep.float().mean()
             counts = counts.clamp(max=capacity)
         token = order // k
-        y = self.experts(x[token], counts) * top_w.reshape(-1)[order, None].to(x.dtype)
+        y = self.experts(x.index_select(0, token), counts) * top_w.reshape(-1).index_select(0, order)[:, None].to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
         if cfg.shared_expert_intermediate_size:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
