@@ -8,7 +8,9 @@ SFT's held-out greedy pass@1 per domain, the sampled (`eval`) and greedy (`eval_
 each checkpoint per domain (and per difficulty), RL's paired gain over SFT, the step the export
 published (`export/step`; the demo exports RL's best by dev/pass@1), for agent evaluations
 the agent's behaviour and pass rates per bug kind (swe_mini), and stage durations (`duration_s/*`, the
-stages' own times; they mean something only on an otherwise idle machine). Prints mean, standard
+stages' own times; they mean something only on an otherwise idle machine), and the wall-clock time
+of the whole `snowcat run` (`wall_s`, with the load average before and after it; not recorded for a
+reused run), which the demo's 10-minute goal judges. Prints mean, standard
 deviation (over seeds), min and max of each, and writes every per-seed value with the machine's CPU
 model, its instruction-set flags and torch's CPU kernel level to --json. The seed changes the
 generated tasks, the initialisation and the sampling, so the spread is what a user should expect
@@ -24,11 +26,13 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
 import pyarrow.parquet as pq
 
+from snowcat.benchmarks import revision
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.pipeline.provenance import host_state
 
@@ -36,6 +40,8 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "demo.yaml"
 SFT_DOMAINS = ("closure", "arith")
 RESULTS = REPO / "benchmarks" / "results" / "demo-cpu-3seeds.json"
+GOAL_S = 600  # the demo's goal: ten minutes on an idle 2-core machine (issue 41)
+MEASURED = ("configs", "stages", "kernels", "pipeline")  # the code the demo's time and numbers depend on
 # What README.md, configs/demo.yaml and docs/training.md quote (tests/test_demo_numbers.py holds them to it).
 HEADLINE = {
     "sft/val_greedy_pass@1/closure": "SFT, held-out greedy pass@1, closure",
@@ -168,11 +174,16 @@ def main(argv: list[str]) -> int:
             str(run_dir),
             *args.overrides,
         ]
+        reused = (run_dir / "run.json").is_file()
+        load_before, t0 = os.getloadavg()[0], time.perf_counter()
         code = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        wall, load_after = time.perf_counter() - t0, os.getloadavg()[0]
         if code != 0:
             print(f"[bench demo] seed {seed}: the run exited {code}; see `snowcat status {run_dir}`", file=sys.stderr)
             return 1
         per_seed[seed] = collect(run_dir)
+        if not reused:
+            per_seed[seed] |= {"wall_s": wall, "load_before": load_before, "load_after": load_after}
     summary = summarize(per_seed)
     print(f"\n{'metric':58} {'mean':>7} {'sd':>7} {'min':>7} {'max':>7}   (over {len(per_seed)} seeds)")
     for key, s in summary.items():
@@ -189,12 +200,16 @@ def main(argv: list[str]) -> int:
                 "config": os.path.relpath(Path(args.config).resolve(), REPO),
                 "overrides": args.overrides,
                 "machine": machine(),
+                "revision": revision(MEASURED),
                 "seeds": list(per_seed),
                 "per_seed": per_seed,
                 "summary": summary,
             },
         )
         print(f"written: {args.json}")
+    if "wall_s" in summary:  # the line the goal judges: the slowest seed's whole run against 10 minutes
+        w = summary["wall_s"]
+        print(f"demo wall-clock: max {w['max']:.0f} s over {w['n']} runs, {w['max'] / GOAL_S:.2f}x the {GOAL_S} s goal")
     return 0
 
 
