@@ -16,8 +16,9 @@ the trainer. For each batch size (trajectories per batch: the defaults are 85 Ki
     reads it (`TrajectoryBatch.read`: header, offsets and counts checked for the batch as a whole,
     every column a view of the message, every trajectory's fields views it can take);
   - `message`: the same buffer through `MPITransport`'s `send_message` / `recv_message` alone
-    (probe, receive into a reused buffer; the trainer's "receiving" word only where the sender may
-    be backing off): what the transport adds to moving bytes;
+    (into a reused buffer: a receive posted for it while the trainer spins, for a batch of up to
+    2 MiB, else probe and receive; the trainer's "receiving" word only where the sender may be
+    backing off): what the transport adds to moving bytes;
   - `raw`: one `comm.Send` of a uint8 buffer of the same byte count into a preallocated `Recv`.
 Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
 extra message in every row), and reports the median and `raw / typed`, `raw / message` (1.0: no

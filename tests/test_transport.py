@@ -193,6 +193,12 @@ def _header(i, value):
     return lambda buf, b: buf[: 8 * (4 + len(FIELDS))].view(np.int64).__setitem__(i, value)
 
 
+def _more_turn_offsets_fewer_turns(buf, b):  # the header's counts disagree, its total size does not
+    head = buf[: 8 * (4 + len(FIELDS))].view(np.int64)
+    head[4 + list(FIELDS).index("turn_offsets")] += 2
+    head[4 + list(FIELDS).index("turns")] -= 1  # 16 bytes each, as two more offsets
+
+
 def _cut_the_u_umlaut(buf, b):  # task ids end in "ü" (2 bytes): the first one's end moved into it
     b.column("string_offsets")[1] -= 1
 
@@ -206,6 +212,7 @@ def _cut_the_u_umlaut(buf, b):  # task ids end in "ü" (2 bytes): the first one'
         (_header(4 + list(FIELDS).index("reward"), -1), "its header describes -1"),
         (_header(4 + list(FIELDS).index("reward"), 9), "bytes, its header describes"),
         (_set("token_offsets", 2, 10**6), "token_offsets is not 6 non-decreasing offsets"),
+        (_more_turn_offsets_fewer_turns, "turn_offsets is not 6 non-decreasing offsets from 0 to 3"),
         (_set("turn_offsets", 1, 5), "turn_offsets is not"),
         (_set("string_offsets", 4, 0), "string_offsets is not"),
         (_set("support_lengths", 0, 1), "support_lengths do not add up"),
@@ -247,6 +254,41 @@ def test_a_damaged_large_batch_is_refused_as_a_small_one_is(change, message):
     buf = TrajectoryBatch.of(6, trajs).buffer.copy()
     assert TrajectoryBatch.read(buf) == trajs
     change(buf, TrajectoryBatch.read(buf))
+    with pytest.raises(ValueError, match=message):
+        TrajectoryBatch.read(buf)
+
+
+def routed_alike(k: int, n: int | None = None) -> list[Trajectory]:
+    """Batch k with every record routed (width 4) and sampled from the full distribution (no kept
+    supports): a batch of one MoE policy, as the benchmark's."""
+    return [
+        dataclasses.replace(t, support_lengths=None, support_ids=None, routes=np.full((len(t), 4), 3, np.int16))
+        for t in make_batch(k, n)
+    ]
+
+
+def _all(name, value):
+    return lambda buf, b: b.column(name).__setitem__(slice(None), value)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (_all("route_width", 5), "route widths do not add up to the"),  # every record alike, and wrong
+        (_all("route_width", -4), "route widths do not add up to the"),
+        (_set("route_width", 1, 0), "route widths do not add up to the"),  # one record unlike the others
+        (_set("support_lengths", -1, 1), "support_lengths do not add up to the 0 support ids"),
+    ],
+)
+@pytest.mark.parametrize("k, n", [(1, None), (5, 24)])
+def test_a_damaged_batch_of_one_policy_is_refused(change, message, k, n):
+    """Records routed alike are checked as one product (width x tokens), support lengths that must all
+    be 0 as bytes (one comparison up to 64 KiB, numpy beyond: batch 5 holds more tokens)."""
+    trajs = routed_alike(k, n)
+    buf = TrajectoryBatch.of(k, trajs).buffer.copy()
+    batch = TrajectoryBatch.read(buf)
+    assert batch == trajs and (k == 1 or 4 * len(batch.column("token_ids")) > 1 << 16)
+    change(buf, batch)
     with pytest.raises(ValueError, match=message):
         TrajectoryBatch.read(buf)
 
@@ -456,28 +498,37 @@ _MPI_CHILD = textwrap.dedent("""
     from mpi4py import MPI
     from tests.test_transport import make_batch
     from snowcat.stages.agent import TrajectoryBatch
-    from snowcat.stages.rlcore.transport import MPITransport
+    from snowcat.stages.rlcore.transport import MPITransport, TransportError
     comm = MPI.COMM_WORLD
     t = MPITransport(comm, timeout_s=60)
-    n = 7
+    n = 8
+    batch = lambda k: make_batch(5, n=150) if k == 7 else make_batch(k)  # 7: over 2 MiB, sent once the trainer asks
     if comm.Get_rank() == 0:
         held = {}
         for k in range(n):
             if k in (2, 5):
                 time.sleep(0.5)  # a trainer still busy: the batch waits for it, then moves
             got = t.recv_batch(k)
-            assert got == make_batch(k), f"batch {k} differs"
-            assert got.buffer.tobytes() == TrajectoryBatch.of(k, make_batch(k)).buffer.tobytes(), f"batch {k}: other bytes"
-            assert all(a.policy_version == max(0, k - 1) for a in got)
+            assert got == batch(k), f"batch {k} differs"
+            assert got.buffer.tobytes() == TrajectoryBatch.of(k, batch(k)).buffer.tobytes(), f"batch {k}: other bytes"
+            assert k == 7 or all(a.policy_version == max(0, k - 1) for a in got)
+            assert (k == 7) == (got.buffer.nbytes > 2 << 20), f"batch {k}: {got.buffer.nbytes} bytes"
             if k % 3 == 0:
                 held[k] = got  # kept past later receives: their buffer must not be written again
             del got
-        assert all(held[k] == make_batch(k) for k in held), "a later batch overwrote one still held"
-        print("TRAINER-OK", n, flush=True)
+        assert all(held[k] == batch(k) for k in held), "a later batch overwrote one still held"
+        t.should_stop = lambda: True  # a preemption notice as the trainer starts to receive batch n, never sent
+        try:
+            t.recv_batch(n)
+        except TransportError as e:  # its posted receive cancelled: the ranks still finish MPI cleanly
+            assert "interrupted (preemption)" in str(e), e
+            print("TRAINER-OK", n, flush=True)
     else:
         for k in range(n):
             if t.owner(k) == comm.Get_rank():  # odd batches written beforehand (as the agent loop does), even ones records
-                t.send_batch(k, TrajectoryBatch.of(k, make_batch(k)) if k % 2 else make_batch(k))
+                if k == 6:
+                    time.sleep(0.2)  # a rollout still busy: with 2 ranks the trainer stops spinning, probes for 6
+                t.send_batch(k, TrajectoryBatch.of(k, batch(k)) if k % 2 else batch(k))
 """)
 
 
@@ -488,4 +539,4 @@ def test_mpi_transport_delivers_batches_in_order(tmp_path, ranks):
     script.write_text(_MPI_CHILD)
     proc = mpirun(ranks, script, REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "TRAINER-OK 7" in proc.stdout
+    assert "TRAINER-OK 8" in proc.stdout

@@ -225,7 +225,8 @@ def regroup(records: list[Trajectory]) -> list[Trajectory]:
 WIRE_MAGIC = int.from_bytes(b"snowtraj", "little")
 WIRE_VERSION = 3  # 2: segment, segment_kind; 3: source
 _HEAD = 4 + len(FIELDS)
-_HEADER = struct.Struct(f"={_HEAD}q")  # native order as numpy's int64, any alignment
+# native order as numpy's int64, any alignment: magic, version, index, field count; each field's length
+_HEADER_START, _HEADER_LENGTHS = struct.Struct("=4q"), struct.Struct(f"={len(FIELDS)}q")
 _SPECS, _FIELD_INDEX = list(FIELDS.values()), {name: i for i, name in enumerate(FIELDS)}
 _N_OFFSETS = _FIELD_INDEX["token_offsets"]
 _BYTE = np.dtype(np.uint8)
@@ -236,45 +237,90 @@ _SCALARS = ("group_id", "attempt", "policy_version", "prompt_len", "reward", "st
 # the fields with one entry per record and those with one per token (as many as token_ids)
 _PER_RECORD = ("route_width", *_SCALARS)
 _COUNTED = (*((k, "trajectories") for k in _PER_RECORD), *((k, "tokens") for k in _PER_TOKEN[1:]))
-_RECORD_COUNTS, _TOKEN_COUNTS = operator.itemgetter(*_PER_RECORD), operator.itemgetter(*_PER_TOKEN)
 _NAMES = {"status": STATUSES, "segment_kind": SEGMENT_KINDS, "source": SOURCES}  # coded fields: their index's names
 _CODES = {field: {s: i for i, s in enumerate(names)} for field, names in _NAMES.items()}
-# what checking a small batch reads as lists (int64 or uint8 columns): (name, field index, int64)
-_LISTED = [
-    (name, _FIELD_INDEX[name], FIELDS[name][0].itemsize == 8)
-    for name in ("token_offsets", "turn_offsets", "string_offsets", "route_width", "segment", *_NAMES)
-]
+# what reading a batch of under _FEW records takes from the message: the lengths not fixed by the
+# record count, and where the columns it checks in lists start
+_FREE_COUNTS = operator.itemgetter(*(_FIELD_INDEX[k] for k in ("token_ids", "support_ids", "routes", "turns", "strings")))
+_LISTED_AT = operator.itemgetter(
+    *(
+        _FIELD_INDEX[k]
+        for k in ("token_offsets", "turn_offsets", "string_offsets", "route_width", "segment", "support_lengths", "strings")
+    )
+)
+_CODED_AT = operator.itemgetter(*(_FIELD_INDEX[k] for k in _NAMES))
+_HEAD_BYTES = 8 * _HEAD
 
 
-def _layout(lengths) -> tuple[list[int], int]:
-    """Byte offset of each field for these leading lengths, and the total size (8-byte aligned)."""
-    ends = list(itertools.accumulate([(n * unit + 7) & -8 for unit, n in zip(_UNIT, lengths)], initial=8 * _HEAD))
-    return ends[:-1], ends[-1]
+def _field_count_source(i: int, name: str) -> int:
+    """Where field `name`'s count is in (*lengths, n, n + 1, 3n + 1) for a batch of n records."""
+    if name in _PER_TOKEN:
+        return _FIELD_INDEX["token_ids"]
+    if name in _PER_RECORD:
+        return len(FIELDS)
+    return {"token_offsets": len(FIELDS) + 1, "turn_offsets": len(FIELDS) + 1, "string_offsets": len(FIELDS) + 2}.get(name, i)
+
+
+# the counts a consistent header holds, from (*lengths, n, n + 1, 3n + 1): one tuple comparison checks them all
+_CONSISTENT_COUNTS = operator.itemgetter(*(_field_count_source(i, name) for i, name in enumerate(FIELDS)))
+
+
+def _layout(lengths) -> list[int]:
+    """Byte offset of each field for these leading lengths, then the total size (8-byte aligned).
+    (A plain loop: the cheapest form measured, 1.1 us against 1.55 for accumulate over a list or
+    over map: a fifth of reading a small batch.)"""
+    ends, at = [_HEAD_BYTES], _HEAD_BYTES
+    for unit, n in zip(_UNIT, lengths):
+        at += (n * unit + 7) & -8
+        ends.append(at)
+    return ends
 
 
 def _offsets(lengths) -> list[int]:
     return [0, *itertools.accumulate(lengths)]
 
 
-# Checking a batch: a column of up to _FEW entries is checked as a Python list, a longer one with
-# numpy. A numpy call costs about 1 us whatever the size, most of reading a small batch (a list of
-# a few ints: 0.1 us), while a list of 2049 offsets takes 17 us to make and 13 to check.
+# Checking a batch: one of under _FEW records in Python lists read straight from the message
+# (`_read_few`), a larger one in numpy calls over its columns (`__init__`). A numpy call costs
+# about 1 us whatever the size, most of reading a small batch (a list of a few ints: 0.1 us),
+# while a list of 2049 offsets takes 17 us to make and 13 to check.
 _FEW = 64
+_ZEROS = bytes(1 << 16)  # what the support lengths of up to 16 Ki tokens are compared with (one memcmp)
 
 
-def _nondecreasing(v) -> bool:
-    return sorted(v) == v if isinstance(v, list) else not (v[1:] < v[:-1]).any()
+def _check_counts(lengths: tuple) -> int:
+    """The number of records of a batch of these leading lengths (FIELDS order); ValueError naming
+    the first field whose count does not fit the others."""
+    n = lengths[_N_OFFSETS] - 1
+    if n < 0:
+        raise ValueError("trajectory batch: token_offsets is empty")
+    if _CONSISTENT_COUNTS((*lengths, n, n + 1, 3 * n + 1)) != lengths:
+        count = dict(zip(FIELDS, lengths))
+        for name, per in _COUNTED:
+            want = n if per == "trajectories" else count["token_ids"]
+            if count[name] != want:
+                raise ValueError(f"trajectory batch: {name} has {count[name]} entries for {want} {per}")
+        for name, of, entries in (("turn_offsets", n, "turns"), ("string_offsets", 3 * n, "strings")):
+            if count[name] != of + 1:
+                raise _offsets_error(name, of, count[entries])
+    return n
 
 
-def _least(v) -> int:
-    if isinstance(v, list):
-        return min(v) if v else 0  # (min's default= costs more than the rest of it on a short list)
+def _offsets_error(name: str, count: int, total: int) -> ValueError:
+    return ValueError(f"trajectory batch: {name} is not {count + 1} non-decreasing offsets from 0 to {total}")
+
+
+def _check_offsets(off: np.ndarray, name: str, count: int, total: int) -> None:
+    """ValueError unless `off` is `count + 1` non-decreasing positions from 0 to `total`."""
+    if len(off) != count + 1 or off[0] != 0 or off[-1] != total or (off[1:] < off[:-1]).any():
+        raise _offsets_error(name, count, total)
+
+
+def _least(v: np.ndarray) -> int:
     return int(np.minimum.reduce(v, initial=0))
 
 
-def _most(v) -> int:
-    if isinstance(v, list):
-        return max(v) if v else 0
+def _most(v: np.ndarray) -> int:
     return int(np.maximum.reduce(v, initial=0))
 
 
@@ -283,21 +329,47 @@ def _all_zero(v: np.ndarray) -> bool:
     return not np.count_nonzero(v) if len(v) < 1 << 16 else _least(v) == 0 == _most(v)
 
 
-def _any(v) -> bool:
-    return any(v) if isinstance(v, list) else bool(np.count_nonzero(v))
+def _zero_bytes(data: memoryview) -> bool:
+    """Whether every byte is 0: one comparison up to 64 KiB, numpy beyond."""
+    if len(data) <= len(_ZEROS):
+        return _ZEROS.startswith(data)
+    return _all_zero(np.frombuffer(data, np.uint8))
 
 
-def _route_entries(tok, width) -> int:
-    """How many routes entries records of these token offsets and route widths hold."""
-    if isinstance(tok, list):
-        return sum(map(operator.mul, map(operator.sub, tok[1:], tok), width))
-    return int(np.dot(tok[1:] - tok[:-1], width))
+def _check_codes(codes: dict) -> None:
+    """ValueError naming the first coded field (of _NAMES) with an index beyond its names; `codes`:
+    each field's codes (or its largest alone)."""
+    for name, names in _NAMES.items():
+        if max(codes[name], default=0) >= len(names):
+            raise ValueError(f"trajectory batch: a {name.replace('_', ' ')} index beyond {len(names) - 1}")
 
 
-def _check_offsets(off, name: str, count: int, total: int) -> None:
-    """ValueError unless `off` (a list or an array) is `count + 1` non-decreasing positions from 0 to `total`."""
-    if len(off) != count + 1 or off[0] != 0 or off[-1] != total or not _nondecreasing(off):
-        raise ValueError(f"trajectory batch: {name} is not {count + 1} non-decreasing offsets from 0 to {total}")
+def _episode_starts(n: int, segment: list[int]):
+    """Index of each episode's first record, and n: every record is segment 0 of its episode or
+    the one after the record before it."""
+    if not any(segment):  # no context was rewritten: one record per episode
+        return range(n + 1)
+    starts = []
+    for j, s in enumerate(segment):
+        if s == 0:
+            starts.append(j)
+        elif not starts or s != j - starts[-1]:
+            raise ValueError(
+                f"trajectory batch: record {j} is segment {s} after {j - starts[-1] if starts else 0} of its episode"
+            )
+    return [*starts, n]
+
+
+def _text(raw: bytes, string_offsets: Sequence[int]) -> str | list[str]:
+    """The strings' utf-8 as one str when ASCII (byte offsets are character offsets), else each string alone."""
+    try:
+        text = raw.decode()
+        if len(text) != len(raw):
+            at = string_offsets
+            text = [raw[a:b].decode() for a, b in zip(at, at[1:])]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"trajectory batch: the strings are not utf-8 where cut at their offsets ({e.reason})") from None
+    return text
 
 
 def _fill(column: np.ndarray, pieces: list, at: list[int]) -> None:
@@ -354,66 +426,35 @@ class TrajectoryBatch(Sequence):
         lengths: dict[str, int],
         index: int = 0,
         buffer: np.ndarray | None = None,
-        lists: dict[str, list] | None = None,
     ):
-        """The batch of these columns (arrays by field name, or a function making one; `lists`: some of
-        them as lists already), after checking that they fit together (ValueError naming the field otherwise)."""
-        self.index, self.buffer = index, buffer
+        """The batch of these columns (arrays by field name, or a function making one), after checking
+        that they fit together in numpy calls (ValueError naming the field otherwise)."""
+        n = _check_counts(tuple(lengths.values()))
         self._columns, self._make = (columns, None) if isinstance(columns, dict) else ({}, columns)
-        self._lists = {} if lists is None else lists  # columns as Python lists, made once (checking a small batch, records)
-        n = lengths["token_offsets"] - 1
-        if n < 0:
-            raise ValueError("trajectory batch: token_offsets is empty")
-        tokens = lengths["token_ids"]
-        if _RECORD_COUNTS(lengths) != (n,) * len(_PER_RECORD) or _TOKEN_COUNTS(lengths) != (tokens,) * len(_PER_TOKEN):
-            for name, per in _COUNTED:
-                want = n if per == "trajectories" else tokens
-                if lengths[name] != want:
-                    raise ValueError(f"trajectory batch: {name} has {lengths[name]} entries for {want} {per}")
-        # the batch as a whole: a small one's per-record columns as lists (what its records are then
-        # made from), a large one's in a few numpy calls
-        values = (self._lists.__getitem__ if lists else self._list) if n < _FEW else self.column
-        tok = values("token_offsets")
+        tok, tokens = self.column("token_offsets"), lengths["token_ids"]
         _check_offsets(tok, "token_offsets", n, tokens)
-        _check_offsets(values("turn_offsets"), "turn_offsets", n, lengths["turns"])
-        _check_offsets(values("string_offsets"), "string_offsets", 3 * n, lengths["strings"])
+        _check_offsets(self.column("turn_offsets"), "turn_offsets", n, lengths["turns"])
+        _check_offsets(self.column("string_offsets"), "string_offsets", 3 * n, lengths["strings"])
         slen, n_support = self.column("support_lengths"), lengths["support_ids"]
         # all >= 0, and they add up (none at all, the common case: all 0)
         if (_least(slen) < 0 or int(slen.sum(dtype=np.int64)) != n_support) if n_support else not _all_zero(slen):
             raise ValueError(f"trajectory batch: support_lengths do not add up to the {n_support} support ids")
-        width = values("route_width")
-        if _least(width) < 0 or _route_entries(tok, width) != lengths["routes"]:
+        width = self.column("route_width")
+        if _least(width) < 0 or int(np.dot(tok[1:] - tok[:-1], width)) != lengths["routes"]:
             raise ValueError(f"trajectory batch: route widths do not add up to the {lengths['routes']} routes entries")
-        for name, names in _NAMES.items():
-            if _most(values(name)) >= len(names):
-                raise ValueError(f"trajectory batch: a {name.replace('_', ' ')} index beyond {len(names) - 1}")
-        self._starts = self._episode_starts(n, values("segment"))
-        raw = self.column("strings").tobytes()
-        try:
-            text = raw.decode()
-            if len(text) != len(raw):  # not ASCII: byte offsets are not character offsets, so each string alone
-                at = self._list("string_offsets")
-                text = [raw[a:b].decode() for a, b in zip(at, at[1:])]
-        except UnicodeDecodeError as e:
-            raise ValueError(f"trajectory batch: the strings are not utf-8 where cut at their offsets ({e.reason})") from None
-        self._text, self._tokens = text, tokens
-        self._episodes: list[Trajectory | None] = [None] * (len(self._starts) - 1)
-        self._at: dict[str, list] | None = None  # positions and per-record values as lists, made with the first record
+        _check_codes({name: (_most(self.column(name)),) for name in _NAMES})
+        segment = self.column("segment")
+        starts = _episode_starts(n, segment.tolist()) if np.count_nonzero(segment) else range(n + 1)
+        text = _text(self.column("strings").tobytes(), self.column("string_offsets"))
+        self._checked(index, buffer, starts, text, tokens)
 
-    def _episode_starts(self, n: int, segment):
-        """Index of each episode's first record, and n: every record is segment 0 of its episode or
-        the one after the record before it."""
-        if not _any(segment):  # no context was rewritten: one record per episode
-            return range(n + 1)
-        starts = []
-        for j, s in enumerate(segment if isinstance(segment, list) else segment.tolist()):
-            if s == 0:
-                starts.append(j)
-            elif not starts or s != j - starts[-1]:
-                raise ValueError(
-                    f"trajectory batch: record {j} is segment {s} after {j - starts[-1] if starts else 0} of its episode"
-                )
-        return [*starts, n]
+    def _checked(self, index: int, buffer: np.ndarray | None, starts, text, tokens: int, lists: dict | None = None) -> None:
+        """What a checked batch holds besides its columns: index of each episode's first record
+        (`starts`, and the record count), the strings, the token count, columns as Python lists."""
+        self.index, self.buffer, self._starts, self._text, self._tokens = index, buffer, starts, text, tokens
+        self._lists = {} if lists is None else lists  # columns as Python lists, made once (checking a small batch, records)
+        self._episodes: list[Trajectory | None] = [None] * (len(starts) - 1)
+        self._at: dict[str, list] | None = None  # positions and per-record values as lists, made with the first record
 
     # -- making a batch
 
@@ -425,9 +466,9 @@ class TrajectoryBatch(Sequence):
             buf = np.frombuffer(buf, np.uint8)
         elif buf.dtype is not _BYTE or buf.ndim != 1:  # (a received message is one already)
             buf = buf.view(np.uint8).reshape(-1)
-        if len(buf) < 8 * _HEAD:
-            raise ValueError(f"trajectory batch: {len(buf)} bytes, shorter than its {8 * _HEAD}-byte header")
-        magic, version, index, n_fields, *lengths = _HEADER.unpack_from(buf)
+        if len(buf) < _HEAD_BYTES:
+            raise ValueError(f"trajectory batch: {len(buf)} bytes, shorter than its {_HEAD_BYTES}-byte header")
+        magic, version, index, n_fields = _HEADER_START.unpack_from(buf)
         if magic != WIRE_MAGIC:
             raise ValueError("trajectory batch: not a snowcat trajectory batch (no magic number)")
         if version != WIRE_VERSION or n_fields != len(FIELDS):
@@ -435,24 +476,68 @@ class TrajectoryBatch(Sequence):
                 f"trajectory batch: wire format version {version} with {n_fields} fields;"
                 f" this snowcat reads version {WIRE_VERSION} with {len(FIELDS)} (ranks of different snowcat versions?)"
             )
-        offsets, total = _layout(lengths) if min(lengths) >= 0 else ([], -1)
-        if total != len(buf):
-            raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {total}")
+        lengths = _HEADER_LENGTHS.unpack_from(buf, _HEADER_START.size)
+        at = _layout(lengths) if min(lengths) >= 0 else [-1]
+        if at[-1] != len(buf):
+            raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {at[-1]}")
 
         def view(name: str) -> np.ndarray:  # made when first used: checking the batch needs only some
             i = _FIELD_INDEX[name]
             dtype, tail = _SPECS[i]
-            return np.ndarray((lengths[i], *tail), dtype, buf, offsets[i])
+            return np.ndarray((lengths[i], *tail), dtype, buf, at[i])
 
-        lists = None
-        if lengths[_N_OFFSETS] <= _FEW:  # a small batch is checked in lists: those columns' straight from the message
-            data = memoryview(buf)
-            words = data.cast("q")  # every column starts on an 8-byte boundary
-            lists = {}
-            for name, i, wide in _LISTED:
-                at, n = offsets[i], lengths[i]
-                lists[name] = (words[at // 8 : at // 8 + n] if wide else data[at : at + n]).tolist()
-        return cls(view, dict(zip(FIELDS, lengths)), index, buf, lists)
+        if lengths[_N_OFFSETS] <= _FEW:
+            return cls._read_few(buf, index, lengths, at, view)
+        return cls(view, dict(zip(FIELDS, lengths)), index, buf)
+
+    @classmethod
+    def _read_few(cls, buf: np.ndarray, index: int, lengths: tuple, at: list[int], view) -> TrajectoryBatch:
+        """A batch of under _FEW records, checked as `__init__` checks one (the same errors) in
+        Python lists and byte comparisons read straight from the message, numpy only for kept
+        supports (2 episodes: 5.8 us, 9.3 before with a numpy view or a list made per column, side
+        by side on a loaded machine)."""
+        n = _check_counts(lengths)
+        tokens, n_support, n_routes, n_turns, n_strings = _FREE_COUNTS(lengths)
+        at_tok, at_turn, at_str_off, at_width, at_segment, at_slen, at_str = _LISTED_AT(at)
+        data = memoryview(buf)
+        words = data.cast("q")  # every column starts on an 8-byte boundary (at any alignment of buf: read by memcpy)
+        tok = words[at_tok >> 3 : (at_tok >> 3) + n + 1].tolist()
+        turn = words[at_turn >> 3 : (at_turn >> 3) + n + 1].tolist()
+        str_off = words[at_str_off >> 3 : (at_str_off >> 3) + 3 * n + 1].tolist()
+        width = words[at_width >> 3 : (at_width >> 3) + n].tolist()
+        segment = words[at_segment >> 3 : (at_segment >> 3) + n].tolist()
+        if tok[0] or tok[-1] != tokens or sorted(tok) != tok:
+            raise _offsets_error("token_offsets", n, tokens)
+        if turn[0] or turn[-1] != n_turns or sorted(turn) != turn:
+            raise _offsets_error("turn_offsets", n, n_turns)
+        if str_off[0] or str_off[-1] != n_strings or sorted(str_off) != str_off:
+            raise _offsets_error("string_offsets", 3 * n, n_strings)
+        if n_support:  # kept supports (top-k/top-p sampling): all >= 0 and they add up
+            slen = view("support_lengths")
+            if _least(slen) < 0 or int(slen.sum(dtype=np.int64)) != n_support:
+                raise ValueError(f"trajectory batch: support_lengths do not add up to the {n_support} support ids")
+        elif not _zero_bytes(data[at_slen : at_slen + 4 * tokens]):  # none at all, the common case: all 0
+            raise ValueError("trajectory batch: support_lengths do not add up to the 0 support ids")
+        if width.count(w := width[0] if n else 0) == n:  # every record routed by the same model, or none
+            routes_fit = w >= 0 and w * tokens == n_routes
+        else:
+            routes_fit = min(width) >= 0 and sum(map(operator.mul, map(operator.sub, tok[1:], tok), width)) == n_routes
+        if not routes_fit:
+            raise ValueError(f"trajectory batch: route widths do not add up to the {n_routes} routes entries")
+        at_status, at_kind, at_source = _CODED_AT(at)  # _NAMES's order
+        if n and (
+            max(data[at_status : at_status + n]) >= len(STATUSES)
+            or max(data[at_kind : at_kind + n]) >= len(SEGMENT_KINDS)
+            or max(data[at_source : at_source + n]) >= len(SOURCES)
+        ):
+            _check_codes({name: data[a : a + n] for name, a in zip(_NAMES, (at_status, at_kind, at_source))})
+        starts = _episode_starts(n, segment) if any(segment) else range(n + 1)
+        text = _text(data[at_str : at_str + n_strings].tobytes(), str_off)
+        batch = object.__new__(cls)
+        batch._columns, batch._make = {}, view
+        lists = {"token_offsets": tok, "turn_offsets": turn, "string_offsets": str_off, "route_width": width, "segment": segment}
+        batch._checked(index, buf, starts, text, tokens, lists)
+        return batch
 
     @classmethod
     def columns_of(cls, buffers: dict[str, np.ndarray]) -> TrajectoryBatch:
@@ -486,7 +571,7 @@ class TrajectoryBatch(Sequence):
         lengths.update(dict.fromkeys(_PER_TOKEN, sum(tokens)), token_offsets=len(records) + 1, turn_offsets=len(records) + 1)
         lengths.update(support_ids=sum(support), routes=sum(map(operator.mul, tokens, width)), turns=len(turns))
         lengths.update(strings=sum(map(len, strings)), string_offsets=len(strings) + 1)
-        offsets, total = _layout(lengths.values())
+        *offsets, total = _layout(lengths.values())
         buf = (np.empty(total // 8, np.int64) if buffers is None else buffers.take(total // 8)).view(np.uint8)
         buf[: 8 * _HEAD].view(np.int64)[:] = [WIRE_MAGIC, WIRE_VERSION, index, len(FIELDS), *lengths.values()]
         for name, unit, off, end in zip(FIELDS, _UNIT, offsets, [*offsets[1:], total]):
