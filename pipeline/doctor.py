@@ -69,6 +69,7 @@ from . import lock as lock_mod
 from .errors import UserError
 from .fsio import atomic_write_text
 from .offline import require_staged
+from .plan import budget as budget_mod
 
 # Filesystems a compute node sees the same way as the login node (statfs type names, `stat -f -c %T`).
 SHARED_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.sshfs", "panfs", "wekafs")
@@ -203,8 +204,8 @@ def check_packages(have: Mapping[str, str] | None = None, set_name: str | None =
     )
 
 
-# Compute-budget tools: JSC (`jutil`, older `sbudget`) and TACC (`taccinfo`).
-TACCINFO = "/usr/local/etc/taccinfo"
+# Compute-budget tools: JSC (`jutil`, older `sbudget`) and TACC (`taccinfo`, where the planner reads it).
+TACCINFO = budget_mod.TACCINFO
 
 
 def _budget_tools() -> list[tuple[str, list[str]]]:
