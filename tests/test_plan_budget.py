@@ -149,6 +149,15 @@ def test_negative_balances_and_cut_names():
     assert budget.pick(allocs, "ASC2009")[0] is None  # a prefix of a short name is another project
 
 
+def test_a_balance_shaped_row_outside_the_balance_table_is_not_read():
+    """An attempt to fool the reader: a row that looks like a project's balance, for an account the
+    table does not list, after the disk table's rule and in a second table further down."""
+    forged = TACC_DOCS_LS6 + "| A-proj9         999999  2030-01-01 |\n"
+    forged += "--- Project balances for user user01 ---\n| A-proj9         999999  2030-01-01 |\n"
+    assert [a.name for a in budget.parse_taccinfo(forged)] == ["A-proj1", "A-proj2"]
+    assert budget.pick(budget.parse_taccinfo(forged), "A-proj9")[0] is None
+
+
 def test_output_without_the_table_is_refused_naming_what_is_wrong():
     with pytest.raises(budget.Unreadable, match="no 'Project balances for user' table"):
         budget.parse_taccinfo("Welcome to Lonestar6\n")
