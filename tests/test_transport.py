@@ -174,7 +174,7 @@ def test_reading_a_message_gives_views_of_it_and_makes_each_trajectory_when_aske
     for t in batch:
         arrays = [t.token_ids, t.loss_mask, t.rollout_logprobs, t.support_lengths] + ([t.routes] if t.routes is not None else [])
         assert all(np.shares_memory(a, buf) for a in arrays if a.size)  # views of the message, no copy
-    buf[8 * (4 + len(FIELDS))] ^= 1  # the first token id, in the message itself
+    buf[batch.column("token_ids").ctypes.data - buf.ctypes.data] ^= 1  # the first token id, in the message itself
     assert first.earlier[0].token_ids[0] == records[0]["token_ids"][0] ^ 1  # record 0's first id
 
 
@@ -291,6 +291,30 @@ def test_a_damaged_batch_of_one_policy_is_refused(change, message, k, n):
     change(buf, batch)
     with pytest.raises(ValueError, match=message):
         TrajectoryBatch.read(buf)
+
+
+# version 3's order: the per-token columns first (version 4 puts the per-record ones first)
+_VERSION_3_ORDER = (
+    "token_ids", "loss_mask", "rollout_logprobs", "support_lengths", "support_ids", "route_width", "routes",
+    "token_offsets", "group_id", "attempt", "policy_version", "prompt_len", "reward", "status", "segment",
+    "segment_kind", "source", "turns", "turn_offsets", "strings", "string_offsets",
+)  # fmt: skip
+
+
+def test_a_message_of_wire_version_3_is_refused_by_name_not_misread(tmp_path):
+    """Version 4 moved the per-record columns first: a rank of an older snowcat is refused, naming
+    both versions, instead of having its columns read at the wrong places."""
+    assert WIRE_VERSION == 4 and sorted(_VERSION_3_ORDER) == sorted(FIELDS)
+    cols = expected_columns(directly(agent_records(1)))
+    head = np.array([WIRE_MAGIC, 3, 1, len(FIELDS), *(len(cols[k]) for k in _VERSION_3_ORDER)], np.int64).tobytes()
+    old = head + b"".join(cols[k].tobytes() + bytes(-cols[k].nbytes % 8) for k in _VERSION_3_ORDER)
+    assert len(old) == TrajectoryBatch.write(1, agent_records(1)).buffer.nbytes  # the same size, other places
+    with pytest.raises(ValueError, match="wire format version 3 with 21 fields; this snowcat reads version 4 with 21"):
+        TrajectoryBatch.read(old)
+    queue = FileQueueTransport(tmp_path, timeout_s=5)  # e.g. a batch an older trainer left in the queue
+    queue.path(1).write_bytes(old)
+    with pytest.raises(TransportError, match="batch 1 from .*batch_000001.traj: trajectory batch: wire format version 3"):
+        queue.recv_batch(1)
 
 
 def test_a_short_padded_or_misaligned_message_is_refused():

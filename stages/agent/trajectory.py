@@ -50,29 +50,32 @@ SEGMENT_KINDS = ("context", "summary")
 # (its episodes join their task's group; docs/recipes.md "Teacher rollouts in RL groups")
 SOURCES = ("policy", "teacher")
 
-# name -> (dtype, trailing shape); the order is the wire order
+# name -> (dtype, trailing shape); the order is the wire order. First the columns of one entry
+# per record (or per record and one more: offsets), whose layout depends on the record count alone
+# (a reader computes it once per count), the int64 ones the reader checks first; then the columns
+# whose lengths vary with the records' contents.
 FIELDS: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
-    "token_ids": (np.dtype(np.int32), ()),  # all trajectories' tokens, concatenated
-    "loss_mask": (np.dtype(np.uint8), ()),
-    "rollout_logprobs": (np.dtype(np.float32), ()),
-    "support_lengths": (np.dtype(np.int32), ()),  # per token: how many kept ids the engine reported
-    "support_ids": (np.dtype(np.int32), ()),  # all tokens' kept ids, concatenated
-    "route_width": (np.dtype(np.int64), ()),  # per trajectory: moe layers * k, 0 = no routes recorded
-    "routes": (np.dtype(np.int16), ()),  # all trajectories' [L, width] routes, flattened and concatenated
     "token_offsets": (np.dtype(np.int64), ()),  # [N+1]: trajectory i is tokens[off[i]:off[i+1]]
+    "turn_offsets": (np.dtype(np.int64), ()),  # [N+1]
+    "string_offsets": (np.dtype(np.int64), ()),  # [3N+1]
+    "route_width": (np.dtype(np.int64), ()),  # per trajectory: moe layers * k, 0 = no routes recorded
+    "segment": (np.dtype(np.int64), ()),  # the record's place in its episode (0: the opening's context)
     "group_id": (np.dtype(np.int64), ()),
     "attempt": (np.dtype(np.int64), ()),
     "policy_version": (np.dtype(np.int64), ()),
     "prompt_len": (np.dtype(np.int64), ()),
     "reward": (np.dtype(np.float64), ()),
     "status": (np.dtype(np.uint8), ()),  # index into STATUSES
-    "segment": (np.dtype(np.int64), ()),  # the record's place in its episode (0: the opening's context)
     "segment_kind": (np.dtype(np.uint8), ()),  # index into SEGMENT_KINDS
     "source": (np.dtype(np.uint8), ()),  # index into SOURCES
+    "token_ids": (np.dtype(np.int32), ()),  # all trajectories' tokens, concatenated
+    "loss_mask": (np.dtype(np.uint8), ()),
+    "rollout_logprobs": (np.dtype(np.float32), ()),
+    "support_lengths": (np.dtype(np.int32), ()),  # per token: how many kept ids the engine reported
+    "support_ids": (np.dtype(np.int32), ()),  # all tokens' kept ids, concatenated
+    "routes": (np.dtype(np.int16), ()),  # all trajectories' [L, width] routes, flattened and concatenated
     "turns": (np.dtype(np.int64), (2,)),  # all (start, end) spans, concatenated
-    "turn_offsets": (np.dtype(np.int64), ()),  # [N+1]
     "strings": (np.dtype(np.uint8), ()),  # utf-8 of task_id_0, domain_0, detail_0, task_id_1, ...
-    "string_offsets": (np.dtype(np.int64), ()),  # [3N+1]
 }
 
 
@@ -223,7 +226,7 @@ def regroup(records: list[Trajectory]) -> list[Trajectory]:
 #   WIRE_VERSION, so a rank of another snowcat version is refused by name instead of misread.
 
 WIRE_MAGIC = int.from_bytes(b"snowtraj", "little")
-WIRE_VERSION = 3  # 2: segment, segment_kind; 3: source
+WIRE_VERSION = 4  # 2: segment, segment_kind; 3: source; 4: the per-record columns first
 _HEAD = 4 + len(FIELDS)
 # native order as numpy's int64, any alignment: magic, version, index, field count; each field's length
 _HEADER_START, _HEADER_LENGTHS = struct.Struct("=4q"), struct.Struct(f"={len(FIELDS)}q")
@@ -239,17 +242,24 @@ _PER_RECORD = ("route_width", *_SCALARS)
 _COUNTED = (*((k, "trajectories") for k in _PER_RECORD), *((k, "tokens") for k in _PER_TOKEN[1:]))
 _NAMES = {"status": STATUSES, "segment_kind": SEGMENT_KINDS, "source": SOURCES}  # coded fields: their index's names
 _CODES = {field: {s: i for i, s in enumerate(names)} for field, names in _NAMES.items()}
-# what reading a batch of under _FEW records takes from the message: the lengths not fixed by the
-# record count, and where the columns it checks in lists start
-_FREE_COUNTS = operator.itemgetter(*(_FIELD_INDEX[k] for k in ("token_ids", "support_ids", "routes", "turns", "strings")))
-_LISTED_AT = operator.itemgetter(
-    *(
-        _FIELD_INDEX[k]
-        for k in ("token_offsets", "turn_offsets", "string_offsets", "route_width", "segment", "support_lengths", "strings")
-    )
-)
-_CODED_AT = operator.itemgetter(*(_FIELD_INDEX[k] for k in _NAMES))
 _HEAD_BYTES = 8 * _HEAD
+# The layout a reader computes (`TrajectoryBatch.read`): the first _N_FIXED fields have counts fixed
+# by the record count (their layout is cached per count: `_fixed`), the int64 columns checked in
+# lists first of them (read as one list); the rest, whose counts the records' contents set, in this
+# order with these bytes per entry (the reader's arithmetic for their offsets).
+_N_FIXED = _FIELD_INDEX["token_ids"]
+_LISTED = ("token_offsets", "turn_offsets", "string_offsets", "route_width", "segment")
+_FREE = ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths", "support_ids", "routes", "turns", "strings")
+if (
+    tuple(FIELDS)[: len(_LISTED)] != _LISTED
+    or tuple(FIELDS)[_N_FIXED:] != _FREE
+    or _UNIT[_N_FIXED:] != [4, 1, 4, 4, 4, 2, 16, 1]
+    or tuple(FIELDS)[_N_FIXED - len(_NAMES) : _N_FIXED] != tuple(_NAMES)
+    or len(SOURCES) != len(SEGMENT_KINDS)
+):
+    raise AssertionError("trajectory.py: FIELDS no longer has the order TrajectoryBatch.read lays it out in")
+# the lengths not fixed by the record count
+_FREE_COUNTS = operator.itemgetter(*(_FIELD_INDEX[k] for k in ("token_ids", "support_ids", "routes", "turns", "strings")))
 
 
 def _field_count_source(i: int, name: str) -> int:
@@ -278,6 +288,25 @@ def _layout(lengths) -> list[int]:
 
 def _offsets(lengths) -> list[int]:
     return [0, *itertools.accumulate(lengths)]
+
+
+_FIXED: dict[int, tuple] = {}  # record count -> `_fixed` of it
+
+
+def _fixed(n: int) -> tuple:
+    """For a batch of n records (cached): the counts of the fields before token_ids; their byte
+    offsets and where token_ids starts; the word count of the _LISTED columns and each one's slice
+    of them; the byte offsets of the coded columns (_NAMES's order)."""
+    out = _FIXED.get(n)
+    if out is None:
+        counts = _CONSISTENT_COUNTS((*(0,) * len(FIELDS), n, n + 1, 3 * n + 1))[:_N_FIXED]
+        *at, start = _layout(counts)  # (the plain loop stops at the last of these counts)
+        bounds = _offsets(counts[: len(_LISTED)])
+        slices = tuple(map(slice, bounds, bounds[1:]))
+        if len(_FIXED) >= 1024:  # (record counts vary little in a run: a bound that is never reached)
+            _FIXED.clear()
+        out = _FIXED[n] = (counts, at, start, bounds[-1], slices, *at[_N_FIXED - len(_NAMES) :])
+    return out
 
 
 # Checking a batch: one of under _FEW records in Python lists read straight from the message
@@ -477,41 +506,65 @@ class TrajectoryBatch(Sequence):
                 f" this snowcat reads version {WIRE_VERSION} with {len(FIELDS)} (ranks of different snowcat versions?)"
             )
         lengths = _HEADER_LENGTHS.unpack_from(buf, _HEADER_START.size)
-        at = _layout(lengths) if min(lengths) >= 0 else [-1]
-        if at[-1] != len(buf):
-            raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {at[-1]}")
+        tokens, n_support, n_routes, n_turns, n_strings = _FREE_COUNTS(lengths)
+        fixed = _FIXED.get(lengths[0] - 1)  # (token_offsets: n + 1)
+        if (
+            fixed is None
+            or lengths[:_N_FIXED] != fixed[0]
+            or not lengths[_N_FIXED + 1] == lengths[_N_FIXED + 2] == lengths[_N_FIXED + 3] == tokens  # _PER_TOKEN
+            or (tokens | n_support | n_routes | n_turns | n_strings) < 0
+        ):  # a record count not seen before, or a header that does not fit: checked field by field
+            at = _layout(lengths) if min(lengths) >= 0 else [-1]
+            if at[-1] != len(buf):
+                raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {at[-1]}")
+            fixed = _fixed(_check_counts(lengths))
+        # every field's byte offset: the per-record ones cached, the others in _FREE's order
+        counts, at, start = fixed[:3]
+        per_token = (4 * tokens + 7) & -8
+        at = [*at, start, start + per_token]
+        at.append(at[-1] + ((tokens + 7) & -8))  # rollout_logprobs
+        at.append(at[-1] + per_token)  # support_lengths
+        at.append(at[-1] + per_token)  # support_ids
+        at.append(at[-1] + ((4 * n_support + 7) & -8))  # routes
+        at.append(at[-1] + ((2 * n_routes + 7) & -8))  # turns
+        at.append(at[-1] + 16 * n_turns)  # strings
+        if (end := at[-1] + ((n_strings + 7) & -8)) != len(buf):
+            raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {end}")
 
         def view(name: str) -> np.ndarray:  # made when first used: checking the batch needs only some
             i = _FIELD_INDEX[name]
             dtype, tail = _SPECS[i]
             return np.ndarray((lengths[i], *tail), dtype, buf, at[i])
 
-        if lengths[_N_OFFSETS] <= _FEW:
-            return cls._read_few(buf, index, lengths, at, view)
+        if counts[0] <= _FEW:
+            return cls._read_few(buf, index, lengths, fixed, at, view)
         return cls(view, dict(zip(FIELDS, lengths)), index, buf)
 
     @classmethod
-    def _read_few(cls, buf: np.ndarray, index: int, lengths: tuple, at: list[int], view) -> TrajectoryBatch:
+    def _read_few(cls, buf: np.ndarray, index: int, lengths: tuple, fixed: tuple, at: list[int], view) -> TrajectoryBatch:
         """A batch of under _FEW records, checked as `__init__` checks one (the same errors) in
         Python lists and byte comparisons read straight from the message, numpy only for kept
-        supports (2 episodes: 5.8 us, 9.3 before with a numpy view or a list made per column, side
-        by side on a loaded machine)."""
-        n = _check_counts(lengths)
+        supports."""
+        counts, _, _, n_listed, slices, at_status, at_kind, at_source = fixed
+        n = counts[0] - 1
         tokens, n_support, n_routes, n_turns, n_strings = _FREE_COUNTS(lengths)
-        at_tok, at_turn, at_str_off, at_width, at_segment, at_slen, at_str = _LISTED_AT(at)
         data = memoryview(buf)
-        words = data.cast("q")  # every column starts on an 8-byte boundary (at any alignment of buf: read by memcpy)
-        tok = words[at_tok >> 3 : (at_tok >> 3) + n + 1].tolist()
-        turn = words[at_turn >> 3 : (at_turn >> 3) + n + 1].tolist()
-        str_off = words[at_str_off >> 3 : (at_str_off >> 3) + 3 * n + 1].tolist()
-        width = words[at_width >> 3 : (at_width >> 3) + n].tolist()
-        segment = words[at_segment >> 3 : (at_segment >> 3) + n].tolist()
+        # the _LISTED columns: one list (every column starts on an 8-byte boundary; at any alignment of buf: read by memcpy)
+        listed = data[_HEAD_BYTES : _HEAD_BYTES + 8 * n_listed].cast("q").tolist()
+        tok, turn, str_off, width, segment = (
+            listed[slices[0]],
+            listed[slices[1]],
+            listed[slices[2]],
+            listed[slices[3]],
+            listed[slices[4]],
+        )
         if tok[0] or tok[-1] != tokens or sorted(tok) != tok:
             raise _offsets_error("token_offsets", n, tokens)
         if turn[0] or turn[-1] != n_turns or sorted(turn) != turn:
             raise _offsets_error("turn_offsets", n, n_turns)
         if str_off[0] or str_off[-1] != n_strings or sorted(str_off) != str_off:
             raise _offsets_error("string_offsets", 3 * n, n_strings)
+        at_slen = at[_FIELD_INDEX["support_lengths"]]
         if n_support:  # kept supports (top-k/top-p sampling): all >= 0 and they add up
             slen = view("support_lengths")
             if _least(slen) < 0 or int(slen.sum(dtype=np.int64)) != n_support:
@@ -524,14 +577,12 @@ class TrajectoryBatch(Sequence):
             routes_fit = min(width) >= 0 and sum(map(operator.mul, map(operator.sub, tok[1:], tok), width)) == n_routes
         if not routes_fit:
             raise ValueError(f"trajectory batch: route widths do not add up to the {n_routes} routes entries")
-        at_status, at_kind, at_source = _CODED_AT(at)  # _NAMES's order
-        if n and (
-            max(data[at_status : at_status + n]) >= len(STATUSES)
-            or max(data[at_kind : at_kind + n]) >= len(SEGMENT_KINDS)
-            or max(data[at_source : at_source + n]) >= len(SOURCES)
-        ):
+        # the codes: status, then segment kind and source (as many names each) at once, with the padding
+        # between them (written 0; where it is not, or a code is beyond, each field is checked alone)
+        if n and (max(data[at_status : at_status + n]) >= len(STATUSES) or max(data[at_kind : at_source + n]) >= len(SOURCES)):
             _check_codes({name: data[a : a + n] for name, a in zip(_NAMES, (at_status, at_kind, at_source))})
         starts = _episode_starts(n, segment) if any(segment) else range(n + 1)
+        at_str = at[-1]
         text = _text(data[at_str : at_str + n_strings].tobytes(), str_off)
         batch = object.__new__(cls)
         batch._columns, batch._make = {}, view
