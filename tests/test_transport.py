@@ -68,7 +68,7 @@ def make_batch(k: int, n: int | None = None) -> list[Trajectory]:
     return out
 
 
-def agent_records(k: int) -> list[dict]:
+def agent_records(k: int, n: int | None = None) -> list[dict]:
     """Batch k's records as the agent loop holds them when its episodes end (`stages.agent.loop._record`):
     the per-token fields Python lists, the routes an array; records 0-2 one episode in three
     segments (its context, a summary the policy wrote, the context after it)."""
@@ -80,7 +80,7 @@ def agent_records(k: int) -> list[dict]:
                 for name in ("token_ids", "loss_mask", "rollout_logprobs", "support_lengths", "support_ids")
             },
         )
-        for t in make_batch(k)
+        for t in make_batch(k, n)
     ]
     for segment, (r, kind) in enumerate(zip(records[:3], ("context", "summary", "context"))):
         r.update(segment=segment, segment_kind=kind, group_id=0, attempt=0)
@@ -178,9 +178,9 @@ def test_reading_a_message_gives_views_of_it_and_makes_each_trajectory_when_aske
     assert first.earlier[0].token_ids[0] == records[0]["token_ids"][0] ^ 1  # record 0's first id
 
 
-def _damage(change):
-    """A message of batch 1 changed by `change(buf, batch)` (the batch's columns are views of buf)."""
-    buf = TrajectoryBatch.write(1, agent_records(1)).buffer.copy()
+def _damage(change, n: int = 5):
+    """A message of batch 1 of n records changed by `change(buf, batch)` (the batch's columns are views of buf)."""
+    buf = TrajectoryBatch.write(1, agent_records(1, n)).buffer.copy()
     change(buf, TrajectoryBatch.read(buf))
     return buf
 
@@ -203,59 +203,64 @@ def _cut_the_u_umlaut(buf, b):  # task ids end in "ü" (2 bytes): the first one'
     b.column("string_offsets")[1] -= 1
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        (_header(0, 7), "no magic number"),
-        (_header(1, WIRE_VERSION + 1), f"wire format version {WIRE_VERSION + 1} with {len(FIELDS)} fields"),
-        (_header(3, len(FIELDS) - 1), f"with {len(FIELDS) - 1} fields"),
-        (_header(4 + list(FIELDS).index("reward"), -1), "its header describes -1"),
-        (_header(4 + list(FIELDS).index("reward"), 9), "bytes, its header describes"),
-        (_set("token_offsets", 2, 10**6), "token_offsets is not 6 non-decreasing offsets"),
-        (_more_turn_offsets_fewer_turns, "turn_offsets is not 6 non-decreasing offsets from 0 to 3"),
-        (_set("turn_offsets", 1, 5), "turn_offsets is not"),
-        (_set("string_offsets", 4, 0), "string_offsets is not"),
-        (_set("support_lengths", 0, 1), "support_lengths do not add up"),
-        (lambda buf, b: b.column("support_lengths")[:2].__iadd__(np.array([-1, 1], np.int32)), "support_lengths do not add up"),
-        (_set("route_width", 0, 5), "route widths do not add up"),
-        (_set("status", 3, 4), "a status index beyond 3"),
-        (_set("segment_kind", 0, 2), "a segment kind index beyond 1"),
-        (_set("source", 1, 2), "a source index beyond 1"),
-        (_set("segment", 0, 1), "record 0 is segment 1 after 0 of its episode"),
-        (_set("segment", 2, 3), "record 2 is segment 3 after 2 of its episode"),
-        (_set("strings", 0, 0xFF), "strings are not utf-8"),
-        (_cut_the_u_umlaut, "strings are not utf-8 where cut at their offsets"),
-    ],
-)
-def test_a_damaged_message_is_refused_naming_what_does_not_fit(change, message):
-    buf = _damage(change)
+# {n}: the batch's record count; {turns}: its turns less one (after _more_turn_offsets_fewer_turns)
+DAMAGES = [
+    (_header(0, 7), "no magic number"),
+    (_header(1, WIRE_VERSION + 1), f"wire format version {WIRE_VERSION + 1} with {len(FIELDS)} fields"),
+    (_header(3, len(FIELDS) - 1), f"with {len(FIELDS) - 1} fields"),
+    (_header(4 + list(FIELDS).index("reward"), -1), "its header describes -1"),
+    (_header(4 + list(FIELDS).index("reward"), 9), "bytes, its header describes"),
+    (_header(4 + list(FIELDS).index("strings"), -8), "its header describes -1"),  # a count the records' contents set
+    (_header(4 + list(FIELDS).index("token_offsets"), 0), "bytes, its header describes"),
+    (_header(4 + list(FIELDS).index("loss_mask"), 0), "bytes, its header describes"),
+    (_set("token_offsets", 2, 10**6), "token_offsets is not {n+1} non-decreasing offsets"),
+    (_set("token_offsets", -1, 0), "token_offsets is not {n+1} non-decreasing offsets"),
+    (_more_turn_offsets_fewer_turns, "turn_offsets is not {n+1} non-decreasing offsets from 0 to {turns}"),
+    (_set("turn_offsets", 1, 10**6), "turn_offsets is not"),
+    (_set("turn_offsets", -1, 0), "turn_offsets is not"),
+    (_set("string_offsets", 4, 0), "string_offsets is not {3n+1} non-decreasing"),
+    (_set("string_offsets", 0, 1), "string_offsets is not"),
+    (_set("support_lengths", 0, 1), "support_lengths do not add up"),
+    (_set("support_lengths", -1, 1), "support_lengths do not add up"),
+    (lambda buf, b: b.column("support_lengths")[:2].__iadd__(np.array([-1, 1], np.int32)), "support_lengths do not add up"),
+    (_set("route_width", 0, 5), "route widths do not add up"),
+    (_set("route_width", -1, -4), "route widths do not add up"),
+    (_set("status", 3, 4), "a status index beyond 3"),
+    (_set("status", -1, 255), "a status index beyond 3"),
+    (_set("segment_kind", 0, 2), "a segment kind index beyond 1"),
+    (_set("source", 1, 2), "a source index beyond 1"),
+    (_set("source", -1, 9), "a source index beyond 1"),
+    (_set("segment", 0, 1), "record 0 is segment 1 after 0 of its episode"),
+    (_set("segment", 2, 3), "record 2 is segment 3 after 2 of its episode"),
+    (_set("segment", -1, 2), "record {n-1} is segment 2 after 1 of its episode"),
+    (_set("strings", 0, 0xFF), "strings are not utf-8"),
+    (_cut_the_u_umlaut, "strings are not utf-8 where cut at their offsets"),
+]
+
+
+@pytest.mark.parametrize("n", [5, 80])
+@pytest.mark.parametrize("change, message", DAMAGES)
+def test_a_damaged_message_is_refused_naming_what_does_not_fit(change, message, n):
+    """Every check, on a batch of a few records and on one of many (one path reads both)."""
+    turns = len(TrajectoryBatch.write(1, agent_records(1, n)).column("turns")) - 1
+    for key, value in {"{n+1}": n + 1, "{3n+1}": 3 * n + 1, "{n-1}": n - 1, "{turns}": turns}.items():
+        message = message.replace(key, str(value))
+    buf = _damage(change, n)
     with pytest.raises(ValueError, match=message):
         TrajectoryBatch.read(buf)
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        (_set("token_offsets", 40, 10**6), "token_offsets is not 81 non-decreasing offsets"),
-        (_set("turn_offsets", 70, 0), "turn_offsets is not"),
-        (_set("string_offsets", 200, 0), "string_offsets is not"),
-        (_set("support_lengths", 7, -1), "support_lengths do not add up"),
-        (_set("route_width", 60, 5), "route widths do not add up"),
-        (_set("route_width", 60, -4), "route widths do not add up"),
-        (_set("status", 79, 9), "a status index beyond 3"),
-        (_set("segment_kind", 65, 2), "a segment kind index beyond 1"),
-        (_set("source", 64, 3), "a source index beyond 1"),
-        (_set("segment", 70, 2), "record 70 is segment 2 after 1 of its episode"),
-    ],
-)
-def test_a_damaged_large_batch_is_refused_as_a_small_one_is(change, message):
-    """From 64 records on a batch is checked in numpy calls, below in Python lists (cheaper for a few)."""
-    trajs = make_batch(6, n=80)
-    buf = TrajectoryBatch.of(6, trajs).buffer.copy()
-    assert TrajectoryBatch.read(buf) == trajs
-    change(buf, TrajectoryBatch.read(buf))
-    with pytest.raises(ValueError, match=message):
-        TrajectoryBatch.read(buf)
+@pytest.mark.parametrize("n", [5, 81])
+def test_the_padding_after_a_coded_column_is_not_read_as_codes(n):
+    """The codes are checked at once with the padding between them (written 0); where the padding is
+    not 0 but every code is within its names, each column is checked alone and the batch reads."""
+    records = agent_records(1, n)
+    buf = TrajectoryBatch.write(1, records).buffer.copy()
+    status = TrajectoryBatch.read(buf).column("status")
+    at, end = status.ctypes.data - buf.ctypes.data + n, status.ctypes.data - buf.ctypes.data + 8 * (n // 8 + 1)
+    assert n % 8 and not buf[at:end].any()
+    buf[at:end] = 0xFF
+    assert TrajectoryBatch.read(buf) == directly(records)
 
 
 def routed_alike(k: int, n: int | None = None) -> list[Trajectory]:
@@ -278,12 +283,14 @@ def _all(name, value):
         (_all("route_width", -4), "route widths do not add up to the"),
         (_set("route_width", 1, 0), "route widths do not add up to the"),  # one record unlike the others
         (_set("support_lengths", -1, 1), "support_lengths do not add up to the 0 support ids"),
+        (_set("support_lengths", -2, 1), "support_lengths do not add up to the 0 support ids"),
     ],
 )
-@pytest.mark.parametrize("k, n", [(1, None), (5, 24)])
+@pytest.mark.parametrize("k, n", [(1, None), (5, 24), (5, 25)])
 def test_a_damaged_batch_of_one_policy_is_refused(change, message, k, n):
     """Records routed alike are checked as one product (width x tokens), support lengths that must all
-    be 0 as bytes (one comparison up to 64 KiB, numpy beyond: batch 5 holds more tokens)."""
+    be 0 as bytes (one comparison up to 64 KiB, beyond it 8-byte words and the 4 bytes after the last
+    where the token count is odd: batch 5 holds more tokens, 27780 and 29043)."""
     trajs = routed_alike(k, n)
     buf = TrajectoryBatch.of(k, trajs).buffer.copy()
     batch = TrajectoryBatch.read(buf)
