@@ -19,7 +19,6 @@ import getpass
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -29,6 +28,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from snowcat.slurm import commands
 from snowcat.slurm import limits as limits_mod
 from snowcat.slurm.checks import (
     FAIL,
@@ -77,13 +77,10 @@ SHARED_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.
 
 def _sh(cmd: list[str], timeout: float = 30, env: dict | None = None) -> tuple[int, str]:
     """(exit code, stdout+stderr); 127 when the program is missing, 124 on timeout."""
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except FileNotFoundError:
-        return 127, f"{cmd[0]}: not found"
-    except subprocess.TimeoutExpired:
-        return 124, f"{' '.join(cmd)}: no answer after {timeout:.0f}s"
-    return p.returncode, (p.stdout + p.stderr).strip()
+    reply = commands.run(cmd, timeout=timeout, env=env)
+    if reply.code == commands.NO_ANSWER:
+        return reply.code, f"{' '.join(cmd)}: {reply.err}"
+    return reply.code, (reply.out + reply.err).strip()
 
 
 # Which check confirms each profile key (fnmatch patterns): what docs/sites/*.md may say doctor

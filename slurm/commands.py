@@ -1,6 +1,9 @@
-"""Every Slurm client command snowcat runs from its own code: one timeout policy, retries where a
-retry is safe, and one form for "no answer", so that callers can tell a busy controller from an empty
-queue (taking one for the other once resubmitted a whole DAG).
+"""Every Slurm client command snowcat runs from its own code, and the other site tools it asks
+(doctor's `lfs quota`, `apptainer --version`, the planner's `taccinfo`): one timeout policy, retries
+where a retry is safe, and one form for "no answer", so that callers can tell a busy controller from
+an empty queue (taking one for the other once resubmitted a whole DAG). A command runs in a session
+of its own, and a timeout kills that whole session: a site's shell wrapper would otherwise leave a
+child holding the output pipes open, and the caller waiting on them past its timeout.
 
 Queries and scancel are retried when the client says the controller or slurmdbd did not answer.
 sbatch is never retried: a submission that timed out may have been queued, and a second one would
@@ -13,7 +16,10 @@ depend on `slurm/`; it asks `scontrol` for host names with its own fallback).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterable, Mapping
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NOT_FOUND = 127  # the program is not installed (as a shell says it)
+CANNOT_RUN = 126  # it is there but cannot be run: not executable, a bad interpreter (as a shell says it)
 NO_ANSWER = 124  # it ran past its timeout (as `timeout` says it)
 QUERY_TRIES = 3
 RETRY_PAUSE_S = 1.0  # doubled after each try
@@ -103,9 +110,24 @@ def sbatch(script: Path) -> str:
 
 def _once(argv: list[str], timeout: float, env: Mapping[str, str] | None) -> Reply:
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
     except FileNotFoundError:
         return Reply(tuple(argv), NOT_FOUND, "", f"{argv[0]}: not found")
+    except OSError as e:
+        return Reply(tuple(argv), CANNOT_RUN, "", f"{argv[0]}: cannot run: {e.strerror or e}")
+    try:
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return Reply(tuple(argv), NO_ANSWER, "", f"no answer after {timeout:.0f}s")
-    return Reply(tuple(argv), p.returncode, p.stdout, p.stderr)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return Reply(tuple(argv), NO_ANSWER, "", f"no answer after {timeout:g}s")
+    return Reply(tuple(argv), proc.returncode, out, err)

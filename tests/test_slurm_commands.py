@@ -80,3 +80,30 @@ def test_a_missing_program_and_a_hung_one_are_told_apart_from_answers(tmp_path, 
     hung.chmod(0o755)
     reply = commands.run([str(hung)], timeout=0.5)
     assert reply.code == commands.NO_ANSWER and reply.busy
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed orphan stays a zombie until init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_a_timeout_stops_what_a_wrapper_script_started_too(tmp_path):
+    """A site's tools are often shell wrappers: a child still holding the output pipes would keep the
+    caller waiting past its timeout; the whole session the command started is killed."""
+    child = tmp_path / "child.pid"
+    wrapper = tmp_path / "lfs"
+    wrapper.write_text(f"#!/bin/sh\n/bin/sleep 300 &\necho $! > {child}\nwait\n")
+    wrapper.chmod(0o755)
+    reply = commands.run([str(wrapper), "quota"], timeout=0.5)
+    assert reply.code == commands.NO_ANSWER and reply.busy
+    assert not _running(int(child.read_text()))
+
+
+def test_a_program_that_cannot_be_run_is_a_reply_not_an_exception(tmp_path):
+    not_executable = tmp_path / "taccinfo"
+    not_executable.write_text("#!/bin/sh\necho hi\n")
+    reply = commands.run([str(not_executable)], timeout=5)
+    assert reply.code == commands.CANNOT_RUN and "Permission denied" in reply.err

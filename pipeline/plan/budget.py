@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 from dataclasses import dataclass
 
+from snowcat.slurm import commands
 from snowcat.slurm import site as site_mod
 
 TACCINFO = "/usr/local/etc/taccinfo"  # the path TACC's user guides give (tests point it at a test double)
@@ -121,25 +120,17 @@ def pick(allocations: list[Allocation], account: str | None) -> tuple[Allocation
 
 
 def run_tool(cmd: list[str], timeout: float) -> tuple[str | None, str | None]:
-    """(stdout, None), or (None, why not). The tool runs in its own session so that a timeout stops
-    whatever it started too (a shell script's children would hold its output open)."""
+    """(stdout, None), or (None, why not)."""
     shown = " ".join(cmd)
-    try:
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True
-        )
-    except OSError as e:
-        return None, f"`{shown}` could not start: {e.strerror or e}"
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    reply = commands.run(cmd, timeout=timeout)
+    if reply.code == commands.NO_ANSWER:
         return None, f"`{shown}` gave no answer in {timeout:g} s"
-    if proc.returncode != 0:
-        last = (err.strip() or out.strip()).splitlines()[-1:] or ["no output"]
-        return None, f"`{shown}` exited {proc.returncode}: {last[0]}"
-    return out, None
+    if reply.code in (commands.NOT_FOUND, commands.CANNOT_RUN) and not reply.out:
+        return None, f"`{shown}` could not start: {reply.err}"
+    if not reply.ok:
+        last = (reply.err.strip() or reply.out.strip()).splitlines()[-1:] or ["no output"]
+        return None, f"`{shown}` exited {reply.code}: {last[0]}"
+    return reply.out, None
 
 
 def read_taccinfo(site) -> Reading:
