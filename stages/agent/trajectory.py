@@ -476,14 +476,18 @@ class TrajectoryBatch(Sequence):
         # every field's byte offset: the per-record ones cached, the others in _FREE's order
         counts, at, start, n_listed, slices, coded, coded_end, codes_mask = fixed
         per_token = (4 * tokens + 7) & -8
-        at = [*at, start, start + per_token]
-        at.append(at[-1] + ((tokens + 7) & -8))  # rollout_logprobs
-        at.append(at[-1] + per_token)  # support_lengths
-        at.append(at[-1] + per_token)  # support_ids
-        at.append(at[-1] + ((4 * n_support + 7) & -8))  # routes
-        at.append(at[-1] + ((2 * n_routes + 7) & -8))  # turns
-        at.append(at[-1] + 16 * n_turns)  # strings
-        if (end := at[-1] + ((n_strings + 7) & -8)) != len(buf):
+        at = [
+            *at,
+            start,
+            a := start + per_token,  # loss_mask
+            a := a + ((tokens + 7) & -8),  # rollout_logprobs
+            a := a + per_token,  # support_lengths
+            a := a + per_token,  # support_ids
+            a := a + ((4 * n_support + 7) & -8),  # routes
+            a := a + ((2 * n_routes + 7) & -8),  # turns
+            a := a + 16 * n_turns,  # strings
+        ]
+        if (end := a + ((n_strings + 7) & -8)) != len(buf):
             raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {end}")
 
         n = counts[0] - 1
