@@ -31,6 +31,7 @@ from pathlib import Path
 
 import h5py
 import pyarrow.parquet as pq
+from omegaconf import OmegaConf
 
 from snowcat.benchmarks import revision
 from snowcat.pipeline.fsio import atomic_write_json
@@ -51,6 +52,18 @@ HEADLINE = {
     "eval/rl:best/all/pass@1": "exported RL checkpoint (rl:best, chosen on dev), sampled pass@1",
     "eval/rl:final - sft:final/all/pass@1_diff": "RL gain over SFT, sampled pass@1",
     "eval/rl:final - sft:final/all/pass@1_diff_se": "its paired standard error",
+}
+
+RL_Z = "eval/rl:final - sft:final/all/pass@1_diff/z"  # the RL gain in paired standard errors, per seed
+# The quality gates each seed's run must hold, per config name: (row, "min" or "above", threshold).
+# demo: issue 41's (SFT greedy closure >= 0.85, arith >= 0.55, RL gain > 3 SE); agent-demo: issue 39's (> 2 SE).
+GATES = {
+    "demo": (
+        ("sft/val_greedy_pass@1/closure", "min", 0.85),
+        ("sft/val_greedy_pass@1/arith", "min", 0.55),
+        (RL_Z, "above", 3.0),
+    ),
+    "agent-demo": ((RL_Z, "above", 2.0),),
 }
 
 
@@ -118,6 +131,9 @@ def collect(run_dir: Path) -> dict[str, float]:
         if duration is not None:
             rows[f"duration_s/{stage_dir.name}"] = duration
     rows["duration_s/total"] = sum(v for k, v in rows.items() if k.startswith("duration_s/"))
+    diff, se = (rows.get(f"eval/rl:final - sft:final/all/pass@1_diff{x}") for x in ("", "_se"))
+    if diff is not None and se:
+        rows[RL_Z] = diff / se
     return {k: v for k, v in rows.items() if v is not None}
 
 
@@ -140,6 +156,16 @@ def summarize(per_seed: dict[int, dict[str, float]]) -> dict[str, dict[str, floa
             "max": max(values),
             "n": len(values),
         }
+    return out
+
+
+def judge(gates, per_seed: dict[int, dict[str, float]]) -> list[dict]:
+    """Each gate per seed: the value and whether it holds (a seed without the row does not)."""
+    out = []
+    for key, how, threshold in gates:
+        values = {seed: rows.get(key) for seed, rows in per_seed.items()}
+        held = {seed: v is not None and (v >= threshold if how == "min" else v > threshold) for seed, v in values.items()}
+        out.append({"key": key, "how": how, "threshold": threshold, "values": values, "held": held})
     return out
 
 
@@ -193,6 +219,12 @@ def main(argv: list[str]) -> int:
     for key, what in HEADLINE.items():
         if key in summary:
             print(f"  {what}: {quote(summary[key])}")
+    name = OmegaConf.load(args.config).get("name")
+    verdicts = judge(GATES.get(name, ()), per_seed)
+    for v in verdicts:
+        said = ", ".join(f"{seed}: {x:.3f}" if x is not None else f"{seed}: none" for seed, x in v["values"].items())
+        sign = ">=" if v["how"] == "min" else ">"
+        print(f"gate {v['key']} {sign} {v['threshold']:g}: holds on {sum(v['held'].values())} of {len(per_seed)} seeds ({said})")
     if args.json:
         atomic_write_json(
             args.json,
@@ -204,6 +236,7 @@ def main(argv: list[str]) -> int:
                 "seeds": list(per_seed),
                 "per_seed": per_seed,
                 "summary": summary,
+                "gates": verdicts,
             },
         )
         print(f"written: {args.json}")

@@ -41,3 +41,25 @@ def test_each_run_is_timed_whole_and_a_reused_run_is_not(tmp_path, capsys):
     again = json.loads(out.read_text())
     assert all("wall_s" not in rows for rows in again["per_seed"].values())
     assert "demo wall-clock" not in capsys.readouterr().out
+
+
+def test_each_gate_is_judged_per_seed_and_a_missing_value_fails_it():
+    gates = demo.GATES["demo"]
+    per_seed = {
+        1: {"sft/val_greedy_pass@1/closure": 0.90, "sft/val_greedy_pass@1/arith": 0.55, demo.RL_Z: 3.2},
+        2: {"sft/val_greedy_pass@1/closure": 0.84, "sft/val_greedy_pass@1/arith": 0.70, demo.RL_Z: 3.0},
+        3: {"sft/val_greedy_pass@1/closure": 0.85},
+    }
+    verdicts = {v["key"]: v["held"] for v in demo.judge(gates, per_seed)}
+    assert verdicts["sft/val_greedy_pass@1/closure"] == {1: True, 2: False, 3: True}  # >= holds at the threshold
+    assert verdicts["sft/val_greedy_pass@1/arith"] == {1: True, 2: True, 3: False}
+    assert verdicts[demo.RL_Z] == {1: True, 2: False, 3: False}  # > 3: exactly 3 SE is not above it
+
+
+def test_the_rl_gain_in_standard_errors_is_collected_from_the_evaluation(tmp_path):
+    stage = tmp_path / "stages" / "eval"
+    stage.mkdir(parents=True)
+    comparison = {"all": {"pass@1": {"diff": 0.03, "se": 0.01}}}
+    (stage / "results.json").write_text(json.dumps({"checkpoints": {}, "comparisons": {"rl:final - sft:final": comparison}}))
+    rows = demo.collect(tmp_path)
+    assert rows[demo.RL_Z] == pytest.approx(3.0)
