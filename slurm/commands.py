@@ -125,9 +125,11 @@ def _once(argv: list[str], timeout: float, env: Mapping[str, str] | None) -> Rep
         return Reply(tuple(argv), CANNOT_RUN, "", f"{argv[0]}: cannot run: {e.strerror or e}")
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException as e:  # the timeout, or Ctrl-C: its own session does not get the terminal's signal
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
         return Reply(tuple(argv), NO_ANSWER, "", f"no answer after {timeout:g}s")
     return Reply(tuple(argv), proc.returncode, out, err)

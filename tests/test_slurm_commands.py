@@ -5,6 +5,7 @@ apart from an answer."""
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 import subprocess
 from pathlib import Path
@@ -82,24 +83,33 @@ def test_a_missing_program_and_a_hung_one_are_told_apart_from_answers(tmp_path, 
     assert reply.code == commands.NO_ANSWER and reply.busy
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a killed orphan stays a zombie until init reaps it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+def _live_processes_with_arg(arg: str) -> list[int]:
+    """Processes (not zombies: a killed orphan stays one until init reaps it) with `arg` in their argv."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if arg.encode() in argv and state != "Z":
+            found.append(int(proc.name))
+    return found
 
 
+@pytest.mark.timeout(60)  # without the session kill the caller waits on the child's pipes until it ends
 def test_a_timeout_stops_what_a_wrapper_script_started_too(tmp_path):
     """A site's tools are often shell wrappers: a child still holding the output pipes would keep the
     caller waiting past its timeout; the whole session the command started is killed."""
-    child = tmp_path / "child.pid"
+    marker = f"{3000 + secrets.randbelow(10**6) / 10**6:.6f}"  # this test's sleep, told apart from any other
+    started = tmp_path / "started"
     wrapper = tmp_path / "lfs"
-    wrapper.write_text(f"#!/bin/sh\n/bin/sleep 300 &\necho $! > {child}\nwait\n")
+    wrapper.write_text(f"#!/bin/sh\n/bin/sleep {marker} &\ntouch {started}\nwait\n")
     wrapper.chmod(0o755)
-    reply = commands.run([str(wrapper), "quota"], timeout=0.5)
+    reply = commands.run([str(wrapper), "quota"], timeout=2)
     assert reply.code == commands.NO_ANSWER and reply.busy
-    assert not _running(int(child.read_text()))
+    assert started.exists(), "the wrapper did not start its child within the timeout (machine too loaded?)"
+    assert _live_processes_with_arg(marker) == []
 
 
 def test_a_program_that_cannot_be_run_is_a_reply_not_an_exception(tmp_path):
