@@ -128,7 +128,12 @@ def _once(argv: list[str], timeout: float, env: Mapping[str, str] | None) -> Rep
     except BaseException as e:  # the timeout, or Ctrl-C: its own session does not get the terminal's signal
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        try:
+            proc.communicate(timeout=1)
+        except subprocess.TimeoutExpired:  # a child that left the session (setsid) still holds the pipes
+            proc.stdout.close()
+            proc.stderr.close()
+            proc.wait()
         if not isinstance(e, subprocess.TimeoutExpired):
             raise
         return Reply(tuple(argv), NO_ANSWER, "", f"no answer after {timeout:g}s")

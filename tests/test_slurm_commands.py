@@ -112,6 +112,22 @@ def test_a_timeout_stops_what_a_wrapper_script_started_too(tmp_path):
     assert _live_processes_with_arg(marker) == []
 
 
+@pytest.mark.timeout(60)
+def test_a_child_that_left_the_session_does_not_keep_the_caller_waiting(tmp_path):
+    """A session kill cannot reach a child that made a session of its own (setsid), and that child
+    still holds the output pipes: the caller stops reading them rather than wait for it."""
+    marker = f"{3000 + secrets.randbelow(10**6) / 10**6:.6f}"
+    wrapper = tmp_path / "sinfo"
+    wrapper.write_text(f"#!/bin/sh\nsetsid /bin/sleep {marker} &\nwait\n")
+    wrapper.chmod(0o755)
+    try:
+        reply = commands.run([str(wrapper)], timeout=1)
+        assert reply.code == commands.NO_ANSWER and reply.busy
+    finally:
+        for pid in _live_processes_with_arg(marker):
+            os.kill(pid, 9)
+
+
 def test_a_program_that_cannot_be_run_is_a_reply_not_an_exception(tmp_path):
     not_executable = tmp_path / "taccinfo"
     not_executable.write_text("#!/bin/sh\necho hi\n")
