@@ -65,10 +65,20 @@ class LocalExecutor(Executor):
             cmd = [mpirun, "-n", str(world), "--oversubscribe", "--bind-to", "none", *cmd]
         return cmd
 
-    def _env(self) -> dict:
+    def owns_cores(self, unit: Unit) -> bool:
+        """Whether the unit's threads (ranks x torch threads) fit this machine's cores with no other unit
+        of the run ever beside them (max_parallel 1). Only then may OpenMP threads spin-wait between
+        operations, as by default: a demo SFT step took 0.25 s so, 0.35-0.40 s with every wait asleep
+        (OMP_WAIT_POLICY=PASSIVE), 0.96 s spinning beside one busy process (docs/training.md)."""
+        node = self.dag[unit.stage]
+        cores = os.cpu_count() or 1
+        threads = getattr(node.config, "threads", 0) or cores  # a stage's 0: the job's CPUs (StageContext.threads)
+        return int(self.cfg.executor.max_parallel) <= 1 and self.world_size(node) * threads <= cores
+
+    def _env(self, unit: Unit) -> dict:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        # Spinning OpenMP threads cost 3-5x when ranks share cores; it must be set before torch loads.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if not self.owns_cores(unit):  # a user's own OMP_WAIT_POLICY (a shared machine) is kept either way
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads: set before the process starts
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         env.setdefault("OMPI_MCA_btl", "self,tcp")  # shared memory needs a writable /dev/shm per user
@@ -85,7 +95,7 @@ class LocalExecutor(Executor):
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self._env(),
+            env=self._env(unit),
             preexec_fn=_die_with_parent,
         )
         record = self.run.state()["stages"].get(unit.key, {})
