@@ -1,6 +1,6 @@
 """The local executor lets a stage's OpenMP threads spin-wait only when they have the machine's cores
 to themselves (pipeline/executors/local.py `owns_cores`): spinning beside another busy process cost a
-demo SFT step ~4x, sleeping at once cost it ~1.5x on the idle machine (docs/training.md)."""
+demo SFT step ~2x, sleeping at once cost it ~1.9x on the idle machine (benchmarks/results/omp-wait.json)."""
 
 from __future__ import annotations
 

@@ -68,8 +68,8 @@ class LocalExecutor(Executor):
     def owns_cores(self, unit: Unit) -> bool:
         """Whether the unit's threads (ranks x torch threads) fit this machine's cores with no other unit
         of the run ever beside them (max_parallel 1). Only then may OpenMP threads spin-wait between
-        operations, as by default: a demo SFT step took 0.25 s so, 0.35-0.40 s with every wait asleep
-        (OMP_WAIT_POLICY=PASSIVE), 0.96 s spinning beside one busy process (docs/training.md)."""
+        operations, as by default: a demo SFT step took 0.35 s so, 0.67 s with every wait asleep
+        (OMP_WAIT_POLICY=PASSIVE), 1.23 s spinning beside one busy process (benchmarks/results/omp-wait.json)."""
         node = self.dag[unit.stage]
         cores = os.cpu_count() or 1
         threads = getattr(node.config, "threads", 0) or cores  # a stage's 0: the job's CPUs (StageContext.threads)
