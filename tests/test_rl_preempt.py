@@ -197,7 +197,7 @@ def preempt_local(before_rl, tmp_path: Path, ranks_to_signal) -> tuple[Path, str
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            executor.command(unit), stdout=log, stderr=subprocess.STDOUT, env={**executor._env(), **ENV}, cwd=tmp_path
+            executor.command(unit), stdout=log, stderr=subprocess.STDOUT, env={**executor._env(unit), **ENV}, cwd=tmp_path
         )
     try:
         pids = rank_pids(proc.pid, world)
