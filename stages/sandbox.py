@@ -30,7 +30,7 @@ LocalSandbox, what it guarantees when running as root (the isolating mode, `isol
   * disk: `Limits.disk_bytes` (default 1 GiB) caps everything the episode's calls write: the work
     dir is on a tmpfs of that size (and 1 inode per 8 KiB) mounted on the host for the sandbox's
     lifetime (`Sandbox.disk == "tmpfs"`) and unmounted by close() (or when the object is
-    collected); the call's /tmp is a directory on the same tmpfs, and TMPDIR is inside the work
+    collected; a process killed outright leaves it to the next one's `sweep_abandoned`); the call's /tmp is a directory on the same tmpfs, and TMPDIR is inside the work
     dir. A write past it fails inside (ENOSPC; the command fails, status "ok" with its exit code),
     and nothing lands on the host's disk at all. Hard links count as inodes, sparse files as what
     they hold. A tmpfs is memory: its pages are charged to the memory cgroup of whoever writes
@@ -74,6 +74,7 @@ overlay and the contained /tmp are a tmpfs of apptainer.conf's `sessiondir max s
 from __future__ import annotations
 
 import os
+import re
 import resource
 import selectors
 import shutil
@@ -155,6 +156,75 @@ def _mount_quota(base: str, disk_bytes: int) -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return r.returncode == 0
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot, /proc/<pid>/stat's 22nd field): with the pid,
+    a process no later one can be mistaken for. None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[19])  # after "(comm)", which may hold spaces
+
+
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _owner_prefix(kind: str) -> str:
+    """The prefix of this process's sandbox directories (`kind`: "" or "root-"): its pid, start and
+    PID namespace, so that `sweep_abandoned` can tell a directory whose process is gone."""
+    pid = os.getpid()
+    return f"snowcat-sandbox-{kind}{pid}-{_start_ticks(pid)}-{_pid_namespace()}-"
+
+
+_OWNED = re.compile(r"snowcat-sandbox-(?:root-)?(\d+)-(\d+)-(\d+)-")
+_swept: set[str] = set()
+
+
+def _mount_points() -> set[str]:
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    # field 5 is the mount point, with space, tab, newline and backslash as octal escapes
+    return {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4]) for line in lines}
+
+
+def sweep_abandoned(root: str | os.PathLike | None = None) -> list[str]:
+    """Unmount and remove the sandbox directories under `root` (default: the temp dir) whose process is
+    gone: one killed outright (SIGKILL, a Slurm job cancelled or out of memory) never closes its
+    sandboxes, and as root each held a tmpfs mounted on the host. Only this PID namespace's (there a
+    pid means this process table's), and only what this user may remove. The paths removed."""
+    root = str(root or tempfile.gettempdir())
+    ours, mounts, removed = _pid_namespace(), None, []
+    try:
+        entries = [e.path for e in os.scandir(root) if _OWNED.match(e.name)]
+    except OSError:
+        return removed
+    for path in entries:
+        pid, start, namespace = map(int, _OWNED.match(os.path.basename(path)).groups())
+        if namespace != ours or _start_ticks(pid) == start:
+            continue  # another namespace's, or its process lives
+        mounts = _mount_points() if mounts is None else mounts
+        if path in mounts:
+            _release(path, True, os.getpid())
+            if os.path.ismount(path):
+                continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
+
+
+def _sweep_once() -> None:
+    """`sweep_abandoned` in the temp dir, once per process (what dies later is swept by a later one)."""
+    root = tempfile.gettempdir()
+    if root not in _swept:
+        _swept.add(root)
+        sweep_abandoned(root)
 
 
 def _release(base: str, mounted: bool, owner: int) -> None:
@@ -342,7 +412,8 @@ class Sandbox:
             self.workdir = Path(workdir)
             self._finalizer = None
             return
-        base = tempfile.mkdtemp(prefix="snowcat-sandbox-")
+        _sweep_once()
+        base = tempfile.mkdtemp(prefix=_owner_prefix(""))
         mounted = os.geteuid() == 0 and _mount_quota(base, self.limits.disk_bytes)
         self._finalizer = weakref.finalize(self, _release, base, mounted, os.getpid())
         if mounted:
@@ -597,7 +668,7 @@ class LocalSandbox(Sandbox):
             ns = ["--user", "--map-root-user", *ns]
         uid = str(NOBODY) if self.root else "keep"
         if self._newroot is None:  # made once, reused by every call (each mounts its root privately)
-            self._newroot = tempfile.mkdtemp(prefix="snowcat-sandbox-root-")
+            self._newroot = tempfile.mkdtemp(prefix=_owner_prefix("root-"))
         tmp = str(self.tmpdir) if self.tmpdir is not None else "-"
         tmp_size = str(min(TMP_BYTES, self.limits.disk_bytes))
         binds = "\n".join(f"{'rw' if b.writable else 'ro'} {b.host} {b.inside}" for b in self._binds)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from snowcat.stages.cgroup import CallCgroup
-from snowcat.stages.sandbox import Limits, LocalSandbox, disk_usage
+from snowcat.stages.sandbox import Limits, LocalSandbox, disk_usage, sweep_abandoned
 
 CHECKOUT = str(Path(__file__).resolve().parents[1])
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")  # what a command needs, without the interpreter's prefix
@@ -139,6 +139,50 @@ def test_work_dir_persists_and_close_leaves_nothing():
     assert not _mounted(base) and not base.exists()
 
 
+KEEP_A_SANDBOX = """
+import sys, time
+from snowcat.stages.sandbox import Limits, LocalSandbox
+sb = LocalSandbox(limits=Limits(disk_bytes=4 << 20))
+assert sb.run("echo x > a", timeout_s=30).status == "ok"
+print(sb.workdir.parent, sb._newroot, flush=True)
+time.sleep(600)
+"""
+
+
+@needs_root
+def test_a_killed_processs_sandboxes_are_swept_by_the_next_and_a_living_ones_are_not(tmp_path):
+    # As a Slurm job cancelled mid-episode leaves them: SIGKILL, so no close() and no finalizer ran.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    killed = subprocess.Popen([sys.executable, "-c", KEEP_A_SANDBOX], stdout=subprocess.PIPE, text=True, env=env)
+    living = subprocess.Popen([sys.executable, "-c", KEEP_A_SANDBOX], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        dead_base, dead_root = killed.stdout.readline().split()
+        live_base, live_root = living.stdout.readline().split()
+        killed.kill()
+        killed.wait()
+        assert _mounted(dead_base) and Path(dead_root).is_dir()  # what the kill leaves behind
+        # A directory named like a sandbox's but of a pid that another process now has, or of another
+        # PID namespace, is not taken for a dead one's (its start or namespace differ)...
+        reused = tmp_path / f"snowcat-sandbox-{living.pid}-1-{os.stat('/proc/self/ns/pid').st_ino}-x"
+        elsewhere = tmp_path / f"snowcat-sandbox-{killed.pid}-1-1-x"
+        for d in (reused, elsewhere):
+            d.mkdir()
+        # ...and the next process that makes a sandbox there sweeps the dead one's, mount and all.
+        code = "from snowcat.stages.sandbox import LocalSandbox; LocalSandbox().close()"
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+        assert not _mounted(dead_base) and not Path(dead_base).exists() and not Path(dead_root).exists()
+        assert _mounted(live_base) and Path(live_root).is_dir() and elsewhere.is_dir()
+        # the pid of `reused` lives, but not since the start it names: it is swept
+        assert not reused.exists()
+    finally:
+        for proc in (killed, living):
+            proc.kill()
+            proc.wait()
+    # the living one's sandbox, killed in turn, is swept by a direct call too
+    assert set(sweep_abandoned(tmp_path)) == {live_base, live_root}
+    assert not _mounted(live_base) and [p.name for p in tmp_path.iterdir()] == [elsewhere.name]
+
+
 # ---------------------------------------------------------------- /etc
 
 
@@ -228,7 +272,7 @@ def test_host_processes_are_invisible(small):
 _NONROOT = r"""
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
-from snowcat.stages.sandbox import Limits, LocalSandbox, disk_usage
+from snowcat.stages.sandbox import Limits, LocalSandbox, disk_usage, sweep_abandoned
 out = {}
 with LocalSandbox(limits=Limits(cpu_s=10, disk_bytes=4 << 20, file_bytes=64 << 20)) as sb:
     out["disk"] = sb.disk
