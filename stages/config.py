@@ -589,8 +589,10 @@ class TeacherConfig:
     # with an endpoint: the checkpoint whose tokenizer renders the episodes and re-tokenises the
     # endpoint's text (the student SFT will train): "<needed stage>:<checkpoint>" or "hf:..."
     tokenizer: str = checkpoint_refs("")
+    keep_trajectories: str = "all"  # every episode (failures too) in trajectories/: all | none | sample:<n>
 
     def problems(self) -> Iterator[Problem]:
+        yield from _keep_problems(self.keep_trajectories)
         if self.endpoint.url or self.endpoint.model:
             yield from self.endpoint_problems()
         elif not self.teacher:

@@ -29,8 +29,8 @@ import pyarrow.parquet as pq
 from snowcat.pipeline.context import Preempted
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_bytes, atomic_write_figure, atomic_write_json
-from snowcat.stages.agent import FIELDS, Budget, EpisodeJob, make_env, pack, run_episodes, unpack
-from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter
+from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
+from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter, load_played, save_played
 from snowcat.stages.config import env_options, keep_trajectories
 from snowcat.stages.model.io import load_model_config
 from snowcat.stages.rollout import SamplingParams
@@ -77,7 +77,7 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
     trajs = []
     for b, start in enumerate(range(0, len(jobs), cfg.batch_size)):
         path = partial_dir / f"batch_{b:06d}.npz" if partial_dir is not None else None
-        saved = _load_batch(path, key) if path is not None else None
+        saved = load_played(path, key) if path is not None else None
         if saved is not None:
             trajs += saved
             continue
@@ -92,7 +92,7 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
                 out[i] = tr
         trajs += out
         if path is not None:
-            _save_batch(path, key, out)
+            save_played(path, key, out)
         if progress is not None:
             scored = [t.passed for t in trajs if t.trainable]
             progress(len(trajs), len(jobs), unit="episodes", **({"pass_rate": sum(scored) / len(scored)} if scored else {}))
@@ -103,23 +103,6 @@ def probe(engine, tok, tasks, cfg, seed: int, verifier=None, partial_dir: Path |
 
 def sampling_params(cfg, tok):
     return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_turn_tokens, (tok.end_of_turn_id,))
-
-
-def _save_batch(path: Path, key: str, trajs) -> None:
-    buf = io.BytesIO()
-    np.savez(buf, key=np.frombuffer(key.encode(), np.uint8), **pack(trajs))
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def _load_batch(path: Path, key: str):
-    """The saved batch, or None when absent or saved under other settings."""
-
-    if not path.is_file():
-        return None
-    with np.load(path) as z:
-        if z["key"].tobytes().decode() != key:
-            return None
-        return unpack({name: z[name] for name in FIELDS})
 
 
 def pass_counts(tasks, trajs) -> list[dict]:

@@ -34,9 +34,10 @@ Outputs per unit: `demos.jsonl` (one demonstration a line, with its provenance: 
 reference and manifest digest, tokenizer fingerprint, sampling parameters, budget, environment,
 seed, group and attempt, the verifier's verdict; with a student, its reference and digest, the
 take-over points and where this episode's take-over happened), deduplicated by content;
-`teacher.json` (the teacher's reference and digest; counts: episodes, verified successes, kept,
-duplicates, cut turns, infra failures, per domain; with a student, its reference and digest and the
-take-overs per point).
+`trajectories/` (every episode played, failures and infra failures too, as a dataset that `snowcat
+traces` reads: why the teacher fails the tasks it fails; `keep_trajectories`); `teacher.json` (the
+teacher's reference and digest; counts: episodes, verified successes, kept, duplicates, cut turns,
+infra failures, per domain; with a student, its reference and digest and the take-overs per point).
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ from snowcat.pipeline.context import Preempted
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text, build_manifest
 from snowcat.stages.agent import Budget, EpisodeJob, make_env, run_episodes
+from snowcat.stages.agent.dataset import DIRNAME, TrajectoryWriter, load_played, save_played
 from snowcat.stages.agent.demos import DEMOS, ObservationLog, demo_id, demo_messages, domains_in_turn
 from snowcat.stages.agent.relay import RelayEngine, TextTeacher, relay_messages
-from snowcat.stages.config import TAKEOVER_POINTS, env_options
+from snowcat.stages.config import TAKEOVER_POINTS, env_options, keep_trajectories
 from snowcat.stages.config import TeacherConfig as Config
 from snowcat.stages.model.io import load_model_config, open_model_dir
 from snowcat.stages.rollout import SamplingParams
@@ -107,9 +109,10 @@ def play(
     progress,
     make_relay=None,
 ):
-    """Every (task index, task)'s `attempts` episodes in batches of `batch_size` episodes; per batch the
-    episode records (verdict, and the messages of a verified success) saved in `partial/` and reused.
-    With `make_relay` (`relay_player`), `tok` is the student's and the student starts each episode."""
+    """(episode records, trajectories) of every (task index, task)'s `attempts` episodes, played in
+    batches of `batch_size` episodes; per batch the records (verdict, and the messages of a verified
+    success) and the trajectories saved in `partial/` and reused. With `make_relay` (`relay_player`),
+    `tok` is the student's and the student starts each episode."""
     observations = ObservationLog(tok)
     env = make_env(cfg.env, observations, **env_options(cfg.env, cfg))
     relay = make_relay(observations, env) if make_relay is not None else None
@@ -119,11 +122,14 @@ def play(
     jobs = [EpisodeJob(task, group_id=i, attempt=a) for i, task in tasks for a in range(cfg.attempts)]
     key = _key(cfg, seed, provenance, [t.task_id for _, t in tasks])
     records: list[dict] = []
+    trajs: list = []
     for b, start in enumerate(range(0, len(jobs), cfg.batch_size)):
         path = partial / f"batch_{b:06d}.json"
         saved = json.loads(path.read_text()) if path.is_file() else None
-        if saved is not None and saved.get("key") == key:
+        played = load_played(path.with_suffix(".npz"), key) if saved is not None and saved.get("key") == key else None
+        if played is not None:
             records += saved["episodes"]
+            trajs += played
             continue
         batch = jobs[start : start + cfg.batch_size]
         out, handed = play_batch(engine, observations, batch, env, params, budget, seed, verifier, relay)
@@ -156,12 +162,14 @@ def play(
                 if relay is not None and h is not None and rec["messages"] is not None:
                     rec["messages"] = relay_messages(rec["messages"], h.turn)
             episodes.append(rec)
+        save_played(path.with_suffix(".npz"), key, out)  # before the records: they mark the batch done
         atomic_write_text(path, json.dumps({"key": key, "episodes": episodes}, ensure_ascii=False))
         records += episodes
+        trajs += out
         progress(len(records), len(jobs), unit="episodes", passed=sum(r["passed"] for r in records))
         if stop() and start + cfg.batch_size < len(jobs):
             raise Preempted(f"teacher: {b + 1} batches saved in {partial}")
-    return records
+    return records, trajs
 
 
 def demonstrations(records: list[dict], keep: str, provenance: dict) -> tuple[list[dict], dict]:
@@ -356,11 +364,16 @@ def run(ctx) -> dict:
 
     try:
         mine = shard_tasks(tasks, cfg)
-        records = play(
+        records, trajs = play(
             engine, tok, mine, cfg, ctx.seed, passed_only, provenance, partial, ctx.checkpoint_due, ctx.progress, relay
         )
     finally:
         getattr(verifier, "close", lambda: None)()
+    writer = TrajectoryWriter(
+        out / DIRNAME, stage=ctx.name, env=cfg.env, keep=keep_trajectories(cfg.keep_trajectories), seed=ctx.seed
+    )
+    label = f"shard_{cfg.shard}" if ctx.config.fan_out else "teacher"
+    writer.write(label, trajs, tok, checkpoint=provenance["teacher"], tasks={t.task_id: t for _, t in mine})
     demos, counts = demonstrations(records, cfg.keep, provenance)
     atomic_write_text(out / DEMOS, "".join(json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n" for d in demos))
     domains = sorted({r["domain"] for r in records})
@@ -385,7 +398,7 @@ def run(ctx) -> dict:
     if cfg.student:
         summary |= {"student": cfg.student, "student_sha256": provenance["relay"]["student_sha256"]}
     atomic_write_json(out / "teacher.json", summary)
-    shutil.rmtree(partial)  # everything it held is in demos.jsonl and teacher.json
+    shutil.rmtree(partial)  # everything it held is in demos.jsonl, trajectories/ and teacher.json
     takeovers = counts.pop("takeovers", {})
     return {
         **counts,

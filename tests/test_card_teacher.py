@@ -149,6 +149,10 @@ def test_the_card_names_the_teacher_of_the_demonstrations_and_its_pass_rate(run_
     relay_demos, scored = len(read_demos(stages / "relay")), relay["episodes"] - relay["infra_failures"]
     assert f"; {relay_demos} distinct verified demonstrations read; the Relay episodes' pass rate " in line
     assert f"({relay['verified']} verified of {scored} scored episodes" in line
+    # every episode the teachers played is in the reward-hack table: a hack among their successes
+    # would become a demonstration
+    for group, summary in (("teach[0]", summaries[0]), ("teach[1]", summaries[1]), ("relay", relay)):
+        assert line_of(card, f"| {group} | {summary['episodes']} | ")
 
 
 def test_the_card_names_the_teacher_of_the_rollouts_its_episodes_and_pass_rate(run_dir):

@@ -22,6 +22,7 @@ from snowcat.pipeline.context import Preempted, StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import build_manifest
 from snowcat.stages.agent import Budget, CalculatorEnv, EpisodeJob, run_episodes, teacher_messages
+from snowcat.stages.agent.dataset import DIRNAME, read_manifest, read_rows
 from snowcat.stages.config import DEFAULT_VERIFIER
 from snowcat.stages.model import load_model_dir, save_model_dir
 from snowcat.stages.probe import first_of_each_domain_in_turn
@@ -127,6 +128,14 @@ def test_only_verified_successes_enter_with_complete_provenance(inputs, straight
         episode = next(t for t in trajs if (t.task_id, t.attempt) == (d["task_id"], p["attempt"]))
         assert tok.decode(tok.encode_chat(d["messages"])[0]) == tok.decode(episode.token_ids)
     assert len({d["id"] for d in demos}) == len(demos)  # deduplicated
+    # every episode the teacher played is kept, failures too, as it was played and verified
+    rows = read_rows(straight / "teacher" / DIRNAME)
+    assert len(rows) == len(trajs) and read_manifest(straight / "teacher" / DIRNAME)["stage"] == "teacher"
+    by_play = {(t.task_id, t.attempt): t for t in trajs}
+    assert {(r["task_id"], r["attempt"]) for r in rows if r["passed"] == 1} == passed
+    for r in rows:
+        t = by_play[r["task_id"], r["attempt"]]
+        assert r["token_ids"] == t.token_ids.tolist() and (r["status"], r["checkpoint"]) == (t.status, "sft:final")
 
 
 def test_a_multi_turn_success_keeps_each_observation_as_the_environment_wrote_it(straight):
@@ -156,11 +165,21 @@ def test_shards_and_a_preempted_then_resumed_shard_make_what_one_uninterrupted_u
         assert not (run_dir / "teacher" / "partial").exists()
         lines += (run_dir / "teacher" / demos_mod.DEMOS).read_text().splitlines()
     assert sorted(lines) == sorted((straight / "teacher" / demos_mod.DEMOS).read_text().splitlines())
+    # the episodes too: the resumed shard's and the other's together are the uninterrupted unit's
+
+    def played(run_dir):
+        return sorted(
+            (r["task_id"], r["attempt"], r["reward"], tuple(r["token_ids"])) for r in read_rows(run_dir / "teacher" / DIRNAME)
+        )
+
+    assert sorted(played(tmp_path / "0") + played(tmp_path / "1")) == played(straight)
+    assert list(read_manifest(tmp_path / "1" / "teacher" / DIRNAME)["shards"]) == ["shard_1"]
     assert demos_mod.read_demos(tmp_path / "0" / "teacher") == [json.loads(x) for x in lines[: len(demos_of(tmp_path / "0"))]]
 
 
 def test_keep_best_is_one_demonstration_per_task_and_greedy_repeats_are_duplicates(inputs, tmp_path):
-    teacher.run(make_ctx(inputs, tmp_path, temperature=0.0, keep="all"))
+    teacher.run(make_ctx(inputs, tmp_path, temperature=0.0, keep="all", keep_trajectories="none"))
+    assert not (tmp_path / "teacher" / DIRNAME).exists()  # the demonstrations alone
     summary = json.loads((tmp_path / "teacher" / "teacher.json").read_text())
     demos = demos_of(tmp_path)
     assert summary["verified"] == 3 * len(demos) and summary["duplicates"] == 2 * len(demos)  # 3 identical attempts
@@ -206,6 +225,8 @@ def test_sft_from_a_checkpoint_reads_teacher_demonstrations(inputs, straight, tm
 def test_bad_teacher_and_mix_configs_name_the_key(inputs, tmp_path):
     with pytest.raises(UserError, match=r"^stages\.teacher\.teacher: name the teacher model"):
         make_ctx(inputs, tmp_path, teacher="")
+    with pytest.raises(UserError, match=r"^stages\.teacher\.keep_trajectories: "):
+        make_ctx(inputs, tmp_path, keep_trajectories="some")
     with pytest.raises(UserError, match=r"^stages\.teacher\.teacher: 'nope:final' names stage 'nope', which is not in needs"):
         teacher.run(make_ctx(inputs, tmp_path, teacher="nope:final"))
     path = write_config(

@@ -53,6 +53,8 @@ _HACK_COLUMNS = [
     "test_paths",
 ]
 
+KEEPING = ("probe", "evaluate", "rl", "teacher")  # the stage kinds that keep their episodes in trajectories/
+
 
 def _units(run: RunDir, stage: str | None, kinds: tuple[str, ...]):
     nodes = [n for n in build(run.config()) if n.kind in kinds and (stage is None or n.name == stage)]
@@ -83,7 +85,7 @@ def analyse_run(run_dir: str | Path, stage: str | None = None, checkpoint: str |
     if stage is not None and stage not in run.config().stages:
         raise UserError(f"--stage {stage!r}: no such stage in {run.path}")
     groups = {}
-    for node, unit in _units(run, stage, ("probe", "evaluate", "rl")):
+    for node, unit in _units(run, stage, KEEPING):
         root = run.unit_dir(unit) / dataset.DIRNAME
         manifest = dataset.read_manifest(root)
         if manifest is None:
@@ -138,7 +140,7 @@ def reward_hack_counts(run: RunDir) -> list[dict]:
     """Per group of kept episodes (a probe or RL unit; an evaluate unit per checkpoint): `hack_worth`
     of its scored episodes (the card's table)."""
     out = []
-    for node, unit in _units(run, None, ("probe", "evaluate", "rl")):
+    for node, unit in _units(run, None, KEEPING):
         root = run.unit_dir(unit) / dataset.DIRNAME
         if dataset.read_manifest(root) is None:
             continue

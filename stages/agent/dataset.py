@@ -39,7 +39,7 @@ from snowcat.pipeline.fsio import atomic_write_bytes
 from snowcat.stages.agent.detectors import TOOL_CALL
 from snowcat.stages.agent.envs import CalcError, _strip_stop, calculate
 from snowcat.stages.agent.repo_env import ToolCallError, parse_tool_call
-from snowcat.stages.agent.trajectory import Trajectory
+from snowcat.stages.agent.trajectory import FIELDS, Trajectory, pack, unpack
 from snowcat.stages.taskgen.repo import RepoSpec, patched_paths
 
 DIRNAME = "trajectories"
@@ -328,3 +328,20 @@ def trajectories(rows: list[dict]) -> list[Trajectory]:
         )
         for r in rows
     ]
+
+
+def save_played(path: str | Path, key: str, trajs: list[Trajectory]) -> None:
+    """A finished batch of episodes kept for a resumed stage (`partial/`), under `key`: what it depends on."""
+    buf = io.BytesIO()
+    np.savez(buf, key=np.frombuffer(key.encode(), np.uint8), **pack(trajs))
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def load_played(path: str | Path, key: str) -> list[Trajectory] | None:
+    """The batch `save_played` kept at `path`, or None when absent or kept under another key."""
+    if not Path(path).is_file():
+        return None
+    with np.load(path) as z:
+        if z["key"].tobytes().decode() != key:
+            return None
+        return unpack({name: z[name] for name in FIELDS})
