@@ -30,8 +30,9 @@ LocalSandbox, what it guarantees when running as root (the isolating mode, `isol
   * disk: `Limits.disk_bytes` (default 1 GiB) caps everything the episode's calls write: the work
     dir is on a tmpfs of that size (and 1 inode per 8 KiB) mounted on the host for the sandbox's
     lifetime (`Sandbox.disk == "tmpfs"`) and unmounted by close() (or when the object is
-    collected; a process killed outright leaves it to the next one's `sweep_abandoned`); the call's /tmp is a directory on the same tmpfs, and TMPDIR is inside the work
-    dir. A write past it fails inside (ENOSPC; the command fails, status "ok" with its exit code),
+    collected; a process killed outright leaves it to the next one's `sweep_abandoned`); the
+    call's /tmp is a directory on the same tmpfs, and TMPDIR is inside the work dir. A write past
+    it fails inside (ENOSPC; the command fails, status "ok" with its exit code),
     and nothing lands on the host's disk at all. Hard links count as inodes, sparse files as what
     they hold. A tmpfs is memory: its pages are charged to the memory cgroup of whoever writes
     them, so the files a call writes count against that call's whole-call memory limit (past it:
