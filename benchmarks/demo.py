@@ -10,7 +10,10 @@ published (`export/step`; the demo exports RL's best by dev/pass@1), for agent e
 the agent's behaviour and pass rates per bug kind (swe_mini), and stage durations (`duration_s/*`, the
 stages' own times; they mean something only on an otherwise idle machine), and the wall-clock time
 of the whole `snowcat run` (`wall_s`, with the load average before and after it; not recorded for a
-reused run), which the demo's 10-minute goal judges. Prints mean, standard
+reused run), which the demo's 10-minute goal judges, and just before each run it makes the VM's speed
+then: `reference_step_s`, a demo SFT step under the OpenMP wait policy the run's SFT stage gets (`bench
+omp-wait`'s measurement, median of `--reference-steps`; this VM ran it from 0.24 to 0.35 s within one
+day with the default policy). Prints mean, standard
 deviation (over seeds), min and max of each, and writes every per-seed value with the machine's CPU
 model, its instruction-set flags and torch's CPU kernel level to --json. The seed changes the
 generated tasks, the initialisation and the sampling, so the spread is what a user should expect
@@ -33,7 +36,7 @@ import h5py
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from snowcat.benchmarks import revision
+from snowcat.benchmarks import omp_wait, revision
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.pipeline.provenance import host_state
 
@@ -181,6 +184,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--first-seed", type=int, default=1234, help="the demo's own seed; then +1, +2, ...")
     p.add_argument("--root", default=str(REPO / "logs" / "bench-demo"))
     p.add_argument("--json", help="write the per-seed values and the summary here")
+    p.add_argument("--reference-steps", type=int, default=12, help="demo SFT steps timed before each run it makes (0: none)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
     root = Path(args.root)
@@ -200,6 +204,11 @@ def main(argv: list[str]) -> int:
             *args.overrides,
         ]
         reused = (run_dir / "run.json").is_file()
+        reference = None
+        if not reused and args.reference_steps > 0:  # the VM's speed right before the timed run
+            policy = os.environ.get("OMP_WAIT_POLICY", "default")  # as the run's SFT stage gets it (a user's own is kept)
+            reference = omp_wait.step_time(policy, args.reference_steps)["step_s"]
+            print(f"[bench demo] seed {seed}: reference SFT step {reference:.3f} s (bench omp-wait, {policy} policy)", flush=True)
         load_before, t0 = os.getloadavg()[0], time.perf_counter()
         code = subprocess.run(cmd, cwd=REPO).returncode  # as the README command runs: the executor sets the threads' policy
         wall, load_after = time.perf_counter() - t0, os.getloadavg()[0]
@@ -209,6 +218,8 @@ def main(argv: list[str]) -> int:
         per_seed[seed] = collect(run_dir)
         if not reused:
             per_seed[seed] |= {"wall_s": wall, "load_before": load_before, "load_after": load_after}
+            if reference is not None:
+                per_seed[seed]["reference_step_s"] = reference
     summary = summarize(per_seed)
     print(f"\n{'metric':58} {'mean':>7} {'sd':>7} {'min':>7} {'max':>7}   (over {len(per_seed)} seeds)")
     for key, s in summary.items():

@@ -26,20 +26,21 @@ def test_each_run_is_timed_whole_and_a_reused_run_is_not(tmp_path, capsys):
     cfg.write_text(CONFIG)
     out, root = tmp_path / "results.json", tmp_path / "runs"
     args = ["--config", str(cfg), "--seeds", "2", "--first-seed", "5", "--root", str(root), "--json", str(out)]
-    assert demo.main(args) == 0
+    assert demo.main([*args, "--reference-steps", "1"]) == 0
     results = json.loads(out.read_text())
     assert results["seeds"] == [5, 6] and results["revision"]["commit"]
     for rows in results["per_seed"].values():
         # the whole `snowcat run`: its stages' own times and the process starts around them
         assert rows["wall_s"] > rows["duration_s/total"] > 0
         assert rows["load_before"] >= 0 and rows["load_after"] >= 0
+        assert 0 < rows["reference_step_s"] < rows["wall_s"]  # the VM's speed just before, timed apart
     last = capsys.readouterr().out.strip().splitlines()[-1]
     worst = max(rows["wall_s"] for rows in results["per_seed"].values())
     assert last == f"demo wall-clock: max {worst:.0f} s over 2 runs, {worst / demo.GOAL_S:.2f}x the {demo.GOAL_S} s goal"
 
     assert demo.main(args) == 0  # finished runs are reused: nothing was timed
     again = json.loads(out.read_text())
-    assert all("wall_s" not in rows for rows in again["per_seed"].values())
+    assert all("wall_s" not in rows and "reference_step_s" not in rows for rows in again["per_seed"].values())
     assert "demo wall-clock" not in capsys.readouterr().out
 
 
