@@ -137,7 +137,7 @@ def hack_worth(rows: list[dict]) -> dict:
 
 
 def reward_hack_counts(run: RunDir) -> list[dict]:
-    """Per group of kept episodes (a probe or RL unit; an evaluate unit per checkpoint): `hack_worth`
+    """Per group of kept episodes (a probe, teacher or RL unit; an evaluate unit per checkpoint): `hack_worth`
     of its scored episodes (the card's table)."""
     out = []
     for node, unit in _units(run, None, KEEPING):
