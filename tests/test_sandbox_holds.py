@@ -272,7 +272,7 @@ def test_host_processes_are_invisible(small):
 _NONROOT = r"""
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
-from snowcat.stages.sandbox import Limits, LocalSandbox, disk_usage, sweep_abandoned
+from snowcat.stages.sandbox import Limits, LocalSandbox, disk_usage
 out = {}
 with LocalSandbox(limits=Limits(cpu_s=10, disk_bytes=4 << 20, file_bytes=64 << 20)) as sb:
     out["disk"] = sb.disk
