@@ -41,6 +41,7 @@ from filelock import FileLock
 from rich.console import Console
 from rich.table import Table
 
+from snowcat.pipeline import procid
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_dir, atomic_write_text
 
@@ -169,29 +170,19 @@ def _start(d: _Daemon, argv: list[str], env: dict[str, str], daemonizes: bool = 
     _wait(lambda: _live_pid(d) is not None, d.name, d.log)
 
 
-def _running_since(pid: int) -> str | None:
-    """Process `pid`'s start time (/proc/<pid>/stat field 22) while it has not exited, else None. An
-    exiting process empties its cmdline before it becomes a zombie: `_live_pid` stops naming it then."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if stat[0] in ("Z", "X") else stat[19]
-
-
 def _stop(d: _Daemon) -> None:
     """SIGTERM, SIGKILL past STOP_TIMEOUT_S; returns once the process has exited (its pid no longer
     runs the process it was: gone, a zombie, or reused)."""
     pid = _live_pid(d)
-    since = _running_since(pid) if pid else None
-    if since is not None:
+    process = procid.identify(pid) if pid else None  # the process, not the number: an exiting one's
+    if procid.alive(process):  # cmdline is empty before it is a zombie, and `_live_pid` stops naming it
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while _running_since(pid) == since and time.monotonic() < deadline:
+        while procid.alive(process) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if _running_since(pid) == since:
+        if procid.alive(process):
             os.kill(pid, signal.SIGKILL)
-            while _running_since(pid) == since and time.monotonic() < deadline + STOP_TIMEOUT_S:
+            while procid.alive(process) and time.monotonic() < deadline + STOP_TIMEOUT_S:
                 time.sleep(0.05)
     d.pidfile.unlink(missing_ok=True)
 

@@ -88,6 +88,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from snowcat.pipeline import procid
 from snowcat.stages.cgroup import CallCgroup
 
 STATUSES = ("ok", "timeout", "limit", "infra_error")
@@ -159,16 +160,6 @@ def _mount_quota(base: str, disk_bytes: int) -> bool:
     return r.returncode == 0
 
 
-def _start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks after boot, /proc/<pid>/stat's 22nd field): with the pid,
-    a process no later one can be mistaken for. None when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[19])  # after "(comm)", which may hold spaces
-
-
 def _pid_namespace() -> int:
     return os.stat("/proc/self/ns/pid").st_ino
 
@@ -176,8 +167,8 @@ def _pid_namespace() -> int:
 def _owner_prefix(kind: str) -> str:
     """The prefix of this process's sandbox directories (`kind`: "" or "root-"): its pid, start and
     PID namespace, so that `sweep_abandoned` can tell a directory whose process is gone."""
-    pid = os.getpid()
-    return f"snowcat-sandbox-{kind}{pid}-{_start_ticks(pid)}-{_pid_namespace()}-"
+    me = procid.identify()
+    return f"snowcat-sandbox-{kind}{me['pid']}-{me['start']}-{_pid_namespace()}-"
 
 
 _OWNED = re.compile(r"snowcat-sandbox-(?:root-)?(\d+)-(\d+)-(\d+)-")
@@ -199,15 +190,15 @@ def sweep_abandoned(root: str | os.PathLike | None = None) -> list[str]:
     sandboxes, and as root each held a tmpfs mounted on the host. Only this PID namespace's (there a
     pid means this process table's), and only what this user may remove. The paths removed."""
     root = str(root or tempfile.gettempdir())
-    ours, mounts, removed = _pid_namespace(), None, []
+    me, ours, mounts, removed = procid.identify(), _pid_namespace(), None, []
     try:
         entries = [e.path for e in os.scandir(root) if _OWNED.match(e.name)]
     except OSError:
         return removed
     for path in entries:
         pid, start, namespace = map(int, _OWNED.match(os.path.basename(path)).groups())
-        if namespace != ours or _start_ticks(pid) == start:
-            continue  # another namespace's, or its process lives
+        if namespace != ours or procid.alive({**me, "pid": pid, "start": start}):
+            continue  # another namespace's, or its process lives (this host, this boot)
         mounts = _mount_points() if mounts is None else mounts
         if path in mounts:
             _release(path, True, os.getpid())

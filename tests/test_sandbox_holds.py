@@ -315,12 +315,13 @@ def test_as_an_ordinary_user():
     # The modules alone, copied where the user can read them (the checkout's venv may sit in /root).
     tmp = Path(tempfile.mkdtemp(prefix="snowcat-nonroot-", dir="/tmp"))
     try:
-        pkg = tmp / "snowcat" / "stages"
-        pkg.mkdir(parents=True)
-        for init in (tmp / "snowcat" / "__init__.py", pkg / "__init__.py"):
-            init.write_text("")
-        for mod in ("sandbox.py", "cgroup.py"):
-            shutil.copy(Path(CHECKOUT) / "stages" / mod, pkg / mod)
+        for sub, mods in (("stages", ("sandbox.py", "cgroup.py")), ("pipeline", ("procid.py",))):
+            pkg = tmp / "snowcat" / sub
+            pkg.mkdir(parents=True)
+            (pkg / "__init__.py").write_text("")
+            for mod in mods:
+                shutil.copy(Path(CHECKOUT) / sub / mod, pkg / mod)
+        (tmp / "snowcat" / "__init__.py").write_text("")
         for p in [tmp, *tmp.rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)
         user = _as_user(tmp)
