@@ -12,8 +12,8 @@ stages' own times; they mean something only on an otherwise idle machine), and t
 of the whole `snowcat run` (`wall_s`, with the load average before and after it; not recorded for a
 reused run), which the demo's 10-minute goal judges, and just before each run it makes the VM's speed
 then: `reference_step_s`, a demo SFT step under the OpenMP wait policy the run's SFT stage gets (`bench
-omp-wait`'s measurement, median of `--reference-steps`; this VM ran it from 0.24 to 0.35 s within one
-day with the default policy). Prints mean, standard
+omp-wait`'s measurement, median of `--reference-steps`; this VM's speed moved 1.3x within one day,
+docs/performance.md). Prints mean, standard
 deviation (over seeds), min and max of each, and writes every per-seed value with the machine's CPU
 model, its instruction-set flags and torch's CPU kernel level to --json. The seed changes the
 generated tasks, the initialisation and the sampling, so the spread is what a user should expect
