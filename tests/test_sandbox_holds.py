@@ -167,6 +167,12 @@ def test_a_killed_processs_sandboxes_are_swept_by_the_next_and_a_living_ones_are
         elsewhere = tmp_path / f"snowcat-sandbox-{killed.pid}-1-1-x"
         for d in (reused, elsewhere):
             d.mkdir()
+        # a link named as a dead process's sandbox is not followed: what it points at stays whole
+        target = tmp_path.parent / f"{tmp_path.name}-target"
+        target.mkdir()
+        (target / "keep").write_text("x")
+        lure = tmp_path / f"snowcat-sandbox-{killed.pid}-1-{os.stat('/proc/self/ns/pid').st_ino}-lure"
+        lure.symlink_to(target)
         # ...and the next process that makes a sandbox there sweeps the dead one's, mount and all.
         code = "from snowcat.stages.sandbox import LocalSandbox; LocalSandbox().close()"
         subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
@@ -174,6 +180,8 @@ def test_a_killed_processs_sandboxes_are_swept_by_the_next_and_a_living_ones_are
         assert _mounted(live_base) and Path(live_root).is_dir() and elsewhere.is_dir()
         # the pid of `reused` lives, but not since the start it names: it is swept
         assert not reused.exists()
+        assert (target / "keep").read_text() == "x"
+        lure.unlink()
     finally:
         for proc in (killed, living):
             proc.kill()
