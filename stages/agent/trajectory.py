@@ -228,8 +228,8 @@ def regroup(records: list[Trajectory]) -> list[Trajectory]:
 WIRE_MAGIC = int.from_bytes(b"snowtraj", "little")
 WIRE_VERSION = 4  # 2: segment, segment_kind; 3: source; 4: the per-record columns first
 _HEAD = 4 + len(FIELDS)
-# native order as numpy's int64, any alignment: magic, version, index, field count; each field's length
-_HEADER_START, _HEADER_LENGTHS = struct.Struct("=4q"), struct.Struct(f"={len(FIELDS)}q")
+# native order as numpy's int64, any alignment: magic, version, index, field count; each field's length (from _H on)
+_HEADER, _H = struct.Struct(f"={_HEAD}q"), 4
 _SPECS, _FIELD_INDEX = list(FIELDS.values()), {name: i for i, name in enumerate(FIELDS)}
 _N_OFFSETS = _FIELD_INDEX["token_offsets"]
 _BYTE = np.dtype(np.uint8)
@@ -258,8 +258,9 @@ if (
     or any(len(names) & (len(names) - 1) for names in _NAMES.values())  # (the codes' mask: _fixed)
 ):
     raise AssertionError("trajectory.py: FIELDS no longer has the order TrajectoryBatch.read lays it out in")
-# the lengths not fixed by the record count
-_FREE_COUNTS = operator.itemgetter(*(_FIELD_INDEX[k] for k in ("token_ids", "support_ids", "routes", "turns", "strings")))
+# in the header: the lengths not fixed by the record count, and the per-token ones after token_ids (as many)
+_FREE_COUNTS = operator.itemgetter(*(_H + _FIELD_INDEX[k] for k in ("token_ids", "support_ids", "routes", "turns", "strings")))
+_PER_TOKEN_AT = [_H + _FIELD_INDEX[k] for k in _PER_TOKEN[1:]]
 
 
 def _field_count_source(i: int, name: str) -> int:
@@ -299,10 +300,11 @@ _FIXED: dict[int, tuple] = {}  # record count -> `_fixed` of it
 
 
 def _fixed(n: int) -> tuple:
-    """For a batch of n records (cached): the counts of the fields before token_ids; their byte
-    offsets and where token_ids starts; the word count of the _LISTED columns and each one's slice
-    of them; where the coded columns start (they end where token_ids starts), and the bits
-    that must be 0 there, as one little-endian int: every code within its names, the padding 0."""
+    """For a batch of n records (cached): the counts of the fields before token_ids; where token_ids
+    starts; the _LISTED columns' words (a Struct reading them) and each one's slice of them; where
+    the coded columns start (they end where token_ids starts), and the bits that must be 0 there,
+    as one little-endian int: every code within its names, the padding 0; the byte offsets of the
+    fields before token_ids."""
     out = _FIXED.get(n)
     if out is None:
         counts = _CONSISTENT_COUNTS((*(0,) * len(FIELDS), n, n + 1, 3 * n + 1))[:_N_FIXED]
@@ -313,7 +315,8 @@ def _fixed(n: int) -> tuple:
         mask = b"".join(bytes([256 - len(names)]) * n + b"\xff" * (-n % 8) for names in _NAMES.values())
         if len(_FIXED) >= 1024:  # (record counts vary little in a run: a bound that is never reached)
             _FIXED.clear()
-        out = _FIXED[n] = (counts, at, start, bounds[-1], slices, coded, int.from_bytes(mask, "little"))
+        listed = struct.Struct(f"={bounds[-1]}q")
+        out = _FIXED[n] = (counts, start, listed, slices, coded, int.from_bytes(mask, "little"), at)
     return out
 
 
@@ -457,48 +460,38 @@ class TrajectoryBatch(Sequence):
             buf = buf.view(np.uint8).reshape(-1)
         if len(buf) < _HEAD_BYTES:
             raise ValueError(f"trajectory batch: {len(buf)} bytes, shorter than its {_HEAD_BYTES}-byte header")
-        magic, version, index, n_fields = _HEADER_START.unpack_from(buf)
-        if magic != WIRE_MAGIC:
+        head = _HEADER.unpack_from(buf)
+        if head[0] != WIRE_MAGIC:
             raise ValueError("trajectory batch: not a snowcat trajectory batch (no magic number)")
-        if version != WIRE_VERSION or n_fields != len(FIELDS):
+        if head[1] != WIRE_VERSION or head[3] != len(FIELDS):
             raise ValueError(
-                f"trajectory batch: wire format version {version} with {n_fields} fields;"
+                f"trajectory batch: wire format version {head[1]} with {head[3]} fields;"
                 f" this snowcat reads version {WIRE_VERSION} with {len(FIELDS)} (ranks of different snowcat versions?)"
             )
-        lengths = _HEADER_LENGTHS.unpack_from(buf, _HEADER_START.size)
-        tokens, n_support, n_routes, n_turns, n_strings = _FREE_COUNTS(lengths)
-        fixed = _FIXED.get(lengths[0] - 1)  # (token_offsets: n + 1)
+        tokens, n_support, n_routes, n_turns, n_strings = _FREE_COUNTS(head)
+        fixed = _FIXED.get(head[_H] - 1)  # (token_offsets: n + 1)
         if (
             fixed is None
-            or lengths[:_N_FIXED] != fixed[0]
-            or not lengths[_N_FIXED + 1] == lengths[_N_FIXED + 2] == lengths[_N_FIXED + 3] == tokens  # _PER_TOKEN
+            or head[_H : _H + _N_FIXED] != fixed[0]
+            or not head[_PER_TOKEN_AT[0]] == head[_PER_TOKEN_AT[1]] == head[_PER_TOKEN_AT[2]] == tokens
             or (tokens | n_support | n_routes | n_turns | n_strings) < 0
         ):  # a record count not seen before, or a header that does not fit: checked field by field
+            lengths = head[_H:]
             at = _layout(lengths) if min(lengths) >= 0 else [-1]
             if at[-1] != len(buf):
                 raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {at[-1]}")
             fixed = _fixed(_check_counts(lengths))
-        # every field's byte offset: the per-record ones cached, the others in _FREE's order
-        counts, at, start, n_listed, slices, coded, codes_mask = fixed
+        counts, start, listed, slices, coded, codes_mask, _ = fixed
+        # where support_lengths and the strings start, and the end: the columns after token_ids in _FREE's order
         per_token = (4 * tokens + 7) & -8
-        at = [
-            *at,
-            start,
-            a := start + per_token,  # loss_mask
-            a := a + ((tokens + 7) & -8),  # rollout_logprobs
-            a := a + per_token,  # support_lengths
-            a := a + per_token,  # support_ids
-            a := a + ((4 * n_support + 7) & -8),  # routes
-            a := a + ((2 * n_routes + 7) & -8),  # turns
-            a := a + 16 * n_turns,  # strings
-        ]
-        if (end := a + ((n_strings + 7) & -8)) != len(buf):
+        at_slen = start + 2 * per_token + ((tokens + 7) & -8)
+        at_text = at_slen + per_token + ((4 * n_support + 7) & -8) + ((2 * n_routes + 7) & -8) + 16 * n_turns
+        if (end := at_text + ((n_strings + 7) & -8)) != len(buf):
             raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {end}")
 
         n = counts[0] - 1
-        data = memoryview(buf)
-        # the _LISTED columns, one list (every column starts on an 8-byte boundary; at any alignment of buf: memcpy)
-        listed = data[_HEAD_BYTES : _HEAD_BYTES + 8 * n_listed].cast("q").tolist()
+        # the _LISTED columns, one list (every column starts on an 8-byte boundary; struct reads any alignment)
+        listed = list(listed.unpack_from(buf, _HEAD_BYTES))
         tok, turn, str_off, width, segment = map(listed.__getitem__, slices)
         if tok[0] or tok[-1] != tokens or sorted(tok) != tok:
             raise _offsets_error("token_offsets", n, tokens)
@@ -506,7 +499,7 @@ class TrajectoryBatch(Sequence):
             raise _offsets_error("turn_offsets", n, n_turns)
         if str_off[0] or str_off[-1] != n_strings or sorted(str_off) != str_off:
             raise _offsets_error("string_offsets", 3 * n, n_strings)
-        at_slen = at[_N_FIXED + 3]
+        data = memoryview(buf)
         if n_support:  # kept supports (top-k/top-p sampling): all >= 0 and they add up
             slen = np.ndarray(tokens, np.int32, buf, at_slen)
             if slen.min(initial=0) < 0 or int(slen.sum(dtype=np.int64)) != n_support:
@@ -520,26 +513,30 @@ class TrajectoryBatch(Sequence):
         if not routes_fit:
             raise ValueError(f"trajectory batch: route widths do not add up to the {n_routes} routes entries")
         if int.from_bytes(data[coded:start], "little") & codes_mask:  # a code beyond its names (or padding not 0)
+            at = fixed[-1]
             _check_codes({name: data[a : a + n] for name, a in zip(_NAMES, at[_N_FIXED - len(_NAMES) : _N_FIXED])})
         starts = _episode_starts(n, segment) if any(segment) else range(n + 1)
-        text = _text(data[at[-1] : at[-1] + n_strings].tobytes(), str_off)
-
-        def view(name: str) -> np.ndarray:  # made when first used: checking the batch needs only some
-            i = _FIELD_INDEX[name]
-            dtype, tail = _SPECS[i]
-            return np.ndarray((lengths[i], *tail), dtype, buf, at[i])
 
         batch = object.__new__(cls)
-        batch.index, batch.buffer, batch._starts, batch._text, batch._tokens = index, buf, starts, text, tokens
-        batch._columns, batch._make, batch._at = {}, view, None  # columns, positions and values (`_record`): when first used
-        batch._lists = {
-            "token_offsets": tok,
-            "turn_offsets": turn,
-            "string_offsets": str_off,
-            "route_width": width,
-            "segment": segment,
+        batch.__dict__ = {  # (one dict: the columns, positions and values `_record` uses are made when first used)
+            "index": head[2],
+            "buffer": buf,
+            "_head": head,
+            "_starts": starts,
+            "_text": _text(data[at_text : at_text + n_strings].tobytes(), str_off),
+            "_tokens": tokens,
+            "_columns": {},
+            "_where": None,
+            "_at": None,
+            "_lists": {
+                "token_offsets": tok,
+                "turn_offsets": turn,
+                "string_offsets": str_off,
+                "route_width": width,
+                "segment": segment,
+            },
+            "_episodes": [None] * (len(starts) - 1),  # each made when first asked for
         }
-        batch._episodes = [None] * (len(starts) - 1)  # each made when first asked for
         return batch
 
     @classmethod
@@ -631,8 +628,12 @@ class TrajectoryBatch(Sequence):
     def column(self, name: str) -> np.ndarray:
         """Field `name` for the whole batch (every record's entries, in order): a view of the buffer."""
         out = self._columns.get(name)
-        if out is None:
-            out = self._columns[name] = self._make(name)
+        if out is None:  # (checking the batch needs only some columns: each is made when first used)
+            if self._where is None:
+                self._where = _layout(self._head[_H:])
+            i = _FIELD_INDEX[name]
+            dtype, tail = _SPECS[i]
+            out = self._columns[name] = np.ndarray((self._head[_H + i], *tail), dtype, self.buffer, self._where[i])
         return out
 
     def _list(self, name: str) -> list:

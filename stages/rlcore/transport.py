@@ -43,6 +43,7 @@ until the trainer has checkpointed past them (`discard_below`), so a resumed tra
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -216,8 +217,10 @@ class MPITransport(_Codec):
     def recv_message(self, batch_index: int) -> np.ndarray:
         src = self.owner(batch_index)
         what = f"receive batch {batch_index} from rank {src}"
-        # kept on self (with its buffer) until done, also when this wait is interrupted
-        self._hello = hello = self.comm.Isend([np.array([batch_index], np.int64), self._int64], dest=src, tag=_READY)
+        if self._hello is not None:  # the word for the batch before: out long ago (an eager message), freed here
+            _wait(self._hello.Test, self.timeout_s, self.should_stop, what, spin=True)
+        # kept on self (with its buffer) until done, which is tested off the batch's path: at the next receive
+        self._hello = self.comm.Isend([np.array([batch_index], np.int64), self._int64], dest=src, tag=_READY)
         buf = self._receive_at_once(src, what)
         if buf is None:  # not in while the trainer spun: probe for it (sleeping between probes), then receive it
             probed = []
@@ -232,7 +235,6 @@ class MPITransport(_Codec):
             buf = self.buffers.take(self._status.Get_count(self._int64))
             receiving = probed[0].Irecv([buf, self._int64])
             _wait(receiving.Test, self.timeout_s, self.should_stop, what, spin=True)
-        _wait(hello.Test, self.timeout_s, self.should_stop, what, spin=True)
         return buf.view(np.uint8)
 
     def _receive_at_once(self, src: int, what: str) -> np.ndarray | None:
@@ -247,11 +249,15 @@ class MPITransport(_Codec):
         self._posted = posted = self.comm.Irecv([room, self._int64], source=src, tag=_AT_ONCE)
         spin_until, state = time.monotonic() + _SPIN_S, []  # state: "in", or "cancelled" once asked to
 
+        polls = itertools.count()
+
         def landed() -> bool:
             if posted.Test(self._status):
                 state.append("in")
                 return True
-            return self.comm.Iprobe(src, _TAG) or time.monotonic() > spin_until
+            # the rest every 8th poll: each MPI call progresses the transfer, and this one halves how often the
+            # receive is tested (a batch above _AT_ONCE_BYTES takes a millisecond and more: 8 polls are nothing to it)
+            return not next(polls) & 7 and (self.comm.Iprobe(src, _TAG) or time.monotonic() > spin_until)
 
         try:
             _wait(landed, self.timeout_s, self.should_stop, what)
