@@ -43,7 +43,6 @@ until the trainer has checkpointed past them (`discard_below`), so a resumed tra
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections.abc import Callable
@@ -249,15 +248,11 @@ class MPITransport(_Codec):
         self._posted = posted = self.comm.Irecv([room, self._int64], source=src, tag=_AT_ONCE)
         spin_until, state = time.monotonic() + _SPIN_S, []  # state: "in", or "cancelled" once asked to
 
-        polls = itertools.count()
-
         def landed() -> bool:
             if posted.Test(self._status):
                 state.append("in")
                 return True
-            # the rest every 8th poll: each MPI call progresses the transfer, and this one halves how often the
-            # receive is tested (a batch above _AT_ONCE_BYTES takes a millisecond and more: 8 polls are nothing to it)
-            return not next(polls) & 7 and (self.comm.Iprobe(src, _TAG) or time.monotonic() > spin_until)
+            return self.comm.Iprobe(src, _TAG) or time.monotonic() > spin_until
 
         try:
             _wait(landed, self.timeout_s, self.should_stop, what)
