@@ -303,8 +303,7 @@ def _fixed(n: int) -> tuple:
     """For a batch of n records (cached): the counts of the fields before token_ids; where token_ids
     starts; the _LISTED columns' words (a Struct reading them) and each one's slice of them; where
     the coded columns start (they end where token_ids starts), and the bits that must be 0 there,
-    as one little-endian int: every code within its names, the padding 0; the byte offsets of the
-    fields before token_ids."""
+    as one little-endian int: every code within its names, the padding 0."""
     out = _FIXED.get(n)
     if out is None:
         counts = _CONSISTENT_COUNTS((*(0,) * len(FIELDS), n, n + 1, 3 * n + 1))[:_N_FIXED]
@@ -316,7 +315,7 @@ def _fixed(n: int) -> tuple:
         if len(_FIXED) >= 1024:  # (record counts vary little in a run: a bound that is never reached)
             _FIXED.clear()
         listed = struct.Struct(f"={bounds[-1]}q")
-        out = _FIXED[n] = (counts, start, listed, slices, coded, int.from_bytes(mask, "little"), at)
+        out = _FIXED[n] = (counts, start, listed, slices, coded, int.from_bytes(mask, "little"))
     return out
 
 
@@ -481,7 +480,7 @@ class TrajectoryBatch(Sequence):
             if at[-1] != len(buf):
                 raise ValueError(f"trajectory batch: {len(buf)} bytes, its header describes {at[-1]}")
             fixed = _fixed(_check_counts(lengths))
-        counts, start, listed, slices, coded, codes_mask, _ = fixed
+        counts, start, listed, slices, coded, codes_mask = fixed
         # where support_lengths and the strings start, and the end: the columns after token_ids in _FREE's order
         per_token = (4 * tokens + 7) & -8
         at_slen = start + 2 * per_token + ((tokens + 7) & -8)
@@ -513,7 +512,7 @@ class TrajectoryBatch(Sequence):
         if not routes_fit:
             raise ValueError(f"trajectory batch: route widths do not add up to the {n_routes} routes entries")
         if int.from_bytes(data[coded:start], "little") & codes_mask:  # a code beyond its names (or padding not 0)
-            at = fixed[-1]
+            at = _layout(head[_H:])  # (only to name the field at fault)
             _check_codes({name: data[a : a + n] for name, a in zip(_NAMES, at[_N_FIXED - len(_NAMES) : _N_FIXED])})
         starts = _episode_starts(n, segment) if any(segment) else range(n + 1)
 
