@@ -4,6 +4,7 @@ fit; subsets for images; drift as doctor reports it and as the provenance card r
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -164,6 +165,27 @@ def test_drift_and_the_install_state_against_the_lock():
         assert state["lock"] == "containers/locks/cpu-py3.11-x86_64.txt" and state["lock_sha256"] == lock.sha256
         assert state["mismatches"] == lock_mod.drift(lock, have) and state["installed"]["extra-thing"] == "1"
         assert len(state["installed_sha256"]) == 64
+
+
+def test_the_installed_set_from_directory_names_is_what_the_metadata_files_say(tmp_path, monkeypatch):
+    """This venv as pip installed it: every name and version read from the .dist-info directory names
+    equals what the METADATA files hold. A directory without a version in its name (an egg's) is
+    read from its metadata, and of a package installed twice the first on sys.path is the one."""
+    parsed: dict[str, str] = {}
+    for d in importlib.metadata.distributions():
+        if d.metadata["Name"]:
+            parsed.setdefault(lock_mod.canonical(d.metadata["Name"]), d.version)
+    assert lock_mod.installed() == parsed and "torch" in parsed
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    (first / "Odd_Pkg.egg-info").mkdir(parents=True)
+    (first / "Odd_Pkg.egg-info" / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: Odd_Pkg\nVersion: 3.1\n")
+    for where, version in ((first, "1.0"), (second, "2.0")):
+        (where / f"twice_pkg-{version}.dist-info").mkdir(parents=True)
+        (where / f"twice_pkg-{version}.dist-info" / "METADATA").write_text(f"Name: twice-pkg\nVersion: {version}\n")
+    monkeypatch.setattr(sys, "path", [str(first), str(second), *sys.path])
+    have = lock_mod.installed()
+    assert have["odd-pkg"] == "3.1" and have["twice-pkg"] == "1.0"
 
 
 @pytest.mark.skipif((lock_mod.running_python(), lock_mod.machine()) != ("3.11", "x86_64"), reason="the committed locks")
