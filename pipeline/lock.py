@@ -249,8 +249,9 @@ _DIST_INFO = re.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)\.dist-info")
 def installed() -> dict[str, str]:
     """{canonical name: version} of every distribution this interpreter sees, the first on sys.path
     where one is installed twice (the one imported). Name and version come from the metadata
-    directory's name where it has both: parsing every METADATA file took a second per process with
-    the ~700 packages of a snowcat venv, and every stage unit records this set."""
+    directory's name where it has both: parsing every METADATA file (three times, as
+    `Distribution.metadata` does) took 0.3 s per process in a snowcat venv, and every stage unit records
+    this set."""
     out: dict[str, str] = {}
     for d in importlib.metadata.distributions():
         named = _DIST_INFO.fullmatch(Path(getattr(d, "_path", "")).name)
