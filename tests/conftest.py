@@ -20,7 +20,7 @@ import pytest
 from snowcat.pipeline.dag import Unit, build
 from snowcat.pipeline.rundir import RunDir
 from snowcat.pipeline.runner import make_context
-from tests.budget import pytest_addoption, pytest_configure  # noqa: F401 (the slow tier's time budget: --budget)
+from tests.budget import longest_first, pytest_addoption, pytest_configure  # noqa: F401 (the slow tier's time budget: --budget)
 from tests.cluster_fixtures import sbatch, slurm_cluster, slurm_env  # noqa: F401 (fixtures of the local Slurm cluster)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -317,6 +317,7 @@ def pytest_collection_modifyitems(config, items):
     # worker (they share the cluster; test_cluster restarts it), and the tests of a shared run (session
     # fixtures; test_rl_vllm's module run) on one worker, which builds it once. The CPU-bound rest runs
     # beside them.
+    groups = {}
     for item in items:
         names = getattr(item, "fixturenames", ())
         shared = (
@@ -325,6 +326,9 @@ def pytest_collection_modifyitems(config, items):
         group = "slurm" if item.get_closest_marker("cluster") else shared
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            groups[item.nodeid] = group
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller hands out tests in this order
+        items[:] = longest_first(items, lambda item: groups.get(item.nodeid))
 
 
 def masked_runs(mask: list[int]) -> list[tuple[int, int]]:

@@ -61,9 +61,12 @@ def test_transport_batches_look_like_agent_episodes():
 def test_trainer_memory_bench_reports_each_rank(tmp_path):
     out = tmp_path / "memory.json"
     tiny = ["--hidden", "32", "--layers", "1", "--experts", "2", "--vocab", "256", "--seq", "16"]
-    assert trainer_memory.main([*tiny, "--modes", "ddp,fsdp", "--stored-dtype", "bfloat16", "--json", str(out)]) == 0
+    # one allocator (the fixed threshold, the one plan validation reads): each is its own set of child
+    # processes, and the default one is measured the same way under another environment
+    args = [*tiny, "--modes", "ddp,fsdp", "--stored-dtype", "bfloat16", "--allocator", "fixed", "--json", str(out)]
+    assert trainer_memory.main(args) == 0
     result = json.loads(out.read_text())
-    assert set(result["results"]) == set(trainer_memory.ALLOCATORS) and result["model"]["params"] > 0
+    assert list(result["results"]) == ["fixed mmap threshold 128 KiB"] and result["model"]["params"] > 0
     for by_mode in result["results"].values():
         ddp = by_mode["ddp"]
         assert [r["rank"] for r in ddp["ranks"]] == [0, 1]

@@ -81,14 +81,15 @@ def _recorded(run_dir: Path, graph, stage: str | None) -> set[str]:
 
 def wait_status(snowcat, run_dir: Path, want: set[str], timeout: float = 300, stage: str | None = None) -> dict:
     """`snowcat status` once every stage (or `stage`) is in `want`. The CLI (a second of CPU, and a
-    question to sacct) is asked when the records the jobs write say so, and every 5 s for what only
-    the scheduler knows (a job that died without a word); the records are read twice a second."""
+    question to sacct) is asked when the records the jobs write say so, and every 10 s for what only
+    the scheduler knows (a job that died without a word: a failing test's case, so it may wait); the
+    records are read twice a second."""
     deadline = time.monotonic() + timeout
     graph = dag.build(RunDir.open(run_dir).config())
     status, asked = {}, -1e9
     while time.monotonic() < deadline:
         since = time.monotonic() - asked
-        if since >= 5 or (since >= 2 and _recorded(run_dir, graph, stage) <= want):
+        if since >= 10 or (since >= 2 and _recorded(run_dir, graph, stage) <= want):
             status, asked = snowcat.status(run_dir), time.monotonic()
             states = {s["status"] for n, s in status["stages"].items() if stage in (None, n)}
             if states <= want:
