@@ -145,6 +145,22 @@ class Snowcat:
         return json.loads(self("status", run_dir, "--json", check=True).stdout)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_process_group_outlives_its_module():
+    """An in-process vLLM engine forms torch.distributed's default group and keeps it (with its own
+    handle on it) for the life of the worker process: a later module's DeepSpeed then found a group
+    it had not made, without the variables it sets when it makes one, and a later vLLM engine, its
+    old handle on a group another test had destroyed. Each module's groups end with it."""
+    yield
+    if "vllm.distributed.parallel_state" in sys.modules:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: PLC0415 (vLLM tests only)
+
+        cleanup_dist_env_and_memory()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def snowcat(tmp_path: Path) -> Snowcat:
     return Snowcat(tmp_path)
