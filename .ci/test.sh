@@ -56,7 +56,8 @@ phase lint lint
 # .ci/full.sh. The cluster tier's tests run one after another (they share the cluster) in a pytest of
 # their own, started first, in the background: waiting on the scheduler much of the time, it runs
 # beside the unit tier (pyproject's default selection, two workers) and then beside the slow tier (two
-# workers, --dist loadgroup: a shared run's tests on one worker), which keep both cores busy. Every
+# workers, --dist loadgroup: a shared run's tests on one worker; the longest blocks first, by
+# tests/durations.json), which keep both cores busy: CI's time is its CPU work over the 2 cores. Every
 # tier runs whatever another gives, so one CI run shows every failure.
 failed=0
 phase cluster python -m pytest -ra -q -m "cluster and not gpu and not fresh" -n 0 --budget --timings "$ci_tmp/.timings-cluster.json" "$@" \

@@ -342,7 +342,7 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
     # machine each job trained a step or two (6 requeues for 56 steps); with m = 2, at the one after.
     margin = "stages.sft.resume.signal_margin_s=2"
     # Size the work for this machine: more SFT steps than a 1-minute job trains before its notice (at
-    # most 58 s after its start), timed on a short local run. Its fastest step, and 75 s of them: CI
+    # most 58 s after its start), timed on a short local run. Its fastest step, and 60 s of them: CI
     # runs other tests beside this one, and a run sized by the median step of a loaded moment once
     # finished in one job when the load fell. A loaded job trains for much less: continuations to
     # spare (the walltime is hit either way).
@@ -350,7 +350,7 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
     snowcat("run", cfg, "stages.sft.steps=8", "--run-dir", probe, check=True)
     rows = [json.loads(line) for line in (probe / "stages" / "sft" / "metrics_history.jsonl").read_text().splitlines()]
     step_s = min(r["step_time_s"] for r in rows)
-    steps = f"stages.sft.steps={max(50, int(75 / step_s))}"
+    steps = f"stages.sft.steps={max(50, int(60 / step_s))}"
 
     runs = {}
     for strategy in ("requeue", "chain"):
