@@ -131,10 +131,10 @@ class Budget:
 
 
 def longest_first(items: list, group_of) -> list:
-    """Under xdist: the slow tier's blocks (a shared run's group, else a test file), longest declared
-    first, each kept whole and in its order. Two workers take blocks as they come free, so a long one
-    started last ran alone at the end (a core idle for its minutes); started first, the short ones fill
-    in beside it."""
+    """Under xdist: a tier's blocks (a shared run's group, else a test file), longest declared first
+    (a unit-tier file declares nothing and keeps its place), each kept whole and in its order. Two
+    workers take blocks as they come free, so a long one started last ran alone at the end (a core
+    idle for its minutes); started first, the short ones fill in beside it."""
     declared = load()["tests"]
     blocks: dict[str, list] = {}
     for item in items:
