@@ -130,15 +130,16 @@ class Budget:
             terminalreporter.write_line(f"BUDGET: {line}", red=True)
 
 
-def longest_first(items: list, group_of) -> list:
-    """Under xdist: a tier's blocks (a shared run's group, else a test file), longest declared first
+def longest_first(items: list) -> list:
+    """Under xdist: a tier's blocks (an xdist group, else a test file), longest declared first
     (a unit-tier file declares nothing and keeps its place), each kept whole and in its order. Two
     workers take blocks as they come free, so a long one started last ran alone at the end (a core
     idle for its minutes); started first, the short ones fill in beside it."""
     declared = load()["tests"]
     blocks: dict[str, list] = {}
     for item in items:
-        blocks.setdefault(group_of(item) or str(item.path), []).append(item)
+        group = item.get_closest_marker("xdist_group")  # the unit xdist's loadgroup hands out whole
+        blocks.setdefault(group.args[0] if group else str(item.path), []).append(item)
 
     def seconds(block: list) -> float:
         return sum(declared.get(re.sub(r"@[\w-]+$", "", i.nodeid), 0.0) for i in block)

@@ -333,7 +333,6 @@ def pytest_collection_modifyitems(config, items):
     # worker (they share the cluster; test_cluster restarts it), and the tests of a shared run (session
     # fixtures; test_rl_vllm's module run) on one worker, which builds it once. The CPU-bound rest runs
     # beside them.
-    groups = {}
     for item in items:
         names = getattr(item, "fixturenames", ())
         shared = (
@@ -342,9 +341,8 @@ def pytest_collection_modifyitems(config, items):
         group = "slurm" if item.get_closest_marker("cluster") else shared
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-            groups[item.nodeid] = group
     if hasattr(config, "workerinput"):  # an xdist worker: the controller hands out tests in this order
-        items[:] = longest_first(items, lambda item: groups.get(item.nodeid))
+        items[:] = longest_first(items)
 
 
 def masked_runs(mask: list[int]) -> list[tuple[int, int]]:
