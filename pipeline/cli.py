@@ -18,20 +18,17 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from snowcat.slurm import cluster
 from snowcat.slurm import site as site_mod
-from snowcat.stages.model import hf
 from snowcat.stages.registry import KINDS
 
 from . import config as config_mod
-from . import doctor, lock, notify, offline, reproduce, tracking
+from . import notify
 from .dag import Dag, build
 from .errors import UserError
 from .executors import make_executor
 from .fsio import remove_leftovers
-from .plan import command as plan_cmd
 from .progress import progress_lines, styled
-from .reports import audit, behaviour, card, compare, plot, scan_data, traces
+from .reports import plot, traces
 from .rundir import RunDir, new_run_id
 from .schema import hf_sources, resolve_hf
 from .scrub import scrub_text
@@ -166,6 +163,8 @@ def cmd_run(args) -> int:
         err.print(Text(f"account {account} (from ${site_mod.ACCOUNT_ENV}: the site profile and config name none)"))
     dag = build(cfg)
     if cfg.executor.kind == "slurm" and not args.skip_plan:
+        from .plan import command as plan_cmd  # noqa: PLC0415 (see _COMMANDS)
+
         plan_cmd.gate(cfg, lambda line: err.print(Text(line)))  # one line; refuses a plan that cannot fit
     run_dir = Path(args.run_dir) if args.run_dir else None
     existing = run_dir is not None and (run_dir / "config.yaml").is_file()
@@ -338,6 +337,10 @@ def cmd_config(args) -> int:
 
 def _model_sizes(run) -> list[str]:
     """One line per hf: model a stage names whose config.json is readable here (local or staged)."""
+    from snowcat.stages.model import hf  # noqa: PLC0415 (see _COMMANDS)
+
+    from . import offline  # noqa: PLC0415
+
     staged = {}
     for stage in run.stages.values():
         if stage.kind == "prestage":
@@ -363,6 +366,8 @@ def _model_sizes(run) -> list[str]:
 
 
 def cmd_cluster(args) -> int:
+    from snowcat.slurm import cluster  # noqa: PLC0415 (see _COMMANDS)
+
     return cluster.main([args.action] + (["--root", args.root] if args.root else []) + (["--as", args.site] if args.site else []))
 
 
@@ -394,7 +399,107 @@ def cmd_bench(args) -> int:
 # --- entry point -------------------------------------------------------------------------------
 
 
-def parser() -> argparse.ArgumentParser:
+# Commands whose arguments and code live in a module of their own: (module, its add-arguments
+# function, its command, summary). A module loads only when its command is asked for (to run, or for
+# its --help): a `snowcat status` on a busy login node does not pay for the audit's or the planner's
+# imports.
+_COMMANDS = {
+    "audit": (
+        ".reports.audit",
+        "add_audit_arguments",
+        "cmd_audit",
+        "re-hash every artefact, check provenance, history and credentials; verdict table",
+    ),
+    "compare": (
+        ".reports.compare",
+        "add_compare_arguments",
+        "cmd_compare",
+        "paired statistics over the checkpoints evaluate stages scored (Markdown + plots)",
+    ),
+    "traces": (
+        ".reports.traces",
+        "add_traces_arguments",
+        "cmd_traces",
+        "what agents did: behaviour, reward-hack detectors with examples, weight drift",
+    ),
+    "behaviour": (
+        ".reports.behaviour",
+        "add_behaviour_arguments",
+        "cmd_behaviour",
+        "two checkpoints compared by what their agents did (files, tests, claims, tokens; Markdown + plots)",
+    ),
+    "scan-data": (
+        ".reports.scan_data",
+        "add_scan_data_arguments",
+        "cmd_scan_data",
+        "how many SFT demonstrations match a pattern, by source, with examples",
+    ),
+    "card": (
+        ".reports.card",
+        "add_card_arguments",
+        "cmd_card",
+        "the provenance card (Markdown with model-card metadata) from recorded facts",
+    ),
+    "track": (
+        ".tracking",
+        "add_track_arguments",
+        "cmd_track",
+        "feed experiment trackers (wandb, tensorboard, mlflow) from the run directory",
+    ),
+    "sync": (
+        ".tracking",
+        "add_sync_arguments",
+        "cmd_sync_and_notify",
+        "upload the run's offline W&B runs (wandb sync; login node), record it in the run; send notifications",
+    ),
+    "plot": (
+        ".reports.plot",
+        "add_plot_arguments",
+        "cmd_plot",
+        "the run's curves as PNGs (reward, pass@1, entropy, mismatch, staleness, tokens/s, loss)",
+    ),
+    "notify": (
+        ".notify",
+        "add_notify_arguments",
+        "cmd_notify",
+        "summary lines of failures and the run's end; deliver them (login node; cron)",
+    ),
+    "reproduce": (
+        ".reproduce",
+        "add_reproduce_arguments",
+        "cmd_reproduce",
+        "re-run a run from its archived config and compare hashes and metrics",
+    ),
+    "doctor": (
+        ".doctor",
+        "add_arguments",
+        "cmd_doctor",
+        "check a cluster live against a site profile (pass/warn/fail with fixes)",
+    ),
+    "lock": (
+        ".lock",
+        "add_lock_arguments",
+        "cmd_lock",
+        "resolve an install set into its hashed lock (containers/locks/), or --export part of one",
+    ),
+    "onboard": (
+        ".doctor",
+        "add_onboard_arguments",
+        "cmd_onboard",
+        "write a user's site override (account, paths, partitions) from doctor's findings",
+    ),
+    "plan": (
+        ".plan.command",
+        "add_arguments",
+        "cmd_plan",
+        "memory per GPU, step time, node-hours and charge before submitting; --proposal, --search, --compare",
+    ),
+}
+
+
+def parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; of the `_COMMANDS`, only the one `argv` names gets its arguments."""
+    chosen = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
     p = argparse.ArgumentParser(prog="snowcat", description="Post-train MoE models into coding agents on Slurm clusters.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -437,66 +542,12 @@ def parser() -> argparse.ArgumentParser:
     cf.add_argument("--site", help="as for run (default: $SNOWCAT_SITE)")
     cf.set_defaults(func=cmd_config)
 
-    a = sub.add_parser("audit", help="re-hash every artefact, check provenance, history and credentials; verdict table")
-    audit.add_audit_arguments(a)
-    a.set_defaults(func=audit.cmd_audit)
-
-    cp = sub.add_parser("compare", help="paired statistics over the checkpoints evaluate stages scored (Markdown + plots)")
-    compare.add_compare_arguments(cp)
-    cp.set_defaults(func=compare.cmd_compare)
-
-    tr = sub.add_parser("traces", help="what agents did: behaviour, reward-hack detectors with examples, weight drift")
-    traces.add_traces_arguments(tr)
-    tr.set_defaults(func=traces.cmd_traces)
-
-    bh = sub.add_parser(
-        "behaviour", help="two checkpoints compared by what their agents did (files, tests, claims, tokens; Markdown + plots)"
-    )
-    behaviour.add_behaviour_arguments(bh)
-    bh.set_defaults(func=behaviour.cmd_behaviour)
-
-    sd = sub.add_parser("scan-data", help="how many SFT demonstrations match a pattern, by source, with examples")
-    scan_data.add_scan_data_arguments(sd)
-    sd.set_defaults(func=scan_data.cmd_scan_data)
-
-    ca = sub.add_parser("card", help="the provenance card (Markdown with model-card metadata) from recorded facts")
-    card.add_card_arguments(ca)
-    ca.set_defaults(func=card.cmd_card)
-
-    tk = sub.add_parser("track", help="feed experiment trackers (wandb, tensorboard, mlflow) from the run directory")
-    tracking.add_track_arguments(tk)
-    tk.set_defaults(func=tracking.cmd_track)
-
-    sy = sub.add_parser(
-        "sync", help="upload the run's offline W&B runs (wandb sync; login node), record it in the run; send notifications"
-    )
-    tracking.add_sync_arguments(sy)
-    sy.set_defaults(func=tracking.cmd_sync_and_notify)
-
-    pt = sub.add_parser("plot", help="the run's curves as PNGs (reward, pass@1, entropy, mismatch, staleness, tokens/s, loss)")
-    plot.add_plot_arguments(pt)
-    pt.set_defaults(func=plot.cmd_plot)
-
-    nt = sub.add_parser("notify", help="summary lines of failures and the run's end; deliver them (login node; cron)")
-    notify.add_notify_arguments(nt)
-    nt.set_defaults(func=notify.cmd_notify)
-
-    rp = sub.add_parser("reproduce", help="re-run a run from its archived config and compare hashes and metrics")
-    reproduce.add_reproduce_arguments(rp)
-    rp.set_defaults(func=reproduce.cmd_reproduce)
-
-    d = sub.add_parser("doctor", help="check a cluster live against a site profile (pass/warn/fail with fixes)")
-    doctor.add_arguments(d)
-    d.set_defaults(func=doctor.cmd_doctor)
-
-    lk = sub.add_parser("lock", help="resolve an install set into its hashed lock (containers/locks/), or --export part of one")
-    lock.add_lock_arguments(lk)
-    lk.set_defaults(func=lock.cmd_lock)
-
-    ob = sub.add_parser("onboard", help="write a user's site override (account, paths, partitions) from doctor's findings")
-    doctor.add_arguments(ob)
-    ob.add_argument("-o", "--output", default="site-override.yaml")
-    ob.set_defaults(func=doctor.cmd_onboard)
+    for name, (module, add_arguments, command, summary) in _COMMANDS.items():
+        sp = sub.add_parser(name, help=summary)
+        if name == chosen:  # only its module loads
+            mod = importlib.import_module(module, __package__)
+            getattr(mod, add_arguments)(sp)
+            sp.set_defaults(func=getattr(mod, command))
 
     cl = sub.add_parser("cluster", help="the local virtual Slurm test cluster: up | down | status")
     cl.add_argument("action", choices=["up", "down", "status"])
@@ -513,12 +564,6 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--force", action="store_true", help="replace the output file if it exists")
     st.set_defaults(func=cmd_site)
 
-    pl = sub.add_parser(
-        "plan", help="memory per GPU, step time, node-hours and charge before submitting; --proposal, --search, --compare"
-    )
-    plan_cmd.add_arguments(pl)
-    pl.set_defaults(func=plan_cmd.cmd_plan)
-
     b = sub.add_parser("bench", help="run a benchmark from benchmarks/ (e.g. logprob)")
     b.add_argument("name")
     b.add_argument("args", nargs=argparse.REMAINDER)
@@ -531,7 +576,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
+    p = parser(argv)
     args, extra = p.parse_known_args(argv)
     if extra:  # key=value overrides are accepted anywhere, also after options
         if not hasattr(args, "overrides") or any("=" not in a or a.startswith("-") for a in extra):

@@ -577,6 +577,11 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def add_onboard_arguments(p) -> None:
+    add_arguments(p)
+    p.add_argument("-o", "--output", default="site-override.yaml")
+
+
 def cmd_doctor(args) -> int:
     site = load_profile(args.site)
     run_root = args.run_root or site.run_root
@@ -597,7 +602,7 @@ def cmd_onboard(args) -> int:
     checks = run_doctor(site, run_root or site.run_root, jobs=not args.no_jobs)
     found = onboard(load_profile(name, account_from_env=False), run_root, checks)
     override = {"base": base, **_merge(kept, found)}
-    path = write_override(override, getattr(args, "output", None) or "site-override.yaml")
+    path = write_override(override, args.output)
     print(format_checks(checks, as_json=False) if not args.json else json.dumps(override, indent=2))
     print(f"wrote {path}: use it with --site {path}")
     return 0

@@ -3,6 +3,8 @@
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -305,3 +307,24 @@ def test_onboard_override_is_a_usable_site(snowcat, one, tmp_path):
     dry = snowcat("run", one, "--site", path, "--executor", "slurm", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert str(tmp_path / "runs") in "".join(dry.stdout.split())  # the run root the override set (rich may wrap it)
+
+
+def test_a_command_loads_only_its_own_module():
+    """Each command of cli._COMMANDS gets its arguments and code when it is named, and only then:
+    `snowcat status` does not pay for the audit's, the card's or the planner's imports."""
+    for name, (module, _, command, _) in cli._COMMANDS.items():
+        commands = cli.parser([name])._subparsers._group_actions[0].choices
+        func = commands[name].get_default("func")
+        assert (func.__module__, func.__name__) == ("snowcat.pipeline" + module, command), name
+        assert all(commands[other].get_default("func") is None for other in cli._COMMANDS if other != name), name
+    code = "import sys, snowcat.pipeline.cli; print(sorted(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    for module in (
+        ".reports.audit",
+        ".reports.card",
+        ".reports.compare",
+        ".reports.behaviour",
+        ".doctor",
+        ".plan.command",
+    ):
+        assert f"'snowcat.pipeline{module}'" not in loaded, module

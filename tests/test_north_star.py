@@ -9,6 +9,7 @@ passes `audit`. Real Slurm, MPI, vLLM, sandboxes and tokenizers; nothing is a te
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +17,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from snowcat.pipeline.rundir import RunDir
+from snowcat.pipeline import config as config_mod
+from snowcat.pipeline.rundir import DONE, RunDir
 from tests.conftest import write_config
 from tests.test_rl_preempt import final_sha, logged_step, rl_history
 from tests.test_slurm import on_local_slurm, wait_status
@@ -47,11 +49,19 @@ def test_hf_moe_coding_agent_with_vllm_and_an_rl_hetjob_survives_preemption_and_
     snowcat("run", cfg, *SMALL, *on_local_slurm(run_dir), env=slurm_env, check=True)
     rl_script = next((run_dir / "slurm" / "rl").glob("*_submission.sh")).read_text()
     assert "#SBATCH hetjob" in rl_script and "--het-group=0,1" in rl_script
-    straight = tmp_path / "straight"  # meanwhile, on the same cores: locally, uninterrupted
-    reference_run = snowcat.popen("run", reference, *[o for o in SMALL if ".eval." not in o], "--run-dir", straight)
+    # Meanwhile, on the same cores: RL locally, uninterrupted, from the same inputs: the Slurm run's
+    # stages before it, copied once done (resume re-hashes them), so that only RL runs twice.
+    deadline = time.monotonic() + 900
+    while not (run_dir / "stages" / "select" / DONE).is_file():
+        assert time.monotonic() < deadline, snowcat.status(run_dir)
+        time.sleep(0.5)
+    straight = tmp_path / "straight"
+    RunDir.create(config_mod.load(reference, [o for o in SMALL if ".eval." not in o]), straight)
+    for stage in ("prestage", "tasks", "sft", "probe", "select"):
+        shutil.copytree(run_dir / "stages" / stage, straight / "stages" / stage)
+    reference_run = snowcat.popen("resume", straight)
     try:
         history_file = run_dir / "stages" / "rl" / "metrics_history.jsonl"
-        deadline = time.monotonic() + 900
         while logged_step(history_file) < 1:  # after the first update, before the last (4)
             assert time.monotonic() < deadline, snowcat.status(run_dir)
             time.sleep(0.05)
@@ -61,6 +71,7 @@ def test_hf_moe_coding_agent_with_vllm_and_an_rl_hetjob_survives_preemption_and_
     finally:
         reference_run.kill()  # (it has ended unless an assertion above failed)
     assert reference_run.returncode == 0, out[-3000:]
+    assert "skipping done stages (outputs verified): prestage, tasks, sft, probe, select" in out, out[-3000:]
     status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=900)
     assert {s["status"] for s in status["stages"].values()} == {"done"}, status
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from snowcat.pipeline import cli
 from snowcat.stages.registry import KINDS
 
 GENERIC = ("pipeline", "stages", "slurm", "containers", "kernels", "benchmarks")
@@ -147,9 +148,10 @@ def test_the_quick_tier_reaches_every_module():
         )
     ]
     todo = [m for p in [*quick, REPO / "tests" / "conftest.py"] for m in _snowcat_imports(p) if m in modules]
-    # the runner imports a stage kind's module by name (pipeline.config.stage_module), and the test
-    # below imports every benchmark by its file name
+    # the runner imports a stage kind's module by name (pipeline.config.stage_module), the command
+    # line a command's module (cli._COMMANDS), and the test below imports every benchmark by its file name
     kinds = {kind.module for kind in KINDS.values()}
+    commands = {"snowcat.pipeline" + module for module, *_ in cli._COMMANDS.values()}
     todo += [m for m in modules if m.startswith("snowcat.benchmarks.")]
     seen: set[str] = set()
     while todo:
@@ -163,6 +165,8 @@ def test_the_quick_tier_reaches_every_module():
         todo += [x for x in (*_snowcat_imports(modules[m], m), *parents) if x in modules]
         if m == "snowcat.pipeline.config":
             todo += sorted(kinds)
+        if m == "snowcat.pipeline.cli":
+            todo += sorted(commands)
     entry_points = {m for m in modules if m.endswith("__main__")}  # run as `python -m`, which the tests do
     missing = sorted(set(modules) - seen - entry_points)
     assert missing == [], "\n".join(missing)
