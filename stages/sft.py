@@ -5,7 +5,7 @@ Outputs in ctx.out_dir:
     checkpoints/initial/        the initializer, before any update (model dir)
     checkpoints/step_NNNNNN/    resumable (model dir + trainer_state/), every `save_every` steps
     checkpoints/final/          the trained model (model dir); checkpoints/best -> "final"
-    metrics_history.jsonl       one line per step; loss_curve.png; metrics.json (headline)
+    metrics_history.jsonl       one line per step (`snowcat plot` draws it: plots/loss.png); metrics.json (headline)
     teacher_demos.json          the scripted expert's repository-task episodes (made once, by rank 0)
 
 Demonstrations are chat conversations (user: task prompt, assistant: reference answer), loss on
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from snowcat.pipeline.errors import UserError
-from snowcat.pipeline.fsio import atomic_write_figure, atomic_write_json, atomic_write_text, build_manifest
+from snowcat.pipeline.fsio import atomic_write_json, atomic_write_text, build_manifest
 from snowcat.pipeline.offline import load_index, staged_revision
 from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.pipeline.schema import HF_PREFIX, hub_id
@@ -215,23 +215,6 @@ def greedy_pass_rate(model, tok, tasks, max_new_tokens: int) -> dict:
     res = {f"val_greedy_pass@1/{d}": v for d, v in pass_rates(scored).items() if d != "all"}
     res["val_greedy_infra_errors"] = sum(not r.scored for r in scored)
     return res
-
-
-def _plot(history: list[dict], path: Path) -> None:
-    # imported here, once at the end on one rank: pyplot costs every SFT process a second or more
-    # of start-up on a loaded node otherwise
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
-    for key in sorted({k for h in history for k in h if k.startswith("loss/")}):
-        pts = [(h["step"], h[key]) for h in history if key in h]
-        ax.plot(*zip(*pts), label=key, alpha=0.6)
-    ax.set_xlabel("step"), ax.set_ylabel("token NLL"), ax.set_yscale("log"), ax.legend()
-    atomic_write_figure(path, fig)
 
 
 def open_pretrained(ctx, cfg: Config, rank: int, world_size: int):
@@ -465,8 +448,6 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
     checkpoints.finish(meta={"stage": ctx.name, "seed": ctx.seed})  # final/: whole weights (every rank gathers)
     if rank == 0:
         metrics["weights_unchanged"] = unchanged_fraction(origin, ckpts / "final", mcfg)
-        if history:
-            _plot(history, out / "loss_curve.png")
         if cfg.eval_tasks:
             val = [t for d in domains for t in [v for v in load_tasks(tasks_dir, "val") if v.domain == d][: cfg.eval_tasks]]
             # the model final/ holds (under ZeRO-3 this rank's own copy has a slice of each weight)

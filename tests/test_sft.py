@@ -112,7 +112,6 @@ def test_sft_outputs_and_preempted_run_resumes_bit_identically(tmp_path, tasks_d
     history = [json.loads(line) for line in (out / "metrics_history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6]
     assert {"loss", "tokens_per_s", "loss/closure", "loss/arith", "router/aux_loss", "grad_norm"} <= set(history[0])
-    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
 
     interrupted = make_ctx(tmp_path / "b", tasks_dir, preempt_before=5)
     with pytest.raises(Preempted):
