@@ -232,15 +232,23 @@ def _scan_hdf5(path: Path, needles: list[Needle]) -> list[Finding]:
     """Strings stored compressed/filtered inside HDF5 are invisible to a byte scan: walk them."""
 
     found: list[Finding] = []
+    # Any needle at all, in one pass over a dataset's strings joined by NUL (no needle matches a NUL):
+    # almost always none, and then no string is searched needle by needle.
+    anything = re.compile(b"|".join(b"(?:" + rx.pattern + b")" for _, rx, _ in needles))
 
     def check(where: str, value) -> None:
         arr = np.asarray(value)
         if arr.dtype.kind not in "SUO":
             return
-        for item in arr.ravel():
-            if isinstance(item, np.ndarray) and item.dtype.kind not in "SUO":
-                continue  # a variable-length numeric row (token ids): no text, and str() of it is slow
-            data = item if isinstance(item, bytes) else str(item).encode(errors="replace")
+        texts = [
+            item if isinstance(item, bytes) else str(item).encode(errors="replace")
+            for item in arr.ravel()
+            # a variable-length numeric row (token ids): no text, and str() of it is slow
+            if not (isinstance(item, np.ndarray) and item.dtype.kind not in "SUO")
+        ]
+        if not anything.search(b"\0".join(texts)):
+            return
+        for data in texts:
             found.extend(Finding(path, 0, kind, where) for kind, rx, b in needles if any(_starts(rx, data, b)))
 
     def visit(name: str, obj) -> None:
