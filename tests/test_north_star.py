@@ -72,7 +72,7 @@ def test_hf_moe_coding_agent_with_vllm_and_an_rl_hetjob_survives_preemption_and_
         reference_run.kill()  # (it has ended unless an assertion above failed)
     assert reference_run.returncode == 0, out[-3000:]
     assert "skipping done stages (outputs verified): prestage, tasks, sft, probe, select" in out, out[-3000:]
-    status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=900)
+    status = wait_status(run_dir, {"done", "failed", "cancelled"}, timeout=900)
     assert {s["status"] for s in status["stages"].values()} == {"done"}, status
 
     run = RunDir.open(run_dir)

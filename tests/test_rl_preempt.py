@@ -364,7 +364,7 @@ def test_rl_hetjob_on_megatron_preempted_mid_run_requeues_and_finishes_bit_ident
 
     straight = tmp_path / "straight"  # meanwhile (it shares the 2 cores): the same config, uninterrupted, locally
     snowcat("run", cfg, "--run-dir", straight, env=ENV, check=True)
-    status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=600)
+    status = wait_status(run_dir, {"done", "failed", "cancelled"}, timeout=600)
     assert {s["status"] for s in status["stages"].values()} == {"done"}, status
     record = RunDir.open(run_dir).record("rl")
     assert record.get("continuations_used", 0) == 1, record  # requeued once, by the notice

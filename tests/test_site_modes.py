@@ -211,7 +211,7 @@ def test_the_demos_dag_runs_through_snowcat_under_the_sites_rules(site_rules, sn
         ["scancel", *(["--batch"] if batch else []), "--signal=USR2", first_job], env=slurm_env, check=True, timeout=60
     )
 
-    status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=900)
+    status = wait_status(run_dir, {"done", "failed", "cancelled"}, timeout=900)
     failed = [name for name, s in status["stages"].items() if s["status"] != "done"]
     assert not failed, "\n".join(f"{name}: {status['stages'][name]}\n{_why(run_dir, name)}" for name in failed)
     state = run.state()["stages"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from snowcat.pipeline import config, dag
+from snowcat.pipeline.cli import status_record
 from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import read_json, sha256_file
 from snowcat.pipeline.rundir import RunDir
@@ -79,18 +80,18 @@ def _recorded(run_dir: Path, graph, stage: str | None) -> set[str]:
     return {run.stage_status(graph, n, verify=False)[0] for n in graph.nodes if stage in (None, n)}
 
 
-def wait_status(snowcat, run_dir: Path, want: set[str], timeout: float = 300, stage: str | None = None) -> dict:
-    """`snowcat status` once every stage (or `stage`) is in `want`. The CLI (a second of CPU, and a
-    question to sacct) is asked when the records the jobs write say so, and every 10 s for what only
-    the scheduler knows (a job that died without a word: a failing test's case, so it may wait); the
-    records are read twice a second."""
+def wait_status(run_dir: Path, want: set[str], timeout: float = 300, stage: str | None = None) -> dict:
+    """What `snowcat status --json` says once every stage (or `stage`) is in `want`, asked in this
+    process (the command costs a second of CPU a call; its output is the same record). Asked when
+    the records the jobs write say so, and every 10 s for what only the scheduler knows (a job that
+    died without a word: a failing test's case, so it may wait); the records are read twice a second."""
     deadline = time.monotonic() + timeout
     graph = dag.build(RunDir.open(run_dir).config())
     status, asked = {}, -1e9
     while time.monotonic() < deadline:
         since = time.monotonic() - asked
         if since >= 10 or (since >= 2 and _recorded(run_dir, graph, stage) <= want):
-            status, asked = snowcat.status(run_dir), time.monotonic()
+            status, asked = json.loads(json.dumps(status_record(RunDir.open(run_dir)), default=str)), time.monotonic()
             states = {s["status"] for n, s in status["stages"].items() if stage in (None, n)}
             if states <= want:
                 return status
@@ -120,7 +121,7 @@ def test_dag_is_submitted_at_once_with_afterok_chains(snowcat, slurm_env, tmp_pa
     more_script = next((run_dir / "slurm" / "more").glob("*_submission.sh")).read_text()
     assert f"#SBATCH --dependency=afterok:{tasks_id}" in more_script
     assert "#SBATCH --array=0-2" in more_script
-    status = wait_status(snowcat, run_dir, {"done"})
+    status = wait_status(run_dir, {"done"})
     assert status["stages"]["more"]["units"]["more[2]"]["status"] == "done"
     deadline = time.monotonic() + 60  # DONE is written just before the job itself ends
     expected = {tasks_id, f"{more_id}_0", f"{more_id}_1", f"{more_id}_2"}
@@ -176,7 +177,7 @@ def test_hetjob_components_share_one_mpi_world(snowcat, slurm_env, tmp_path):
     # the components' CPUs per task differ: Slurm's MPMD form, each group saying its own
     assert "#SBATCH hetjob" in script and "srun --mpi=pmix --het-group=0 --cpus-per-task=2 --kill-on-bad-exit=1" in script
     assert " : --het-group=1 --cpus-per-task=1 --kill-on-bad-exit=1" in script
-    status = wait_status(snowcat, run_dir, {"done", "failed"})
+    status = wait_status(run_dir, {"done", "failed"})
     assert status["stages"]["fabric"]["status"] == "done", status
     world = read_json(run_dir / "stages" / "fabric" / "world.json")
     assert [r["role"] for r in world["ranks"]] == ["trainer", "rollout", "rollout"]  # still one MPI world
@@ -201,11 +202,11 @@ def test_scancel_of_running_stage_fails_promptly_and_resume_finishes(snowcat, sl
     snowcat("run", cfg, *SLOW_TASKS, *on_local_slurm(run_dir), env=slurm_env, check=True)
     job = _running_job(run_dir, "tasks")
     subprocess.run(["scancel", job], env=slurm_env, check=True)
-    status = wait_status(snowcat, run_dir, {"failed", "cancelled", "done"}, timeout=120, stage="tasks")
+    status = wait_status(run_dir, {"failed", "cancelled", "done"}, timeout=120, stage="tasks")
     assert status["stages"]["tasks"]["status"] in ("failed", "cancelled")
     # The dependent array can never start (afterok on a cancelled job): it is not an endless wait either.
     snowcat("resume", run_dir, env=slurm_env, check=True)
-    status = wait_status(snowcat, run_dir, {"done"}, timeout=600)
+    status = wait_status(run_dir, {"done"}, timeout=600)
     assert status["stages"]["tasks"]["attempts"] == 2
 
 
@@ -287,12 +288,12 @@ def test_killed_slurmd_fails_the_stage_promptly_and_resume_finishes(snowcat, slu
         subprocess.run(["pkill", "-9", "-f", f"slurmstepd: \\[{record['slurm_job_id']}"], check=False)
         os.kill(record["process"]["pid"], signal.SIGKILL)
         # SlurmdTimeout=10 on the local cluster: the node is declared down and the job ends NODE_FAIL.
-        status = wait_status(snowcat, run_dir, {"failed", "done"}, timeout=180, stage="tasks")
+        status = wait_status(run_dir, {"failed", "done"}, timeout=180, stage="tasks")
         assert status["stages"]["tasks"]["status"] == "failed", status
     finally:
         cluster.up(slurm_cluster.root)  # restarts the dead slurmd
     snowcat("resume", run_dir, env=slurm_env, check=True)
-    wait_status(snowcat, run_dir, {"done"}, timeout=600)
+    wait_status(run_dir, {"done"}, timeout=600)
 
 
 SFT = """
@@ -372,7 +373,7 @@ def test_walltime_continuation_by_requeue_and_by_chain_matches_uninterrupted(sno
     assert reference
 
     for strategy, run_dir in runs.items():
-        status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=1500)
+        status = wait_status(run_dir, {"done", "failed", "cancelled"}, timeout=1500)
         assert status["stages"]["sft"]["status"] == "done", f"{strategy}: {status['stages']['sft']}\n{_why(run_dir, 'sft')}"
         record = RunDir(run_dir).state()["stages"]["sft"]
         assert record.get("continuations_used", 0) >= 1, (strategy, record)  # the walltime was really hit
@@ -433,7 +434,7 @@ def test_chain_fan_out_with_one_element_preempted_completes_before_downstream_st
     own = run.state()["stages"]["sft[1]"]["own_job_ids"]
     subprocess.run(["scancel", "--signal=USR2", own[0]], env=slurm_env, check=True)
 
-    status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=900)
+    status = wait_status(run_dir, {"done", "failed", "cancelled"}, timeout=900)
     assert {s["status"] for s in status["stages"].values()} == {"done"}, status
     state = run.state()["stages"]
     assert [state[f"sft[{i}]"].get("continuations_used", 0) for i in range(3)] == [0, 1, 0]
@@ -507,7 +508,7 @@ def test_fan_out_without_arrays_is_separate_jobs_tracked_per_element(snowcat, sl
     assert len(state["more"]["job_ids"]) == 3
     assert sorted(state[f"more[{i}]"]["own_job_ids"][0] for i in range(3)) == sorted(state["more"]["job_ids"])
     assert not any("--array" in p.read_text() for p in (run_dir / "slurm" / "more").glob("*_submission.sh"))
-    status = wait_status(snowcat, run_dir, {"done"})
+    status = wait_status(run_dir, {"done"})
     assert {u["status"] for u in status["stages"]["more"]["units"].values()} == {"done"}
 
 
@@ -584,7 +585,7 @@ def test_site_local_finds_the_local_cluster_without_its_env_file(snowcat, slurm_
     cfg = write_config(tmp_path / "c.yaml", TASKS.format(name="noenv"))
     run_dir = tmp_path / "run"
     snowcat("run", cfg, *on_local_slurm(run_dir), check=True)
-    status = wait_status(snowcat, run_dir, {"done", "failed"})
+    status = wait_status(run_dir, {"done", "failed"})
     assert {s["status"] for s in status["stages"].values()} == {"done"}, status
     doctor = snowcat("doctor", "--site", "local", "--no-jobs", "--json")
     assert doctor.returncode == 0, doctor.stderr

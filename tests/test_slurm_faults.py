@@ -73,7 +73,7 @@ def test_snowcat_cancel_of_a_training_job_is_not_undone_by_a_requeue(snowcat, sl
     assert len(checkpoints) == 1, checkpoints  # saved on the SIGTERM, mid-run
 
     snowcat("resume", run_dir, env=slurm_env, check=True)
-    status = wait_status(snowcat, run_dir, {"done", "failed", "cancelled"}, timeout=600)
+    status = wait_status(run_dir, {"done", "failed", "cancelled"}, timeout=600)
     assert status["stages"]["sft"]["status"] == "done", status
     assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == list(range(1, 121))
 
@@ -87,4 +87,4 @@ def test_a_resume_right_after_run_queues_nothing_twice(snowcat, slurm_env, tmp_p
     assert "submitted" not in again.stderr, again.stderr
     state = RunDir.open(run_dir).state()["stages"]
     assert {s: state[s]["job_ids"] for s in ("tasks", "sft")} == {s: queued[s]["job_ids"] for s in ("tasks", "sft")}
-    assert {s["status"] for s in wait_status(snowcat, run_dir, {"done", "failed", "cancelled"})["stages"].values()} == {"done"}
+    assert {s["status"] for s in wait_status(run_dir, {"done", "failed", "cancelled"})["stages"].values()} == {"done"}
