@@ -9,7 +9,6 @@ passes `audit`. Real Slurm, MPI, vLLM, sandboxes and tokenizers; nothing is a te
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -17,10 +16,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.rundir import DONE, RunDir
 from tests.conftest import write_config
-from tests.test_rl_preempt import final_sha, logged_step, rl_history
+from tests.test_rl_preempt import final_sha, logged_step, reference_from, rl_history
 from tests.test_slurm import on_local_slurm, wait_status
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -55,10 +53,8 @@ def test_hf_moe_coding_agent_with_vllm_and_an_rl_hetjob_survives_preemption_and_
     while not (run_dir / "stages" / "select" / DONE).is_file():
         assert time.monotonic() < deadline, snowcat.status(run_dir)
         time.sleep(0.5)
-    straight = tmp_path / "straight"
-    RunDir.create(config_mod.load(reference, [o for o in SMALL if ".eval." not in o]), straight)
-    for stage in ("prestage", "tasks", "sft", "probe", "select"):
-        shutil.copytree(run_dir / "stages" / stage, straight / "stages" / stage)
+    before_rl = ["prestage", "tasks", "sft", "probe", "select"]
+    straight = reference_from(run_dir, tmp_path / "straight", reference, [o for o in SMALL if ".eval." not in o], before_rl)
     reference_run = snowcat.popen("resume", straight)
     try:
         history_file = run_dir / "stages" / "rl" / "metrics_history.jsonl"

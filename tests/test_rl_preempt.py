@@ -125,6 +125,16 @@ def rank_pids(mpirun_pid: int, world: int, timeout: float = 120) -> dict[int, in
     raise AssertionError(f"mpirun {mpirun_pid} did not start {world} ranks")
 
 
+def reference_from(run_dir: Path, reference: Path, config: Path, overrides: list[str], stages: list[str]) -> Path:
+    """A new local run directory of `config` whose `stages` are copies of `run_dir`'s, done: its
+    resume re-hashes them and runs only what comes after them (an uninterrupted reference of a later
+    stage, from the same inputs, without computing its inputs twice)."""
+    RunDir.create(config_mod.load(config, overrides), reference)
+    for stage in stages:
+        shutil.copytree(run_dir / "stages" / stage, reference / "stages" / stage)
+    return reference
+
+
 def logged_step(history: Path) -> int:
     """The last update in a metrics_history.jsonl being written (-1: none yet)."""
     last = -1
@@ -362,8 +372,10 @@ def test_rl_hetjob_on_megatron_preempted_mid_run_requeues_and_finishes_bit_ident
     job = RunDir.open(run_dir).record("rl")["slurm_job_id"]
     subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True)
 
-    straight = tmp_path / "straight"  # meanwhile (it shares the 2 cores): the same config, uninterrupted, locally
-    snowcat("run", cfg, "--run-dir", straight, env=ENV, check=True)
+    # meanwhile (it shares the 2 cores): RL uninterrupted, locally, from the same tasks and SFT
+    straight = reference_from(run_dir, tmp_path / "straight", cfg, [], ["tasks", "sft"])
+    resumed = snowcat("resume", straight, env=ENV, check=True)
+    assert "skipping done stages (outputs verified): tasks, sft" in resumed.stderr, resumed.stderr[-3000:]
     status = wait_status(run_dir, {"done", "failed", "cancelled"}, timeout=600)
     assert {s["status"] for s in status["stages"].values()} == {"done"}, status
     record = RunDir.open(run_dir).record("rl")
