@@ -32,9 +32,9 @@ def test_loading_a_model_to_sample_from_imports_no_training_machinery(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_a_training_stage_imports_no_plotting_library_before_it_plots():
-    # pyplot is imported where the loss curve is drawn, once at the end on rank 0, not by every
-    # SFT process at its start (a second or more of CPU on a loaded node)
+def test_a_training_stage_imports_no_plotting_library():
+    # the curves are drawn by `snowcat plot` and the card, not by every training process (pyplot: a
+    # second or more of CPU at start-up on a loaded node)
     code = (
         "import sys, snowcat.stages.sft, snowcat.stages.rl\nprint(sorted(m for m in sys.modules if m.startswith('matplotlib')))\n"
     )
