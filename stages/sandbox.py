@@ -59,7 +59,10 @@ keeps the user's own uid (0 inside, mapped to the user) with all capabilities dr
 no tmpfs can be mounted on the host, so the work dir stays a host directory and the quota is
 watched, not enforced by the kernel (`Sandbox.disk == "watch"`): the parent measures the work dir
 (st_blocks, each inode once) every 0.5 s or so while a call runs and after it, and stops the call
-past the quota ("limit", "disk N bytes for the work dir"), so the host may briefly hold what a
+past the quota ("limit", "disk N bytes for the work dir"): while it runs, once it holds more than
+the quota and more than it held when the call began (a call that starts over the quota, where an
+earlier one overshot between two looks, may still delete); after it, whenever the work dir ends
+over the quota. So the host may briefly hold what a
 command writes between two looks, and a file deleted while still open is not seen (it goes when the
 call's PID namespace does, at the latest; each is at most file_bytes); /tmp is a private tmpfs of min(64 MiB, disk_bytes) per call;
 mountinfo's source path of /workspace is the work dir's host path. A work dir passed in by the
@@ -493,6 +496,7 @@ class Sandbox:
             ready_r, ready_w = os.pipe()
         except (OSError, ValueError) as e:
             return SandboxResult("infra_error", None, "", "", detail=f"sandbox setup: {e}")
+        at_start = disk_usage(self.workdir) if self.disk == "watch" else 0
         group = self._group()
         try:
             argv = self.command(cmd, ready_w)
@@ -515,12 +519,15 @@ class Sandbox:
         finally:
             os.close(ready_w)
         try:
-            return self._collect(proc, ready_r, timeout_s, group)
+            return self._collect(proc, ready_r, timeout_s, group, at_start)
         finally:
             if group is not None:
                 group.remove()
 
-    def _collect(self, proc: subprocess.Popen, ready_r: int, timeout_s: float, group: CallCgroup | None = None) -> SandboxResult:
+    def _collect(
+        self, proc: subprocess.Popen, ready_r: int, timeout_s: float, group: CallCgroup | None = None, at_start: int = 0
+    ) -> SandboxResult:
+        """The call's result; `at_start`: what the work dir held when it began (a watched quota)."""
         cap = self.limits.output_bytes
         out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
         sel = selectors.DefaultSelector()
@@ -547,7 +554,7 @@ class Sandbox:
                 status, detail = "limit", f"cpu {self.limits.cpu_s}s for the call"
             if watch and status == "ok" and time.monotonic() >= next_watch:
                 t0 = time.monotonic()
-                if self._over_disk():
+                if disk_usage(self.workdir) > max(self.limits.disk_bytes, at_start):
                     status, detail = "limit", f"disk {self.limits.disk_bytes} bytes for the work dir"
                 # a walk of a big tree is not free: poll at most a tenth of the time
                 next_watch = time.monotonic() + max(0.5, 10 * (time.monotonic() - t0))
@@ -720,8 +727,8 @@ class ApptainerSandbox(Sandbox):
         # told apart from the command's by apptainer's own exit code 255 and its FATAL line.
         return ["bash", "-c", _READY.format(fd=ready_fd), "sandbox", *inner]
 
-    def _collect(self, proc, ready_r, timeout_s, group=None):
-        result = super()._collect(proc, ready_r, timeout_s, group)
+    def _collect(self, proc, ready_r, timeout_s, group=None, at_start=0):
+        result = super()._collect(proc, ready_r, timeout_s, group, at_start)
         if result.status == "ok" and result.exit_code == 255 and "FATAL:" in result.stderr:
             result.status, result.detail = "infra_error", "apptainer failed to start the sandbox image"
         return result

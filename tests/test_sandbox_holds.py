@@ -297,7 +297,11 @@ with LocalSandbox(limits=Limits(cpu_s=10, disk_bytes=4 << 20, file_bytes=64 << 2
     out["quota"] = [r.status, r.detail, time.monotonic() - t, disk_usage(sb.workdir)]
     r = sb.run("rm f*; mkdir d; head -c 5000000 /dev/zero > d/x; chmod 000 d", timeout_s=30)  # hidden from the walk?
     out["hidden"] = [r.status, r.detail]
-    out["freed"] = sb.run("chmod 700 d; rm -r d", timeout_s=30).status
+    # over the quota when it starts (the last call overshot it between two looks), and past the
+    # watcher's first look before it deletes: a call may still free space
+    out["freed"] = sb.run("sleep 1.5; chmod 700 d; rm -r d", timeout_s=30).status
+    r = sb.run("head -c 3000000 /dev/zero > a; head -c 3000000 /dev/zero > b; sleep 20", timeout_s=30)
+    out["grown"] = [r.status, r.detail]  # and one that then writes past the quota is stopped
 print(json.dumps(out))
 """
 
@@ -363,3 +367,4 @@ def test_as_an_ordinary_user():
     assert (status, detail) == ("limit", f"disk {4 << 20} bytes for the work dir"), out["quota"]
     assert took < 10 and used < 16 << 20, out["quota"]  # stopped within a poll or two of passing the quota
     assert out["hidden"] == ["limit", f"disk {4 << 20} bytes for the work dir"] and out["freed"] == "ok", out
+    assert out["grown"] == ["limit", f"disk {4 << 20} bytes for the work dir"], out
