@@ -554,7 +554,7 @@ class Sandbox:
                 status, detail = "limit", f"cpu {self.limits.cpu_s}s for the call"
             if watch and status == "ok" and time.monotonic() >= next_watch:
                 t0 = time.monotonic()
-                if disk_usage(self.workdir) > max(self.limits.disk_bytes, at_start):
+                if self._over_disk(at_start):
                     status, detail = "limit", f"disk {self.limits.disk_bytes} bytes for the work dir"
                 # a walk of a big tree is not free: poll at most a tenth of the time
                 next_watch = time.monotonic() + max(0.5, 10 * (time.monotonic() - t0))
@@ -600,8 +600,9 @@ class Sandbox:
             status, detail = "limit", f"disk {self.limits.disk_bytes} bytes for the work dir"
         return SandboxResult(status, code, stdout.decode(errors="replace"), stderr.decode(errors="replace"), truncated, detail)
 
-    def _over_disk(self) -> bool:
-        return disk_usage(self.workdir) > self.limits.disk_bytes
+    def _over_disk(self, held: int = 0) -> bool:
+        """The work dir holds more than the quota (and more than `held`)."""
+        return disk_usage(self.workdir) > max(self.limits.disk_bytes, held)
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
