@@ -295,7 +295,10 @@ with LocalSandbox(limits=Limits(cpu_s=10, disk_bytes=4 << 20, file_bytes=64 << 2
     t = time.monotonic()
     r = sb.run("i=0; while :; do i=$((i+1)); head -c 500000 /dev/zero > f$i; sleep 0.02; done", timeout_s=30)
     out["quota"] = [r.status, r.detail, time.monotonic() - t, disk_usage(sb.workdir)]
-    r = sb.run("rm f*; mkdir d; head -c 5000000 /dev/zero > d/x; chmod 000 d", timeout_s=30)  # hidden from the walk?
+    t = time.monotonic()  # over the quota from the start (the last call overshot it): no room to grow
+    r = sb.run("head -c 3000000 /dev/zero > more; sleep 20", timeout_s=30)
+    out["more"] = [r.status, r.detail, time.monotonic() - t]
+    r = sb.run("rm f* more; mkdir d; head -c 5000000 /dev/zero > d/x; chmod 000 d", timeout_s=30)  # hidden from the walk?
     out["hidden"] = [r.status, r.detail]
     # over the quota when it starts (the last call overshot it between two looks), and past the
     # watcher's first look before it deletes: a call may still free space
@@ -368,3 +371,4 @@ def test_as_an_ordinary_user():
     assert took < 10 and used < 16 << 20, out["quota"]  # stopped within a poll or two of passing the quota
     assert out["hidden"] == ["limit", f"disk {4 << 20} bytes for the work dir"] and out["freed"] == "ok", out
     assert out["grown"] == ["limit", f"disk {4 << 20} bytes for the work dir"], out
+    assert out["more"][:2] == ["limit", f"disk {4 << 20} bytes for the work dir"] and out["more"][2] < 10, out
