@@ -54,11 +54,18 @@ from snowcat.pipeline.errors import UserError
 from snowcat.pipeline.fsio import atomic_write_json
 from snowcat.pipeline.provenance import host_state
 from snowcat.stages.agent import Trajectory
+from snowcat.stages.agent.trajectory import compiled_check
 
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
 ROUTE_WIDTH = 4 * 2  # demo-tiny: 4 MoE layers x top-2 experts
 # the code the judged row runs: the batch format, the transport, the agent loop writing batches, this benchmark
-MEASURED = ("stages/agent/trajectory.py", "stages/rlcore/transport.py", "stages/agent/loop.py", "benchmarks/transport.py")
+MEASURED = (
+    "stages/agent/trajectory.py",
+    "stages/agent/_wire.c",
+    "stages/rlcore/transport.py",
+    "stages/agent/loop.py",
+    "benchmarks/transport.py",
+)
 
 
 def make_batch(n: int, seed: int, min_tokens: int = 256, max_tokens: int = 2048) -> list[Trajectory]:
@@ -238,10 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.batches.split(",")]
     load_before = os.getloadavg()
     rows = run_ranks(sizes, args.repeats)
+    check = compiled_check()  # (the ranks import the same build)
     load_after = os.getloadavg()
     host, rev = host_state(probe_gpu=False), revision(MEASURED)
     machine = {k: host[k] for k in ("hostname", "platform", "cpu_model", "memory_bytes")} | {"cpus": host["cpu_count"]}
-    print(f"2 ranks under mpirun, {MPI_ENV['OMPI_MCA_btl']} transport, median of {args.repeats} (us; ratio: raw / row)")
+    print(
+        f"2 ranks under mpirun, {MPI_ENV['OMPI_MCA_btl']} transport, median of {args.repeats} (us; ratio: raw / row);"
+        f" batch check: {check}"
+    )
     print(
         f"{'trajs':>6} {'tokens':>8} {'MiB':>7} {'raw':>8} {'typed':>8} {'ratio':>6} {'message':>8} {'ratio':>6}"
         f"  {'read':>6} {'decode':>7} {'encode':>7}  {'write':>7} {'arrays':>7}   fastest: {'raw':>8} {'typed':>8} {'ratio':>6}"
@@ -271,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mpi": {"launcher": "mpirun -n 2 --oversubscribe --bind-to none", **MPI_ENV},
                 "load_average_1min": {"before": load_before[0], "after": load_after[0]},
                 "repeats": args.repeats,
+                "batch_check": check,
                 "rows": rows,
                 "command": " ".join(["snowcat", "bench", "transport", *(argv if argv is not None else sys.argv[1:])]),
             },

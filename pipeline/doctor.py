@@ -166,6 +166,19 @@ def check_megatron(have: Mapping[str, str] | None = None) -> Check:
     return Check("megatron", PASS, detail, found={"megatron-core": have["megatron-core"], "transformer_engine": te})
 
 
+def check_batch_reader() -> Check:
+    """Whether the trainer checks received trajectory batches with the compiled check (stages/agent/
+    _wire.c, built at install where a C compiler and Python's headers are found) or in Python, which
+    costs the transport about a tenth of a small batch's transfer (docs/performance.md)."""
+    from snowcat.stages.agent.trajectory import compiled_check  # noqa: PLC0415 (pyarrow: only when doctor runs)
+
+    state = compiled_check()
+    if state == "compiled":
+        return Check("batch_reader", PASS, "received trajectory batches are checked by the compiled check")
+    fix = "install gcc and Python's headers (python3-dev), then reinstall snowcat (`pip install -e .` in the checkout)"
+    return Check("batch_reader", WARN, f"received trajectory batches are checked in {state}", fix)
+
+
 def check_packages(have: Mapping[str, str] | None = None, set_name: str | None = None) -> Check:
     """The installed versions of the key packages (torch, vLLM, transformers, Triton, DeepSpeed,
     Megatron-Core, mpi4py) against the lock of this environment's set (`lock.current_set`: cpu where
@@ -408,6 +421,7 @@ def run_doctor(
     checks.append(check_apptainer(site_profile))
     checks.append(check_packages())
     checks.append(check_megatron())
+    checks.append(check_batch_reader())
     checks += check_run_root(site_profile, run_root, home)
     if jobs and checks[0].status != FAIL:
         checks.append(check_internet(site_profile, job_args(site_profile, checks), wait_s=job_wait_s))

@@ -39,7 +39,7 @@ def test_transport_bench_runs_two_ranks_and_receives_intact_batches(tmp_path):
     out = tmp_path / "transport.json"
     assert transport.main(["--batches", "1,3", "--repeats", "2", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["mpi"]["OMPI_MCA_btl"] == "self,tcp"
+    assert result["mpi"]["OMPI_MCA_btl"] == "self,tcp" and result["batch_check"] == "compiled"
     assert [r["trajectories"] for r in result["rows"]] == [1, 3]
     for r in result["rows"]:
         assert r["received_equal"] and r["bytes"] > 0 and r["tokens"] >= 256 * r["trajectories"]

@@ -14,6 +14,7 @@ from snowcat.pipeline import doctor
 from snowcat.pipeline.doctor import FAIL, PASS, WARN, Check
 from snowcat.slurm import limits
 from snowcat.slurm.site import Partition, SiteProfile, list_sites, load_site
+from snowcat.stages.agent import trajectory
 
 FAKE_APPTAINER_DIR = Path(__file__).parent / "fake_apptainer"
 
@@ -482,3 +483,10 @@ def test_megatron_check_says_whether_the_backend_can_run_and_on_which_layers():
     assert "Transformer Engine's fused layers" in fused.detail
     absent = doctor.check_megatron({"mbridge": "0.15.1"})
     assert absent.status == doctor.WARN and "megatron-core not installed" in absent.detail and "snowcat[megatron]" in absent.fix
+
+
+def test_batch_reader_check_says_whether_the_compiled_check_is_in_use(monkeypatch):
+    assert doctor.check_batch_reader().status == doctor.PASS  # the test install builds it
+    monkeypatch.setattr(trajectory, "_wire", None)
+    absent = doctor.check_batch_reader()
+    assert absent.status == doctor.WARN and "not built" in absent.detail and "python3-dev" in absent.fix

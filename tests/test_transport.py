@@ -25,6 +25,7 @@ from snowcat.stages.agent import (
     encode,
     run_batch,
     run_episodes,
+    trajectory,
 )
 from snowcat.stages.agent.envs import Step
 from snowcat.stages.agent.trajectory import WIRE_MAGIC, regroup, segments, unpack
@@ -32,6 +33,16 @@ from snowcat.stages.rlcore.transport import FileQueueTransport, TransportError
 from tests.conftest import mpirun
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["compiled", "python"])
+def reader(request, monkeypatch):
+    """Each reading test twice: the check compiled (stages/agent/_wire.c, which the test install builds)
+    and the Python checks alone (an install without a C compiler)."""
+    if request.param == "python":
+        monkeypatch.setattr(trajectory, "_scan_compiled", None)
+    assert trajectory.compiled_check() == request.param
+    return request.param
 
 
 def make_batch(k: int, n: int | None = None) -> list[Trajectory]:
@@ -139,7 +150,7 @@ def expected_wire(k: int, trajs: list[Trajectory]) -> bytes:
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 5])
-def test_a_batch_written_from_the_agent_loops_lists_holds_what_the_records_built_directly_hold(k):
+def test_a_batch_written_from_the_agent_loops_lists_holds_what_the_records_built_directly_hold(k, reader):
     records = agent_records(k)
     trajs = directly(records)
     written = TrajectoryBatch.write(k, records)
@@ -160,7 +171,7 @@ def test_a_batch_written_from_the_agent_loops_lists_holds_what_the_records_built
         )
 
 
-def test_reading_a_message_gives_views_of_it_and_makes_each_trajectory_when_asked():
+def test_reading_a_message_gives_views_of_it_and_makes_each_trajectory_when_asked(reader):
     records = agent_records(1)
     buf = TrajectoryBatch.write(1, records).buffer.copy()
     batch = TrajectoryBatch.read(buf)
@@ -240,7 +251,7 @@ DAMAGES = [
 
 @pytest.mark.parametrize("n", [5, 80])
 @pytest.mark.parametrize("change, message", DAMAGES)
-def test_a_damaged_message_is_refused_naming_what_does_not_fit(change, message, n):
+def test_a_damaged_message_is_refused_naming_what_does_not_fit(change, message, n, reader):
     """Every check, on a batch of a few records and on one of many (one path reads both)."""
     turns = len(TrajectoryBatch.write(1, agent_records(1, n)).column("turns")) - 1
     for key, value in {"{n+1}": n + 1, "{3n+1}": 3 * n + 1, "{n-1}": n - 1, "{turns}": turns}.items():
@@ -251,7 +262,7 @@ def test_a_damaged_message_is_refused_naming_what_does_not_fit(change, message, 
 
 
 @pytest.mark.parametrize("n", [5, 81])
-def test_the_padding_after_a_coded_column_is_not_read_as_codes(n):
+def test_the_padding_after_a_coded_column_is_not_read_as_codes(n, reader):
     """The codes are checked at once with the padding between them (written 0); where the padding is
     not 0 but every code is within its names, each column is checked alone and the batch reads."""
     records = agent_records(1, n)
@@ -287,7 +298,7 @@ def _all(name, value):
     ],
 )
 @pytest.mark.parametrize("k, n", [(1, None), (5, 24), (5, 25)])
-def test_a_damaged_batch_of_one_policy_is_refused(change, message, k, n):
+def test_a_damaged_batch_of_one_policy_is_refused(change, message, k, n, reader):
     """Records routed alike are checked as one product (width x tokens), support lengths that must all
     be 0 as bytes (one comparison up to 64 KiB, beyond it 8-byte words and the 4 bytes after the last
     where the token count is odd: batch 5 holds more tokens, 27780 and 29043)."""
@@ -308,7 +319,7 @@ _VERSION_3_ORDER = (
 )  # fmt: skip
 
 
-def test_a_message_of_wire_version_3_is_refused_by_name_not_misread(tmp_path):
+def test_a_message_of_wire_version_3_is_refused_by_name_not_misread(tmp_path, reader):
     """Version 4 moved the per-record columns first: a rank of an older snowcat is refused, naming
     both versions, instead of having its columns read at the wrong places."""
     assert WIRE_VERSION == 4 and sorted(_VERSION_3_ORDER) == sorted(FIELDS)
@@ -324,7 +335,7 @@ def test_a_message_of_wire_version_3_is_refused_by_name_not_misread(tmp_path):
         queue.recv_batch(1)
 
 
-def test_a_short_padded_or_misaligned_message_is_refused():
+def test_a_short_padded_or_misaligned_message_is_refused(reader):
     buf = TrajectoryBatch.write(1, agent_records(1)).buffer
     with pytest.raises(ValueError, match="shorter than its"):
         TrajectoryBatch.read(buf[:16])
