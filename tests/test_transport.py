@@ -543,18 +543,18 @@ _MPI_CHILD = textwrap.dedent("""
     from snowcat.stages.rlcore.transport import MPITransport, TransportError
     comm = MPI.COMM_WORLD
     t = MPITransport(comm, timeout_s=60)
-    n = 8
-    batch = lambda k: make_batch(5, n=150) if k == 7 else make_batch(k)  # 7: over 2 MiB, sent once the trainer asks
+    n = 9
+    batch = lambda k: make_batch(5, n=150) if k in (7, 8) else make_batch(k)  # 7, 8: over 2 MiB, announced, sent once the trainer asks
     if comm.Get_rank() == 0:
         held = {}
         for k in range(n):
-            if k in (2, 5):
-                time.sleep(0.5)  # a trainer still busy: the batch waits for it, then moves
+            if k in (2, 5, 7):
+                time.sleep(0.5)  # a trainer still busy: the batch (7: its announcement) waits for it, then moves
             got = t.recv_batch(k)
             assert got == batch(k), f"batch {k} differs"
             assert got.buffer.tobytes() == TrajectoryBatch.of(k, batch(k)).buffer.tobytes(), f"batch {k}: other bytes"
-            assert k == 7 or all(a.policy_version == max(0, k - 1) for a in got)
-            assert (k == 7) == (got.buffer.nbytes > 2 << 20), f"batch {k}: {got.buffer.nbytes} bytes"
+            assert k in (7, 8) or all(a.policy_version == max(0, k - 1) for a in got)
+            assert (k in (7, 8)) == (got.buffer.nbytes > 2 << 20), f"batch {k}: {got.buffer.nbytes} bytes"
             if k % 3 == 0:
                 held[k] = got  # kept past later receives: their buffer must not be written again
             del got
@@ -568,8 +568,8 @@ _MPI_CHILD = textwrap.dedent("""
     else:
         for k in range(n):
             if t.owner(k) == comm.Get_rank():  # odd batches written beforehand (as the agent loop does), even ones records
-                if k == 6:
-                    time.sleep(0.2)  # a rollout still busy: with 2 ranks the trainer stops spinning, probes for 6
+                if k in (6, 8):
+                    time.sleep(0.2)  # a rollout still busy: the trainer stops spinning, probes (8: for its announcement)
                 t.send_batch(k, TrajectoryBatch.of(k, batch(k)) if k % 2 else batch(k))
 """)
 
@@ -581,4 +581,4 @@ def test_mpi_transport_delivers_batches_in_order(tmp_path, ranks):
     script.write_text(_MPI_CHILD)
     proc = mpirun(ranks, script, REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "TRAINER-OK 8" in proc.stdout
+    assert "TRAINER-OK 9" in proc.stdout

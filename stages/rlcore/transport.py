@@ -17,16 +17,19 @@ Batch k is produced by rollout rank `first_rollout + k % n_rollout` and received
 (rank 0) in order, which MPI's non-overtaking rule guarantees per sender.
 
 Open MPI moves a large message only while both ranks are inside MPI calls (no progress thread),
-so both sides poll, without sleeping while the other side is known to be at work on this batch:
-the trainer says "ready for batch k" (a tiny message) when it starts to receive, backs off
-(sleeping up to 2 ms after its first 2 ms, its posted receive cancelled) until the batch's
-envelope arrives, receives it into a buffer of the size the envelope gives and spins until it is
-in. The rollout rank sends a batch of up to 2 MiB at once and polls the send, without sleeping
-for its first 2 ms, then backing off until the trainer's word is in and spinning from then on: a
-small batch the trainer is waiting for so moves without waiting for a message first (4-6 us
-here, on a 30 us transfer). A larger batch goes once the word is in (sleeping while the trainer
-trains), then spins until it is out: a word crossing a large batch already on its way halved the
-transfer in some runs.
+so both sides poll, without sleeping while the other side is known to be at work on this batch.
+The rollout rank sends a batch of up to 2 MiB at once and polls the send, without sleeping for its
+first 2 ms, then backing off until the trainer's word ("receiving batch k", a tiny message) is in
+and spinning from then on: a small batch the trainer is waiting for so moves without waiting for
+a message first (4-6 us here, on a 30 us transfer). The trainer sends that word only when the
+batch has not landed after 1 ms of spinning (the sender has been backing off: the word wakes it),
+not as the batch may be arriving: a word crossing a batch on its way halved the transfer (1 MiB:
+0.4 ms instead of 0.2 in 5 of 8 rounds of `bench transport` while the word went out at the start of
+every receive). A larger batch is announced (a tiny message) and sent once the word is in, which
+the trainer sends when the announcement arrives: the rollout rank sleeps until then, and the
+trainer is receiving by then. The trainer backs off (sleeping up to 2 ms after its first 2 ms, its
+posted receive cancelled) until a batch or an announcement arrives, receives the batch into a
+buffer of the size its envelope gives and spins until it is in.
 Every wait checks the preemption notice (`should_stop`) and the timeout, at once and then every
 millisecond. The transport talks on a duplicate of the world communicator, so its messages never
 meet anyone else's.
@@ -57,8 +60,10 @@ from snowcat.stages.agent import BatchBuffers, Trajectory, TrajectoryBatch
 _TAG = 17  # a batch sent once the trainer's word is in
 _AT_ONCE = 19  # a batch sent at once (up to _AT_ONCE_BYTES): a receive may be posted for it
 _READY = 18  # int64 [k]: the trainer is receiving batch k now
+_LARGE = 20  # int64 [k]: batch k is larger than _AT_ONCE_BYTES and goes once the trainer's word is in
 _UNIT = 8  # the message counts 8-byte units (a batch's buffer is padded to them): Open MPI 4's int counts reach 16 GiB, not 2
 _SPIN_S = 2e-3  # how long a wait polls without sleeping before it backs off
+_WORD_S = 1e-3  # how long the trainer spins for a batch sent at once before it says it is receiving
 _CHECK_S = 1e-3  # how often a wait checks the preemption notice and its timeout
 _AT_ONCE_BYTES = 2 << 20  # a batch up to this size goes without waiting for the trainer's word (see above)
 _AT_ONCE_UNITS = _AT_ONCE_BYTES // _UNIT
@@ -180,7 +185,7 @@ class MPITransport(_Codec):
         self._int64, self._any_tag = MPI.INT64_T, MPI.ANY_TAG
         self._status = MPI.Status()
         self._ready = np.empty(1, np.int64)
-        self._hello = self._sending = self._posted = None
+        self._word = self._notice = self._sending = self._posted = None
         self.buffers = BatchBuffers()  # where received batches land
 
     def owner(self, batch_index: int) -> int:
@@ -202,9 +207,12 @@ class MPITransport(_Codec):
         what = f"send batch {batch_index}"
         units = _as_units(buf, what)
         ready, tag = (lambda: self._trainer_ready(batch_index)), _AT_ONCE
+        if self._notice is not None:  # the announcement of an earlier batch: out long ago (eager), freed here
+            _wait(self._notice.Test, self.timeout_s, self.should_stop, what, spin=True)
+            self._notice = None
         if buf.nbytes > _AT_ONCE_BYTES:
-            # only once the trainer receives: a ready word crossing a batch already on its way slowed
-            # the whole transfer to half speed in some runs (2 MiB over TCP: 1.0 ms instead of 0.45)
+            # announced, and sent only once the trainer receives: TCP moves it only inside both ranks' calls
+            self._notice = self.comm.Isend([np.array([batch_index], np.int64), self._int64], dest=self.trainer_rank, tag=_LARGE)
             _wait(ready, self.timeout_s, self.should_stop, what)
             ready, tag = True, _TAG
         # kept on self (the request holds its buffer) until done, also when this wait is interrupted
@@ -216,12 +224,12 @@ class MPITransport(_Codec):
     def recv_message(self, batch_index: int) -> np.ndarray:
         src = self.owner(batch_index)
         what = f"receive batch {batch_index} from rank {src}"
-        if self._hello is not None:  # the word for the batch before: out long ago (an eager message), freed here
-            _wait(self._hello.Test, self.timeout_s, self.should_stop, what, spin=True)
-        # kept on self (with its buffer) until done, which is tested off the batch's path: at the next receive
-        self._hello = self.comm.Isend([np.array([batch_index], np.int64), self._int64], dest=src, tag=_READY)
-        buf = self._receive_at_once(src, what)
+        if self._word is not None:  # the word for the batch before: out long ago (an eager message), freed here
+            _wait(self._word.Test, self.timeout_s, self.should_stop, what, spin=True)
+            self._word = None
+        buf = self._receive_at_once(batch_index, src, what)
         if buf is None:  # not in while the trainer spun: probe for it (sleeping between probes), then receive it
+            self._say_receiving(batch_index, src)
             probed = []
 
             def arrived() -> bool:
@@ -231,28 +239,44 @@ class MPITransport(_Codec):
                 return msg is not None
 
             _wait(arrived, self.timeout_s, self.should_stop, what)
+            if self._status.Get_tag() == _LARGE:  # a large batch's announcement (the word is out): the batch follows
+                probed.pop().Recv([np.empty(1, np.int64), self._int64])
+                _wait(arrived, self.timeout_s, self.should_stop, what, spin=True)
             buf = self.buffers.take(self._status.Get_count(self._int64))
             receiving = probed[0].Irecv([buf, self._int64])
             _wait(receiving.Test, self.timeout_s, self.should_stop, what, spin=True)
         return buf.view(np.uint8)
 
-    def _receive_at_once(self, src: int, what: str) -> np.ndarray | None:
+    def _say_receiving(self, batch_index: int, src: int) -> None:
+        """The trainer's word for this batch, once (kept on self, with its buffer, until it is out)."""
+        if self._word is None:
+            self._word = self.comm.Isend([np.array([batch_index], np.int64), self._int64], dest=src, tag=_READY)
+
+    def _receive_at_once(self, batch_index: int, src: int, what: str) -> np.ndarray | None:
         """The batch from `src` if one sent at once arrives while the trainer spins (`_SPIN_S`): a
         receive posted for it before it arrives lets MPI answer the rendezvous itself, where a probe
         returns to Python first (85 KiB: 0.2-0.9 us over a raw transfer, 1.8-3.6 probing first).
-        Only while spinning: MPI moves a matched message only inside a call, and a posted receive
-        never says it has matched, so a trainer that backs off to sleep cancels it and probes
-        instead. None then (or when a larger batch, which never takes this tag, is probed for)."""
+        After `_WORD_S` without it the trainer says it is receiving (a sender backing off spins
+        then). Only while spinning: MPI moves a matched message only inside a call, and a posted
+        receive never says it has matched, so a trainer that backs off to sleep cancels it and
+        probes instead. None then, or at once when a large batch is announced (it never takes
+        this tag)."""
         room = self.buffers.take(_AT_ONCE_UNITS)
         # kept on self (the request holds its buffer until it completes), also when a wait is interrupted
         self._posted = posted = self.comm.Irecv([room, self._int64], source=src, tag=_AT_ONCE)
-        spin_until, state = time.monotonic() + _SPIN_S, []  # state: "in", or "cancelled" once asked to
+        start = time.monotonic()
+        word_at, spin_until, state = start + _WORD_S, start + _SPIN_S, []  # state: "in", or "cancelled" once asked to
 
         def landed() -> bool:
             if posted.Test(self._status):
                 state.append("in")
                 return True
-            return self.comm.Iprobe(src, _TAG) or time.monotonic() > spin_until
+            if self.comm.Iprobe(src, _LARGE):
+                return True
+            now = time.monotonic()
+            if now > word_at:
+                self._say_receiving(batch_index, src)
+            return now > spin_until
 
         try:
             _wait(landed, self.timeout_s, self.should_stop, what)
