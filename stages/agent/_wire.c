@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define REVISION 1 /* bump with any change here; trajectory.py expects it */
+#define REVISION 2 /* bump with any change here; trajectory.py expects it */
 #define WIRE_VERSION 4
 #define N_FIELDS 21
 #define H 4 /* magic, version, batch index, field count; then each field's length */
@@ -123,9 +123,10 @@ static int fits(const char *p, int64_t size, int64_t *len, int64_t *at) {
     int64_t routes = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t w = word(p + at[ROUTE_WIDTH] + 8 * i), lo = word(p + at[TOKEN_OFFSETS] + 8 * i);
-        int64_t hi = word(p + at[TOKEN_OFFSETS] + 8 * (i + 1)), part;
-        if (w < 0 || hi < lo || __builtin_mul_overflow(hi - lo, w, &part) || __builtin_add_overflow(routes, part, &routes))
-            return 0; /* (offsets out of order fail their own check: the lists below) */
+        int64_t hi = word(p + at[TOKEN_OFFSETS] + 8 * (i + 1)), tokens_i, part;
+        if (w < 0 || hi < lo || __builtin_sub_overflow(hi, lo, &tokens_i) || __builtin_mul_overflow(tokens_i, w, &part) ||
+            __builtin_add_overflow(routes, part, &routes))
+            return 0; /* (offsets out of order or out of range fail their own check: the lists below) */
     }
     if (routes != len[ROUTES])
         return 0;

@@ -323,7 +323,7 @@ try:  # the same check compiled (_wire.c): absent where the install had no C com
     from snowcat.stages.agent import _wire
 except ImportError:
     _wire = None
-_WIRE_REVISION = 1  # _wire.c's REVISION this file is written for
+_WIRE_REVISION = 2  # _wire.c's REVISION this file is written for
 
 
 def _built_for_this_source(wire) -> bool:
