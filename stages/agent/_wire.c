@@ -5,7 +5,7 @@
  * its speed (12-16 us for 2 episodes against 5 us in a loop): the fewer steps there, the closer the
  * batch gets to a raw transfer of its bytes (`snowcat bench transport`). The layout is the Python
  * module's; it checks this module's FIELDS and REVISION at import and does not use a module built from
- * another source (docs/performance.md). */
+ * another source (docs/installs.md). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -54,8 +54,8 @@ static int any_bits_masked(const char *p, int64_t size, uint64_t mask) {
 
 static int any_bits(const char *p, int64_t size) { return any_bits_masked(p, size, ~(uint64_t)0); }
 
-/* entries [at, at + count) of the int64 column at byte `at` as a list; 0 unless non-decreasing from 0
- * to `last` when `offsets` */
+/* the `count` int64 entries at `p` as a list; NULL with no exception set when `offsets` and they are not
+ * non-decreasing from 0 to `last` */
 static PyObject *int64_list(const char *p, int64_t count, int offsets, int64_t last) {
     if (offsets) {
         int64_t prev = 0;
