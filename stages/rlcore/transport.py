@@ -271,7 +271,8 @@ class MPITransport(_Codec):
             if posted.Test(self._status):
                 state.append("in")
                 return True
-            if self.comm.Iprobe(src, _LARGE):
+            if self.comm.Iprobe(src, _LARGE):  # answered at once: the sender waits for the word to send
+                self._say_receiving(batch_index, src)
                 return True
             now = time.monotonic()
             if now > word_at:
