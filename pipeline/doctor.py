@@ -169,7 +169,7 @@ def check_megatron(have: Mapping[str, str] | None = None) -> Check:
 def check_batch_reader() -> Check:
     """Whether the trainer checks received trajectory batches with the compiled check (stages/agent/
     _wire.c, built at install where a C compiler and Python's headers are found) or in Python, which
-    costs the transport about a tenth of a small batch's transfer (docs/performance.md)."""
+    costs a small batch's transfer more (docs/performance.md)."""
     from snowcat.stages.agent.trajectory import compiled_check  # noqa: PLC0415 (pyarrow: only when doctor runs)
 
     state = compiled_check()

@@ -23,9 +23,10 @@ first 2 ms, then backing off until the trainer's word ("receiving batch k", a ti
 and spinning from then on: a small batch the trainer is waiting for so moves without waiting for
 a message first (4-6 us here, on a 30 us transfer). The trainer sends that word only when the
 batch has not landed after 1 ms of spinning (the sender has been backing off: the word wakes it),
-not as the batch may be arriving: a word crossing a batch on its way halved the transfer (1 MiB:
-0.4-0.7 ms instead of 0.2 in 3 of 4 runs of `bench transport` with the word at the start of every
-receive, 0.19-0.22 ms in 4 of 4 without it). A larger batch is announced (a tiny message) and sent once the word is in, which
+not as the batch may be arriving: a word crossing a batch on its way halved the transfer (1 MiB in
+`bench transport`'s message row: 0.40-0.42 ms against 0.15-0.20 raw in 4 of 4 runs with the word at
+the start of every receive, within 3 % of raw in 4 of 4 without it: benchmarks/results/
+transport-rounds/compiled-check/word/). A larger batch is announced (a tiny message) and sent once the word is in, which
 the trainer sends when the announcement arrives: the rollout rank sleeps until then, and the
 trainer is receiving by then. The trainer backs off (sleeping up to 2 ms after its first 2 ms, its
 posted receive cancelled) until a batch or an announcement arrives, receives the batch into a
