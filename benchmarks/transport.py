@@ -20,7 +20,12 @@ the trainer. For each batch size (trajectories per batch: the defaults are 85 Ki
     2 MiB, else probe and receive; the trainer's "receiving" word only where the sender may be
     backing off): what the transport adds to moving bytes;
   - `raw`: one `comm.Send` of a uint8 buffer of the same byte count into a preallocated `Recv`.
-Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
+Every row sends bytes written just before its transfer, as the typed row's batch is (the message
+and raw rows copy theirs in from a kept copy, untimed): memory just written moves at another speed
+than memory written long ago, faster or slower by size (raw on this machine, 4 alternating rounds:
+85 KiB 43 against 49 us, 1 MiB 136 against 168, 4 MiB 930 against 770, 66 MiB 15.9 ms against
+13.0: benchmarks/results/transport-rounds/hot-source/), so a raw row sending long-written bytes
+compared the typed row with a transfer in another state. Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
 extra message in every row), and reports the median and `raw / typed`, `raw / message` (1.0: no
 cost beyond moving the bytes), and the same for the fastest of each: on a machine other
 processes load, a transfer that waited for a core takes tens of ms in any row.
@@ -147,15 +152,18 @@ def timed(f, n):
 rows = []
 for n in sizes:
     trajs = make_batch(n, seed=n)
-    wire = TrajectoryBatch.of(0, trajs).buffer  # the message row's buffer, written once
+    wire = TrajectoryBatch.of(0, trajs).buffer  # the message row's buffer
     nbytes = wire.nbytes
     raw = np.random.default_rng(n).integers(0, 256, nbytes, dtype=np.uint8) if rank == 1 else np.empty(nbytes, np.uint8)
+    source = {"message": (wire, wire.copy()), "raw": (raw, raw.copy())}
     times = {k: [] for k in kinds}
     for r in range(repeats + 1):  # the first round warms every path up and is not counted
         for kind in kinds[r % 3 :] + kinds[: r % 3]:  # each row goes first, second and last in turn
             # batch `index` as the agent loop leaves it, written as the rollout writes each batch, into the
             # memory of the one it sent before (not timed: see `write`)
             batch = TrajectoryBatch.of(index, trajs, memory) if rank == 1 and kind == "typed" else None
+            if rank == 1 and kind != "typed":  # every row sends bytes written just before, as the typed row's are
+                np.copyto(*source[kind])
             if rank == 0:  # the row's previous batch goes (RL drops it once the next is in), the other row's stays
                 got = None if kind == "typed" else got
                 message = None if kind == "message" else message
