@@ -21,11 +21,10 @@ the trainer. For each batch size (trajectories per batch: the defaults are 85 Ki
     backing off): what the transport adds to moving bytes;
   - `raw`: one `comm.Send` of a uint8 buffer of the same byte count into a preallocated `Recv`.
 Every row sends bytes written just before its transfer, as the typed row's batch is (the message
-and raw rows copy theirs in from a kept copy, untimed): memory just written moves at another speed
-than memory written long ago, faster or slower by size (raw on this machine, 4 alternating rounds:
-85 KiB 43 against 49 us, 1 MiB 136 against 168, 4 MiB 930 against 770, 66 MiB 15.9 ms against
-13.0: benchmarks/results/transport-rounds/hot-source/), so a raw row sending long-written bytes
-compared the typed row with a transfer in another state. Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
+and raw rows copy theirs in from a kept copy, untimed): from 4 MiB up, memory just written moves
+slower than memory written long ago (raw 4 MiB 930 against 729 us, 66 MiB 17.3 against 13.2 ms,
+medians of 8 alternating runs: benchmarks/results/transport-rounds/hot-source/), so a raw row
+sending long-written bytes compared the typed row with a transfer in another state. Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
 extra message in every row), and reports the median and `raw / typed`, `raw / message` (1.0: no
 cost beyond moving the bytes), and the same for the fastest of each: on a machine other
 processes load, a transfer that waited for a core takes tens of ms in any row.
