@@ -24,10 +24,11 @@ Every row sends bytes written just before its transfer, as the typed row's batch
 and raw rows copy theirs in from a kept copy, untimed): from 4 MiB up, memory just written moves
 slower than memory written long ago (raw 4 MiB 930 against 729 us, 66 MiB 17.3 against 13.2 ms,
 medians of 8 alternating runs: benchmarks/results/transport-rounds/hot-source/), so a raw row
-sending long-written bytes compared the typed row with a transfer in another state. Each is timed on rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same
-extra message in every row), and reports the median and `raw / typed`, `raw / message` (1.0: no
-cost beyond moving the bytes), and the same for the fastest of each: on a machine other
-processes load, a transfer that waited for a core takes tens of ms in any row.
+sending long-written bytes would compare the typed row with a transfer in another state. Each is timed on
+rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same extra message in every
+row), and reports the median and `raw / typed`, `raw / message` (1.0: no cost beyond moving the
+bytes), and the same for the fastest of each: on a machine other processes load, a transfer that
+waited for a core takes tens of ms in any row.
 
 Timed alone on rank 1 (rank 0 idle), to show where the time goes and that the judged row starts
 where it should: `read` (reading a message), `decode` (reading it and making every episode's
