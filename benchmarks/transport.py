@@ -20,11 +20,11 @@ the trainer. For each batch size (trajectories per batch: the defaults are 85 Ki
     2 MiB, else probe and receive; the trainer's "receiving" word only where the sender may be
     backing off): what the transport adds to moving bytes;
   - `raw`: one `comm.Send` of a uint8 buffer of the same byte count into a preallocated `Recv`.
-Every row sends bytes written just before its transfer, as the typed row's batch is (the message
-and raw rows copy theirs in from a kept copy, untimed): from 4 MiB up, memory just written moves
-slower than memory written long ago (raw 4 MiB 930 against 729 us, 66 MiB 17.3 against 13.2 ms,
-medians of 8 alternating runs: benchmarks/results/transport-rounds/hot-source/), so a raw row
-sending long-written bytes would compare the typed row with a transfer in another state. Each is timed on
+Every row sends bytes written just before its transfer, as the typed row's batch is (the message and
+raw rows copy theirs in from a kept copy, untimed): from 4 MiB up, memory just written moves slower
+than memory written long ago (raw 4 MiB 930 against 729 us, 66 MiB 17.3 against 13.2 ms, medians of
+8 alternating runs: benchmarks/results/transport-rounds/hot-source/), so a raw row sending
+long-written bytes would compare the typed row with a transfer in another state. Each is timed on
 rank 1 from the send until rank 0's 1-byte acknowledgement arrives (the same extra message in every
 row), and reports the median and `raw / typed`, `raw / message` (1.0: no cost beyond moving the
 bytes), and the same for the fastest of each: on a machine other processes load, a transfer that
@@ -155,7 +155,7 @@ for n in sizes:
     wire = TrajectoryBatch.of(0, trajs).buffer  # the message row's buffer
     nbytes = wire.nbytes
     raw = np.random.default_rng(n).integers(0, 256, nbytes, dtype=np.uint8) if rank == 1 else np.empty(nbytes, np.uint8)
-    source = {"message": (wire, wire.copy()), "raw": (raw, raw.copy())}
+    source = {"message": (wire, wire.copy()), "raw": (raw, raw.copy())} if rank == 1 else None  # what rank 1 sends
     times = {k: [] for k in kinds}
     for r in range(repeats + 1):  # the first round warms every path up and is not counted
         for kind in kinds[r % 3 :] + kinds[: r % 3]:  # each row goes first, second and last in turn
