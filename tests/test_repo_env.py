@@ -156,6 +156,40 @@ def test_tools_refuse_escapes_and_keep_the_episode_going(world, tmp_path):
     assert "sandbox" not in state and not sb.workdir.exists()
 
 
+def test_a_wrong_path_is_answered_with_what_the_nearest_directory_holds(world, tmp_path):
+    """The demo model's commonest failure is a guessed module name (lumen/util.py for lumen/numbers.py):
+    the error names the files that are there, and never anything outside the repository."""
+    tasks, _, tok = world
+    task = tasks[0]
+    env = RepoEnv(tok, observation_chars=400)
+    (tmp_path / "outside.py").write_text("x = 1\n")
+    state = env.reset(task)
+    try:
+        sb = state["sandbox"]
+        module = task.meta["module"]  # e.g. lumen/numbers.py
+        package = module.rsplit("/", 1)[0]
+        here = sorted(p.name + "/" * p.is_dir() for p in (sb.workdir / package).iterdir() if not p.name.startswith("."))
+        (sb.workdir / package / ".hidden.py").write_text("")
+        listing = f"({package}/ has: {', '.join(here)})"
+        assert Path(module).name in here
+        for tool, args in [("view", {}), ("edit", {"old": "a", "new": "b"})]:
+            assert (
+                env.run_tool(state, tool, {"path": f"{package}/nope.py", **args})
+                == f"error: {package}/nope.py: no such file {listing}"
+            )
+        # deeper than anything there: the nearest directory that exists; a directory itself: its own files
+        assert env.run_tool(state, "view", {"path": f"{package}/a/b/c.py"}).endswith(listing)
+        assert env.run_tool(state, "view", {"path": package}) == f"error: {package}: a directory {listing}"
+        top = env.run_tool(state, "view", {"path": "nopkg/x.py"})
+        assert top.startswith("error: nopkg/x.py: no such file (the repository has: ") and f"{package}/" in top
+        # through a symlinked directory that leaves the repository: refused, nothing listed
+        os.symlink(tmp_path, sb.workdir / "out")
+        assert env.run_tool(state, "view", {"path": "out/missing.py"}) == "error: out/missing.py: outside the repository"
+        assert "outside.py" not in env.run_tool(state, "view", {"path": "out2/missing.py"})
+    finally:
+        env.finish(state)
+
+
 def test_agent_loop_runs_repo_episodes_in_parallel_and_cleans_up(world, tmp_path, monkeypatch):
     tasks, demos, tok = world
     torch.manual_seed(0)

@@ -249,7 +249,7 @@ class RepoEnv(SingleTurnEnv):
             try:
                 path = self._inside(sb.workdir, args["path"])
             except ValueError as e:
-                return f"error: {e}"
+                return clip(f"error: {e}", self.observation_chars)
             if name == "view":
                 lines = path.read_text(errors="replace").splitlines()
                 return clip("\n".join(f"{i:>3} {line}" for i, line in enumerate(lines, 1)), self.observation_chars)
@@ -275,8 +275,22 @@ class RepoEnv(SingleTurnEnv):
         if not real.is_relative_to(root.resolve()) or path.is_symlink():
             raise ValueError(f"{rel}: outside the repository")
         if not path.is_file():
-            raise ValueError(f"{rel}: no such file")
+            what = "a directory" if real.is_dir() else "no such file"
+            raise ValueError(f"{rel}: {what}{RepoEnv._nearest_listing(root.resolve(), real)}")
         return path
+
+    @staticmethod
+    def _nearest_listing(root: Path, real: Path, most: int = 20) -> str:
+        """What the nearest directory at or above a missing file holds (`real`: resolved, inside `root`), as
+        agent tools answer a wrong path: a model that guessed a module's name can read the right one.
+        ` (pkg/ has: a.py, b/)`."""
+        here = real if real.is_dir() else real.parent
+        while here != root and not here.is_dir():
+            here = here.parent
+        names = sorted(p.name + "/" * p.is_dir() for p in here.iterdir() if not p.name.startswith("."))
+        shown = ", ".join(names[:most]) + (f", ... ({len(names) - most} more)" if len(names) > most else "")
+        where = f"{here.relative_to(root)}/" if here != root else "the repository"
+        return f" ({where} has: {shown or 'nothing'})"
 
     @staticmethod
     def _edit(path: Path, old: str, new: str, sb) -> str:
