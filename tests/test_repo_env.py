@@ -22,6 +22,7 @@ from snowcat.stages.agent.repo_env import (
     TOOLS,
     ToolCallError,
     parse_tool_call,
+    tool_call_message,
     tool_call_text,
     user_message,
 )
@@ -221,7 +222,16 @@ def test_behaviour_reads_the_teacher_protocol(world):
     stats = behaviour(trajs, tok)
     assert stats["turns_mean"] == 5 and stats["invalid_actions_per_episode"] == 0
     assert stats["calls/test"] == 2 and stats["calls/submit"] == 1 and stats["submitted_untested_frac"] == 0
-    assert stats["claim_precision"] == 0.5 and stats["no_submission_frac"] == 0
+    assert stats["claim_precision"] == 0.5 and stats["no_submission_frac"] == 0 and stats["wrong_path_frac"] == 0
+    # the first demonstration again, its view of a file that is not there (the tool's answer says so)
+    msgs = [dict(m) for m in demos[0]]
+    view = next(i for i, m in enumerate(msgs) if m["role"] == "assistant" and "view" in str(m))
+    msgs[view] = tool_call_message("view", {"path": "nope/util.py"})
+    msgs[view + 1] = {"role": "tool", "content": "error: nope/util.py: no such file (the repository has: pkg/, tests/)"}
+    ids, mask = tok.encode_chat(msgs)
+    astray = Trajectory(tasks[0].task_id, 2, 0, 0, ids, mask, [0.0] * len(ids), 0.0, "ok", masked_runs(mask), "swe_mini", 0)
+    stats = behaviour([*trajs, astray], tok)
+    assert stats["wrong_path_frac"] == 1 / 3 and stats["calls/view"] == 1
     assert set(TOOLS) == {k.split("/")[1] for k in stats if k.startswith("calls/")}
 
 

@@ -362,16 +362,18 @@ def teacher_episode(task, env: RepoEnv) -> list[dict]:
 
 
 def behaviour(trajectories, tokenizer) -> dict:
-    """What agents did, from the sampled turns alone: turns, tool calls by kind, invalid actions,
-    repeated identical commands, submissions without a test run before, context exhaustion, and
-    claim precision (passed among submitted)."""
+    """What agents did, from the sampled turns (and, for a view or edit, the tool's answer): turns,
+    tool calls by kind, invalid actions, repeated identical commands, files named that do not exist,
+    submissions without a test run before, context exhaustion, and claim precision (passed among
+    submitted)."""
     calls: Counter = Counter()
     out = Counter()
     for t in trajectories:
-        seen, tested, submitted = set(), False, False
+        seen, tested, submitted, wrong_path = set(), False, False, False
         out["episodes"] += 1
         out["turns"] += len(t.turn_boundaries)
-        for start, end in t.turn_boundaries:
+        starts = [s for s, _ in t.turn_boundaries[1:]] + [len(t.token_ids)]
+        for (start, end), after in zip(t.turn_boundaries, starts):
             text = tokenizer.decode(_strip_stop(tokenizer, [int(i) for i in t.token_ids[start:end]]))
             try:
                 name, args = parse_tool_call(text)
@@ -382,6 +384,8 @@ def behaviour(trajectories, tokenizer) -> dict:
             key = json.dumps([name, args], sort_keys=True)
             out["repeated_calls"] += key in seen and name != "test"
             seen.add(key)
+            if name in ("view", "edit") and not wrong_path:  # the tool's answer: the ids up to the next turn
+                wrong_path = "no such file" in tokenizer.decode([int(i) for i in t.token_ids[end:after]])
             if name == "test" or (name == "bash" and "test" in args.get("command", "")):
                 tested = True
             if name == "submit":
@@ -391,6 +395,7 @@ def behaviour(trajectories, tokenizer) -> dict:
                 out["submitted_passed"] += t.reward >= 1.0
         out["context_exhausted"] += t.status == "truncated" and "context" in t.detail
         out["no_submission"] += not submitted
+        out["wrong_path"] += wrong_path
     n = max(out["episodes"], 1)
     res = {
         "episodes": out["episodes"],
@@ -398,6 +403,7 @@ def behaviour(trajectories, tokenizer) -> dict:
         "invalid_actions_per_episode": out["invalid_actions"] / n,
         "repeated_calls_per_episode": out["repeated_calls"] / n,
         "context_exhausted_frac": out["context_exhausted"] / n,
+        "wrong_path_frac": out["wrong_path"] / n,  # episodes that viewed or edited a file not there
         "no_submission_frac": out["no_submission"] / n,
         "submitted_untested_frac": out["submitted_untested"] / max(out["submitted"], 1),
         "claim_precision": out["submitted_passed"] / out["submitted"] if out["submitted"] else None,

@@ -19,6 +19,7 @@ AGENT_ROWS = (  # results.json `behaviour` keys shown on the card (stages.agent.
     ("turns_mean", "turns per episode", lambda v: shown(v, "{:.2f}")),
     ("calls/edit", "edits per episode", lambda v: shown(v, "{:.2f}")),
     ("invalid_actions_per_episode", "invalid actions per episode", lambda v: shown(v, "{:.2f}")),
+    ("wrong_path_frac", "episodes that named a file not there", pct),
     ("no_submission_frac", "episodes without a submission", pct),
     ("submitted_untested_frac", "submissions without a test run", pct),
     ("claim_precision", "claim precision (passed / submitted)", pct),
