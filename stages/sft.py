@@ -40,6 +40,7 @@ from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.pipeline.schema import HF_PREFIX, hub_id
 from snowcat.stages.agent import teacher_messages
 from snowcat.stages.agent.demos import read_demos
+from snowcat.stages.agent.repo_env import takes_detour
 from snowcat.stages.agent.traces import TraceError, import_traces
 from snowcat.stages.config import TEACHER_PREFIX
 from snowcat.stages.config import SftConfig as Config
@@ -77,15 +78,18 @@ def _corrupt(answer: str, alphabet: str, rng) -> str:
     return answer + answer[-1]
 
 
-def teacher_demos(tasks, sandbox: dict | None = None, progress=None) -> dict[str, list[dict]]:
+def teacher_demos(tasks, sandbox: dict | None = None, progress=None, detours: float = 0.0) -> dict[str, list[dict]]:
     """task id -> the scripted expert's RepoEnv episode, for the repository tasks among `tasks`
-    (tool calls in sandboxes: run side by side, bounded by the cores)."""
+    (tool calls in sandboxes: run side by side, bounded by the cores); a `detours` share of them
+    open a wrong file first (`stages.agent.repo_env.teacher_episode`)."""
     repo_tasks = [t for t in tasks if t.verifier == "repo"]
     out: dict[str, list[dict]] = {}
+
+    def demonstrate(t):
+        return teacher_messages(t, "repo", detour=takes_detour(t, detours), **(sandbox or {}))
+
     with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-        for i, (t, msgs) in enumerate(
-            zip(repo_tasks, pool.map(lambda t: teacher_messages(t, "repo", **(sandbox or {})), repo_tasks))
-        ):
+        for i, (t, msgs) in enumerate(zip(repo_tasks, pool.map(demonstrate, repo_tasks))):
             out[t.task_id] = msgs
             if progress is not None and ((i + 1) % 50 == 0 or i + 1 == len(repo_tasks)):
                 progress(i + 1, len(repo_tasks))
@@ -97,7 +101,9 @@ def teacher_demos(tasks, sandbox: dict | None = None, progress=None) -> dict[str
 DEMOS_FILE = "teacher_demos.json"
 
 
-def shared_teacher_demos(path: Path, tasks, sandbox: dict, rank: int, progress=None) -> dict[str, list[dict]]:
+def shared_teacher_demos(
+    path: Path, tasks, sandbox: dict, rank: int, progress=None, detours: float = 0.0
+) -> dict[str, list[dict]]:
     """`teacher_demos` made once for every rank: rank 0 runs the expert (unless an earlier attempt
     of this stage left them for the same tasks and sandbox) and writes `path` atomically; every rank,
     rank 0 too, reads them back from it, so all train on the same bytes and a resumed stage on those
@@ -107,7 +113,7 @@ def shared_teacher_demos(path: Path, tasks, sandbox: dict, rank: int, progress=N
     repo_tasks = [t for t in tasks if t.verifier == "repo"]
     if not repo_tasks:
         return {}
-    what = [sandbox, [[t.task_id, t.prompt, t.answer, t.meta] for t in repo_tasks]]
+    what = [sandbox, [[t.task_id, t.prompt, t.answer, t.meta] for t in repo_tasks]] + ([detours] if detours else [])
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
     def read() -> dict | None:
@@ -119,7 +125,7 @@ def shared_teacher_demos(path: Path, tasks, sandbox: dict, rank: int, progress=N
 
     if rank == 0 and read() is None:
         # key order kept (no sort_keys): templates render tool schemas and arguments in the order given
-        atomic_write_text(path, json.dumps({"key": key, "demos": teacher_demos(repo_tasks, sandbox, progress)}))
+        atomic_write_text(path, json.dumps({"key": key, "demos": teacher_demos(repo_tasks, sandbox, progress, detours)}))
     while (demos := read()) is None:
         time.sleep(1.0)
     return demos
@@ -323,6 +329,7 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
         cfg.sandbox.options(),
         rank,
         functools.partial(ctx.progress, unit="demonstrations", phase="teacher"),
+        cfg.detour_fraction,
     )
 
     # Model + tokenizer: resume > init_from > fresh (seeded) init, which is saved as `initial` (a

@@ -19,6 +19,7 @@ from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.stages import evaluate, probe, rl, sft, tasks
 from snowcat.stages.agent import RepoEnv
+from snowcat.stages.agent.repo_env import takes_detour
 from snowcat.stages.taskgen import generate_domain, load_tasks
 from tests.conftest import write_config
 
@@ -80,6 +81,7 @@ def trained(tmp_path_factory):
         "eval_tasks": 0,
         "threads": 1,
         "relay_fraction": 0.5,
+        "detour_fraction": 0.5,
         "sandbox": SANDBOX,
         "traces": [str(root / "traces.jsonl")],
     }
@@ -96,6 +98,9 @@ def test_sft_trains_on_expert_episodes_and_traces(trained):
     assert metrics["num_examples"] == len(train) + 1
     demos = json.loads((sctx.out_dir / sft.DEMOS_FILE).read_text())["demos"]
     assert sorted(demos) == sorted(t.task_id for t in train)
+    # detour_fraction 0.5: the demonstrations with an untrained wrong view are those of the tasks the share picks
+    detoured = {i for i, msgs in demos.items() if any(m.get("train") is False for m in msgs)}
+    assert detoured == {t.task_id for t in train if takes_detour(t, 0.5)} and 0 < len(detoured) < len(train)
     history = [json.loads(line) for line in (sctx.out_dir / "metrics_history.jsonl").read_text().splitlines()]
     assert history and any("loss/swe_mini" in h for h in history)
     bad = StageContext.standalone(
@@ -216,6 +221,8 @@ def test_demonstrations_are_made_once_and_shared_by_every_rank(tmp_path, monkeyp
     assert json.dumps(sft.shared_teacher_demos(path, train, SANDBOX, rank=0)) == json.dumps(direct)
     with pytest.raises(pytest.fail.Exception):  # other sandbox settings: rank 0 makes them anew
         sft.shared_teacher_demos(path, train, {**SANDBOX, "observation_chars": 400}, rank=0)
+    with pytest.raises(pytest.fail.Exception):  # so does another share of detours
+        sft.shared_teacher_demos(path, train, SANDBOX, rank=0, detours=0.5)
     arith = generate_domain(np.random.default_rng(4), "arith", [2], 3)
     assert sft.shared_teacher_demos(tmp_path / "none.json", arith, SANDBOX, rank=1) == {}
     assert not (tmp_path / "none.json").exists()

@@ -22,6 +22,7 @@ from snowcat.stages.agent.repo_env import (
     TOOLS,
     ToolCallError,
     parse_tool_call,
+    takes_detour,
     tool_call_message,
     tool_call_text,
     user_message,
@@ -85,6 +86,32 @@ def test_teacher_demonstrations_are_real_and_reproducible(world):
         "tools": TOOL_SCHEMAS,
         "enable_thinking": False,
     }
+
+
+def test_a_detour_demonstration_opens_a_wrong_file_reads_the_error_and_trains_only_the_recovery(world):
+    tasks, demos, tok = world
+    task, plain = tasks[0], demos[0]
+    msgs = teacher_messages(task, "repo", detour=True)
+    module = task.meta["module"]
+    folder, name = module.rsplit("/", 1)
+    # the plain episode with two messages more: a view of a file beside the module that is not there, and its error
+    assert msgs[:4] + msgs[6:] == plain
+    call, error = msgs[4:6]
+    wrong = parse_tool_call(message_text(call))[1]["path"]
+    assert call["train"] is False and wrong.startswith(f"{folder}/") and wrong != module
+    assert error["role"] == "tool" and error["content"].startswith(f"error: {wrong}: no such file ({folder}/ has: ")
+    assert name in error["content"]
+    assert all(m.get("train", True) for m in msgs if m is not call)
+    # trained: the same tokens as the plain episode's (the detour turn is context only)
+    ids, mask = tok.encode_chat(msgs)
+    plain_ids, plain_mask = tok.encode_chat(plain)
+    trained = [i for i, m in zip(ids, mask) if m]
+    assert trained == [i for i, m in zip(plain_ids, plain_mask) if m] and len(ids) > len(plain_ids)
+    assert teacher_messages(task, "repo", detour=True) == msgs  # reproducible
+    # which tasks take one: a share by task id, none at 0 and all at 1
+    ids_ = [f"t{i}" for i in range(2000)]
+    shares = [sum(takes_detour(Task(i, "swe_mini", 1, "", "", "repo"), share) for i in ids_) / len(ids_) for share in (0, 0.3, 1)]
+    assert shares[0] == 0 and 0.25 < shares[1] < 0.35 and shares[2] == 1
 
 
 def test_the_tool_table_is_one_place():

@@ -36,6 +36,7 @@ its body. With no visible test, `test` says so (`NO_VISIBLE_TESTS`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -333,21 +334,54 @@ def solution_command(script: str) -> str:
     return f"bash <<'SNOWCAT_SOLUTION'\n{script.rstrip()}\nSNOWCAT_SOLUTION"
 
 
-def teacher_episode(task, env: RepoEnv) -> list[dict]:
+# where the expert's detour looks first: module names the agent demo's model guesses for a module it did not read
+DETOUR_NAMES = ("core.py", "util.py", "utils.py", "helpers.py", "stats.py", "main.py")
+
+
+def detour_path(task, path: str, base: dict[str, bytes]) -> str | None:
+    """A file beside `path` that is not in the task's snapshot (the first of `DETOUR_NAMES`, from a
+    place the task id picks), or None when all of them are there."""
+    folder = path.rpartition("/")[0]
+    at = int(hashlib.sha256(task.task_id.encode()).hexdigest(), 16) % len(DETOUR_NAMES)
+    for name in DETOUR_NAMES[at:] + DETOUR_NAMES[:at]:
+        wrong = f"{folder}/{name}" if folder else name
+        if wrong not in base:
+            return wrong
+    return None
+
+
+def takes_detour(task, share: float) -> bool:
+    """Whether the expert's demonstration of `task` opens a wrong file first: a `share` of tasks,
+    by their id (the same whatever the order or number of tasks)."""
+    return int(hashlib.sha256(b"detour:" + task.task_id.encode()).hexdigest()[:8], 16) < share * 2**32
+
+
+def teacher_episode(task, env: RepoEnv, detour: bool = False) -> list[dict]:
     """The expert's demonstration as chat messages, every observation produced by the real tools:
     run the (visible) tests, view the module, edit, run the tests again, submit. A task with no gold
     patch but a gold script (Harbor's solve.sh, `meta["solution"]`): run the tests, run the script
-    with `bash`, submit."""
+    with `bash`, submit.
+
+    With `detour`, the expert first views a file beside the module that is not there
+    (`detour_path`), reads the tool's answer (what the folder holds) and views the module: the
+    recovery is trained, the wrong call is not (`"train": False`), so SFT teaches reading an
+    error without teaching the mistake. The agent demo's SFT models fail most episodes on a wrong
+    module name they never recover from (docs/agents.md)."""
     state = env.reset(task)
     try:
+        wrong = None
         if not task.answer.strip() and task.meta.get("solution", "").strip():
             calls = [("test", {}), ("bash", {"command": solution_command(task.meta["solution"])})]
         else:
             path, old, new = gold_edit(task, state["base"])
             calls = [("test", {}), ("view", {"path": path}), ("edit", {"path": path, "old": old, "new": new}), ("test", {})]
+            if detour and (wrong := detour_path(task, path, state["base"])):
+                calls.insert(1, ("view", {"path": wrong}))
         messages = env.opening(task)
-        for name, args in calls:
+        for k, (name, args) in enumerate(calls):
             messages.append(tool_call_message(name, args))
+            if wrong and k == 1:
+                messages[-1]["train"] = False  # the detour: context for the recovery, not taught
             messages.append({"role": "tool", "content": env.run_tool(state, name, args)})
         step = env.submit(task, state)
         if step.reward != 1.0:
