@@ -113,6 +113,7 @@ def shared_teacher_demos(
     repo_tasks = [t for t in tasks if t.verifier == "repo"]
     if not repo_tasks:
         return {}
+    # (no detours: the key of files written before there were any, which a resumed stage still finds)
     what = [sandbox, [[t.task_id, t.prompt, t.answer, t.meta] for t in repo_tasks]] + ([detours] if detours else [])
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 

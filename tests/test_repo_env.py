@@ -210,6 +210,16 @@ def test_a_wrong_path_is_answered_with_what_the_nearest_directory_holds(world, t
         assert env.run_tool(state, "view", {"path": package}) == f"error: {package}: a directory {listing}"
         top = env.run_tool(state, "view", {"path": "nopkg/x.py"})
         assert top.startswith("error: nopkg/x.py: no such file (the repository has: ") and f"{package}/" in top
+        # what the agent may plant there is named, never opened or followed: a FIFO (viewing it would
+        # block), a dangling link; viewing the FIFO itself is refused at once
+        os.mkfifo(sb.workdir / package / "pipe.py")
+        os.symlink("/nonexistent/dir", sb.workdir / package / "dangling")
+        planted = env.run_tool(state, "view", {"path": f"{package}/nope.py"})
+        assert (
+            planted
+            == f"error: {package}/nope.py: no such file ({package}/ has: {', '.join(sorted([*here, 'dangling', 'pipe.py']))})"
+        )
+        assert env.run_tool(state, "view", {"path": f"{package}/pipe.py"}).startswith(f"error: {package}/pipe.py: no such file (")
         # through a symlinked directory that leaves the repository: refused, nothing listed
         os.symlink(tmp_path, sb.workdir / "out")
         assert env.run_tool(state, "view", {"path": "out/missing.py"}) == "error: out/missing.py: outside the repository"

@@ -106,6 +106,7 @@ def tool_call_text(name: str, arguments: dict | None = None) -> str:
 
 
 NO_VISIBLE_TESTS = "no visible tests: run your own with bash"
+NO_SUCH_FILE = "no such file"  # what view and edit answer for a path that is not a file (behaviour counts it)
 
 
 def visible_tests(task, base: dict[str, bytes]) -> list[str]:
@@ -271,13 +272,13 @@ class RepoEnv(SingleTurnEnv):
 
     @staticmethod
     def _inside(root: Path, rel: str) -> Path:
-        path = root / rel
+        path, top = root / rel, root.resolve()
         real = Path(os.path.realpath(path))
-        if not real.is_relative_to(root.resolve()) or path.is_symlink():
+        if not real.is_relative_to(top) or path.is_symlink():
             raise ValueError(f"{rel}: outside the repository")
         if not path.is_file():
-            what = "a directory" if real.is_dir() else "no such file"
-            raise ValueError(f"{rel}: {what}{RepoEnv._nearest_listing(root.resolve(), real)}")
+            what = "a directory" if real.is_dir() else NO_SUCH_FILE
+            raise ValueError(f"{rel}: {what}{RepoEnv._nearest_listing(top, real)}")
         return path
 
     @staticmethod
@@ -419,7 +420,7 @@ def behaviour(trajectories, tokenizer) -> dict:
             out["repeated_calls"] += key in seen and name != "test"
             seen.add(key)
             if name in ("view", "edit") and not wrong_path:  # the tool's answer: the ids up to the next turn
-                wrong_path = "no such file" in tokenizer.decode([int(i) for i in t.token_ids[end:after]])
+                wrong_path = NO_SUCH_FILE in tokenizer.decode([int(i) for i in t.token_ids[end:after]])
             if name == "test" or (name == "bash" and "test" in args.get("command", "")):
                 tested = True
             if name == "submit":
