@@ -13,7 +13,8 @@ LocalSandbox, what it guarantees when running as root (the isolating mode, `isol
   * filesystem: the command sees a root of its own (a tmpfs, `pivot_root`) holding only the
     `expose`d host paths, read-only (by default the system's /usr, /bin, /sbin, /lib* and the
     running interpreter's prefixes), an /etc of its own, a private /proc,
-    /dev/{null,zero,full,random,urandom} (no /dev/shm), a /tmp emptied before each call, and the
+    /dev/{null,zero,full,random,urandom} (no /dev/shm), a /tmp emptied before each call (an
+    exposed path under the host's /tmp, a venv in a checkout there, is mounted inside it), and the
     work dir, writable, at `/workspace` (as in the Apptainer sandbox: paths in tool output do not
     depend on where the host keeps the episode; `inside=` names another place, e.g. SWE-bench's
     `/testbed`, `check_inside`). Nothing else on the host exists for it: no other

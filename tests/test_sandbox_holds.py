@@ -43,6 +43,13 @@ def small():
         yield sb
 
 
+def exposed_under_tmp(sb) -> str:
+    """What `ls -A /tmp` shows in a fresh call: the mount points of exposed host paths under /tmp
+    (the interpreter's venv in a checkout cloned there), nothing a call wrote."""
+    names = {Path(p).relative_to("/tmp").parts[0] for p in sb.expose if Path(p).is_relative_to("/tmp/") and os.path.lexists(p)}
+    return "".join(f"{name}\n" for name in sorted(names))
+
+
 # ---------------------------------------------------------------- the disk quota
 
 
@@ -66,7 +73,10 @@ def test_writes_past_the_quota_fail_inside_and_the_host_holds_no_more(small):
     r = small.run(f"rm f*; {fill}", timeout_s=30)  # 6 of 8 MiB in /tmp and TMPDIR already: c does not fit
     assert (r.stdout, r.exit_code) == ("fits\n", 1) and "No space left on device" in r.stderr, r
     # /tmp is each call's own (emptied before it): its space is back for the next
-    assert small.run("ls -A /tmp; head -c 1000000 /dev/zero > c && echo ok", timeout_s=30).stdout == "ok\n"
+    assert (
+        small.run("ls -A /tmp; head -c 1000000 /dev/zero > c && echo ok", timeout_s=30).stdout
+        == exposed_under_tmp(small) + "ok\n"
+    )
     # nothing went anywhere on the host but into the sandbox's own tmpfs
     assert not any(Path(p, tag).exists() for p in ("/tmp", "/dev/shm", "/var/tmp"))
 
@@ -127,7 +137,7 @@ def test_work_dir_persists_and_close_leaves_nothing():
     newroot = sb._newroot
     # the work dir persists across calls; /tmp is each call's own
     r = sb.run("cat a; ls -A /tmp", timeout_s=30)
-    assert r.stdout == "1\n", r
+    assert r.stdout == "1\n" + exposed_under_tmp(sb), r
     sb.close()
     assert not _mounted(base) and not base.exists() and not Path(newroot).exists()
     sb.close()  # twice is harmless
