@@ -253,12 +253,16 @@ def test_the_demos_dag_runs_through_snowcat_under_the_sites_rules(site_rules, sn
     # Every job where the site's rules put it: its partitions (CPU stages on Vista's gg; the partition's
     # QOS holds Vista's per-queue caps, the job's own QOS stays `normal`), the account, a whole node each.
     ids = sorted({j.split("_")[0] for r in state.values() for j in r.get("own_job_ids", [])})
-    rows = [r for r in _jobs(slurm_env, ids).values() if r["state"] == "COMPLETED" or r["jobid"] == first_job]
+    deadline = time.monotonic() + 60  # DONE is written just before the job ends: the last stage's row lags
+    while True:
+        rows = [r for r in _jobs(slurm_env, ids).values() if r["state"] == "COMPLETED" or r["jobid"] == first_job]
+        seen = {row["jobname"].removeprefix(f"snowcat-{run.run_id}-") for row in rows}
+        if seen >= set(state) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     cpu_kinds = {"tasks", "select", "card"}
-    seen = set()
     for row in rows:
         stage = row["jobname"].removeprefix(f"snowcat-{run.run_id}-")
-        seen.add(stage)
         want = site.cpu_partition if stage in cpu_kinds and site.cpu_partition else site.default_partition
         assert row["partition"] == want, row
         assert row["account"] == "snowcat" and row["alloccpus"] == str(cluster.CPUS_PER_NODE), row
