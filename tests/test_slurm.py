@@ -210,6 +210,52 @@ def test_scancel_of_running_stage_fails_promptly_and_resume_finishes(snowcat, sl
     assert status["stages"]["tasks"]["attempts"] == 2
 
 
+GATED = """
+name: gated
+seed: 5
+stages:
+  tasks:
+    kind: tasks
+    resources: {time_min: 5}
+    domains:
+      arith: {count: 40, val_count: 8, difficulties: [2]}
+  sft:
+    kind: sft
+    needs: [tasks]
+    model: demo-tiny
+    tokenizer_vocab_size: 320
+    seq_len: 64
+    steps: 2
+    resume: {strategy: chain, max_continuations: 1}
+"""
+
+
+def test_a_stage_whose_job_never_ran_leaves_no_held_gate_behind(snowcat, slurm_env, tmp_path):
+    """A job cancelled while it waits in the queue never runs the code that cancels the gates of what
+    can only fail after it (a held job nothing will release, counted against the user's limits):
+    `snowcat status` cancels it once no unit of its stage has a job left."""
+    blocker = subprocess.run(  # both nodes taken: the run's first job waits in the queue
+        ["sbatch", "--parsable", "-N", "2", "--exclusive", "-t", "5", "-o", "/dev/null", "--wrap", "sleep 300"],
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    try:
+        run_dir = tmp_path / "run"
+        snowcat("run", write_config(tmp_path / "c.yaml", GATED), *on_local_slurm(run_dir), env=slurm_env, check=True)
+        state = RunDir(run_dir).state()["stages"]
+        gate, tasks = state["sft"]["gate"], state["tasks"]["job_ids"][0]
+        subprocess.run(["scancel", tasks], env=slurm_env, check=True, timeout=60)
+    finally:
+        subprocess.run(["scancel", blocker], env=slurm_env, check=True, timeout=60)
+    status = wait_status(run_dir, {"failed", "cancelled"})
+    assert status["stages"]["tasks"]["status"] == "cancelled", status["stages"]["tasks"]
+    queued = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=slurm_env, capture_output=True, text=True, check=True)
+    assert gate not in queued.stdout.split(), queued.stdout
+
+
 def test_parse_het_and_array_ids():
     assert parse_job_id("123+1") == {"job": "123", "component": 1, "task": None, "step": None}
     assert parse_job_id("77_4")["task"] == "4" and parse_job_id("77_[5-199%8]")["task"] == "[5-199%8]"
