@@ -77,6 +77,8 @@ def load_pool(ctx, cfg: Config):
     band = Path(ctx.inputs[cfg.band_input]) / "band.parquet" if cfg.band_input in ctx.inputs else None
     if band is not None and band.is_file():
         wanted = set(pq.read_table(band, columns=["task_id"]).column("task_id").to_pylist())
+        if not wanted:
+            raise UserError(f"{band}: the band is empty ({_band_said(band.parent)}): RL has no task to learn from")
         pool = [t for t in train if t.task_id in wanted]
         if not pool:
             raise UserError(f"{band}: none of its task_ids is in {tasks_dir}/train.parquet")
@@ -99,6 +101,16 @@ def load_pool(ctx, cfg: Config):
     per = max(1, cfg.eval_tasks // max(1, len(domains)))
     held_out = [t for d in domains for t in [v for v in val if v.domain == d][:per]]
     return pool, held_out
+
+
+def _band_said(select_dir: Path) -> str:
+    """What the select stage says of its band, for an error: the bounds, attempts and tasks probed."""
+    try:
+        said = json.loads((select_dir / "select.json").read_text())
+        low, high = said["band"]
+        return f"no task of the {said['probed']} probed passed {low} to {high} of {said['attempts']} attempts; widen select's min_pass/max_pass or probe more tasks"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "select.json unreadable"
 
 
 def batch_tasks(pool: list, tasks_per_update: int, seed: int, batch_index: int) -> list:

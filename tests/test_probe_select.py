@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import h5py
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from test_agent import overfit, teacher_messages, tiny_model, tiny_tasks, tiny_tokenizer
@@ -16,7 +17,7 @@ from snowcat.pipeline import config as config_mod
 from snowcat.pipeline.config import stage_config
 from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
-from snowcat.stages import probe, select
+from snowcat.stages import probe, rl, select
 from snowcat.stages.model import load_model_dir, save_model_dir
 from snowcat.stages.rollout import TorchEngine
 from snowcat.stages.taskgen import load_tasks, save_tasks
@@ -207,3 +208,37 @@ def test_probe_limit_takes_every_domain_in_turn():
     picked = probe.first_of_each_domain_in_turn(tasks, 5)
     assert [(t.domain, t.i) for t in picked] == [("closure", 0), ("arith", 0), ("closure", 1), ("arith", 1), ("closure", 2)]
     assert probe.first_of_each_domain_in_turn(tasks, 100) == [*picked, tasks[3], tasks[4]]
+
+
+def test_rl_refuses_an_empty_band_saying_what_select_kept_and_why(tmp_path):
+    """A probe whose every task passed always or never leaves select an empty band; RL on it stops
+    with one line naming the band and what select saw, not that its ids are missing from train."""
+    arith, _ = tiny_tasks()
+    save_tasks(tmp_path / "tasks", "train", arith[:8])
+    save_tasks(tmp_path / "tasks", "val", arith[8:12])
+    rows = [
+        {
+            "task_id": t.task_id,
+            "domain": t.domain,
+            "n": 4,
+            "passes": 4 * (i % 2),
+            "infra_failures": 0,
+            "mean_reward": float(i % 2),
+        }
+        for i, t in enumerate(arith[:8])
+    ]
+    (tmp_path / "probe").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "probe" / "probe.parquet")
+    (tmp_path / "probe" / "probe.json").write_text(json.dumps({"attempts": 4}))
+    picked = select.run(
+        context(tmp_path, "select", "select", {"min_pass": 1, "max_pass": 3}, {"tasks": "tasks", "probe": "probe"})
+    )
+    assert picked["selected"] == 0 and select.load_band(tmp_path / "select") == []
+
+    ctx = context(tmp_path, "rl", "rl", {"tasks_per_update": 2}, {"tasks": "tasks", "select": "select"})
+    with pytest.raises(UserError) as refused:
+        rl.load_pool(ctx, ctx.config)
+    assert str(refused.value) == (
+        f"{tmp_path / 'select' / 'band.parquet'}: the band is empty (no task of the 8 probed passed 1 to 3 of 4 attempts;"
+        " widen select's min_pass/max_pass or probe more tasks): RL has no task to learn from"
+    )
