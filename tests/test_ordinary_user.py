@@ -92,7 +92,7 @@ def test_an_ordinary_user_runs_the_demos_dag_on_the_cluster_and_owns_all_of_it(o
     (home / "tmp").mkdir()
     (home / "demo.yaml").write_text(DEMO_DAG)
     for path in (home / "tmp", home / "demo.yaml", *python.parents[1].rglob("*"), python.parents[1]):
-        os.lchown(path, uid, uid)
+        os.lchown(path, uid, -1)
     env = {  # a login shell's environment, nothing of this test process's
         "PATH": f"{python.parent}:/usr/bin:/bin",
         "HOME": str(home),
