@@ -19,6 +19,7 @@ import getpass
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -177,6 +178,32 @@ def check_batch_reader() -> Check:
         return Check("batch_reader", PASS, "received trajectory batches are checked by the compiled check")
     fix = "install gcc and Python's headers (python3-dev), then reinstall snowcat (`pip install -e .` in the checkout)"
     return Check("batch_reader", WARN, f"received trajectory batches are checked in {state}", fix)
+
+
+def _closed_to_others(path: str | os.PathLike) -> Path | None:
+    """The first folder on `path` (after links), or the file itself, that other users may not pass
+    through or execute; None when they may."""
+    real = Path(os.path.realpath(path))
+    return next((p for p in (*reversed(real.parents), real) if not p.stat().st_mode & stat.S_IXOTH), None)
+
+
+def check_install(interpreter: str | None = None, package: str | os.PathLike | None = None) -> Check:
+    """Whether users other than its owner can run this install: a centre's shared venv must be (a
+    job runs the venv's python, a link to the interpreter it was made from, as its user, and a
+    folder closed to others on that path, such as pyenv's under /root, fails the job's exec)."""
+    interpreter = interpreter or sys.executable
+    package = package or Path(__file__).resolve().parents[1]  # where `snowcat` is imported from
+    for what, path in (("interpreter", interpreter), ("snowcat package", package)):
+        closed = _closed_to_others(path)
+        if closed is not None:
+            mode = f"{closed.stat().st_mode & 0o777:o}"
+            detail = (
+                f"other users cannot run this install: {closed} (mode {mode}) closes the path to its {what}"
+                f" {os.path.realpath(path)}; fine for your own runs"
+            )
+            fix = "for a centre's install, make the venv from a Python every user may execute (the OS's or a module's) on shared storage (docs/admins.md)"
+            return Check("install", WARN, detail, fix)
+    return Check("install", PASS, f"other users can run this install (interpreter {os.path.realpath(interpreter)})")
 
 
 def check_packages(have: Mapping[str, str] | None = None, set_name: str | None = None) -> Check:
@@ -419,6 +446,7 @@ def run_doctor(
     checks.append(check_limit_sources(site_profile))
     checks.append(check_budget(site_profile))
     checks.append(check_apptainer(site_profile))
+    checks.append(check_install())
     checks.append(check_packages())
     checks.append(check_megatron())
     checks.append(check_batch_reader())

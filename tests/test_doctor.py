@@ -3,8 +3,10 @@
 import dataclasses
 import getpass
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -490,3 +492,42 @@ def test_batch_reader_check_says_whether_the_compiled_check_is_in_use(monkeypatc
     monkeypatch.setattr(trajectory, "_wire", None)
     absent = doctor.check_batch_reader()
     assert absent.status == doctor.WARN and "not built" in absent.detail and "python3-dev" in absent.fix
+
+
+@pytest.fixture
+def open_dir():
+    """A folder every user may pass through (pytest's tmp_path is under a folder of mode 700, and
+    CI's TMPDIR too): under /tmp itself, removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="snowcat-open-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_install_check_names_the_folder_that_closes_the_install_to_other_users(open_dir):
+    """A venv whose python links to an interpreter under a folder closed to others (pyenv's under
+    /root, mode 700) serves its owner only: a job of another user fails its exec."""
+    base = open_dir / "base"
+    (base / "bin").mkdir(parents=True)
+    interpreter = base / "bin" / "python3"
+    interpreter.write_text("")
+    interpreter.chmod(0o755)
+    venv = open_dir / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(interpreter)
+    package = open_dir / "site-packages"
+    package.mkdir()
+    for p in (base, base / "bin", venv.parent, venv, package):
+        p.chmod(0o755)
+    assert doctor.check_install(str(venv / "python"), package).status == doctor.PASS
+
+    base.chmod(0o700)
+    closed = doctor.check_install(str(venv / "python"), package)
+    assert closed.status == doctor.WARN and f"{base} (mode 700)" in closed.detail and str(interpreter) in closed.detail
+    assert "every user may execute" in closed.fix
+    base.chmod(0o755)
+    package.chmod(0o750)
+    assert (
+        f"{package} (mode 750) closes the path to its snowcat package"
+        in doctor.check_install(str(venv / "python"), package).detail
+    )
