@@ -398,17 +398,18 @@ class SlurmExecutor(Executor):
                 self.run.update_stage(unit.key, status=status, slurm=info)
                 if unit.index is not None:
                     self.run.update_stage(node.name, status=status, slurm=info)
-            self._cancel_orphaned_gate(node, rows)
+            if gate := state.get(node.name, {}).get("gate"):
+                self._cancel_orphaned_gate(gate, node, rows)
 
-    def _cancel_orphaned_gate(self, node: StageNode, rows: dict[str, dict]) -> None:
+    def _cancel_orphaned_gate(self, gate: str, node: StageNode, rows: dict[str, dict]) -> None:
         """A stage's gate still held when none of its unfinished units has a job left: nothing will
         release it (a unit that failed in Python cancels it itself; one whose job never started Python,
         e.g. cancelled while pending or failing at exec, cannot), and it would sit in the queue,
         counted against the user's job limits, until `snowcat resume` replaces it."""
-        gate = self.run.record(node.name).get("gate")
+        if rows.get(gate, {}).get("state", "PENDING").split()[0] not in ALIVE:  # (accounting may not list it yet)
+            return
         left = [self.run.record(u.key).get("status") for u in node.units if not self.run.is_done(u)]
-        alive = rows.get(gate, {}).get("state", "PENDING").split()[0] in ALIVE  # (accounting may not list it yet)
-        if gate and alive and left and all(s in ("failed", "cancelled") for s in left):
+        if left and all(s in ("failed", "cancelled") for s in left):
             commands.scancel([gate])
 
     def cancel(self) -> list[str]:
