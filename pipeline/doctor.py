@@ -180,7 +180,7 @@ def check_batch_reader() -> Check:
     return Check("batch_reader", WARN, f"received trajectory batches are checked in {state}", fix)
 
 
-def _closed_to_others(path: str | os.PathLike) -> Path | None:
+def closed_to_others(path: str | os.PathLike) -> Path | None:
     """The first folder on `path` (after links), or the file itself, that other users may not pass
     through or execute; None when they may."""
     real = Path(os.path.realpath(path))
@@ -194,7 +194,7 @@ def check_install(interpreter: str | None = None, package: str | os.PathLike | N
     interpreter = interpreter or sys.executable
     package = package or Path(__file__).resolve().parents[1]  # where `snowcat` is imported from
     for what, path in (("interpreter", interpreter), ("snowcat package", package)):
-        closed = _closed_to_others(path)
+        closed = closed_to_others(path)
         if closed is not None:
             mode = f"{closed.stat().st_mode & 0o777:o}"
             detail = (

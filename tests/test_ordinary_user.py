@@ -13,7 +13,6 @@ import json
 import os
 import pwd
 import shutil
-import stat
 import subprocess
 import sys
 import sysconfig
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from snowcat.pipeline.doctor import closed_to_others
 from snowcat.pipeline.rundir import RunDir
 from snowcat.slurm import cluster
 from tests.test_site_modes import DEMO_DAG
@@ -33,24 +33,17 @@ pytestmark = pytest.mark.cluster
 USER = "nobody"
 
 
-def _anyone_may_run(path: str) -> bool:
-    """Whether any user may execute `path`: the file and every folder above it executable by others
-    (as the kernel checks a job's execve on a node; setpriv's own exec is no test of it)."""
-    real = Path(os.path.realpath(path))
-    return real.is_file() and all(p.stat().st_mode & stat.S_IXOTH for p in (real, *real.parents))
-
-
 def _user_python(home: Path) -> Path:
     """A venv at `home/venv` whose python any user may run, with this checkout's packages: made from
     the first interpreter of this Python's version that anyone may execute (pytest.skip if none)."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     candidates = (sys.executable, f"/usr/bin/python{version}", shutil.which(f"python{version}") or "")
-    base = next((os.path.realpath(c) for c in candidates if c and _anyone_may_run(c)), None)
+    base = next((os.path.realpath(c) for c in candidates if c and os.path.isfile(c) and closed_to_others(c) is None), None)
     if base is None:
         pytest.skip(f"no Python {version} that an ordinary user may run (tried {', '.join(c for c in candidates if c)})")
     site = Path(sysconfig.get_paths()["purelib"])  # this checkout's packages (and its editable install's finder)
     checkout = Path(__file__).resolve().parents[1]
-    if not all(p.stat().st_mode & stat.S_IXOTH for p in (site, *site.parents, checkout, *checkout.parents)):
+    if closed_to_others(site) or closed_to_others(checkout):
         pytest.skip(f"{site} or {checkout} is not open to other users")
     venv = home / "venv"
     subprocess.run([base, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
