@@ -242,3 +242,6 @@ def test_rl_refuses_an_empty_band_saying_what_select_kept_and_why(tmp_path):
         f"{tmp_path / 'select' / 'band.parquet'}: the band is empty (no task of the 8 probed passed 1 to 3 of 4 attempts;"
         " widen select's min_pass/max_pass or probe more tasks): RL has no task to learn from"
     )
+    (tmp_path / "select" / "select.json").write_text("{")  # damaged: the band is still refused, saying so
+    with pytest.raises(UserError, match=r"band.parquet: the band is empty \(select.json unreadable\): RL has no task"):
+        rl.load_pool(ctx, ctx.config)
