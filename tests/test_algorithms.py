@@ -8,6 +8,7 @@ import torch
 from snowcat.pipeline.errors import UserError
 from snowcat.stages.agent import Trajectory
 from snowcat.stages.algorithms import (
+    K3_MAX,
     PolicyLossConfig,
     aggregate,
     compute_advantages,
@@ -176,6 +177,23 @@ def test_kl_k3_and_entropy_bonus():
     close(loss, 0.1 * k3 - 0.01 * 2.0)
     with pytest.raises(UserError, match="logp_ref"):
         policy_loss(logp, logp.detach(), logp.detach(), T([0.0]), torch.ones(1, 1), cfg)
+
+
+def test_a_token_far_below_the_reference_adds_no_kl_gradient():
+    """k3 is exponential in logp_ref - logp: a sampled token at e^-12 under the policy and e^-1 under
+    the reference would otherwise carry a KL gradient of ~2,000 where the others' are ~0.005 and,
+    clipped, be the whole update; one far enough below overflows exp and makes the gradient NaN.
+    Clamped, neither adds anything; the other tokens keep their exact k3 gradient."""
+    logp = T([[-1.0, -12.0, -0.5, -200.0]], requires_grad=True)  # the last: exp(d) overflows float32
+    ref = T([[-1.2, -1.0, -0.4, -1.0]])
+    cfg = PolicyLossConfig(kl_coef=0.1, tis_cap=None)
+    loss, stats = policy_loss(logp, logp.detach(), logp.detach(), T([0.0]), torch.ones(1, 4), cfg, logp_ref=ref)
+    loss.backward()
+    d = [-0.2, 11.0, 0.1]  # ref - logp
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 3] == 0
+    for i in (0, 2):  # d/dlogp of exp(d) - d - 1 is 1 - exp(d); token_mean over 4 tokens
+        close(logp.grad[0, i], 0.1 / 4 * (1 - math.exp(d[i])))
+    close(stats["kl"], (math.exp(d[0]) - d[0] - 1 + K3_MAX + math.exp(d[2]) - d[2] - 1 + K3_MAX) / 4)
 
 
 def test_mismatch_stats_by_hand():

@@ -19,11 +19,20 @@ from snowcat.stages.algorithms.advantages import (
     rloo_n_advantages,
     valid_from_status,
 )
-from snowcat.stages.algorithms.loss import AGGREGATIONS, PolicyLossConfig, aggregate, masked_mean, mismatch_stats, policy_loss
+from snowcat.stages.algorithms.loss import (
+    AGGREGATIONS,
+    K3_MAX,
+    PolicyLossConfig,
+    aggregate,
+    masked_mean,
+    mismatch_stats,
+    policy_loss,
+)
 
 __all__ = [
     "AGGREGATIONS",
     "ESTIMATORS",
+    "K3_MAX",
     "PolicyLossConfig",
     "aggregate",
     "compute_advantages",
