@@ -60,7 +60,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, length_con
     raise UserError(f"unknown loss aggregation {mode!r}; expected one of {', '.join(AGGREGATIONS)}")
 
 
-K3_MAX = 10.0  # per token; a token beyond it adds no KL gradient
+K3_MAX = 10.0  # per token (reached at d = 2.6: the reference 13.6 times likelier); beyond it no KL gradient
 
 
 def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
