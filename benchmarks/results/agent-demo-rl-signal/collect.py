@@ -1,7 +1,8 @@
 """What RL's own per-update metrics say of the agent-demo runs (docs/agents.md, "Why RL has so little
 to work with"): per run, the mean of the first and of the last 5 updates of the training reward,
 the sampling entropy (nats per token), the share of groups without signal and the KL to SFT, and
-the means of every 5 updates in turn.
+the means of every 5 updates in turn; and each update's KL and gradient norm (where one update's KL
+stands out, docs/rl.md on the k3 clamp).
 
     python collect.py NAME=RUN_DIR... > signal.json
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 KEYS = ("reward/mean", "entropy", "groups/no_signal_frac", "loss/kl")
+PER_UPDATE = ("loss/kl", "grad_norm")
 
 
 def mean(rows: list[dict], key: str) -> float:
@@ -31,6 +33,7 @@ def summary(run_dir: Path) -> dict:
             }
             for k in KEYS
         },
+        "per_update": {k: [round(r[k], 4) for r in rows] for k in PER_UPDATE},
     }
 
 
