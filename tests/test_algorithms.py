@@ -195,6 +195,13 @@ def test_a_token_far_below_the_reference_adds_no_kl_gradient():
         close(logp.grad[0, i], 0.1 / 4 * (1 - math.exp(d[i])))
     close(stats["kl"], (math.exp(d[0]) - d[0] - 1 + K3_MAX + math.exp(d[2]) - d[2] - 1 + K3_MAX) / 4)
 
+    # a log-ratio beyond any float either way (the policy at -1e30; a token the reference gives no mass)
+    logp = T([[-1e30, -1.0]], requires_grad=True)
+    ref = T([[-1.0, float("-inf")]])
+    loss, stats = policy_loss(logp, logp.detach(), logp.detach(), T([0.0]), torch.ones(1, 2), cfg, logp_ref=ref)
+    loss.backward()
+    assert stats["kl"] == K3_MAX and torch.equal(logp.grad, torch.zeros(1, 2))
+
 
 def test_mismatch_stats_by_hand():
     d = [0.0, 0.05, -0.2, math.log(3.0), 9.0]  # last token masked out
