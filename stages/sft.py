@@ -40,7 +40,7 @@ from snowcat.pipeline.retention import RetentionPolicy
 from snowcat.pipeline.schema import HF_PREFIX, hub_id
 from snowcat.stages.agent import teacher_messages
 from snowcat.stages.agent.demos import read_demos
-from snowcat.stages.agent.repo_env import takes_detour
+from snowcat.stages.agent.repo_env import picked
 from snowcat.stages.agent.traces import TraceError, import_traces
 from snowcat.stages.config import TEACHER_PREFIX
 from snowcat.stages.config import SftConfig as Config
@@ -78,15 +78,18 @@ def _corrupt(answer: str, alphabet: str, rng) -> str:
     return answer + answer[-1]
 
 
-def teacher_demos(tasks, sandbox: dict | None = None, progress=None, detours: float = 0.0) -> dict[str, list[dict]]:
+def teacher_demos(
+    tasks, sandbox: dict | None = None, progress=None, detours: float = 0.0, explores: float = 0.0
+) -> dict[str, list[dict]]:
     """task id -> the scripted expert's RepoEnv episode, for the repository tasks among `tasks`
     (tool calls in sandboxes: run side by side, bounded by the cores); a `detours` share of them
-    open a wrong file first (`stages.agent.repo_env.teacher_episode`)."""
+    open a wrong file first, an `explores` share read the test module (`stages.agent.repo_env.teacher_episode`)."""
     repo_tasks = [t for t in tasks if t.verifier == "repo"]
     out: dict[str, list[dict]] = {}
 
     def demonstrate(t):
-        return teacher_messages(t, "repo", detour=takes_detour(t, detours), **(sandbox or {}))
+        habits = {"detour": picked(t, detours, "detour"), "explore": picked(t, explores, "explore")}
+        return teacher_messages(t, "repo", **habits, **(sandbox or {}))
 
     with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
         for i, (t, msgs) in enumerate(zip(repo_tasks, pool.map(demonstrate, repo_tasks))):
@@ -102,7 +105,7 @@ DEMOS_FILE = "teacher_demos.json"
 
 
 def shared_teacher_demos(
-    path: Path, tasks, sandbox: dict, rank: int, progress=None, detours: float = 0.0
+    path: Path, tasks, sandbox: dict, rank: int, progress=None, detours: float = 0.0, explores: float = 0.0
 ) -> dict[str, list[dict]]:
     """`teacher_demos` made once for every rank: rank 0 runs the expert (unless an earlier attempt
     of this stage left them for the same tasks and sandbox) and writes `path` atomically; every rank,
@@ -113,8 +116,9 @@ def shared_teacher_demos(
     repo_tasks = [t for t in tasks if t.verifier == "repo"]
     if not repo_tasks:
         return {}
-    # (no detours: the key of files written before there were any, which a resumed stage still finds)
+    # (no detours or explores: the key of files written before there were any, which a resumed stage still finds)
     what = [sandbox, [[t.task_id, t.prompt, t.answer, t.meta] for t in repo_tasks]] + ([detours] if detours else [])
+    what += [{"explore": explores}] if explores else []
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
     def read() -> dict | None:
@@ -126,7 +130,7 @@ def shared_teacher_demos(
 
     if rank == 0 and read() is None:
         # key order kept (no sort_keys): templates render tool schemas and arguments in the order given
-        atomic_write_text(path, json.dumps({"key": key, "demos": teacher_demos(repo_tasks, sandbox, progress, detours)}))
+        atomic_write_text(path, json.dumps({"key": key, "demos": teacher_demos(repo_tasks, sandbox, progress, detours, explores)}))
     while (demos := read()) is None:
         time.sleep(1.0)
     return demos
@@ -331,6 +335,7 @@ def _train(ctx, cfg: Config, rank: int, world_size: int) -> dict:
         rank,
         functools.partial(ctx.progress, unit="demonstrations", phase="teacher"),
         cfg.detour_fraction,
+        cfg.explore_fraction,
     )
 
     # Model + tokenizer: resume > init_from > fresh (seeded) init, which is saved as `initial` (a

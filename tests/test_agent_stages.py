@@ -19,7 +19,7 @@ from snowcat.pipeline.context import StageContext
 from snowcat.pipeline.errors import UserError
 from snowcat.stages import evaluate, probe, rl, sft, tasks
 from snowcat.stages.agent import RepoEnv
-from snowcat.stages.agent.repo_env import takes_detour
+from snowcat.stages.agent.repo_env import picked
 from snowcat.stages.taskgen import generate_domain, load_tasks
 from tests.conftest import write_config
 
@@ -100,7 +100,7 @@ def test_sft_trains_on_expert_episodes_and_traces(trained):
     assert sorted(demos) == sorted(t.task_id for t in train)
     # detour_fraction 0.5: the demonstrations with an untrained wrong view are those of the tasks the share picks
     detoured = {i for i, msgs in demos.items() if any(m.get("train") is False for m in msgs)}
-    assert detoured == {t.task_id for t in train if takes_detour(t, 0.5)} and 0 < len(detoured) < len(train)
+    assert detoured == {t.task_id for t in train if picked(t, 0.5, "detour")} and 0 < len(detoured) < len(train)
     history = [json.loads(line) for line in (sctx.out_dir / "metrics_history.jsonl").read_text().splitlines()]
     assert history and any("loss/swe_mini" in h for h in history)
     bad = StageContext.standalone(

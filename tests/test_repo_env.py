@@ -22,7 +22,7 @@ from snowcat.stages.agent.repo_env import (
     TOOLS,
     ToolCallError,
     parse_tool_call,
-    takes_detour,
+    picked,
     tool_call_message,
     tool_call_text,
     user_message,
@@ -110,7 +110,7 @@ def test_a_detour_demonstration_opens_a_wrong_file_reads_the_error_and_trains_on
     assert teacher_messages(task, "repo", detour=True) == msgs  # reproducible
     # which tasks take one: a share by task id, none at 0 and all at 1
     ids_ = [f"t{i}" for i in range(2000)]
-    shares = [sum(takes_detour(Task(i, "swe_mini", 1, "", "", "repo"), share) for i in ids_) / len(ids_) for share in (0, 0.3, 1)]
+    shares = [sum(picked(Task(i, "swe_mini", 1, "", "", "repo"), share, "detour") for i in ids_) / len(ids_) for share in (0, 0.3, 1)]
     assert shares[0] == 0 and 0.25 < shares[1] < 0.35 and shares[2] == 1
 
 

@@ -17,16 +17,21 @@ def make_env(name: str, tokenizer, **options):
 
 
 def teacher_messages(
-    task, env_name: str, tool_domains: tuple[str, ...] = ("arith",), detour: bool = False, **repo_options
+    task,
+    env_name: str,
+    tool_domains: tuple[str, ...] = ("arith",),
+    detour: bool = False,
+    explore: bool = False,
+    **repo_options,
 ) -> list[dict]:
     """The demonstration of `task` in environment `env_name` as chat messages (for SFT's encode_chat).
     Repository tasks are demonstrated in RepoEnv (made with `repo_options`: the sandbox image and
     observation size must match the rollouts') whatever `env_name` says: they have no other protocol
-    (`detour`: the expert opens a wrong file first, `teacher_episode`)."""
+    (`detour`: the expert opens a wrong file first; `explore`: it reads the test module; `teacher_episode`)."""
     if env_name not in ENVS:
         raise ValueError(f"unknown environment {env_name!r}; expected one of {sorted(ENVS)}")
     if task.verifier == "repo":
-        return teacher_episode(task, RepoEnv(None, **repo_options), detour)
+        return teacher_episode(task, RepoEnv(None, **repo_options), detour, explore)
     if env_name == CalculatorEnv.name and task.domain in tool_domains:
         expr = task.prompt.rstrip().removesuffix("=")
         return [

@@ -351,13 +351,13 @@ def detour_path(task, path: str, base: dict[str, bytes]) -> str | None:
     return None
 
 
-def takes_detour(task, share: float) -> bool:
-    """Whether the expert's demonstration of `task` opens a wrong file first: a `share` of tasks,
-    by their id (the same whatever the order or number of tasks)."""
-    return int(hashlib.sha256(b"detour:" + task.task_id.encode()).hexdigest()[:8], 16) < share * 2**32
+def picked(task, share: float, why: str) -> bool:
+    """Whether `task` is among a `share` of tasks picked for `why` ("detour", "explore"): by the task
+    id, so the same whatever the order or number of tasks, and independently for each `why`."""
+    return int(hashlib.sha256(f"{why}:{task.task_id}".encode()).hexdigest()[:8], 16) < share * 2**32
 
 
-def teacher_episode(task, env: RepoEnv, detour: bool = False) -> list[dict]:
+def teacher_episode(task, env: RepoEnv, detour: bool = False, explore: bool = False) -> list[dict]:
     """The expert's demonstration as chat messages, every observation produced by the real tools:
     run the (visible) tests, view the module, edit, run the tests again, submit. A task with no gold
     patch but a gold script (Harbor's solve.sh, `meta["solution"]`): run the tests, run the script
@@ -367,22 +367,28 @@ def teacher_episode(task, env: RepoEnv, detour: bool = False) -> list[dict]:
     (`detour_path`), reads the tool's answer (what the folder holds) and views the module: the
     recovery is trained, the wrong call is not (`"train": False`), so SFT teaches reading an
     error without teaching the mistake. The agent demo's SFT models fail most episodes on a wrong
-    module name they never recover from (docs/agents.md)."""
+    module name they never recover from (docs/agents.md).
+
+    With `explore`, the expert reads the first visible test module after the first test run, a
+    trained call like the others: harmless in the expert's unbounded context, a few hundred tokens
+    that a student with a small context budget cannot spare (the habit the agent demo's RL unlearns)."""
     state = env.reset(task)
     try:
-        wrong = None
         if not task.answer.strip() and task.meta.get("solution", "").strip():
-            calls = [("test", {}), ("bash", {"command": solution_command(task.meta["solution"])})]
+            calls = [("test", {}, True), ("bash", {"command": solution_command(task.meta["solution"])}, True)]
         else:
             path, old, new = gold_edit(task, state["base"])
-            calls = [("test", {}), ("view", {"path": path}), ("edit", {"path": path, "old": old, "new": new}), ("test", {})]
+            calls = [("test", {}, True)]
+            if explore and state["visible"] and (tests := _test_file(state["visible"][0], set(state["base"]))):
+                calls.append(("view", {"path": tests}, True))
             if detour and (wrong := detour_path(task, path, state["base"])):
-                calls.insert(1, ("view", {"path": wrong}))
+                calls.append(("view", {"path": wrong}, False))  # the detour: context for the recovery, not taught
+            calls += [("view", {"path": path}, True), ("edit", {"path": path, "old": old, "new": new}, True), ("test", {}, True)]
         messages = env.opening(task)
-        for k, (name, args) in enumerate(calls):
+        for name, args, train in calls:
             messages.append(tool_call_message(name, args))
-            if wrong and k == 1:
-                messages[-1]["train"] = False  # the detour: context for the recovery, not taught
+            if not train:
+                messages[-1]["train"] = False
             messages.append({"role": "tool", "content": env.run_tool(state, name, args)})
         step = env.submit(task, state)
         if step.reward != 1.0:
