@@ -130,7 +130,9 @@ def shared_teacher_demos(
 
     if rank == 0 and read() is None:
         # key order kept (no sort_keys): templates render tool schemas and arguments in the order given
-        atomic_write_text(path, json.dumps({"key": key, "demos": teacher_demos(repo_tasks, sandbox, progress, detours, explores)}))
+        atomic_write_text(
+            path, json.dumps({"key": key, "demos": teacher_demos(repo_tasks, sandbox, progress, detours, explores)})
+        )
     while (demos := read()) is None:
         time.sleep(1.0)
     return demos

@@ -82,6 +82,7 @@ def trained(tmp_path_factory):
         "threads": 1,
         "relay_fraction": 0.5,
         "detour_fraction": 0.5,
+        "explore_fraction": 0.5,
         "sandbox": SANDBOX,
         "traces": [str(root / "traces.jsonl")],
     }
@@ -101,6 +102,9 @@ def test_sft_trains_on_expert_episodes_and_traces(trained):
     # detour_fraction 0.5: the demonstrations with an untrained wrong view are those of the tasks the share picks
     detoured = {i for i, msgs in demos.items() if any(m.get("train") is False for m in msgs)}
     assert detoured == {t.task_id for t in train if picked(t, 0.5, "detour")} and 0 < len(detoured) < len(train)
+    # explore_fraction 0.5, picked apart from the detours: those that view a test module, trained
+    explored = {i for i, msgs in demos.items() if any('"tests/' in json.dumps(m.get("tool_calls")) for m in msgs)}
+    assert explored == {t.task_id for t in train if picked(t, 0.5, "explore")} and 0 < len(explored) < len(train)
     history = [json.loads(line) for line in (sctx.out_dir / "metrics_history.jsonl").read_text().splitlines()]
     assert history and any("loss/swe_mini" in h for h in history)
     bad = StageContext.standalone(
@@ -223,6 +227,8 @@ def test_demonstrations_are_made_once_and_shared_by_every_rank(tmp_path, monkeyp
         sft.shared_teacher_demos(path, train, {**SANDBOX, "observation_chars": 400}, rank=0)
     with pytest.raises(pytest.fail.Exception):  # so does another share of detours
         sft.shared_teacher_demos(path, train, SANDBOX, rank=0, detours=0.5)
+    with pytest.raises(pytest.fail.Exception):  # or of explores
+        sft.shared_teacher_demos(path, train, SANDBOX, rank=0, explores=0.5)
     arith = generate_domain(np.random.default_rng(4), "arith", [2], 3)
     assert sft.shared_teacher_demos(tmp_path / "none.json", arith, SANDBOX, rank=1) == {}
     assert not (tmp_path / "none.json").exists()

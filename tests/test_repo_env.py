@@ -110,8 +110,37 @@ def test_a_detour_demonstration_opens_a_wrong_file_reads_the_error_and_trains_on
     assert teacher_messages(task, "repo", detour=True) == msgs  # reproducible
     # which tasks take one: a share by task id, none at 0 and all at 1
     ids_ = [f"t{i}" for i in range(2000)]
-    shares = [sum(picked(Task(i, "swe_mini", 1, "", "", "repo"), share, "detour") for i in ids_) / len(ids_) for share in (0, 0.3, 1)]
+    shares = [
+        sum(picked(Task(i, "swe_mini", 1, "", "", "repo"), share, "detour") for i in ids_) / len(ids_) for share in (0, 0.3, 1)
+    ]
     assert shares[0] == 0 and 0.25 < shares[1] < 0.35 and shares[2] == 1
+
+
+def test_an_exploring_demonstration_reads_the_test_module_after_the_first_run_and_trains_it(world):
+    tasks, demos, tok = world
+    task, plain = tasks[0], demos[0]
+    msgs = teacher_messages(task, "repo", explore=True)
+    # the plain episode with two messages more, after the first test run: a view of the test module and its text
+    assert msgs[:4] + msgs[6:] == plain
+    call, text = msgs[4:6]
+    name, args = parse_tool_call(message_text(call))
+    test_module = f"tests/test_{task.meta['module'].rsplit('/', 1)[1]}"
+    assert (name, args["path"]) == ("view", test_module) and "import unittest" in text["content"]
+    assert all(m.get("train", True) for m in msgs)  # the habit is taught, as the teacher had it
+    ids, mask = tok.encode_chat(msgs)
+    assert sum(mask) > sum(tok.encode_chat(plain)[1])
+    assert teacher_messages(task, "repo", explore=True) == msgs  # reproducible
+    # both habits: the test module first, then the wrong file, then the module
+    both = teacher_messages(task, "repo", explore=True, detour=True)
+    assert [parse_tool_call(message_text(m))[1].get("path") for m in both if m["role"] == "assistant"][1:4] == [
+        test_module,
+        parse_tool_call(message_text(teacher_messages(task, "repo", detour=True)[4]))[1]["path"],
+        task.meta["module"],
+    ]
+    # the two shares pick apart: as many tasks explore among the detoured as among the rest
+    group = [Task(f"t{i}", "swe_mini", 1, "", "", "repo") for i in range(4000)]
+    detoured = [t for t in group if picked(t, 0.5, "detour")]
+    assert 0.45 < sum(picked(t, 0.5, "explore") for t in detoured) / len(detoured) < 0.55
 
 
 def test_the_tool_table_is_one_place():
