@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     print("\n== the 25 slowest tests ==")
     for nodeid, (tier, s) in slowest[:25]:
         print(f"  {s:>7.1f} s  {tier:<7}  {nodeid}")
-    print("\n== the 10 slowest of the unit tier (no budget checks it: a slow one belongs in `slow`, which tests/durations.json accounts for) ==")
+    print("\n== the 10 slowest of the unit tier (no budget checks it: a slow one belongs in `slow`) ==")
     for nodeid, (_, s) in [kv for kv in slowest if kv[1][0] == "unit"][:10]:
         print(f"  {s:>7.1f} s  {nodeid}")
     return 0
