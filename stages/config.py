@@ -452,8 +452,8 @@ class SftConfig(Parallelism):
     # the share of repository tasks whose expert demonstration first views a file that is not there,
     # then the module the error's listing names (the wrong call untrained): teaches reading a tool error
     detour_fraction: float = bounded(0.0, ge=0, le=1)
-    # the share whose expert, after the first test run, also reads the failing test module (trained):
-    # affordable in the expert's context, not in a small student's (the agent demo's RL unlearns it)
+    # the share demonstrated a second time, the expert then also reading the failing test module after the
+    # first test run (trained): affordable in its context, not in a small student's (the agent demo's RL unlearns it)
     explore_fraction: float = bounded(0.0, ge=0, le=1)
     # a domain's demonstrations repeated per epoch (data mixing; absent domains: 1). In the demo,
     # arith x3 gave greedy pass@1 arith 0.76 / closure 0.68; x1 gave 0.53 / 0.84.

@@ -83,17 +83,23 @@ def teacher_demos(
 ) -> dict[str, list[dict]]:
     """task id -> the scripted expert's RepoEnv episode, for the repository tasks among `tasks`
     (tool calls in sandboxes: run side by side, bounded by the cores); a `detours` share of them
-    open a wrong file first, an `explores` share read the test module (`stages.agent.repo_env.teacher_episode`)."""
+    open a wrong file first. An `explores` share of the tasks is demonstrated a second time, under
+    task id + `EXPLORING`, the expert reading the test module too (`stages.agent.repo_env.teacher_episode`):
+    both ways for one task, so that the habit is a coin the student tosses, not a property of the task
+    it could learn by heart."""
     repo_tasks = [t for t in tasks if t.verifier == "repo"]
     out: dict[str, list[dict]] = {}
 
-    def demonstrate(t):
-        habits = {"detour": picked(t, detours, "detour"), "explore": picked(t, explores, "explore")}
-        return teacher_messages(t, "repo", **habits, **(sandbox or {}))
+    def demonstrate(t) -> dict[str, list[dict]]:
+        options = {"detour": picked(t, detours, "detour"), **(sandbox or {})}
+        demos = {t.task_id: teacher_messages(t, "repo", **options)}
+        if picked(t, explores, "explore"):
+            demos[t.task_id + EXPLORING] = teacher_messages(t, "repo", explore=True, **options)
+        return demos
 
     with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-        for i, (t, msgs) in enumerate(zip(repo_tasks, pool.map(demonstrate, repo_tasks))):
-            out[t.task_id] = msgs
+        for i, demos in enumerate(pool.map(demonstrate, repo_tasks)):
+            out.update(demos)
             if progress is not None and ((i + 1) % 50 == 0 or i + 1 == len(repo_tasks)):
                 progress(i + 1, len(repo_tasks))
     if repo_tasks:  # said once per run of the expert: a multi-rank stage must say it once
@@ -102,6 +108,7 @@ def teacher_demos(
 
 
 DEMOS_FILE = "teacher_demos.json"
+EXPLORING = "#explore"  # the key suffix of a task's exploring demonstration (explore_fraction)
 
 
 def shared_teacher_demos(
@@ -149,6 +156,7 @@ def build_conversations(tasks, relay_fraction: float, seed: int, demos: dict | N
     rng = np.random.default_rng([seed, 1])
     demos = demos or {}
     convs = [(demos[t.task_id] if t.task_id in demos else t.messages(), t.domain) for t in tasks]
+    convs += [(demos[t.task_id + EXPLORING], t.domain) for t in tasks if t.task_id + EXPLORING in demos]
     tasks = [t for t in tasks if t.task_id not in demos]  # Relay: single-answer tasks only
     alphabets: dict[str, str] = {}
     for t in tasks:
