@@ -95,16 +95,19 @@ def trained(tmp_path_factory):
 def test_sft_trains_on_expert_episodes_and_traces(trained):
     root, tctx, sctx, metrics = trained
     train = load_tasks(tctx.out_dir, "train")
-    # every repository task once (no Relay variant for them), plus the imported trace
-    assert metrics["num_examples"] == len(train) + 1
     demos = json.loads((sctx.out_dir / sft.DEMOS_FILE).read_text())["demos"]
-    assert sorted(demos) == sorted(t.task_id for t in train)
+    # explore_fraction 0.5, picked apart from the detours: those tasks demonstrated a second time, viewing a
+    # test module (trained), under their own key
+    explored = {i for i, msgs in demos.items() if any('"tests/' in json.dumps(m.get("tool_calls")) for m in msgs)}
+    picked_ids = {t.task_id for t in train if picked(t, 0.5, "explore")}
+    assert explored == {i + sft.EXPLORING for i in picked_ids} and 0 < len(picked_ids) < len(train)
+    assert sorted(demos) == sorted([t.task_id for t in train] + list(explored))
+    # every repository task once and the picked ones twice (no Relay variant for them), plus the imported trace
+    assert metrics["num_examples"] == len(train) + len(explored) + 1
     # detour_fraction 0.5: the demonstrations with an untrained wrong view are those of the tasks the share picks
     detoured = {i for i, msgs in demos.items() if any(m.get("train") is False for m in msgs)}
-    assert detoured == {t.task_id for t in train if picked(t, 0.5, "detour")} and 0 < len(detoured) < len(train)
-    # explore_fraction 0.5, picked apart from the detours: those that view a test module, trained
-    explored = {i for i, msgs in demos.items() if any('"tests/' in json.dumps(m.get("tool_calls")) for m in msgs)}
-    assert explored == {t.task_id for t in train if picked(t, 0.5, "explore")} and 0 < len(explored) < len(train)
+    want = {t.task_id for t in train if picked(t, 0.5, "detour")}
+    assert detoured == want | {i + sft.EXPLORING for i in want & picked_ids} and 0 < len(want) < len(train)
     history = [json.loads(line) for line in (sctx.out_dir / "metrics_history.jsonl").read_text().splitlines()]
     assert history and any("loss/swe_mini" in h for h in history)
     bad = StageContext.standalone(
