@@ -359,8 +359,10 @@ def test_scan_data_counts_demonstrations_by_source(tmp_path, tasks, capsys):
     for stage in ("s2", "teach"):
         run.unit_dir(Unit(stage)).mkdir(parents=True, exist_ok=True)
     expert = [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": f"Known: {RULE}."}]
+    # the task's second, exploring demonstration (explore_fraction) is one more the SFT unit trained on
+    exploring = [expert[0], {"role": "assistant", "content": "view tests/test_core.py"}, *expert[1:]]
     (run.unit_dir(Unit("s2")) / scan_data.SFT_DEMOS_FILE).write_text(
-        json.dumps({"key": "k", "demos": {tasks[0].task_id: expert}})
+        json.dumps({"key": "k", "demos": {tasks[0].task_id: expert, tasks[0].task_id + scan_data.SFT_EXPLORING: exploring}})
     )
     conversation = [{"role": "user", "content": RULE}, {"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "bash", "arguments": {"command": "echo 'serial type 7 is an eight-byte IEEE double'"}}}]}]  # fmt: skip
@@ -374,17 +376,20 @@ def test_scan_data_counts_demonstrations_by_source(tmp_path, tasks, capsys):
     sources = report["units"]["s2"]["sources"]
     # tasks: the expert's episode of the repository task says it, the arith worked solutions do not
     assert {k: (s["matched"], s["demonstrations"], s["weight"]) for k, s in sources.items()} == {
-        "tasks": (1, 3, 1.0),
+        "tasks": (2, 4, 1.0),
         "traces": (1, 2, 0.5),  # its tool call says it (the user turn that says it too is not trained on)
         "teacher:teach": (0, 2, 2.0),  # d1's user turn says it, no assistant turn does
     }
-    assert sources["tasks"]["examples"] == [{"id": tasks[0].task_id, "excerpt": f"Known: {RULE}."}]
+    assert [e["id"] for e in sources["tasks"]["examples"]] == [tasks[0].task_id, tasks[0].task_id + "#explore"]
+    assert sources["tasks"]["examples"][0]["excerpt"] == f"Known: {RULE}."
     assert sources["traces"]["examples"][0]["id"] == f"{traces}#0"
     notes = report["units"]["s2"]["notes"]
     assert any(str(missing) in n and "not found" in n for n in notes) and any("Relay" in n for n in notes)
 
     assert cli.main(["scan-data", str(run.path), "--grep", r"\d[+-]\d+=", "--stage", "s2"]) == 0
-    assert "| tasks | 1 | 2 / 3 | 0.667 |" in capsys.readouterr().out  # the arith worked solutions
+    assert "| tasks | 1 | 2 / 4 | 0.500 |" in capsys.readouterr().out  # the arith worked solutions
+    assert cli.main(["scan-data", str(run.path), "--grep", r"view tests/", "--stage", "s2"]) == 0
+    assert "| tasks | 1 | 1 / 4 | 0.250 |" in capsys.readouterr().out  # the exploring demonstration alone
 
     for args, message in (
         (["--grep", "[unclosed"], "--grep '[unclosed': not a valid regular expression"),
@@ -397,10 +402,11 @@ def test_scan_data_counts_demonstrations_by_source(tmp_path, tasks, capsys):
 
 
 def test_the_sft_demonstrations_file_is_the_one_sft_writes():
-    """scan-data names the file stages/sft.py writes (the CLI may not import a stage kind; read, not imported: torch)."""
+    """scan-data names the file (and the exploring demonstrations' key suffix) stages/sft.py writes (the CLI may not import a stage kind; read, not imported: torch)."""
     tree = ast.parse((Path(sft_module.__file__).parent / "sft.py").read_text())
-    values = [n.value.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "DEMOS_FILE"]
-    assert values == [scan_data.SFT_DEMOS_FILE]
+    for name, here in (("DEMOS_FILE", scan_data.SFT_DEMOS_FILE), ("EXPLORING", scan_data.SFT_EXPLORING)):
+        values = [n.value.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == name]
+        assert values == [here], name
 
 
 def test_records_keep_the_trajectory_order(tmp_path, tok, tasks):

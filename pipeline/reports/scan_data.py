@@ -4,8 +4,8 @@ training data: how many of each SFT unit's demonstrations show a pattern, by sou
 SFT does not keep its demonstrations' text in the run directory, so they are read back from where
 SFT read them (stages/sft.py, `_train`), per source of the unit's `mix` with a weight > 0:
     tasks            the tasks stage's train split: a repository task's demonstration is the scripted
-                     expert's episode the SFT unit kept (`teacher_demos.json`), any other task's its
-                     worked solution (`Task.messages()`)
+                     expert's episode the SFT unit kept (`teacher_demos.json`; with `explore_fraction`,
+                     a second one for some tasks), any other task's its worked solution (`Task.messages()`)
     traces           each file of the unit's `traces`, as it is now (SFT keeps no copy: a file changed
                      or moved since is read as it is, or reported missing)
     teacher:<stage>  the teacher stage's `demos.jsonl` (stages/agent/demos.py `read_demos`)
@@ -37,8 +37,9 @@ from snowcat.stages.tokenizer import message_text
 from .compare import compile_pattern
 
 EXAMPLES = 3
-# stages/sft.py `DEMOS_FILE`, named here because the CLI may not import a stage kind (tested equal)
+# stages/sft.py `DEMOS_FILE` and `EXPLORING`, named here because the CLI may not import a stage kind (tested equal)
 SFT_DEMOS_FILE = "teacher_demos.json"
+SFT_EXPLORING = "#explore"
 
 
 @dataclass
@@ -68,6 +69,8 @@ def task_demonstrations(run: RunDir, unit_dir: Path, cfg) -> tuple[list[Demonstr
             missing += 1
             continue
         out.append(Demonstration("tasks", t.task_id, trained_text(messages)))
+        if (second := t.task_id + SFT_EXPLORING) in expert:  # the task's exploring demonstration (explore_fraction)
+            out.append(Demonstration("tasks", second, trained_text(expert[second])))
     notes = [f"tasks: {missing} repository task(s) without the expert's episode in {expert_file}"] if missing else []
     return out, notes
 
