@@ -9,6 +9,7 @@ descriptor level covers prints, C extensions and child processes alike.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import select
 import sys
@@ -28,6 +29,9 @@ def scrubbed_output() -> Iterator[None]:
     for fd in (1, 2):
         os.dup2(write_end, fd)
     os.close(write_end)
+    # A crash in C (a segfault in MPI or torch) kills the pump with the process: its Python stack
+    # goes straight to the original stderr (file names and lines, nothing to scrub).
+    faulthandler.enable(file=saved[2])
 
     done = threading.Event()
 
@@ -59,6 +63,7 @@ def scrubbed_output() -> Iterator[None]:
         sys.stderr.flush()
         for fd in (1, 2):
             os.dup2(saved[fd], fd)  # our write ends are closed; everything we wrote is in the pipe
+        faulthandler.enable()  # back on fd 2, before saved[2] is closed
         done.set()
         thread.join()
         os.close(read_end)

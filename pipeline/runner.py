@@ -8,6 +8,7 @@ outcome; a done unit whose outputs still verify is skipped, so re-running is alw
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import random
 import sys
@@ -118,6 +119,8 @@ def seed_global_generators(seed: int) -> None:
 def run_unit(run_dir: str | Path, stage: str, index: int | None = None, lock_wait_s: float = 0) -> int:
     """Run one unit; `lock_wait_s` > 0 waits that long for another runner of the unit to exit (a
     scheduler job whose predecessor is still being killed) instead of refusing at once (by hand)."""
+    if not faulthandler.is_enabled():  # a rank that dies in C code (MPI, torch) leaves its Python stack in its log
+        faulthandler.enable()
     run = RunDir.open(run_dir)
     cfg = run.config()
     dag = build(cfg)

@@ -1,6 +1,7 @@
 """Planted credentials never survive scrubbing, and the tree scan finds them wherever they hide."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,30 @@ def test_scrubbed_output_does_not_wait_for_children_and_keeps_the_last_line(tmp_
     assert secret not in proc.stdout
     assert proc.stdout.endswith("last line, no newline")
     assert proc.stdout.startswith("secret is ")
+
+
+_CRASHES_IN_C = """
+import ctypes
+from snowcat.pipeline.logscrub import scrubbed_output
+
+def dies_in_c_code():
+    ctypes.string_at(0)  # a segfault, as in MPI_Init or a torch kernel
+
+with scrubbed_output():
+    print("before the crash", flush=True)
+    dies_in_c_code()
+"""
+
+
+def test_a_crash_in_c_code_leaves_its_python_stack_in_the_log(tmp_path):
+    """The pump thread dies with the process: the crash's Python stack must not go through it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASHES_IN_C],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in proc.stderr
+    assert "in dies_in_c_code" in proc.stderr

@@ -367,7 +367,7 @@ def _why(run_dir: Path, stage: str) -> str:
     """What a failed stage left to read: its recorded error and the end of each of its job logs."""
     lines = [f"error: {RunDir(run_dir).state()['stages'].get(stage, {}).get('error')}"]
     for log in sorted((run_dir / "slurm" / stage).glob("*_log.*")):
-        lines += [f"--- {log.name}", *log.read_text(errors="replace").splitlines()[-8:]]
+        lines += [f"--- {log.name}", *log.read_text(errors="replace").splitlines()[-30:]]
     return "\n".join(lines)
 
 
