@@ -203,6 +203,29 @@ def test_a_token_far_below_the_reference_adds_no_kl_gradient():
     assert stats["kl"] == K3_MAX and torch.equal(logp.grad, torch.zeros(1, 2))
 
 
+def test_a_masked_out_token_at_minus_infinity_changes_neither_loss_nor_gradient():
+    """Padding, a teacher's row or an infra failure may carry logp = -inf (a token outside a kept
+    support): multiplied by its zero mask, exp(-inf - -inf) made the loss and every gradient NaN."""
+    cfg = PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0)
+    adv, mask = T([1.0, -0.5]), T([[1.0, 0.0], [1.0, 1.0]])
+    results = []
+    for masked in (-0.7, float("-inf")):
+        logp = T([[-1.0, masked], [-0.5, -2.0]], requires_grad=True)
+        rollout, ref, ent = (
+            T([[-1.1, masked], [-0.4, -2.0]]),
+            T([[-1.2, masked], [-0.6, -1.5]]),
+            T([[1.0, float("nan")], [0.5, 0.2]]),
+        )
+        loss, stats = policy_loss(logp, logp.detach(), rollout, adv, mask, cfg, logp_ref=ref, entropy=ent)
+        loss.backward()
+        results.append((loss.detach(), logp.grad, stats))
+    (loss_a, grad_a, stats_a), (loss_b, grad_b, stats_b) = results
+    assert torch.isfinite(loss_b) and torch.isfinite(grad_b).all()
+    close(loss_b, loss_a)
+    close(grad_b, grad_a)
+    assert grad_b[0, 1] == 0 and stats_b == pytest.approx(stats_a)
+
+
 def test_mismatch_stats_by_hand():
     d = [0.0, 0.05, -0.2, math.log(3.0), 9.0]  # last token masked out
     train = T([d], dtype=torch.float64)

@@ -25,6 +25,7 @@ from snowcat.stages.train import (
     save_checkpoint,
     step_name,
 )
+from snowcat.stages.train.backend import NonFiniteGradient
 from snowcat.stages.train.loss import sft_loss
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,6 +93,30 @@ def test_gradient_accumulation_does_not_change_the_update():
     for a, b in zip(one.parameters(), two.parameters()):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
     assert l1 == pytest.approx(l2, rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_step_with_a_non_finite_gradient_is_refused_and_changes_no_weight(bad):
+    """One NaN would pass clipping and the optimizer into every weight and every later checkpoint:
+    the step stops before the optimizer runs, naming the step and its loss."""
+    torch.manual_seed(0)
+    model = MoEForCausalLM(MICRO)
+    backend = make_backend("torch", model, OptimConfig(lr=1e-2, warmup_steps=0, total_steps=3, grad_clip=1.0))
+    loader = PackedLoader(toy_examples(), seq_len=32, pad_id=0, batch_rows=4, seed=0)
+    backend.train_step(loader.next(), sft_loss)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v.clone() for k, v in backend.optimizer.state_dict()["state"][0].items()}
+
+    def poisoned(model, batch, n_tokens, n_micro):
+        loss, stats = sft_loss(model, batch, n_tokens, n_micro)
+        return loss * bad, stats
+
+    with pytest.raises(
+        NonFiniteGradient, match=r"step 2: gradient norm (nan|inf) .*weights and the last checkpoint are those of step 1"
+    ):
+        backend.train_step(loader.next(), poisoned)
+    assert backend.step == 1 and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, moments[k]) for k, v in backend.optimizer.state_dict()["state"][0].items())
 
 
 def test_loader_resumes_at_the_same_batch():

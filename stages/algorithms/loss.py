@@ -89,6 +89,13 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss (to minimise) and its diagnostics. Tensors are [batch, tokens]; advantages [batch]."""
+    # A masked-out token (padding, a teacher's row, an infra failure) may carry any logprob, -inf
+    # included: zeroed first, it puts no NaN into the loss nor, through exp, into the gradient.
+    keep = mask > 0
+    logp, logp_old, logp_rollout, logp_ref, entropy = (
+        None if x is None else torch.where(keep, x, torch.zeros_like(x))
+        for x in (logp, logp_old, logp_rollout, logp_ref, entropy)
+    )
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     ratio = torch.exp(logp - logp_old)

@@ -29,6 +29,7 @@ rank, as their ranks hold it whole anyway.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -185,6 +186,25 @@ def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class NonFiniteGradient(RuntimeError):
+    """A step's gradient norm is NaN or infinite: the step is refused before the optimizer runs."""
+
+
+def refuse_nonfinite(step: int, grad_norm, stats: dict) -> None:
+    """Stop before the optimizer steps on a NaN or infinite gradient: clipping scales by the norm and
+    does not remove a NaN, so one such step writes NaN into every weight, silently, and every later
+    checkpoint carries it. The norm is global (every rank computed the same), so every rank stops here
+    together. The weights, the optimizer and the last checkpoint stay those before this step."""
+    norm = float(grad_norm)
+    if math.isfinite(norm):
+        return
+    losses = ", ".join(f"{k}={float(v):.4g}" for k, v in stats.items() if "loss" in k and not isinstance(v, dict))
+    raise NonFiniteGradient(
+        f"step {step}: gradient norm {norm} ({losses or 'no loss reported'}); the optimizer did not step, "
+        f"the weights and the last checkpoint are those of step {step - 1}"
+    )
+
+
 def _merge_stats(acc: dict, s: dict) -> None:
     for k, v in s.items():
         if isinstance(v, dict):
@@ -265,6 +285,7 @@ class TorchBackend:
             self._backward(loss)
             _merge_stats(acc, stats)
         grad_norm = self._clip()
+        refuse_nonfinite(self.step + 1, grad_norm, acc)
         self._optimizer_step()
         self.step += 1
         tokens = float(acc.pop("tokens"))

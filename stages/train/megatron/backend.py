@@ -35,7 +35,7 @@ from snowcat.stages.model.io import hf_state_dict, open_model_dir
 from snowcat.stages.model.layout import Layout
 
 from .. import canonical
-from ..backend import StepStats, _merge_stats, world
+from ..backend import StepStats, _merge_stats, refuse_nonfinite, world
 from ..optim import OptimConfig, build_optimizer, lr_factor
 from ..precision import FP32
 from ..rendezvous import init_process_group, rendezvous
@@ -156,6 +156,7 @@ class MegatronBackend:
         self._schedule(self.model, forward_step, batches, micro_batches, forward_only=False)
         self._reduce_grads()
         grad_norm = self._clip()
+        refuse_nonfinite(self.step + 1, grad_norm, acc)  # (acc: only the last pipeline stage's losses)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
