@@ -234,7 +234,7 @@ with scrubbed_output():
 """
 
 
-def test_a_crash_in_c_code_leaves_its_python_stack_in_the_log(tmp_path):
+def test_a_crash_in_c_code_leaves_its_python_stack_in_the_log():
     """The pump thread dies with the process: the crash's Python stack must not go through it."""
     proc = subprocess.run(
         [sys.executable, "-c", _CRASHES_IN_C],
